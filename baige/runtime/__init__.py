@@ -1,0 +1,1 @@
+"""The model runtime: config, model, loading, tokenization, sampling and generation."""

