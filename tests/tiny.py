@@ -20,7 +20,7 @@ BASE = dict(
 VARIANTS = {
     "llama": dict(model_type="llama", tie_word_embeddings=False),
     "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
-    "llama3-rope": dict(
+    "llama-llama3-rope": dict(
         model_type="llama",
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=32),

@@ -124,7 +124,7 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
             w = _unpermute(w, cfg["num_attention_heads"])
         elif unpermute and name.endswith("k_proj.weight"):
             w = _unpermute(w, cfg["num_key_value_heads"])
-        out[name] = torch.from_numpy(np.ascontiguousarray(w))
+        out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
     return out
 
 

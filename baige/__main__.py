@@ -1,0 +1,3 @@
+from baige.cli import main
+
+main()

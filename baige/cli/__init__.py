@@ -1,0 +1,21 @@
+"""``baige`` command line. Command modules stay thin: parse -> config dataclass -> runtime call."""
+
+from __future__ import annotations
+
+import sys
+
+from baige.cli.app import app
+from baige.cli import convert, generate  # noqa: F401  (modules register their commands)
+from baige.errors import BaigeError
+
+
+def main() -> None:
+    """Console-script entry point: user errors print one line and exit 1; Ctrl-C exits 130."""
+    try:
+        app()
+    except BaigeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,17 @@
+"""The Typer application every command module registers on."""
+
+import typer
+
+app = typer.Typer(
+    name="baige",
+    help="Train, serve, quantize and benchmark Llama-family LLMs from Hugging Face checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+MODEL_HELP = (
+    "Model: a local HF directory, a .gguf file, a built-in alias (smollm2-135m-instruct) "
+    "or an HF repo id. Default: the embedded smollm2-135m-instruct."
+)
