@@ -46,17 +46,17 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0
 ) -> torch.Tensor:
     T, S = q.shape[1], k.shape[1]
-    n_rep = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2)  # (B, H, T, D)
-    kh = k.transpose(1, 2).repeat_interleave(n_rep, dim=1)  # (B, H, S, D)
-    vh = v.transpose(1, 2).repeat_interleave(n_rep, dim=1)  # (B, H, S, Dv)
-    if T == 1 and q_offset == S - 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)  # one query sees every key
+    kh = k.transpose(1, 2)  # (B, Hkv, S, D); SDPA broadcasts the KV heads over query groups
+    vh = v.transpose(1, 2)  # (B, Hkv, S, Dv)
+    gqa = q.shape[2] != k.shape[2]
+    if T == 1 and q_offset == S - 1:  # one query sees every key
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=gqa)
     elif q_offset == 0 and T == S:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # Query i sits at absolute position q_offset + i and sees keys 0..q_offset + i.
         qpos = torch.arange(T, device=q.device) + q_offset
         mask = torch.arange(S, device=q.device)[None, :] <= qpos[:, None]  # (T, S)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)  # (B, T, H, Dv)
