@@ -1,3 +1,18 @@
 """baige: train, serve, quantize and benchmark Llama-family LLMs from Hugging Face checkpoints."""
 
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import baige` stays light (no torch) until the offline API is used.
+    if name == "LLM":
+        from baige.runtime.engine import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from baige.runtime.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'baige' has no attribute {name!r}")

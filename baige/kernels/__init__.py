@@ -10,7 +10,10 @@ import torch
 
 from baige.kernels import reference
 
-__all__ = ["rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention"]
+__all__ = [
+    "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention",
+    "store_kv", "paged_decode_attention", "paged_prefill_attention",
+]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,3 +88,77 @@ def attention(
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
     return reference.attention(q, k, v, scale, q_offset)
+
+
+# ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
+# A layer's cache is (num_blocks, block_size, n_kv_heads, head_dim); token slot s lives at
+# [s // block_size, s % block_size]. A block table row lists a sequence's blocks in order.
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new tokens' K/V into their cache slots, in place.
+
+    Args:
+        k, v: (N, n_kv_heads, head_dim), the cache's dtype.
+        k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim), contiguous.
+        slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct.
+    """
+    reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its cached K/V (decode), grouped-query heads.
+
+    The query's own K/V must already be stored; it attends to the first ``context_lens[i]`` cached
+    tokens of sequence ``i``. Shapes are fixed by the padding of ``block_tables``, so one compiled
+    graph (or CUDA graph) serves every decode step of a given batch and table width.
+
+    Args:
+        q: (S, n_heads, head_dim).
+        k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim).
+        block_tables: (S, W) int64 block ids; entries past a sequence's blocks must be valid ids
+            (any block: they are masked).
+        context_lens: (S,) int64 tokens in the cache per sequence, 1 <= context_lens <= W * block_size.
+        scale: softmax scale.
+    Returns:
+        (S, n_heads, head_dim) in the dtype of ``q``.
+    """
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks over their cached prefix plus themselves (chunked prefill,
+    prefix caching), grouped-query heads, sequences packed without padding.
+
+    Sequence ``i`` has queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`` (its last ``T_i`` tokens, whose
+    K/V are already stored) and ``context_lens[i]`` tokens in the cache; query ``j`` sits at position
+    ``context_lens[i] - T_i + j`` and sees keys ``0..`` that position.
+
+    Args:
+        q: (N, n_heads, head_dim), N = total query tokens.
+        k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim).
+        block_tables: (P, W) int64 block ids per sequence.
+        cu_seqlens_q: (P + 1,) int64 cumulative query counts, starting at 0.
+        context_lens: (P,) int64 cached tokens per sequence, the new ones included.
+        scale: softmax scale.
+    Returns:
+        (N, n_heads, head_dim) in the dtype of ``q``.
+    """
+    return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

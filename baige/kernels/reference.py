@@ -60,3 +60,60 @@ def attention(
         mask = torch.arange(S, device=q.device)[None, :] <= qpos[:, None]  # (T, S)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)  # (B, T, H, Dv)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    Hkv, D = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k)  # slot = block * block_size + offset
+    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, v)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    S, H, D = q.shape
+    W = block_tables.shape[1]
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    L = W * block_size
+    k = k_cache[block_tables].view(S, L, Hkv, D)  # (S, W * block_size, Hkv, D), gathered blocks
+    v = v_cache[block_tables].view(S, L, Hkv, D)
+    mask = torch.arange(L, device=q.device)[None, :] < context_lens[:, None]  # (S, L)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],  # (S, H, 1, D)
+        k.transpose(1, 2),  # (S, Hkv, L, D)
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],  # (S, 1, 1, L)
+        scale=scale,
+        enable_gqa=True,
+    )  # (S, H, 1, D)
+    return out.view(S, H, D)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for i, ctx in enumerate(ctx_lens):
+        start, end = cu[i], cu[i + 1]
+        n_blocks = -(-ctx // block_size)
+        table = block_tables[i, :n_blocks]
+        k = k_cache[table].view(-1, Hkv, D)[:ctx]  # (ctx, Hkv, D)
+        v = v_cache[table].view(-1, Hkv, D)[:ctx]
+        out[start:end] = attention(q[None, start:end], k[None], v[None], scale, q_offset=ctx - (end - start))[0]
+    return out

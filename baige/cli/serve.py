@@ -1,0 +1,56 @@
+"""``baige serve``: the OpenAI-compatible HTTP server (paged KV cache, continuous batching)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Optional
+
+import typer
+
+from baige.cli.app import MODEL_HELP, app
+from baige.cli.generate import Device, DType
+
+
+@app.command()
+def serve(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model name clients send (default: --model).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="BAIGE_API_KEY",
+                                                   help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(min=2, help="Context limit in tokens (prompt + output). "
+                                                         "Default: the model's max_position_embeddings.")] = None,
+    dtype: Annotated[DType, typer.Option(help="Weights and KV-cache dtype; auto = the checkpoint's.")] = DType.auto,
+    device: Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")] = Device.auto,
+    seed: Annotated[int, typer.Option(help="Seed of the RNG that requests without a seed sample from.")] = 0,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Most sequences in one step.")] = 128,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Most tokens computed in one step "
+                                                        "(prefill chunks + decodes).")] = 2048,
+    block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV-cache block.")] = 16,
+    kv_cache_memory: Annotated[Optional[str], typer.Option(help="KV-cache size, e.g. 2GB or 512MiB. Default: 90% "
+                                                           "of free GPU memory, or 10% of available RAM on CPU.")] = None,
+    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
+                                                        help="Reuse the KV blocks of shared prompt prefixes.")] = True,
+    enforce_eager: Annotated[bool, typer.Option(help="Never capture the decode step "
+                                                "(torch.compile on CPU, CUDA graphs on GPU).")] = False,
+    log_level: Annotated[str, typer.Option(help="Logging level (one line per request at info).")] = "info",
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    import uvicorn
+
+    from baige.runtime.engine import AsyncEngine, Engine, EngineConfig
+    from baige.runtime.loader import parse_size
+    from baige.runtime.server import build_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
+                       enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed)
+    engine = AsyncEngine(Engine.from_config(cfg))
+    app_ = build_app(engine, served_model_name or model or "smollm2-135m-instruct", api_key)
+    try:
+        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower())
+    finally:
+        engine.shutdown()

@@ -1,0 +1,78 @@
+"""The paged KV-cache tensors: per layer, a pool of fixed-size blocks allocated once.
+
+Which block holds which tokens is decided by :class:`baige.runtime.block_manager.BlockManager`
+(plain Python); this module only owns the memory and sizes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baige.errors import BaigeError
+from baige.runtime.config import ModelConfig
+
+CPU_KV_FRACTION = 0.1  # default share of available RAM for the cache on CPU
+GPU_KV_FRACTION = 0.9  # default share of free GPU memory after warm-up (vLLM's gpu_memory_utilization)
+
+
+class KVCache:
+    """K and V pools, each layer ``(num_blocks + 1, block_size, n_kv_heads, head_dim)``.
+
+    Block ``num_blocks`` (the last) is a scratch block the block manager never hands out: padded
+    rows of a fixed-shape decode batch write their K/V there. Pools are zero-filled so padded,
+    masked reads never meet NaNs.
+
+    Args:
+        cfg: the model's config.
+        num_blocks: usable blocks.
+        block_size: token slots per block.
+        dtype: cache dtype (the model's).
+        device: where the pool lives.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        return block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the cache now: free GPU memory on CUDA, ``MemAvailable`` of /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise BaigeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory")
+
+
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   kv_cache_memory: int | None, max_model_len: int) -> int:
+    """Blocks that fit in ``kv_cache_memory`` bytes (default: a fraction of free memory, measured now).
+
+    Raises:
+        BaigeError: the budget does not hold one sequence of ``max_model_len`` tokens.
+    """
+    per_block = KVCache.bytes_per_block(cfg, block_size, dtype)
+    if kv_cache_memory is None:
+        frac = GPU_KV_FRACTION if device.type == "cuda" else CPU_KV_FRACTION
+        kv_cache_memory = int(available_memory(device) * frac)
+    num_blocks = kv_cache_memory // per_block
+    need = -(-max_model_len // block_size)
+    if num_blocks < need:
+        raise BaigeError(
+            f"KV cache of {kv_cache_memory} bytes holds {num_blocks} blocks of {block_size} tokens, "
+            f"fewer than one sequence of max_model_len={max_model_len} tokens needs ({need} blocks, "
+            f"{need * per_block} bytes); raise --kv-cache-memory or lower --max-model-len"
+        )
+    return int(num_blocks)

@@ -1,0 +1,193 @@
+"""ModelRunner: a scheduled batch -> flat tensors -> the model -> one sampled token per sequence.
+
+Layout of one step (B = 1, T = all scheduled tokens, no padding): the decoding sequences' single
+tokens first, then each prefill chunk's tokens. ``slot_mapping[t]`` is the cache slot of token t;
+paged attention reads each sequence's blocks through its block table. Logits are computed only
+for the last position of each sequence that samples this step.
+
+Decode-only steps (the steady state) run with fixed shapes: the batch is padded to a bucket size
+and the block tables to a bucket width, padded rows write to the pool's scratch block. One graph
+per bucket is captured by ``torch.compile`` unless ``enforce_eager``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from baige import kernels
+from baige.runtime.kv_cache import KVCache
+from baige.runtime.model import Transformer
+from baige.runtime.sampling import Logprobs, SamplerRow, sample_batch
+from baige.runtime.scheduler import ScheduledBatch
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Attention metadata of one step (see ``model.AttentionMetadata``); owns the cache writes.
+
+    Tokens ``0 .. num_decodes-1`` are decodes (one per sequence), the rest prefill chunks.
+    """
+
+    k_cache: list[torch.Tensor]  # per layer (num_blocks + 1, block_size, n_kv_heads, head_dim)
+    v_cache: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # (T,) int64
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None = None  # (num_decodes, W) int64
+    decode_context_lens: torch.Tensor | None = None  # (num_decodes,) int64
+    prefill_block_tables: torch.Tensor | None = None  # (P, W) int64
+    prefill_cu_seqlens: torch.Tensor | None = None  # (P + 1,) int64
+    prefill_context_lens: torch.Tensor | None = None  # (P,) int64
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: (1, T, n_heads, D); k, v: (1, T, n_kv_heads, D) -> (1, T, n_heads, D)."""
+        kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        q, k, v = q[0], k[0], v[0]  # (T, H, D), (T, Hkv, D)
+        kernels.store_kv(k, v, kc, vc, self.slot_mapping)
+        nd = self.num_decodes
+        parts = []
+        if nd:
+            parts.append(kernels.paged_decode_attention(q[:nd], kc, vc, self.decode_block_tables,
+                                                        self.decode_context_lens, scale))
+        if nd < q.shape[0]:
+            parts.append(kernels.paged_prefill_attention(q[nd:], kc, vc, self.prefill_block_tables,
+                                                         self.prefill_cu_seqlens, self.prefill_context_lens, scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out[None]  # (1, T, H, D)
+
+
+def _buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... up to and including ``limit``."""
+    out = [1]
+    while out[-1] < limit:
+        out.append(min(out[-1] * 2, limit))
+    return out
+
+
+class ModelRunner:
+    """Runs one scheduled step on the model.
+
+    Args:
+        model: the decoder (eval mode).
+        kv_cache: the block pools.
+        max_num_seqs: largest decode batch (sets the batch buckets).
+        max_model_len: longest sequence (sets the block-table width buckets).
+        enforce_eager: never capture graphs.
+    """
+
+    def __init__(self, model: Transformer, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False):
+        self.model = model
+        self.kv = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = next(model.parameters()).device
+        self.batch_buckets = _buckets(max_num_seqs)
+        self.width_buckets = _buckets(-(-max_model_len // self.block_size))
+        self.enforce_eager = enforce_eager
+        self._decode_fn = self._decode_forward
+        if not enforce_eager:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on GPU
+            self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode=mode)
+
+    def _tensor(self, data: list) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """Fixed-shape decode: (1, B) ids/positions, (B,) slots, (B, W) tables, (B,) lengths -> (B, vocab) logits."""
+        md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1],
+                                    decode_block_tables=block_tables, decode_context_lens=context_lens)
+        hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
+        return self.model.compute_logits(hidden[0])  # (B, vocab)
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _run_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        seqs = batch.seqs
+        n = len(seqs)
+        B = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
+        widest = max(len(s.block_table) for s in seqs)
+        W = self.width_buckets[bisect.bisect_left(self.width_buckets, widest)]
+        bs, scratch = self.block_size, self.kv.scratch_block
+        ids, pos, slots, tables, lens = [], [], [], [], []
+        for s in seqs:
+            p = len(s.token_ids) - 1
+            ids.append(s.token_ids[-1])
+            pos.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+            tables.append(s.block_table + [scratch] * (W - len(s.block_table)))
+            lens.append(p + 1)
+        pad = B - n
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [scratch * bs] * pad
+        tables += [[scratch] * W] * pad
+        lens += [1] * pad
+        logits = self._decode_fn(self._tensor([ids]), self._tensor([pos]), self._tensor(slots),
+                                 self._tensor(tables), self._tensor(lens))
+        return logits[:n]
+
+    def _run_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Any mix of decodes and prefill chunks, unpadded. Returns (logits of samplers, their batch indices)."""
+        nd = batch.num_decodes
+        ids, pos, slots = [], [], []
+        sample_rows, sample_at = [], []  # batch index, flat position of its last token
+        dec_tables, dec_lens = [], []
+        pre_tables, pre_cu, pre_lens = [], [0], []
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = s.num_computed_tokens, s.num_computed_tokens + n
+            ids += s.token_ids[start:end]
+            pos += range(start, end)
+            slots += self._slots(s.block_table, start, end)
+            if i < nd:
+                dec_tables.append(s.block_table)
+                dec_lens.append(end)
+            else:
+                pre_tables.append(s.block_table)
+                pre_cu.append(pre_cu[-1] + n)
+                pre_lens.append(end)
+            if end == len(s.token_ids):
+                sample_rows.append(i)
+                sample_at.append(len(ids) - 1)
+
+        def padded(tables: list[list[int]]) -> torch.Tensor:
+            w = max(len(t) for t in tables)
+            return self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in tables])
+
+        md = PagedAttentionMetadata(self.kv.k, self.kv.v, self._tensor(slots), nd)
+        if nd:
+            md.decode_block_tables, md.decode_context_lens = padded(dec_tables), self._tensor(dec_lens)
+        if pre_lens:
+            md.prefill_block_tables, md.prefill_cu_seqlens = padded(pre_tables), self._tensor(pre_cu)
+            md.prefill_context_lens = self._tensor(pre_lens)
+        hidden = self.model(self._tensor([ids]), self._tensor([pos]), md)  # (1, T, hidden)
+        logits = self.model.compute_logits(hidden[0, self._tensor(sample_at)])  # (n_sample, vocab)
+        return logits, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None]) -> tuple[list[int | None], list[Logprobs | None]]:
+        """Run the step and sample.
+
+        Args:
+            batch: the scheduler's step.
+            rows: per scheduled sequence its sampling inputs (read only for sequences that sample).
+        Returns:
+            Per scheduled sequence: the sampled token id (None for a chunk that does not end its
+            prefill) and its logprobs (None unless asked for).
+        """
+        if batch.num_decodes == len(batch):
+            logits = self._run_decode(batch)
+            sample_rows = list(range(len(batch)))
+        else:
+            logits, sample_rows = self._run_mixed(batch)
+        tokens: list[int | None] = [None] * len(batch)
+        logprobs: list[Logprobs | None] = [None] * len(batch)
+        if sample_rows:
+            got, lps = sample_batch(logits, [rows[i] for i in sample_rows])
+            for i, t, lp in zip(sample_rows, got, lps):
+                tokens[i], logprobs[i] = t, lp
+        return tokens, logprobs
