@@ -7,6 +7,7 @@ import sys
 from baige.cli.app import app
 from baige.cli import convert, generate  # noqa: F401  (modules register their commands)
 from baige.cli import serve  # noqa: F401
+from baige.cli import evaluate, quantize  # noqa: F401
 from baige.errors import BaigeError
 
 

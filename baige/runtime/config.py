@@ -150,3 +150,32 @@ class GenerateConfig:
     device: str = "auto"
     chat: bool | None = None
     system: str | None = None
+
+
+@dataclass
+class QuantizeConfig:
+    """Resolved arguments of ``baige quantize``."""
+
+    model: str | None
+    method: str  # int8 | int4 | gptq
+    output: str
+    group_size: int = 128
+    symmetric: bool = True
+    act_order: bool = False
+    calib_data: str | None = None
+    calib_samples: int = 128
+    calib_seq_len: int = 512  # tokens
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    device: str = "auto"
+
+
+@dataclass
+class EvalConfig:
+    """Resolved arguments of ``baige eval ppl`` / ``baige eval compare``."""
+
+    models: list[str | None]
+    data: str
+    seq_len: int = 1024  # tokens per window
+    max_tokens: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"

@@ -187,7 +187,9 @@ def load_model(
 ) -> Transformer:
     """Build a :class:`Transformer` on the meta device and assign the checkpoint's tensors (strict).
 
-    Every checkpoint tensor must be consumed and every parameter loaded.
+    Every checkpoint tensor must be consumed and every parameter loaded. A config.json with a
+    compressed-tensors ``quantization_config`` loads its Linears as ``QuantizedLinear``
+    (see ``quant_format.prepare_quantized_model``); integer tensors keep their dtype.
 
     Raises:
         BaigeError: bad config, missing shard/tensor, unexpected tensor, shape mismatch, an untied
@@ -200,6 +202,10 @@ def load_model(
     state = load_state_dict(model_dir, torch_dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
+    if cfg.raw.get("quantization_config"):
+        from baige.runtime.quant_format import prepare_quantized_model
+
+        prepare_quantized_model(model, cfg.raw["quantization_config"], str(model_dir / "config.json"))
     expected = model.state_dict()
     if cfg.tie_word_embeddings:
         # Tied checkpoints usually omit lm_head; when present it duplicates the embedding.
@@ -243,12 +249,14 @@ def save_hf_checkpoint(
     out_dir: str | Path,
     tokenizer_dir: str | Path | None = None,
     max_shard_size: int = 2 * 10**9,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write an HF-layout directory: config.json, generation_config.json, safetensors (sharded with
     ``model.safetensors.index.json`` past ``max_shard_size`` bytes) and the tokenizer files.
 
     Written under a temporary name and renamed when complete. ``lm_head.weight`` is dropped when
     ``config['tie_word_embeddings']`` is true. ``torch_dtype`` in the config is set from the tensors.
+    ``extra_files`` (file name -> text) are written into the same directory before the rename.
     """
     from safetensors.torch import save_file
 
@@ -289,6 +297,8 @@ def save_hf_checkpoint(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
         gen_src = Path(tokenizer_dir) / "generation_config.json" if tokenizer_dir else None
         if gen_src is not None and gen_src.is_file():
             shutil.copy(gen_src, tmp / "generation_config.json")

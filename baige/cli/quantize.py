@@ -1,0 +1,71 @@
+"""``baige quantize``: weight-only int8 / int4 / GPTQ, saved in the compressed-tensors format."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from baige.cli.app import MODEL_HELP, app
+from baige.cli.generate import Device
+from baige.runtime.config import QuantizeConfig
+
+
+class Method(str, Enum):
+    int8 = "int8"
+    int4 = "int4"
+    gptq = "gptq"
+
+
+@app.command()
+def quantize(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (must not exist or be empty).")],
+    method: Annotated[Method, typer.Option(help="int8: symmetric per channel; int4: group-wise round to nearest; gptq: int4 with GPTQ.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+    group_size: Annotated[int, typer.Option(help="int4/gptq: input columns per scale (32, 64, 128).")] = 128,
+    symmetric: Annotated[bool, typer.Option("--symmetric/--asymmetric", help="int4/gptq: zero point or not.")] = True,
+    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="gptq: visit columns by decreasing Hessian diagonal.")] = False,
+    calib_data: Annotated[Optional[Path], typer.Option(help="gptq: UTF-8 text file to calibrate on.")] = None,
+    calib_samples: Annotated[int, typer.Option(min=1, help="gptq: calibration windows.")] = 128,
+    calib_seq_len: Annotated[int, typer.Option(min=2, help="gptq: tokens per calibration window.")] = 512,
+    ignore: Annotated[
+        Optional[list[str]], typer.Option(help="Linear names to keep in full precision (glob, repeatable). Default: lm_head.")
+    ] = None,
+    device: Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")] = Device.auto,
+) -> None:
+    """Quantize every Linear except lm_head (and --ignore patterns); write an HF directory in the
+    compressed-tensors format (vLLM, transformers and baige load it) with quantization_report.json."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from baige.runtime.quant_format import REPORT_FILE, quantize_checkpoint
+
+    cfg = QuantizeConfig(
+        model=model, method=method.value, output=str(output), group_size=group_size, symmetric=symmetric,
+        act_order=act_order, calib_data=str(calib_data) if calib_data else None, calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len, ignore=ignore or ["lm_head"], device=device.value,
+    )
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(f"quantize ({cfg.method})", total=None)
+        out, report = quantize_checkpoint(cfg, lambda done, total, name: bar.update(task, completed=done, total=total))
+
+    table = Table(title=f"{out} ({report[0]['scheme']}, {report[0]['format']})")
+    for col in ("layer", "shape", "relative weight error", "partial last group"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    for row in report:
+        table.add_row(row["name"], "x".join(map(str, row["shape"])), f"{row['relative_weight_error']:.4f}",
+                      "yes" if row["partial_last_group"] else "")
+    Console().print(table)
+    partial = [r["name"] for r in report if r["partial_last_group"]]
+    if partial:
+        console.print(
+            f"[yellow]note:[/yellow] {len(partial)} layers have in_features not divisible by {group_size}; their last "
+            "group is partial. baige loads them; vLLM's int4 kernels and compressed-tensors' dequantizer need "
+            "divisible in_features (choose a group size that divides them for those loaders)."
+        )
+    console.print(f"wrote {out} (report: {out / REPORT_FILE})")

@@ -1,0 +1,210 @@
+"""GPTQ: one-shot weight quantization that corrects each rounding error with the inverse Hessian.
+
+Frantar, Ashkboos, Hoefler, Alistarh 2022, "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers", arXiv:2210.17323 (Algorithm 1: Cholesky form of the inverse
+Hessian, lazy batch updates; section 4 and the reference code: damping, act-order, groups).
+
+For a Linear ``W`` (out, in) with calibration inputs ``X`` (n, in), the layer-wise objective
+``||W X^T - W_hat X^T||^2`` has Hessian ``H = 2/n * X^T X`` (in, in). Columns are quantized one at a
+time; column ``i``'s error ``(w_i - q_i) / [H^-1]_ii`` is propagated to the not-yet-quantized
+columns through row ``i`` of the upper Cholesky factor of ``H^-1``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baige.errors import BaigeError
+from baige.runtime.quant import (
+    ProgressFn,
+    QuantizedLinear,
+    QuantScheme,
+    compute_qparams,
+    layer_report,
+    quantize_weight,
+    quantize_with,
+    set_submodule,
+)
+
+
+def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1``, ``damp = percdamp * mean(diag H)``.
+
+    A Hessian that is not positive definite after damping is retried with 10x the damping,
+    up to three times (the paper's Cholesky reformulation needs a PD matrix).
+    """
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    damp = percdamp * torch.diag(H).mean()
+    for _ in range(4):
+        L, info = torch.linalg.cholesky_ex(H + damp * eye)
+        if info == 0:
+            Hinv = torch.cholesky_inverse(L)
+            return torch.linalg.cholesky(Hinv, upper=True)
+        damp = damp * 10
+    raise BaigeError(f"{name}: calibration Hessian is not positive definite even with damping {damp:.3g}")
+
+
+@torch.no_grad()
+def gptq_quantize_weight(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    scheme: QuantScheme,
+    percdamp: float = 0.01,
+    block_size: int = 128,
+    name: str = "weight",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize one weight matrix with GPTQ.
+
+    Args:
+        W: (out, in) float weight (not modified).
+        H: (in, in) float32 Hessian ``2/n X^T X`` of the layer's inputs.
+        scheme: group-wise (or per-channel) scheme. With ``scheme.actorder`` columns are visited in
+            decreasing ``diag(H)`` order and every group's scale/zero point is fixed up front from
+            the original weights of its contiguous columns (compressed-tensors ``actorder: "weight"``),
+            so the stored layout is unchanged. Otherwise a group's parameters are taken from the
+            error-updated weights when its first column is reached (the reference implementation).
+        percdamp: damping as a fraction of the mean Hessian diagonal (paper: 1%).
+        block_size: columns per lazy batch update; rounded to a multiple of the group size so a
+            group's columns are current when its parameters are computed.
+    Returns:
+        q (out, in) int8, scale (out, n_groups) in ``W.dtype``, zero point (out, n_groups) int8 or None.
+    Raises:
+        BaigeError: the Hessian cannot be made positive definite.
+    """
+    out_f, in_f = W.shape
+    Wf = W.float().clone()
+    H = H.float().clone()
+    dead = torch.diag(H) == 0  # inputs that were always zero: their weights cannot matter
+    H[dead, dead] = 1.0
+    Wf[:, dead] = 0.0
+
+    g = scheme.group_size
+    n_groups = scheme.n_groups(in_f)
+    dev = W.device
+    scale = torch.ones(out_f, n_groups, device=dev)
+    zp = torch.zeros(out_f, n_groups, device=dev)
+    if g is None or scheme.actorder:
+        # parameters fixed from the original weights (per channel, or static groups for act-order)
+        _, s, z = quantize_weight(W.float(), scheme)
+        scale, zp = s.to(W.dtype).float(), (torch.zeros_like(s) if z is None else z.float())
+    if g is not None:
+        block_size = max(1, block_size // g) * g
+
+    perm = torch.argsort(torch.diag(H), descending=True) if scheme.actorder else torch.arange(in_f, device=dev)
+    Wf, H = Wf[:, perm], H[perm][:, perm]
+    group_of = (perm // g) if g is not None else torch.zeros(in_f, dtype=torch.long, device=dev)  # permuted col -> group
+    Hinv = _inverse_hessian_factor(H, percdamp, name)
+
+    Q = torch.zeros(out_f, in_f, dtype=torch.int8, device=dev)
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = Wf[:, i1:i2].clone()  # (out, B): this block's columns, updated column by column
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            gid = int(group_of[col])
+            if g is not None and not scheme.actorder and col % g == 0:
+                grp = W1[:, i : i + g]  # (out, <=g) the whole group lies in this block
+                s, z = compute_qparams(grp.amin(dim=1), grp.amax(dim=1), scheme)
+                scale[:, gid], zp[:, gid] = s.to(W.dtype).float(), z
+            w = W1[:, i]
+            q = quantize_with(w, scale[:, gid], zp[:, gid], scheme)
+            Q[:, col] = q
+            w_hat = (q.float() - zp[:, gid]) * scale[:, gid]
+            err = (w - w_hat) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]  # (out, B - i)
+            Err1[:, i] = err
+        Wf[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy batch update of the later columns
+
+    Q = Q[:, torch.argsort(perm)]  # back to the original column order
+    return Q, scale.to(W.dtype), None if scheme.symmetric else zp.to(torch.int8)
+
+
+class _HessianAccumulator:
+    """Running ``H = 2/n sum x x^T`` over every token a Linear sees (forward pre-hook)."""
+
+    def __init__(self, in_features: int, device: torch.device):
+        self.H = torch.zeros(in_features, in_features, device=device)
+        self.n = 0
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).float()  # (tokens, in)
+        m = x.shape[0]
+        self.H *= self.n / (self.n + m)
+        self.n += m
+        x = x * (2.0 / self.n) ** 0.5
+        self.H += x.t() @ x
+
+
+@torch.no_grad()
+def gptq_quantize_model(
+    model: nn.Module,
+    scheme: QuantScheme,
+    names: list[str],
+    calib_ids: torch.Tensor,
+    percdamp: float = 0.01,
+    block_size: int = 128,
+    batch_size: int = 8,
+    progress: ProgressFn | None = None,
+) -> list[dict]:
+    """Quantize the named Linears of a :class:`Transformer` decoder layer by decoder layer.
+
+    Calibration hidden states enter layer 0; each layer's Hessians are collected from its
+    full-precision forward, its Linears are quantized, and the quantized layer's outputs feed the
+    next layer (the sequential scheme of the paper's reference code). Named Linears outside the
+    decoder layers (an unignored untied ``lm_head``) get round-to-nearest.
+
+    Args:
+        calib_ids: (n_samples, seq_len) int64 token ids.
+        batch_size: calibration samples per forward.
+    Returns:
+        report rows as :func:`quant.layer_report`, in ``names`` order.
+    """
+    device = next(model.parameters()).device
+    dtype = model.model.embed_tokens.weight.dtype
+    ids = calib_ids.to(device)
+    n, T = ids.shape
+    positions = torch.arange(T, device=device)[None]  # (1, T)
+    batches = [ids[i : i + batch_size] for i in range(0, n, batch_size)]
+    hidden = [model.model.embed_tokens(b) for b in batches]  # each (b, T, hidden)
+    cos, sin = model.rotary_emb(positions, dtype)  # (1, T, head_dim)
+    wanted = set(names)
+    rows: dict[str, dict] = {}
+    done = 0
+
+    for li, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{li}."
+        linears = [(n_, m) for n_, m in layer.named_modules() if isinstance(m, nn.Linear) and prefix + n_ in wanted]
+        accs = {n_: _HessianAccumulator(m.in_features, device) for n_, m in linears}
+        hooks = [m.register_forward_pre_hook(accs[n_]) for n_, m in linears]
+        for x in hidden:
+            layer(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1), None)
+        for h in hooks:
+            h.remove()
+        for n_, linear in linears:
+            full = prefix + n_
+            q, scale, zp = gptq_quantize_weight(
+                linear.weight, accs[n_].H, scheme, percdamp, block_size, name=full
+            )
+            qlinear = QuantizedLinear.from_quantized(linear, scheme, q, scale, zp)
+            rows[full] = layer_report(full, linear.weight, qlinear)
+            set_submodule(layer, n_, qlinear)
+            done += 1
+            if progress:
+                progress(done, len(names), full)
+        hidden = [layer(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1), None) for x in hidden]
+
+    for full in names:
+        if full not in rows:
+            linear = model.get_submodule(full)
+            q, scale, zp = quantize_weight(linear.weight, scheme)
+            qlinear = QuantizedLinear.from_quantized(linear, scheme, q, scale, zp)
+            rows[full] = layer_report(full, linear.weight, qlinear)
+            set_submodule(model, full, qlinear)
+            done += 1
+            if progress:
+                progress(done, len(names), full)
+    return [rows[n_] for n_ in names]
+

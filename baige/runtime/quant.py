@@ -1,0 +1,335 @@
+"""Weight-only quantization: the integer formats, :class:`QuantizedLinear`, and the model transform.
+
+Formats (compressed-tensors, https://github.com/neuralmagic/compressed-tensors, the layout vLLM and
+transformers load; see ``quant_format.py`` for config.json and saving):
+
+- int8 ``int-quantized``: symmetric, one scale per output channel. Buffers ``weight`` int8 (out, in),
+  ``weight_scale`` (out, 1).
+- int4 ``pack-quantized``: group-wise along ``in_features`` (``group_size`` columns share a scale),
+  symmetric or asymmetric. Buffers ``weight_packed`` int32 (out, ceil(in / 8)) -- eight 4-bit values
+  per word, element ``j`` of a word in bits ``4j .. 4j+3`` (little end first), each stored as
+  ``q + 8`` so it is unsigned; ``weight_scale`` (out, n_groups); ``weight_shape`` int64 ``[out, in]``;
+  asymmetric adds ``weight_zero_point`` int32 (ceil(out / 8), n_groups), the signed zero points
+  packed the same way along the output dimension.
+
+Arithmetic (the compressed-tensors definitions): with ``qmin, qmax = -2**(b-1), 2**(b-1) - 1``,
+``q = clamp(round(w / scale + zp), qmin, qmax)`` and ``w_hat = (q - zp) * scale``. Symmetric:
+``scale = max|w| / ((qmax - qmin) / 2)``, ``zp = 0``. Asymmetric: ``scale = (max - min) / (qmax - qmin)``
+with ``min <= 0 <= max`` (0 stays exact), ``zp = clamp(round(qmin - min / scale), qmin, qmax)``.
+
+An ``in_features`` that is not a multiple of ``group_size`` gets ``ceil(in / group_size)`` groups;
+the last one is partial and its scale comes from its real columns only (zero padding changes
+neither ``max|w|`` nor the 0-including ``min``/``max``). compressed-tensors' own initialiser lays
+such layers out the same way, but its dequantizer (0.20) and vLLM's int4 kernels refuse them, so
+:func:`quantize_model` reports which layers have a partial group.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baige.errors import BaigeError
+
+ProgressFn = Callable[[int, int, str], None]  # (done, total, what)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """One weight quantization scheme.
+
+    ``group_size=None`` means one scale per output channel (the int8 scheme).
+    ``actorder`` records that GPTQ processed columns in decreasing Hessian-diagonal order with
+    groups fixed in the original column order (compressed-tensors ``actorder: "weight"``).
+    """
+
+    num_bits: int
+    group_size: int | None
+    symmetric: bool = True
+    actorder: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_bits not in (4, 8):
+            raise BaigeError(f"unsupported weight bits {self.num_bits} (baige writes int4 and int8)")
+        if self.num_bits == 8 and (self.group_size is not None or not self.symmetric):
+            raise BaigeError("int8 is symmetric per output channel only")
+        if self.group_size is not None and self.group_size <= 0:
+            raise BaigeError(f"group size must be positive, got {self.group_size}")
+
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.num_bits - 1) - 1
+
+    @property
+    def format(self) -> str:
+        """The compressed-tensors format name."""
+        return "int-quantized" if self.num_bits == 8 else "pack-quantized"
+
+    def n_groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
+
+    def describe(self) -> str:
+        grouping = "per-channel" if self.group_size is None else f"g{self.group_size}"
+        return f"int{self.num_bits} {grouping} {'sym' if self.symmetric else 'asym'}"
+
+
+def compute_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point from per-group extremes (formulas in the module docstring).
+
+    Args:
+        wmin, wmax: (...) per-group minimum and maximum of the weights, float.
+    Returns:
+        scale (...) in the input dtype, > 0; zero point (...) float holding integers in [qmin, qmax]
+        (all zeros when symmetric).
+    """
+    wmin = torch.minimum(wmin, torch.zeros_like(wmin))
+    wmax = torch.maximum(wmax, torch.zeros_like(wmax))
+    qrange = scheme.qmax - scheme.qmin
+    if scheme.symmetric:
+        scale = torch.maximum(-wmin, wmax) / (qrange / 2)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero group: any scale is exact
+        return scale, torch.zeros_like(scale)
+    scale = (wmax - wmin) / qrange
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zp = torch.clamp(torch.round(scheme.qmin - wmin / scale), scheme.qmin, scheme.qmax)
+    return scale, zp
+
+
+def quantize_with(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round to the integer grid: ``clamp(round(w / scale + zp), qmin, qmax)``; all args broadcast.
+
+    Returns int8 of ``w``'s shape.
+    """
+    return torch.clamp(torch.round(w / scale + zp), scheme.qmin, scheme.qmax).to(torch.int8)
+
+
+def _expand_groups(t: torch.Tensor, group_size: int | None, in_features: int) -> torch.Tensor:
+    """(out, n_groups) -> (out, in_features): each group value repeated over its columns."""
+    if group_size is None:
+        return t.expand(-1, in_features)
+    return t.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def quantize_weight(
+    w: torch.Tensor, scheme: QuantScheme
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest quantization of a Linear weight.
+
+    Args:
+        w: (out, in) float weight.
+    Returns:
+        q: (out, in) int8 in [qmin, qmax]; scale: (out, n_groups) in ``w.dtype``;
+        zero point: (out, n_groups) int8, or None when symmetric.
+    """
+    out_f, in_f = w.shape
+    wf = w.float()
+    if scheme.group_size is None:
+        wmin, wmax = wf.amin(dim=1, keepdim=True), wf.amax(dim=1, keepdim=True)  # (out, 1)
+    else:
+        g = scheme.group_size
+        pad = scheme.n_groups(in_f) * g - in_f
+        grouped = F.pad(wf, (0, pad)).view(out_f, -1, g)  # (out, n_groups, g); zero pad is neutral
+        wmin, wmax = grouped.amin(dim=2), grouped.amax(dim=2)  # (out, n_groups)
+    scale, zp = compute_qparams(wmin, wmax, scheme)
+    scale = scale.to(w.dtype)  # round the stored scale first, so q is computed against it
+    q = quantize_with(
+        wf, _expand_groups(scale.float(), scheme.group_size, in_f), _expand_groups(zp, scheme.group_size, in_f), scheme
+    )
+    return q, scale, None if scheme.symmetric else zp.to(torch.int8)
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int | None
+) -> torch.Tensor:
+    """``(q - zp) * scale`` -> (out, in) weight in ``scale.dtype``. q: (out, in) int; scale, zp: (out, n_groups)."""
+    in_f = q.shape[1]
+    x = q.to(scale.dtype)
+    if zero_point is not None:
+        x = x - _expand_groups(zero_point.to(scale.dtype), group_size, in_f)
+    return x * _expand_groups(scale, group_size, in_f)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) int8 in [-8, 7] -> (rows, ceil(cols / 8)) int32, element j of a word in bits 4j..4j+3,
+    stored as q + 8 (the compressed-tensors ``pack_to_int32`` layout for 4 bits)."""
+    rows, cols = q.shape
+    words = math.ceil(cols / 8)
+    u = F.pad(q.to(torch.int64) + 8, (0, words * 8 - cols)).view(rows, words, 8)  # (rows, words, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+    packed = (u << shifts).sum(dim=2)  # (rows, words) in [0, 2**32)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # two's complement into int32
+    return packed.to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: (rows, words) int32 -> (rows, cols) int8 in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    u = (packed.unsqueeze(-1) >> shifts) & 0xF  # (rows, words, 8); & drops the arithmetic-shift sign bits
+    return (u.flatten(1)[:, :cols] - 8).to(torch.int8)
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is stored as integers and dequantized inside ``forward``.
+
+    Buffer names and layouts are compressed-tensors' (module docstring), so the module's state
+    dict is the on-disk checkpoint. The bias stays a float Parameter, untouched.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        n_groups = scheme.n_groups(in_features)
+        kw = dict(device=device)
+        if scheme.num_bits == 8:
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, **kw))
+        else:
+            words = math.ceil(in_features / 8)
+            self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32, **kw))
+            self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int64, **kw))
+        self.register_buffer("weight_scale", torch.ones(out_features, n_groups, dtype=dtype, **kw))
+        if not scheme.symmetric:
+            zp_rows = math.ceil(out_features / 8)
+            self.register_buffer("weight_zero_point", torch.zeros(zp_rows, n_groups, dtype=torch.int32, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, **kw)) if bias else None
+
+    @classmethod
+    def from_quantized(
+        cls, linear: nn.Linear, scheme: QuantScheme, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+    ) -> "QuantizedLinear":
+        """Wrap integer weights (from :func:`quantize_weight` or GPTQ) for ``linear``; reuses its bias Parameter."""
+        m = cls(linear.in_features, linear.out_features, False, scheme, scale.dtype, device=q.device)
+        if scheme.num_bits == 8:
+            m.weight = q.contiguous()
+        else:
+            m.weight_packed = pack_int4(q)
+        m.weight_scale = scale.contiguous()
+        if zero_point is not None:
+            m.weight_zero_point = pack_int4(zero_point.t()).t().contiguous()  # packed along out_features
+        m.bias = linear.bias
+        return m
+
+    def int_weight(self) -> torch.Tensor:
+        """(out, in) int8 quantized values."""
+        if self.scheme.num_bits == 8:
+            return self.weight
+        return unpack_int4(self.weight_packed, self.in_features)
+
+    def zero_point(self) -> torch.Tensor | None:
+        """(out, n_groups) int8 zero points, or None when symmetric."""
+        if self.scheme.symmetric:
+            return None
+        return unpack_int4(self.weight_zero_point.t(), self.out_features).t()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(out, in) float weight in the scale's dtype."""
+        return dequantize_weight(self.int_weight(), self.weight_scale, self.zero_point(), self.scheme.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out): ``F.linear`` with the dequantized weight."""
+        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
+
+
+def target_linears(model: nn.Module, ignore: list[str]) -> list[tuple[str, nn.Linear]]:
+    """Every ``nn.Linear`` whose qualified name matches none of the ``ignore`` glob patterns
+    (``fnmatch``, e.g. ``lm_head``, ``*.down_proj``, ``model.layers.0.*``), in module order."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in ignore)
+    ]
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def layer_report(name: str, w: torch.Tensor, qlinear: QuantizedLinear) -> dict:
+    """One report row: format, shape, relative Frobenius error ``||W - W_hat|| / ||W||`` (unitless)."""
+    w_hat = qlinear.dequantized_weight().float()
+    w = w.float()
+    rel = (torch.linalg.vector_norm(w - w_hat) / torch.linalg.vector_norm(w).clamp_min(1e-30)).item()
+    partial = qlinear.scheme.group_size is not None and w.shape[1] % qlinear.scheme.group_size != 0
+    return {
+        "name": name,
+        "format": qlinear.scheme.format,
+        "scheme": qlinear.scheme.describe(),
+        "shape": list(w.shape),
+        "relative_weight_error": rel,
+        "partial_last_group": partial,
+    }
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    scheme: QuantScheme,
+    ignore: list[str] | None = None,
+    method: str = "rtn",
+    calib_ids: torch.Tensor | None = None,
+    progress: ProgressFn | None = None,
+    **gptq_kwargs,
+) -> list[dict]:
+    """Swap every targeted ``nn.Linear`` of ``model`` for a :class:`QuantizedLinear`, in place.
+
+    Args:
+        scheme: the weight scheme; ``method="gptq"`` needs a 4-bit scheme.
+        ignore: glob patterns of Linear names to keep in full precision (default ``["lm_head"]``).
+        method: ``rtn`` (round to nearest) or ``gptq`` (Frantar et al. 2022, arXiv:2210.17323; see gptq.py).
+        calib_ids: (n_samples, seq_len) int64 calibration tokens, GPTQ only.
+        progress: called as ``progress(done, total, layer_name)`` after each layer.
+        gptq_kwargs: ``percdamp``, ``block_size``, ``batch_size`` for :func:`gptq.gptq_quantize_model`.
+    Returns:
+        the per-layer report rows (:func:`layer_report`).
+    Raises:
+        BaigeError: nothing to quantize; a tied lm_head left unignored; unknown method; GPTQ without
+        calibration data or with an 8-bit scheme.
+    """
+    ignore = ["lm_head"] if ignore is None else list(ignore)
+    targets = target_linears(model, ignore)
+    if not targets:
+        raise BaigeError(f"no Linear layer left to quantize after ignoring {ignore}")
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    for name, m in targets:
+        if embed is not None and m.weight is embed.weight:
+            raise BaigeError(f"{name} shares its weight with the embeddings (tied); add it to the ignore patterns")
+    if method == "rtn":
+        report = []
+        for i, (name, linear) in enumerate(targets):
+            q, scale, zp = quantize_weight(linear.weight, scheme)
+            qlinear = QuantizedLinear.from_quantized(linear, scheme, q, scale, zp)
+            report.append(layer_report(name, linear.weight, qlinear))
+            set_submodule(model, name, qlinear)
+            if progress:
+                progress(i + 1, len(targets), name)
+        return report
+    if method == "gptq":
+        if scheme.num_bits != 4:
+            raise BaigeError("GPTQ writes the int4 layout; use a 4-bit scheme")
+        if calib_ids is None:
+            raise BaigeError("GPTQ needs calibration data (--calib-data)")
+        from baige.runtime.gptq import gptq_quantize_model
+
+        return gptq_quantize_model(model, scheme, [n for n, _ in targets], calib_ids, progress=progress, **gptq_kwargs)
+    raise BaigeError(f"unknown quantization method {method!r} (choose rtn, gptq)")
