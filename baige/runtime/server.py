@@ -213,6 +213,24 @@ async def _until_disconnect(request: Request) -> None:
 
 
 # ---- the app ------------------------------------------------------------------------------------
+class _BearerAuth:
+    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+
+    Not a BaseHTTPMiddleware: that wrapper hides client disconnects from the endpoints.
+    """
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                response = error_response("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
+                                          code="invalid_api_key")
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``."""
     app = FastAPI(title="baige", docs_url=None, redoc_url=None)
@@ -222,13 +240,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     engine.on_output = metrics.on_output
     created = int(time.time())
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
-                                      code="invalid_api_key")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
