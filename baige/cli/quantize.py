@@ -55,8 +55,9 @@ def quantize(
         out, report = quantize_checkpoint(cfg, lambda done, total, name: bar.update(task, completed=done, total=total))
 
     table = Table(title=f"{out} ({report[0]['scheme']}, {report[0]['format']})")
-    for col in ("layer", "shape", "relative weight error", "partial last group"):
-        table.add_column(col, justify="left" if col == "layer" else "right")
+    table.add_column("layer", overflow="fold")
+    for col in ("shape", "relative weight error", "partial group"):
+        table.add_column(col, justify="right")
     for row in report:
         table.add_row(row["name"], "x".join(map(str, row["shape"])), f"{row['relative_weight_error']:.4f}",
                       "yes" if row["partial_last_group"] else "")
