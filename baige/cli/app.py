@@ -11,7 +11,4 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-MODEL_HELP = (
-    "Model: a local HF directory, a .gguf file, a built-in alias (smollm2-135m-instruct) "
-    "or an HF repo id. Default: the embedded smollm2-135m-instruct."
-)
+MODEL_HELP = "HF directory, .gguf file, alias or HF repo id. Default: smollm2-135m-instruct (embedded)."
