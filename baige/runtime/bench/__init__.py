@@ -1,0 +1,1 @@
+"""Benchmarks: latency, throughput, serving load, kernels, training, peer comparison, roofline."""

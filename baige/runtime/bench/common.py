@@ -1,0 +1,112 @@
+"""What every benchmark shares: statistics, the environment record, and the JSON result file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0-100) with linear interpolation between closest ranks.
+
+    numpy's default method, which ``vllm bench`` also uses, so numbers compare directly.
+    Returns 0.0 for an empty sequence (as vLLM reports metrics with no samples).
+    """
+    return float(np.percentile(values, p)) if len(values) else 0.0
+
+
+def summarize(values: Sequence[float], percentiles: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
+    """mean, median, std (population, like numpy) and the requested percentiles of ``values``."""
+    if not len(values):
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{_pct_name(p)}": 0.0 for p in percentiles}}
+    arr = np.asarray(values, dtype=np.float64)
+    out = {"mean": float(arr.mean()), "median": float(np.median(arr)), "std": float(arr.std())}
+    out.update({f"p{_pct_name(p)}": percentile(arr, p) for p in percentiles})
+    return out
+
+
+def _pct_name(p: float) -> str:
+    """99 -> '99', 99.9 -> '99.9' (vLLM's key spelling)."""
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware a result was measured on: baige/torch/triton versions, device, CPU, threads."""
+    import torch
+
+    import baige
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {
+        "baige": baige.__version__,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    if is_dataclass(x) and not isinstance(x, type):
+        return asdict(x)
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def write_result(output_dir: str | Path, name: str, result: dict[str, Any]) -> Path:
+    """Write ``result`` as ``<output_dir>/<name>-<timestamp>.json`` (temp file, then rename).
+
+    Returns the path written.
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=_jsonable))
+    os.replace(tmp, path)
+    return path
+
+
+def median_time(fn, warmup: int = 3, iters: int = 10) -> float:
+    """CPU timing harness: run ``fn`` ``warmup`` times, then return the median of ``iters`` runs (seconds)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
