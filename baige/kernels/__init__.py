@@ -13,6 +13,7 @@ from baige.kernels import reference
 __all__ = [
     "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention",
     "store_kv", "paged_decode_attention", "paged_prefill_attention",
+    "fused_linear_cross_entropy",
 ]
 
 
@@ -162,3 +163,29 @@ def paged_prefill_attention(
         (N, n_heads, head_dim) in the dtype of ``q``.
     """
     return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``targets`` without materialising all logits
+    (the fused linear + cross-entropy of Liger-Kernel, Hsu et al. 2024, arXiv:2410.10989).
+
+    Tokens are processed in chunks; the log-sum-exp is taken in fp32. Targets equal to
+    ``ignore_index`` contribute nothing.
+
+    Args:
+        hidden: (..., hidden) final hidden states, any float dtype.
+        weight: (vocab, hidden) output projection (``lm_head.weight``), the dtype of ``hidden``.
+        targets: (...) int64 next-token ids, the leading shape of ``hidden``.
+        ignore_index: target value that is skipped (HF / PyTorch convention: -100).
+        normalizer: divide the summed loss by this (e.g. the number of valid target tokens across
+            all micro-batches and ranks); None = the number of valid targets here (a mean).
+    Returns:
+        () fp32 loss: ``sum(-log softmax(logits)[target]) / normalizer`` in nats per token.
+    """
+    return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)

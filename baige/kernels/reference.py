@@ -117,3 +117,32 @@ def paged_prefill_attention(
         v = v_cache[table].view(-1, Hkv, D)[:ctx]
         out[start:end] = attention(q[None, start:end], k[None], v[None], scale, q_offset=ctx - (end - start))[0]
     return out
+
+
+def _cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float()  # (n, vocab), fp32 for the log-sum-exp
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    h = hidden.reshape(-1, hidden.shape[-1])  # (N, hidden)
+    t = targets.reshape(-1)  # (N,)
+    # Chunks of ~16M logits (64 MB in fp32); each chunk's logits are recomputed in backward
+    # (activation checkpointing), so at most one chunk of logits and its gradient exist at a time.
+    chunk = max(1, (1 << 24) // weight.shape[0])
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for s in range(0, h.shape[0], chunk):
+        args = (h[s:s + chunk], weight, t[s:s + chunk], ignore_index)
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            total = total + torch.utils.checkpoint.checkpoint(_cross_entropy_sum, *args, use_reentrant=False)
+        else:
+            total = total + _cross_entropy_sum(*args)
+    if normalizer is None:
+        normalizer = (t != ignore_index).sum()
+    return total / normalizer
