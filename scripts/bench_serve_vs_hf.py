@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 
 def make_prompts(tok, n: int, seed: int) -> tuple[list[list[int]], list[int]]:

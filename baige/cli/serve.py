@@ -37,11 +37,9 @@ def serve(
     log_level: Annotated[str, typer.Option(help="Logging level (one line per request at info).")] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
-    import uvicorn
-
     from baige.runtime.engine import AsyncEngine, Engine, EngineConfig
     from baige.runtime.loader import parse_size
-    from baige.runtime.server import build_app
+    from baige.runtime.server import run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
@@ -49,8 +47,4 @@ def serve(
                        block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed)
     engine = AsyncEngine(Engine.from_config(cfg))
-    app_ = build_app(engine, served_model_name or model or "smollm2-135m-instruct", api_key)
-    try:
-        uvicorn.run(app_, host=host, port=port, log_level=log_level.lower())
-    finally:
-        engine.shutdown()
+    run_server(engine, served_model_name or model or "smollm2-135m-instruct", host, port, api_key, log_level)

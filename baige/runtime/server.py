@@ -495,3 +495,14 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     return app
+
+
+def run_server(engine: AsyncEngine, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, log_level: str = "info") -> None:
+    """Serve ``engine`` with uvicorn until interrupted; the engine thread is stopped on the way out."""
+    import uvicorn
+
+    try:
+        uvicorn.run(build_app(engine, served_model_name, api_key), host=host, port=port, log_level=log_level.lower())
+    finally:
+        engine.shutdown()
