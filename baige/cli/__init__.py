@@ -8,6 +8,7 @@ from baige.cli.app import app
 from baige.cli import convert, generate  # noqa: F401  (modules register their commands)
 from baige.cli import serve  # noqa: F401
 from baige.cli import evaluate, quantize  # noqa: F401
+from baige.cli import train  # noqa: F401
 from baige.errors import BaigeError
 
 

@@ -1,0 +1,66 @@
+"""``baige train``: pre-train or fine-tune with FSDP2 / tensor parallel, one process or many.
+
+Launch forms:
+  baige train --data corpus.txt --steps 200 --output runs/a                   (one process)
+  torchrun --nproc-per-node 8 --no-python baige train --config run.toml       (one node)
+  srun ... torchrun ... baige train ... / srun baige train ...                (SLURM: scripts/slurm/train.sbatch)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from baige.cli.app import MODEL_HELP, app
+
+SET_HELP = (
+    "Override any config field: --set section.field=value (TOML value; repeatable), e.g. "
+    "--set training.steps=200 --set optimizer.betas=[0.9,0.99] --set lr_scheduler.name=wsd. "
+    "Sections: model, data, training, optimizer, lr_scheduler, parallelism, checkpoint, metrics."
+)
+
+
+@app.command()
+def train(
+    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with the sections listed under --set.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP + " (pretrained weights)")] = None,
+    model_config: Annotated[Optional[str], typer.Option(
+        "--model-config", help="Train from scratch (seeded init): a config.json or a preset (debug, smollm2-135m, llama3.2-1b).")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory or model spec (default: the model's).")] = None,
+    data: Annotated[Optional[list[str]], typer.Option(
+        "--data", help="Training file (repeatable): .txt, or .jsonl with \"text\" or chat \"messages\" (SFT).")] = None,
+    eval_data: Annotated[Optional[list[str]], typer.Option("--eval-data", help="Held-out file (repeatable).")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Steps between evaluations (0 = at the end only).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per training window.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Windows per device per micro-batch.")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per optimizer step.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Run directory (checkpoints, metrics, hf export).")] = None,
+    resume: Annotated[Optional[str], typer.Option(
+        help="auto (newest complete checkpoint in the output dir, default), none (start fresh) or a step directory.")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree.")] = None,
+    dp_replicate: Annotated[Optional[int], typer.Option(help="HSDP replica count (1 = FSDP).")] = None,
+    ac: Annotated[Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for init and data order.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)] = None,
+) -> None:
+    """Train or fine-tune a model; checkpoints (DCP), metrics.jsonl and an HF export go to --output."""
+    from baige.runtime.train import run_training
+    from baige.runtime.train_config import load_train_config
+
+    flags = {
+        "model.name": model, "model.config": model_config, "model.tokenizer": tokenizer,
+        "data.train": data or None, "data.eval": eval_data or None, "training.eval_every": eval_every,
+        "training.steps": steps, "training.seq_len": seq_len, "training.batch_size": batch_size,
+        "training.grad_accum": grad_accum, "optimizer.lr": lr, "output": output, "checkpoint.resume": resume,
+        "parallelism.tensor_parallel_degree": tp, "parallelism.data_parallel_replicate_degree": dp_replicate,
+        "training.activation_checkpointing": ac, "training.compile": compile, "training.device": device,
+        "training.seed": seed,
+    }
+    cfg = load_train_config(config, flags, set_)
+    run_training(cfg)

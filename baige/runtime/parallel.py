@@ -1,0 +1,305 @@
+"""torch.distributed set-up and the parallelisms, applied to the plain :class:`Transformer`.
+
+Order (as torchtitan applies them): :func:`apply_tp` -> :func:`apply_ac` -> :func:`apply_compile` ->
+:func:`apply_fsdp`. Each transforms the model in place and keeps every parameter's fully qualified
+name, so state dicts stay in the HF layout.
+
+Launch forms: torchrun (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) or
+``srun`` with one task per device (the same values derived from ``SLURM_*``, see
+:func:`dist_env_from_slurm`). Backend nccl on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from baige.errors import BaigeError
+
+DEFAULT_MASTER_PORT = 29500
+
+
+# ---- launch environment ----------------------------------------------------------------------------
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a SLURM host list: ``"gpu[01-03,07],login1"`` -> ``["gpu01", "gpu02", "gpu03", "gpu07", "login1"]``.
+
+    Supports several bracket groups per name (``"r[1-2]n[1-2]"``) and keeps zero padding.
+    Raises BaigeError on unbalanced brackets.
+    """
+    names: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(hostlist + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            if hostlist[start:i]:
+                names.extend(_expand_one(hostlist[start:i]))
+            start = i + 1
+        if depth < 0:
+            break
+    if depth != 0:
+        raise BaigeError(f"bad SLURM host list {hostlist!r}: unbalanced brackets")
+    return names
+
+
+def _expand_one(name: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", name)
+    if m is None:
+        return [name]
+    head, tail = name[: m.start()], name[m.end():]
+    out = []
+    for part in m.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        values = [lo] if not hi else [str(v).zfill(len(lo)) for v in range(int(lo), int(hi) + 1)]
+        for v in values:
+            out.extend(_expand_one(head + v + tail))
+    return out
+
+
+def dist_env_from_slurm(env: Mapping[str, str]) -> dict[str, str] | None:
+    """torch.distributed variables for ``srun`` with one task per device, from SLURM's.
+
+    ``SLURM_PROCID`` -> ``RANK``, ``SLURM_LOCALID`` -> ``LOCAL_RANK``, ``SLURM_NTASKS`` -> ``WORLD_SIZE``,
+    first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``) ->
+    ``MASTER_ADDR``; ``MASTER_PORT`` kept when set, else 29500. Variables already set (``MASTER_ADDR``)
+    win. Returns None when not inside a multi-task SLURM step.
+    """
+    if "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not env.get("MASTER_ADDR") and not nodelist:
+        raise BaigeError("SLURM step without SLURM_NODELIST: set MASTER_ADDR")
+    return {
+        "RANK": env["SLURM_PROCID"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "MASTER_ADDR": env.get("MASTER_ADDR") or expand_hostlist(nodelist)[0],
+        "MASTER_PORT": env.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT),
+    }
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Join the process group when launched with several processes (torchrun or srun).
+
+    torchrun's variables win over SLURM's (srun one task per node starting torchrun). With one
+    process no process group is created. On CUDA the device is ``cuda:LOCAL_RANK``.
+
+    Raises:
+        BaigeError: inconsistent launch variables.
+    """
+    if "WORLD_SIZE" not in os.environ:
+        slurm = dist_env_from_slurm(os.environ)
+        if slurm is not None:
+            os.environ.update(slurm)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    info = DistInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), world_size)
+    if not 0 <= info.rank < world_size:
+        raise BaigeError(f"RANK={info.rank} is outside WORLD_SIZE={world_size}")
+    if device_type == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return info
+
+
+# ---- device mesh -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the mesh dimensions: ``dp_replicate x dp_shard x tp == world_size``."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @classmethod
+    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int) -> "ParallelDims":
+        """``dp_shard = -1`` takes what the others leave. Raises BaigeError when the product is wrong."""
+        if dp_replicate < 1 or tp < 1 or dp_shard == 0 or dp_shard < -1:
+            raise BaigeError("parallelism degrees must be >= 1 (data_parallel_shard_degree may be -1)")
+        if dp_shard == -1:
+            if world_size % (dp_replicate * tp):
+                raise BaigeError(
+                    f"world_size {world_size} is not divisible by data_parallel_replicate_degree x "
+                    f"tensor_parallel_degree = {dp_replicate * tp}"
+                )
+            dp_shard = world_size // (dp_replicate * tp)
+        if dp_replicate * dp_shard * tp != world_size:
+            raise BaigeError(
+                f"parallelism degrees {dp_replicate} (replicate) x {dp_shard} (shard) x {tp} (tp) "
+                f"!= world_size {world_size}"
+            )
+        return cls(dp_replicate, dp_shard, tp)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    def build_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
+        """The 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` (None for a single process)."""
+        if self.dp_size * self.tp == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+        )
+
+    def dp_rank(self, mesh) -> int:
+        """This rank's index among the data-parallel ranks (``replicate_idx * dp_shard + shard_idx``)."""
+        if mesh is None:
+            return 0
+        return mesh.get_local_rank("dp_replicate") * self.dp_shard + mesh.get_local_rank("dp_shard")
+
+
+# ---- transformations -------------------------------------------------------------------------------
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style tensor parallelism with DTensor (Shoeybi et al. 2019, arXiv:1909.08053).
+
+    q/k/v and gate/up projections column-wise, o_proj and down_proj row-wise (one all-reduce after
+    attention and one after the MLP); embeddings, norms and lm_head stay replicated over ``tp_mesh``.
+    Each attention module's head counts become per-rank counts (as gpt-fast does).
+
+    Raises:
+        BaigeError: heads, KV heads or the MLP width not divisible by the TP degree.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    cfg = model.config
+    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:
+            raise BaigeError(f"{name}={n} is not divisible by tensor_parallel_degree={tp}")
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+        layer.self_attn.n_heads //= tp  # local heads: the projections' outputs are local shards
+        layer.self_attn.n_kv_heads //= tp
+
+
+def apply_ac(model: nn.Module, mode: str) -> None:
+    """Activation checkpointing per decoder block (Chen et al. 2016, arXiv:1604.06174).
+
+    ``mode``: ``"none"``, ``"full"`` (every block) or ``"N"`` (every N-th block: 0, N, 2N, ...).
+    Uses the composable ``checkpoint`` hook, so parameter names do not change.
+    """
+    if mode == "none":
+        return
+    from torch.distributed._composable import checkpoint
+
+    every = 1 if mode == "full" else int(mode)
+    for i, layer in enumerate(model.model.layers):
+        if i % every == 0:
+            checkpoint(layer)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each decoder block in place (repeated blocks share one compiled graph)."""
+    for layer in model.model.layers:
+        layer.compile(fullgraph=True)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    """FSDP2 ``fully_shard`` on every decoder block, then on the root (embeddings, final norm, lm_head).
+
+    ``dp_mesh`` is 1-D (FSDP) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: replicate across the first
+    dimension, shard within the second). Gradients are averaged over the data-parallel ranks in
+    ``reduce_dtype``; parameters are all-gathered in ``param_dtype`` (the MixedPrecisionPolicy).
+    The last block is not resharded after forward: backward needs it at once.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile: bool,
+                param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    """Apply TP, AC, compile and FSDP in that order (each only when enabled)."""
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"])
+    apply_ac(model, ac)
+    if compile:
+        apply_compile(model)
+    if dims.fsdp_enabled:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
+
+
+# ---- gradient clipping -----------------------------------------------------------------------------
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients by their global L2 norm; correct when they are DTensors sharded by FSDP and/or TP.
+
+    Norms are taken per group of gradients on the same mesh and placements, then made global with
+    ``full_tensor()`` (the reduction the placements call for); plain tensors are local (identical
+    across the ranks that hold them). ``max_norm <= 0`` only measures.
+
+    Returns:
+        () fp32 total norm before clipping (the same on every rank).
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad
+            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device].append(p)
+    total_sq = None
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq = norm.float() ** 2
+        total_sq = sq if total_sq is None else total_sq + sq.to(total_sq.device)
+    if total_sq is None:
+        return torch.zeros(())
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        for params in groups.values():  # per group: one foreach call may not mix DTensors and tensors
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -1,0 +1,257 @@
+"""``baige train``'s configuration: one dataclass per TOML section, file + flags + ``--set`` overrides.
+
+Resolution order (later wins): the dataclass defaults, ``--config run.toml``, the command-line flags,
+then ``--set section.field=value`` overrides. ``value`` is read as a TOML value (``3e-4``, ``true``,
+``[0.9, 0.95]``, ``"text"``); a bare word that is not TOML is taken as a string
+(``--set model.name=/data/llama``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from baige.errors import BaigeError
+
+
+@dataclass
+class ModelSection:
+    name: str | None = None  # pretrained weights: any spec the loader accepts (None = the embedded default)
+    config: str | None = None  # from scratch instead: a config.json path or a preset name (see train.PRESETS)
+    tokenizer: str | None = None  # tokenizer dir/spec; default: the model's own (or the config.json's dir)
+
+
+@dataclass
+class DataSection:
+    train: list[str] = field(default_factory=list)  # .txt (one document per file) or .jsonl ("text" / "messages")
+    eval: list[str] = field(default_factory=list)
+    shuffle: bool = True  # shuffle windows each epoch (seeded by training.seed + epoch)
+
+
+@dataclass
+class TrainingSection:
+    steps: int = 1000  # optimizer steps
+    seq_len: int = 2048  # tokens per window
+    batch_size: int = 8  # windows per device per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    max_norm: float = 1.0  # gradient clipping by global L2 norm; 0 = off
+    eval_every: int = 0  # steps between evaluations of data.eval; 0 = only at the end
+    eval_batches: int = 0  # micro-batches per evaluation (per device); 0 = the whole eval set
+    device: str = "auto"  # auto | cpu | cuda
+    activation_checkpointing: str = "none"  # none | full | N (every N-th block)
+    compile: bool = False  # torch.compile each block
+
+
+@dataclass
+class OptimizerSection:
+    name: str = "adamw"
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # not applied to norms, biases and embeddings
+    fused: str = "auto"  # auto (fused on CUDA) | true | false
+
+
+@dataclass
+class LRSchedulerSection:
+    name: str = "cosine"  # cosine | wsd | constant (all after a linear warmup)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # final lr / peak lr for cosine and wsd
+    decay_ratio: float = 0.2  # wsd: fraction of the steps spent in the final linear decay
+
+
+@dataclass
+class ParallelismSection:
+    data_parallel_replicate_degree: int = 1  # HSDP replicas (1 = plain FSDP)
+    data_parallel_shard_degree: int = -1  # -1 = whatever world_size leaves
+    tensor_parallel_degree: int = 1
+    mixed_precision_param: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
+    mixed_precision_reduce: str = "float32"
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = 500  # steps between DCP checkpoints (0 = only at the end)
+    keep_latest: int = 2  # complete checkpoints kept (0 = all)
+    resume: str = "auto"  # auto (newest complete step, fresh start if none) | none | PATH to a step dir
+    export_hf: bool = True  # write an HF directory (output/hf) at the end
+    export_dtype: str = "auto"  # auto (the model config's torch_dtype) | float32 | bfloat16 | float16
+
+
+@dataclass
+class MetricsSection:
+    log_every: int = 10  # steps
+    tensorboard: bool = True  # when the tensorboard package is installed
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 = table (CUDA) or measured matmul rate (CPU)
+
+
+@dataclass
+class TrainConfig:
+    """Resolved configuration of ``baige train`` (saved as ``config.toml`` beside every checkpoint)."""
+
+    output: str = "runs/train"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The config as TOML text (the inverse of :func:`load_train_config`)."""
+        top, sections = [], []
+        for key, value in self.to_dict().items():
+            if isinstance(value, dict):
+                lines = [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+                sections.append(f"[{key}]\n" + "\n".join(lines))
+            elif value is not None:
+                top.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _coerce(where: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against a field's type; ints become floats for float fields. Raises BaigeError."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(where, value, option)
+            except BaigeError:
+                pass
+        raise BaigeError(f"config {where}: {value!r} is not a {annotation}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise BaigeError(f"config {where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(annotation)
+        return [_coerce(where, v, item) for v in value]
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
+        return value
+    raise BaigeError(f"config {where}: expected {annotation.__name__}, got {value!r}")
+
+
+def _set(cfg: TrainConfig, dotted: str, value: Any) -> None:
+    """Assign ``section.field`` (or a top-level field). Raises BaigeError for unknown names or bad types."""
+    parts = dotted.split(".")
+    target: Any = cfg
+    for part in parts[:-1]:
+        if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
+            raise BaigeError(f"unknown config section {part!r} in {dotted!r}")
+        target = getattr(target, part)
+    fields = {f.name: f for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else {}
+    name = parts[-1]
+    if name not in fields or dataclasses.is_dataclass(getattr(target, name)):
+        raise BaigeError(f"unknown config field {dotted!r}")
+    setattr(target, name, _coerce(dotted, value, typing.get_type_hints(type(target))[name]))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"training.steps=200"`` -> ``("training.steps", 200)``. Raises BaigeError without ``=``."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise BaigeError(f"--set {text!r}: expected section.field=value (e.g. training.steps=200)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word: a string
+    return key.strip(), value
+
+
+def load_train_config(
+    path: str | Path | None = None,
+    flags: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> TrainConfig:
+    """Resolve the config: defaults <- TOML file <- flags (dotted name -> value, None = not given) <- ``--set``.
+
+    Raises:
+        BaigeError: missing/invalid TOML file, unknown section or field, a value of the wrong type.
+    """
+    cfg = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise BaigeError(f"{path}: config file not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise BaigeError(f"{path}: not valid TOML ({e})") from None
+        for key, value in data.items():
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    _set(cfg, f"{key}.{sub}", v)
+            else:
+                _set(cfg, key, value)
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _set(cfg, key, value)
+    for text in overrides or []:
+        _set(cfg, *parse_override(text))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Range and choice checks. Raises BaigeError naming the field."""
+    t = cfg.training
+    for name in ("steps", "seq_len", "batch_size", "grad_accum"):
+        if getattr(t, name) < 1:
+            raise BaigeError(f"training.{name} must be >= 1 (got {getattr(t, name)})")
+    ac = t.activation_checkpointing
+    if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):
+        raise BaigeError(f"training.activation_checkpointing must be none, full or a block interval N >= 1 (got {ac!r})")
+    if cfg.optimizer.name != "adamw":
+        raise BaigeError(f"optimizer.name {cfg.optimizer.name!r} is not supported (adamw)")
+    if len(cfg.optimizer.betas) != 2:
+        raise BaigeError(f"optimizer.betas must be two numbers (got {cfg.optimizer.betas})")
+    if cfg.optimizer.fused not in ("auto", "true", "false"):
+        raise BaigeError(f"optimizer.fused must be auto, true or false (got {cfg.optimizer.fused!r})")
+    if cfg.lr_scheduler.name not in ("cosine", "wsd", "constant"):
+        raise BaigeError(f"lr_scheduler.name must be cosine, wsd or constant (got {cfg.lr_scheduler.name!r})")
+    for name in ("mixed_precision_param", "mixed_precision_reduce"):
+        if getattr(cfg.parallelism, name) not in ("auto", "float32", "bfloat16"):
+            raise BaigeError(f"parallelism.{name} must be auto, float32 or bfloat16")
+    if cfg.checkpoint.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise BaigeError(f"checkpoint.export_dtype must be auto, float32, bfloat16 or float16")
+    if cfg.model.name is not None and cfg.model.config is not None:
+        raise BaigeError("give model.name (pretrained weights) or model.config (from scratch), not both")
+    if not cfg.data.train:
+        raise BaigeError("no training data: pass --data FILE (or data.train in the config)")
+    if cfg.metrics.log_every < 1:
+        raise BaigeError(f"metrics.log_every must be >= 1 (got {cfg.metrics.log_every})")

@@ -1,0 +1,100 @@
+"""2-rank gloo runs of `baige train` against 1-process runs on the same global batch (tiny model).
+
+One torch.multiprocessing spawn runs every 2-rank scenario in order (the process start-up is the
+expensive part); the tests then compare what each run wrote to its metrics.jsonl and HF export.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_model
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    tied = tiny_model(root / "tied97", "llama-tied", vocab_size=97)  # 97 rows: not divisible by 2 ranks
+    untied = tiny_model(root / "untied", "llama", vocab_size=98, seed=1)
+    data = root / "train.txt"
+    data.write_text(shakespeare(20_000))
+    common = dict(model=str(tied), data=str(data))
+    step10 = root / "fsdp" / "checkpoints" / "step_00000010"
+    jobs = [
+        # 20 steps with a save at 10 (FSDP2, 2 ranks x batch 2).
+        (job_train, dict(common, output=str(root / "fsdp"), **{"training.steps": STEPS, "training.batch_size": 2,
+                                                              "checkpoint.interval": 10})),
+        # Resume the step-10 checkpoint on 2 ranks and train to 20.
+        (job_train, dict(common, output=str(root / "fsdp_resumed"), copy_checkpoint=str(step10),
+                         **{"training.steps": STEPS, "training.batch_size": 2})),
+        # Tensor parallel: TP=2, each rank sees the whole batch of 4.
+        (job_train, dict(model=str(untied), data=str(data), output=str(root / "tp"),
+                         **{"training.steps": 3, "training.batch_size": 4, "parallelism.tensor_parallel_degree": 2})),
+    ]
+    mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        job_train(**common, output=str(root / "single"), **{"training.steps": STEPS, "training.batch_size": 4})
+        job_train(**common, output=str(root / "single_from_2ranks"), copy_checkpoint=str(step10),
+                  **{"training.steps": STEPS, "training.batch_size": 4})
+        job_train(model=str(untied), data=str(data), output=str(root / "single_tp"),
+                  **{"training.steps": 3, "training.batch_size": 4})
+    finally:
+        torch.set_num_threads(threads)
+    return root
+
+
+def _params(run_dir):
+    return load_file(str(run_dir / "hf" / "model.safetensors"))
+
+
+def test_fsdp_two_ranks_match_one_process(runs):
+    fsdp, single = read_metrics(runs / "fsdp"), read_metrics(runs / "single")
+    assert sorted(fsdp) == list(range(1, STEPS + 1))
+    for step in range(1, 6):
+        assert abs(fsdp[step] - single[step]) < 1e-5, (step, fsdp[step], single[step])
+    assert fsdp[5] < fsdp[1] - 0.5  # it trains: the character model learns the letter frequencies
+
+
+def test_resume_is_bitwise_on_two_ranks_with_odd_vocab(runs):
+    full, resumed = read_metrics(runs / "fsdp"), read_metrics(runs / "fsdp_resumed")
+    assert sorted(resumed) == list(range(11, STEPS + 1))  # it started after the checkpoint
+    for step in range(11, STEPS + 1):
+        assert resumed[step] == full[step], step
+    a, b = _params(runs / "fsdp"), _params(runs / "fsdp_resumed")
+    assert a["model.embed_tokens.weight"].shape[0] == 97
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    initial = load_file(str(runs / "tied97" / "model.safetensors"))
+    assert not torch.equal(initial["model.norm.weight"], a["model.norm.weight"])  # parameters did change
+
+
+def test_checkpoint_saved_on_two_ranks_resumes_on_one(runs):
+    full, resumed = read_metrics(runs / "fsdp"), read_metrics(runs / "single_from_2ranks")
+    assert sorted(resumed) == list(range(11, STEPS + 1))
+    for step in range(11, STEPS + 1):
+        assert abs(resumed[step] - full[step]) < 1e-4, (step, resumed[step], full[step])
+    a, b = _params(runs / "fsdp"), _params(runs / "single_from_2ranks")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)  # Adam steps are ~lr = 1e-2
+
+
+def test_tensor_parallel_matches_one_process(runs):
+    tp, single = read_metrics(runs / "tp"), read_metrics(runs / "single_tp")
+    assert sorted(tp) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert abs(tp[step] - single[step]) < 1e-5, (step, tp[step], single[step])
+    a, b = _params(runs / "tp"), _params(runs / "single_tp")
+    assert "lm_head.weight" in a  # untied
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)  # Adam steps are ~lr = 1e-2
