@@ -38,10 +38,11 @@ def test_kernels_import_only_torch_and_triton():
 
 
 def test_runtime_never_imports_cli_or_typer_or_transformers():
+    bench_compare = PKG / "runtime" / "bench" / "compare.py"  # DESIGN: transformers in tests and benchmarks only
     for f in files("runtime"):
         for name in imports(f):
             assert not name.startswith("baige.cli"), (f, name)
-            assert top(name) not in {"typer", "transformers"}, (f, name)
+            assert top(name) not in ({"typer"} if f == bench_compare else {"typer", "transformers"}), (f, name)
 
 
 def test_model_stays_plain():

@@ -9,6 +9,7 @@ from baige.cli import convert, generate  # noqa: F401  (modules register their c
 from baige.cli import serve  # noqa: F401
 from baige.cli import evaluate, quantize  # noqa: F401
 from baige.cli import train  # noqa: F401
+from baige.cli import bench  # noqa: F401
 from baige.errors import BaigeError
 
 

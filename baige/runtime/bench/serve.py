@@ -53,6 +53,7 @@ class RequestResult:
     generated_text: str = ""
     error: str = ""
     start: float = 0.0
+    index: int = -1  # position in the request list (set by run_requests)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -202,6 +203,7 @@ async def run_requests(base_url: str, model: str, requests: Sequence[RequestInpu
                     results[i] = await send_completion(client, url, model, requests[i], headers, ignore_eos)
             else:
                 results[i] = await send_completion(client, url, model, requests[i], headers, ignore_eos)
+            results[i].index = i
             if on_done:
                 on_done(results[i])
 

@@ -1,0 +1,254 @@
+"""``baige bench``: latency, throughput, serve, kernels, train, compare; no subcommand = the default suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from baige.cli.app import MODEL_HELP, app
+from baige.cli.generate import Device, DType
+
+bench_app = typer.Typer(
+    help="Benchmark baige against its peers and this machine's limits. Without a subcommand: a short "
+    "suite (latency, throughput, serve, compare) on the model, one summary table.",
+    invoke_without_command=True,
+)
+app.add_typer(bench_app, name="bench")
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
+OutDirOpt = Annotated[Path, typer.Option(help="Directory for the JSON results (and PNG charts).")]
+PlotOpt = Annotated[bool, typer.Option("--plot", help="Also write PNG charts (matplotlib).")]
+DTypeOpt = Annotated[DType, typer.Option(help="Weights and KV-cache dtype; auto = the checkpoint's.")]
+DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")]
+EagerOpt = Annotated[bool, typer.Option(help="Never capture the decode step (torch.compile / CUDA graphs).")]
+MNBTOpt = Annotated[int, typer.Option(min=1, help="Most tokens computed in one engine step.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the random prompts.")]
+DEFAULT_OUT = Path("bench-results")
+
+
+def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
+    """Run ``fn(cfg, progress)`` under a progress bar, print its table, write its JSON (and charts).
+    Exits 130 after writing when the run was interrupted (Ctrl-C)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from baige.runtime.bench.common import write_result
+    from baige.runtime.bench.report import write_plots
+
+    err = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(f"bench {name}", total=None)
+        result = fn(cfg, lambda done, total, what: bar.update(task, completed=done, total=total,
+                                                             description=f"bench {name}: {what}"))
+    Console().print(render(result))
+    path = write_result(output_dir, name, result)
+    err.print(f"wrote {path}")
+    if plot:
+        for p in write_plots(result, output_dir, path.stem):
+            err.print(f"wrote {p}")
+    if result.get("interrupted"):
+        err.print("[yellow]interrupted[/yellow]: the result covers what was measured before Ctrl-C")
+        raise typer.Exit(130)
+    return result
+
+
+def _engine(model, dtype, device, enforce_eager, mnbt):
+    from baige.runtime.bench.offline import EngineArgs
+
+    return EngineArgs(model=model, dtype=dtype.value, device=device.value, max_num_batched_tokens=mnbt,
+                      enforce_eager=enforce_eager)
+
+
+@bench_app.callback()
+def bench(ctx: typer.Context, model: ModelOpt = None, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False) -> None:
+    """Benchmark baige against its peers and this machine's limits (memory bandwidth, matmul peak)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from baige.runtime.bench.suite import run_suite, suite_table
+
+    from rich.console import Console
+
+    result = run_suite(model, output_dir, plot)
+    Console().print(suite_table(result))
+    if result.get("interrupted"):
+        raise typer.Exit(130)
+
+
+@bench_app.command()
+def latency(
+    model: ModelOpt = None,
+    input_len: Annotated[int, typer.Option(min=1, help="Prompt length (tokens).")] = 32,
+    output_len: Annotated[int, typer.Option(min=1, help="Tokens generated per prompt, EOS ignored.")] = 128,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts in the batch.")] = 8,
+    num_iters_warmup: Annotated[int, typer.Option(min=0, help="Untimed iterations.")] = 1,
+    num_iters: Annotated[int, typer.Option(min=1, help="Timed iterations.")] = 5,
+    dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
+    max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
+    output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+) -> None:
+    """Latency of one batch (vllm bench latency): percentiles (s), TTFT, TPOT, prefill/decode tokens/s."""
+    from baige.runtime.bench.offline import LatencyConfig, run_latency
+    from baige.runtime.bench.report import latency_rows, metric_table
+
+    cfg = LatencyConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), input_len, output_len,
+                        batch_size, num_iters_warmup, num_iters, seed)
+    _execute("latency", run_latency, cfg, output_dir, plot,
+             lambda r: metric_table(f"baige bench latency (batch {batch_size}, {input_len} in, {output_len} out)",
+                                    latency_rows(r)))
+
+
+@bench_app.command()
+def throughput(
+    model: ModelOpt = None,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Requests, all submitted at once.")] = 32,
+    input_len: Annotated[int, typer.Option(min=1, help="Random dataset: prompt length (tokens).")] = 128,
+    output_len: Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")] = 128,
+    range_ratio: Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")] = 0.0,
+    dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")] = None,
+    dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
+    max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
+    output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+) -> None:
+    """Offline throughput (vllm bench throughput): requests/s, total tokens/s, output tokens/s."""
+    from baige.runtime.bench.offline import ThroughputConfig, run_throughput
+    from baige.runtime.bench.report import metric_table, throughput_rows
+
+    cfg = ThroughputConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), num_prompts,
+                           input_len, output_len, range_ratio, str(dataset_path) if dataset_path else None, seed)
+    _execute("throughput", run_throughput, cfg, output_dir, plot,
+             lambda r: metric_table(f"baige bench throughput ({num_prompts} prompts)", throughput_rows(r)))
+
+
+@bench_app.command()
+def serve(
+    model: ModelOpt = None,
+    base_url: Annotated[Optional[str], typer.Option(help="An OpenAI-compatible server to load; default: start "
+                                                    "`baige serve` on --model and stop it afterwards.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model name sent in requests.")] = None,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Requests to send.")] = 64,
+    input_len: Annotated[int, typer.Option(min=1, help="Random dataset: prompt length (tokens).")] = 128,
+    output_len: Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")] = 64,
+    range_ratio: Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")] = 0.0,
+    dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")] = None,
+    request_rate: Annotated[float, typer.Option(help="Requests/s (inf: all at once).")] = float("inf"),
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrivals (1 = Poisson).")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(min=1, help="Most requests in flight.")] = None,
+    percentiles: Annotated[str, typer.Option(help="Comma-separated percentiles to report.")] = "50,90,99",
+    slo: Annotated[Optional[str], typer.Option(help="Goodput SLOs, e.g. ttft:500,tpot:50,e2el:3000 (ms).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="BAIGE_API_KEY", help="Bearer token for the server.")] = None,
+    server_arg: Annotated[Optional[list[str]], typer.Option(help="Extra `baige serve` option (repeatable), "
+                                                            "e.g. --server-arg=--max-num-seqs=64.")] = None,
+    seed: SeedOpt = 0, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+) -> None:
+    """Online serving load (vllm bench serve): streamed requests, TTFT/TPOT/ITL/E2EL (ms), goodput."""
+    from baige.errors import BaigeError
+    from baige.runtime.bench.report import metric_table, serve_rows
+    from baige.runtime.bench.serve_run import ServeBenchConfig, run_serve
+
+    try:
+        pcts = [float(p) for p in percentiles.split(",") if p.strip()]
+    except ValueError:
+        raise BaigeError(f"--percentiles {percentiles!r}: use comma-separated numbers, e.g. 50,90,99") from None
+    cfg = ServeBenchConfig(model, base_url, served_model_name, num_prompts, input_len, output_len, range_ratio,
+                           str(dataset_path) if dataset_path else None, request_rate, burstiness, max_concurrency,
+                           seed, pcts, slo, api_key, list(server_arg or []))
+
+    def run(cfg, progress):
+        done = []
+        return run_serve(cfg, lambda r: (done.append(r), progress(len(done), cfg.num_prompts, "requests")))
+
+    _execute("serve", run, cfg, output_dir, plot,
+             lambda r: metric_table(f"baige bench serve ({num_prompts} requests at {request_rate} requests/s)",
+                                    serve_rows(r)))
+
+
+@bench_app.command()
+def kernels(
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
+    device: DeviceOpt = Device.auto,
+    sizes: Annotated[str, typer.Option(help="Comma-separated tokens per call.")] = "128,512,2048",
+    op: Annotated[Optional[list[str]], typer.Option(help="Only this op (repeatable). Default: every op.")] = None,
+    compile: Annotated[bool, typer.Option(help="Also time torch.compile of the reference.")] = True,
+    iters: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (CPU).")] = 10,
+    output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+) -> None:
+    """Every baige.kernels op vs its PyTorch reference and torch.compile: µs, GB/s, TFLOP/s, % of limit."""
+    from baige import kernels as kernel_api
+    from baige.errors import BaigeError
+    from baige.runtime.bench.kernels import KernelsConfig, run_kernels
+    from baige.runtime.bench.report import kernels_table
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise BaigeError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
+    unknown = [o for o in op or [] if o not in kernel_api.__all__]
+    if unknown:
+        raise BaigeError(f"--op {unknown[0]!r} is not a baige.kernels op ({', '.join(kernel_api.__all__)})")
+    try:
+        size_list = tuple(int(s) for s in sizes.split(","))
+    except ValueError:
+        raise BaigeError(f"--sizes {sizes!r}: use comma-separated integers") from None
+    cfg = KernelsConfig(dtype, device.value, size_list, tuple(op or ()), compile, iters)
+    _execute("kernels", run_kernels, cfg, output_dir, plot, kernels_table)
+
+
+@bench_app.command()
+def train(
+    model: ModelOpt = None,
+    seq_len: Annotated[int, typer.Option(min=2, help="Tokens per window.")] = 256,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per micro-batch.")] = 4,
+    grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches per optimizer step.")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps, warm-up included.")] = 6,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Untimed steps.")] = 2,
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16.")] = "auto",
+    device: DeviceOpt = Device.auto,
+    activation_checkpointing: Annotated[str, typer.Option(help="none | full | N.")] = "none",
+    compile: Annotated[bool, typer.Option(help="torch.compile each block.")] = False,
+    data: Annotated[Optional[Path], typer.Option(help="UTF-8 text to train on (default: synthetic).")] = None,
+    seed: SeedOpt = 0, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+) -> None:
+    """Short training run through the Trainer: tokens/s per device, MFU (%), peak memory."""
+    from baige.errors import BaigeError
+    from baige.runtime.bench.report import metric_table, train_rows
+    from baige.runtime.bench.train import TrainBenchConfig, run_train
+
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise BaigeError(f"--dtype {dtype!r}: choose auto, float32 or bfloat16")
+    cfg = TrainBenchConfig(model, seq_len, batch_size, grad_accum, steps, warmup_steps, dtype, device.value,
+                           activation_checkpointing, compile, str(data) if data else None, seed)
+    _execute("train", run_train, cfg, output_dir, plot,
+             lambda r: metric_table(f"baige bench train ({batch_size} x {seq_len} tokens/step)", train_rows(r)))
+
+
+@bench_app.command()
+def compare(
+    model: ModelOpt = None,
+    input_len: Annotated[int, typer.Option(min=1, help="Decode: prompt length (tokens).")] = 32,
+    output_len: Annotated[int, typer.Option(min=2, help="Decode: tokens generated.")] = 64,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Throughput: prompts.")] = 32,
+    tp_input_len: Annotated[int, typer.Option(min=1, help="Throughput: mean prompt length (tokens).")] = 128,
+    tp_output_len: Annotated[int, typer.Option(min=1, help="Throughput: mean output length (tokens).")] = 64,
+    range_ratio: Annotated[float, typer.Option(help="Throughput: lengths uniform in len*[1-r, 1+r].")] = 0.5,
+    hf_batch_size: Annotated[int, typer.Option(min=1, help="HF static batch size.")] = 32,
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved rounds (median kept).")] = 1,
+    quantized: Annotated[bool, typer.Option(help="Also time baige on int8 and int4 copies.")] = True,
+    dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
+    max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
+    output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+) -> None:
+    """baige vs HF transformers (and llama.cpp when installed): batch-1 decode and offline throughput ratios."""
+    from baige.runtime.bench.compare import CompareConfig, run_compare
+    from baige.runtime.bench.report import compare_table
+
+    cfg = CompareConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), input_len, output_len,
+                        num_prompts, tp_input_len, tp_output_len, range_ratio, hf_batch_size, repeats,
+                        quantized=("int8", "int4") if quantized else (), seed=seed)
+
+    def render(r):
+        from rich.console import Group
+
+        return Group(compare_table(r), *[f"note: {n}" for n in r["notes"]])
+
+    _execute("compare", run_compare, cfg, output_dir, plot, render)

@@ -1,0 +1,217 @@
+"""``baige bench compare``: the same workloads through baige and its peers in one run, interleaved.
+
+Workloads (greedy, EOS ignored, every system generates exactly the asked tokens):
+
+- **decode**: batch 1, one random-token prompt of ``input_len`` tokens, ``output_len`` new tokens;
+  tokens/s = output_len / end-to-end seconds (gpt-fast's batch-1 tokens/s).
+- **throughput**: ``num_prompts`` mixed-length random prompts (lengths uniform in
+  ``len * [1 - range_ratio, 1 + range_ratio]``); total tokens/s = (prompt + output tokens) / seconds
+  (``vllm bench throughput``). HF transformers runs *static batching*: ``hf_batch_size`` prompts at a
+  time, left-padded, each batch generating its longest requested output; only requested tokens count.
+
+Peers: HF transformers (``generate``) in float32 and bfloat16 always; llama-cpp-python on the same
+GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128)
+copies of the model quantized into a temporary directory. Every repeat runs each system once in turn
+and the report keeps the median per system. Ratios are baige / peer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from baige.runtime.bench import roofline
+from baige.runtime.bench.common import environment
+from baige.runtime.bench.offline import EngineArgs, Progress, build_llm, random_token_prompts
+
+
+@dataclass
+class CompareConfig:
+    """Resolved arguments of ``baige bench compare``."""
+
+    engine: EngineArgs
+    input_len: int = 32  # tokens, decode prompt
+    output_len: int = 64  # tokens, decode
+    num_prompts: int = 32
+    tp_input_len: int = 128  # tokens, throughput prompts (mean)
+    tp_output_len: int = 64  # tokens, throughput outputs (mean)
+    range_ratio: float = 0.5
+    hf_batch_size: int = 32
+    repeats: int = 1
+    hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    quantized: tuple[str, ...] = ("int8", "int4")
+    seed: int = 0
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _baige_decode(llm, prompt: list[int], n: int) -> Callable[[], None]:
+    from baige.runtime.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return lambda: llm.generate([{"prompt_token_ids": prompt}], params)
+
+
+def _baige_batch(llm, reqs: list[tuple[list[int], int]]) -> Callable[[], None]:
+    from baige.runtime.sampling import SamplingParams
+
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    return lambda: llm.generate(prompts, params)
+
+
+def _hf_generate(model, batch: list[list[int]], n: int, pad_id: int) -> None:
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # (B, width), left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=pad_id)
+
+
+def _hf_static(model, reqs: list[tuple[list[int], int]], batch_size: int, pad_id: int) -> Callable[[], None]:
+    def run() -> None:
+        for i in range(0, len(reqs), batch_size):
+            chunk = reqs[i : i + batch_size]
+            _hf_generate(model, [p for p, _ in chunk], max(n for _, n in chunk), pad_id)
+
+    return run
+
+
+def _llama_cpp_decode(gguf: Path, prompt: list[int], n: int) -> Callable[[], None] | None:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n + 8, n_threads=torch.get_num_threads(), verbose=False)
+    bias = {llm.token_eos(): -1e9}
+
+    def run() -> None:
+        llm.reset()
+        llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias=bias)
+
+    return run
+
+
+def _gguf_of(spec: str | None) -> Path | None:
+    from baige.runtime.loader import ALIASES, DEFAULT_MODEL, alias_gguf_path
+
+    spec = spec or DEFAULT_MODEL
+    if spec in ALIASES:
+        return alias_gguf_path(spec)
+    return Path(spec) if spec.endswith(".gguf") and Path(spec).is_file() else None
+
+
+def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
+    """Run ``baige bench compare``; returns the JSON result with per-repeat samples (seconds) and a
+    summary of tokens/s, ratios and roofline per system."""
+    from transformers import AutoModelForCausalLM
+
+    from baige.runtime.loader import resolve_model
+    from baige.runtime.quant_format import quantize_checkpoint
+    from baige.runtime.config import QuantizeConfig
+
+    model_dir = resolve_model(cfg.engine.model)
+    notes: list[str] = []
+    baige = build_llm(cfg.engine, max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len)),
+                      cfg.num_prompts)
+    vocab = baige.engine.vocab_size
+    decode_prompt = random_token_prompts(vocab, 1, cfg.input_len, 1, 0.0, cfg.seed)[0][0]
+    reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.tp_input_len, cfg.tp_output_len, cfg.range_ratio, cfg.seed)
+    pad_id = baige.engine.eos_token_ids[0]
+
+    decode: dict[str, Callable[[], None]] = {"baige": _baige_decode(baige, decode_prompt, cfg.output_len)}
+    batch: dict[str, Callable[[], None]] = {"baige": _baige_batch(baige, reqs)}
+    weight_bytes = {"baige": roofline.weight_bytes(baige.engine.model)}
+    dtype_bytes = {"baige": next(baige.engine.model.parameters()).element_size()}
+    for dt in cfg.hf_dtypes:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dt)).eval()
+        decode[f"hf-{dt}"] = lambda m=hf: _hf_generate(m, [decode_prompt], cfg.output_len, pad_id)
+        batch[f"hf-{dt}"] = _hf_static(hf, reqs, cfg.hf_batch_size, pad_id)
+        weight_bytes[f"hf-{dt}"] = roofline.weight_bytes(hf)
+        dtype_bytes[f"hf-{dt}"] = torch.tensor([], dtype=getattr(torch, dt)).element_size()
+    tmp = tempfile.TemporaryDirectory(prefix="baige-bench-quant-")
+    for method in cfg.quantized:
+        out = Path(tmp.name) / method
+        quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=method, output=str(out), device=cfg.engine.device))
+        q = build_llm(EngineArgs(**{**asdict(cfg.engine), "model": str(out)}), cfg.input_len + cfg.output_len, 1)
+        decode[f"baige-{method}"] = _baige_decode(q, decode_prompt, cfg.output_len)
+        weight_bytes[f"baige-{method}"] = roofline.weight_bytes(q.engine.model)
+        dtype_bytes[f"baige-{method}"] = dtype_bytes["baige"]
+    gguf = _gguf_of(cfg.engine.model)
+    if importlib.util.find_spec("llama_cpp") is None:
+        notes.append("llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
+    elif gguf is None:
+        notes.append("the model is not a GGUF file: llama.cpp skipped")
+    else:
+        decode["llama.cpp"] = _llama_cpp_decode(gguf, decode_prompt, cfg.output_len)
+        weight_bytes["llama.cpp"] = gguf.stat().st_size
+        dtype_bytes["llama.cpp"] = 2
+
+    # warm-up: one short call of each (compilation, allocation, first-touch page faults)
+    for name, fn in decode.items():
+        fn()
+    samples: dict[str, dict[str, list[float]]] = {"decode": {k: [] for k in decode}, "throughput": {k: [] for k in batch}}
+    total = cfg.repeats * (len(decode) + len(batch))
+    done = 0
+    interrupted = False
+    try:
+        for _ in range(cfg.repeats):
+            for kind, fns in (("decode", decode), ("throughput", batch)):
+                for name, fn in fns.items():
+                    samples[kind][name].append(_timed(fn))
+                    done += 1
+                    if progress:
+                        progress(done, total, f"{kind} {name}")
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        tmp.cleanup()
+
+    limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)
+    counts = roofline.model_counts(baige.engine.model)
+    mc = baige.engine.model.config
+    tp_tokens = sum(len(p) + n for p, n in reqs)
+    summary: dict = {"decode": {}, "throughput": {}}
+    for name, ts in samples["decode"].items():
+        if ts:
+            tps = cfg.output_len / statistics.median(ts)
+            summary["decode"][name] = {"tokens_per_s": tps, "roofline": roofline.decode_roofline(
+                tps, 1, weight_bytes[name], mc.kv_bytes_per_token(dtype_bytes[name]),
+                cfg.input_len + cfg.output_len / 2, limits.bandwidth)}
+    for name, ts in samples["throughput"].items():
+        if ts:
+            tps = tp_tokens / statistics.median(ts)
+            flops = roofline.forward_flops_per_token(counts["num_params_non_embedding"], counts["attn_dims"],
+                                                     tp_tokens / len(reqs))
+            summary["throughput"][name] = {"tokens_per_s": tps, "roofline": roofline.compute_roofline(
+                tps, flops, limits.matmul_peak)}
+    summary["ratios"] = ratios(summary)
+    return {"benchmark": "compare", "args": asdict(cfg), "environment": environment(), "limits": limits.to_dict(),
+            "model": counts, "interrupted": interrupted, "notes": notes, "samples": samples, "summary": summary}
+
+
+def ratios(summary: dict) -> dict[str, float]:
+    """baige / peer tokens/s for every peer row, plus ``vs_hf_best`` against the fastest HF dtype."""
+    out = {}
+    for kind in ("decode", "throughput"):
+        rows = summary.get(kind, {})
+        if "baige" not in rows:
+            continue
+        ours = rows["baige"]["tokens_per_s"]
+        peers = {k: v["tokens_per_s"] for k, v in rows.items() if not k.startswith("baige")}
+        for k, v in peers.items():
+            out[f"{kind}_baige_over_{k}"] = ours / v
+        hf = [v for k, v in peers.items() if k.startswith("hf-")]
+        if hf:
+            out[f"{kind}_baige_over_hf_best"] = ours / max(hf)
+    return out

@@ -1,0 +1,238 @@
+"""``baige bench latency`` and ``baige bench throughput``: the offline engine (``LLM.generate``).
+
+Definitions follow ``vllm bench latency`` / ``vllm bench throughput``:
+
+- latency: seconds for one ``generate`` call on a batch of ``batch_size`` random-token prompts of
+  ``input_len`` tokens, each producing ``output_len`` tokens with EOS ignored; mean, std and
+  percentiles over ``num_iters`` timed calls after ``num_iters_warmup`` untimed ones.
+  Per call we also split prefill from decode with the engine's request timestamps:
+  TTFT = the last request's first token time - call start (every prompt has been prefilled);
+  prefill tokens/s = batch_size * input_len / TTFT; TPOT = (latency - TTFT) / (output_len - 1);
+  decode tokens/s = batch_size * (output_len - 1) / (latency - TTFT).
+- throughput: all ``num_prompts`` requests submitted at once; requests/s = completed / elapsed,
+  total tokens/s = (prompt + output tokens) / elapsed, output tokens/s = output tokens / elapsed.
+
+A ``KeyboardInterrupt`` raised during the timed loop (Ctrl-C, or by the ``progress`` callback) ends
+the run early; the result then has ``"interrupted": true`` and summarizes what was measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from baige.errors import BaigeError
+from baige.runtime.bench import roofline
+from baige.runtime.bench.common import environment, summarize
+
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+@dataclass
+class EngineArgs:
+    """The engine settings a bench run uses (``EngineConfig`` names)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_batched_tokens: int = 2048
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = False  # random prompts share nothing; off = no hashing cost
+
+
+@dataclass
+class LatencyConfig:
+    """Resolved arguments of ``baige bench latency``."""
+
+    engine: EngineArgs
+    input_len: int = 32  # tokens
+    output_len: int = 128  # tokens
+    batch_size: int = 8
+    num_iters_warmup: int = 1
+    num_iters: int = 5
+    seed: int = 0
+
+
+@dataclass
+class ThroughputConfig:
+    """Resolved arguments of ``baige bench throughput``."""
+
+    engine: EngineArgs
+    num_prompts: int = 32
+    input_len: int = 128  # tokens
+    output_len: int = 128  # tokens
+    range_ratio: float = 0.0
+    dataset_path: str | None = None  # ShareGPT JSON
+    seed: int = 0
+
+
+def build_llm(args: EngineArgs, max_model_len: int, max_num_seqs: int):
+    """An ``LLM`` sized for the workload (context ``max_model_len`` tokens, ``max_num_seqs`` at once)."""
+    from baige.runtime.engine import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
+               max_num_seqs=max_num_seqs, max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
+               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching)
+
+
+def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, output_len: int,
+                         range_ratio: float = 0.0, seed: int = 0) -> list[tuple[list[int], int]]:
+    """vLLM's random dataset as token ids: ``(prompt ids, output_len)`` pairs, lengths uniform in
+    ``[len * (1 - r), len * (1 + r)]``, ids uniform over the vocabulary above its first 32 ids
+    (where special tokens live). Raises BaigeError for ``range_ratio`` outside [0, 1)."""
+    if not 0 <= range_ratio < 1:
+        raise BaigeError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+    lo_in, hi_in = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+    lo_out, hi_out = max(1, int(output_len * (1 - range_ratio))), int(output_len * (1 + range_ratio))
+    in_lens = rng.integers(lo_in, hi_in + 1, num_prompts)
+    out_lens = rng.integers(lo_out, hi_out + 1, num_prompts)
+    first = 32 if vocab_size > 1000 else 0
+    return [(rng.integers(first, vocab_size, int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
+
+
+def _model_info(llm, dtype_bytes: int) -> dict:
+    model = llm.engine.model
+    return {**roofline.model_counts(model), "kv_bytes_per_token": model.config.kv_bytes_per_token(dtype_bytes)}
+
+
+def _fwd_flops(info: dict, context_len: float) -> float:
+    return roofline.forward_flops_per_token(info["num_params_non_embedding"], info["attn_dims"], context_len)
+
+
+def _limits(llm):
+    p = next(llm.engine.model.parameters())
+    return roofline.hardware_limits(p.device, p.dtype), p.element_size()
+
+
+def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
+    """Run ``baige bench latency``; returns the JSON result (args, environment, samples, summary,
+    roofline). Raises BaigeError for bad sizes."""
+    from baige.runtime.sampling import SamplingParams
+
+    if min(cfg.input_len, cfg.output_len, cfg.batch_size, cfg.num_iters) < 1:
+        raise BaigeError("--input-len, --output-len, --batch-size and --num-iters must be >= 1")
+    llm = build_llm(cfg.engine, cfg.input_len + cfg.output_len, cfg.batch_size)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in
+               random_token_prompts(llm.engine.vocab_size, cfg.batch_size, cfg.input_len, 1, 0.0, cfg.seed)]
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.output_len, ignore_eos=True)
+    limits, dtype_bytes = _limits(llm)
+    samples: list[dict] = []
+    total = cfg.num_iters_warmup + cfg.num_iters
+    interrupted = False
+    try:
+        for i in range(total):
+            start = time.monotonic()
+            outs = llm.generate(prompts, params)
+            latency = time.monotonic() - start
+            if i >= cfg.num_iters_warmup:
+                ttft = max(o.first_token_time for o in outs) - start
+                samples.append({"latency": latency, "ttft": ttft})
+            if progress:
+                progress(i + 1, total, "warm-up" if i < cfg.num_iters_warmup else "timed")
+    except KeyboardInterrupt:
+        interrupted = True
+    info = _model_info(llm, dtype_bytes)
+    return {
+        "benchmark": "latency", "args": asdict(cfg), "environment": environment(), "model": info,
+        "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
+        "summary": latency_summary(samples, cfg, info, limits) if samples else {},
+    }
+
+
+def latency_summary(samples: list[dict], cfg: LatencyConfig, info: dict, limits) -> dict:
+    """Aggregate per-call samples (seconds) into the latency report (see the module docstring)."""
+    lat = [s["latency"] for s in samples]
+    ttft = float(np.mean([s["ttft"] for s in samples]))
+    mean_lat = float(np.mean(lat))
+    decode_time = mean_lat - ttft
+    B, n_in, n_out = cfg.batch_size, cfg.input_len, cfg.output_len
+    prefill_tps = B * n_in / ttft
+    decode_tps = B * (n_out - 1) / decode_time if n_out > 1 and decode_time > 0 else 0.0
+    out = {f"{k}_latency_s": v for k, v in summarize(lat, LATENCY_PERCENTILES).items()}
+    out.update({
+        "avg_latency_s": mean_lat,  # vLLM's key
+        "ttft_s": ttft, "tpot_s": decode_time / (n_out - 1) if n_out > 1 else 0.0,
+        "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
+    })
+    out["prefill_roofline"] = roofline.compute_roofline(
+        prefill_tps, _fwd_flops(info, n_in), limits.matmul_peak)
+    out["decode_roofline"] = roofline.decode_roofline(
+        decode_tps, B, info["weight_bytes"], info["kv_bytes_per_token"], n_in + n_out / 2, limits.bandwidth)
+    return out
+
+
+def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> dict:
+    """Run ``baige bench throughput``: every request submitted at once, stepped to completion.
+    Returns the JSON result; raises BaigeError for a bad dataset or sizes."""
+    from baige.runtime.bench.serve import sharegpt_requests
+    from baige.runtime.loader import resolve_model
+    from baige.runtime.sampling import SamplingParams
+    from baige.runtime.tokenizer import Tokenizer
+
+    if cfg.num_prompts < 1:
+        raise BaigeError("--num-prompts must be >= 1")
+    if cfg.dataset_path:
+        tok = Tokenizer.from_dir(resolve_model(cfg.engine.model))
+        reqs = [(tok.encode(r.prompt, add_special_tokens=False), r.output_len)
+                for r in sharegpt_requests(cfg.dataset_path, tok, cfg.num_prompts, cfg.seed)]
+    else:
+        vocab = Tokenizer.from_dir(resolve_model(cfg.engine.model)).vocab_size
+        reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
+    max_len = max(len(ids) + n for ids, n in reqs)
+    llm = build_llm(cfg.engine, max_len, min(len(reqs), 256))
+    limits, dtype_bytes = _limits(llm)
+    eng = llm.engine
+    # warm-up: one short request, so one-time costs (allocation, compilation) stay out of the timing
+    llm.generate([{"prompt_token_ids": reqs[0][0][:8]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    ids = []
+    for i, (prompt, n_out) in enumerate(reqs):
+        rid = f"bench-{i}"
+        eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+        ids.append(rid)
+    done: dict[str, object] = {}
+    interrupted = False
+    start = time.monotonic()
+    try:
+        while len(done) < len(ids) and eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if progress:
+                        progress(len(done), len(ids), "requests")
+    except KeyboardInterrupt:
+        interrupted = True
+    elapsed = time.monotonic() - start
+    samples = []
+    for rid, (prompt, _) in zip(ids, reqs):
+        out = done.get(rid)
+        if out is not None:
+            samples.append({"prompt_len": len(prompt), "output_len": len(out.outputs[0].token_ids),
+                            "e2el_s": out.finished_time - out.arrival_time,
+                            "ttft_s": out.first_token_time - out.arrival_time})
+    info = _model_info(llm, dtype_bytes)
+    return {
+        "benchmark": "throughput", "args": asdict(cfg), "environment": environment(), "model": info,
+        "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
+        "summary": throughput_summary(samples, elapsed, info, limits) if samples else {},
+    }
+
+
+def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits) -> dict:
+    """requests/s, total tokens/s, output tokens/s over ``elapsed`` seconds, and the compute
+    roofline with FLOPs/token at the mean sequence length (prompt + output)."""
+    n_in = sum(s["prompt_len"] for s in samples)
+    n_out = sum(s["output_len"] for s in samples)
+    total_tps = (n_in + n_out) / elapsed
+    mean_len = (n_in + n_out) / len(samples)
+    return {
+        "elapsed_time_s": elapsed, "num_requests": len(samples), "total_num_tokens": n_in + n_out,
+        "total_output_tokens": n_out, "requests_per_second": len(samples) / elapsed,
+        "tokens_per_second": total_tps, "output_tokens_per_second": n_out / elapsed,
+        "compute_roofline": roofline.compute_roofline(
+            total_tps, _fwd_flops(info, mean_len), limits.matmul_peak),
+    }

@@ -1,0 +1,193 @@
+"""Rich tables and matplotlib charts of bench results (the JSON dicts the runners return).
+
+Every value shown carries its unit; "% of limit" is the roofline fraction (see ``roofline.py``):
+bandwidth for decode, matmul peak for prefill, offline throughput and training (MFU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.1f}%"
+
+
+def metric_table(title: str, rows: list[tuple[str, str, str, float | None]]) -> Table:
+    """A (metric, value, unit, % of limit) table."""
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    table.add_column("% of limit", justify="right")
+    for name, value, unit, pct in rows:
+        table.add_row(name, value, unit, _pct(pct))
+    return table
+
+
+def _limit_rows(limits: dict) -> list[tuple[str, str, str, None]]:
+    return [("limit: memory bandwidth (copy)", f"{limits['bandwidth'] / 1e9:.1f}", "GB/s", None),
+            (f"limit: matmul peak ({limits['dtype']})", f"{limits['matmul_peak'] / 1e12:.3f}", "TFLOP/s", None)]
+
+
+def latency_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
+    s = r["summary"]
+    if not s:
+        return []
+    rows = [("avg latency", f"{s['avg_latency_s']:.4f}", "s", None), ("std latency", f"{s['std_latency_s']:.4f}", "s", None)]
+    rows += [(f"p{p} latency", f"{s[f'p{p}_latency_s']:.4f}", "s", None) for p in (10, 25, 50, 75, 90, 99)]
+    pre, dec = s["prefill_roofline"], s["decode_roofline"]
+    rows += [("TTFT", f"{s['ttft_s'] * 1e3:.2f}", "ms", None), ("TPOT", f"{s['tpot_s'] * 1e3:.2f}", "ms", None),
+             ("prefill throughput", f"{s['prefill_tokens_per_s']:.1f}", "tokens/s", pre["pct_of_limit"]),
+             ("prefill compute", f"{pre['achieved_tflop_s']:.4f}", "TFLOP/s", pre["pct_of_limit"]),
+             ("decode throughput", f"{s['decode_tokens_per_s']:.1f}", "tokens/s", dec["pct_of_limit"]),
+             ("decode bandwidth (weights + KV)", f"{dec['achieved_gb_s']:.2f}", "GB/s", dec["pct_of_limit"])]
+    return rows + _limit_rows(r["limits"])
+
+
+def throughput_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
+    s = r["summary"]
+    if not s:
+        return []
+    c = s["compute_roofline"]
+    return [("requests", f"{s['num_requests']}", "requests", None),
+            ("elapsed", f"{s['elapsed_time_s']:.2f}", "s", None),
+            ("request throughput", f"{s['requests_per_second']:.2f}", "requests/s", None),
+            ("total token throughput", f"{s['tokens_per_second']:.1f}", "tokens/s", c["pct_of_limit"]),
+            ("output token throughput", f"{s['output_tokens_per_second']:.1f}", "tokens/s", None),
+            ("achieved compute", f"{c['achieved_tflop_s']:.4f}", "TFLOP/s", c["pct_of_limit"])] + _limit_rows(r["limits"])
+
+
+def serve_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
+    dec = (r.get("roofline") or {}).get("decode") or {}
+    pct = dec.get("pct_of_limit")
+    rows = [("successful requests", f"{r['completed']}", "requests", None),
+            ("failed requests", f"{r['failed']}", "requests", None),
+            ("benchmark duration", f"{r['duration']:.2f}", "s", None),
+            ("total input tokens", f"{r['total_input_tokens']}", "tokens", None),
+            ("total output tokens", f"{r['total_output_tokens']}", "tokens", None),
+            ("request throughput", f"{r['request_throughput']:.2f}", "requests/s", None)]
+    if r.get("request_goodput") is not None:
+        rows.append(("request goodput", f"{r['request_goodput']:.2f}", "requests/s", None))
+    rows += [("output token throughput", f"{r['output_throughput']:.1f}", "tokens/s", pct),
+             ("total token throughput", f"{r['total_token_throughput']:.1f}", "tokens/s", None)]
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        keys = [k for k in r if k.endswith(f"_{name}_ms") and not k.startswith("std")]
+        for k in keys:
+            rows.append((f"{k.split('_')[0]} {label}", f"{r[k]:.2f}", "ms", None))
+    if dec:
+        rows.append(("decode bandwidth (weights + KV, est.)", f"{dec['achieved_gb_s']:.2f}", "GB/s", pct))
+        rows += _limit_rows(r["roofline"]["limits"])
+    return rows
+
+
+def train_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
+    s = r["summary"]
+    if not s:
+        return []
+    return [("throughput", f"{s['tokens_per_s_per_device']:.1f}", "tokens/s/device", s["mfu_pct"]),
+            ("step time", f"{s['step_time_s']:.3f}", "s", None),
+            ("MFU", f"{s['mfu_pct']:.2f}", "%", s["mfu_pct"]),
+            ("achieved compute", f"{s['roofline']['achieved_tflop_s']:.4f}", "TFLOP/s", s["mfu_pct"]),
+            (f"peak for MFU ({s['peak_source']})", f"{s['peak_flops'] / 1e12:.3f}", "TFLOP/s", None),
+            ("peak memory", f"{s['peak_memory_bytes'] / 2**30:.2f}", "GiB", None),
+            ("last loss", f"{r['samples'][-1]['loss']:.4f}", "nats/token", None)]
+
+
+def kernels_table(r: dict) -> Table:
+    table = Table(title="baige bench kernels")
+    for col in ("op", "tokens", "impl"):
+        table.add_column(col)
+    for col in ("time (µs)", "GB/s", "TFLOP/s", "% of limit"):
+        table.add_column(col, justify="right")
+    for row in r["samples"]:
+        table.add_row(row["op"], str(row["tokens"]), row["impl"], f"{row['time_s'] * 1e6:.1f}", f"{row['gb_s']:.2f}",
+                      f"{row['tflop_s']:.4f}", _pct(row["pct_of_limit"]))
+    return table
+
+
+def compare_table(r: dict) -> Table:
+    s = r["summary"]
+    table = Table(title="baige bench compare (median of repeats; ratio = baige / row)")
+    for col in ("workload", "system"):
+        table.add_column(col)
+    for col in ("tokens/s", "achieved", "% of limit", "baige / row"):
+        table.add_column(col, justify="right")
+    for kind in ("decode", "throughput"):
+        rows = s.get(kind, {})
+        ours = rows.get("baige", {}).get("tokens_per_s")
+        label = "batch-1 decode" if kind == "decode" else f"offline throughput ({r['args']['num_prompts']} prompts)"
+        for name, row in rows.items():
+            rf = row["roofline"]
+            achieved = f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4f} TFLOP/s"
+            ratio = f"{ours / row['tokens_per_s']:.2f}x" if ours else ""
+            table.add_row(label, name, f"{row['tokens_per_s']:.1f}", achieved, _pct(rf["pct_of_limit"]), ratio)
+    return table
+
+
+def write_plots(r: dict, output_dir: str | Path, stem: str) -> list[Path]:
+    """PNG charts of a result into ``output_dir``; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+
+    def save(fig, name: str) -> None:
+        p = out / f"{stem}-{name}.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        paths.append(p)
+
+    kind = r["benchmark"]
+    if kind == "latency" and r["samples"]:
+        fig, ax = plt.subplots()
+        ax.hist([s["latency"] for s in r["samples"]], bins=20)
+        ax.set(xlabel="batch latency (s)", ylabel="iterations", title="baige bench latency")
+        save(fig, "latency")
+    elif kind == "throughput" and r["samples"]:
+        fig, ax = plt.subplots()
+        ax.scatter([s["prompt_len"] + s["output_len"] for s in r["samples"]], [s["e2el_s"] for s in r["samples"]])
+        ax.set(xlabel="prompt + output (tokens)", ylabel="request latency (s)", title="baige bench throughput")
+        save(fig, "requests")
+    elif kind == "serve":
+        fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+        ok = [t for t, e in zip(r["ttfts"], r["errors"]) if not e]
+        axes[0].hist([t * 1e3 for t in ok], bins=20)
+        axes[0].set(xlabel="TTFT (ms)", ylabel="requests")
+        axes[1].hist([g * 1e3 for gaps in r["itls"] for g in gaps], bins=30)
+        axes[1].set(xlabel="ITL (ms)", ylabel="token gaps")
+        axes[2].hist(r["output_lens"], bins=20)
+        axes[2].set(xlabel="output length (tokens)", ylabel="requests")
+        save(fig, "serve")
+    elif kind == "kernels" and r["samples"]:
+        for op in sorted({s["op"] for s in r["samples"]}):
+            fig, ax = plt.subplots()
+            for impl in sorted({s["impl"] for s in r["samples"]}):
+                pts = [s for s in r["samples"] if s["op"] == op and s["impl"] == impl]
+                ax.plot([s["tokens"] for s in pts], [s["gb_s"] for s in pts], marker="o", label=impl)
+            ax.axhline(r["limits"]["bandwidth"] / 1e9, linestyle="--", color="gray", label="measured bandwidth")
+            ax.set(xscale="log", xlabel="tokens", ylabel="effective GB/s", title=op)
+            ax.legend()
+            save(fig, op)
+    elif kind == "train" and r["samples"]:
+        fig, ax = plt.subplots()
+        ax.plot([s["step"] for s in r["samples"]], [s["time_s"] for s in r["samples"]], marker="o")
+        ax.set(xlabel="step", ylabel="step time (s)", title="baige bench train")
+        save(fig, "steps")
+    elif kind == "compare":
+        for wl in ("decode", "throughput"):
+            rows = r["summary"].get(wl, {})
+            if rows:
+                fig, ax = plt.subplots()
+                ax.bar(list(rows), [v["tokens_per_s"] for v in rows.values()])
+                ax.set(ylabel="tokens/s", title=f"baige bench compare: {wl}")
+                ax.tick_params(axis="x", rotation=30)
+                save(fig, wl)
+    return paths

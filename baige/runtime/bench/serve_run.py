@@ -1,0 +1,210 @@
+"""``baige bench serve`` end to end: start ``baige serve`` (unless ``--base-url`` is given), run the
+load generator of :mod:`baige.runtime.bench.serve`, stop the server, and build the result.
+
+The server is a child process (``python -m baige serve``) on a free local port; the bench waits for
+``GET /health`` to answer 200, and stops the server with SIGINT (then SIGKILL after 15 s) whatever
+happens, Ctrl-C included. Its log goes to a file whose last lines are shown if it fails to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from baige.errors import BaigeError
+from baige.runtime.bench.common import environment
+from baige.runtime.bench.serve import (
+    RequestResult,
+    calculate_metrics,
+    parse_slo,
+    random_requests,
+    run_requests,
+    sharegpt_requests,
+)
+
+
+@dataclass
+class ServeBenchConfig:
+    """Resolved arguments of ``baige bench serve``."""
+
+    model: str | None = None
+    base_url: str | None = None  # None: start `baige serve` on the model
+    served_model_name: str | None = None
+    num_prompts: int = 64
+    input_len: int = 128  # tokens (random dataset)
+    output_len: int = 64  # tokens
+    range_ratio: float = 0.0
+    dataset_path: str | None = None
+    request_rate: float = float("inf")  # requests/s
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    slo: str | None = None  # "ttft:MS,tpot:MS,e2el:MS"
+    api_key: str | None = None
+    server_args: list[str] = field(default_factory=list)  # extra `baige serve` options
+    server_timeout: float = 600.0  # seconds to wait for /health
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None) -> None:
+    """Poll ``GET {base_url}/health`` every 0.25 s until it answers 200.
+
+    Raises BaigeError if ``proc`` exits first (with the last lines of its ``log``) or after ``timeout`` s.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log and log.exists() else []
+            raise BaigeError(f"`baige serve` exited with code {proc.returncode} before it was healthy: "
+                             + " | ".join(tail))
+        try:
+            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise BaigeError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def launch_server(model: str | None, max_model_len: int, extra_args: list[str], timeout: float,
+                  api_key: str | None = None) -> Iterator[str]:
+    """Run ``baige serve`` on a free port for the duration of the ``with``; yields its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "baige", "serve", "--port", str(port), "--max-model-len", str(max_model_len),
+           "--log-level", "warning", *extra_args]
+    if model:
+        cmd += ["--model", model]
+    env = dict(os.environ)
+    if api_key:
+        env["BAIGE_API_KEY"] = api_key
+    with tempfile.TemporaryDirectory(prefix="baige-bench-serve-") as tmp:
+        log = Path(tmp) / "server.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base_url, proc, timeout, log)
+            yield base_url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult]) -> dict:
+    """Decode under load against this machine's bandwidth limit (an estimate from the client side).
+
+    Mean batch C = sum of successful requests' e2e latency / duration (Little's law); decode steps/s
+    = output tokens/s / C; bytes per step = checkpoint bytes (the safetensors files, read once per
+    step) + C * mean context * KV bytes per token, context = mean prompt + half the mean output.
+    """
+    import torch
+
+    from baige.runtime.bench import roofline
+    from baige.runtime.config import ModelConfig
+
+    mc = ModelConfig.from_file(model_dir / "config.json")
+    dtype_bytes = {"bfloat16": 2, "float16": 2}.get(mc.torch_dtype, 4)
+    wbytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    ok = [r for r in results if r.success]
+    limits = roofline.hardware_limits("cuda" if torch.cuda.is_available() else "cpu")
+    if not ok or metrics["duration"] <= 0:
+        return {"limits": limits.to_dict()}
+    conc = sum(r.latency for r in ok) / metrics["duration"]
+    n = metrics["completed"]
+    ctx = metrics["total_input_tokens"] / n + metrics["total_output_tokens"] / n / 2
+    return {"limits": limits.to_dict(), "mean_concurrency": conc,
+            "decode": roofline.decode_roofline(metrics["output_throughput"], max(conc, 1e-9), wbytes,
+                                               mc.kv_bytes_per_token(dtype_bytes), ctx, limits.bandwidth)}
+
+
+def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | None = None) -> dict:
+    """Run ``baige bench serve``; returns vLLM's result fields plus args, environment and roofline.
+
+    A Ctrl-C during the load stops sending, and the result covers the requests that finished
+    (``"interrupted": true``). Raises BaigeError for bad options or a server that does not start.
+    """
+    from baige.runtime.loader import resolve_model
+    from baige.runtime.tokenizer import Tokenizer
+
+    if cfg.num_prompts < 1:
+        raise BaigeError("--num-prompts must be >= 1")
+    slo = parse_slo(cfg.slo)
+    if any(not 0 < p <= 100 for p in cfg.percentiles):
+        raise BaigeError("--percentiles must be in (0, 100]")
+    model_dir = resolve_model(cfg.model)
+    tok = Tokenizer.from_dir(model_dir)
+    if cfg.dataset_path:
+        inputs = sharegpt_requests(cfg.dataset_path, tok, cfg.num_prompts, cfg.seed)
+    else:
+        inputs = random_requests(tok, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
+    name = cfg.served_model_name or cfg.model or "smollm2-135m-instruct"
+    # the prompt is re-tokenized by the server: leave room for the text not round-tripping exactly
+    max_model_len = max(r.prompt_len + r.output_len for r in inputs) * 2 + 16
+
+    results: list[RequestResult] = []
+    interrupted = False
+
+    def load(base_url: str) -> float:
+        nonlocal results, interrupted
+        done: list[RequestResult] = []
+
+        def record(r: RequestResult) -> None:
+            done.append(r)
+            if on_done:
+                on_done(r)
+
+        t0 = time.perf_counter()
+        try:
+            results, duration = asyncio.run(run_requests(
+                base_url, name, inputs, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, cfg.seed,
+                cfg.api_key, on_done=record))
+        except KeyboardInterrupt:
+            interrupted, results, duration = True, done, time.perf_counter() - t0
+        return duration
+
+    if cfg.base_url:
+        wait_healthy(cfg.base_url.rstrip("/"), None, 10.0)
+        duration = load(cfg.base_url.rstrip("/"))
+    else:
+        extra = [*cfg.server_args]
+        if cfg.served_model_name:
+            extra += ["--served-model-name", cfg.served_model_name]
+        with launch_server(cfg.model, max_model_len, extra, cfg.server_timeout, cfg.api_key) as url:
+            duration = load(url)
+    if interrupted:  # keep the requests that finished, with their own inputs
+        results = sorted(results, key=lambda r: r.index)
+        inputs = [inputs[r.index] for r in results]
+    metrics = calculate_metrics(inputs, results, duration, tok, cfg.percentiles, slo)
+    if not cfg.base_url:
+        metrics["roofline"] = serve_roofline(model_dir, metrics, results)
+    args = asdict(cfg)
+    if args["request_rate"] == float("inf"):
+        args["request_rate"] = "inf"  # JSON has no infinity
+    return {"benchmark": "serve", "args": args, "environment": environment(), "interrupted": interrupted,
+            "model_id": name, "num_prompts": len(inputs), "request_rate": args["request_rate"],
+            "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency, **metrics}

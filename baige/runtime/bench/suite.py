@@ -1,0 +1,104 @@
+"""``baige bench`` with no subcommand: a short suite (latency, throughput, serve, compare) sized to
+finish in a few minutes on a 2-core CPU, each part writing its own JSON, then one summary table and
+a ``suite-*.json`` holding the headline numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from baige.runtime.bench.common import environment, write_result
+from baige.runtime.bench.report import write_plots
+
+
+def suite_configs(model: str | None) -> dict:
+    """The four parts and their (small) sizes."""
+    from baige.runtime.bench.compare import CompareConfig
+    from baige.runtime.bench.offline import EngineArgs, LatencyConfig, ThroughputConfig
+    from baige.runtime.bench.serve_run import ServeBenchConfig
+
+    eng = EngineArgs(model=model)
+    return {
+        "latency": LatencyConfig(eng, input_len=32, output_len=32, batch_size=1, num_iters_warmup=1, num_iters=3),
+        "throughput": ThroughputConfig(eng, num_prompts=16, input_len=64, output_len=32, range_ratio=0.5),
+        "serve": ServeBenchConfig(model, num_prompts=16, input_len=64, output_len=32, request_rate=4.0),
+        "compare": CompareConfig(eng, input_len=32, output_len=32, num_prompts=32, tp_input_len=64, tp_output_len=32),
+    }
+
+
+def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
+    """(metric, value, unit, % of limit) rows of one part's result."""
+    s = r.get("summary") or {}
+    if name == "latency" and s:
+        return [("batch-1 decode", s["decode_tokens_per_s"], "tokens/s", s["decode_roofline"]["pct_of_limit"]),
+                ("TTFT", s["ttft_s"] * 1e3, "ms", None), ("TPOT", s["tpot_s"] * 1e3, "ms", None)]
+    if name == "throughput" and s:
+        return [("total tokens", s["tokens_per_second"], "tokens/s", s["compute_roofline"]["pct_of_limit"]),
+                ("requests", s["requests_per_second"], "requests/s", None)]
+    if name == "serve":
+        dec = (r.get("roofline") or {}).get("decode") or {}
+        return [("output tokens", r["output_throughput"], "tokens/s", dec.get("pct_of_limit")),
+                ("median TTFT", r["median_ttft_ms"], "ms", None), ("median TPOT", r["median_tpot_ms"], "ms", None),
+                ("failed", r["failed"], "requests", None)]
+    if name == "compare" and s:
+        return [(k.replace("_baige_over_", ": baige / "), v, "x", None) for k, v in s.get("ratios", {}).items()]
+    return []
+
+
+def run_suite(model: str | None, output_dir: str | Path, plot: bool = False) -> dict:
+    """Run the parts in order; stops after an interrupted part (its JSON is still written)."""
+    from baige.runtime.bench.compare import run_compare
+    from baige.runtime.bench.offline import run_latency, run_throughput
+    from baige.runtime.bench.serve_run import run_serve
+
+    err = Console(stderr=True)
+    runners = {"latency": run_latency, "throughput": run_throughput, "compare": run_compare,
+               "serve": lambda cfg, progress: run_serve(cfg, None)}
+    cfgs = suite_configs(model)
+    rows: dict[str, list] = {}
+    files: dict[str, str] = {}
+    interrupted = False
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("bench suite", total=len(cfgs))
+        for i, (name, cfg) in enumerate(cfgs.items()):
+            bar.update(task, completed=i, description=f"bench suite: {name}")
+            try:
+                result = runners[name](cfg, None)
+            except KeyboardInterrupt:
+                interrupted = True
+                break
+            path = write_result(output_dir, name, result)
+            files[name] = str(path)
+            if plot:
+                write_plots(result, output_dir, path.stem)
+            rows[name] = headline(name, result)
+            if result.get("interrupted"):
+                interrupted = True
+                break
+        bar.update(task, completed=len(rows))
+    summary = {"benchmark": "suite", "environment": environment(), "interrupted": interrupted, "files": files,
+               "summary": {k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), row)) for row in v]
+                           for k, v in rows.items()}}
+    summary["file"] = str(write_result(output_dir, "suite", summary))
+    return summary
+
+
+def suite_table(result: dict) -> Table:
+    """The one summary table of the default suite."""
+    table = Table(title="baige bench (default suite)")
+    table.add_column("benchmark")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    table.add_column("% of limit", justify="right")
+    for name, rows in result["summary"].items():
+        for row in rows:
+            v = row["value"]
+            pct = row["pct_of_limit"]
+            table.add_row(name, row["metric"], f"{v:.2f}" if isinstance(v, float) else str(v), row["unit"],
+                          "" if pct is None else f"{pct:.1f}%")
+    return table

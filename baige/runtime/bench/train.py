@@ -1,0 +1,120 @@
+"""``baige bench train``: short training runs through the :class:`~baige.runtime.train.Trainer`.
+
+Each step is one optimizer step (forward + backward of ``batch_size`` windows of ``seq_len`` tokens,
+gradient clipping, AdamW), timed from before the step to after it (``loss.item()`` inside the step
+synchronises the device). Reported per device (this bench runs one process):
+
+- tokens/s = batch_size * seq_len * grad_accum / step time (median of the timed steps);
+- MFU = tokens/s * FLOPs/token / peak (PaLM, Chowdhery et al. 2022, appendix B) with FLOPs/token =
+  ``Transformer.flops_per_token(seq_len)`` = 6 N_non-embedding + 12 L H Q T; peak = the data-sheet
+  dense bf16 number on known GPUs (:data:`roofline.GPU_PEAKS`) when training in bf16, otherwise the
+  measured matmul peak in the run dtype (:func:`roofline.hardware_limits`);
+- peak memory = ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU (bytes).
+
+Data: ``data_path`` (a UTF-8 text file) or, by default, a synthetic file of random-token text just
+long enough for the run (throughput does not depend on the text).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from baige.errors import BaigeError
+from baige.runtime.bench import roofline
+from baige.runtime.bench.common import environment
+from baige.runtime.bench.offline import Progress
+
+
+@dataclass
+class TrainBenchConfig:
+    """Resolved arguments of ``baige bench train``."""
+
+    model: str | None = None
+    seq_len: int = 256  # tokens per window
+    batch_size: int = 4  # windows per micro-batch
+    grad_accum: int = 1
+    steps: int = 6  # optimizer steps, warm-up included
+    warmup_steps: int = 2  # untimed
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    device: str = "auto"
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    data_path: str | None = None
+    seed: int = 0
+
+
+def _synthetic_text(tokenizer, n_tokens: int, path: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(32 if tokenizer.vocab_size > 1000 else 0, tokenizer.vocab_size, n_tokens).tolist()
+    path.write_text(tokenizer.decode(ids))
+
+
+def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
+    """Run ``baige bench train``; returns the JSON result (per-step samples in seconds, summary)."""
+    import torch
+
+    from baige.runtime.loader import resolve_model
+    from baige.runtime.metrics import peak_memory_bytes
+    from baige.runtime.tokenizer import Tokenizer
+    from baige.runtime.train import Trainer
+    from baige.runtime.train_config import TrainConfig, validate
+
+    if cfg.steps <= cfg.warmup_steps:
+        raise BaigeError(f"--steps ({cfg.steps}) must exceed --warmup-steps ({cfg.warmup_steps})")
+    with tempfile.TemporaryDirectory(prefix="baige-bench-train-") as tmp:
+        data = cfg.data_path
+        if data is None:
+            data = str(Path(tmp) / "synthetic.txt")
+            tok = Tokenizer.from_dir(resolve_model(cfg.model))
+            # decoded random ids re-tokenize to roughly as many tokens; 2x margin
+            _synthetic_text(tok, 2 * (cfg.steps * cfg.batch_size * cfg.grad_accum + 1) * (cfg.seq_len + 1),
+                            Path(data), cfg.seed)
+        tc = TrainConfig(output=str(Path(tmp) / "run"))
+        tc.model.name = cfg.model
+        tc.data.train = [data]
+        t = tc.training
+        t.steps, t.seq_len, t.batch_size, t.grad_accum, t.seed = cfg.steps, cfg.seq_len, cfg.batch_size, cfg.grad_accum, cfg.seed
+        t.device, t.activation_checkpointing, t.compile = cfg.device, cfg.activation_checkpointing, cfg.compile
+        tc.parallelism.mixed_precision_param = cfg.dtype
+        tc.metrics.tensorboard = False
+        tc.checkpoint.export_hf = False
+        validate(tc)
+        trainer = Trainer(tc)
+        dtype = trainer.param_dtype
+        limits = roofline.hardware_limits(trainer.device, dtype)
+        sheet = limits.datasheet_peak if dtype == torch.bfloat16 else None
+        peak, peak_source = (sheet, "data sheet (dense bf16)") if sheet else (limits.matmul_peak, "measured matmul")
+        samples: list[dict] = []
+        interrupted = False
+        try:
+            for i in range(cfg.steps):
+                t0 = time.perf_counter()
+                loss, grad_norm, _ = trainer.train_step()
+                dt = time.perf_counter() - t0
+                if i >= cfg.warmup_steps:
+                    samples.append({"step": i + 1, "time_s": dt, "loss": loss, "grad_norm": grad_norm})
+                if progress:
+                    progress(i + 1, cfg.steps, "warm-up" if i < cfg.warmup_steps else "timed")
+        except KeyboardInterrupt:
+            interrupted = True
+        mem = peak_memory_bytes(trainer.device)
+        fpt = trainer.model.flops_per_token(cfg.seq_len)
+        counts = {"num_params": trainer.model.num_params(),
+                  "num_params_non_embedding": trainer.model.num_params(non_embedding=True)}
+    summary = {}
+    if samples:
+        step_s = statistics.median(s["time_s"] for s in samples)
+        tps = cfg.batch_size * cfg.seq_len * cfg.grad_accum / step_s
+        summary = {"step_time_s": step_s, "tokens_per_s_per_device": tps, "peak_memory_bytes": mem,
+                   "peak_flops": peak, "peak_source": peak_source,
+                   "roofline": roofline.compute_roofline(tps, fpt, peak)}
+        summary["mfu_pct"] = summary["roofline"]["pct_of_limit"]
+    return {"benchmark": "train", "args": asdict(cfg), "environment": environment(), "limits": limits.to_dict(),
+            "model": counts, "dtype": str(dtype).removeprefix("torch."), "interrupted": interrupted,
+            "samples": samples, "summary": summary}
