@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,9 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         _barrier()
         if self.is_main:
             (tmp / "config.toml").write_text(config_toml)
@@ -114,7 +117,9 @@ class CheckpointManager:
         """Load ``path`` into ``state`` in place (collective), resharding as needed."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
