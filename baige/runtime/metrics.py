@@ -83,7 +83,7 @@ class MetricsLogger:
             return
         from rich.console import Console
 
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True, soft_wrap=True)  # long lines stay whole in log files
         self._file = open(output / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
             try:

@@ -1,0 +1,80 @@
+"""SIGKILL during a checkpoint write: the previous checkpoint survives and `--resume auto` continues."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from train_utils import read_metrics, shakespeare, tiny_model
+
+# The child runs `baige train` with DCP's metadata step slowed down for one checkpoint: once the
+# shard files of that step are on disk it touches a marker and waits, so the test can kill it
+# mid-write (shards written, .metadata not yet, directory not yet renamed).
+CHILD = r"""
+import os, sys, time
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+original = _FileSystemWriter.finish
+def finish(self, metadata, results):
+    if os.environ.get("HOLD_STEP") and os.environ["HOLD_STEP"] in str(self.path):
+        open(os.environ["HOLD_MARKER"], "w").close()
+        time.sleep(600)
+    return original(self, metadata, results)
+_FileSystemWriter.finish = finish
+from baige.cli import main
+sys.argv = ["baige", "train", *sys.argv[1:]]
+main()
+"""
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path):
+    model = tiny_model(tmp_path / "model")
+    data = tmp_path / "train.txt"
+    data.write_text(shakespeare(20_000))
+    out = tmp_path / "run"
+    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--steps", "10", "--seq-len", "32",
+            "--batch-size", "4", "--lr", "1e-2", "--set", "checkpoint.interval=5", "--set", "metrics.log_every=1",
+            "--set", "checkpoint.keep_latest=0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HOLD_STEP="step_00000010", HOLD_MARKER=str(tmp_path / "held"))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "held").exists():
+            assert child.poll() is None, child.stdout.read()
+            assert time.monotonic() < deadline, "the child never reached the step-10 checkpoint"
+            time.sleep(0.05)
+        ckpts = out / "checkpoints"
+        before = _digest(ckpts / "step_00000005")
+        partial = ckpts / ".tmp-step_00000010"
+        assert any(p.suffix == ".distcp" for p in partial.iterdir())  # killed while writing: shards are there
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL
+    assert not (ckpts / "step_00000010").exists()
+    assert _digest(ckpts / "step_00000005") == before
+    killed_losses = read_metrics(out)
+    assert sorted(killed_losses) == list(range(1, 11))
+
+    env.pop("HOLD_STEP")
+    resumed = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and "step_00000005 at step 5" in resumed.stderr
+    records = [line for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 15  # 10 from the killed run, then steps 6-10 again
+    after = read_metrics(out)
+    for step in range(6, 11):
+        assert after[step] == killed_losses[step], step  # same state, same data position: same losses
+    assert (ckpts / "step_00000010" / ".metadata").is_file() and not partial.exists()
+    assert (out / "hf" / "model.safetensors").is_file()
