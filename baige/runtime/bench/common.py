@@ -52,9 +52,9 @@ def cpu_model() -> str:
 
 def environment() -> dict[str, Any]:
     """Versions and hardware a result was measured on: baige/torch/triton versions, device, CPU, threads."""
-    import torch
+    from importlib.metadata import version
 
-    import baige
+    import torch
 
     try:
         import triton
@@ -64,7 +64,7 @@ def environment() -> dict[str, Any]:
         triton_version = None
     cuda = torch.cuda.is_available()
     return {
-        "baige": baige.__version__,
+        "baige": version("baige"),  # the installed distribution (robust to how the package was imported)
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),

@@ -170,6 +170,7 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
     """Run ``baige bench throughput``: every request submitted at once, stepped to completion.
     Returns the JSON result; raises BaigeError for a bad dataset or sizes."""
     from baige.runtime.bench.serve import sharegpt_requests
+    from baige.runtime.config import ModelConfig
     from baige.runtime.loader import resolve_model
     from baige.runtime.sampling import SamplingParams
     from baige.runtime.tokenizer import Tokenizer
@@ -181,7 +182,7 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
         reqs = [(tok.encode(r.prompt, add_special_tokens=False), r.output_len)
                 for r in sharegpt_requests(cfg.dataset_path, tok, cfg.num_prompts, cfg.seed)]
     else:
-        vocab = Tokenizer.from_dir(resolve_model(cfg.engine.model)).vocab_size
+        vocab = ModelConfig.from_file(resolve_model(cfg.engine.model) / "config.json").vocab_size
         reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
     max_len = max(len(ids) + n for ids, n in reqs)
     llm = build_llm(cfg.engine, max_len, min(len(reqs), 256))
