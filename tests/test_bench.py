@@ -256,3 +256,18 @@ def test_bench_serve_against_baige_serve(tmp_path):
     assert r["request_rate"] == 4.0 and r["args"]["num_prompts"] == 8 and r["environment"]["torch"]
     assert r["roofline"]["decode"]["achieved_gb_s"] > 0
     assert "failed requests" in res.output and list(tmp_path.glob("serve-*-serve.png"))
+
+
+def test_cli_train_reports_mfu_from_flops_per_token(tmp_path):
+    res = _cli(["bench", "train", "--model", "debug", "--seq-len", "16", "--batch-size", "2", "--steps", "3",
+                "--warmup-steps", "1", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "train")
+    s = r["summary"]
+    assert [x["step"] for x in r["samples"]] == [2, 3]
+    assert s["tokens_per_s_per_device"] == pytest.approx(2 * 16 / s["step_time_s"])
+    # debug preset: N_non-embedding = 2 layers x (attn 64*64*2 + 2*64*32 + mlp 3*64*192 + 2*64) + 64; L*H*Q = 2*4*16
+    n = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 64
+    assert s["roofline"]["flops_per_token"] == 6 * n + 12 * 2 * 4 * 16 * 16
+    assert s["mfu_pct"] == pytest.approx(100 * s["tokens_per_s_per_device"] * s["roofline"]["flops_per_token"] / s["peak_flops"])
+    assert s["peak_memory_bytes"] > 0 and "MFU" in res.output

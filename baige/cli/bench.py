@@ -196,7 +196,8 @@ def kernels(
 
 @bench_app.command()
 def train(
-    model: ModelOpt = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP + " Or a preset architecture "
+                                                "trained from scratch: debug, smollm2-135m.")] = None,
     seq_len: Annotated[int, typer.Option(min=2, help="Tokens per window.")] = 256,
     batch_size: Annotated[int, typer.Option(min=1, help="Windows per micro-batch.")] = 4,
     grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches per optimizer step.")] = 1,

@@ -29,7 +29,7 @@ def metric_table(title: str, rows: list[tuple[str, str, str, float | None]]) -> 
 
 def _limit_rows(limits: dict) -> list[tuple[str, str, str, None]]:
     return [("limit: memory bandwidth (copy)", f"{limits['bandwidth'] / 1e9:.1f}", "GB/s", None),
-            (f"limit: matmul peak ({limits['dtype']})", f"{limits['matmul_peak'] / 1e12:.3f}", "TFLOP/s", None)]
+            (f"limit: matmul peak ({limits['dtype']})", f"{limits['matmul_peak'] / 1e12:.4g}", "TFLOP/s", None)]
 
 
 def latency_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
@@ -41,7 +41,7 @@ def latency_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     pre, dec = s["prefill_roofline"], s["decode_roofline"]
     rows += [("TTFT", f"{s['ttft_s'] * 1e3:.2f}", "ms", None), ("TPOT", f"{s['tpot_s'] * 1e3:.2f}", "ms", None),
              ("prefill throughput", f"{s['prefill_tokens_per_s']:.1f}", "tokens/s", pre["pct_of_limit"]),
-             ("prefill compute", f"{pre['achieved_tflop_s']:.4f}", "TFLOP/s", pre["pct_of_limit"]),
+             ("prefill compute", f"{pre['achieved_tflop_s']:.4g}", "TFLOP/s", pre["pct_of_limit"]),
              ("decode throughput", f"{s['decode_tokens_per_s']:.1f}", "tokens/s", dec["pct_of_limit"]),
              ("decode bandwidth (weights + KV)", f"{dec['achieved_gb_s']:.2f}", "GB/s", dec["pct_of_limit"])]
     return rows + _limit_rows(r["limits"])
@@ -57,7 +57,7 @@ def throughput_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
             ("request throughput", f"{s['requests_per_second']:.2f}", "requests/s", None),
             ("total token throughput", f"{s['tokens_per_second']:.1f}", "tokens/s", c["pct_of_limit"]),
             ("output token throughput", f"{s['output_tokens_per_second']:.1f}", "tokens/s", None),
-            ("achieved compute", f"{c['achieved_tflop_s']:.4f}", "TFLOP/s", c["pct_of_limit"])] + _limit_rows(r["limits"])
+            ("achieved compute", f"{c['achieved_tflop_s']:.4g}", "TFLOP/s", c["pct_of_limit"])] + _limit_rows(r["limits"])
 
 
 def serve_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
@@ -90,8 +90,8 @@ def train_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     return [("throughput", f"{s['tokens_per_s_per_device']:.1f}", "tokens/s/device", s["mfu_pct"]),
             ("step time", f"{s['step_time_s']:.3f}", "s", None),
             ("MFU", f"{s['mfu_pct']:.2f}", "%", s["mfu_pct"]),
-            ("achieved compute", f"{s['roofline']['achieved_tflop_s']:.4f}", "TFLOP/s", s["mfu_pct"]),
-            (f"peak for MFU ({s['peak_source']})", f"{s['peak_flops'] / 1e12:.3f}", "TFLOP/s", None),
+            ("achieved compute", f"{s['roofline']['achieved_tflop_s']:.4g}", "TFLOP/s", s["mfu_pct"]),
+            (f"peak for MFU ({s['peak_source']})", f"{s['peak_flops'] / 1e12:.4g}", "TFLOP/s", None),
             ("peak memory", f"{s['peak_memory_bytes'] / 2**30:.2f}", "GiB", None),
             ("last loss", f"{r['samples'][-1]['loss']:.4f}", "nats/token", None)]
 
@@ -104,7 +104,7 @@ def kernels_table(r: dict) -> Table:
         table.add_column(col, justify="right")
     for row in r["samples"]:
         table.add_row(row["op"], str(row["tokens"]), row["impl"], f"{row['time_s'] * 1e6:.1f}", f"{row['gb_s']:.2f}",
-                      f"{row['tflop_s']:.4f}", _pct(row["pct_of_limit"]))
+                      f"{row['tflop_s']:.4g}", _pct(row["pct_of_limit"]))
     return table
 
 
@@ -121,7 +121,7 @@ def compare_table(r: dict) -> Table:
         label = "batch-1 decode" if kind == "decode" else f"offline throughput ({r['args']['num_prompts']} prompts)"
         for name, row in rows.items():
             rf = row["roofline"]
-            achieved = f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4f} TFLOP/s"
+            achieved = f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4g} TFLOP/s"
             ratio = f"{ours / row['tokens_per_s']:.2f}x" if ours else ""
             table.add_row(label, name, f"{row['tokens_per_s']:.1f}", achieved, _pct(rf["pct_of_limit"]), ratio)
     return table

@@ -35,7 +35,7 @@ from baige.runtime.bench.offline import Progress
 class TrainBenchConfig:
     """Resolved arguments of ``baige bench train``."""
 
-    model: str | None = None
+    model: str | None = None  # a model spec, or a train.PRESETS name (from scratch)
     seq_len: int = 256  # tokens per window
     batch_size: int = 4  # windows per micro-batch
     grad_accum: int = 1
@@ -62,21 +62,25 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
     from baige.runtime.loader import resolve_model
     from baige.runtime.metrics import peak_memory_bytes
     from baige.runtime.tokenizer import Tokenizer
-    from baige.runtime.train import Trainer
+    from baige.runtime.train import PRESETS, Trainer
     from baige.runtime.train_config import TrainConfig, validate
 
     if cfg.steps <= cfg.warmup_steps:
         raise BaigeError(f"--steps ({cfg.steps}) must exceed --warmup-steps ({cfg.warmup_steps})")
+    from_scratch = cfg.model in PRESETS  # a preset architecture, randomly initialised, default tokenizer
     with tempfile.TemporaryDirectory(prefix="baige-bench-train-") as tmp:
         data = cfg.data_path
         if data is None:
             data = str(Path(tmp) / "synthetic.txt")
-            tok = Tokenizer.from_dir(resolve_model(cfg.model))
+            tok = Tokenizer.from_dir(resolve_model(None if from_scratch else cfg.model))
             # decoded random ids re-tokenize to roughly as many tokens; 2x margin
             _synthetic_text(tok, 2 * (cfg.steps * cfg.batch_size * cfg.grad_accum + 1) * (cfg.seq_len + 1),
                             Path(data), cfg.seed)
         tc = TrainConfig(output=str(Path(tmp) / "run"))
-        tc.model.name = cfg.model
+        if from_scratch:
+            tc.model.config, tc.model.tokenizer = cfg.model, str(resolve_model(None))
+        else:
+            tc.model.name = cfg.model
         tc.data.train = [data]
         t = tc.training
         t.steps, t.seq_len, t.batch_size, t.grad_accum, t.seed = cfg.steps, cfg.seq_len, cfg.batch_size, cfg.grad_accum, cfg.seed
