@@ -63,8 +63,19 @@ def _engine(model, dtype, device, enforce_eager, mnbt):
 
 
 @bench_app.callback()
-def bench(ctx: typer.Context, model: ModelOpt = None, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False) -> None:
+def bench(
+    ctx: typer.Context, model: ModelOpt = None, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for torch here and in a launched server "
+                                                   "(sets OMP_NUM_THREADS). Default: torch's choice.")] = None,
+) -> None:
     """Benchmark baige against its peers and this machine's limits (memory bandwidth, matmul peak)."""
+    if threads:
+        import os
+
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by `baige serve` children
+        torch.set_num_threads(threads)
     if ctx.invoked_subcommand is not None:
         return
     from baige.runtime.bench.suite import run_suite, suite_table

@@ -72,6 +72,7 @@ def environment() -> dict[str, Any]:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_num_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()),  # 1/5/15-minute run-queue averages: > cpu_count = noisy timings
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

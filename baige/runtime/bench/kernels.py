@@ -92,6 +92,17 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device) -> Case | Non
         lens = torch.full((S,), n, dtype=torch.int64, device=dev)
         return Case((_r(S, HEADS, HEAD_DIM, dt=dt, dev=dev), kc, vc, tables, lens, HEAD_DIM**-0.5),
                     (2 * S * n * KV_HEADS + 2 * S * HEADS) * HEAD_DIM * e, 4 * S * HEADS * HEAD_DIM * n)
+    if op == "paged_prefill_attention":  # 4 sequences prefilling n/4 new tokens each (no cached prefix)
+        P, bs = 4, 16
+        T = max(1, n // P)
+        W = -(-T // bs)
+        kc, vc = _r(P * W, bs, KV_HEADS, HEAD_DIM, dt=dt, dev=dev), _r(P * W, bs, KV_HEADS, HEAD_DIM, dt=dt, dev=dev)
+        tables = torch.arange(P * W, device=dev).view(P, W)
+        cu = torch.arange(0, P * T + 1, T, device=dev)
+        lens = torch.full((P,), T, dtype=torch.int64, device=dev)
+        return Case((_r(P * T, HEADS, HEAD_DIM, dt=dt, dev=dev), kc, vc, tables, cu, lens, HEAD_DIM**-0.5),
+                    (2 * P * T * HEADS + 2 * P * T * KV_HEADS) * HEAD_DIM * e,
+                    2 * 2 * HEADS * HEAD_DIM * P * (T * (T + 1) // 2))
     if op == "fused_linear_cross_entropy":  # n tokens through the (VOCAB, hidden) head
         return Case((_r(n, h, dt=dt, dev=dev), _r(VOCAB, h, dt=dt, dev=dev) * 0.02,
                      torch.randint(0, VOCAB, (n,), device=dev)), (n * h + VOCAB * h) * e + 8 * n, 2 * n * h * VOCAB)

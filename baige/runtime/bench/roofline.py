@@ -130,7 +130,7 @@ def weight_bytes(model: nn.Module) -> int:
     if embed is not None and lm_head is not None and embed.weight is not getattr(lm_head, "weight", None):
         skip.add(embed.weight.data_ptr())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith("rotary_emb") or t.data_ptr() in seen or t.data_ptr() in skip:
+        if "rotary_emb" in name or t.data_ptr() in seen or t.data_ptr() in skip:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
