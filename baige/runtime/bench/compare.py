@@ -114,12 +114,19 @@ def _gguf_of(spec: str | None) -> Path | None:
 def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     """Run ``baige bench compare``; returns the JSON result with per-repeat samples (seconds) and a
     summary of tokens/s, ratios and roofline per system."""
-    from transformers import AutoModelForCausalLM
+    from baige.errors import BaigeError
+
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise BaigeError("bench compare needs HF transformers: pip install 'baige[bench]'") from None
 
     from baige.runtime.loader import resolve_model
     from baige.runtime.quant_format import quantize_checkpoint
     from baige.runtime.config import QuantizeConfig
 
+    hf_logging.disable_progress_bar()  # our own progress bar is the one on screen
     model_dir = resolve_model(cfg.engine.model)
     notes: list[str] = []
     baige = build_llm(cfg.engine, max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len)),

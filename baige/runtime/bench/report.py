@@ -74,7 +74,7 @@ def serve_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     rows += [("output token throughput", f"{r['output_throughput']:.1f}", "tokens/s", pct),
              ("total token throughput", f"{r['total_token_throughput']:.1f}", "tokens/s", None)]
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
-        keys = [k for k in r if k.endswith(f"_{name}_ms") and not k.startswith("std")]
+        keys = [k for k in r if k.endswith(f"_{name}_ms") and not k.startswith(("std", "p50_"))]  # p50 = median
         for k in keys:
             rows.append((f"{k.split('_')[0]} {label}", f"{r[k]:.2f}", "ms", None))
     if dec:
