@@ -271,3 +271,24 @@ def test_cli_train_reports_mfu_from_flops_per_token(tmp_path):
     assert s["roofline"]["flops_per_token"] == 6 * n + 12 * 2 * 4 * 16 * 16
     assert s["mfu_pct"] == pytest.approx(100 * s["tokens_per_s_per_device"] * s["roofline"]["flops_per_token"] / s["peak_flops"])
     assert s["peak_memory_bytes"] > 0 and "MFU" in res.output
+
+
+def test_suite_headlines_and_table():
+    from rich.console import Console
+
+    from baige.runtime.bench.suite import headline, suite_configs, suite_table
+
+    cfgs = suite_configs(None)
+    assert list(cfgs) == ["latency", "throughput", "serve", "compare"] and cfgs["serve"].request_rate == 4.0
+    lat = {"summary": {"decode_tokens_per_s": 20.0, "ttft_s": 0.05, "tpot_s": 0.05,
+                       "decode_roofline": {"pct_of_limit": 40.0}}}
+    cmp_ = {"summary": {"ratios": {"decode_baige_over_hf_best": 2.5}}}
+    rows = {"latency": headline("latency", lat), "compare": headline("compare", cmp_)}
+    assert rows["latency"][0] == ("batch-1 decode", 20.0, "tokens/s", 40.0)
+    assert rows["latency"][1] == ("TTFT", 50.0, "ms", None)
+    assert rows["compare"] == [("decode: baige / hf_best", 2.5, "x", None)]
+    result = {"summary": {k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), r)) for r in v] for k, v in rows.items()}}
+    console = Console(width=200, record=True)
+    console.print(suite_table(result))
+    text = console.export_text()
+    assert "batch-1 decode" in text and "20.00" in text and "40.0%" in text and "2.50" in text

@@ -164,7 +164,10 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
         inputs = random_requests(tok, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
     name = cfg.served_model_name or cfg.model or "smollm2-135m-instruct"
     # the prompt is re-tokenized by the server: leave room for the text not round-tripping exactly
-    max_model_len = max(r.prompt_len + r.output_len for r in inputs) * 2 + 16
+    from baige.runtime.config import ModelConfig
+
+    max_pos = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
+    max_model_len = min(max(r.prompt_len + r.output_len for r in inputs) * 2 + 16, max_pos)
 
     results: list[RequestResult] = []
     interrupted = False
