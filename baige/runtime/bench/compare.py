@@ -7,7 +7,8 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
 - **throughput**: ``num_prompts`` mixed-length random prompts (lengths uniform in
   ``len * [1 - range_ratio, 1 + range_ratio]``); total tokens/s = (prompt + output tokens) / seconds
   (``vllm bench throughput``). HF transformers runs *static batching*: ``hf_batch_size`` prompts at a
-  time, left-padded, each batch generating its longest requested output; only requested tokens count.
+  time, left-padded, each batch generating its longest requested output; only requested tokens count;
+  it runs in the HF dtype that decoded fastest in the first round (the "best dtype").
 
 Peers: HF transformers (``generate``) in float32 and bfloat16 always; llama-cpp-python on the same
 GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128)
@@ -167,18 +168,31 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     # warm-up: one short call of each (compilation, allocation, first-touch page faults)
     for name, fn in decode.items():
         fn()
-    samples: dict[str, dict[str, list[float]]] = {"decode": {k: [] for k in decode}, "throughput": {k: [] for k in batch}}
-    total = cfg.repeats * (len(decode) + len(batch))
+    samples: dict[str, dict[str, list[float]]] = {"decode": {k: [] for k in decode}, "throughput": {}}
+    n_tp = sum(not k.startswith("hf-") for k in batch) + (1 if cfg.hf_dtypes else 0)
+    total = cfg.repeats * (len(decode) + n_tp)
     done = 0
     interrupted = False
+
+    def tick(what: str) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, what)
+
     try:
-        for _ in range(cfg.repeats):
-            for kind, fns in (("decode", decode), ("throughput", batch)):
-                for name, fn in fns.items():
-                    samples[kind][name].append(_timed(fn))
-                    done += 1
-                    if progress:
-                        progress(done, total, f"{kind} {name}")
+        for r in range(cfg.repeats):
+            for name, fn in decode.items():
+                samples["decode"][name].append(_timed(fn))
+                tick(f"decode {name}")
+            if r == 0:  # static batching runs in HF's fastest decode dtype only (bf16 is slow on CPUs without it)
+                hf = [k for k in decode if k.startswith("hf-")]
+                best = min(hf, key=lambda k: samples["decode"][k][0]) if hf else None
+                batch = {k: v for k, v in batch.items() if not k.startswith("hf-") or k == best}
+                samples["throughput"] = {k: [] for k in batch}
+            for name, fn in batch.items():
+                samples["throughput"][name].append(_timed(fn))
+                tick(f"throughput {name}")
     except KeyboardInterrupt:
         interrupted = True
     finally:
