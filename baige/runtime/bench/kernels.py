@@ -51,6 +51,19 @@ def _r(*shape, dt, dev):
     return torch.randn(*shape, dtype=dt, device=dev)
 
 
+def _cache(blocks: int, block_size: int, dt: torch.dtype, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V block pools in whatever layout the engine's :class:`KVCache` uses
+    (random contents; the pool's extra scratch block included)."""
+    from baige.runtime.config import ModelConfig
+    from baige.runtime.kv_cache import KVCache
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+                                 "intermediate_size": INTER, "num_hidden_layers": 1, "num_attention_heads": HEADS,
+                                 "num_key_value_heads": KV_HEADS, "max_position_embeddings": 1 << 20})
+    kv = KVCache(cfg, blocks, block_size, dt, dev)
+    return kv.k[0].normal_(), kv.v[0].normal_()
+
+
 def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device) -> Case | None:
     """Inputs for ``op`` at ``n`` tokens; None when this harness has no generator for ``op``.
 
@@ -79,15 +92,14 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device) -> Case | Non
                     2 * 2 * HEADS * HEAD_DIM * n * (n + 1) // 2)
     if op == "store_kv":
         blocks = n // 16 + 1
-        kc, vc = torch.zeros(blocks, 16, KV_HEADS, HEAD_DIM, dtype=dt, device=dev), torch.zeros(
-            blocks, 16, KV_HEADS, HEAD_DIM, dtype=dt, device=dev)
+        kc, vc = _cache(blocks, 16, dt, dev)
         k, v = _r(n, KV_HEADS, HEAD_DIM, dt=dt, dev=dev), _r(n, KV_HEADS, HEAD_DIM, dt=dt, dev=dev)
         slots = torch.randperm(blocks * 16, device=dev)[:n]
         return Case((k, v, kc, vc, slots), 4 * n * KV_HEADS * HEAD_DIM * e, 0)
     if op == "paged_decode_attention":  # 8 sequences of n cached tokens each, one query each
         S, bs = 8, 16
         W = -(-n // bs)
-        kc, vc = _r(S * W, bs, KV_HEADS, HEAD_DIM, dt=dt, dev=dev), _r(S * W, bs, KV_HEADS, HEAD_DIM, dt=dt, dev=dev)
+        kc, vc = _cache(S * W, bs, dt, dev)
         tables = torch.arange(S * W, device=dev).view(S, W)
         lens = torch.full((S,), n, dtype=torch.int64, device=dev)
         return Case((_r(S, HEADS, HEAD_DIM, dt=dt, dev=dev), kc, vc, tables, lens, HEAD_DIM**-0.5),
@@ -96,7 +108,7 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device) -> Case | Non
         P, bs = 4, 16
         T = max(1, n // P)
         W = -(-T // bs)
-        kc, vc = _r(P * W, bs, KV_HEADS, HEAD_DIM, dt=dt, dev=dev), _r(P * W, bs, KV_HEADS, HEAD_DIM, dt=dt, dev=dev)
+        kc, vc = _cache(P * W, bs, dt, dev)
         tables = torch.arange(P * W, device=dev).view(P, W)
         cu = torch.arange(0, P * T + 1, T, device=dev)
         lens = torch.full((P,), T, dtype=torch.int64, device=dev)
