@@ -256,3 +256,28 @@ def test_resume_choices(tmp_path):
     assert m.resolve_resume(str(root / "step_00000005")) == root / "step_00000005"
     with pytest.raises(BaigeError, match="not a complete checkpoint"):
         m.resolve_resume(str(root / "step_00000015"))
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias"])
+def test_hf_export_loads_in_transformers_and_baige(tmp_path, variant, one_thread):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from baige.runtime.loader import load_model
+
+    model = tiny_model(tmp_path / "model", variant)
+    data = tmp_path / "train.txt"
+    data.write_text(shakespeare(5_000))
+    run_training(tiny_config(model, data, tmp_path / "out", **{"training.steps": 2, "training.batch_size": 2}))
+    export = tmp_path / "out" / "hf"
+    assert "lm_head.weight" not in load_file(str(export / "model.safetensors"))  # tied: stored once
+    assert (export / "tokenizer.json").is_file()
+    theirs = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    ours = load_model(export, dtype="float32")
+    ids = torch.randint(0, 60, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = theirs(input_ids=ids).logits
+        got = ours.compute_logits(ours(ids, torch.arange(24).expand(2, 24)))
+        original = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)(input_ids=ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert (ref - original).abs().max() > 1e-3  # trained weights were exported

@@ -1,0 +1,135 @@
+"""Training throughput of `baige train`'s Trainer vs a plain HF transformers loop on the same data.
+
+Both runs start from the same checkpoint, see the same windows in the same order (baige's
+DataLoader), use AdamW with the same hyper-parameters and parameter groups and clip at the same
+norm; tokens/s is the median over steps 2..N (step 1 is warm-up). MFU uses the same formula and
+peak for both: model.flops_per_token(seq_len) (6N + 12LHQT) x tokens/s / the measured matmul peak.
+
+    python scripts/bench_train_vs_hf.py --steps 12 --seq-len 128 --batch-size 4 --threads 2 \
+        --output bench-train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def run_baige(args, out_dir: Path):
+    from baige.runtime.train import Trainer
+    from baige.runtime.train_config import load_train_config
+
+    cfg = load_train_config(None, {
+        "model.name": args.model, "data.train": [args.data], "output": str(out_dir), "training.steps": args.steps,
+        "training.seq_len": args.seq_len, "training.batch_size": args.batch_size, "optimizer.lr": args.lr,
+        "lr_scheduler.name": "constant", "metrics.tensorboard": False, "checkpoint.export_hf": False,
+        "training.device": args.device})
+    trainer = Trainer(cfg)
+    losses, times = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss, _, _ = trainer.train_step()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    return trainer, losses, times
+
+
+def run_hf(args, trainer):
+    """The same steps through transformers' LlamaForCausalLM with a plain PyTorch loop."""
+    from transformers import AutoModelForCausalLM
+
+    from baige.runtime.data import DataLoader
+
+    device = trainer.device
+    model = AutoModelForCausalLM.from_pretrained(trainer.model_dir, dtype=torch.float32).to(device).train()
+    o = trainer.cfg.optimizer
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed_tokens" in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=device.type == "cuda" or None)
+    t = trainer.cfg.training
+    loader = DataLoader(trainer.train_windows, t.batch_size, 1, 1, 0, t.seed, trainer.cfg.data.shuffle)
+    losses, times = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        (x, y), = loader.next_step()
+        x, y = x.to(device), y.to(device)
+        logits = model(input_ids=x).logits  # (B, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss_value)
+    return losses, times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from baige.runtime.metrics import mfu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, b_losses, b_times = run_baige(args, Path(tmp) / "run")
+    h_losses, h_times = run_hf(args, trainer)
+    tokens = args.batch_size * args.seq_len
+    fpt, peak = trainer.flops_per_token, trainer.peak_flops
+    rows = {}
+    for name, times, losses in (("baige", b_times, b_losses), ("hf", h_times, h_losses)):
+        tps = tokens / statistics.median(times[1:])
+        rows[name] = {"tokens_per_second": tps, "mfu": mfu(tps, fpt, peak), "step_seconds": times, "losses": losses}
+    result = {
+        "device": str(trainer.device), "threads": torch.get_num_threads(), "steps": args.steps,
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "tokens_per_step": tokens,
+        "flops_per_token": fpt, "peak_flops": peak, "peak_source": trainer.peak_source, **rows,
+        "speedup": rows["baige"]["tokens_per_second"] / rows["hf"]["tokens_per_second"],
+        "max_loss_difference": max(abs(a - b) for a, b in zip(b_losses, h_losses)),
+    }
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"train throughput, {tokens} tokens/step, {args.steps} steps on {result['device']} "
+                        f"({result['threads']} threads)")
+    for col in ("run", "tokens/s", "MFU (%)", "first loss", "last loss"):
+        table.add_column(col)
+    for name in ("baige", "hf"):
+        r = rows[name]
+        table.add_row(name, f"{r['tokens_per_second']:.1f}", f"{100 * r['mfu']:.1f}", f"{r['losses'][0]:.4f}",
+                      f"{r['losses'][-1]:.4f}")
+    console = Console()
+    console.print(table)
+    console.print(f"speedup {result['speedup']:.2f}x; max |loss difference| {result['max_loss_difference']:.2e}; "
+                  f"peak {peak / 1e12:.3f} TFLOP/s ({trainer.peak_source})")
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
