@@ -6,7 +6,11 @@ expensive part); the tests then compare what each run wrote to its metrics.jsonl
 
 from __future__ import annotations
 
-import shutil
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,11 +38,21 @@ def runs(tmp_path_factory):
         # Resume the step-10 checkpoint on 2 ranks and train to 20.
         (job_train, dict(common, output=str(root / "fsdp_resumed"), copy_checkpoint=str(step10),
                          **{"training.steps": STEPS, "training.batch_size": 2})),
-        # Tensor parallel: TP=2, each rank sees the whole batch of 4.
-        (job_train, dict(model=str(untied), data=str(data), output=str(root / "tp"),
-                         **{"training.steps": 3, "training.batch_size": 4, "parallelism.tensor_parallel_degree": 2})),
+        # HSDP (2 replicas x 1 shard) with activation checkpointing on every block.
+        (job_train, dict(common, output=str(root / "hsdp_ac"), **{
+            "training.steps": 3, "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
+            "training.activation_checkpointing": "full", "checkpoint.export_hf": False})),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
+    # Tensor parallel through the documented launch form: torchrun --no-python baige train (TP=2,
+    # each rank sees the whole batch of 4).
+    bindir = Path(sys.executable).parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "--no-python", str(bindir / "baige"), "train", "--model", str(untied), "--data", str(data),
+           "--output", str(root / "tp"), "--steps", "3", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2",
+           "--tp", "2", "--set", "lr_scheduler.warmup_steps=2", "--set", "metrics.log_every=1"]
+    tp = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert tp.returncode == 0, tp.stderr[-3000:]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -83,6 +97,8 @@ def test_resume_is_bitwise_on_two_ranks_with_odd_vocab(runs):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    saved = tomllib.loads((runs / "fsdp" / "checkpoints" / "step_00000010" / "config.toml").read_text())
+    assert saved["training"]["steps"] == STEPS and saved["training"]["batch_size"] == 2  # the resolved config
     initial = load_file(str(runs / "tied97" / "model.safetensors"))
     assert not torch.equal(initial["model.norm.weight"], a["model.norm.weight"])  # parameters did change
 
@@ -103,3 +119,19 @@ def test_tensor_parallel_matches_one_process(runs):
     a, b = _params(runs / "tp"), _params(runs / "single_tp")
     assert "lm_head.weight" in a  # untied
     _assert_params_close(a, b)
+
+
+def test_hsdp_with_activation_checkpointing_matches_one_process(runs):
+    hsdp, single = read_metrics(runs / "hsdp_ac"), read_metrics(runs / "single")
+    assert sorted(hsdp) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert abs(hsdp[step] - single[step]) < 1e-5, (step, hsdp[step], single[step])
+
+
+def test_metrics_records(runs):
+    import json
+
+    records = [json.loads(line) for line in (runs / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "grad_norm", "lr", "tokens_per_second_per_device", "mfu", "peak_memory_gib"} <= set(records[0])
+    assert records[0]["lr"] == pytest.approx(0.5e-2)  # warmup step 1 of 2
+    assert all(r["tokens_per_second_per_device"] > 0 and 0 < r["mfu"] for r in records)
