@@ -119,9 +119,46 @@ def paged_prefill_attention(
     return out
 
 
-def _cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()  # (n, vocab), fp32 for the log-sum-exp
-    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients in one pass over token chunks (Liger-Kernel's scheme): each chunk's
+    logits live only inside the loop, and backward just scales the gradients kept from forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, normalizer):
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        chunk = max(1, (1 << 24) // vocab)  # ~16M logits (64 MB in fp32) at a time
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, n_tokens, chunk):
+            h, t = hidden[s:s + chunk], targets[s:s + chunk]
+            logits = (h @ weight.t()).float()  # (n, vocab), fp32 for the log-sum-exp
+            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            valid = t != ignore_index
+            safe_t = torch.where(valid, t, 0)
+            rows = torch.arange(len(t), device=t.device)
+            total += ((lse - logits[rows, safe_t]) * valid).sum()
+            if want_h or want_w:
+                # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows (in place)
+                g = logits.sub_(lse[:, None]).exp_()
+                g[rows, safe_t] -= 1.0
+                g.mul_((valid.float() / normalizer)[:, None])
+                g = g.to(hidden.dtype)
+                if want_h:
+                    grad_h[s:s + chunk] = g @ weight  # (n, hidden)
+                if want_w:
+                    grad_w.addmm_(g.t().float(), h.float())  # (vocab, hidden)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total / normalizer
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -133,16 +170,8 @@ def fused_linear_cross_entropy(
 ) -> torch.Tensor:
     h = hidden.reshape(-1, hidden.shape[-1])  # (N, hidden)
     t = targets.reshape(-1)  # (N,)
-    # Chunks of ~16M logits (64 MB in fp32); each chunk's logits are recomputed in backward
-    # (activation checkpointing), so at most one chunk of logits and its gradient exist at a time.
-    chunk = max(1, (1 << 24) // weight.shape[0])
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
-    for s in range(0, h.shape[0], chunk):
-        args = (h[s:s + chunk], weight, t[s:s + chunk], ignore_index)
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            total = total + torch.utils.checkpoint.checkpoint(_cross_entropy_sum, *args, use_reentrant=False)
-        else:
-            total = total + _cross_entropy_sum(*args)
     if normalizer is None:
         normalizer = (t != ignore_index).sum()
-    return total / normalizer
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.to(device=h.device, dtype=torch.float32)
+    return _FusedLinearCrossEntropy.apply(h, weight, t, ignore_index, normalizer)
