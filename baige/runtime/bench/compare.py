@@ -165,6 +165,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
         weight_bytes["llama.cpp"] = gguf.stat().st_size
         dtype_bytes["llama.cpp"] = 2
 
+    limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)  # before the load, once
     # warm-up: one short call of each (compilation, allocation, first-touch page faults)
     for name, fn in decode.items():
         fn()
@@ -198,7 +199,6 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     finally:
         tmp.cleanup()
 
-    limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)
     counts = roofline.model_counts(baige.engine.model)
     mc = baige.engine.model.config
     tp_tokens = sum(len(p) + n for p, n in reqs)

@@ -5,9 +5,9 @@ bounds a workload by ``min(peak FLOP/s, bandwidth * arithmetic intensity)``. Her
 
 - **Bandwidth** (bytes/s) is measured with a large device copy ``dst.copy_(src)``: every byte is read
   once and written once, so ``bandwidth = 2 * nbytes / time`` (the STREAM "copy" kernel's counting,
-  McCalpin 1995).
+  McCalpin 1995), best of 10 trials.
 - **Matmul peak** (FLOP/s) is measured with a large square GEMM in the run dtype:
-  ``2 * N**3 / time`` (one multiply and one add per inner-product term).
+  ``2 * N**3 / time`` (one multiply and one add per inner-product term), best of 5 trials.
 - **Decode** at batch ``B`` reads every weight once per step and each sequence's K/V cache once:
   ``bytes/step = weight_bytes + B * context_len * kv_bytes_per_token``; achieved bandwidth is
   ``bytes/step * steps/s`` (gpt-fast's "memory bandwidth achieved" counts weights only; we add the KV).
@@ -18,13 +18,13 @@ bounds a workload by ``min(peak FLOP/s, bandwidth * arithmetic intensity)``. Her
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from baige.runtime.bench.common import median_time
 
 # Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (bytes/s) from the vendors' data sheets:
 # A100 SXM (NVIDIA A100 datasheet), H100 SXM and H200 (H100/H200 datasheets), L4, A10. Matched by
@@ -70,17 +70,26 @@ def _sync(device: torch.device) -> None:
 
 
 def _time(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
-    """Median seconds per call: ``triton.testing.do_bench`` on CUDA, warm-up + median on CPU."""
+    """Best (minimum) seconds per call, as STREAM reports the best rate of its trials: a limit is
+    what the machine can do, and on a shared machine the median is pulled down by other work.
+    ``triton.testing.do_bench`` on CUDA, warm-up + timed loop on CPU."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    return median_time(fn, warmup, iters)
+        return do_bench(fn, warmup=25, rep=100, return_mode="min") / 1e3
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
     """Device memory bandwidth in bytes/s from a copy of ``nbytes`` (default 256 MiB on CPU, 2 GiB on
-    CUDA, far beyond any cache): ``2 * nbytes / median time`` (read + write)."""
+    CUDA, far beyond any cache): ``2 * nbytes / best time`` (read + write)."""
     nbytes = nbytes or (2 << 30 if device.type == "cuda" else 256 << 20)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -90,7 +99,7 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: in
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 5) -> float:
     """Matmul FLOP/s of an ``n x n @ n x n`` GEMM in ``dtype`` (default n = 2048 on CPU, 8192 on
-    CUDA): ``2 * n**3 / median time``."""
+    CUDA): ``2 * n**3 / best time``."""
     n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
