@@ -165,6 +165,7 @@ def write_plots(r: dict, output_dir: str | Path, stem: str) -> list[Path]:
         axes[1].set(xlabel="ITL (ms)", ylabel="token gaps")
         axes[2].hist(r["output_lens"], bins=20)
         axes[2].set(xlabel="output length (tokens)", ylabel="requests")
+        fig.suptitle(f"baige bench serve: {r['completed']} ok, {r['failed']} failed, {r['duration']:.1f} s")
         save(fig, "serve")
     elif kind == "kernels" and r["samples"]:
         for op in sorted({s["op"] for s in r["samples"]}):
