@@ -35,8 +35,7 @@ def quantize(
     ] = None,
     device: Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")] = Device.auto,
 ) -> None:
-    """Quantize every Linear except lm_head (and --ignore patterns); write an HF directory in the
-    compressed-tensors format (vLLM, transformers and baige load it) with quantization_report.json."""
+    """Quantize every Linear except lm_head (and --ignore patterns); write an HF directory in the compressed-tensors format (vLLM, transformers and baige load it) with quantization_report.json."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
