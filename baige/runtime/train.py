@@ -213,12 +213,17 @@ class Trainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (Loshchilov & Hutter 2019) with no weight decay on norms, biases and embeddings."""
+        from torch.distributed.tensor import DTensor
+
         o = self.cfg.optimizer
-        decay, no_decay = [], []
+        groups: dict[tuple[bool, bool], list] = {}
         for name, param in self.model.named_parameters():
-            (no_decay if param.ndim < 2 or "embed_tokens" in name else decay).append(param)
-        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = self.device.type == "cuda" if o.fused == "auto" else o.fused == "true"
+            decay = param.ndim >= 2 and "embed_tokens" not in name
+            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP) apart from plain tensors
+            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
+        groups = [{"params": params, "weight_decay": o.weight_decay if decay else 0.0}
+                  for (decay, _), params in sorted(groups.items(), reverse=True)]
+        fused = o.fused != "false"  # auto: torch has fused AdamW kernels for CUDA and CPU
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:

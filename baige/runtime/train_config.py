@@ -56,7 +56,7 @@ class OptimizerSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1  # not applied to norms, biases and embeddings
-    fused: str = "auto"  # auto (fused on CUDA) | true | false
+    fused: str = "auto"  # auto = true (torch has fused AdamW for CUDA and CPU) | true | false
 
 
 @dataclass
