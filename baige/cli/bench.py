@@ -44,6 +44,11 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
         result = fn(cfg, lambda done, total, what: bar.update(task, completed=done, total=total,
                                                              description=f"bench {name}: {what}"))
     Console().print(render(result))
+    env = result.get("environment", {})
+    load, cpus = (env.get("load_average") or [0.0])[0], env.get("cpu_count") or 1
+    if load > cpus:
+        err.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cpus} CPUs while measuring: other work "
+                  "shared the machine, so timings and the measured limits are noisy (a % of limit can exceed 100%)")
     path = write_result(output_dir, name, result)
     err.print(f"wrote {path}")
     if plot:
