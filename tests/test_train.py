@@ -281,3 +281,17 @@ def test_hf_export_loads_in_transformers_and_baige(tmp_path, variant, one_thread
         original = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)(input_ids=ids).logits
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert (ref - original).abs().max() > 1e-3  # trained weights were exported
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from baige.cli.app import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["train", "--data", str(tmp_path / "missing.txt"), "--output", str(tmp_path / "o")])
+    assert isinstance(r.exception, BaigeError) and str(r.exception) == f"{tmp_path / 'missing.txt'}: data file not found"
+    r = runner.invoke(app, ["train", "--data", "x.txt", "--set", "training.bogus=1"])
+    assert isinstance(r.exception, BaigeError) and "unknown config field 'training.bogus'" in str(r.exception)
+    r = runner.invoke(app, ["train", "--data", "x.txt", "--ac", "sometimes"])
+    assert isinstance(r.exception, BaigeError) and "activation_checkpointing" in str(r.exception)

@@ -2,60 +2,36 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import resource
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Dense (no sparsity) peak tensor-core TFLOP/s per GPU from the vendors' data sheets, by dtype.
-_GPU_PEAK_TFLOPS = {  # name substring -> (bf16/fp16, fp32 via TF32)
-    "H200": (989.0, 494.0),
-    "H100 PCIe": (756.0, 378.0),
-    "H100": (989.0, 494.0),
-    "A100": (312.0, 156.0),
-    "L40S": (362.0, 183.0),
-    "A10G": (70.0, 35.0),
-    "L4": (121.0, 60.0),
-}
 
-
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
-    """Best-of-3 FLOP/s of an ``n x n`` matmul on ``device``: the CPU's practical peak (no data sheet)."""
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=None)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
+@functools.lru_cache(maxsize=None)
 def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0) -> tuple[float, str]:
-    """Per-device peak FLOP/s for MFU and where it comes from.
+    """Per-device peak FLOP/s for MFU and where it comes from, as ``baige bench train`` defines it.
 
-    ``override_tflops`` > 0 wins; on CUDA the data-sheet table above (dense bf16, or TF32 for fp32);
-    otherwise (CPU, unknown GPU) the measured matmul rate of :func:`measured_matmul_flops`, which
-    makes the CPU MFU a fraction of the achievable GEMM rate rather than of a data-sheet number.
-    The RNG state is saved and restored around the measurement.
+    ``override_tflops`` > 0 wins; training in bf16 on a GPU of the data-sheet table
+    (``bench.roofline.GPU_PEAKS``, dense bf16) uses that number; otherwise the measured rate of an
+    ``n x n`` matmul in ``dtype`` (``bench.roofline.measure_matmul_peak``; n = 1024 on CPU), which
+    makes a CPU or fp32 MFU a fraction of the achievable GEMM rate. Measured once per process; the
+    RNG state is restored around the measurement.
     """
+    from baige.runtime.bench import roofline
+
     if override_tflops > 0:
         return override_tflops * 1e12, "configured"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (half, fp32) in _GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return (fp32 if dtype == torch.float32 else half) * 1e12, f"data sheet ({key})"
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        sheet = roofline.datasheet_peaks(torch.cuda.get_device_name(device))
+        if sheet is not None:
+            return sheet[0], "data sheet (dense bf16)"
     rng = torch.get_rng_state()
     try:
-        return measured_matmul_flops(device, dtype), "measured matmul"
+        return roofline.measure_matmul_peak(device, dtype, n=None if device.type == "cuda" else 1024), "measured matmul"
     finally:
         torch.set_rng_state(rng)
 

@@ -114,6 +114,9 @@ class Trainer:
 
         self.cfg = cfg
         t, p = cfg.training, cfg.parallelism
+        for path in cfg.data.train + cfg.data.eval:  # before any expensive set-up
+            if not Path(path).is_file():
+                raise BaigeError(f"{path}: data file not found")
         self.device = resolve_device(t.device)
         self.dist = parallel.init_distributed(self.device.type)
         self.dims = parallel.ParallelDims.resolve(self.dist.world_size, p.data_parallel_replicate_degree,
