@@ -41,7 +41,8 @@ def runs(tmp_path_factory):
         # HSDP (2 replicas x 1 shard) with activation checkpointing on every block.
         (job_train, dict(common, output=str(root / "hsdp_ac"), **{
             "training.steps": 3, "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
-            "training.activation_checkpointing": "full", "checkpoint.export_hf": False})),
+            "training.activation_checkpointing": "full", "checkpoint.export_hf": False,
+            "data.eval": [str(data)], "training.eval_batches": 2})),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     # Tensor parallel through the documented launch form: torchrun --no-python baige train (TP=2,
@@ -57,7 +58,8 @@ def runs(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        job_train(**common, output=str(root / "single"), **{"training.steps": STEPS, "training.batch_size": 4})
+        job_train(**common, output=str(root / "single"), **{"training.steps": STEPS, "training.batch_size": 4,
+                                                            "data.eval": [str(data)], "training.eval_batches": 2})
         job_train(**common, output=str(root / "single_from_2ranks"), copy_checkpoint=str(step10),
                   **{"training.steps": STEPS, "training.batch_size": 4})
         job_train(model=str(untied), data=str(data), output=str(root / "single_tp"),
@@ -126,6 +128,10 @@ def test_hsdp_with_activation_checkpointing_matches_one_process(runs):
     assert sorted(hsdp) == [1, 2, 3]
     for step in (1, 2, 3):
         assert abs(hsdp[step] - single[step]) < 1e-5, (step, hsdp[step], single[step])
+    # Evaluation under FSDP (no-grad forward, ranks split the eval windows) matches too.
+    eval_hsdp, eval_single = read_metrics(runs / "hsdp_ac", "eval"), read_metrics(runs / "single", "eval")
+    assert sorted(eval_hsdp) == [0, 3] and sorted(eval_single) == [0, STEPS]
+    assert abs(eval_hsdp[0] - eval_single[0]) < 1e-6
 
 
 def test_metrics_records(runs):
