@@ -295,3 +295,15 @@ def test_cli_user_errors_are_one_line(tmp_path):
     assert isinstance(r.exception, BaigeError) and "unknown config field 'training.bogus'" in str(r.exception)
     r = runner.invoke(app, ["train", "--data", "x.txt", "--ac", "sometimes"])
     assert isinstance(r.exception, BaigeError) and "activation_checkpointing" in str(r.exception)
+
+
+@pytest.mark.slow  # inductor builds C++ kernels on CPU: tens of seconds to minutes
+def test_compile_gives_the_same_losses(tmp_path, one_thread):
+    model = tiny_model(tmp_path / "model")
+    data = tmp_path / "train.txt"
+    data.write_text(shakespeare(5_000))
+    base = {"training.steps": 3, "training.batch_size": 2, "checkpoint.export_hf": False}
+    eager = run_training(tiny_config(model, data, tmp_path / "eager", **base))
+    compiled = run_training(tiny_config(model, data, tmp_path / "compiled", **base, **{"training.compile": True}))
+    for step in (1, 2, 3):
+        assert abs(eager.losses[step] - compiled.losses[step]) < 1e-5, step
