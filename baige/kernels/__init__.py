@@ -92,8 +92,10 @@ def attention(
 
 
 # ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
-# A layer's cache is (num_blocks, block_size, n_kv_heads, head_dim); token slot s lives at
-# [s // block_size, s % block_size]. A block table row lists a sequence's blocks in order.
+# A layer's cache is (n_kv_heads, num_blocks, block_size, head_dim), heads outermost; token slot s of
+# KV head h lives at [h, s // block_size, s % block_size]. A block table row lists a sequence's blocks
+# in order. Heads outermost makes gathering a batch's blocks produce (n_kv_heads, S, tokens, head_dim)
+# directly, the layout of a batched matmul per KV head (no transpose copy after the gather).
 
 
 def store_kv(
@@ -103,7 +105,7 @@ def store_kv(
 
     Args:
         k, v: (N, n_kv_heads, head_dim), the cache's dtype.
-        k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim), contiguous.
+        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
         slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct.
     """
     reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -121,11 +123,12 @@ def paged_decode_attention(
 
     The query's own K/V must already be stored; it attends to the first ``context_lens[i]`` cached
     tokens of sequence ``i``. Shapes are fixed by the padding of ``block_tables``, so one compiled
-    graph (or CUDA graph) serves every decode step of a given batch and table width.
+    graph (or CUDA graph) serves every decode step of a given batch and table width. Work and memory
+    traffic grow with ``S * W``: callers group sequences of similar length (see the model runner).
 
     Args:
         q: (S, n_heads, head_dim).
-        k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim).
+        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
         block_tables: (S, W) int64 block ids; entries past a sequence's blocks must be valid ids
             (any block: they are masked).
         context_lens: (S,) int64 tokens in the cache per sequence, 1 <= context_lens <= W * block_size.
@@ -154,7 +157,7 @@ def paged_prefill_attention(
 
     Args:
         q: (N, n_heads, head_dim), N = total query tokens.
-        k_cache, v_cache: (num_blocks, block_size, n_kv_heads, head_dim).
+        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
         block_tables: (P, W) int64 block ids per sequence.
         cu_seqlens_q: (P + 1,) int64 cumulative query counts, starting at 0.
         context_lens: (P,) int64 cached tokens per sequence, the new ones included.

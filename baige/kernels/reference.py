@@ -65,9 +65,21 @@ def attention(
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    Hkv, D = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k)  # slot = block * block_size + offset
-    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, v)
+    Hkv, D = k_cache.shape[0], k_cache.shape[-1]
+    # (Hkv, num_blocks * block_size, D): slot = block * block_size + offset indexes dim 1
+    k_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """(Hkv, num_blocks, block_size, D) pool, (S, W) tables -> (Hkv, S, W * block_size, D), contiguous.
+
+    ``index_select`` over the flattened table writes each sequence's blocks back to back, which is
+    already the batched-matmul layout (measured faster than advanced indexing on CPU).
+    """
+    Hkv, _, bs, D = cache.shape
+    S, W = block_tables.shape
+    return cache.view(Hkv, -1, bs * D).index_select(1, block_tables.reshape(-1)).view(Hkv, S, W * bs, D)
 
 
 def paged_decode_attention(
@@ -79,21 +91,14 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     S, H, D = q.shape
-    W = block_tables.shape[1]
-    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-    L = W * block_size
-    k = k_cache[block_tables].view(S, L, Hkv, D)  # (S, W * block_size, Hkv, D), gathered blocks
-    v = v_cache[block_tables].view(S, L, Hkv, D)
+    Hkv = k_cache.shape[0]
+    L = block_tables.shape[1] * k_cache.shape[2]
+    k = _gather_blocks(k_cache, block_tables)  # (Hkv, S, L, D)
+    v = _gather_blocks(v_cache, block_tables)
     mask = torch.arange(L, device=q.device)[None, :] < context_lens[:, None]  # (S, L)
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :],  # (S, H, 1, D)
-        k.transpose(1, 2),  # (S, Hkv, L, D)
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],  # (S, 1, 1, L)
-        scale=scale,
-        enable_gqa=True,
-    )  # (S, H, 1, D)
-    return out.view(S, H, D)
+    qh = q.view(S, Hkv, H // Hkv, D).transpose(0, 1)  # (Hkv, S, group, D): query head h uses KV head h // group
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[None, :, None, :], scale=scale)  # (Hkv, S, group, D)
+    return out.transpose(0, 1).reshape(S, H, D)
 
 
 def paged_prefill_attention(
@@ -105,16 +110,15 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    Hkv, D = k_cache.shape[2], k_cache.shape[3]
-    block_size = k_cache.shape[1]
+    block_size = k_cache.shape[2]
     out = torch.empty_like(q)
     cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for i, ctx in enumerate(ctx_lens):
         start, end = cu[i], cu[i + 1]
         n_blocks = -(-ctx // block_size)
-        table = block_tables[i, :n_blocks]
-        k = k_cache[table].view(-1, Hkv, D)[:ctx]  # (ctx, Hkv, D)
-        v = v_cache[table].view(-1, Hkv, D)[:ctx]
+        table = block_tables[i:i + 1, :n_blocks]
+        k = _gather_blocks(k_cache, table)[:, 0, :ctx].transpose(0, 1)  # (ctx, Hkv, D)
+        v = _gather_blocks(v_cache, table)[:, 0, :ctx].transpose(0, 1)
         out[start:end] = attention(q[None, start:end], k[None], v[None], scale, q_offset=ctx - (end - start))[0]
     return out
 

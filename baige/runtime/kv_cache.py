@@ -16,7 +16,8 @@ GPU_KV_FRACTION = 0.9  # default share of free GPU memory after warm-up (vLLM's 
 
 
 class KVCache:
-    """K and V pools, each layer ``(num_blocks + 1, block_size, n_kv_heads, head_dim)``.
+    """K and V pools, each layer ``(n_kv_heads, num_blocks + 1, block_size, head_dim)`` (the layout of
+    ``baige.kernels``' paged ops: heads outermost).
 
     Block ``num_blocks`` (the last) is a scratch block the block manager never hands out: padded
     rows of a fixed-shape decode batch write their K/V there. Pools are zero-filled so padded,
@@ -34,7 +35,7 @@ class KVCache:
                  device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
