@@ -8,7 +8,9 @@ Two measurements on the embedded SmolLM2-135M-Instruct (its GGUF, dequantized, a
    batching with each request's own max_tokens. Metric: useful output tokens / wall seconds.
 2. batch 1: one 128-token prompt, 128 greedy tokens. Metric: output tokens / wall seconds.
 
-Usage: python scripts/bench_serve_vs_hf.py [--dtype float32] [--threads 2] [--enforce-eager] [--skip-hf]
+Usage: python scripts/bench_serve_vs_hf.py [--dtype float32] [--threads 2] [--enforce-eager]
+           [--skip-hf | --hf-result PREVIOUS.json] [--skip-baige] [--out RESULT.json]
+(HF is slow: run it once with --skip-baige --out hf.json, then compare with --hf-result hf.json.)
 Not a test: numbers depend on the machine and its load; record them with the command that made them.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -100,6 +103,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-baige", action="store_true")
+    ap.add_argument("--hf-result", type=Path, default=None, help="reuse the 'hf' numbers of an earlier --out JSON")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.threads:
@@ -110,10 +115,17 @@ def main() -> None:
     tok = Tokenizer.from_dir(resolve_model(None))
     prompts, out_lens = make_prompts(tok, args.num_prompts, args.seed)
     result = {"dtype": args.dtype, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
-              "enforce_eager": args.enforce_eager, "baige": bench_baige(args, prompts, out_lens)}
-    print(json.dumps(result, indent=2), flush=True)
-    if not args.skip_hf:
+              "enforce_eager": args.enforce_eager, "load_avg_1min_start": os.getloadavg()[0]}
+    if not args.skip_baige:
+        result["baige"] = bench_baige(args, prompts, out_lens)
+        print(json.dumps(result, indent=2), flush=True)
+    if args.hf_result:
+        result["hf"] = json.loads(args.hf_result.read_text())["hf"]
+        result["hf_from"] = str(args.hf_result)
+    elif not args.skip_hf:
         result["hf"] = bench_hf(args, prompts, out_lens)
+    result["load_avg_1min_end"] = os.getloadavg()[0]
+    if "hf" in result and "baige" in result:
         for k in ("mixed_output_tok_per_s", "batch1_tok_per_s"):
             result[f"speedup_{k}"] = result["baige"][k] / result["hf"][k]
     print(json.dumps(result, indent=2))
