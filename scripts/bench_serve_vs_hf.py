@@ -47,7 +47,7 @@ def bench_baige(args, prompts, out_lens) -> dict:
     from baige import LLM, SamplingParams
 
     llm = LLM(None, dtype=args.dtype, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048,
-              kv_cache_memory=int(1.5e9), enforce_eager=args.enforce_eager)
+              kv_cache_memory=int(1.5e9), enforce_eager=args.enforce_eager, quantization=args.quantization)
     warm = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)] * 2
     llm.generate(prompts[:2], warm)  # warm-up (and compile for small batches)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=["fp16-weight"],
+                    help="baige's engine only (HF runs the fp32 model)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-baige", action="store_true")
     ap.add_argument("--hf-result", type=Path, default=None, help="reuse the 'hf' numbers of an earlier --out JSON")
@@ -115,7 +117,7 @@ def main() -> None:
     tok = Tokenizer.from_dir(resolve_model(None))
     prompts, out_lens = make_prompts(tok, args.num_prompts, args.seed)
     result = {"dtype": args.dtype, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
-              "enforce_eager": args.enforce_eager, "load_avg_1min_start": os.getloadavg()[0]}
+              "enforce_eager": args.enforce_eager, "quantization": args.quantization, "load_avg_1min_start": os.getloadavg()[0]}
     if not args.skip_baige:
         result["baige"] = bench_baige(args, prompts, out_lens)
         print(json.dumps(result, indent=2), flush=True)

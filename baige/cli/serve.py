@@ -34,6 +34,9 @@ def serve(
                                                         help="Reuse the KV blocks of shared prompt prefixes.")] = True,
     enforce_eager: Annotated[bool, typer.Option(help="Never capture the decode step "
                                                 "(torch.compile on CPU, CUDA graphs on GPU).")] = False,
+    quantization: Annotated[Optional[str], typer.Option(
+        help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fbgemm fp16 "
+             "weights, fp32 math; half the weight bytes, near-lossless). Default: none.")] = None,
     log_level: Annotated[str, typer.Option(help="Logging level (one line per request at info).")] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
@@ -45,6 +48,7 @@ def serve(
     cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
-                       enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed)
+                       enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
+                       quantization=quantization)
     engine = AsyncEngine(Engine.from_config(cfg))
     run_server(engine, served_model_name or model or "smollm2-135m-instruct", host, port, api_key, log_level)

@@ -47,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    quantization: str | None = None  # None or "fp16-weight" (CPU fp32; see quant_dynamic.py)
 
 
 @dataclass
@@ -160,6 +161,10 @@ class Engine:
         model_dir = resolve_model(cfg.model)
         tokenizer = Tokenizer.from_dir(model_dir)
         model = load_model(model_dir, cfg.dtype, resolve_device(cfg.device))
+        if cfg.quantization:
+            from baige.runtime.quant_dynamic import apply_quantization
+
+            apply_quantization(model, cfg.quantization)
         return cls(model, tokenizer, cfg)
 
     # ---- requests --------------------------------------------------------------------------
