@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from baige.errors import BaigeError
+
 
 def percentile(values: Sequence[float], p: float) -> float:
     """The p-th percentile (0-100) with linear interpolation between closest ranks.
@@ -111,3 +113,19 @@ def median_time(fn, warmup: int = 3, iters: int = 10) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, output_len: int,
+                         range_ratio: float = 0.0, seed: int = 0) -> list[tuple[list[int], int]]:
+    """vLLM's random dataset as token ids: ``(prompt ids, output_len)`` pairs, lengths uniform in
+    ``[len * (1 - r), len * (1 + r)]``, ids uniform over the vocabulary above its first 32 ids
+    (where special tokens live). Raises BaigeError for ``range_ratio`` outside [0, 1)."""
+    if not 0 <= range_ratio < 1:
+        raise BaigeError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+    lo_in, hi_in = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+    lo_out, hi_out = max(1, int(output_len * (1 - range_ratio))), int(output_len * (1 + range_ratio))
+    in_lens = rng.integers(lo_in, hi_in + 1, num_prompts)
+    out_lens = rng.integers(lo_out, hi_out + 1, num_prompts)
+    first = 32 if vocab_size > 1000 else 0
+    return [(rng.integers(first, vocab_size, int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]

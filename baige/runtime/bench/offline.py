@@ -26,7 +26,7 @@ import numpy as np
 
 from baige.errors import BaigeError
 from baige.runtime.bench import roofline
-from baige.runtime.bench.common import environment, summarize
+from baige.runtime.bench.common import environment, random_token_prompts, summarize  # noqa: F401 (re-exported)
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -77,22 +77,6 @@ def build_llm(args: EngineArgs, max_model_len: int, max_num_seqs: int):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching)
-
-
-def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, output_len: int,
-                         range_ratio: float = 0.0, seed: int = 0) -> list[tuple[list[int], int]]:
-    """vLLM's random dataset as token ids: ``(prompt ids, output_len)`` pairs, lengths uniform in
-    ``[len * (1 - r), len * (1 + r)]``, ids uniform over the vocabulary above its first 32 ids
-    (where special tokens live). Raises BaigeError for ``range_ratio`` outside [0, 1)."""
-    if not 0 <= range_ratio < 1:
-        raise BaigeError(f"--range-ratio must be in [0, 1), got {range_ratio}")
-    rng = np.random.default_rng(seed)
-    lo_in, hi_in = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
-    lo_out, hi_out = max(1, int(output_len * (1 - range_ratio))), int(output_len * (1 + range_ratio))
-    in_lens = rng.integers(lo_in, hi_in + 1, num_prompts)
-    out_lens = rng.integers(lo_out, hi_out + 1, num_prompts)
-    first = 32 if vocab_size > 1000 else 0
-    return [(rng.integers(first, vocab_size, int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
 
 
 def _model_info(llm, dtype_bytes: int) -> dict:

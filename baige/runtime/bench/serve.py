@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from baige.errors import BaigeError
-from baige.runtime.bench.common import summarize
+from baige.runtime.bench.common import random_token_prompts, summarize
 
 
 @dataclass
@@ -61,24 +61,12 @@ class RequestResult:
 
 def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                     seed: int = 0) -> list[RequestInput]:
-    """vLLM's random dataset: lengths uniform in ``[len * (1 - r), len * (1 + r)]``, prompts of random
-    token ids decoded to text (ids drawn from the vocabulary without the special tokens).
+    """vLLM's random dataset as text: :func:`common.random_token_prompts` decoded by ``tokenizer``.
 
     Raises BaigeError for a range_ratio outside [0, 1).
     """
-    if not 0 <= range_ratio < 1:
-        raise BaigeError(f"--range-ratio must be in [0, 1), got {range_ratio}")
-    rng = np.random.default_rng(seed)
-    lo_in, hi_in = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
-    lo_out, hi_out = max(1, int(output_len * (1 - range_ratio))), int(output_len * (1 + range_ratio))
-    in_lens = rng.integers(lo_in, hi_in + 1, num_prompts)
-    out_lens = rng.integers(lo_out, hi_out + 1, num_prompts)
-    first = 32 if tokenizer.vocab_size > 1000 else 0  # skip the low ids where special tokens live
-    out = []
-    for n_in, n_out in zip(in_lens, out_lens):
-        ids = rng.integers(first, tokenizer.vocab_size, int(n_in)).tolist()
-        out.append(RequestInput(tokenizer.decode(ids), int(n_in), int(n_out)))
-    return out
+    pairs = random_token_prompts(tokenizer.vocab_size, num_prompts, input_len, output_len, range_ratio, seed)
+    return [RequestInput(tokenizer.decode(ids), len(ids), n_out) for ids, n_out in pairs]
 
 
 def sharegpt_requests(path: str | Path, tokenizer, num_prompts: int, seed: int = 0,
