@@ -122,6 +122,23 @@ def test_gptq_equals_rtn_when_inputs_are_uncorrelated():
     assert torch.equal(s_gptq, s_rtn) and torch.equal(q_gptq, q_rtn)
 
 
+def test_hessian_accumulator_weights_first_token():
+    """H = 2/n sum_t w_t x_t x_t^T over batches, w = first_token_weight at position 0, n = sum w."""
+    from baige.runtime.gptq import _HessianAccumulator
+
+    torch.manual_seed(6)
+    xs = [torch.randn(2, 5, 8), torch.randn(3, 5, 8)]
+    for wt in (1.0, 4.0):
+        acc = _HessianAccumulator(8, torch.device("cpu"), wt)
+        for x in xs:
+            acc(None, (x,))
+        X = torch.cat(xs).double()  # (5, 5, 8)
+        w = torch.ones(5, dtype=torch.float64)
+        w[0] = wt
+        ref = 2 * torch.einsum("t,bti,btj->ij", w, X, X) / (X.shape[0] * w.sum())
+        assert torch.allclose(acc.H.double(), ref, atol=1e-5)
+
+
 @pytest.mark.parametrize("actorder", [False, True])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_gptq_lowers_output_error_on_correlated_inputs(actorder, symmetric):

@@ -299,7 +299,7 @@ def quantize_model(
         method: ``rtn`` (round to nearest) or ``gptq`` (Frantar et al. 2022, arXiv:2210.17323; see gptq.py).
         calib_ids: (n_samples, seq_len) int64 calibration tokens, GPTQ only.
         progress: called as ``progress(done, total, layer_name)`` after each layer.
-        gptq_kwargs: ``percdamp``, ``block_size``, ``batch_size`` for :func:`gptq.gptq_quantize_model`.
+        gptq_kwargs: ``percdamp``, ``block_size``, ``batch_size``, ``sink_weight``, ``down_percdamp`` for :func:`gptq.gptq_quantize_model`.
     Returns:
         the per-layer report rows (:func:`layer_report`).
     Raises:
