@@ -144,6 +144,13 @@ class _HessianAccumulator:
         self.H += x.t() @ x
 
 
+def _swap(parent: nn.Module, name: str, full: str, linear: nn.Linear, scheme: QuantScheme, qparams) -> dict:
+    """Replace ``parent.<name>`` by a QuantizedLinear from ``(q, scale, zero_point)``; its report row."""
+    qlinear = QuantizedLinear.from_quantized(linear, scheme, *qparams)
+    set_submodule(parent, name, qlinear)
+    return layer_report(full, linear.weight, qlinear)
+
+
 @torch.no_grad()
 def gptq_quantize_model(
     model: nn.Module,
@@ -188,7 +195,6 @@ def gptq_quantize_model(
     cos, sin = model.rotary_emb(positions, dtype)  # (1, T, head_dim)
     wanted = set(names)
     rows: dict[str, dict] = {}
-    done = 0
 
     for li, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{li}."
@@ -206,24 +212,17 @@ def gptq_quantize_model(
         for n_, linear in linears:
             full = prefix + n_
             damp = down_percdamp if n_.endswith("down_proj") else percdamp
-            q, scale, zp = gptq_quantize_weight(linear.weight, accs[n_].H, scheme, damp, block_size, name=full)
-            qlinear = QuantizedLinear.from_quantized(linear, scheme, q, scale, zp)
-            rows[full] = layer_report(full, linear.weight, qlinear)
-            set_submodule(layer, n_, qlinear)
-            done += 1
+            qparams = gptq_quantize_weight(linear.weight, accs[n_].H, scheme, damp, block_size, name=full)
+            rows[full] = _swap(layer, n_, full, linear, scheme, qparams)
             if progress:
-                progress(done, len(names), full)
+                progress(len(rows), len(names), full)
         hidden = [layer(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1), None) for x in hidden]
 
     for full in names:
         if full not in rows:
             linear = model.get_submodule(full)
-            q, scale, zp = quantize_weight(linear.weight, scheme)
-            qlinear = QuantizedLinear.from_quantized(linear, scheme, q, scale, zp)
-            rows[full] = layer_report(full, linear.weight, qlinear)
-            set_submodule(model, full, qlinear)
-            done += 1
+            rows[full] = _swap(model, full, full, linear, scheme, quantize_weight(linear.weight, scheme))
             if progress:
-                progress(done, len(names), full)
+                progress(len(rows), len(names), full)
     return [rows[n_] for n_ in names]
 
