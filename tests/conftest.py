@@ -5,6 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run in Triton's interpreter on CPU-only machines. triton.jit reads this when a kernel
+# module is imported (lazily, on first use), so it must be set before any test touches a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO.parent / "shared" / "data"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,20 +1,65 @@
 """The public op API of baige: the only place the model, engine and trainer call for hot ops.
 
-Every op has a pure-PyTorch twin in :mod:`baige.kernels.reference` with the same signature. Today
-every op dispatches to that reference; fast Triton paths plug in behind these same functions.
+Every op has a pure-PyTorch twin in :mod:`baige.kernels.reference` with the same signature and a
+Triton implementation in :mod:`baige.kernels.triton_ops`. Dispatch (:func:`backend`):
+
+- ``BAIGE_KERNELS`` unset or ``auto``: Triton for CUDA tensors, the reference for everything else;
+- ``BAIGE_KERNELS=reference``: the reference everywhere;
+- ``BAIGE_KERNELS=triton``: Triton everywhere. On CPU tensors that needs ``TRITON_INTERPRET=1`` set
+  before the first Triton op runs (Triton's interpreter, the way CI tests the kernels).
+
+The Triton modules are imported on first use, so a CPU-only process never compiles anything.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
 
 import torch
 
 from baige.kernels import reference
 
 __all__ = [
-    "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention",
+    "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen",
     "store_kv", "paged_decode_attention", "paged_prefill_attention",
-    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy", "quantized_linear",
 ]
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend(x: torch.Tensor) -> str:
+    """``"triton"`` or ``"reference"``: the implementation an op on ``x`` runs (see module docstring).
+
+    Raises:
+        ValueError: ``BAIGE_KERNELS`` is not one of auto/reference/triton, or it asks for Triton where
+        Triton cannot run (not installed; CPU tensors without ``TRITON_INTERPRET=1``).
+    """
+    mode = os.environ.get("BAIGE_KERNELS") or "auto"
+    if mode == "reference":
+        return "reference"
+    if mode == "auto":
+        return "triton" if x.is_cuda and _triton_importable() else "reference"
+    if mode != "triton":
+        raise ValueError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
+    if not _triton_importable():
+        raise ValueError("BAIGE_KERNELS=triton but triton is not installed")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    return "triton"
+
+
+def _impl(x: torch.Tensor, module: str):
+    """The module holding the implementation for ``x``: :mod:`reference` or ``triton_ops.<module>``."""
+    if backend(x) == "reference":
+        return reference
+    return importlib.import_module(f"baige.kernels.triton_ops.{module}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,7 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         (..., hidden) in the promoted dtype of ``weight`` and ``x``.
     """
-    return reference.rms_norm(x, weight, eps)
+    return _impl(x, "norm").rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
@@ -43,7 +88,7 @@ def add_rms_norm(
     Returns:
         ``(rms_norm(x + residual), x + residual)``, both (..., hidden).
     """
-    return reference.add_rms_norm(x, residual, weight, eps)
+    return _impl(x, "norm").add_rms_norm(x, residual, weight, eps)
 
 
 def apply_rope(
@@ -58,7 +103,7 @@ def apply_rope(
     Returns:
         ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
     """
-    return reference.apply_rope(q, k, cos, sin)
+    return _impl(q, "rope").apply_rope(q, k, cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -69,7 +114,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., intermediate).
     """
-    return reference.silu_mul(gate, up)
+    return _impl(gate, "swiglu").silu_mul(gate, up)
 
 
 def attention(
@@ -88,7 +133,7 @@ def attention(
     Returns:
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
-    return reference.attention(q, k, v, scale, q_offset)
+    return _impl(q, "flash_attention").attention(q, k, v, scale, q_offset)
 
 
 # ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
@@ -108,7 +153,7 @@ def store_kv(
         k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
         slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct.
     """
-    reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    _impl(k, "paged_attention").store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(
@@ -136,7 +181,7 @@ def paged_decode_attention(
     Returns:
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _impl(q, "paged_attention").paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(
@@ -165,7 +210,8 @@ def paged_prefill_attention(
     Returns:
         (N, n_heads, head_dim) in the dtype of ``q``.
     """
-    return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    impl = _impl(q, "paged_attention")
+    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
 def fused_linear_cross_entropy(
@@ -191,4 +237,62 @@ def fused_linear_cross_entropy(
     Returns:
         () fp32 loss: ``sum(-log softmax(logits)[target]) / normalizer`` in nats per token.
     """
-    return reference.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
+    impl = _impl(hidden, "cross_entropy")
+    return impl.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over packed variable-length sequences, grouped-query heads, with autograd
+    (FlashAttention-2's online softmax, Dao 2023, arXiv:2307.08691; ``flash_attn_varlen_func``'s
+    argument convention).
+
+    Sequence ``i`` owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys
+    ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``; with ``Lq <= Lk`` tokens the causal mask is aligned to the
+    bottom right: query ``j`` sees keys ``0..Lk - Lq + j``.
+
+    Args:
+        q: (Nq, n_heads, head_dim) fp32/fp16/bf16.
+        k, v: (Nk, n_kv_heads, head_dim), ``n_heads % n_kv_heads == 0``.
+        cu_seqlens_q, cu_seqlens_k: (P + 1,) int32/int64 cumulative lengths starting at 0.
+        max_seqlen_q, max_seqlen_k: the longest sequence of each (host ints: no device sync).
+        scale: softmax scale.
+    Returns:
+        (Nq, n_heads, head_dim) in the dtype of ``q``; softmax statistics are fp32.
+    """
+    impl = _impl(q, "flash_attention")
+    return impl.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group_size: int | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weight-only quantized ``x @ W.T + bias`` with ``W = (q - zero_point) * scale`` dequantized
+    inside the matmul (compressed-tensors layouts, see ``baige.runtime.quant``).
+
+    Args:
+        x: (..., in_features) fp32/fp16/bf16.
+        qweight: int8 (out, in_features) for int8 per output channel, or int32 (out, ceil(in / 8))
+            for int4: eight 4-bit values per word, element ``j`` in bits ``4j..4j+3``, stored as q + 8.
+        scale: (out, n_groups) in x's dtype or fp32; n_groups = 1 for int8 per channel,
+            ceil(in / group_size) for int4 (the last group may be partial).
+        zero_point: None (symmetric) or (out, n_groups) int8/int32 signed zero points, unpacked.
+        group_size: columns per scale group; None = one group per output channel.
+        bias: (out,) or None.
+    Returns:
+        (..., out) in the dtype of ``x``; accumulation in fp32 on the Triton path.
+    """
+    return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)

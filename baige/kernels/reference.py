@@ -62,6 +62,27 @@ def attention(
     return out.transpose(1, 2)  # (B, T, H, Dv)
 
 
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        qs, qe, ks, ke = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if qe == qs:
+            continue
+        o = attention(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], scale, q_offset=(ke - ks) - (qe - qs))
+        out[qs:qe] = o[0]
+    return out
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -179,3 +200,44 @@ def fused_linear_cross_entropy(
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.to(device=h.device, dtype=torch.float32)
     return _FusedLinearCrossEntropy.apply(h, weight, t, ignore_index, normalizer)
+
+
+# ---- weight-only quantization (compressed-tensors layouts; see baige.runtime.quant) ----------------
+
+
+def expand_groups(t: torch.Tensor, group_size: int | None, in_features: int) -> torch.Tensor:
+    """(out, n_groups) -> (out, in_features): each group value repeated over its columns."""
+    if group_size is None:
+        return t.expand(-1, in_features)
+    return t.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """(rows, words) int32, eight 4-bit values per word (element j in bits 4j..4j+3, stored as q + 8)
+    -> (rows, cols) int8 in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    u = (packed.unsqueeze(-1) >> shifts) & 0xF  # (rows, words, 8); & drops the arithmetic-shift sign bits
+    return (u.flatten(1)[:, :cols] - 8).to(torch.int8)
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int | None
+) -> torch.Tensor:
+    """``(q - zp) * scale`` -> (out, in) weight in ``scale.dtype``. q: (out, in) int; scale, zp: (out, n_groups)."""
+    in_f = q.shape[1]
+    x = q.to(scale.dtype)
+    if zero_point is not None:
+        x = x - expand_groups(zero_point.to(scale.dtype), group_size, in_f)
+    return x * expand_groups(scale, group_size, in_f)
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group_size: int | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    q = qweight if qweight.dtype == torch.int8 else unpack_int4(qweight, x.shape[-1])
+    return F.linear(x, dequantize_weight(q, scale, zero_point, group_size).to(x.dtype), bias)

@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baige import kernels
 from baige.errors import BaigeError
+from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4
 
 ProgressFn = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -113,13 +115,6 @@ def quantize_with(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, scheme
     return torch.clamp(torch.round(w / scale + zp), scheme.qmin, scheme.qmax).to(torch.int8)
 
 
-def _expand_groups(t: torch.Tensor, group_size: int | None, in_features: int) -> torch.Tensor:
-    """(out, n_groups) -> (out, in_features): each group value repeated over its columns."""
-    if group_size is None:
-        return t.expand(-1, in_features)
-    return t.repeat_interleave(group_size, dim=1)[:, :in_features]
-
-
 def quantize_weight(
     w: torch.Tensor, scheme: QuantScheme
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -143,20 +138,9 @@ def quantize_weight(
     scale, zp = compute_qparams(wmin, wmax, scheme)
     scale = scale.to(w.dtype)  # round the stored scale first, so q is computed against it
     q = quantize_with(
-        wf, _expand_groups(scale.float(), scheme.group_size, in_f), _expand_groups(zp, scheme.group_size, in_f), scheme
+        wf, expand_groups(scale.float(), scheme.group_size, in_f), expand_groups(zp, scheme.group_size, in_f), scheme
     )
     return q, scale, None if scheme.symmetric else zp.to(torch.int8)
-
-
-def dequantize_weight(
-    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int | None
-) -> torch.Tensor:
-    """``(q - zp) * scale`` -> (out, in) weight in ``scale.dtype``. q: (out, in) int; scale, zp: (out, n_groups)."""
-    in_f = q.shape[1]
-    x = q.to(scale.dtype)
-    if zero_point is not None:
-        x = x - _expand_groups(zero_point.to(scale.dtype), group_size, in_f)
-    return x * _expand_groups(scale, group_size, in_f)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -169,13 +153,6 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     packed = (u << shifts).sum(dim=2)  # (rows, words) in [0, 2**32)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # two's complement into int32
     return packed.to(torch.int32)
-
-
-def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: (rows, words) int32 -> (rows, cols) int8 in [-8, 7]."""
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    u = (packed.unsqueeze(-1) >> shifts) & 0xF  # (rows, words, 8); & drops the arithmetic-shift sign bits
-    return (u.flatten(1)[:, :cols] - 8).to(torch.int8)
 
 
 class QuantizedLinear(nn.Module):
@@ -244,7 +221,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out): ``F.linear`` with the dequantized weight."""
-        return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        qweight = self.weight if self.scheme.num_bits == 8 else self.weight_packed
+        return kernels.quantized_linear(x, qweight, self.weight_scale, self.zero_point(), self.scheme.group_size, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
