@@ -1,0 +1,182 @@
+"""Paged attention over the engine's block pool (vLLM's PagedAttention layout, Kwon et al. 2023,
+arXiv:2309.06180) and ``store_kv``, in Triton.
+
+One kernel serves decode (one query per sequence) and prefill with a cached prefix (a chunk of
+queries per sequence, causal, bottom-right aligned). A program owns one KV head of one sequence and a
+tile of ``BLOCK_T`` query tokens; its rows are those tokens times the ``GROUP`` query heads that share
+the KV head (padded to a power of two), so each K/V tile read from the pool serves the whole group
+(the grouped-query layout of FlashDecoding-style kernels). Keys are streamed ``BLOCK_N`` at a time;
+each key's slot is looked up through the block table, so ``BLOCK_N`` need not match the cache's
+block size. Online softmax with fp32 statistics (FlashAttention-2, arXiv:2307.08691).
+
+Cache layout (see :mod:`baige.kernels`): (n_kv_heads, num_blocks, block_size, head_dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baige.kernels.triton_ops.common import block_for, new_empty
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, KC, VC, O, BT, CU_Q, CTX, qk_scale,
+    sq_t, sq_h, so_t, so_h, skc_h, skc_b, skc_s, svc_h, svc_b, svc_s, sbt,
+    IS_DECODE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, KV_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_t, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if IS_DECODE:
+        q_start = seq
+        len_q = 1
+    else:
+        q_start = tl.load(CU_Q + seq)
+        len_q = tl.load(CU_Q + seq + 1) - q_start
+    if pid_t * BLOCK_T >= len_q:
+        return
+    ctx = tl.load(CTX + seq)  # cached tokens, this chunk's included
+    first_pos = ctx - len_q  # absolute position of query 0
+
+    rows = tl.arange(0, BLOCK_T * G_PAD)
+    tok = pid_t * BLOCK_T + rows // G_PAD
+    g = rows % G_PAD
+    row_mask = (tok < len_q) & (g < GROUP)
+    head = kvh * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + (q_start + tok)[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    qpos = first_pos + tok
+
+    m_i = tl.full([BLOCK_T * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_T * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_T * G_PAD, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    hi = tl.minimum(ctx, first_pos + (pid_t + 1) * BLOCK_T)  # keys past hi are masked for every row
+    for start in range(0, hi, BLOCK_N):
+        pos = start + offs_n
+        n_mask = pos < ctx
+        blk = tl.load(BT + seq * sbt + pos // KV_BLOCK, mask=n_mask, other=0)
+        slot = pos % KV_BLOCK
+        kt = tl.load(KC + kvh * skc_h + blk[None, :] * skc_b + slot[None, :] * skc_s + offs_d[:, None],
+                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # (D, N)
+        qk = tl.dot(q, kt, input_precision="ieee") * qk_scale
+        visible = (pos[None, :] <= qpos[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: position 0 is visible to every row
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kvh * svc_h + blk[:, None] * svc_b + slot[:, None] * svc_s + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(O + (q_start + tok)[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
+             acc.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KC, VC, SLOTS, sk_t, sk_h, sv_t, sv_h, skc_h, skc_s, svc_h, svc_s,
+    N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(SLOTS + tok).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < N_KV)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + tok * sk_t + offs_h[:, None] * sk_h + offs_d[None, :], mask=mask)
+    v = tl.load(V + tok * sv_t + offs_h[:, None] * sv_h + offs_d[None, :], mask=mask)
+    # flat slot index over (num_blocks, block_size): the cache is contiguous, so the slot stride is skc_s
+    tl.store(KC + offs_h[:, None] * skc_h + slot * skc_s + offs_d[None, :], k, mask=mask)
+    tl.store(VC + offs_h[:, None] * svc_h + slot * svc_s + offs_d[None, :], v, mask=mask)
+
+
+def _tiles(group: int, head_dim: int, device: torch.device, decode: bool) -> tuple[int, int, int, dict]:
+    """(G_PAD, BLOCK_T, BLOCK_N, launch options): rows = BLOCK_T * G_PAD >= 16 (tl.dot's minimum)."""
+    g_pad = triton.next_power_of_2(group)
+    if decode:
+        block_t = max(1, 16 // g_pad)  # only token 0 is real; the rest pads the dot to 16 rows
+    else:
+        block_t = max(1, (64 if device.type == "cuda" else 16) // g_pad)
+    block_n = 64 if device.type == "cuda" else 16
+    opts = {"num_warps": 4, "num_stages": 2} if device.type == "cuda" else {}
+    return g_pad, block_t, block_n, opts
+
+
+def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q, decode) -> torch.Tensor:
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    n_tok, n_heads, head_dim = q.shape
+    n_kv, _, kv_block, _ = k_cache.shape
+    if n_heads % n_kv or k_cache.shape[-1] != head_dim:
+        raise ValueError(f"paged attention: {n_heads} query heads over a cache of {n_kv} KV heads, "
+                         f"head_dim {head_dim} vs {k_cache.shape[-1]}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged attention needs contiguous K/V block pools")
+    group = n_heads // n_kv
+    n_seq = block_tables.shape[0]
+    out = new_empty(q.shape, q.dtype, q.device)
+    g_pad, block_t, block_n, opts = _tiles(group, head_dim, q.device, decode)
+    if n_tok and n_seq:
+        _paged_attn_kernel[(triton.cdiv(max_q, block_t), n_seq, n_kv)](
+            q, k_cache, v_cache, out, block_tables, cu_q, context_lens, scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            IS_DECODE=decode, GROUP=group, G_PAD=g_pad, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
+            BLOCK_D=block_for(head_dim), BLOCK_T=block_t, BLOCK_N=block_n, **opts)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton twin of :func:`baige.kernels.paged_decode_attention` (no host synchronisation: safe to
+    capture in a CUDA graph)."""
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, context_lens, scale, 1, decode=True)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton twin of :func:`baige.kernels.paged_prefill_attention` (one host sync for the longest chunk)."""
+    max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if cu_seqlens_q.numel() > 1 else 0
+    return _launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q, decode=False)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Triton twin of :func:`baige.kernels.store_kv`: one program per token writes all its KV heads."""
+    n_tok, n_kv, head_dim = k.shape
+    if k_cache.shape[0] != n_kv or k_cache.shape[-1] != head_dim or v.shape != k.shape:
+        raise ValueError(f"store_kv: K/V {tuple(k.shape)} do not fit a cache of {tuple(k_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv needs contiguous K/V block pools")
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if n_tok:
+        _store_kv_kernel[(n_tok,)](
+            k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+            N_KV=n_kv, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(n_kv), BLOCK_D=block_for(head_dim))
