@@ -1,0 +1,111 @@
+"""Fused linear + cross-entropy in Triton (Liger-Kernel's scheme, Hsu et al. 2024, arXiv:2410.10989).
+
+Tokens are processed in chunks. For each chunk the logits ``h @ W.T`` are computed by a matmul in the
+hidden dtype; a Triton kernel then makes two passes over each row: an online log-sum-exp in fp32,
+the row's loss ``lse - logit[target]``, and, in place of the logits, the gradient
+``(softmax - one_hot(target)) / normalizer`` (zero on ignored rows). Two more matmuls turn that into
+the chunk's input gradient and its share of the weight gradient. Forward therefore already holds both
+gradients; backward only scales them by the incoming gradient. Peak extra memory is one chunk of
+logits, sized so a chunk holds about as many elements as the hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baige.kernels.triton_ops.common import new_empty
+
+
+@triton.jit
+def _ce_rows_kernel(
+    LOGITS, TARGETS, LOSS, NORM, s_row, vocab, ignore_index,
+    WANT_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = LOGITS + row * s_row
+    target = tl.load(TARGETS + row)
+    valid = target != ignore_index
+    offs = tl.arange(0, BLOCK_V)
+    m_i = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + offs
+        x = tl.load(ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(x, 0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m_i = m_new
+    lse = m_i + tl.log(l_i)
+    safe_target = tl.where(valid, target, 0)
+    x_t = tl.load(ptr + safe_target).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
+    if WANT_GRAD:
+        w = tl.where(valid, 1.0 / tl.load(NORM), 0.0)
+        for start in range(0, vocab, BLOCK_V):
+            cols = start + offs
+            mask = cols < vocab
+            x = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse)
+            g = tl.where(cols == safe_target, g - 1.0, g) * w
+            tl.store(ptr + cols, g.to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def _chunk_rows(n_tokens: int, vocab: int, hidden: int) -> int:
+    """Rows per chunk: about ``hidden / vocab`` of the tokens (so a chunk of logits is about the size of
+    the hidden states, Liger's rule), a power of two, at least 64 rows."""
+    rows = triton.cdiv(n_tokens, triton.cdiv(vocab, hidden))
+    return min(n_tokens, max(64, triton.next_power_of_2(rows)))
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index, normalizer):
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_grad = want_h or want_w
+        grad_h = new_empty(hidden.shape, hidden.dtype, hidden.device) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        loss_rows = new_empty((n_tokens,), torch.float32, hidden.device)
+        norm = normalizer.reshape(1) if isinstance(normalizer, torch.Tensor) else \
+            torch.tensor([float(normalizer)], dtype=torch.float32, device=hidden.device)
+        targets = targets.contiguous()
+        chunk = _chunk_rows(n_tokens, vocab, hidden.shape[1]) if n_tokens else 1
+        block_v = min(triton.next_power_of_2(vocab), 4096 if hidden.is_cuda else 8192)
+        for s in range(0, n_tokens, chunk):
+            h = hidden[s:s + chunk]
+            logits = h @ weight.t()  # (n, vocab) in the hidden dtype; becomes the gradient in place
+            _ce_rows_kernel[(h.shape[0],)](
+                logits, targets[s:], loss_rows[s:], norm, logits.stride(0), vocab, ignore_index,
+                WANT_GRAD=want_grad, BLOCK_V=block_v, **({"num_warps": 16} if hidden.is_cuda else {}))
+            if want_h:
+                grad_h[s:s + chunk] = logits @ weight  # (n, hidden)
+            if want_w:
+                grad_w.add_(logits.t() @ h)  # (vocab, hidden), summed over chunks in fp32
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss_rows.sum() / norm[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`baige.kernels.fused_linear_cross_entropy` (see there for shapes)."""
+    h = hidden.reshape(-1, hidden.shape[-1])  # (N, hidden)
+    t = targets.reshape(-1)  # (N,)
+    if normalizer is None:
+        normalizer = (t != ignore_index).sum()
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.to(device=h.device, dtype=torch.float32)
+    return _FusedLinearCrossEntropy.apply(h, weight, t, ignore_index, normalizer)
