@@ -4,7 +4,8 @@ Tokens are processed in chunks. For each chunk the logits ``h @ W.T`` are comput
 hidden dtype; a Triton kernel then makes two passes over each row: an online log-sum-exp in fp32,
 the row's loss ``lse - logit[target]``, and, in place of the logits, the gradient
 ``(softmax - one_hot(target)) / normalizer`` (zero on ignored rows). Two more matmuls turn that into
-the chunk's input gradient and its share of the weight gradient. Forward therefore already holds both
+the chunk's input gradient and its share of the weight gradient (accumulated over chunks in the
+weight's dtype, Liger's trade of a little bf16 rounding for half the memory of an fp32 accumulator). Forward therefore already holds both
 gradients; backward only scales them by the incoming gradient. Peak extra memory is one chunk of
 logits, sized so a chunk holds about as many elements as the hidden states.
 """
@@ -65,7 +66,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_grad = want_h or want_w
         grad_h = new_empty(hidden.shape, hidden.dtype, hidden.device) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        # the weight gradient accumulates over chunks in the weight's dtype (as Liger-Kernel does): an fp32
+        # accumulator for a bf16 lm_head would cost twice the weight's memory again at vocab 128k
+        grad_w = torch.zeros_like(weight) if want_w else None
         loss_rows = new_empty((n_tokens,), torch.float32, hidden.device)
         norm = normalizer.reshape(1) if isinstance(normalizer, torch.Tensor) else \
             torch.tensor([float(normalizer)], dtype=torch.float32, device=hidden.device)
@@ -81,16 +84,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if want_h:
                 grad_h[s:s + chunk] = logits @ weight  # (n, hidden)
             if want_w:
-                grad_w.add_(logits.t() @ h)  # (vocab, hidden), summed over chunks in fp32
+                grad_w.addmm_(logits.t(), h)  # (vocab, hidden), in place: no temporary of the weight's size
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
         return loss_rows.sum() / norm[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
+        gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
         return gh, gw, None, None, None
 
 
