@@ -189,9 +189,13 @@ def kernels(
     op: Annotated[Optional[list[str]], typer.Option(help="Only this op (repeatable). Default: every op.")] = None,
     compile: Annotated[bool, typer.Option(help="Also time torch.compile of the reference.")] = True,
     iters: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (CPU).")] = 10,
+    shape: Annotated[str, typer.Option(help="Layer shapes: smollm2-135m (hidden 576, vocab 49152) | llama3-8b "
+                                            "(hidden 4096, head_dim 128, vocab 128256).")] = "smollm2-135m",
+    backward: Annotated[bool, typer.Option(help="Time forward + backward of the ops that have one.")] = False,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
-    """Every baige.kernels op vs its PyTorch reference and torch.compile: µs, GB/s, TFLOP/s, % of limit."""
+    """Every baige.kernels op vs its PyTorch reference and torch.compile: µs, GB/s, TFLOP/s, % of limit
+    (and peak memory on CUDA)."""
     from baige import kernels as kernel_api
     from baige.errors import BaigeError
     from baige.runtime.bench.kernels import KernelsConfig, run_kernels
@@ -206,7 +210,11 @@ def kernels(
         size_list = tuple(int(s) for s in sizes.split(","))
     except ValueError:
         raise BaigeError(f"--sizes {sizes!r}: use comma-separated integers") from None
-    cfg = KernelsConfig(dtype, device.value, size_list, tuple(op or ()), compile, iters)
+    from baige.runtime.bench.kernels import SHAPES
+
+    if shape not in SHAPES:
+        raise BaigeError(f"--shape {shape!r}: choose {' or '.join(SHAPES)}")
+    cfg = KernelsConfig(dtype, device.value, size_list, tuple(op or ()), compile, iters, shape, backward)
     _execute("kernels", run_kernels, cfg, output_dir, plot, kernels_table)
 
 

@@ -98,13 +98,15 @@ def train_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
 
 def kernels_table(r: dict) -> Table:
     table = Table(title="baige bench kernels")
-    for col in ("op", "tokens", "impl"):
+    for col in ("op", "tokens", "impl", "pass"):
         table.add_column(col)
-    for col in ("time (µs)", "GB/s", "TFLOP/s", "% of limit"):
+    for col in ("time (µs)", "GB/s", "TFLOP/s", "% of limit", "peak MiB"):
         table.add_column(col, justify="right")
     for row in r["samples"]:
-        table.add_row(row["op"], str(row["tokens"]), row["impl"], f"{row['time_s'] * 1e6:.1f}", f"{row['gb_s']:.2f}",
-                      f"{row['tflop_s']:.4g}", _pct(row["pct_of_limit"]))
+        peak = row.get("peak_mem_bytes")
+        table.add_row(row["op"], str(row["tokens"]), row["impl"], row.get("pass", "fwd"), f"{row['time_s'] * 1e6:.1f}",
+                      f"{row['gb_s']:.2f}", f"{row['tflop_s']:.4g}", _pct(row["pct_of_limit"]),
+                      "" if peak is None else f"{peak / 2**20:.1f}")
     return table
 
 
