@@ -49,3 +49,16 @@ def test_engine_greedy_tokens_same_on_triton_paged_kernels(embedded_dir, monkeyp
     with triton_kernels(monkeypatch):
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out == ref and all(len(t) == 3 for t in out)
+
+
+@pytest.mark.parametrize("env, needle", [({"BAIGE_KERNELS": "bogus"}, "BAIGE_KERNELS='bogus'"),
+                                         ({"BAIGE_KERNELS": "triton", "TRITON_INTERPRET": "0"}, "TRITON_INTERPRET=1")])
+def test_cli_bad_kernel_setting_is_one_line(env, needle):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "baige", "generate", "--prompt", "hi", "--max-tokens", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

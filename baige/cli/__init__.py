@@ -23,3 +23,9 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except ValueError as e:
+        kernels = sys.modules.get("baige.kernels")  # loaded by then if the error came from it; no torch import here
+        if kernels is None or not isinstance(e, kernels.KernelConfigError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

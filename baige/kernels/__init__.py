@@ -30,6 +30,10 @@ __all__ = [
 BACKENDS = ("auto", "reference", "triton")
 
 
+class KernelConfigError(ValueError):
+    """``BAIGE_KERNELS`` names no backend, or one that cannot run here (the CLI prints it as one line)."""
+
+
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -38,8 +42,8 @@ def backend(x: torch.Tensor) -> str:
     """``"triton"`` or ``"reference"``: the implementation an op on ``x`` runs (see module docstring).
 
     Raises:
-        ValueError: ``BAIGE_KERNELS`` is not one of auto/reference/triton, or it asks for Triton where
-        Triton cannot run (not installed; CPU tensors without ``TRITON_INTERPRET=1``).
+        KernelConfigError: ``BAIGE_KERNELS`` is not one of auto/reference/triton, or it asks for Triton
+        where Triton cannot run (not installed; CPU tensors without ``TRITON_INTERPRET=1``).
     """
     mode = os.environ.get("BAIGE_KERNELS") or "auto"
     if mode == "reference":
@@ -47,11 +51,11 @@ def backend(x: torch.Tensor) -> str:
     if mode == "auto":
         return "triton" if x.is_cuda and _triton_importable() else "reference"
     if mode != "triton":
-        raise ValueError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
+        raise KernelConfigError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
     if not _triton_importable():
-        raise ValueError("BAIGE_KERNELS=triton but triton is not installed")
+        raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return "triton"
 
 
