@@ -200,6 +200,24 @@ def test_cli_kernels_every_op_or_listed_skipped(tmp_path):
     assert rms["bytes"] == (2 * 8 * 576 + 576) * 4 and rms["flops"] == 4 * 8 * 576
 
 
+def test_cli_kernels_backward_and_shape(tmp_path):
+    res = _cli(["bench", "kernels", "--op", "rms_norm", "--op", "store_kv", "--op", "fused_linear_cross_entropy",
+                "--sizes", "8", "--backward", "--no-compile", "--iters", "1", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "kernels")
+    assert r["forward_only"] == ["store_kv"] and {row["pass"] for row in r["samples"]} == {"fwd+bwd"}
+    assert {row["impl"] for row in r["samples"] if row["op"] == "fused_linear_cross_entropy"} == {"baige", "reference",
+                                                                                                  "unfused"}
+    rms = next(row for row in r["samples"] if row["op"] == "rms_norm" and row["impl"] == "reference")
+    assert rms["bytes"] == 3 * (2 * 8 * 576 + 576) * 4  # forward + backward counted as 3 forward passes
+    assert "rms_norm" in r["summary"]["speedup_vs_reference"]
+    res = _cli(["bench", "kernels", "--shape", "llama3-8b", "--op", "rms_norm", "--sizes", "4", "--no-compile",
+                "--iters", "1", "--output-dir", str(tmp_path / "big")])
+    assert res.exit_code == 0 and _result(tmp_path / "big", "kernels")["shape"]["hidden"] == 4096
+    res = _cli(["bench", "kernels", "--shape", "llama9", "--output-dir", str(tmp_path)])
+    assert res.exit_code != 0 and "--shape 'llama9'" in str(res.exception)
+
+
 def test_interrupted_run_still_writes_what_was_measured(tmp_path, monkeypatch):
     from baige.cli import bench as bench_cli
     from baige.runtime.bench.kernels import KernelsConfig, run_kernels
