@@ -59,6 +59,14 @@ def _chunk_rows(n_tokens: int, vocab: int, hidden: int) -> int:
     return min(n_tokens, max(64, triton.next_power_of_2(rows)))
 
 
+def _launch_options(vocab: int, device: torch.device) -> tuple[int, dict]:
+    """(BLOCK_V, launch options): one row per program, 4096-wide vocab tiles and 16 warps on a GPU
+    (Liger's choice for large vocabularies); wide tiles in the interpreter, where numpy likes them."""
+    if device.type == "cuda":
+        return min(triton.next_power_of_2(vocab), 4096), {"num_warps": 16}
+    return min(triton.next_power_of_2(vocab), 8192), {}
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, normalizer):
@@ -74,13 +82,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             torch.tensor([float(normalizer)], dtype=torch.float32, device=hidden.device)
         targets = targets.contiguous()
         chunk = _chunk_rows(n_tokens, vocab, hidden.shape[1]) if n_tokens else 1
-        block_v = min(triton.next_power_of_2(vocab), 4096 if hidden.is_cuda else 8192)
+        block_v, opts = _launch_options(vocab, hidden.device)
         for s in range(0, n_tokens, chunk):
             h = hidden[s:s + chunk]
             logits = h @ weight.t()  # (n, vocab) in the hidden dtype; becomes the gradient in place
             _ce_rows_kernel[(h.shape[0],)](
                 logits, targets[s:], loss_rows[s:], norm, logits.stride(0), vocab, ignore_index,
-                WANT_GRAD=want_grad, BLOCK_V=block_v, **({"num_warps": 16} if hidden.is_cuda else {}))
+                WANT_GRAD=want_grad, BLOCK_V=block_v, **opts)
             if want_h:
                 grad_h[s:s + chunk] = logits @ weight  # (n, hidden)
             if want_w:
