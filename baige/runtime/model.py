@@ -92,8 +92,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn_metadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
+        norm = self.post_attention_layernorm
+        if torch.is_grad_enabled():  # training: the residual add and the norm keep their own backward
+            x = x + h
+            return x + self.mlp(norm(x))
+        normed, x = kernels.add_rms_norm(h, x, norm.weight, norm.eps)  # inference: one fused pass
+        return x + self.mlp(normed)
 
 
 class Decoder(nn.Module):
