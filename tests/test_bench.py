@@ -120,8 +120,8 @@ def test_compare_ratios_by_hand():
          "throughput": {"baige": {"tokens_per_s": 400.0}, "hf-float32": {"tokens_per_s": 100.0}}}
     r = ratios(s)
     assert r == {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-bfloat16": 2.0,
-                 "decode_baige_over_hf_best": 2.0, "throughput_baige_over_hf-float32": 4.0,
-                 "throughput_baige_over_hf_best": 4.0}
+                 "decode_baige_over_hf_best": 2.0, "decode_baige-int8_over_hf_best": 50.0 / 15.0,
+                 "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf_best": 4.0}
 
 
 # ----------------------------------------------------------------------------- CLI on a tiny checkpoint

@@ -60,11 +60,15 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
     return result
 
 
-def _engine(model, dtype, device, enforce_eager, mnbt):
+QuantizationOpt = Annotated[Optional[str], typer.Option(
+    help="fp16-weight: the engine's fbgemm fp16-weight linears (CPU fp32 only). Default: none.")]
+
+
+def _engine(model, dtype, device, enforce_eager, mnbt, quantization=None):
     from baige.runtime.bench.offline import EngineArgs
 
     return EngineArgs(model=model, dtype=dtype.value, device=device.value, max_num_batched_tokens=mnbt,
-                      enforce_eager=enforce_eager)
+                      enforce_eager=enforce_eager, quantization=quantization)
 
 
 @bench_app.callback()
@@ -101,6 +105,7 @@ def latency(
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts in the batch.")] = 8,
     num_iters_warmup: Annotated[int, typer.Option(min=0, help="Untimed iterations.")] = 1,
     num_iters: Annotated[int, typer.Option(min=1, help="Timed iterations.")] = 5,
+    quantization: QuantizationOpt = None,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -109,7 +114,7 @@ def latency(
     from baige.runtime.bench.offline import LatencyConfig, run_latency
     from baige.runtime.bench.report import latency_rows, metric_table
 
-    cfg = LatencyConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), input_len, output_len,
+    cfg = LatencyConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization), input_len, output_len,
                         batch_size, num_iters_warmup, num_iters, seed)
     _execute("latency", run_latency, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench latency (batch {batch_size}, {input_len} in, {output_len} out)",
@@ -124,6 +129,7 @@ def throughput(
     output_len: Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")] = 128,
     range_ratio: Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")] = 0.0,
     dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")] = None,
+    quantization: QuantizationOpt = None,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -132,7 +138,7 @@ def throughput(
     from baige.runtime.bench.offline import ThroughputConfig, run_throughput
     from baige.runtime.bench.report import metric_table, throughput_rows
 
-    cfg = ThroughputConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), num_prompts,
+    cfg = ThroughputConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization), num_prompts,
                            input_len, output_len, range_ratio, str(dataset_path) if dataset_path else None, seed)
     _execute("throughput", run_throughput, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench throughput ({num_prompts} prompts)", throughput_rows(r)))
@@ -258,7 +264,8 @@ def compare(
     range_ratio: Annotated[float, typer.Option(help="Throughput: lengths uniform in len*[1-r, 1+r].")] = 0.5,
     hf_batch_size: Annotated[int, typer.Option(min=1, help="HF static batch size.")] = 32,
     repeats: Annotated[int, typer.Option(min=1, help="Interleaved rounds (median kept).")] = 1,
-    quantized: Annotated[bool, typer.Option(help="Also time baige on int8 and int4 copies.")] = True,
+    quantized: Annotated[bool, typer.Option(help="Also time baige on int8 and int4 copies and with "
+                                                 "--quantization fp16-weight (CPU fp32).")] = True,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -269,7 +276,7 @@ def compare(
 
     cfg = CompareConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), input_len, output_len,
                         num_prompts, tp_input_len, tp_output_len, range_ratio, hf_batch_size, repeats,
-                        quantized=("int8", "int4") if quantized else (), seed=seed)
+                        quantized=("int8", "int4", "fp16-weight") if quantized else (), seed=seed)
 
     def render(r):
         from rich.console import Group

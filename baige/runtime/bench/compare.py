@@ -12,7 +12,8 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
 
 Peers: HF transformers (``generate``) in float32 and bfloat16 always; llama-cpp-python on the same
 GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128)
-copies of the model quantized into a temporary directory. Every repeat runs each system once in turn
+copies of the model quantized into a temporary directory (decode only), and baige with
+``--quantization fp16-weight`` (fp16-stored weights, fp32 math; CPU fp32 only; decode and throughput). Every repeat runs each system once in turn
 and the report keeps the median per system. Ratios are baige / peer.
 """
 
@@ -47,7 +48,7 @@ class CompareConfig:
     hf_batch_size: int = 32
     repeats: int = 1
     hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    quantized: tuple[str, ...] = ("int8", "int4")
+    quantized: tuple[str, ...] = ("int8", "int4", "fp16-weight")
     seed: int = 0
 
 
@@ -149,6 +150,19 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
         dtype_bytes[f"hf-{dt}"] = torch.tensor([], dtype=getattr(torch, dt)).element_size()
     tmp = tempfile.TemporaryDirectory(prefix="baige-bench-quant-")
     for method in cfg.quantized:
+        if method == "fp16-weight":
+            try:
+                q = build_llm(EngineArgs(**{**asdict(cfg.engine), "quantization": method}),
+                              max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len)),
+                              cfg.num_prompts)
+            except BaigeError as e:
+                notes.append(f"baige-{method} skipped: {e}")
+                continue
+            decode[f"baige-{method}"] = _baige_decode(q, decode_prompt, cfg.output_len)
+            batch[f"baige-{method}"] = _baige_batch(q, reqs)
+            weight_bytes[f"baige-{method}"] = roofline.weight_bytes(q.engine.model)
+            dtype_bytes[f"baige-{method}"] = dtype_bytes["baige"]
+            continue
         out = Path(tmp.name) / method
         quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=method, output=str(out), device=cfg.engine.device))
         q = build_llm(EngineArgs(**{**asdict(cfg.engine), "model": str(out)}), cfg.input_len + cfg.output_len, 1)
@@ -235,4 +249,7 @@ def ratios(summary: dict) -> dict[str, float]:
         hf = [v for k, v in peers.items() if k.startswith("hf-")]
         if hf:
             out[f"{kind}_baige_over_hf_best"] = ours / max(hf)
+            for k, v in rows.items():  # every baige variant (quantized, fp16-weight) against the best HF
+                if k.startswith("baige-"):
+                    out[f"{kind}_{k}_over_hf_best"] = v["tokens_per_s"] / max(hf)
     return out
