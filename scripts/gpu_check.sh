@@ -2,8 +2,10 @@
 # Kernel checks on a CUDA machine (the kernels issue's GPU step; about 5-8 minutes on one H100/H200):
 #   1. the Triton kernel tests natively, bf16 included (tests/test_kernels_*.py, slow ones too);
 #   2. the three targets measured directly (scripts/gpu_targets.py);
-#   3. `baige bench kernels` at Llama-3-8B shapes in bf16, forward and forward+backward.
-# Everything lands in $OUT (default ./gpu-check): kernel-tests.txt, targets.md(.json), kernels-*.json,
+#   3. an end-to-end smoke test: engine greedy tokens with Triton + decode capture vs the reference,
+#      and one training step's loss and gradients (scripts/gpu_smoke.py);
+#   4. `baige bench kernels` at Llama-3-8B shapes in bf16, forward and forward+backward.
+# Everything lands in $OUT (default ./gpu-check): kernel-tests.txt, targets.md(.json), smoke.txt, kernels-*.json,
 # and summary.txt, the combined table. Uses the python that has CUDA torch + triton (PYTHON, default python3);
 # baige runs from this checkout (PYTHONPATH), so no install is needed.
 set -uo pipefail
@@ -25,12 +27,16 @@ timeout 300 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/tes
 echo "== 2. targets"
 timeout 180 $PY scripts/gpu_targets.py "$OUT/targets.md" || status=1
 
-echo "== 3. baige bench kernels (llama3-8b shapes, bf16)"
+echo "== 3. engine and training smoke test"
+timeout 150 $PY scripts/gpu_smoke.py 2>&1 | tee "$OUT/smoke.txt" || status=1
+
+echo "== 4. baige bench kernels (llama3-8b shapes, bf16)"
 timeout 150 $PY -m baige bench kernels --shape llama3-8b --dtype bfloat16 --sizes 1024,4096 --no-compile \
     --output-dir "$OUT" 2>&1 | tee "$OUT/bench-fwd.txt" || status=1
 timeout 120 $PY -m baige bench kernels --shape llama3-8b --dtype bfloat16 --sizes 4096 --no-compile --backward \
     --output-dir "$OUT" 2>&1 | tee "$OUT/bench-bwd.txt" || status=1
 
-{ cat "$OUT/gpu.txt"; echo; tail -n 3 "$OUT/kernel-tests.txt"; echo; cat "$OUT/targets.md" 2>/dev/null; } > "$OUT/summary.txt"
+{ cat "$OUT/gpu.txt"; echo; tail -n 3 "$OUT/kernel-tests.txt"; echo; cat "$OUT/targets.md" 2>/dev/null; echo
+  grep -E "^(engine|train)" "$OUT/smoke.txt"; } > "$OUT/summary.txt"
 echo "== summary ($OUT/summary.txt)"; cat "$OUT/summary.txt"
 exit $status

@@ -64,6 +64,18 @@ def test_model_counts_match_the_model(tied):
     assert c["weight_bytes"] == 4 * (c["num_params_non_embedding"] + V * h)
 
 
+def test_weight_bytes_of_fp16_weight_model():
+    from baige.runtime.quant_dynamic import apply_quantization
+
+    m = _tiny_model(True)
+    body = roofline.model_counts(m)["num_params_non_embedding"]
+    norms = sum(p.numel() for n, p in m.named_parameters() if "norm" in n)
+    apply_quantization(m, "fp16-weight")  # every Linear, the tied lm_head too (it packs its own copy)
+    h, V = 64, 160
+    # linears at 2 bytes per weight (lm_head included), norms stay fp32; the embedding is only indexed
+    assert roofline.weight_bytes(m) == 2 * (body - norms + V * h) + 4 * norms
+
+
 def test_datasheet_lookup():
     assert roofline.datasheet_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
     assert roofline.datasheet_peaks("NVIDIA H100 PCIe")[0] == 756e12

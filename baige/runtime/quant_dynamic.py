@@ -44,6 +44,11 @@ class Fp16WeightLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().float()
         self._packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+        self._bias_numel = 0 if bias is None else bias.numel()
+
+    def packed_weight_bytes(self) -> int:
+        """Bytes a forward reads from the packed weight: fp16 weights plus the fp32 bias."""
+        return 2 * self.in_features * self.out_features + 4 * self._bias_numel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) fp32 -> (..., out) fp32."""

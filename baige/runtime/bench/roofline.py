@@ -143,7 +143,7 @@ def weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
-    return total
+    return total + sum(m.packed_weight_bytes() for m in model.modules() if hasattr(m, "packed_weight_bytes"))
 
 
 def model_counts(model) -> dict[str, int]:
