@@ -23,6 +23,29 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask, len_k, diag,
+              qk_scale, MASKED: tl.constexpr):
+    """One key tile of the online softmax; ``MASKED`` applies the causal and sequence-length masks."""
+    cols = start_n + offs_n
+    if MASKED:
+        n_mask = cols < len_k
+        kt = tl.load(k_base + cols[None, :] * sk_t + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        v = tl.load(v_base + cols[:, None] * sv_t + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        kt = tl.load(k_base + cols[None, :] * sk_t + offs_d[:, None], mask=d_mask[:, None], other=0.0)  # (D, N)
+        v = tl.load(v_base + cols[:, None] * sv_t + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    qk = tl.dot(q, kt, input_precision="ieee") * qk_scale
+    if MASKED:
+        qk = tl.where((cols[None, :] <= diag + offs_m[:, None]) & n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: key 0 is visible to every row
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K, qk_scale,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, slse_h,
@@ -50,23 +73,17 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + k_start * sk_t + kvh * sk_h
+    v_base = V + k_start * sv_t + kvh * sv_h
+    # keys below n_full are visible to every row of this tile: no causal or length mask there
+    n_full = tl.minimum(diag + pid_m * BLOCK_M + 1, len_k) // BLOCK_N * BLOCK_N
     hi = tl.minimum(len_k, diag + (pid_m + 1) * BLOCK_M)  # keys past hi are masked for every row here
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        n_mask = cols < len_k
-        kt = tl.load(K + (k_start + cols)[None, :] * sk_t + kvh * sk_h + offs_d[:, None],
-                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # (D, N)
-        qk = tl.dot(q, kt, input_precision="ieee") * qk_scale
-        visible = (cols[None, :] <= diag + offs_m[:, None]) & n_mask[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: key 0 is visible to every row
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + (k_start + cols)[:, None] * sv_t + kvh * sv_h + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d,
+                                  d_mask, len_k, diag, qk_scale, MASKED=False)
+    for start_n in range(n_full, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d,
+                                  d_mask, len_k, diag, qk_scale, MASKED=True)
     acc = acc / l_i[:, None]
     tl.store(O + (q_start + offs_m)[:, None] * so_t + head * so_h + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
