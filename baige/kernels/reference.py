@@ -193,13 +193,22 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    h = hidden.reshape(-1, hidden.shape[-1])  # (N, hidden)
-    t = targets.reshape(-1)  # (N,)
+    h, t, normalizer = flatten_ce_inputs(hidden, targets, ignore_index, normalizer)
+    return _FusedLinearCrossEntropy.apply(h, weight, t, ignore_index, normalizer)
+
+
+def flatten_ce_inputs(
+    hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int, normalizer: float | torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
+    """(..., hidden), (...) -> (N, hidden), (N,), and the normalizer: the number of valid targets when
+    None, an fp32 tensor on hidden's device when given as a tensor (shared by both implementations)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
     if normalizer is None:
         normalizer = (t != ignore_index).sum()
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.to(device=h.device, dtype=torch.float32)
-    return _FusedLinearCrossEntropy.apply(h, weight, t, ignore_index, normalizer)
+    return h, t, normalizer
 
 
 # ---- weight-only quantization (compressed-tensors layouts; see baige.runtime.quant) ----------------

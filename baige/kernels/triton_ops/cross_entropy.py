@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from baige.kernels.reference import flatten_ce_inputs
 from baige.kernels.triton_ops.common import new_empty
 
 
@@ -112,10 +113,5 @@ def fused_linear_cross_entropy(
     normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`baige.kernels.fused_linear_cross_entropy` (see there for shapes)."""
-    h = hidden.reshape(-1, hidden.shape[-1])  # (N, hidden)
-    t = targets.reshape(-1)  # (N,)
-    if normalizer is None:
-        normalizer = (t != ignore_index).sum()
-    if isinstance(normalizer, torch.Tensor):
-        normalizer = normalizer.to(device=h.device, dtype=torch.float32)
+    h, t, normalizer = flatten_ce_inputs(hidden, targets, ignore_index, normalizer)
     return _FusedLinearCrossEntropy.apply(h, weight, t, ignore_index, normalizer)
