@@ -6,8 +6,9 @@ Needs no download and no GGUF: a random Llama with SmolLM2-135M's layer shapes (
 heads of 64; 4 layers, vocab 512) is written with transformers, with a word-level tokenizer.
 
 1. Engine: greedy 24 tokens for 6 token-id prompts, Triton kernels with decode capture (the
-   default on CUDA) vs ``BAIGE_KERNELS=reference`` with ``--enforce-eager``; fp32 must agree token for
-   token, bf16 agreement is reported.
+   default on CUDA; the fp32 run also sizes its KV cache the default way, after a warm-up step) vs
+   ``BAIGE_KERNELS=reference`` with ``--enforce-eager``; fp32 must agree token for token, bf16
+   agreement is reported.
 2. Training step: loss (fused linear cross-entropy) and gradient norms of one forward + backward on
    the Triton kernels vs the reference kernels, fp32.
 
@@ -42,14 +43,26 @@ def write_checkpoint(path: Path) -> Path:
     return path
 
 
-def engine_tokens(model_dir: Path, dtype: str, kernels: str, eager: bool) -> list[list[int]]:
+def engine_tokens(model_dir: Path, dtype: str, kernels: str, eager: bool, default_kv: bool = False) -> list[list[int]]:
+    """Greedy tokens of 6 prompts. ``default_kv``: size the KV cache the default way (warm-up step,
+    a fraction of free memory) instead of a fixed 256 MB."""
+    import gc
+
     from baige import LLM, SamplingParams
 
     os.environ["BAIGE_KERNELS"] = kernels
-    llm = LLM(str(model_dir), dtype=dtype, enforce_eager=eager, max_model_len=256, kv_cache_memory=256 << 20)
+    llm = LLM(str(model_dir), dtype=dtype, enforce_eager=eager, max_model_len=256,
+              kv_cache_memory=None if default_kv else 256 << 20)
+    if default_kv:
+        kv = llm.engine.kv_cache
+        print(f"default KV sizing after warm-up: {kv.num_blocks} blocks of {kv.block_size} tokens")
     g = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(2, 512, (n,), generator=g).tolist()} for n in (3, 17, 40, 64, 5, 99)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -76,7 +89,8 @@ def main() -> int:
         model_dir = write_checkpoint(Path(tmp) / "smoke")
         for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
             ref = engine_tokens(model_dir, dtype, "reference", eager=True)
-            out = engine_tokens(model_dir, dtype, "auto" if device == "cuda" else "triton", eager=False)
+            out = engine_tokens(model_dir, dtype, "auto" if device == "cuda" else "triton", eager=False,
+                                default_kv=device == "cuda" and dtype == "float32")
             same = sum(a == b for x, y in zip(out, ref) for a, b in zip(x, y))
             total = sum(len(x) for x in ref)
             ok = out == ref

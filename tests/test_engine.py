@@ -184,3 +184,26 @@ def test_bad_requests_raise(loaded):
     with pytest.raises(BaigeError, match=r"512 tokens.*513.*13 in the prompt, 500"):
         eng.add_request("a", list(range(13)), SamplingParams(max_tokens=500))
     assert not eng.has_unfinished()
+
+
+def test_kv_budget_keeps_the_warm_up_activation_peak_free(monkeypatch):
+    from baige.runtime import kv_cache
+    from baige.runtime.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 96,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "max_position_embeddings": 256})
+    per_block = kv_cache.KVCache.bytes_per_block(cfg, 16, torch.float32)  # 2 layers x K,V x 2 heads x 16 x 16 x 4 B
+    assert per_block == 2 * 2 * 2 * 16 * 16 * 4
+    monkeypatch.setattr(kv_cache, "available_memory", lambda device: 1000 * per_block)
+    cpu = torch.device("cpu")
+    # 10% of free memory on CPU = 100 blocks; an activation peak of 30.5 blocks' bytes leaves 69
+    assert kv_cache.num_blocks_for(cfg, 16, torch.float32, cpu, None, 256) == 100
+    assert kv_cache.num_blocks_for(cfg, 16, torch.float32, cpu, None, 256, activation_peak=int(30.5 * per_block)) == 69
+    assert kv_cache.num_blocks_for(cfg, 16, torch.float32, cpu, 20 * per_block, 256, activation_peak=10**9) == 20
+    with pytest.raises(BaigeError, match="max_model_len=256"):
+        kv_cache.num_blocks_for(cfg, 16, torch.float32, cpu, None, 256, activation_peak=95 * per_block)
+    # the warm-up measures only where allocator statistics exist
+    from baige.runtime.model import Transformer
+
+    assert kv_cache.profile_activation_peak(Transformer(cfg), 8, 2) == 0

@@ -20,7 +20,7 @@ import torch
 
 from baige.errors import BaigeError
 from baige.runtime.block_manager import BlockManager
-from baige.runtime.kv_cache import KVCache, num_blocks_for
+from baige.runtime.kv_cache import KVCache, num_blocks_for, profile_activation_peak
 from baige.runtime.loader import load_model, resolve_device, resolve_model
 from baige.runtime.model import Transformer
 from baige.runtime.runner import ModelRunner
@@ -34,7 +34,8 @@ logger = logging.getLogger("baige.engine")
 @dataclass
 class EngineConfig:
     """Engine settings (vLLM's names). ``max_model_len`` None: the model's ``max_position_embeddings``;
-    ``kv_cache_memory`` None: a fraction of free memory (see ``kv_cache.num_blocks_for``)."""
+    ``kv_cache_memory`` None: a fraction of the memory free after a warm-up step, less that step's
+    activation peak (see ``kv_cache.num_blocks_for`` and ``kv_cache.profile_activation_peak``)."""
 
     model: str | None = None
     dtype: str = "auto"
@@ -139,7 +140,12 @@ class Engine:
         if cfg.block_size < 1 or cfg.max_num_seqs < 1:
             raise BaigeError("--block-size and --max-num-seqs must be >= 1")
         p = next(model.parameters())
-        num_blocks = num_blocks_for(mc, cfg.block_size, p.dtype, p.device, cfg.kv_cache_memory, self.max_model_len)
+        peak = 0
+        if cfg.kv_cache_memory is None:  # size the cache from what is free after a warm-up step
+            peak = profile_activation_peak(model, min(cfg.max_num_batched_tokens, self.max_model_len),
+                                           min(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len))
+        num_blocks = num_blocks_for(mc, cfg.block_size, p.dtype, p.device, cfg.kv_cache_memory, self.max_model_len,
+                                    activation_peak=peak)
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, p.dtype, p.device)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)

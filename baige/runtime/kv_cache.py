@@ -57,9 +57,35 @@ def available_memory(device: torch.device) -> int:
     raise BaigeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory")
 
 
+@torch.inference_mode()
+def profile_activation_peak(model: torch.nn.Module, num_tokens: int, num_logits: int) -> int:
+    """Warm-up (vLLM's profile run): one forward of ``num_tokens`` dummy tokens (the largest step the
+    scheduler can build) plus logits of ``num_logits`` rows; returns the peak bytes it allocated on
+    CUDA beyond what was allocated before (0 off CUDA, where no allocator statistics exist). The
+    caching allocator's freed blocks are released afterwards so a free-memory reading sees them.
+    """
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device)[None]
+    hidden = model(ids, positions, None)  # causal attention over the whole chunk
+    model.compute_logits(hidden[0, -num_logits:])
+    del hidden
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
 def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   kv_cache_memory: int | None, max_model_len: int) -> int:
-    """Blocks that fit in ``kv_cache_memory`` bytes (default: a fraction of free memory, measured now).
+                   kv_cache_memory: int | None, max_model_len: int, activation_peak: int = 0) -> int:
+    """Blocks that fit in ``kv_cache_memory`` bytes. Default budget: a fraction of the free memory
+    measured now (after the warm-up, on CUDA), less ``activation_peak`` bytes kept free for the
+    activations of the largest step (:func:`profile_activation_peak`).
 
     Raises:
         BaigeError: the budget does not hold one sequence of ``max_model_len`` tokens.
@@ -67,7 +93,7 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
     per_block = KVCache.bytes_per_block(cfg, block_size, dtype)
     if kv_cache_memory is None:
         frac = GPU_KV_FRACTION if device.type == "cuda" else CPU_KV_FRACTION
-        kv_cache_memory = int(available_memory(device) * frac)
+        kv_cache_memory = max(0, int(available_memory(device) * frac) - activation_peak)
     num_blocks = kv_cache_memory // per_block
     need = -(-max_model_len // block_size)
     if num_blocks < need:
