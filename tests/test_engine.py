@@ -207,3 +207,28 @@ def test_kv_budget_keeps_the_warm_up_activation_peak_free(monkeypatch):
     from baige.runtime.model import Transformer
 
     assert kv_cache.profile_activation_peak(Transformer(cfg), 8, 2) == 0
+
+
+def test_prompt_logprobs_equal_the_full_forward_with_chunks_and_prefix_cache(loaded, prompts):
+    model, _ = loaded
+    shared_a, shared_b = prompts[2], prompts[3]  # share a 40+ token prefix: b would hit the cache
+    with torch.inference_mode():
+        lp = torch.log_softmax(model.compute_logits(model(torch.tensor([shared_b]),
+                                                          torch.arange(len(shared_b))[None], None))[0].float(), -1)
+    expected = [lp[j - 1, shared_b[j]].item() for j in range(1, len(shared_b))]
+    top2 = lp[len(shared_b) // 2 - 1].topk(2)
+    # 16-token steps: the prompt is scored across several prefill chunks
+    eng = engine(loaded, max_num_batched_tokens=16, max_num_seqs=4)
+    run(eng, [shared_a], [SamplingParams(max_tokens=2, **GREEDY)])  # caches the shared blocks
+    out = run(eng, [shared_b], [SamplingParams(max_tokens=2, prompt_logprobs=2, **GREEDY)])[0]
+    plp = out.prompt_logprobs
+    assert out.num_cached_tokens == 0 and len(plp) == len(shared_b) and plp[0] is None
+    assert [x.token_id for x in plp[1:]] == shared_b[1:]
+    assert max(abs(x.logprob - e) for x, e in zip(plp[1:], expected)) < 1e-4
+    mid = plp[len(shared_b) // 2]
+    assert [t for t, _ in mid.top] == top2.indices.tolist()
+    # without prompt_logprobs the same prompt reuses the cache and reports none
+    again = run(eng, [shared_b], [SamplingParams(max_tokens=2, **GREEDY)])[0]
+    assert again.prompt_logprobs is None and again.num_cached_tokens > 0
+    with pytest.raises(BaigeError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)

@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 KEY = "test-key"
 NAME = "smol"
@@ -94,6 +95,36 @@ def test_openai_client_chat_models_and_streaming(client):
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, embedded_dir):
+    # lm-eval's loglikelihood request: echo the prompt, generate nothing, logprobs of the prompt tokens
+    from baige.runtime.loader import load_model
+
+    ids = [504, 3575, 282, 4649, 314, 7042]
+    only = client.completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    lp = only.choices[0].logprobs
+    assert only.usage.completion_tokens == 0 and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    model = load_model(embedded_dir, "float32")
+    with torch.inference_mode():
+        ref = torch.log_softmax(model.compute_logits(model(torch.tensor([ids]), torch.arange(len(ids))[None]))[0], -1)
+    assert max(abs(lp.token_logprobs[j] - ref[j - 1, ids[j]].item()) for j in range(1, len(ids))) < 1e-4
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:]) and "".join(lp.tokens) == only.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(ids))]
+    # with generated tokens: prompt entries first (the same numbers), then one entry per generated token
+    more = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lp2 = more.choices[0].logprobs
+    assert len(lp2.tokens) == len(ids) + 3 and lp2.token_logprobs[:len(ids)] == lp.token_logprobs
+    assert "".join(lp2.tokens) == more.choices[0].text
+    # streamed: the echo chunk carries the prompt's logprobs; echo-only streams too
+    chunks = list(client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks) == more.choices[0].text
+    streamed_only = list(client.completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                                   stream=True))
+    assert [c.choices[0].text for c in streamed_only] == [only.choices[0].text]
 
 
 def test_completions_prompt_forms_echo_n_seed_stop_logprobs(client):

@@ -103,8 +103,10 @@ class BlockManager:
         block.ref_count += 1
 
     def _cached_prefix(self, seq: SequenceLike) -> list[int]:
-        """Ids of cached blocks that hold a prefix of ``seq``'s tokens (at least one token is left)."""
-        if not self.enable_prefix_caching:
+        """Ids of cached blocks that hold a prefix of ``seq``'s tokens (at least one token is left).
+        None for a sequence that asks for prompt logprobs (``seq.prompt_logprobs`` set): those need
+        logits at every prompt position, so its prompt is computed in full."""
+        if not self.enable_prefix_caching or getattr(seq, "prompt_logprobs", None) is not None:
             return []
         hits: list[int] = []
         parent = None
@@ -196,5 +198,4 @@ class BlockManager:
                 else:
                     self._free.append(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0  # num_cached_tokens keeps its value: the last admission's (reported)

@@ -84,6 +84,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then one Logprobs per token
+    # (filled as prefill chunks run; complete once the first output token exists)
+    prompt_logprobs: list[Logprobs | None] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -113,6 +116,7 @@ class _Request:
     seqs: list[Sequence]
     arrival_time: float
     first_token_time: float | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class Engine:
@@ -218,11 +222,13 @@ class Engine:
             elif not params.greedy:
                 gen = self.generator
             seq = Sequence(list(ids), params.max_tokens, params.min_tokens, stop_ids, request_id, i,
-                           payload=_SeqState(self.tokenizer, params, gen))
+                           payload=_SeqState(self.tokenizer, params, gen),
+                           prompt_logprobs=params.prompt_logprobs if i == 0 else None)  # one scorer per request
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, text, ids, params, seqs,
-                                             time.monotonic() if arrival_time is None else arrival_time)
+                                             time.monotonic() if arrival_time is None else arrival_time,
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.num_prompt_tokens += len(ids)
 
     def abort(self, request_id: str) -> None:
@@ -262,7 +268,11 @@ class Engine:
                 output_ids=s.output_token_ids if (p.has_penalties or p.min_tokens) else None,
                 stop_ids=list(s.stop_token_ids) if p.min_tokens else None,
             ))
-        tokens, logprobs = self.runner.execute(batch, rows)
+        tokens, logprobs, prompt_lps = self.runner.execute(batch, rows)
+        for i, (first, lps) in prompt_lps.items():
+            req = self.requests.get(batch.seqs[i].request_id)
+            if req is not None and req.prompt_logprobs is not None and first == len(req.prompt_logprobs):
+                req.prompt_logprobs.extend(lps)  # a recompute after preemption scores nothing new
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
@@ -331,7 +341,9 @@ class Engine:
             st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
         finished = all(s.is_finished for s in req.seqs)
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                            num_cached_tokens=req.seqs[0].num_cached_tokens, arrival_time=req.arrival_time,
+                            num_cached_tokens=req.seqs[0].num_cached_tokens,
+                            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+                            arrival_time=req.arrival_time,
                             first_token_time=req.first_token_time, finished_time=now if finished else None)
         if finished:
             del self.requests[req.request_id]

@@ -23,7 +23,7 @@ import torch
 from baige import kernels
 from baige.runtime.kv_cache import KVCache
 from baige.runtime.model import Transformer
-from baige.runtime.sampling import Logprobs, SamplerRow, sample_batch
+from baige.runtime.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
 from baige.runtime.scheduler import ScheduledBatch
 
 
@@ -205,12 +205,15 @@ class ModelRunner:
                                  [(self._tensor(tables), self._tensor(lens))])
         return logits[:n]
 
-    def _run_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Any mix of decodes and prefill chunks, unpadded. Returns (logits of samplers, their batch indices)."""
+    def _run_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], dict[int, tuple[int, list]]]:
+        """Any mix of decodes and prefill chunks, unpadded. Returns (logits of samplers, their batch
+        indices, prompt logprobs): the last maps a batch index whose sequence asks for prompt logprobs
+        to (index of the first prompt token scored, its :class:`Logprobs` in order)."""
         nd = batch.num_decodes
         order, groups = self._decode_groups(batch.seqs[:nd]) if nd else ([], [])
         ids, pos, slots = [], [], []
         sample_rows, sample_at = [], []  # batch index, flat position of its last token
+        score_at, score_targets, score_spans = [], [], []  # prompt logprobs: flat positions, next tokens, (row, first, n)
         pre_tables, pre_cu, pre_lens = [], [0], []
         for i in order + list(range(nd, len(batch))):
             s, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -218,6 +221,13 @@ class ModelRunner:
             ids += s.token_ids[start:end]
             pos += range(start, end)
             slots += self._slots(s.block_table, start, end)
+            if i >= nd and s.prompt_logprobs is not None:
+                # position p's logits score prompt token p + 1
+                last = min(end, s.num_prompt_tokens - 1)
+                if last > start:
+                    score_spans.append((i, start + 1, last - start))
+                    score_at += range(len(ids) - n, len(ids) - n + last - start)
+                    score_targets += s.token_ids[start + 1:last + 1]
             if i >= nd:
                 pre_tables.append(s.block_table)
                 pre_cu.append(pre_cu[-1] + n)
@@ -233,10 +243,21 @@ class ModelRunner:
             md.prefill_cu_seqlens, md.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
         hidden = self.model(self._tensor([ids]), self._tensor([pos]), md)  # (1, T, hidden)
         logits = self.model.compute_logits(hidden[0, self._tensor(sample_at)])  # (n_sample, vocab)
-        return logits, sample_rows
+        prompt_lps: dict[int, tuple[int, list]] = {}
+        if score_at:
+            k = max(batch.seqs[i].prompt_logprobs for i, _, _ in score_spans)
+            lps = target_logprobs(self.model.compute_logits(hidden[0, self._tensor(score_at)]),
+                                  self._tensor(score_targets), k)
+            at = 0
+            for i, first, n in score_spans:
+                want = batch.seqs[i].prompt_logprobs
+                prompt_lps[i] = (first, [Logprobs(lp.token_id, lp.logprob, lp.top[:want]) for lp in lps[at:at + n]])
+                at += n
+        return logits, sample_rows, prompt_lps
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None]) -> tuple[list[int | None], list[Logprobs | None]]:
+    def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None]
+                ) -> tuple[list[int | None], list[Logprobs | None], dict[int, tuple[int, list[Logprobs]]]]:
         """Run the step and sample.
 
         Args:
@@ -244,17 +265,19 @@ class ModelRunner:
             rows: per scheduled sequence its sampling inputs (read only for sequences that sample).
         Returns:
             Per scheduled sequence: the sampled token id (None for a chunk that does not end its
-            prefill) and its logprobs (None unless asked for).
+            prefill) and its logprobs (None unless asked for); and the prompt logprobs of this step's
+            prefill chunks that ask for them (see :meth:`_run_mixed`).
         """
+        prompt_lps: dict[int, tuple[int, list[Logprobs]]] = {}
         if batch.num_decodes == len(batch):
             logits = self._run_decode(batch)
             sample_rows = list(range(len(batch)))
         else:
-            logits, sample_rows = self._run_mixed(batch)
+            logits, sample_rows, prompt_lps = self._run_mixed(batch)
         tokens: list[int | None] = [None] * len(batch)
         logprobs: list[Logprobs | None] = [None] * len(batch)
         if sample_rows:
             got, lps = sample_batch(logits, [rows[i] for i in sample_rows])
             for i, t, lp in zip(sample_rows, got, lps):
                 tokens[i], logprobs[i] = t, lp
-        return tokens, logprobs
+        return tokens, logprobs, prompt_lps

@@ -39,6 +39,10 @@ class SamplingParams:
         logprobs: return the log-probability of each generated token and this many top alternatives
             (0: the sampled token only), from the model's raw distribution (before penalties and
             temperature, as vLLM). None: off.
+        prompt_logprobs: also return, for every prompt token after the first, its log-probability
+            given the tokens before it and the ``k`` most likely alternatives (vLLM's name; needed by
+            ``echo`` + ``logprobs`` completions, e.g. lm-eval's loglikelihood). The request then skips
+            the prefix cache (its whole prompt must be computed). None: off.
         skip_special_tokens: leave special tokens out of the text.
     """
 
@@ -57,6 +61,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -85,6 +90,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise BaigeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise BaigeError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -155,6 +162,25 @@ class Logprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[Logprobs]:
+    """Log-probability of given tokens under raw logits, with the ``k`` most likely alternatives.
+
+    Args:
+        logits: (P, V) any float dtype (the log-softmax is taken in fp32).
+        targets: (P,) int64 token ids, one per row.
+        k: alternatives per row (0: none).
+    Returns:
+        P :class:`Logprobs` (natural log).
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
+    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+    if k:
+        vals, ids = lp.topk(k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return [Logprobs(t, c, top) for t, c, top in zip(targets.tolist(), chosen, tops)]
 
 
 def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[Logprobs | None]]:

@@ -58,6 +58,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    prompt_logprobs: int | None = None  # set: the runner returns prompt-token logprobs; no prefix-cache reuse
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -14,6 +14,7 @@ This is the only module that imports the web framework.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -353,6 +354,24 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             pos += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def prompt_logprobs_part(ids: list[int], lps: list[Logprobs | None]) -> dict:
+        """OpenAI's completion logprobs for echoed prompt tokens: the first token has none (null)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = 0
+        for t, lp in zip(ids, lps):
+            text = token_text(t)
+            tokens.append(text)
+            token_lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {token_text(a): v for a, v in lp.top})
+            offsets.append(pos)
+            pos += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def join_logprobs(first: dict | None, second: dict | None) -> dict | None:
+        if first is None or second is None:
+            return first or second
+        return {key: first[key] + second[key] for key in first}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req: CompletionRequest = await parse(request, CompletionRequest)
@@ -369,18 +388,39 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         if not prompts:
             raise APIError("the prompt is empty", param="prompt")
         echo_only = req.echo and req.max_tokens == 0
-        params = sampling_params(req, None if echo_only else req.max_tokens, req.logprobs)
+        score_prompt = req.echo and req.logprobs is not None  # logprobs of the echoed prompt tokens too
+        params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+        if score_prompt:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         jobs = prepared(prompts, params)
         prompt_texts = [x if isinstance(x, str) else tok.decode(x) for x in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_model_name}
-        if echo_only:
-            choices = [{"index": k * n + i, "text": prompt_texts[k], "logprobs": None, "finish_reason": "length"}
-                       for k in range(len(prompts)) for i in range(n)]
-            return {**base, "choices": choices, "usage": usage(sum(len(ids) for ids, _ in jobs), 0)}
-        gens = [engine.generate(ids, sp, f"{rid}-{k}") for k, (ids, sp) in enumerate(jobs)]
         n_prompt = sum(len(ids) for ids, _ in jobs)
+        if echo_only:  # nothing generated; with logprobs, one scoring pass per prompt (its token discarded)
+            plps: list[dict | None] = [None] * len(jobs)
+            if score_prompt:
+                gens = [engine.generate(ids, dataclasses.replace(sp, n=1), f"{rid}-{k}")
+                        for k, (ids, sp) in enumerate(jobs)]
+                finals = await collect(request, gens)
+                if finals is None:
+                    return Response(status_code=499)
+                plps = [prompt_logprobs_part(ids, out.prompt_logprobs) for (ids, _), out in zip(jobs, finals)]
+            choices = [{"index": k * n + i, "text": prompt_texts[k], "logprobs": plps[k], "finish_reason": "length"}
+                       for k in range(len(prompts)) for i in range(n)]
+            if not req.stream:
+                return {**base, "choices": choices, "usage": usage(n_prompt, 0)}
+
+            async def echo_stream() -> AsyncIterator[str]:
+                for c in choices:
+                    yield _sse({**base, "choices": [c]})
+                if req.stream_options and req.stream_options.include_usage:
+                    yield _sse({**base, "choices": [], "usage": usage(n_prompt, 0)})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(echo_stream(), media_type="text/event-stream")
+        gens = [engine.generate(ids, sp, f"{rid}-{k}") for k, (ids, sp) in enumerate(jobs)]
 
         if not req.stream:
             finals = await collect(request, gens)
@@ -391,6 +431,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 for o in out.outputs:
                     prefix = prompt_texts[k] if req.echo else ""
                     lp = completion_logprobs(o.logprobs, len(prefix)) if o.logprobs is not None else None
+                    if score_prompt:
+                        lp = join_logprobs(prompt_logprobs_part(jobs[k][0], out.prompt_logprobs), lp)
                     choices.append({"index": k * n + o.index, "text": prefix + o.text, "logprobs": lp,
                                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
                     n_out += len(o.token_ids)
@@ -401,13 +443,26 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         async def stream() -> AsyncIterator[str]:
             n_out = 0
             offsets = {}
-            if req.echo:
+            echoed: set[int] = set()
+
+            def echo_chunks(k: int, prompt_lps: list[Logprobs | None] | None) -> list[str]:
+                echoed.add(k)
+                lp = prompt_logprobs_part(jobs[k][0], prompt_lps) if prompt_lps is not None else None
+                chunks = []
+                for i in range(n):
+                    offsets[k * n + i] = len(prompt_texts[k])
+                    chunks.append(_sse({**base, "choices": [{"index": k * n + i, "text": prompt_texts[k],
+                                                             "logprobs": lp, "finish_reason": None}]}))
+                return chunks
+
+            if req.echo and not score_prompt:  # the echo goes first; with prompt logprobs, once they exist
                 for k in range(len(prompts)):
-                    for i in range(n):
-                        offsets[k * n + i] = len(prompt_texts[k])
-                        yield _sse({**base, "choices": [{"index": k * n + i, "text": prompt_texts[k],
-                                                         "logprobs": None, "finish_reason": None}]})
+                    for chunk in echo_chunks(k, None):
+                        yield chunk
             async for k, out in _merge(gens):
+                if req.echo and k not in echoed:
+                    for chunk in echo_chunks(k, out.prompt_logprobs):
+                        yield chunk
                 for o in out.outputs:
                     if not (o.delta_text or o.delta_token_ids or o.finished):
                         continue
