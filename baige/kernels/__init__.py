@@ -54,7 +54,7 @@ def backend(x: torch.Tensor) -> str:
         raise KernelConfigError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
     if not _triton_importable():
         raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes"):
         raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return "triton"
 
@@ -84,7 +84,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused residual add + RMSNorm for inference.
+    """Fused residual add + RMSNorm for inference (the Triton path has no backward: its outputs do
+    not require grad; training uses ``x + residual`` and :func:`rms_norm`).
 
     Args:
         x, residual: (..., hidden), same dtype.
@@ -155,7 +156,11 @@ def store_kv(
     Args:
         k, v: (N, n_kv_heads, head_dim), the cache's dtype.
         k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
-        slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct.
+        slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct and
+            inside the pool. The Triton path does not range-check them (that would need a device sync):
+            an out-of-range slot writes outside the pool.
+    Raises:
+        ValueError (Triton path): K/V and cache dtypes differ, or slot_mapping is not (N,).
     """
     _impl(k, "paged_attention").store_kv(k, v, k_cache, v_cache, slot_mapping)
 
@@ -234,7 +239,9 @@ def fused_linear_cross_entropy(
     Args:
         hidden: (..., hidden) final hidden states, any float dtype.
         weight: (vocab, hidden) output projection (``lm_head.weight``), the dtype of ``hidden``.
-        targets: (...) int64 next-token ids, the leading shape of ``hidden``.
+        targets: (...) int64 next-token ids in ``[0, vocab)`` or ``ignore_index``, the leading shape of
+            ``hidden``; the Triton path does not range-check them (no device sync), so an out-of-range
+            id gives an undefined loss instead of the reference's IndexError.
         ignore_index: target value that is skipped (HF / PyTorch convention: -100).
         normalizer: divide the summed loss by this (e.g. the number of valid target tokens across
             all micro-batches and ranks); None = the number of valid targets here (a mean).
@@ -267,7 +274,8 @@ def flash_attention_varlen(
         q: (Nq, n_heads, head_dim) fp32/fp16/bf16.
         k, v: (Nk, n_kv_heads, head_dim), ``n_heads % n_kv_heads == 0``.
         cu_seqlens_q, cu_seqlens_k: (P + 1,) int32/int64 cumulative lengths starting at 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence of each (host ints: no device sync).
+        max_seqlen_q, max_seqlen_k: the longest sequence of each (host ints: no device sync); each
+            sequence needs ``0 < Lq <= Lk`` and lengths no longer than these, or rows are left unwritten.
         scale: softmax scale.
     Returns:
         (Nq, n_heads, head_dim) in the dtype of ``q``; softmax statistics are fp32.
@@ -297,6 +305,7 @@ def quantized_linear(
         group_size: columns per scale group; None = one group per output channel.
         bias: (out,) or None.
     Returns:
-        (..., out) in the dtype of ``x``; accumulation in fp32 on the Triton path.
+        (..., out) in the dtype of ``x``; accumulation in fp32 on the Triton path, which is forward
+        only (inference: its output does not require grad).
     """
     return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.block_manager import BlockManager
 from baige.runtime.kv_cache import KVCache, num_blocks_for, profile_activation_peak
@@ -144,6 +145,7 @@ class Engine:
         if cfg.block_size < 1 or cfg.max_num_seqs < 1:
             raise BaigeError("--block-size and --max-num-seqs must be >= 1")
         p = next(model.parameters())
+        kernels.backend(p)  # a bad BAIGE_KERNELS fails here, at start-up, not inside the first request
         peak = 0
         if cfg.kv_cache_memory is None:  # size the cache from what is free after a warm-up step
             peak = profile_activation_peak(model, min(cfg.max_num_batched_tokens, self.max_model_len),

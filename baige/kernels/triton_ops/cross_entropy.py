@@ -114,4 +114,8 @@ def fused_linear_cross_entropy(
 ) -> torch.Tensor:
     """Triton twin of :func:`baige.kernels.fused_linear_cross_entropy` (see there for shapes)."""
     h, t, normalizer = flatten_ce_inputs(hidden, targets, ignore_index, normalizer)
-    return _FusedLinearCrossEntropy.apply(h, weight, t, ignore_index, normalizer)
+    if t.shape[0] != h.shape[0]:
+        raise ValueError(f"fused_linear_cross_entropy: {t.shape[0]} targets for {h.shape[0]} hidden rows")
+    if weight.shape[1] != h.shape[1]:
+        raise ValueError(f"fused_linear_cross_entropy: weight {tuple(weight.shape)} for hidden size {h.shape[1]}")
+    return _FusedLinearCrossEntropy.apply(h, weight, t.contiguous(), ignore_index, normalizer)

@@ -215,6 +215,7 @@ class _FlashAttnVarlen(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
         _check(q, k, v, cu_q, cu_k)
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # read with unit stride
         n_q, n_heads, head_dim = q.shape
         group = n_heads // k.shape[1]
         n_seq = cu_q.shape[0] - 1
@@ -240,9 +241,9 @@ class _FlashAttnVarlen(torch.autograd.Function):
         group = n_heads // n_kv
         n_seq = cu_q.shape[0] - 1
         delta = (do.float() * o.float()).sum(-1).t().contiguous()  # (H, Nq): rowsum(dO * O)
-        dq = new_empty(q.shape, q.dtype, q.device)
-        dk = new_empty(k.shape, k.dtype, k.device)
-        dv = new_empty(v.shape, v.dtype, v.device)
+        # zeros, not empty: rows outside every sequence (padding after the last cu_seqlens entry) get no
+        # gradient from the kernels and must read 0, as through the reference
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         bm, bn, opts = _blocks(head_dim, q.device, backward=True)
         qk_scale = ctx.scale * LOG2E
         common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_for(head_dim), BLOCK_M=bm, BLOCK_N=bn, **opts)
@@ -282,6 +283,8 @@ def attention(
     run as B packed sequences of T queries and ``q_offset + T`` keys (later keys are masked anyway)."""
     B, T, H, D = q.shape
     S = q_offset + T
+    if B == 0 or T == 0:
+        return q.new_zeros(q.shape)
     if k.shape[1] < S:
         raise ValueError(f"attention: {k.shape[1]} keys cannot hold q_offset {q_offset} + {T} queries")
     k, v = k[:, :S], v[:, :S]

@@ -93,9 +93,11 @@ def _store_kv_kernel(
     mask = (offs_h < N_KV)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(K + tok * sk_t + offs_h[:, None] * sk_h + offs_d[None, :], mask=mask)
     v = tl.load(V + tok * sv_t + offs_h[:, None] * sv_h + offs_d[None, :], mask=mask)
-    # flat slot index over (num_blocks, block_size): the cache is contiguous, so the slot stride is skc_s
-    tl.store(KC + offs_h[:, None] * skc_h + slot * skc_s + offs_d[None, :], k, mask=mask)
-    tl.store(VC + offs_h[:, None] * svc_h + slot * svc_s + offs_d[None, :], v, mask=mask)
+    # flat slot index over (num_blocks, block_size): the cache is contiguous, so the slot stride is skc_s;
+    # slot -1 marks a padding token (vLLM's convention): nothing is written for it
+    if slot >= 0:
+        tl.store(KC + offs_h[:, None] * skc_h + slot * skc_s + offs_d[None, :], k, mask=mask)
+        tl.store(VC + offs_h[:, None] * svc_h + slot * svc_s + offs_d[None, :], v, mask=mask)
 
 
 def _tiles(group: int, head_dim: int, device: torch.device, decode: bool) -> tuple[int, int, int, dict]:
@@ -122,6 +124,14 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
         raise ValueError("paged attention needs contiguous K/V block pools")
     group = n_heads // n_kv
     n_seq = block_tables.shape[0]
+    if context_lens.shape != (n_seq,) or (not decode and cu_q.shape != (n_seq + 1,)):
+        raise ValueError(f"paged attention: {n_seq} block-table rows need {n_seq} context_lens"
+                         f"{'' if decode else f' and {n_seq + 1} cu_seqlens_q'}; got {tuple(context_lens.shape)}"
+                         f"{'' if decode else f' and {tuple(cu_q.shape)}'}")
+    if decode and q.shape[0] != n_seq:
+        raise ValueError(f"paged decode: {q.shape[0]} queries for {n_seq} block-table rows")
+    # the kernel indexes these with unit strides
+    block_tables, cu_q, context_lens = block_tables.contiguous(), cu_q.contiguous(), context_lens.contiguous()
     out = new_empty(q.shape, q.dtype, q.device)
     g_pad, block_t, block_n, opts = _tiles(group, head_dim, q.device, decode)
     if n_tok and n_seq:
@@ -165,7 +175,8 @@ def paged_prefill_attention(
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Triton twin of :func:`baige.kernels.store_kv`: one program per token writes all its KV heads."""
+    """Triton twin of :func:`baige.kernels.store_kv`: one program per token writes all its KV heads.
+    A slot of -1 (a padding token) is skipped; slots are not range-checked (no device sync)."""
     n_tok, n_kv, head_dim = k.shape
     if k_cache.shape[0] != n_kv or k_cache.shape[-1] != head_dim or v.shape != k.shape:
         raise ValueError(f"store_kv: K/V {tuple(k.shape)} do not fit a cache of {tuple(k_cache.shape)}")
@@ -175,6 +186,11 @@ def store_kv(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    if slot_mapping.shape != (n_tok,):
+        raise ValueError(f"store_kv: slot_mapping {tuple(slot_mapping.shape)} for {n_tok} tokens")
+    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+        raise ValueError(f"store_kv: K/V {k.dtype} into a {k_cache.dtype} cache")
+    slot_mapping = slot_mapping.contiguous()
     if n_tok:
         _store_kv_kernel[(n_tok,)](
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -141,6 +141,8 @@ def apply_rope(
         raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ outside the head axis")
     if D % 2:
         raise ValueError(f"apply_rope: head_dim {D} is odd")
+    if q.numel() == 0 or k.numel() == 0:  # nothing to rotate (the reference's result: empty tensors)
+        return q * 1, k * 1
     cos3 = _as_3d(torch.broadcast_to(cos, (*lead, D)))  # (A, T, D); broadcast dims keep stride 0
     sin3 = _as_3d(torch.broadcast_to(sin, (*lead, D)))
     return _ApplyRope.apply(q, k, cos3, sin3)
