@@ -35,7 +35,9 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos = cos.unsqueeze(-2)  # (..., 1, D): broadcast over heads
     sin = sin.unsqueeze(-2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q_rot = (q * cos + _rotate_half(q) * sin).to(q.dtype)  # fp32 cos/sin must not promote fp16 q
+    k_rot = (k * cos + _rotate_half(k) * sin).to(k.dtype)
+    return q_rot, k_rot
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
