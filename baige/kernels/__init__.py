@@ -59,11 +59,17 @@ def backend(x: torch.Tensor) -> str:
     return "triton"
 
 
+_TRITON_MODULES: dict[str, object] = {}  # imported on first use; a plain dict read stays traceable by torch.compile
+
+
 def _impl(x: torch.Tensor, module: str):
     """The module holding the implementation for ``x``: :mod:`reference` or ``triton_ops.<module>``."""
     if backend(x) == "reference":
         return reference
-    return importlib.import_module(f"baige.kernels.triton_ops.{module}")
+    mod = _TRITON_MODULES.get(module)
+    if mod is None:
+        mod = _TRITON_MODULES[module] = importlib.import_module(f"baige.kernels.triton_ops.{module}")
+    return mod
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
