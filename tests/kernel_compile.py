@@ -103,6 +103,8 @@ def _launch_everything(dtype):
     tables = torch.tensor([[0, 1], [2, 3]])
     kernels.paged_decode_attention(r(2, 8, 128), kc, vc, tables, torch.tensor([3, 20]), 0.1)
     kernels.paged_prefill_attention(r(5, 8, 128), kc, vc, tables, torch.tensor([0, 2, 5]), torch.tensor([3, 20]), 0.1)
+    long_kc, long_vc = r(2, 64, 16, 128), r(2, 64, 16, 128)  # one sequence, 1000 keys: split decode
+    kernels.paged_decode_attention(r(1, 8, 128), long_kc, long_vc, torch.arange(64)[None], torch.tensor([1000]), 0.1)
     h, wv = r(7, 64, grad=True), r(1000, 64, grad=True)
     kernels.fused_linear_cross_entropy(h, wv, torch.randint(0, 1000, (7,), generator=g)).backward()
     kernels.quantized_linear(r(3, 256), torch.randint(-100, 100, (64, 256), dtype=torch.int8), r(64, 1), None, None)

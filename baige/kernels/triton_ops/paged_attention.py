@@ -2,7 +2,9 @@
 arXiv:2309.06180) and ``store_kv``, in Triton.
 
 One kernel serves decode (one query per sequence) and prefill with a cached prefix (a chunk of
-queries per sequence, causal, bottom-right aligned). A program owns one KV head of one sequence and a
+queries per sequence, causal, bottom-right aligned). Decode of few sequences over long contexts is
+split over the keys (flash-decoding): each program handles one key range and writes unnormalised
+partials, and a second kernel combines them. A program owns one KV head of one sequence and a
 tile of ``BLOCK_T`` query tokens; its rows are those tokens times the ``GROUP`` query heads that share
 the KV head (padded to a power of two), so each K/V tile read from the pool serves the whole group
 (the grouped-query layout of FlashDecoding-style kernels). Keys are streamed ``BLOCK_N`` at a time;
@@ -25,12 +27,17 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, KC, VC, O, BT, CU_Q, CTX, qk_scale,
+    Q, KC, VC, O, BT, CU_Q, CTX, WS_M, WS_L, WS_ACC, qk_scale, split_len, n_kv, n_splits,
     sq_t, sq_h, so_t, so_h, skc_h, skc_b, skc_s, svc_h, svc_b, svc_s, sbt,
-    IS_DECODE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, KV_BLOCK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    pid_t, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid0, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SPLIT:  # decode split over the keys (flash-decoding): axis 0 is the split, not a query tile
+        pid_t = 0
+    else:
+        pid_t = pid0
     if IS_DECODE:
         q_start = seq
         len_q = 1
@@ -58,7 +65,11 @@ def _paged_attn_kernel(
     acc = tl.zeros([BLOCK_T * G_PAD, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     hi = tl.minimum(ctx, first_pos + (pid_t + 1) * BLOCK_T)  # keys past hi are masked for every row
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if SPLIT:
+        lo = pid0 * split_len
+        hi = tl.minimum(hi, lo + split_len)
+    for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < ctx
         blk = tl.load(BT + seq * sbt + pos // KV_BLOCK, mask=n_mask, other=0)
@@ -76,9 +87,46 @@ def _paged_attn_kernel(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    acc = acc / l_i[:, None]
-    tl.store(O + (q_start + tok)[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
-             acc.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    if SPLIT:  # unnormalised partials of this key range; _decode_reduce_kernel combines the splits
+        ws = ((seq * n_kv + kvh) * n_splits + pid0) * (BLOCK_T * G_PAD) + rows
+        tl.store(WS_M + ws, m_i)
+        tl.store(WS_L + ws, l_i)
+        tl.store(WS_ACC + ws[:, None] * BLOCK_D + offs_d[None, :], acc)
+    else:
+        acc = acc / l_i[:, None]
+        tl.store(O + (q_start + tok)[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
+                 acc.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    WS_M, WS_L, WS_ACC, O, so_t, so_h, n_kv, n_splits,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Combine the per-split (max, sum, unnormalised output) of one sequence's KV head: the query's
+    rows are the first G_PAD rows of each split's tile (token 0 of the decode)."""
+    seq, kvh = tl.program_id(0), tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (seq * n_kv + kvh) * n_splits
+    s_mask = sp < n_splits
+    idx = (base + sp)[:, None] * ROWS + g[None, :]  # (SPLITS_PAD, G_PAD)
+    m = tl.load(WS_M + idx, mask=s_mask[:, None], other=float("-inf"))
+    l = tl.load(WS_L + idx, mask=s_mask[:, None], other=0.0)
+    m_max = tl.max(m, 0)  # finite: split 0 always holds key 0
+    w = tl.exp2(m - m_max[None, :])  # 0 for empty splits (m = -inf)
+    l_tot = tl.sum(l * w, 0)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    for s in range(0, n_splits):
+        ms = tl.load(WS_M + (base + s) * ROWS + g)
+        part = tl.load(WS_ACC + ((base + s) * ROWS + g)[:, None] * BLOCK_D + offs_d[None, :])
+        acc += part * tl.exp2(ms - m_max)[:, None]
+    out = acc / l_tot[:, None]
+    head = kvh * GROUP + g
+    tl.store(O + seq * so_t + head[:, None] * so_h + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=(g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -112,6 +160,22 @@ def _tiles(group: int, head_dim: int, device: torch.device, decode: bool) -> tup
     return g_pad, block_t, block_n, opts
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def _decode_splits(n_seq: int, n_kv: int, max_slots: int, device: torch.device) -> int:
+    """How many key ranges each decode (sequence, KV head) is split into (flash-decoding, Dao et al.
+    2023): enough programs for two waves over the GPU's SMs when the batch alone gives fewer, each
+    range at least 256 keys; at most 64. In the interpreter: up to 4 ranges of 64+ keys, so the
+    tests exercise the split path. A host-side choice from shapes only: CUDA-graph safe."""
+    if device.type != "cuda":
+        return max(1, min(4, max_slots // 64))
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * _SM_COUNT[device.index], max(1, n_seq * n_kv))
+    return max(1, min(want, max_slots // 256, 64))
+
+
 def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q, decode) -> torch.Tensor:
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -134,14 +198,35 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
     block_tables, cu_q, context_lens = block_tables.contiguous(), cu_q.contiguous(), context_lens.contiguous()
     out = new_empty(q.shape, q.dtype, q.device)
     g_pad, block_t, block_n, opts = _tiles(group, head_dim, q.device, decode)
-    if n_tok and n_seq:
-        _paged_attn_kernel[(triton.cdiv(max_q, block_t), n_seq, n_kv)](
-            q, k_cache, v_cache, out, block_tables, cu_q, context_lens, scale * LOG2E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            IS_DECODE=decode, GROUP=group, G_PAD=g_pad, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
-            BLOCK_D=block_for(head_dim), BLOCK_T=block_t, BLOCK_N=block_n, **opts)
+    if not (n_tok and n_seq):
+        return out
+    block_d = block_for(head_dim)
+    max_slots = block_tables.shape[1] * kv_block
+    n_splits = _decode_splits(n_seq, n_kv, max_slots, q.device) if decode else 1
+    split_len = triton.cdiv(triton.cdiv(max_slots, n_splits), block_n) * block_n
+    n_splits = triton.cdiv(max_slots, split_len)  # after rounding the ranges up to whole key tiles
+    rows = block_t * g_pad
+    if n_splits > 1:
+        ws_m = torch.empty((n_seq, n_kv, n_splits, rows), dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((n_seq, n_kv, n_splits, rows, block_d), dtype=torch.float32, device=q.device)
+        grid = (n_splits, n_seq, n_kv)
+    else:
+        ws_m = ws_l = ws_acc = out  # unused
+        grid = (triton.cdiv(max_q, block_t), n_seq, n_kv)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, cu_q, context_lens, ws_m, ws_l, ws_acc, scale * LOG2E,
+        split_len, n_kv, n_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        IS_DECODE=decode, SPLIT=n_splits > 1, GROUP=group, G_PAD=g_pad, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_T=block_t, BLOCK_N=block_n, **opts)
+    if n_splits > 1:
+        _decode_reduce_kernel[(n_seq, n_kv)](
+            ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1), n_kv, n_splits,
+            GROUP=group, G_PAD=g_pad, ROWS=rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            SPLITS_PAD=triton.next_power_of_2(n_splits))
     return out
 
 
