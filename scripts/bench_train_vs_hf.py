@@ -32,7 +32,7 @@ def run_baige(args, out_dir: Path):
         "model.name": args.model, "data.train": [args.data], "output": str(out_dir), "training.steps": args.steps,
         "training.seq_len": args.seq_len, "training.batch_size": args.batch_size, "optimizer.lr": args.lr,
         "lr_scheduler.name": "constant", "metrics.tensorboard": False, "checkpoint.export_hf": False,
-        "training.device": args.device})
+        "training.device": args.device, "training.compile": args.compile})
     trainer = Trainer(cfg)
     losses, times = [], []
     for _ in range(args.steps):
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block of baige's model (HF stays eager)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.threads:
