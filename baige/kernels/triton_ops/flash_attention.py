@@ -14,6 +14,7 @@ dK/dV program of a KV head loops over its query heads, so no atomics are needed.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -233,6 +234,7 @@ class _FlashAttnVarlen(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         do = do.contiguous()

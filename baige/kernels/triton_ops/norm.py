@@ -11,6 +11,7 @@ through per-program fp32 partial sums.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -136,6 +137,7 @@ class _RMSNorm(torch.autograd.Function):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x2, w, rstd = ctx.saved_tensors
         n_rows, n_cols = x2.shape

@@ -14,6 +14,7 @@ cos/sin once and rotates every query and key head (Liger-Kernel's ``rope`` does 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -117,6 +118,7 @@ class _ApplyRope(torch.autograd.Function):
         return _rope(q, k, cos3, sin3, backward=False)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dq, dk):
         cos3, sin3 = ctx.saved_tensors
         dq_in, dk_in = _rope(dq, dk, cos3, sin3, backward=True)

@@ -10,6 +10,7 @@ recomputes the sigmoid instead of saving activations (as Liger-Kernel's ``swiglu
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
@@ -76,6 +77,7 @@ class _SiluMul(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         g2, u2 = ctx.saved_tensors
         n_rows, n_cols = g2.shape
