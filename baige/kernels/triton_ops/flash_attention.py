@@ -92,6 +92,29 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, head, sq_t, sq_h, sdo_t, sdo_h, slse_h,
+               start_m, offs_m, offs_n, offs_d, d_mask, n_mask, len_q, diag, qk_scale, MASKED: tl.constexpr):
+    """One query tile's contribution to a key tile's dK (unscaled) and dV."""
+    rows = start_m + offs_m
+    m_mask = rows < len_q
+    qd_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + (q_start + rows)[:, None] * sq_t + head * sq_h + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + (q_start + rows)[:, None] * sdo_t + head * sdo_h + offs_d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + head * slse_h + q_start + rows, mask=m_mask, other=0.0)
+    delta = tl.load(DELTA + head * slse_h + q_start + rows, mask=m_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # (M, N)
+    p = tl.exp2(qk - lse[:, None])
+    if MASKED:
+        visible = (offs_n[None, :] <= diag + rows[:, None]) & n_mask[None, :] & m_mask[:, None]
+        p = tl.where(visible, p, 0.0)
+    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
+    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, qk_scale, sm_scale,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, slse_h, sdk_t, sdk_h, sdv_t, sdv_h,
@@ -119,27 +142,43 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # the first query that sees key pid_n * BLOCK_N, rounded down to a tile boundary
     lo = tl.maximum(pid_n * BLOCK_N - diag, 0) // BLOCK_M * BLOCK_M
+    # from m_full on, every query sees every key of this tile: no causal mask (rows past len_q load
+    # zeros for q and dO and add nothing; keys past len_k are never stored)
+    m_full = tl.maximum(lo, tl.cdiv(tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
     for g in range(GROUP):
         head = kvh * GROUP + g
-        for start_m in range(lo, len_q, BLOCK_M):
-            rows = start_m + offs_m
-            m_mask = rows < len_q
-            qd_mask = m_mask[:, None] & d_mask[None, :]
-            q = tl.load(Q + (q_start + rows)[:, None] * sq_t + head * sq_h + offs_d[None, :], mask=qd_mask, other=0.0)
-            do = tl.load(DO + (q_start + rows)[:, None] * sdo_t + head * sdo_h + offs_d[None, :], mask=qd_mask, other=0.0)
-            lse = tl.load(LSE + head * slse_h + q_start + rows, mask=m_mask, other=0.0)
-            delta = tl.load(DELTA + head * slse_h + q_start + rows, mask=m_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # (M, N)
-            visible = (offs_n[None, :] <= diag + rows[:, None]) & n_mask[None, :] & m_mask[:, None]
-            p = tl.where(visible, tl.exp2(qk - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+        for start_m in range(lo, m_full, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, head, sq_t, sq_h, sdo_t, sdo_h, slse_h,
+                                start_m, offs_m, offs_n, offs_d, d_mask, n_mask, len_q, diag, qk_scale, MASKED=True)
+        for start_m in range(m_full, len_q, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, head, sq_t, sq_h, sdo_t, sdo_h, slse_h,
+                                start_m, offs_m, offs_n, offs_d, d_mask, n_mask, len_q, diag, qk_scale, MASKED=False)
     tl.store(DK + (k_start + offs_n)[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + (k_start + offs_n)[:, None] * sdv_t + kvh * sdv_h + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask, m_mask,
+             len_k, diag, qk_scale, MASKED: tl.constexpr):
+    """One key tile's contribution to a query tile's dQ (unscaled)."""
+    cols = start_n + offs_n
+    if MASKED:
+        n_mask = cols < len_k
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        kv_mask = (cols >= 0)[:, None] & d_mask[None, :]
+    k = tl.load(k_base + cols[:, None] * sk_t + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * sv_t + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    p = tl.exp2(qk - lse[:, None])
+    if MASKED:
+        p = tl.where((cols[None, :] <= diag + offs_m[:, None]) & n_mask[None, :] & m_mask[:, None], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    return dq
 
 
 @triton.jit
@@ -170,19 +209,17 @@ def _bwd_dq_kernel(
     lse = tl.load(LSE + head * slse_h + q_start + offs_m, mask=m_mask, other=0.0)
     delta = tl.load(DELTA + head * slse_h + q_start + offs_m, mask=m_mask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + k_start * sk_t + kvh * sk_h
+    v_base = V + k_start * sv_t + kvh * sv_h
+    # keys below n_full are visible to every row of this tile (rows past len_q add nothing: q = dO = 0)
+    n_full = tl.minimum(diag + pid_m * BLOCK_M + 1, len_k) // BLOCK_N * BLOCK_N
     hi = tl.minimum(len_k, diag + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        n_mask = cols < len_k
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + (k_start + cols)[:, None] * sk_t + kvh * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + (k_start + cols)[:, None] * sv_t + kvh * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        visible = (cols[None, :] <= diag + offs_m[:, None]) & n_mask[None, :] & m_mask[:, None]
-        p = tl.where(visible, tl.exp2(qk - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    for start_n in range(0, n_full, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask,
+                      m_mask, len_k, diag, qk_scale, MASKED=False)
+    for start_n in range(n_full, hi, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask,
+                      m_mask, len_k, diag, qk_scale, MASKED=True)
     tl.store(DQ + (q_start + offs_m)[:, None] * sdq_t + head * sdq_h + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
