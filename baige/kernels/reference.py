@@ -146,7 +146,20 @@ def paged_prefill_attention(
     return out
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
+class FusedLinearCrossEntropyGrads(torch.autograd.Function):
+    """Backward of a fused linear + cross-entropy whose forward saved ``(grad_hidden, grad_weight)``
+    of the unit-scaled loss and ``ctx.weight_dtype``: it only scales them by the incoming gradient.
+    Shared by this reference and the Triton implementation."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None
+
+
+class _FusedLinearCrossEntropy(FusedLinearCrossEntropyGrads):
     """Loss and both gradients in one pass over token chunks (Liger-Kernel's scheme): each chunk's
     logits live only inside the loop, and backward just scales the gradients kept from forward."""
 
@@ -180,12 +193,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         return total / normalizer
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
 
 
 def fused_linear_cross_entropy(

@@ -165,19 +165,23 @@ class ModelRunner:
             start = end
         return order, groups
 
+    def _decode_inputs(self, seqs: list) -> tuple[list[int], list[int], list[int]]:
+        """Per decoding sequence, in the given order: its last token, that token's position and cache slot."""
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        for s in seqs:
+            p = len(s.token_ids) - 1
+            ids.append(s.token_ids[-1])
+            pos.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+        return ids, pos, slots
+
     def _run_decode(self, batch: ScheduledBatch) -> torch.Tensor:
         seqs = batch.seqs
         n = len(seqs)
         if not self.captures:  # eager: unpadded, grouped by length
             order, groups = self._decode_groups(seqs)
-            bs = self.block_size
-            ids, pos, slots = [], [], []
-            for i in order:
-                s = seqs[i]
-                p = len(s.token_ids) - 1
-                ids.append(s.token_ids[-1])
-                pos.append(p)
-                slots.append(s.block_table[p // bs] * bs + p % bs)
+            ids, pos, slots = self._decode_inputs([seqs[i] for i in order])
             logits = self._decode_fn(self._tensor([ids]), self._tensor([pos]), self._tensor(slots), groups)
             inverse = [0] * n
             for row, i in enumerate(order):
@@ -187,14 +191,9 @@ class ModelRunner:
         widest = max(len(s.block_table) for s in seqs)
         W = self.width_buckets[bisect.bisect_left(self.width_buckets, widest)]
         bs, scratch = self.block_size, self.kv.scratch_block
-        ids, pos, slots, tables, lens = [], [], [], [], []
-        for s in seqs:
-            p = len(s.token_ids) - 1
-            ids.append(s.token_ids[-1])
-            pos.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
-            tables.append(s.block_table + [scratch] * (W - len(s.block_table)))
-            lens.append(p + 1)
+        ids, pos, slots = self._decode_inputs(seqs)
+        tables = [s.block_table + [scratch] * (W - len(s.block_table)) for s in seqs]
+        lens = [p + 1 for p in pos]
         pad = B - n
         ids += [0] * pad
         pos += [0] * pad
@@ -221,14 +220,14 @@ class ModelRunner:
             ids += s.token_ids[start:end]
             pos += range(start, end)
             slots += self._slots(s.block_table, start, end)
-            if i >= nd and s.prompt_logprobs is not None:
-                # position p's logits score prompt token p + 1
-                last = min(end, s.num_prompt_tokens - 1)
-                if last > start:
-                    score_spans.append((i, start + 1, last - start))
-                    score_at += range(len(ids) - n, len(ids) - n + last - start)
-                    score_targets += s.token_ids[start + 1:last + 1]
             if i >= nd:
+                if s.prompt_logprobs is not None:
+                    # position p's logits score prompt token p + 1
+                    last = min(end, s.num_prompt_tokens - 1)
+                    if last > start:
+                        score_spans.append((i, start + 1, last - start))
+                        score_at += range(len(ids) - n, len(ids) - n + last - start)
+                        score_targets += s.token_ids[start + 1:last + 1]
                 pre_tables.append(s.block_table)
                 pre_cu.append(pre_cu[-1] + n)
                 pre_lens.append(end)

@@ -342,22 +342,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         return task.result()
 
     # ---- /v1/completions ------------------------------------------------------------------------
-    def completion_logprobs(lps: list[Logprobs], offset0: int) -> dict:
+    def completion_logprobs(lps: list[Logprobs | None], offset0: int, token_ids: list[int] | None = None) -> dict:
+        """OpenAI's completion ``logprobs`` object. ``token_ids`` default to each entry's own token; an
+        entry of None (the first echoed prompt token, which nothing predicts) gives nulls."""
+        ids = [lp.token_id for lp in lps] if token_ids is None else token_ids
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset0
-        for lp in lps:
-            text = token_text(lp.token_id)
-            tokens.append(text)
-            token_lps.append(lp.logprob)
-            tops.append({token_text(t): v for t, v in lp.top})
-            offsets.append(pos)
-            pos += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def prompt_logprobs_part(ids: list[int], lps: list[Logprobs | None]) -> dict:
-        """OpenAI's completion logprobs for echoed prompt tokens: the first token has none (null)."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        pos = 0
         for t, lp in zip(ids, lps):
             text = token_text(t)
             tokens.append(text)
@@ -406,7 +396,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 finals = await collect(request, gens)
                 if finals is None:
                     return Response(status_code=499)
-                plps = [prompt_logprobs_part(ids, out.prompt_logprobs) for (ids, _), out in zip(jobs, finals)]
+                plps = [completion_logprobs(out.prompt_logprobs, 0, ids) for (ids, _), out in zip(jobs, finals)]
             choices = [{"index": k * n + i, "text": prompt_texts[k], "logprobs": plps[k], "finish_reason": "length"}
                        for k in range(len(prompts)) for i in range(n)]
             if not req.stream:
@@ -432,7 +422,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     prefix = prompt_texts[k] if req.echo else ""
                     lp = completion_logprobs(o.logprobs, len(prefix)) if o.logprobs is not None else None
                     if score_prompt:
-                        lp = join_logprobs(prompt_logprobs_part(jobs[k][0], out.prompt_logprobs), lp)
+                        lp = join_logprobs(completion_logprobs(out.prompt_logprobs, 0, jobs[k][0]), lp)
                     choices.append({"index": k * n + o.index, "text": prefix + o.text, "logprobs": lp,
                                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
                     n_out += len(o.token_ids)
@@ -447,7 +437,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
             def echo_chunks(k: int, prompt_lps: list[Logprobs | None] | None) -> list[str]:
                 echoed.add(k)
-                lp = prompt_logprobs_part(jobs[k][0], prompt_lps) if prompt_lps is not None else None
+                lp = completion_logprobs(prompt_lps, 0, jobs[k][0]) if prompt_lps is not None else None
                 chunks = []
                 for i in range(n):
                     offsets[k * n + i] = len(prompt_texts[k])

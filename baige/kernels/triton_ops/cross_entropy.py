@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from baige.kernels import reference
 from baige.kernels.reference import flatten_ce_inputs
 from baige.kernels.triton_ops.common import new_empty
 
@@ -68,7 +69,8 @@ def _launch_options(vocab: int, device: torch.device) -> tuple[int, dict]:
     return min(triton.next_power_of_2(vocab), 8192), {}
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
+class _FusedLinearCrossEntropy(reference.FusedLinearCrossEntropyGrads):
+    """Forward computes the loss and both gradients; backward (inherited) scales them."""
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, normalizer):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -95,14 +97,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if want_w:
                 grad_w.addmm_(logits.t(), h)  # (vocab, hidden), in place: no temporary of the weight's size
         ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
         return loss_rows.sum() / norm[0]
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return gh, gw, None, None, None
 
 
 def fused_linear_cross_entropy(

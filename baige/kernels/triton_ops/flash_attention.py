@@ -24,6 +24,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _seq_bounds(CU_Q, CU_K, seq):
+    """First query row, query count, first key row and key count of packed sequence ``seq``."""
+    q_start = tl.load(CU_Q + seq)
+    k_start = tl.load(CU_K + seq)
+    return q_start, tl.load(CU_Q + seq + 1) - q_start, k_start, tl.load(CU_K + seq + 1) - k_start
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask, len_k, diag,
               qk_scale, MASKED: tl.constexpr):
     """One key tile of the online softmax; ``MASKED`` applies the causal and sequence-length masks."""
@@ -54,12 +62,9 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(CU_Q + seq)
-    len_q = tl.load(CU_Q + seq + 1) - q_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CU_Q, CU_K, seq)
     if pid_m * BLOCK_M >= len_q:
         return
-    k_start = tl.load(CU_K + seq)
-    len_k = tl.load(CU_K + seq + 1) - k_start
     diag = len_k - len_q  # query m sees keys 0..diag + m
     kvh = head // GROUP
 
@@ -122,12 +127,9 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_start = tl.load(CU_K + seq)
-    len_k = tl.load(CU_K + seq + 1) - k_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CU_Q, CU_K, seq)
     if pid_n * BLOCK_N >= len_k:
         return
-    q_start = tl.load(CU_Q + seq)
-    len_q = tl.load(CU_Q + seq + 1) - q_start
     diag = len_k - len_q
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,12 +191,9 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(CU_Q + seq)
-    len_q = tl.load(CU_Q + seq + 1) - q_start
+    q_start, len_q, k_start, len_k = _seq_bounds(CU_Q, CU_K, seq)
     if pid_m * BLOCK_M >= len_q:
         return
-    k_start = tl.load(CU_K + seq)
-    len_k = tl.load(CU_K + seq + 1) - k_start
     diag = len_k - len_q
     kvh = head // GROUP
 
