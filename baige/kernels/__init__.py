@@ -3,7 +3,8 @@
 Every op has a pure-PyTorch twin in :mod:`baige.kernels.reference` with the same signature and a
 Triton implementation in :mod:`baige.kernels.triton_ops`. Dispatch (:func:`backend`):
 
-- ``BAIGE_KERNELS`` unset or ``auto``: Triton for CUDA tensors, the reference for everything else;
+- ``BAIGE_KERNELS`` unset or ``auto``: Triton for CUDA tensors, the reference for everything else
+  (except ``quantized_linear``, whose small CPU batches run the native kernel of :mod:`baige.kernels.cpu`);
 - ``BAIGE_KERNELS=reference``: the reference everywhere;
 - ``BAIGE_KERNELS=triton``: Triton everywhere. On CPU tensors that needs ``TRITON_INTERPRET=1`` set
   before the first Triton op runs (Triton's interpreter, the way CI tests the kernels).
@@ -313,5 +314,15 @@ def quantized_linear(
     Returns:
         (..., out) in the dtype of ``x``; accumulation in fp32 on the Triton path, which is forward
         only (inference: its output does not require grad).
+
+    On CPU with ``BAIGE_KERNELS`` auto, small fp32 batches that need no gradient (decode steps) run
+    the native AVX2 kernel of :mod:`baige.kernels.cpu`; everything else dequantizes and calls
+    ``F.linear`` (the reference).
     """
-    return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+    impl = _impl(x, "quant_matmul")
+    if impl is reference and x.device.type == "cpu" and (os.environ.get("BAIGE_KERNELS") or "auto") == "auto":
+        from baige.kernels import cpu  # the native CPU kernel (AVX2 C, built on first use)
+
+        if cpu.supports(x, qweight, group_size, bias):
+            return cpu.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+    return impl.quantized_linear(x, qweight, scale, zero_point, group_size, bias)

@@ -1,0 +1,261 @@
+/* Weight-only quantized linear layers for x86-64 CPUs with AVX2 + FMA: y = x @ W^T + bias with the
+ * integer weight dequantized in registers, so a memory-bound decode step reads 1 byte (int8) or half
+ * a byte (int4) per weight instead of 4.
+ *
+ * Layouts (compressed-tensors, see baige/runtime/quant.py):
+ *   int8: w int8 (N, K) row-major with row stride ldw, scale fp32 (N): W[n,k] = w[n,k] * scale[n].
+ *   int4: wp int32 (N, ldw) with ldw >= K / 8 words per row, element j of a word in bits 4j..4j+3
+ *         stored as q + 8; scale fp32 (N, G), zp int32 (N, G) or NULL; groups of gs columns
+ *         (gs a multiple of 8): W[n,k] = (q - zp[n, k / gs]) * scale[n, k / gs].
+ *   x fp32 (M, K) with row stride ldx, y fp32 (M, N) with row stride ldy, bias fp32 (N) or NULL.
+ * For int4, K must be a multiple of 8 (the caller pads x with zeros to whole words).
+ *
+ * Tiling: NR = 4 output rows at a time share each loaded x vector; MR = 2 input rows at a time share
+ * each dequantized weight vector (8 accumulators), so a weight row is read from memory once per
+ * call and from L1 by the later input rows. Output tiles are split over `nthreads` OpenMP threads.
+ * Accumulation is fp32 in 8 lanes, reduced at the end: the sum order differs from a BLAS sgemm, the
+ * dequantized weights are the reference's bit for bit ((q - zp) * scale rounded once in fp32).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#define NR 4
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int8 -> 8 fp32 */
+static inline __m256 cvt_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* ---------------------------------------------------------------- int8, per output channel */
+
+/* One output row n against x rows 0..mr-1: the tail tiles (N % NR rows), any mr. */
+static void i8_row(const float *x, int64_t ldx, int mr, const int8_t *w, int64_t K,
+                   float scale, const float *bias, float *y, int64_t ldy)
+{
+    const int64_t K8 = K & ~(int64_t)7;
+    for (int m = 0; m < mr; m++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K8; k += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), cvt_i8(w + k), acc);
+        float s = hsum256(acc);
+        for (int64_t k = K8; k < K; k++) s += x[m * ldx + k] * (float)w[k];
+        y[m * ldy] = s * scale + (bias ? *bias : 0.0f);
+    }
+}
+
+/* NR = 4 output rows against one x row; k unrolled by 16 (8 independent accumulators). */
+static void i8_tile_m1(const float *x, const int8_t *w, int64_t ldw, int64_t K,
+                       const float *scale, const float *bias, float *y)
+{
+    const int8_t *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int64_t K16 = K & ~(int64_t)15, K8 = K & ~(int64_t)7;
+    int64_t k = 0;
+    const char *next = (const char *)(w + NR * ldw);  /* the next tile: NR * ldw contiguous bytes */
+    for (; k < K16; k += 16) {
+        /* stream the next tile into cache while this one computes (4 * 16 bytes per step): the
+         * hardware prefetcher alone left the convert/FMA work and the DRAM reads serialised */
+        _mm_prefetch(next + 4 * k, _MM_HINT_T0);
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        a0 = _mm256_fmadd_ps(x0, cvt_i8(w0 + k), a0);
+        a1 = _mm256_fmadd_ps(x0, cvt_i8(w1 + k), a1);
+        a2 = _mm256_fmadd_ps(x0, cvt_i8(w2 + k), a2);
+        a3 = _mm256_fmadd_ps(x0, cvt_i8(w3 + k), a3);
+        b0 = _mm256_fmadd_ps(x1, cvt_i8(w0 + k + 8), b0);
+        b1 = _mm256_fmadd_ps(x1, cvt_i8(w1 + k + 8), b1);
+        b2 = _mm256_fmadd_ps(x1, cvt_i8(w2 + k + 8), b2);
+        b3 = _mm256_fmadd_ps(x1, cvt_i8(w3 + k + 8), b3);
+    }
+    for (; k < K8; k += 8) {
+        __m256 x0 = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(x0, cvt_i8(w0 + k), a0);
+        a1 = _mm256_fmadd_ps(x0, cvt_i8(w1 + k), a1);
+        a2 = _mm256_fmadd_ps(x0, cvt_i8(w2 + k), a2);
+        a3 = _mm256_fmadd_ps(x0, cvt_i8(w3 + k), a3);
+    }
+    float s[NR] = {hsum256(_mm256_add_ps(a0, b0)), hsum256(_mm256_add_ps(a1, b1)),
+                   hsum256(_mm256_add_ps(a2, b2)), hsum256(_mm256_add_ps(a3, b3))};
+    for (int n = 0; n < NR; n++) {
+        for (int64_t kk = K8; kk < K; kk++) s[n] += x[kk] * (float)w[n * ldw + kk];
+        y[n] = s[n] * scale[n] + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* NR = 4 output rows against two x rows (8 accumulators): each weight vector is converted once. */
+static void i8_tile_m2(const float *x, int64_t ldx, const int8_t *w, int64_t ldw, int64_t K,
+                       const float *scale, const float *bias, float *y, int64_t ldy)
+{
+    const int8_t *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;
+    const float *xa = x, *xb = x + ldx;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    const int64_t K8 = K & ~(int64_t)7;
+    const char *next = (const char *)(w + NR * ldw);
+    for (int64_t k = 0; k < K8; k += 8) {
+        _mm_prefetch(next + 4 * k, _MM_HINT_T0);
+        __m256 x0 = _mm256_loadu_ps(xa + k), x1 = _mm256_loadu_ps(xb + k), v;
+        v = cvt_i8(w0 + k); a0 = _mm256_fmadd_ps(x0, v, a0); b0 = _mm256_fmadd_ps(x1, v, b0);
+        v = cvt_i8(w1 + k); a1 = _mm256_fmadd_ps(x0, v, a1); b1 = _mm256_fmadd_ps(x1, v, b1);
+        v = cvt_i8(w2 + k); a2 = _mm256_fmadd_ps(x0, v, a2); b2 = _mm256_fmadd_ps(x1, v, b2);
+        v = cvt_i8(w3 + k); a3 = _mm256_fmadd_ps(x0, v, a3); b3 = _mm256_fmadd_ps(x1, v, b3);
+    }
+    float s[2][NR] = {{hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)},
+                      {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)}};
+    for (int m = 0; m < 2; m++) {
+        for (int n = 0; n < NR; n++) {
+            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * (float)w[n * ldw + kk];
+            y[m * ldy + n] = s[m][n] * scale[n] + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+void baige_qlinear_int8(const float *x, int64_t M, int64_t K, int64_t ldx,
+                        const int8_t *w, int64_t N, int64_t ldw, const float *scale, const float *bias,
+                        float *y, int64_t ldy, int nthreads)
+{
+    const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NR;
+        const int8_t *wn = w + n0 * ldw;
+        const float *b = bias ? bias + n0 : NULL;
+        if (N - n0 < NR) {
+            for (int64_t n = n0; n < N; n++)
+                i8_row(x, ldx, (int)M, w + n * ldw, K, scale[n], bias ? bias + n : NULL, y + n, ldy);
+            continue;
+        }
+        int64_t m0 = 0;
+        for (; m0 + 2 <= M; m0 += 2)
+            i8_tile_m2(x + m0 * ldx, ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0, ldy);
+        if (m0 < M)
+            i8_tile_m1(x + m0 * ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0);
+    }
+}
+
+/* ---------------------------------------------------------------- int4, group-wise */
+
+static inline __attribute__((always_inline)) void i4_tile(
+    const float *x, int64_t ldx, int mr, const int32_t *wp, int64_t ldw, int nr, int64_t K,
+    const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y, int64_t ldy)
+{
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    __m256 acc[2][NR];
+    for (int m = 0; m < 2; m++)
+        for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
+    const int64_t words = K / 8, gw = gs / 8;
+    for (int64_t g = 0; g < G; g++) {
+        __m256i off[NR];
+        __m256 sc[NR];
+        for (int n = 0; n < NR; n++) {
+            if (n < nr) {
+                off[n] = _mm256_set1_epi32(8 + (zp ? zp[n * G + g] : 0));
+                sc[n] = _mm256_set1_ps(scale[n * G + g]);
+            }
+        }
+        const int64_t j1 = (g + 1) * gw < words ? (g + 1) * gw : words;
+        for (int64_t j = g * gw; j < j1; j++) {
+            __m256 x0 = _mm256_loadu_ps(x + 8 * j);
+            __m256 x1 = mr > 1 ? _mm256_loadu_ps(x + ldx + 8 * j) : x0;
+            for (int n = 0; n < NR; n++) {
+                if (n < nr) {
+                    __m256i u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wp[n * ldw + j]), shifts), nibble);
+                    __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, off[n])), sc[n]);
+                    acc[0][n] = _mm256_fmadd_ps(x0, wv, acc[0][n]);
+                    if (mr > 1) acc[1][n] = _mm256_fmadd_ps(x1, wv, acc[1][n]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        for (int n = 0; n < nr; n++) {
+            float v = hsum256(acc[m][n]);
+            if (bias) v += bias[n];
+            y[m * ldy + n] = v;
+        }
+    }
+}
+
+/* NR = 4 output rows against one x row. Per group g the integer dot products d = sum_k x_k u_k of
+ * the stored nibbles u = q + 8 accumulate in fp32 lanes, then y += s_g * (d - (8 + zp_g) * xsum_g)
+ * with xsum_g the group's sum of x (precomputed): 5 vector ops per 8 weights instead of 7. */
+static void i4_tile_m1(const float *x, const float *xsum, const int32_t *wp, int64_t ldw, int64_t words,
+                       const float *scale, const int32_t *zp, int64_t G, int64_t gw, const float *bias, float *y)
+{
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    const int32_t *w0 = wp, *w1 = wp + ldw, *w2 = wp + 2 * ldw, *w3 = wp + 3 * ldw;
+    const char *next = (const char *)(wp + NR * ldw);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float corr[NR] = {0.0f, 0.0f, 0.0f, 0.0f};
+#define BAIGE_NIB(word) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), nibble))
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t j0 = g * gw, j1 = (g + 1) * gw < words ? (g + 1) * gw : words;
+        __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+        for (int64_t j = j0; j < j1; j++) {
+            if ((j & 3) == 0) _mm_prefetch(next + 16 * j, _MM_HINT_T0);  /* 4 rows x 4 bytes per word */
+            __m256 xv = _mm256_loadu_ps(x + 8 * j);
+            d0 = _mm256_fmadd_ps(xv, BAIGE_NIB(w0[j]), d0);
+            d1 = _mm256_fmadd_ps(xv, BAIGE_NIB(w1[j]), d1);
+            d2 = _mm256_fmadd_ps(xv, BAIGE_NIB(w2[j]), d2);
+            d3 = _mm256_fmadd_ps(xv, BAIGE_NIB(w3[j]), d3);
+        }
+        const float *sg = scale + g;
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(sg[0]), d0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(sg[G]), d1, a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(sg[2 * G]), d2, a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(sg[3 * G]), d3, a3);
+        for (int n = 0; n < NR; n++)
+            corr[n] += sg[n * G] * (float)(8 + (zp ? zp[n * G + g] : 0)) * xsum[g];
+    }
+#undef BAIGE_NIB
+    float d[NR] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+    for (int n = 0; n < NR; n++) y[n] = d[n] - corr[n] + (bias ? bias[n] : 0.0f);
+}
+
+void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx,
+                        const int32_t *wp, int64_t N, int64_t ldw, const float *scale, const int32_t *zp,
+                        int64_t G, int64_t gs, const float *bias, float *y, int64_t ldy, int nthreads)
+{
+    const int64_t tiles = (N + NR - 1) / NR, words = K / 8, gw = gs / 8;
+    float xsum[M == 1 ? G : 1];  /* M == 1: per-group sums of x for i4_tile_m1 */
+    if (M == 1) {
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
+            float acc = 0.0f;
+            for (int64_t k = g * gs; k < k1; k++) acc += x[k];
+            xsum[g] = acc;
+        }
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        if (M == 1 && nr == NR) {
+            i4_tile_m1(x, xsum, wp + n0 * ldw, ldw, words, scale + n0 * G, zp ? zp + n0 * G : NULL, G, gw,
+                       bias ? bias + n0 : NULL, y + n0);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int mr = M - m0 >= 2 ? 2 : 1;
+            const float *xm = x + m0 * ldx;
+            const int32_t *wn = wp + n0 * ldw;
+            const int32_t *z = zp ? zp + n0 * G : NULL;
+            const float *b = bias ? bias + n0 : NULL;
+            float *yo = y + m0 * ldy + n0;
+            if (nr == NR) {
+                if (mr == 2) i4_tile(xm, ldx, 2, wn, ldw, NR, K, scale + n0 * G, z, G, gs, b, yo, ldy);
+                else i4_tile(xm, ldx, 1, wn, ldw, NR, K, scale + n0 * G, z, G, gs, b, yo, ldy);
+            } else {
+                i4_tile(xm, ldx, mr, wn, ldw, nr, K, scale + n0 * G, z, G, gs, b, yo, ldy);
+            }
+        }
+    }
+}
