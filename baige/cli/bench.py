@@ -267,8 +267,9 @@ def compare(
     range_ratio: Annotated[float, typer.Option(help="Throughput: lengths uniform in len*[1-r, 1+r].")] = 0.5,
     hf_batch_size: Annotated[int, typer.Option(min=1, help="HF static batch size.")] = 32,
     repeats: Annotated[int, typer.Option(min=1, help="Interleaved rounds (median kept).")] = 1,
-    quantized: Annotated[bool, typer.Option(help="Also time baige on int8 and int4 copies and with "
-                                                 "--quantization fp16-weight (CPU fp32).")] = True,
+    quantized: Annotated[bool, typer.Option(help="Also time baige on int8 and int4 copies, with "
+                                                 "--quantization fp16-weight, and on the int8 copy with "
+                                                 "fp16-weight (CPU fp32).")] = True,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -279,7 +280,7 @@ def compare(
 
     cfg = CompareConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), input_len, output_len,
                         num_prompts, tp_input_len, tp_output_len, range_ratio, hf_batch_size, repeats,
-                        quantized=("int8", "int4", "fp16-weight") if quantized else (), seed=seed)
+                        quantized=CompareConfig.quantized if quantized else (), seed=seed)
 
     def render(r):
         from rich.console import Group

@@ -12,8 +12,9 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
 
 Peers: HF transformers (``generate``) in float32 and bfloat16 always; llama-cpp-python on the same
 GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128)
-copies of the model quantized into a temporary directory (decode only), and baige with
-``--quantization fp16-weight`` (fp16-stored weights, fp32 math; CPU fp32 only; decode and throughput). Every repeat runs each system once in turn
+copies of the model quantized into a temporary directory, baige with ``--quantization fp16-weight``
+(fp16-stored weights, fp32 math; CPU fp32 only), and ``int8+fp16-weight`` (the int8 copy with its
+remaining fp32 Linear, the tied lm_head, stored fp16); decode and throughput for each. Every repeat runs each system once in turn
 and the report keeps the median per system. Ratios are baige / peer.
 """
 
@@ -48,7 +49,8 @@ class CompareConfig:
     hf_batch_size: int = 32
     repeats: int = 1
     hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    quantized: tuple[str, ...] = ("int8", "int4", "fp16-weight")
+    # baige variants: a quantized copy (int8, int4 RTN g128), --quantization fp16-weight, or both ("+")
+    quantized: tuple[str, ...] = ("int8", "int4", "fp16-weight", "int8+fp16-weight")
     seed: int = 0
 
 
@@ -149,26 +151,30 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
         weight_bytes[f"hf-{dt}"] = roofline.weight_bytes(hf)
         dtype_bytes[f"hf-{dt}"] = torch.tensor([], dtype=getattr(torch, dt)).element_size()
     tmp = tempfile.TemporaryDirectory(prefix="baige-bench-quant-")
-    for method in cfg.quantized:
-        if method == "fp16-weight":
-            try:
-                q = build_llm(EngineArgs(**{**asdict(cfg.engine), "quantization": method}),
-                              max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len)),
-                              cfg.num_prompts)
-            except BaigeError as e:
-                notes.append(f"baige-{method} skipped: {e}")
-                continue
-            decode[f"baige-{method}"] = _baige_decode(q, decode_prompt, cfg.output_len)
-            batch[f"baige-{method}"] = _baige_batch(q, reqs)
-            weight_bytes[f"baige-{method}"] = roofline.weight_bytes(q.engine.model)
-            dtype_bytes[f"baige-{method}"] = dtype_bytes["baige"]
+    checkpoints: dict[str, Path] = {}
+    for variant in cfg.quantized:
+        # "<checkpoint>+<runtime>": a quantized copy (int8 / int4) and/or a serving-time rewrite (fp16-weight)
+        checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4")), None)
+        runtime = next((p for p in variant.split("+") if p == "fp16-weight"), None)
+        args = asdict(cfg.engine)
+        if checkpoint is not None:
+            if checkpoint not in checkpoints:
+                checkpoints[checkpoint] = Path(tmp.name) / checkpoint
+                quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=checkpoint,
+                                                   output=str(checkpoints[checkpoint]), device=cfg.engine.device))
+            args["model"] = str(checkpoints[checkpoint])
+        if runtime is not None:
+            args["quantization"] = runtime
+        try:
+            q = build_llm(EngineArgs(**args), max(cfg.input_len + cfg.output_len,
+                                                  2 * (cfg.tp_input_len + cfg.tp_output_len)), cfg.num_prompts)
+        except BaigeError as e:
+            notes.append(f"baige-{variant} skipped: {e}")
             continue
-        out = Path(tmp.name) / method
-        quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=method, output=str(out), device=cfg.engine.device))
-        q = build_llm(EngineArgs(**{**asdict(cfg.engine), "model": str(out)}), cfg.input_len + cfg.output_len, 1)
-        decode[f"baige-{method}"] = _baige_decode(q, decode_prompt, cfg.output_len)
-        weight_bytes[f"baige-{method}"] = roofline.weight_bytes(q.engine.model)
-        dtype_bytes[f"baige-{method}"] = dtype_bytes["baige"]
+        decode[f"baige-{variant}"] = _baige_decode(q, decode_prompt, cfg.output_len)
+        batch[f"baige-{variant}"] = _baige_batch(q, reqs)
+        weight_bytes[f"baige-{variant}"] = roofline.weight_bytes(q.engine.model)
+        dtype_bytes[f"baige-{variant}"] = dtype_bytes["baige"]
     gguf = _gguf_of(cfg.engine.model)
     if importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
