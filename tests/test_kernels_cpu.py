@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import baige.kernels as kernels
-from baige.kernels import cpu, reference
+from baige.kernels import reference
+from baige.kernels.cpu import build as cpu_library
+from baige.kernels.cpu import qlinear as cpu
 from baige.runtime.quant import QuantScheme, pack_int4, quantize_weight
 from tests.kernel_checks import assert_close_fp64
 
@@ -16,9 +18,9 @@ from tests.kernel_checks import assert_close_fp64
 @pytest.fixture(autouse=True)
 def _native_kernel():
     """Skip only where the kernel is not meant to build (no C compiler, no AVX2); elsewhere it must."""
-    if not (shutil.which("cc") or shutil.which("gcc")) or not cpu._cpu_has_avx2():
+    if not (shutil.which("cc") or shutil.which("gcc")) or not cpu_library.cpu_has_avx2():
         pytest.skip("no C compiler or no AVX2: the native kernel is not built here")
-    assert cpu.library() is not None, "the native CPU kernel failed to build (see the warning)"
+    assert cpu_library.library() is not None, "the native CPU kernels failed to build (see the warning)"
 
 SCHEMES = {
     "int8": QuantScheme(8, None),
@@ -105,12 +107,12 @@ def test_dispatch(monkeypatch):
 
 def test_build_failure_falls_back(monkeypatch, tmp_path):
     """No usable compiler: one warning, library() is None, and the public op still answers (reference)."""
-    monkeypatch.setattr(cpu, "_lib", None)
-    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu_library, "_lib", None)
+    monkeypatch.setattr(cpu_library, "_tried", False)
     monkeypatch.setenv("BAIGE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.warns(UserWarning, match="native CPU quantized-linear kernel unavailable"):
-        assert cpu.library() is None
+    with pytest.warns(UserWarning, match="native CPU kernels unavailable"):
+        assert cpu_library.library() is None
     qweight, scale, zp = _weights(SCHEMES["int8"], 8, 64)
     x = _randn(1, 64, seed=0)
     torch.testing.assert_close(kernels.quantized_linear(x, qweight, scale, zp, None),
@@ -120,13 +122,133 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
 
 def test_build_is_cached(monkeypatch, tmp_path):
     """The first build writes one .so under $BAIGE_CACHE/cpu_kernels; a second load reuses it."""
-    monkeypatch.setattr(cpu, "_lib", None)
-    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu_library, "_lib", None)
+    monkeypatch.setattr(cpu_library, "_tried", False)
     monkeypatch.setenv("BAIGE_CACHE", str(tmp_path))
-    assert cpu.library() is not None
-    built = list((tmp_path / "cpu_kernels").glob("qlinear-*.so"))
+    assert cpu_library.library() is not None
+    built = list((tmp_path / "cpu_kernels").glob("baige_cpu-*.so"))
     assert len(built) == 1
     mtime = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(cpu, "_tried", False)
-    assert cpu.library() is not None
+    monkeypatch.setattr(cpu_library, "_tried", False)
+    assert cpu_library.library() is not None
     assert built[0].stat().st_mtime_ns == mtime and len(list((tmp_path / "cpu_kernels").iterdir())) == 1
+
+
+# ---- the small per-layer ops (ops.c) --------------------------------------------------------------
+
+from baige.kernels.cpu import ops as cpu_ops  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 576), (2, 1023), (1, 1, 7)])
+def test_rms_norm_and_add_rms_norm(shape):
+    x, res = _randn(*shape, seed=0) * 3, _randn(*shape, seed=1)
+    w = _randn(shape[-1], seed=2)
+    eps = 1e-5
+    exact = reference.rms_norm(x.double(), w.double(), eps)
+    assert_close_fp64(cpu_ops.rms_norm(x, w, eps), reference.rms_norm(x, w, eps), exact, name=f"rms {shape}")
+    out, summed = cpu_ops.add_rms_norm(x, res, w, eps)
+    ref_out, ref_sum = reference.add_rms_norm(x, res, w, eps)
+    assert torch.equal(summed, ref_sum)  # one fp32 add: bitwise
+    assert_close_fp64(out, ref_out, reference.rms_norm((x + res).double(), w.double(), eps), name=f"add_rms {shape}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 110])
+def test_apply_rope_is_bitwise_the_reference(head_dim):
+    """Same products and sums in the same order as the reference (no FMA contraction): bitwise equal;
+    strided q (a view into a wider buffer) and GQA head counts."""
+    q = _randn(2, 3, 9, head_dim + 4, seed=0)[..., :head_dim]
+    k = _randn(2, 3, 3, head_dim, seed=1)
+    cos, sin = _randn(2, 3, head_dim, seed=2), _randn(2, 3, head_dim, seed=3)
+    out_q, out_k = cpu_ops.apply_rope(q, k, cos, sin)
+    ref_q, ref_k = reference.apply_rope(q, k, cos, sin)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    bq, bk = cpu_ops.apply_rope(q, k, cos[:1], sin[:1])  # cos/sin broadcast over the batch
+    assert torch.equal(bq, reference.apply_rope(q, k, cos[:1], sin[:1])[0]) and bk.shape == k.shape
+
+
+def _paged_case(seed, S=4, H=6, Hkv=2, D=59, nb=12, bs=4, W=3):
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = torch.randn(Hkv, nb, bs, D, generator=g), torch.randn(Hkv, nb, bs, D, generator=g)
+    tables = torch.randperm(nb, generator=g)[: S * W].view(S, W)  # scattered blocks, no sharing
+    lens = torch.tensor([1, bs, bs * W, 7])[:S]  # one token, one full block, every slot, a partial block
+    q = torch.randn(S, H, D, generator=g)
+    return q, kc, vc, tables, lens
+
+
+def test_paged_decode_attention_reads_blocks_in_place():
+    q, kc, vc, tables, lens = _paged_case(0)
+    scale = 59 ** -0.5
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    ref = reference.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens, scale)
+    assert_close_fp64(out, ref, exact, name="paged decode")
+    # a key outside every sequence's context must not matter: poison the unused slots
+    kc2, vc2 = kc.clone(), vc.clone()
+    used = torch.zeros(kc.shape[1] * kc.shape[2], dtype=torch.bool)
+    for s in range(tables.shape[0]):
+        for pos in range(int(lens[s])):
+            used[int(tables[s, pos // kc.shape[2]]) * kc.shape[2] + pos % kc.shape[2]] = True
+    kc2.view(kc.shape[0], -1, kc.shape[-1])[:, ~used] = float("nan")
+    vc2.view(vc.shape[0], -1, vc.shape[-1])[:, ~used] = float("nan")
+    assert torch.equal(cpu_ops.paged_decode_attention(q, kc2, vc2, tables, lens, scale), out)
+
+
+def test_store_kv_matches_reference_and_skips_negative_slots():
+    Hkv, nb, bs, D = 2, 5, 4, 16
+    k, v = _randn(3, Hkv, D, seed=0), _randn(3, Hkv, D, seed=1)
+    kc, vc = torch.zeros(Hkv, nb, bs, D), torch.zeros(Hkv, nb, bs, D)
+    slots = torch.tensor([17, 2, 9])
+    rk, rv = kc.clone(), vc.clone()
+    reference.store_kv(k, v, rk, rv, slots)
+    cpu_ops.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    cpu_ops.store_kv(k, v, kc, vc, torch.tensor([-1, -1, 3]))  # padding slots: untouched
+    assert torch.equal(kc.view(Hkv, -1, D)[:, 3], k[2]) and torch.equal(kc.view(Hkv, -1, D)[:, 17], rk.view(Hkv, -1, D)[:, 17])
+
+
+def test_ops_dispatch(monkeypatch):
+    """auto + fp32 CPU without grad: native; requires grad (training), fp16 or BAIGE_KERNELS=reference:
+    the reference, with autograd intact."""
+    calls = []
+    real = cpu_ops.rms_norm
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    x, w = _randn(2, 8, seed=0), torch.ones(8)
+    kernels.rms_norm(x, w, 1e-6)
+    assert calls == [1]
+    xg = x.clone().requires_grad_()
+    kernels.rms_norm(xg, w, 1e-6).sum().backward()
+    assert xg.grad is not None
+    kernels.rms_norm(x.half(), w.half(), 1e-6)
+    with torch.no_grad():
+        kernels.rms_norm(xg, w, 1e-6)  # no grad mode: native again
+    monkeypatch.setenv("BAIGE_KERNELS", "reference")
+    kernels.rms_norm(x, w, 1e-6)
+    assert calls == [1, 1]
+
+
+def test_embedded_model_same_on_native_and_reference(embedded_dir, monkeypatch):
+    """The serving engine on the native CPU kernels gives the reference kernels' greedy tokens, and
+    full-sequence logits within accumulation-order noise."""
+    from baige import LLM, SamplingParams
+    from baige.runtime.loader import load_model
+
+    model = load_model(embedded_dir, "float32")
+    ids = torch.tensor([[504, 3575, 282, 4649, 314, 1, 42, 2000]])
+
+    def logits():
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.arange(ids.shape[1])[None], None))
+
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    native = logits()
+    monkeypatch.setenv("BAIGE_KERNELS", "reference")
+    ref = logits()
+    torch.testing.assert_close(native, ref, rtol=0, atol=1e-3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20)
+    ref_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.delenv("BAIGE_KERNELS")
+    out_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert out_tokens == ref_tokens and all(len(t) == 8 for t in out_tokens)

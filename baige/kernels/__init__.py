@@ -3,8 +3,9 @@
 Every op has a pure-PyTorch twin in :mod:`baige.kernels.reference` with the same signature and a
 Triton implementation in :mod:`baige.kernels.triton_ops`. Dispatch (:func:`backend`):
 
-- ``BAIGE_KERNELS`` unset or ``auto``: Triton for CUDA tensors, the reference for everything else
-  (except ``quantized_linear``, whose small CPU batches run the native kernel of :mod:`baige.kernels.cpu`);
+- ``BAIGE_KERNELS`` unset or ``auto``: Triton for CUDA tensors; for CPU tensors the native C kernels
+  of :mod:`baige.kernels.cpu` where they exist (fp32 inference: norms, RoPE, KV store, paged decode
+  attention, quantized linear), else the reference;
 - ``BAIGE_KERNELS=reference``: the reference everywhere;
 - ``BAIGE_KERNELS=triton``: Triton everywhere. On CPU tensors that needs ``TRITON_INTERPRET=1`` set
   before the first Triton op runs (Triton's interpreter, the way CI tests the kernels).
@@ -73,6 +74,19 @@ def _impl(x: torch.Tensor, module: str):
     return mod
 
 
+def _native_cpu(*tensors: torch.Tensor):
+    """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
+    mode, fp32 CPU tensors needing no gradient, not inside a ``torch.compile`` trace, the library
+    built), else None (see :mod:`baige.kernels.cpu`)."""
+    if tensors[0].device.type != "cpu" or (os.environ.get("BAIGE_KERNELS") or "auto") != "auto":
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    from baige.kernels.cpu import ops
+
+    return ops if ops.usable(*tensors) else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square layer norm (Zhang & Sennrich 2019, arXiv:1910.07467).
 
@@ -85,7 +99,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         (..., hidden) in the promoted dtype of ``weight`` and ``x``.
     """
-    return _impl(x, "norm").rms_norm(x, weight, eps)
+    impl = _native_cpu(x, weight) or _impl(x, "norm")
+    return impl.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
@@ -100,7 +115,8 @@ def add_rms_norm(
     Returns:
         ``(rms_norm(x + residual), x + residual)``, both (..., hidden).
     """
-    return _impl(x, "norm").add_rms_norm(x, residual, weight, eps)
+    impl = _native_cpu(x, residual, weight) or _impl(x, "norm")
+    return impl.add_rms_norm(x, residual, weight, eps)
 
 
 def apply_rope(
@@ -115,7 +131,8 @@ def apply_rope(
     Returns:
         ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
     """
-    return _impl(q, "rope").apply_rope(q, k, cos, sin)
+    impl = _native_cpu(q, k, cos, sin) or _impl(q, "rope")
+    return impl.apply_rope(q, k, cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -169,7 +186,8 @@ def store_kv(
     Raises:
         ValueError (Triton path): K/V and cache dtypes differ, or slot_mapping is not (N,).
     """
-    _impl(k, "paged_attention").store_kv(k, v, k_cache, v_cache, slot_mapping)
+    impl = _native_cpu(k, v, k_cache, v_cache) or _impl(k, "paged_attention")
+    impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(
@@ -197,7 +215,8 @@ def paged_decode_attention(
     Returns:
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
-    return _impl(q, "paged_attention").paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    impl = _native_cpu(q, k_cache, v_cache) or _impl(q, "paged_attention")
+    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(
@@ -316,13 +335,12 @@ def quantized_linear(
         only (inference: its output does not require grad).
 
     On CPU with ``BAIGE_KERNELS`` auto, small fp32 batches that need no gradient (decode steps) run
-    the native AVX2 kernel of :mod:`baige.kernels.cpu`; everything else dequantizes and calls
-    ``F.linear`` (the reference).
+    the native AVX2 kernel of :mod:`baige.kernels.cpu.qlinear`; everything else dequantizes and
+    calls ``F.linear`` (the reference).
     """
-    impl = _impl(x, "quant_matmul")
-    if impl is reference and x.device.type == "cpu" and (os.environ.get("BAIGE_KERNELS") or "auto") == "auto":
-        from baige.kernels import cpu  # the native CPU kernel (AVX2 C, built on first use)
+    if _native_cpu(x) is not None:
+        from baige.kernels.cpu import qlinear
 
-        if cpu.supports(x, qweight, group_size, bias):
-            return cpu.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
-    return impl.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+        if qlinear.supports(x, qweight, group_size, bias):
+            return qlinear.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+    return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)

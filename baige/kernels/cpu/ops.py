@@ -1,0 +1,85 @@
+"""The small per-layer ops of CPU inference on the native library (``ops.c``): same arguments and
+results as their twins in :mod:`baige.kernels.reference` (see :mod:`baige.kernels` for shapes),
+fp32 CPU tensors only, no autograd. Call them only where :func:`usable` is true."""
+
+from __future__ import annotations
+
+import torch
+
+from baige.kernels.cpu.build import library
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is fp32 on the CPU, none needs a gradient, and the library builds."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or (grad and t.requires_grad):
+            return False
+    return library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    n = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    library().baige_rms_norm(x.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    x, residual = x.contiguous(), residual.contiguous()
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    library().baige_add_rms_norm(x.data_ptr(), residual.data_ptr(), x.numel() // n, n,
+                                 weight.contiguous().data_ptr(), eps, out.data_ptr(), summed.data_ptr())
+    return out, summed
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    d = q.shape[-1]
+    tokens = q.numel() // (q.shape[-2] * d)
+    cos = cos.expand(*q.shape[:-2], d).contiguous()  # (..., d): one row per token
+    sin = sin.expand(*q.shape[:-2], d).contiguous()
+    q, k = q.contiguous(), k.contiguous()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    library().baige_rope(q.data_ptr(), k.data_ptr(), tokens, q.shape[-2], k.shape[-2], d, cos.data_ptr(),
+                         sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr())
+    return q_out, k_out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    hk, d = k_cache.shape[0], k_cache.shape[-1]
+    k, v = k.contiguous(), v.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    library().baige_store_kv(k.data_ptr(), v.data_ptr(), k.shape[0], hk, d, k_cache.data_ptr(), v_cache.data_ptr(),
+                             k_cache.numel() // (hk * d), slots.data_ptr())
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Raises MemoryError when the kernel's score buffer (n_heads / n_kv_heads x longest context
+    floats) cannot be allocated."""
+    S, H, D = q.shape
+    hk, nb, bs, _ = k_cache.shape
+    q = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    rc = library().baige_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D, nb,
+                                                bs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+                                                out.data_ptr())
+    if rc != 0:
+        raise MemoryError("paged decode attention: could not allocate the score buffer")
+    return out
