@@ -74,16 +74,23 @@ def _impl(x: torch.Tensor, module: str):
     return mod
 
 
+_CPU_OPS: list = []  # [baige.kernels.cpu.ops] once imported
+
+
 def _native_cpu(*tensors: torch.Tensor):
     """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
     mode, fp32 CPU tensors needing no gradient, not inside a ``torch.compile`` trace, the library
-    built), else None (see :mod:`baige.kernels.cpu`)."""
-    if tensors[0].device.type != "cpu" or (os.environ.get("BAIGE_KERNELS") or "auto") != "auto":
+    built), else None (see :mod:`baige.kernels.cpu`). Called once per op: kept to a few attribute reads."""
+    if tensors[0].device.type != "cpu":
         return None
-    if torch.compiler.is_compiling():
+    mode = os.environ.get("BAIGE_KERNELS")
+    if (mode and mode != "auto") or torch.compiler.is_compiling():
         return None
-    from baige.kernels.cpu import ops
+    if not _CPU_OPS:
+        from baige.kernels.cpu import ops
 
+        _CPU_OPS.append(ops)
+    ops = _CPU_OPS[0]
     return ops if ops.usable(*tensors) else None
 
 
