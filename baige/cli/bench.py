@@ -61,7 +61,8 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
 
 
 QuantizationOpt = Annotated[Optional[str], typer.Option(
-    help="fp16-weight: the engine's fbgemm fp16-weight linears (CPU fp32 only). Default: none.")]
+    help="fp16-weight: the engine's fbgemm fp16-weight linears (CPU fp32 only; on an int8/int4 checkpoint, "
+         "its remaining fp32 linears, i.e. the tied lm_head). Default: none.")]
 
 
 def _engine(model, dtype, device, enforce_eager, mnbt, quantization=None):
