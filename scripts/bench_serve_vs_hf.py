@@ -46,7 +46,7 @@ def make_prompts(tok, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
 def bench_baige(args, prompts, out_lens) -> dict:
     from baige import LLM, SamplingParams
 
-    llm = LLM(None, dtype=args.dtype, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048,
               kv_cache_memory=int(1.5e9), enforce_eager=args.enforce_eager, quantization=args.quantization)
     warm = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)] * 2
     llm.generate(prompts[:2], warm)  # warm-up (and compile for small batches)
@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None, choices=["fp16-weight"],
                     help="baige's engine only (HF runs the fp32 model)")
+    ap.add_argument("--model", default=None,
+                    help="baige's engine only: e.g. an int8 directory from `baige quantize` (HF runs the fp32 GGUF)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-baige", action="store_true")
     ap.add_argument("--hf-result", type=Path, default=None, help="reuse the 'hf' numbers of an earlier --out JSON")
@@ -117,7 +119,7 @@ def main() -> None:
     tok = Tokenizer.from_dir(resolve_model(None))
     prompts, out_lens = make_prompts(tok, args.num_prompts, args.seed)
     result = {"dtype": args.dtype, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
-              "enforce_eager": args.enforce_eager, "quantization": args.quantization, "load_avg_1min_start": os.getloadavg()[0]}
+              "enforce_eager": args.enforce_eager, "quantization": args.quantization, "model": args.model, "load_avg_1min_start": os.getloadavg()[0]}
     if not args.skip_baige:
         result["baige"] = bench_baige(args, prompts, out_lens)
         print(json.dumps(result, indent=2), flush=True)
