@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 #define NR 4
 
@@ -116,26 +117,71 @@ static void i8_tile_m2(const float *x, int64_t ldx, const int8_t *w, int64_t ldw
     }
 }
 
+/* NR = 4 output rows, already converted to fp32 in `wf` (4 rows of K, contiguous), against three x
+ * rows: 12 accumulators + 3 x vectors + 1 weight vector fill the 16 registers, and the conversion
+ * cost is paid once per call instead of once per x row pair (batches of 6+ rows). */
+static void f32_tile_m3(const float *x, int64_t ldx, const float *wf, int64_t K,
+                        const float *scale, const float *bias, float *y, int64_t ldy)
+{
+    const float *w0 = wf, *w1 = wf + K, *w2 = wf + 2 * K, *w3 = wf + 3 * K;
+    const float *xa = x, *xb = x + ldx, *xc = x + 2 * ldx;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    const int64_t K8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < K8; k += 8) {
+        const __m256 xa_ = _mm256_loadu_ps(xa + k), xb_ = _mm256_loadu_ps(xb + k), xc_ = _mm256_loadu_ps(xc + k);
+        __m256 v;
+        v = _mm256_loadu_ps(w0 + k); a0 = _mm256_fmadd_ps(xa_, v, a0); b0 = _mm256_fmadd_ps(xb_, v, b0); c0 = _mm256_fmadd_ps(xc_, v, c0);
+        v = _mm256_loadu_ps(w1 + k); a1 = _mm256_fmadd_ps(xa_, v, a1); b1 = _mm256_fmadd_ps(xb_, v, b1); c1 = _mm256_fmadd_ps(xc_, v, c1);
+        v = _mm256_loadu_ps(w2 + k); a2 = _mm256_fmadd_ps(xa_, v, a2); b2 = _mm256_fmadd_ps(xb_, v, b2); c2 = _mm256_fmadd_ps(xc_, v, c2);
+        v = _mm256_loadu_ps(w3 + k); a3 = _mm256_fmadd_ps(xa_, v, a3); b3 = _mm256_fmadd_ps(xb_, v, b3); c3 = _mm256_fmadd_ps(xc_, v, c3);
+    }
+    float s[3][NR] = {{hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)},
+                      {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)},
+                      {hsum256(c0), hsum256(c1), hsum256(c2), hsum256(c3)}};
+    for (int m = 0; m < 3; m++) {
+        for (int n = 0; n < NR; n++) {
+            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * wf[n * K + kk];
+            y[m * ldy + n] = s[m][n] * scale[n] + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
 void baige_qlinear_int8(const float *x, int64_t M, int64_t K, int64_t ldx,
                         const int8_t *w, int64_t N, int64_t ldw, const float *scale, const float *bias,
                         float *y, int64_t ldy, int nthreads)
 {
     const int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NR;
-        const int8_t *wn = w + n0 * ldw;
-        const float *b = bias ? bias + n0 : NULL;
-        if (N - n0 < NR) {
-            for (int64_t n = n0; n < N; n++)
-                i8_row(x, ldx, (int)M, w + n * ldw, K, scale[n], bias ? bias + n : NULL, y + n, ldy);
-            continue;
+    const int panel = M >= 6;  /* convert each 4-row weight tile to fp32 once, then 3-row fp32 tiles */
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *wf = panel ? malloc(sizeof(float) * (size_t)(NR * K)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * NR;
+            const int8_t *wn = w + n0 * ldw;
+            const float *b = bias ? bias + n0 : NULL;
+            if (N - n0 < NR) {
+                for (int64_t n = n0; n < N; n++)
+                    i8_row(x, ldx, (int)M, w + n * ldw, K, scale[n], bias ? bias + n : NULL, y + n, ldy);
+                continue;
+            }
+            int64_t m0 = 0;
+            if (wf) {
+                for (int n = 0; n < NR; n++) {
+                    int64_t k = 0;
+                    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(wf + n * K + k, cvt_i8(wn + n * ldw + k));
+                    for (; k < K; k++) wf[n * K + k] = (float)wn[n * ldw + k];
+                }
+                for (; m0 + 3 <= M; m0 += 3)
+                    f32_tile_m3(x + m0 * ldx, ldx, wf, K, scale + n0, b, y + m0 * ldy + n0, ldy);
+            }
+            for (; m0 + 2 <= M; m0 += 2)
+                i8_tile_m2(x + m0 * ldx, ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0, ldy);
+            if (m0 < M)
+                i8_tile_m1(x + m0 * ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0);
         }
-        int64_t m0 = 0;
-        for (; m0 + 2 <= M; m0 += 2)
-            i8_tile_m2(x + m0 * ldx, ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0, ldy);
-        if (m0 < M)
-            i8_tile_m1(x + m0 * ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0);
+        free(wf);
     }
 }
 

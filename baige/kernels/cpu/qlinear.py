@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from baige.kernels.cpu.build import library
 
 # Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
-# core, 1 thread, SmolLM2-135M shapes: int8 native 84 vs 121 ms at 64 rows, 167 vs 159 at 128;
-# int4 g128 92 vs 138 at 32, 184 vs 168 at 64).
-MAX_ROWS = {8: 96, 4: 48}
+# core, 1 thread, 10 layers of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292 at
+# 256, 556 vs 574 at 512; int4 g128 92 vs 138 at 32, 184 vs 168 at 64).
+MAX_ROWS = {8: 512, 4: 48}
 
 
 def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None, bias: torch.Tensor | None) -> bool:
