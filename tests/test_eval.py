@@ -142,12 +142,30 @@ def test_cli_gptq_runs_and_loads(tiny_with_tokenizer, tmp_path):
         (["--method", "int8", "--asymmetric"], "int8 is symmetric"),
         (["--method", "int4", "--group-size", "48"], "--group-size 48"),
         (["--method", "int4", "--act-order"], "--act-order applies to --method gptq"),
+        (["--method", "gptq", "--calib-data", DATA_DIR / "tinyshakespeare.txt", "--clip-search"], "--clip-search applies"),
     ],
 )
 def test_cli_quantize_bad_options(tiny_with_tokenizer, tmp_path, args, message):
     r = _cli("quantize", "--model", tiny_with_tokenizer, "--output", tmp_path / "o", *args)
     assert isinstance(r.exception, BaigeError) and message in str(r.exception), r.output
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag,observer", [(None, "mse"), ("--no-clip-search", "minmax")])
+def test_cli_int4_clip_search_default_with_calib_data(tiny_with_tokenizer, tmp_path, flag, observer):
+    out = tmp_path / "o"
+    args = ["--method", "int4", "--group-size", "32", "--asymmetric", "--calib-data", DATA_DIR / "tinyshakespeare.txt",
+            "--calib-samples", "2", "--calib-seq-len", "32", "--output", out] + ([flag] if flag else [])
+    r = _cli("quantize", "--model", tiny_with_tokenizer, *args)
+    assert r.exit_code == 0, r.output
+    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["observer"] == observer
+    clip = json.loads((out / "quantization_report.json").read_text())["clip_search"]
+    if flag:
+        assert clip is None
+    else:
+        assert clip["weighting"].startswith("mean squared input activation") and clip["calib_samples"] == 2
+    assert "--clip-search" in _cli("quantize", "--help").output  # (80 columns cut --no-clip-search)
 
 
 def test_cli_quantize_refuses_nonempty_output(tiny_with_tokenizer, tmp_path):

@@ -167,6 +167,7 @@ class QuantizeConfig:
     calib_seq_len: int = 512  # tokens
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     device: str = "auto"
+    clip_search: bool | None = None  # None: on for int4 when calib_data is given
 
 
 @dataclass

@@ -18,14 +18,28 @@ from torch import nn
 
 from baige.errors import BaigeError
 from baige.runtime.config import QuantizeConfig
-from baige.runtime.quant import ProgressFn, QuantizedLinear, QuantScheme, quantize_model, set_submodule
+from baige.runtime.quant import (
+    CLIP_GRID,
+    CLIP_MAXSHRINK,
+    ProgressFn,
+    QuantizedLinear,
+    QuantScheme,
+    quantize_model,
+    set_submodule,
+)
 
 REPORT_FILE = "quantization_report.json"
 
 
-def quantization_config(scheme: QuantScheme, ignored: list[str]) -> dict:
+def quantization_config(scheme: QuantScheme, ignored: list[str], clip_search: bool = False) -> dict:
     """The config.json ``quantization_config`` for one scheme applied to every Linear not in
-    ``ignored`` (exact module names, e.g. ``["lm_head"]``)."""
+    ``ignored`` (exact module names, e.g. ``["lm_head"]``).
+
+    ``observer`` records how the scales were chosen (compressed-tensors ``QuantizationArgs.observer``,
+    free text; loaders ignore it): ``minmax``, or with ``clip_search`` ``mse`` with
+    ``observer_kwargs`` ``maxshrink``/``grid``/``norm`` -- llm-compressor's names for the same shrink
+    grid and error exponent (see ``quant.search_qparams``; its activation weighting is in the report).
+    """
     weights = {
         "num_bits": scheme.num_bits,
         "type": "int",
@@ -35,8 +49,8 @@ def quantization_config(scheme: QuantScheme, ignored: list[str]) -> dict:
         "dynamic": False,
         "actorder": "weight" if scheme.actorder else None,
         "block_structure": None,
-        "observer": "minmax",
-        "observer_kwargs": {},
+        "observer": "mse" if clip_search else "minmax",
+        "observer_kwargs": {"maxshrink": CLIP_MAXSHRINK, "grid": CLIP_GRID, "norm": 2} if clip_search else {},
     }
     return {
         "quant_method": "compressed-tensors",
@@ -119,10 +133,19 @@ def prepare_quantized_model(model: nn.Module, qcfg: dict, where: str = "config.j
 
 
 def save_quantized(
-    model: nn.Module, scheme: QuantScheme, report: list[dict], out_dir: str | Path, tokenizer_dir: str | Path | None
+    model: nn.Module,
+    scheme: QuantScheme,
+    report: list[dict],
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None,
+    clip_search: dict | None = None,
 ) -> Path:
     """Write the quantized model as an HF directory in the compressed-tensors format, with
     ``quantization_report.json`` (the per-layer report) beside the weights. Atomic (temp dir + rename).
+
+    ``clip_search``: how the RTN clip search ran (e.g. ``{"weighting": ..., "calib_data": ...}``),
+    written to the report under ``clip_search`` (null: min/max scales) and recorded in config.json
+    as the ``mse`` observer.
 
     Raises:
         BaigeError: ``out_dir`` exists and is not empty.
@@ -132,11 +155,12 @@ def save_quantized(
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     ignored = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quantized]
     config = dict(model.config.raw)
-    config["quantization_config"] = quantization_config(scheme, ignored)
+    config["quantization_config"] = quantization_config(scheme, ignored, clip_search is not None)
     state = {k: v for k, v in model.state_dict().items()}
     summary = {
         "scheme": scheme.describe(),
         "format": scheme.format,
+        "clip_search": None if clip_search is None else {"maxshrink": CLIP_MAXSHRINK, "grid": CLIP_GRID, **clip_search},
         "layers": report,
         "quantized_bytes": sum(v.numel() * v.element_size() for k, v in state.items() if k.rsplit(".", 1)[0] in quantized),
     }
@@ -189,15 +213,29 @@ def quantize_checkpoint(cfg: QuantizeConfig, progress: ProgressFn | None = None)
         raise BaigeError("--act-order applies to --method gptq only")
     if cfg.method == "gptq" and not cfg.calib_data:
         raise BaigeError("--method gptq needs --calib-data FILE (text to calibrate on)")
+    if cfg.method == "gptq" and cfg.clip_search:
+        raise BaigeError("--clip-search applies to round to nearest (--method int4 / int8), not gptq")
+    # default: on for int4 with calibration text (activation-weighted); unweighted search raised ppl
+    clip = cfg.clip_search if cfg.clip_search is not None else (cfg.method == "int4" and bool(cfg.calib_data))
 
     model_dir = resolve_model(cfg.model)
     model = load_model(model_dir, "auto", resolve_device(cfg.device))
     if model.config.raw.get("quantization_config"):
         raise BaigeError(f"{model_dir}: the model is already quantized")
     calib = None
-    if cfg.method == "gptq":
+    if cfg.calib_data and (cfg.method == "gptq" or clip):
         tok = Tokenizer.from_dir(model_dir)
         calib = calibration_ids(tok, cfg.calib_data, cfg.calib_samples, cfg.calib_seq_len)
     method = "gptq" if cfg.method == "gptq" else "rtn"
-    report = quantize_model(model, scheme, cfg.ignore, method, calib, progress=progress)
-    return save_quantized(model, scheme, report, out, model_dir), report
+    report = quantize_model(model, scheme, cfg.ignore, method, calib, progress=progress, clip_search=clip)
+    clip_info = None
+    if clip:
+        clip_info = {"weighting": "none (weight-space squared error)"}
+        if calib is not None:
+            clip_info = {
+                "weighting": "mean squared input activation per column",
+                "calib_data": str(cfg.calib_data),
+                "calib_samples": cfg.calib_samples,
+                "calib_seq_len": cfg.calib_seq_len,
+            }
+    return save_quantized(model, scheme, report, out, model_dir, clip_info), report
