@@ -43,7 +43,7 @@ def _randn(*shape, seed):
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 17])
 @pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
 def test_native_matches_reference(name, rows, in_f, out_f):
     """Odd in_features (96, 1000 = 7 x 128 + 104, 4097: partial groups and a partial int4 word), out
@@ -90,7 +90,7 @@ def test_dispatch(monkeypatch):
     small = _randn(2, 64, seed=0)
     kernels.quantized_linear(small, qweight, scale, zp, None)
     assert calls == [(2, 64)]
-    big = _randn(cpu.MAX_ROWS[8] + 1, 64, seed=0)
+    big = _randn(cpu.MAX_ROWS + 1, 64, seed=0)
     kernels.quantized_linear(big, qweight, scale, zp, None)
     kernels.quantized_linear(small.half(), qweight, scale.half(), zp, None)
     grad_x = small.clone().requires_grad_()
@@ -101,7 +101,7 @@ def test_dispatch(monkeypatch):
     kernels.quantized_linear(small, qweight, scale, zp, None)
     assert calls == [(2, 64)]
     q4, s4, _ = _weights(SCHEMES["int4-g128-sym"], 16, 64)
-    assert not cpu.supports(_randn(cpu.MAX_ROWS[4] + 1, 64, seed=0), q4, 128, None)
+    assert not cpu.supports(_randn(cpu.MAX_ROWS + 1, 64, seed=0), q4, 128, None)
     assert not cpu.supports(small, q4, 12, None)  # group not a multiple of 8: reference
 
 

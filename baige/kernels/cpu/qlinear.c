@@ -280,28 +280,51 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx,
             xsum[g] = acc;
         }
     }
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NR;
-        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        if (M == 1 && nr == NR) {
-            i4_tile_m1(x, xsum, wp + n0 * ldw, ldw, words, scale + n0 * G, zp ? zp + n0 * G : NULL, G, gw,
-                       bias ? bias + n0 : NULL, y + n0);
-            continue;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            const int mr = M - m0 >= 2 ? 2 : 1;
-            const float *xm = x + m0 * ldx;
+    const int panel = M >= 12;  /* as for int8 (dequantize each 4-row tile to fp32 once, 3-row fp32 tiles); the
+                                  * nibble unpacking costs more, so it pays from 12 rows (measured) */
+    static const float ones[NR] = {1.0f, 1.0f, 1.0f, 1.0f};
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *wf = panel ? malloc(sizeof(float) * (size_t)(NR * K)) : NULL;
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        const __m256i nibble = _mm256_set1_epi32(0xF);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * NR;
+            const int nr = (int)(N - n0 < NR ? N - n0 : NR);
             const int32_t *wn = wp + n0 * ldw;
             const int32_t *z = zp ? zp + n0 * G : NULL;
             const float *b = bias ? bias + n0 : NULL;
-            float *yo = y + m0 * ldy + n0;
-            if (nr == NR) {
-                if (mr == 2) i4_tile(xm, ldx, 2, wn, ldw, NR, K, scale + n0 * G, z, G, gs, b, yo, ldy);
-                else i4_tile(xm, ldx, 1, wn, ldw, NR, K, scale + n0 * G, z, G, gs, b, yo, ldy);
-            } else {
-                i4_tile(xm, ldx, mr, wn, ldw, nr, K, scale + n0 * G, z, G, gs, b, yo, ldy);
+            if (M == 1 && nr == NR) {
+                i4_tile_m1(x, xsum, wn, ldw, words, scale + n0 * G, z, G, gw, b, y + n0);
+                continue;
+            }
+            int64_t m0 = 0;
+            if (wf && nr == NR) {
+                for (int n = 0; n < NR; n++) {  /* (u - 8 - zp) * scale, the reference's rounding */
+                    for (int64_t j = 0; j < words; j++) {
+                        const int64_t g = (j * 8) / gs;
+                        const __m256i u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wn[n * ldw + j]), shifts), nibble);
+                        const __m256i off = _mm256_set1_epi32(8 + (z ? z[n * G + g] : 0));
+                        _mm256_storeu_ps(wf + n * K + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, off)),
+                                                                          _mm256_set1_ps(scale[(n0 + n) * G + g])));
+                    }
+                }
+                for (; m0 + 3 <= M; m0 += 3)
+                    f32_tile_m3(x + m0 * ldx, ldx, wf, K, ones, b, y + m0 * ldy + n0, ldy);
+            }
+            for (; m0 < M; m0 += 2) {
+                const int mr = M - m0 >= 2 ? 2 : 1;
+                const float *xm = x + m0 * ldx;
+                float *yo = y + m0 * ldy + n0;
+                if (nr == NR) {
+                    if (mr == 2) i4_tile(xm, ldx, 2, wn, ldw, NR, K, scale + n0 * G, z, G, gs, b, yo, ldy);
+                    else i4_tile(xm, ldx, 1, wn, ldw, NR, K, scale + n0 * G, z, G, gs, b, yo, ldy);
+                } else {
+                    i4_tile(xm, ldx, mr, wn, ldw, nr, K, scale + n0 * G, z, G, gs, b, yo, ldy);
+                }
             }
         }
+        free(wf);
     }
 }

@@ -15,18 +15,18 @@ import torch.nn.functional as F
 from baige.kernels.cpu.build import library
 
 # Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
-# core, 1 thread, 10 layers of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292 at
-# 256, 556 vs 574 at 512; int4 g128 92 vs 138 at 32, 184 vs 168 at 64).
-MAX_ROWS = {8: 512, 4: 48}
+# core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
+# at 256, 556 vs 574 at 512; int4 g128 18 vs 88 at 6 rows, 281 vs 364 at 256, 518 vs 562 at 512).
+MAX_ROWS = 512
 
 
 def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None, bias: torch.Tensor | None) -> bool:
     """Whether :func:`quantized_linear` takes these arguments: CPU fp32 ``x`` with at most
-    :data:`MAX_ROWS` rows for its bit width and no gradient needed, an int8 per-channel or int4
+    :data:`MAX_ROWS` rows and no gradient needed, an int8 per-channel or int4
     weight whose group size is a multiple of 8, and a buildable kernel."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return False
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS[8 if qweight.dtype == torch.int8 else 4]:
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return False
