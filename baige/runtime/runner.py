@@ -19,6 +19,7 @@ import bisect
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from baige import kernels
 from baige.runtime.kv_cache import KVCache
@@ -129,6 +130,12 @@ class ModelRunner:
         self.captures = not enforce_eager and self.device.type == "cuda"
         if self.captures:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
+        # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
+        self.fused_decode, self.fused_decode_why = None, "not on the CPU"
+        if self.device.type == "cpu":
+            from baige.runtime.cpu_decode import FusedDecoder
+
+            self.fused_decode, self.fused_decode_why = FusedDecoder.build(model, kv_cache)
 
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -137,8 +144,15 @@ class ModelRunner:
                         groups: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode: (1, B) ids/positions, (B,) slots, groups of ((B_g, W_g) tables, (B_g,) lengths)
         covering the B rows in order -> (B, vocab) logits."""
-        md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1], decode_groups=groups)
-        hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
+        if self.fused_decode is not None:
+            # one table for every row: the native kernel reads only each row's own context
+            W = max(t.shape[1] for t, _ in groups)
+            tables = torch.cat([F.pad(t, (0, W - t.shape[1]), value=self.kv.scratch_block) for t, _ in groups])
+            lens = torch.cat([n for _, n in groups]) if len(groups) > 1 else groups[0][1]
+            hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens)
+        else:
+            md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1], decode_groups=groups)
+            hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
         return self.model.compute_logits(hidden[0])  # (B, vocab)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:

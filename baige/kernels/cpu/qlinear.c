@@ -35,95 +35,106 @@ static inline __m256 cvt_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* ---------------------------------------------------------------- int8, per output channel */
+/* ---------------------------------------------------------------- int8 and fp32 rows */
 
-/* One output row n against x rows 0..mr-1: the tail tiles (N % NR rows), any mr. */
-static void i8_row(const float *x, int64_t ldx, int mr, const int8_t *w, int64_t K,
-                   float scale, const float *bias, float *y, int64_t ldy)
-{
-    const int64_t K8 = K & ~(int64_t)7;
-    for (int m = 0; m < mr; m++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K8; k += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), cvt_i8(w + k), acc);
-        float s = hsum256(acc);
-        for (int64_t k = K8; k < K; k++) s += x[m * ldx + k] * (float)w[k];
-        y[m * ldy] = s * scale + (bias ? *bias : 0.0f);
-    }
+static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+/* The same register tiles for int8 weights (converted in registers, per-row scale applied to the
+ * dot product) and fp32 weights (scale NULL): W is any row-major (N, K) matrix with row stride ldw.
+ * PF_LINES: cache lines of the next tile to prefetch per 16 columns (4 rows x 16 x sizeof(T) bytes). */
+#define BAIGE_DEFINE_TILES(SUF, T, LOADW)                                                              \
+/* One output row against x rows 0..mr-1: the tail tiles (N % NR rows), any mr. */                     \
+static void row_##SUF(const float *x, int64_t ldx, int mr, const T *w, int64_t K,                     \
+                      const float *scale, const float *bias, float *y, int64_t ldy)                   \
+{                                                                                                      \
+    const int64_t K8 = K & ~(int64_t)7;                                                                \
+    for (int m = 0; m < mr; m++) {                                                                     \
+        __m256 acc = _mm256_setzero_ps();                                                              \
+        for (int64_t k = 0; k < K8; k += 8)                                                            \
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), LOADW(w + k), acc);                \
+        float s = hsum256(acc);                                                                        \
+        for (int64_t k = K8; k < K; k++) s += x[m * ldx + k] * (float)w[k];                            \
+        y[m * ldy] = (scale ? s * *scale : s) + (bias ? *bias : 0.0f);                                 \
+    }                                                                                                  \
+}                                                                                                      \
+                                                                                                       \
+/* NR = 4 output rows against one x row; k unrolled by 16 (8 independent accumulators). The next     \
+ * tile is streamed into cache while this one computes: the hardware prefetcher alone left the        \
+ * DRAM reads and the convert/FMA work serialised (int8: 4.8 -> 10.2 GB/s on the dev box). */          \
+static void tile_m1_##SUF(const float *x, const T *w, int64_t ldw, int64_t K,                          \
+                          const float *scale, const float *bias, float *y)                             \
+{                                                                                                      \
+    const T *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;                              \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;    \
+    const int64_t K16 = K & ~(int64_t)15, K8 = K & ~(int64_t)7;                                        \
+    const char *next = (const char *)(w + NR * ldw);                                                   \
+    int64_t k = 0;                                                                                     \
+    for (; k < K16; k += 16) {                                                                         \
+        for (int l = 0; l < (int)sizeof(T); l++)                                                       \
+            _mm_prefetch(next + 4 * k * (int64_t)sizeof(T) + 64 * l, _MM_HINT_T0);                     \
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);                           \
+        a0 = _mm256_fmadd_ps(x0, LOADW(w0 + k), a0);                                                   \
+        a1 = _mm256_fmadd_ps(x0, LOADW(w1 + k), a1);                                                   \
+        a2 = _mm256_fmadd_ps(x0, LOADW(w2 + k), a2);                                                   \
+        a3 = _mm256_fmadd_ps(x0, LOADW(w3 + k), a3);                                                   \
+        b0 = _mm256_fmadd_ps(x1, LOADW(w0 + k + 8), b0);                                               \
+        b1 = _mm256_fmadd_ps(x1, LOADW(w1 + k + 8), b1);                                               \
+        b2 = _mm256_fmadd_ps(x1, LOADW(w2 + k + 8), b2);                                               \
+        b3 = _mm256_fmadd_ps(x1, LOADW(w3 + k + 8), b3);                                               \
+    }                                                                                                  \
+    for (; k < K8; k += 8) {                                                                           \
+        __m256 x0 = _mm256_loadu_ps(x + k);                                                            \
+        a0 = _mm256_fmadd_ps(x0, LOADW(w0 + k), a0);                                                   \
+        a1 = _mm256_fmadd_ps(x0, LOADW(w1 + k), a1);                                                   \
+        a2 = _mm256_fmadd_ps(x0, LOADW(w2 + k), a2);                                                   \
+        a3 = _mm256_fmadd_ps(x0, LOADW(w3 + k), a3);                                                   \
+    }                                                                                                  \
+    float s[NR] = {hsum256(_mm256_add_ps(a0, b0)), hsum256(_mm256_add_ps(a1, b1)),                     \
+                   hsum256(_mm256_add_ps(a2, b2)), hsum256(_mm256_add_ps(a3, b3))};                    \
+    for (int n = 0; n < NR; n++) {                                                                     \
+        for (int64_t kk = K8; kk < K; kk++) s[n] += x[kk] * (float)w[n * ldw + kk];                    \
+        y[n] = (scale ? s[n] * scale[n] : s[n]) + (bias ? bias[n] : 0.0f);                             \
+    }                                                                                                  \
+}                                                                                                      \
+                                                                                                       \
+/* NR = 4 output rows against two x rows (8 accumulators): each weight vector is loaded once. */      \
+static void tile_m2_##SUF(const float *x, int64_t ldx, const T *w, int64_t ldw, int64_t K,             \
+                          const float *scale, const float *bias, float *y, int64_t ldy)                \
+{                                                                                                      \
+    const T *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;                              \
+    const float *xa = x, *xb = x + ldx;                                                                \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;    \
+    const int64_t K8 = K & ~(int64_t)7;                                                                \
+    const char *next = (const char *)(w + NR * ldw);                                                   \
+    for (int64_t k = 0; k < K8; k += 8) {                                                              \
+        for (int l = 0; l < (int)sizeof(T); l += 2)                                                    \
+            _mm_prefetch(next + 4 * k * (int64_t)sizeof(T) + 32 * l, _MM_HINT_T0);                     \
+        __m256 x0 = _mm256_loadu_ps(xa + k), x1 = _mm256_loadu_ps(xb + k), v;                          \
+        v = LOADW(w0 + k); a0 = _mm256_fmadd_ps(x0, v, a0); b0 = _mm256_fmadd_ps(x1, v, b0);           \
+        v = LOADW(w1 + k); a1 = _mm256_fmadd_ps(x0, v, a1); b1 = _mm256_fmadd_ps(x1, v, b1);           \
+        v = LOADW(w2 + k); a2 = _mm256_fmadd_ps(x0, v, a2); b2 = _mm256_fmadd_ps(x1, v, b2);           \
+        v = LOADW(w3 + k); a3 = _mm256_fmadd_ps(x0, v, a3); b3 = _mm256_fmadd_ps(x1, v, b3);           \
+    }                                                                                                  \
+    float s[2][NR] = {{hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)},                            \
+                      {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)}};                           \
+    for (int m = 0; m < 2; m++) {                                                                      \
+        for (int n = 0; n < NR; n++) {                                                                 \
+            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * (float)w[n * ldw + kk];   \
+            y[m * ldy + n] = (scale ? s[m][n] * scale[n] : s[m][n]) + (bias ? bias[n] : 0.0f);         \
+        }                                                                                              \
+    }                                                                                                  \
 }
 
-/* NR = 4 output rows against one x row; k unrolled by 16 (8 independent accumulators). */
-static void i8_tile_m1(const float *x, const int8_t *w, int64_t ldw, int64_t K,
-                       const float *scale, const float *bias, float *y)
-{
-    const int8_t *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    const int64_t K16 = K & ~(int64_t)15, K8 = K & ~(int64_t)7;
-    int64_t k = 0;
-    const char *next = (const char *)(w + NR * ldw);  /* the next tile: NR * ldw contiguous bytes */
-    for (; k < K16; k += 16) {
-        /* stream the next tile into cache while this one computes (4 * 16 bytes per step): the
-         * hardware prefetcher alone left the convert/FMA work and the DRAM reads serialised */
-        _mm_prefetch(next + 4 * k, _MM_HINT_T0);
-        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        a0 = _mm256_fmadd_ps(x0, cvt_i8(w0 + k), a0);
-        a1 = _mm256_fmadd_ps(x0, cvt_i8(w1 + k), a1);
-        a2 = _mm256_fmadd_ps(x0, cvt_i8(w2 + k), a2);
-        a3 = _mm256_fmadd_ps(x0, cvt_i8(w3 + k), a3);
-        b0 = _mm256_fmadd_ps(x1, cvt_i8(w0 + k + 8), b0);
-        b1 = _mm256_fmadd_ps(x1, cvt_i8(w1 + k + 8), b1);
-        b2 = _mm256_fmadd_ps(x1, cvt_i8(w2 + k + 8), b2);
-        b3 = _mm256_fmadd_ps(x1, cvt_i8(w3 + k + 8), b3);
-    }
-    for (; k < K8; k += 8) {
-        __m256 x0 = _mm256_loadu_ps(x + k);
-        a0 = _mm256_fmadd_ps(x0, cvt_i8(w0 + k), a0);
-        a1 = _mm256_fmadd_ps(x0, cvt_i8(w1 + k), a1);
-        a2 = _mm256_fmadd_ps(x0, cvt_i8(w2 + k), a2);
-        a3 = _mm256_fmadd_ps(x0, cvt_i8(w3 + k), a3);
-    }
-    float s[NR] = {hsum256(_mm256_add_ps(a0, b0)), hsum256(_mm256_add_ps(a1, b1)),
-                   hsum256(_mm256_add_ps(a2, b2)), hsum256(_mm256_add_ps(a3, b3))};
-    for (int n = 0; n < NR; n++) {
-        for (int64_t kk = K8; kk < K; kk++) s[n] += x[kk] * (float)w[n * ldw + kk];
-        y[n] = s[n] * scale[n] + (bias ? bias[n] : 0.0f);
-    }
-}
+BAIGE_DEFINE_TILES(i8, int8_t, cvt_i8)
+BAIGE_DEFINE_TILES(f32, float, ld_f32)
 
-/* NR = 4 output rows against two x rows (8 accumulators): each weight vector is converted once. */
-static void i8_tile_m2(const float *x, int64_t ldx, const int8_t *w, int64_t ldw, int64_t K,
-                       const float *scale, const float *bias, float *y, int64_t ldy)
-{
-    const int8_t *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;
-    const float *xa = x, *xb = x + ldx;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    const int64_t K8 = K & ~(int64_t)7;
-    const char *next = (const char *)(w + NR * ldw);
-    for (int64_t k = 0; k < K8; k += 8) {
-        _mm_prefetch(next + 4 * k, _MM_HINT_T0);
-        __m256 x0 = _mm256_loadu_ps(xa + k), x1 = _mm256_loadu_ps(xb + k), v;
-        v = cvt_i8(w0 + k); a0 = _mm256_fmadd_ps(x0, v, a0); b0 = _mm256_fmadd_ps(x1, v, b0);
-        v = cvt_i8(w1 + k); a1 = _mm256_fmadd_ps(x0, v, a1); b1 = _mm256_fmadd_ps(x1, v, b1);
-        v = cvt_i8(w2 + k); a2 = _mm256_fmadd_ps(x0, v, a2); b2 = _mm256_fmadd_ps(x1, v, b2);
-        v = cvt_i8(w3 + k); a3 = _mm256_fmadd_ps(x0, v, a3); b3 = _mm256_fmadd_ps(x1, v, b3);
-    }
-    float s[2][NR] = {{hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)},
-                      {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)}};
-    for (int m = 0; m < 2; m++) {
-        for (int n = 0; n < NR; n++) {
-            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * (float)w[n * ldw + kk];
-            y[m * ldy + n] = s[m][n] * scale[n] + (bias ? bias[n] : 0.0f);
-        }
-    }
-}
-
-/* NR = 4 output rows, already converted to fp32 in `wf` (4 rows of K, contiguous), against three x
- * rows: 12 accumulators + 3 x vectors + 1 weight vector fill the 16 registers, and the conversion
- * cost is paid once per call instead of once per x row pair (batches of 6+ rows). */
-static void f32_tile_m3(const float *x, int64_t ldx, const float *wf, int64_t K,
+/* NR = 4 fp32 output rows (row stride ldw) against three x rows: 12 accumulators + 3 x vectors + 1
+ * weight vector fill the 16 registers (batches of 3+ rows; int8/int4 weights are first converted to
+ * an fp32 panel once per call, so the conversion is not paid per x row). */
+static void tile_m3_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K,
                         const float *scale, const float *bias, float *y, int64_t ldy)
 {
-    const float *w0 = wf, *w1 = wf + K, *w2 = wf + 2 * K, *w3 = wf + 3 * K;
+    const float *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw;
     const float *xa = x, *xb = x + ldx, *xc = x + 2 * ldx;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
@@ -141,49 +152,58 @@ static void f32_tile_m3(const float *x, int64_t ldx, const float *wf, int64_t K,
                       {hsum256(c0), hsum256(c1), hsum256(c2), hsum256(c3)}};
     for (int m = 0; m < 3; m++) {
         for (int n = 0; n < NR; n++) {
-            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * wf[n * K + kk];
-            y[m * ldy + n] = s[m][n] * scale[n] + (bias ? bias[n] : 0.0f);
+            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * w[n * ldw + kk];
+            y[m * ldy + n] = (scale ? s[m][n] * scale[n] : s[m][n]) + (bias ? bias[n] : 0.0f);
         }
     }
 }
 
-void baige_qlinear_int8(const float *x, int64_t M, int64_t K, int64_t ldx,
-                        const int8_t *w, int64_t N, int64_t ldw, const float *scale, const float *bias,
-                        float *y, int64_t ldy, int nthreads)
-{
-    const int64_t tiles = (N + NR - 1) / NR;
-    const int panel = M >= 6;  /* convert each 4-row weight tile to fp32 once, then 3-row fp32 tiles */
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        float *wf = panel ? malloc(sizeof(float) * (size_t)(NR * K)) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t n0 = t * NR;
-            const int8_t *wn = w + n0 * ldw;
-            const float *b = bias ? bias + n0 : NULL;
-            if (N - n0 < NR) {
-                for (int64_t n = n0; n < N; n++)
-                    i8_row(x, ldx, (int)M, w + n * ldw, K, scale[n], bias ? bias + n : NULL, y + n, ldy);
-                continue;
-            }
-            int64_t m0 = 0;
-            if (wf) {
-                for (int n = 0; n < NR; n++) {
-                    int64_t k = 0;
-                    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(wf + n * K + k, cvt_i8(wn + n * ldw + k));
-                    for (; k < K; k++) wf[n * K + k] = (float)wn[n * ldw + k];
-                }
-                for (; m0 + 3 <= M; m0 += 3)
-                    f32_tile_m3(x + m0 * ldx, ldx, wf, K, scale + n0, b, y + m0 * ldy + n0, ldy);
-            }
-            for (; m0 + 2 <= M; m0 += 2)
-                i8_tile_m2(x + m0 * ldx, ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0, ldy);
-            if (m0 < M)
-                i8_tile_m1(x + m0 * ldx, wn, ldw, K, scale + n0, b, y + m0 * ldy + n0);
-        }
-        free(wf);
-    }
+/* y = x @ W^T * scale + bias for int8 (scale per row) or fp32 (scale NULL) W. */
+#define BAIGE_DEFINE_LINEAR(NAME, SUF, T, PANEL_MIN_ROWS)                                              \
+void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const T *w, int64_t N, int64_t ldw,       \
+          const float *scale, const float *bias, float *y, int64_t ldy, int nthreads)                  \
+{                                                                                                      \
+    const int64_t tiles = (N + NR - 1) / NR;                                                           \
+    const int panel = (int)sizeof(T) == 1 && M >= (PANEL_MIN_ROWS);                                    \
+    _Pragma("omp parallel num_threads(nthreads) if (nthreads > 1)")                                    \
+    {                                                                                                  \
+        float *wf = panel ? malloc(sizeof(float) * (size_t)(NR * K)) : NULL;                           \
+        _Pragma("omp for schedule(static)")                                                            \
+        for (int64_t t = 0; t < tiles; t++) {                                                          \
+            const int64_t n0 = t * NR;                                                                 \
+            const T *wn = w + n0 * ldw;                                                                \
+            const float *sc = scale ? scale + n0 : NULL, *b = bias ? bias + n0 : NULL;                 \
+            if (N - n0 < NR) {                                                                         \
+                for (int64_t n = n0; n < N; n++)                                                       \
+                    row_##SUF(x, ldx, (int)M, w + n * ldw, K, scale ? scale + n : NULL,                \
+                              bias ? bias + n : NULL, y + n, ldy);                                     \
+                continue;                                                                              \
+            }                                                                                          \
+            int64_t m0 = 0;                                                                            \
+            const float *wm3 = (const float *)wn;                                                      \
+            int64_t ldm3 = ldw;                                                                        \
+            if (wf) {                                                                                  \
+                for (int n = 0; n < NR; n++)                                                           \
+                    for (int64_t k = 0; k < K; k++) wf[n * K + k] = (float)wn[n * ldw + k];            \
+                wm3 = wf;                                                                              \
+                ldm3 = K;                                                                              \
+            }                                                                                          \
+            if (wf || sizeof(T) == sizeof(float))                                                      \
+                for (; m0 + 3 <= M; m0 += 3)                                                           \
+                    tile_m3_f32(x + m0 * ldx, ldx, wm3, ldm3, K, sc, b, y + m0 * ldy + n0, ldy);       \
+            for (; m0 + 2 <= M; m0 += 2)                                                               \
+                tile_m2_##SUF(x + m0 * ldx, ldx, wn, ldw, K, sc, b, y + m0 * ldy + n0, ldy);           \
+            if (m0 < M)                                                                                \
+                tile_m1_##SUF(x + m0 * ldx, wn, ldw, K, sc, b, y + m0 * ldy + n0);                     \
+        }                                                                                              \
+        free(wf);                                                                                      \
+    }                                                                                                  \
 }
+
+/* int8 per output channel; batches of 6+ rows convert each 4-row tile to an fp32 panel first. */
+BAIGE_DEFINE_LINEAR(baige_qlinear_int8, i8, int8_t, 6)
+/* fp32 weights (the decode step's unquantized linears). */
+BAIGE_DEFINE_LINEAR(baige_linear_f32, f32, float, 1 << 30)
 
 /* ---------------------------------------------------------------- int4, group-wise */
 
@@ -311,7 +331,7 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx,
                     }
                 }
                 for (; m0 + 3 <= M; m0 += 3)
-                    f32_tile_m3(x + m0 * ldx, ldx, wf, K, ones, b, y + m0 * ldy + n0, ldy);
+                    tile_m3_f32(x + m0 * ldx, ldx, wf, K, K, ones, b, y + m0 * ldy + n0, ldy);
             }
             for (; m0 < M; m0 += 2) {
                 const int mr = M - m0 >= 2 ? 2 : 1;
