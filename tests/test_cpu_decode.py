@@ -79,18 +79,24 @@ def test_fused_decode_quantized(tmp_path, monkeypatch, scheme):
     _check(model, monkeypatch)
 
 
-def test_ineligible_models_say_why(tmp_path, monkeypatch):
+def test_fused_decode_fp16_weight(tmp_path, monkeypatch):
+    """--quantization fp16-weight projections (native F16C kernel) against the module path on fbgemm."""
     from baige.runtime.quant_dynamic import apply_quantization
 
+    model = load_model(make_checkpoint(tmp_path / "h", "qwen3-qk-norm"), "float32")
+    apply_quantization(model, "fp16-weight")
+    _check(model, monkeypatch)
+
+
+def test_ineligible_models_say_why(tmp_path, monkeypatch):
     path = make_checkpoint(tmp_path / "m", "llama")
     half = load_model(path, "float16")
     kv = KVCache(half.config, 4, BS, torch.float16, torch.device("cpu"))
     assert FusedDecoder.build(half, kv) == (None, "model.embed_tokens.weight is torch.float16 on cpu, not fp32 on the CPU")
     model = load_model(path, "float32")
     kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
-    apply_quantization(model, "fp16-weight")
-    fused, why = FusedDecoder.build(model, kv)
-    assert fused is None and why == "layer 0 q_proj: Fp16WeightLinear has no native kernel"
+    model.model.layers[1].mlp.up_proj = torch.nn.Identity()
+    assert FusedDecoder.build(model, kv) == (None, "layer 1 up_proj: Identity has no native kernel")
     monkeypatch.setenv("BAIGE_CPU_DECODE", "0")
     assert FusedDecoder.build(load_model(path, "float32"), kv)[0] is None
 

@@ -252,3 +252,23 @@ def test_embedded_model_same_on_native_and_reference(embedded_dir, monkeypatch):
     monkeypatch.delenv("BAIGE_KERNELS")
     out_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out_tokens == ref_tokens and all(len(t) == 8 for t in out_tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 17])
+@pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
+def test_fp16_and_fp32_weight_linears(rows, in_f, out_f):
+    """The fp16-weight kernel (public wrapper) and the fp32 one (called by the native decode step,
+    driven here through ctypes) against F.linear in fp64 on the same weights, with odd shapes."""
+    x = _randn(rows, in_f, seed=1)
+    w = _randn(out_f, in_f, seed=2) * 0.05
+    bias = _randn(out_f, seed=3)
+    w16 = w.half()
+    exact16 = torch.nn.functional.linear(x.double(), w16.double(), bias.double())
+    ref16 = torch.nn.functional.linear(x, w16.float(), bias)
+    assert cpu.supports_f16(x)
+    assert_close_fp64(cpu.linear_f16(x, w16, bias), ref16, exact16, name=f"f16 rows={rows} in={in_f}")
+    y = torch.empty(rows, out_f)
+    cpu_library.library().baige_linear_f32(x.data_ptr(), rows, in_f, in_f, w.data_ptr(), out_f, in_f, None,
+                                           bias.data_ptr(), y.data_ptr(), out_f, 1)
+    exact = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    assert_close_fp64(y, torch.nn.functional.linear(x, w, bias), exact, name=f"f32 rows={rows} in={in_f}")

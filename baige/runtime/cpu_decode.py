@@ -9,9 +9,9 @@ remains the reference (``BAIGE_KERNELS=reference`` or ``BAIGE_CPU_DECODE=0`` sel
 results agree up to accumulation order and SiLU's ``exp`` (tests/test_cpu_decode.py).
 
 What makes a model eligible (:meth:`FusedDecoder.build` says which check failed): every parameter
-fp32 on the CPU, each layer's seven projections fp32 ``nn.Linear`` or ``QuantizedLinear`` (int8 per
-channel, or int4 with ``in_features`` and ``group_size`` multiples of 8), contiguous KV pools, and
-the native library built.
+fp32 on the CPU, each layer's seven projections fp32 ``nn.Linear``, ``Fp16WeightLinear``
+(``--quantization fp16-weight``) or ``QuantizedLinear`` (int8 per channel, or int4 with
+``in_features`` and ``group_size`` multiples of 8), contiguous KV pools, and the native library built.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from torch import nn
 from baige.runtime.kv_cache import KVCache
 from baige.runtime.model import Transformer
 from baige.runtime.quant import QuantizedLinear
+from baige.runtime.quant_dynamic import Fp16WeightLinear
 
-_F32, _INT8, _INT4 = 0, 1, 2
+_F32, _INT8, _INT4, _F16 = 0, 1, 2, 3
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -138,6 +139,9 @@ def _describe(mod: nn.Module, keep: list) -> tuple[_Linear | None, str]:
         if w.dtype != torch.float32 or w.stride(-1) != 1:
             return None, "an fp32 nn.Linear with a row-major weight is needed"
         lin.kind, lin.w, lin.ldw = _F32, w.data_ptr(), w.stride(0)
+    elif isinstance(mod, Fp16WeightLinear):
+        lin.kind, lin.w, lin.ldw = _F16, mod.weight_fp16.data_ptr(), mod.weight_fp16.stride(0)
+        bias = mod.bias_fp32
     elif isinstance(mod, QuantizedLinear):
         scheme = mod.scheme
         scale = mod.weight_scale.float().contiguous()

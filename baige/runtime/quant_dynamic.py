@@ -1,8 +1,8 @@
 """Serving-time rewrites of the loaded fp32 model's linears for CPU speed (a transform, never a subclass).
 
-``fp16-weight``: weights stored as fp16 in fbgemm's packed layout, activations and accumulation fp32
-(``torch.ops.quantized.linear_dynamic_fp16``; the kernel widens fp16 weight panels to fp32 in
-registers with F16C). A decode step is bound by weight bytes (540 MB per token in fp32 for the 135M
+``fp16-weight``: weights stored as fp16, activations and accumulation fp32 (baige's native F16C
+kernel for decode-sized batches, fbgemm's ``torch.ops.quantized.linear_dynamic_fp16`` for larger
+ones; both widen fp16 weights to fp32 in registers). A decode step is bound by weight bytes (540 MB per token in fp32 for the 135M
 model), and this halves them; the only error is rounding each weight to fp16 (11-bit mantissa). On
 the embedded SmolLM2-135M: wikitext-2 perplexity 39.972 in both, top-1 agreement with fp32 99.95%
 over 2048 tokens, greedy batch-1 decode 1.4x faster (9.3 vs 6.7 tokens/s, 1 thread, load ~6).
@@ -30,10 +30,14 @@ QUANTIZATION_METHODS = (FP16_WEIGHT,)
 
 
 class Fp16WeightLinear(nn.Module):
-    """A Linear with fp16 weights and fp32 activations/accumulation: fbgemm's fp16 GEMM
-    (``torch.ops.quantized.linear_dynamic_fp16``) converts packed fp16 weight panels to fp32 in
-    registers (F16C), so a memory-bound decode step reads half the fp32 bytes. Weight rounding to
-    fp16 (11-bit mantissa) is the only error.
+    """A Linear with fp16 weights and fp32 activations/accumulation, so a memory-bound decode step
+    reads half the fp32 bytes. Weight rounding to fp16 (11-bit mantissa) is the only error.
+
+    Batches of up to :data:`baige.kernels.cpu.qlinear.MAX_ROWS` rows run baige's native F16C kernel
+    (``baige_linear_f16``, also what the native decode step calls); larger ones, or any batch when the
+    native library cannot be built, fbgemm's fp16 GEMM (``torch.ops.quantized.linear_dynamic_fp16``,
+    which widens packed fp16 weight panels in registers the same way). Both copies are kept: 4 bytes
+    per weight in memory, 2 read per forward.
 
     Args:
         linear: the fp32 ``nn.Linear`` to replace.
@@ -42,22 +46,31 @@ class Fp16WeightLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = None if linear.bias is None else linear.bias.detach().float()
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self._packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+        # plain attributes, not buffers: packed_weight_bytes() is what one forward reads
+        self.weight_fp16 = linear.weight.detach().to(torch.float16).contiguous()  # (out, in)
+        self.bias_fp32 = bias  # (out,) or None
         self._bias_numel = 0 if bias is None else bias.numel()
 
     def packed_weight_bytes(self) -> int:
-        """Bytes a forward reads from the packed weight: fp16 weights plus the fp32 bias."""
+        """Bytes a forward reads: fp16 weights plus the fp32 bias."""
         return 2 * self.in_features * self.out_features + 4 * self._bias_numel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) fp32 -> (..., out) fp32."""
+        from baige.kernels.cpu import qlinear
+
         shape = x.shape
-        y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, shape[-1]), self._packed)
+        x2 = x.reshape(-1, shape[-1])
+        if qlinear.supports_f16(x2):
+            y = qlinear.linear_f16(x2, self.weight_fp16, self.bias_fp32)
+        else:
+            y = torch.ops.quantized.linear_dynamic_fp16(x2, self._packed)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp16 weight (fbgemm)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp16 weight"
 
 
 def apply_quantization(model: nn.Module, method: str, ignore: tuple[str, ...] = ()) -> int:

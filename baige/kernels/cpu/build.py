@@ -1,6 +1,6 @@
 """Build and load the native CPU kernels (``*.c`` in this package) as one shared library.
 
-Build: ``cc -O3 -mavx2 -mfma -fopenmp -shared`` (:data:`CFLAGS`), cached under
+Build: ``cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared`` (:data:`CFLAGS`), cached under
 ``$BAIGE_CACHE/cpu_kernels`` (default ``~/.cache/baige``, the model cache's root) by a hash of the
 sources, flags and compiler version; written to a temporary name and renamed, so concurrent first
 uses are safe. No compiler, a CPU without AVX2 or a failed build:
@@ -24,7 +24,7 @@ import torch
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # -ffp-contract=off: no FMA merges two roundings of the plain-C code (ops.c follows the reference
 # op by op); the intrinsics' explicit FMAs are unaffected.
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -74,6 +74,7 @@ def _build() -> ctypes.CDLL:
         ("baige_rope", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr], None),
         ("baige_store_kv", [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr], None),
         ("baige_linear_f32", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
+        ("baige_linear_f16", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_decode_layers", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _ptr,
                                  _ptr, _ptr, _ptr, _i64, _ptr, _int], _int),
         ("baige_paged_decode_attention", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,

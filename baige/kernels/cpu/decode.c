@@ -6,7 +6,8 @@
  * ~0.4 ms per layer dispatching ~40 small ops, this is one call per step.
  *
  * Layout: baige/runtime/cpu_decode.py fills the structs below from the loaded model (pointers into
- * the model's own tensors) and calls baige_decode_layers once per decode step.
+ * the model's own tensors) and calls baige_decode_layers once per decode step. Projections: fp32,
+ * int8 per channel, int4 group-wise, or fp16 weights (fp32 math).
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,6 +16,8 @@
 void baige_qlinear_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, int64_t N, int64_t ldw,
                         const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
 void baige_linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
+                      const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
+void baige_linear_f16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
                       const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
 void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const int32_t *wp, int64_t N, int64_t ldw,
                         const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
@@ -31,12 +34,12 @@ int baige_paged_decode_attention(const float *q, const float *k_cache, const flo
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
                                  float *out);
 
-enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2 };
+enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3 };
 
 typedef struct {
-    int64_t kind;               /* BAIGE_F32 | BAIGE_INT8 | BAIGE_INT4 */
+    int64_t kind;               /* BAIGE_F32 | BAIGE_INT8 | BAIGE_INT4 | BAIGE_F16 */
     int64_t n, k;               /* out_features, in_features (int4: k % 8 == 0) */
-    const void *w;              /* fp32 / int8 (n, ldw), or int32 (n, ldw) words of 8 nibbles */
+    const void *w;              /* fp32 / int8 / fp16 (n, ldw), or int32 (n, ldw) words of 8 nibbles */
     int64_t ldw;                /* row stride in elements */
     const float *scale;         /* int8 (n); int4 (n, groups); fp32: NULL */
     const int32_t *zero_point;  /* int4 asymmetric (n, groups), else NULL */
@@ -57,6 +60,8 @@ static void linear(const baige_linear *l, const float *x, int64_t M, float *y, i
     else if (l->kind == BAIGE_INT4)
         baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups, l->group_size,
                            l->bias, y, l->n, nthreads);
+    else if (l->kind == BAIGE_F16)
+        baige_linear_f16(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
     else
         baige_linear_f32(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
 }

@@ -38,11 +38,13 @@ static inline __m256 cvt_i8(const int8_t *p) {
 /* ---------------------------------------------------------------- int8 and fp32 rows */
 
 static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+/* 8 IEEE fp16 -> 8 fp32 (F16C) */
+static inline __m256 cvt_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 /* The same register tiles for int8 weights (converted in registers, per-row scale applied to the
  * dot product) and fp32 weights (scale NULL): W is any row-major (N, K) matrix with row stride ldw.
- * PF_LINES: cache lines of the next tile to prefetch per 16 columns (4 rows x 16 x sizeof(T) bytes). */
-#define BAIGE_DEFINE_TILES(SUF, T, LOADW)                                                              \
+ * The next tile is prefetched at sizeof(T) cache lines per 16 columns (4 rows x 16 x sizeof(T) bytes). */
+#define BAIGE_DEFINE_TILES(SUF, T, LOADW, TO_F32)                                                              \
 /* One output row against x rows 0..mr-1: the tail tiles (N % NR rows), any mr. */                     \
 static void row_##SUF(const float *x, int64_t ldx, int mr, const T *w, int64_t K,                     \
                       const float *scale, const float *bias, float *y, int64_t ldy)                   \
@@ -53,7 +55,7 @@ static void row_##SUF(const float *x, int64_t ldx, int mr, const T *w, int64_t K
         for (int64_t k = 0; k < K8; k += 8)                                                            \
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), LOADW(w + k), acc);                \
         float s = hsum256(acc);                                                                        \
-        for (int64_t k = K8; k < K; k++) s += x[m * ldx + k] * (float)w[k];                            \
+        for (int64_t k = K8; k < K; k++) s += x[m * ldx + k] * TO_F32(w[k]);                            \
         y[m * ldy] = (scale ? s * *scale : s) + (bias ? *bias : 0.0f);                                 \
     }                                                                                                  \
 }                                                                                                      \
@@ -92,7 +94,7 @@ static void tile_m1_##SUF(const float *x, const T *w, int64_t ldw, int64_t K,   
     float s[NR] = {hsum256(_mm256_add_ps(a0, b0)), hsum256(_mm256_add_ps(a1, b1)),                     \
                    hsum256(_mm256_add_ps(a2, b2)), hsum256(_mm256_add_ps(a3, b3))};                    \
     for (int n = 0; n < NR; n++) {                                                                     \
-        for (int64_t kk = K8; kk < K; kk++) s[n] += x[kk] * (float)w[n * ldw + kk];                    \
+        for (int64_t kk = K8; kk < K; kk++) s[n] += x[kk] * TO_F32(w[n * ldw + kk]);                    \
         y[n] = (scale ? s[n] * scale[n] : s[n]) + (bias ? bias[n] : 0.0f);                             \
     }                                                                                                  \
 }                                                                                                      \
@@ -119,14 +121,15 @@ static void tile_m2_##SUF(const float *x, int64_t ldx, const T *w, int64_t ldw, 
                       {hsum256(b0), hsum256(b1), hsum256(b2), hsum256(b3)}};                           \
     for (int m = 0; m < 2; m++) {                                                                      \
         for (int n = 0; n < NR; n++) {                                                                 \
-            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * (float)w[n * ldw + kk];   \
+            for (int64_t kk = K8; kk < K; kk++) s[m][n] += x[m * ldx + kk] * TO_F32(w[n * ldw + kk]);   \
             y[m * ldy + n] = (scale ? s[m][n] * scale[n] : s[m][n]) + (bias ? bias[n] : 0.0f);         \
         }                                                                                              \
     }                                                                                                  \
 }
 
-BAIGE_DEFINE_TILES(i8, int8_t, cvt_i8)
-BAIGE_DEFINE_TILES(f32, float, ld_f32)
+BAIGE_DEFINE_TILES(i8, int8_t, cvt_i8, (float))
+BAIGE_DEFINE_TILES(f32, float, ld_f32, (float))
+BAIGE_DEFINE_TILES(f16, uint16_t, cvt_f16, _cvtsh_ss)
 
 /* NR = 4 fp32 output rows (row stride ldw) against three x rows: 12 accumulators + 3 x vectors + 1
  * weight vector fill the 16 registers (batches of 3+ rows; int8/int4 weights are first converted to
@@ -158,13 +161,13 @@ static void tile_m3_f32(const float *x, int64_t ldx, const float *w, int64_t ldw
     }
 }
 
-/* y = x @ W^T * scale + bias for int8 (scale per row) or fp32 (scale NULL) W. */
-#define BAIGE_DEFINE_LINEAR(NAME, SUF, T, PANEL_MIN_ROWS)                                              \
+/* y = x @ W^T * scale + bias for int8 (scale per row), fp32 or fp16 (scale NULL) W. */
+#define BAIGE_DEFINE_LINEAR(NAME, SUF, T, LOADW, TO_F32, PANEL_MIN_ROWS)                                              \
 void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const T *w, int64_t N, int64_t ldw,       \
           const float *scale, const float *bias, float *y, int64_t ldy, int nthreads)                  \
 {                                                                                                      \
     const int64_t tiles = (N + NR - 1) / NR;                                                           \
-    const int panel = (int)sizeof(T) == 1 && M >= (PANEL_MIN_ROWS);                                    \
+    const int panel = sizeof(T) != sizeof(float) && M >= (PANEL_MIN_ROWS);                                    \
     _Pragma("omp parallel num_threads(nthreads) if (nthreads > 1)")                                    \
     {                                                                                                  \
         float *wf = panel ? malloc(sizeof(float) * (size_t)(NR * K)) : NULL;                           \
@@ -183,8 +186,12 @@ void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const T *w, int64_t
             const float *wm3 = (const float *)wn;                                                      \
             int64_t ldm3 = ldw;                                                                        \
             if (wf) {                                                                                  \
-                for (int n = 0; n < NR; n++)                                                           \
-                    for (int64_t k = 0; k < K; k++) wf[n * K + k] = (float)wn[n * ldw + k];            \
+                for (int n = 0; n < NR; n++) {                                                         \
+                    int64_t k = 0;                                                                     \
+                    for (; k + 8 <= K; k += 8)                                                         \
+                        _mm256_storeu_ps(wf + n * K + k, LOADW(wn + n * ldw + k));                     \
+                    for (; k < K; k++) wf[n * K + k] = TO_F32(wn[n * ldw + k]);                        \
+                }                                                                                      \
                 wm3 = wf;                                                                              \
                 ldm3 = K;                                                                              \
             }                                                                                          \
@@ -201,9 +208,11 @@ void NAME(const float *x, int64_t M, int64_t K, int64_t ldx, const T *w, int64_t
 }
 
 /* int8 per output channel; batches of 6+ rows convert each 4-row tile to an fp32 panel first. */
-BAIGE_DEFINE_LINEAR(baige_qlinear_int8, i8, int8_t, 6)
-/* fp32 weights (the decode step's unquantized linears). */
-BAIGE_DEFINE_LINEAR(baige_linear_f32, f32, float, 1 << 30)
+BAIGE_DEFINE_LINEAR(baige_qlinear_int8, i8, int8_t, cvt_i8, (float), 6)
+/* fp32 weights (the decode step's unquantized linears); scale NULL. */
+BAIGE_DEFINE_LINEAR(baige_linear_f32, f32, float, ld_f32, (float), 1 << 30)
+/* fp16 weights, fp32 math (--quantization fp16-weight); scale NULL. */
+BAIGE_DEFINE_LINEAR(baige_linear_f16, f16, uint16_t, cvt_f16, _cvtsh_ss, 6)
 
 /* ---------------------------------------------------------------- int4, group-wise */
 

@@ -9,6 +9,8 @@ fast there (compute-bound).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -77,3 +79,32 @@ def quantized_linear(
                                s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1], group_size,
                                b_ptr, y.data_ptr(), n, nthreads)
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
+
+
+def supports_f16(x: torch.Tensor) -> bool:
+    """Whether :func:`linear_f16` takes ``x``: (rows, in) CPU fp32, at most :data:`MAX_ROWS` rows, no
+    gradient needed, ``BAIGE_KERNELS`` unset or ``auto``, outside a ``torch.compile`` trace, library built."""
+    return (x.device.type == "cpu" and (os.environ.get("BAIGE_KERNELS") or "auto") == "auto" and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
+            and library() is not None)
+
+
+def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.float().T + bias`` without materialising the fp32 weight.
+
+    Args:
+        x: (rows, in) fp32, rows unit-strided.
+        weight: (out, in) fp16, contiguous.
+        bias: (out,) fp32 contiguous, or None.
+    Returns:
+        (rows, out) fp32 (accumulated in fp32).
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        library().baige_linear_f16(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), None,
+                                   None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    return y
