@@ -51,8 +51,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class FusedDecoder:
     """The native decode step for one model and KV cache (build with :meth:`build`).
 
-    The structs point into the model's and the cache's own storage; tensors made here (fp32 copies
-    of non-fp32 scales, unpacked int4 zero points) are kept alive in ``self._keep``.
+    The structs point into the model's and the cache's own storage. Every tensor they point to
+    (weights, norms, biases, pools, and the fp32 scale copies / unpacked int4 zero points made here)
+    is referenced from ``self._keep``, so swapping a module afterwards leaves stale values, never a
+    dangling pointer; build a new decoder after changing the model.
     """
 
     def __init__(self, model: Transformer, kv: KVCache, layers: ctypes.Array, keep: list):
@@ -95,6 +97,8 @@ class FusedDecoder:
                 if not t.is_contiguous():
                     return None, "a KV pool is not contiguous"
             L.k_cache, L.v_cache = _ptr(kv.k[i]), _ptr(kv.v[i])
+            keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, kv.k[i], kv.v[i]]
+            keep += [n.weight for n in (a.q_norm, a.k_norm) if n is not None]
         return cls(model, kv, layers, keep), ""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -139,13 +143,16 @@ def _describe(mod: nn.Module, keep: list) -> tuple[_Linear | None, str]:
         if w.dtype != torch.float32 or w.stride(-1) != 1:
             return None, "an fp32 nn.Linear with a row-major weight is needed"
         lin.kind, lin.w, lin.ldw = _F32, w.data_ptr(), w.stride(0)
+        keep.append(w)
     elif isinstance(mod, Fp16WeightLinear):
         lin.kind, lin.w, lin.ldw = _F16, mod.weight_fp16.data_ptr(), mod.weight_fp16.stride(0)
+        keep.append(mod.weight_fp16)
         bias = mod.bias_fp32
     elif isinstance(mod, QuantizedLinear):
         scheme = mod.scheme
         scale = mod.weight_scale.float().contiguous()
         keep.append(scale)
+        keep += [mod.weight if scheme.num_bits == 8 else mod.weight_packed]
         if scheme.num_bits == 8:
             lin.kind, lin.w, lin.ldw = _INT8, mod.weight.data_ptr(), mod.weight.stride(0)
         else:
