@@ -142,7 +142,6 @@ def test_cli_gptq_runs_and_loads(tiny_with_tokenizer, tmp_path):
         (["--method", "int8", "--asymmetric"], "int8 is symmetric"),
         (["--method", "int4", "--group-size", "48"], "--group-size 48"),
         (["--method", "int4", "--act-order"], "--act-order applies to --method gptq"),
-        (["--method", "gptq", "--calib-data", DATA_DIR / "tinyshakespeare.txt", "--clip-search"], "--clip-search applies"),
     ],
 )
 def test_cli_quantize_bad_options(tiny_with_tokenizer, tmp_path, args, message):
@@ -166,6 +165,25 @@ def test_cli_int4_clip_search_default_with_calib_data(tiny_with_tokenizer, tmp_p
     else:
         assert clip["weighting"].startswith("mean squared input activation") and clip["calib_samples"] == 2
     assert "--clip-search" in _cli("quantize", "--help").output  # (80 columns cut --no-clip-search)
+
+
+@pytest.mark.parametrize("flag", [None, "--clip-search", "--no-clip-search"])
+def test_cli_gptq_clip_search_option(tiny_with_tokenizer, tmp_path, flag):
+    from baige.runtime.quant_format import GPTQ_CLIP_SEARCH_DEFAULT
+
+    out = tmp_path / "o"
+    args = ["--method", "gptq", "--group-size", "32", "--asymmetric", "--calib-data", DATA_DIR / "tinyshakespeare.txt",
+            "--calib-samples", "2", "--calib-seq-len", "32", "--output", out] + ([flag] if flag else [])
+    r = _cli("quantize", "--model", tiny_with_tokenizer, *args)
+    assert r.exit_code == 0, r.output
+    on = GPTQ_CLIP_SEARCH_DEFAULT if flag is None else flag == "--clip-search"
+    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["observer"] == ("mse" if on else "minmax")
+    clip = json.loads((out / "quantization_report.json").read_text())["clip_search"]
+    if on:
+        assert clip["weighting"].startswith("GPTQ Hessian diagonal") and clip["calib_samples"] == 2
+    else:
+        assert clip is None
 
 
 def test_cli_quantize_refuses_nonempty_output(tiny_with_tokenizer, tmp_path):

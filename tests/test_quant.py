@@ -139,9 +139,10 @@ def test_hessian_accumulator_weights_first_token():
         assert torch.allclose(acc.H.double(), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("clip_search", [False, True])
 @pytest.mark.parametrize("actorder", [False, True])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_gptq_lowers_output_error_on_correlated_inputs(actorder, symmetric):
+def test_gptq_lowers_output_error_on_correlated_inputs(actorder, symmetric, clip_search):
     torch.manual_seed(5)
     n, d_in, d_out = 2048, 96, 32
     mix = torch.randn(d_in, d_in) * 0.3 + torch.eye(d_in)
@@ -149,7 +150,7 @@ def test_gptq_lowers_output_error_on_correlated_inputs(actorder, symmetric):
     w = torch.randn(d_out, d_in)
     H = 2 * X.t() @ X / n
     scheme = QuantScheme(4, 32, symmetric, actorder)
-    q_g, s_g, z_g = gptq_quantize_weight(w, H, scheme, block_size=64)
+    q_g, s_g, z_g = gptq_quantize_weight(w, H, scheme, block_size=64, clip_search=clip_search)
     q_r, s_r, z_r = quantize_weight(w, QuantScheme(4, 32, symmetric))
     err_g = ((X.double() @ (w.double() - _ref_dequant(q_g, s_g, z_g, 32)).t()) ** 2).mean()
     err_r = ((X.double() @ (w.double() - _ref_dequant(q_r, s_r, z_r, 32)).t()) ** 2).mean()

@@ -1,4 +1,4 @@
-"""RTN clip search: per-group range shrinking that minimises the (activation-weighted) squared error."""
+"""Clip search (RTN and GPTQ): per-group range shrinking that minimises the weighted squared error."""
 
 import json
 
@@ -166,3 +166,85 @@ def test_per_channel_search_equals_one_group_of_all_columns():
     _, s, _ = quantize_weight(w, QuantScheme(8, None), clip_search=True)
     s_ref, _ = search_qparams(w.view(8, 1, 40), QuantScheme(8, None))
     assert torch.equal(s, s_ref)
+
+
+def _correlated_hessian(n=1024, d_in=96, seed=5):
+    """(d_in, d_in) float32 ``2/n X^T X`` of correlated inputs with uneven column scales."""
+    torch.manual_seed(seed)
+    mix = torch.randn(d_in, d_in) * 0.3 + torch.eye(d_in)
+    X = torch.randn(n, d_in) @ mix * torch.linspace(0.2, 3.0, d_in)
+    return 2 * X.t() @ X / n
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_search_never_worse_than_minmax_on_the_updated_group(monkeypatch, symmetric):
+    """Inside GPTQ, at the moment each group's parameters are fixed (error-updated weights), the
+    searched parameters give at most the H_jj-weighted squared error of the group's min/max ones."""
+    from baige.runtime import gptq
+    from baige.runtime.quant import compute_qparams, quantize_with
+
+    H = _correlated_hessian()
+    torch.manual_seed(7)
+    w = torch.randn(24, 96)
+    w[3, 5] = 6.0  # an outlier, so shrinking pays off somewhere
+    scheme = QuantScheme(4, 32, symmetric)
+    calls, gains = [], []
+
+    def spy(grouped, sch, dtype, col_weight):
+        s, z = search_qparams(grouped, sch, dtype, col_weight)
+        calls.append((grouped.clone(), col_weight.clone(), s, z))
+        return s, z
+
+    monkeypatch.setattr(gptq, "search_qparams", spy)
+    _, scale, zp = gptq.gptq_quantize_weight(w, H, scheme, block_size=64, clip_search=True)
+    assert len(calls) == 3
+    for gi, (grp, cw, s, z) in enumerate(calls):
+        grp, cw = grp[:, 0], cw[0]  # (out, 32), (32,)
+        assert torch.equal(cw, torch.diag(H)[32 * gi : 32 * gi + 32])
+        if gi == 0:
+            assert torch.equal(grp, w[:, :32])  # nothing has been updated yet
+        else:
+            assert not torch.allclose(grp, w[:, 32 * gi : 32 * gi + 32])  # the error-updated weights
+        assert torch.equal(scale[:, gi], s[:, 0])
+        if not symmetric:
+            assert torch.equal(zp[:, gi].float(), z[:, 0])
+
+        def werr(sc, zz):
+            sc, zz = sc.double()[:, None], zz.double()[:, None]
+            w_hat = (quantize_with(grp.double(), sc, zz, scheme).double() - zz) * sc
+            return ((grp.double() - w_hat) ** 2 * cw.double()).sum(dim=1)  # (out,)
+
+        s_mm, z_mm = compute_qparams(grp.amin(dim=1), grp.amax(dim=1), scheme)
+        e_search, e_mm = werr(s[:, 0], z[:, 0]), werr(s_mm, z_mm)
+        assert (e_search <= e_mm * (1 + 1e-6) + 1e-12).all()
+        gains.append(float((e_mm - e_search).sum() / e_mm.sum()))
+    assert max(gains) > 0.01, gains  # and the search does move some parameters
+
+
+def test_gptq_search_with_diagonal_hessian_equals_weighted_rtn_search():
+    """Uncorrelated inputs: nothing to compensate, so GPTQ with the search is RTN's search
+    weighted by the Hessian diagonal, bit for bit."""
+    torch.manual_seed(8)
+    w = torch.randn(16, 64)
+    w[0, 0] = 7.0
+    d = torch.rand(64) * 3 + 0.1
+    scheme = QuantScheme(4, 32, symmetric=False)
+    from baige.runtime.gptq import gptq_quantize_weight
+
+    q_g, s_g, z_g = gptq_quantize_weight(w, torch.diag(d), scheme, clip_search=True)
+    q_r, s_r, z_r = quantize_weight(w, scheme, clip_search=True, col_weight=d)
+    assert torch.equal(s_g, s_r) and torch.equal(z_g, z_r) and torch.equal(q_g, q_r)
+    _, s_mm, _ = quantize_weight(w, scheme)
+    assert not torch.equal(s_g, s_mm)  # the search did move some scale
+
+
+def test_gptq_actorder_search_fixes_groups_from_original_weights():
+    from baige.runtime.gptq import gptq_quantize_weight
+
+    H = _correlated_hessian(d_in=64)
+    torch.manual_seed(9)
+    w = torch.randn(8, 64)
+    scheme = QuantScheme(4, 32, symmetric=True, actorder=True)
+    _, s_g, _ = gptq_quantize_weight(w, H, scheme, clip_search=True)
+    _, s_r, _ = quantize_weight(w, scheme, clip_search=True, col_weight=torch.diag(H))
+    assert torch.equal(s_g, s_r)

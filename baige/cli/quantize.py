@@ -39,7 +39,9 @@ def quantize(
             help="int4/int8 round to nearest: per group, shrink the range (x1.0 .. x0.525, 20 steps) to the "
             "smallest squared rounding error, weighted by each input column's mean squared activation on "
             "--calib-data. Default: on for int4 when --calib-data is given, else off (plain min/max scales). "
-            "--clip-search without --calib-data weighs columns equally (raised perplexity on SmolLM2-135M).",
+            "--clip-search without --calib-data weighs columns equally (raised perplexity on SmolLM2-135M). "
+            "gptq: the same search where GPTQ fixes each group's scale, weighted by the Hessian diagonal "
+            "(default: on; --no-clip-search: min/max group scales).",
         ),
     ] = None,
     ignore: Annotated[

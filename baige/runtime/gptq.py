@@ -24,6 +24,7 @@ from baige.runtime.quant import (
     layer_report,
     quantize_weight,
     quantize_with,
+    search_qparams,
     set_submodule,
 )
 
@@ -53,6 +54,7 @@ def gptq_quantize_weight(
     percdamp: float = 0.01,
     block_size: int = 128,
     name: str = "weight",
+    clip_search: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize one weight matrix with GPTQ.
 
@@ -67,6 +69,13 @@ def gptq_quantize_weight(
         percdamp: damping as a fraction of the mean Hessian diagonal (paper: 1%).
         block_size: columns per lazy batch update; rounded to a multiple of the group size so a
             group's columns are current when its parameters are computed.
+        clip_search: choose each group's scale/zero point by :func:`quant.search_qparams` (shrunk
+            ranges, smallest ``sum_j H_jj (w_j - w_hat_j)^2``) instead of the group's min/max.
+            ``H_jj`` (the undamped Hessian diagonal, ``2/n sum_t x_tj^2``, i.e. twice the mean
+            squared input of column ``j`` -- the RTN clip search's weighting up to a constant and
+            the first-token weight) weights column ``j``. The search runs where the parameters are
+            fixed: on the error-updated weights of the group when its first column is reached, or
+            on the original weights up front (per channel, act-order).
     Returns:
         q (out, in) int8, scale (out, n_groups) in ``W.dtype``, zero point (out, n_groups) int8 or None.
     Raises:
@@ -82,11 +91,12 @@ def gptq_quantize_weight(
     g = scheme.group_size
     n_groups = scheme.n_groups(in_f)
     dev = W.device
+    hdiag = torch.diag(H).clone()  # (in,) column weights of the clip search, original column order
     scale = torch.ones(out_f, n_groups, device=dev)
     zp = torch.zeros(out_f, n_groups, device=dev)
     if g is None or scheme.actorder:
         # parameters fixed from the original weights (per channel, or static groups for act-order)
-        _, s, z = quantize_weight(W.float(), scheme)
+        _, s, z = quantize_weight(W.float(), scheme, clip_search, hdiag if clip_search else None)
         scale, zp = s.to(W.dtype).float(), (torch.zeros_like(s) if z is None else z.float())
     if g is not None:
         block_size = max(1, block_size // g) * g
@@ -107,7 +117,11 @@ def gptq_quantize_weight(
             gid = int(group_of[col])
             if g is not None and not scheme.actorder and col % g == 0:
                 grp = W1[:, i : i + g]  # (out, <=g) the whole group lies in this block
-                s, z = compute_qparams(grp.amin(dim=1), grp.amax(dim=1), scheme)
+                if clip_search:  # no act-order here, so permuted column == original column
+                    s, z = search_qparams(grp[:, None, :], scheme, W.dtype, hdiag[col : col + grp.shape[1]][None])
+                    s, z = s[:, 0], z[:, 0]
+                else:
+                    s, z = compute_qparams(grp.amin(dim=1), grp.amax(dim=1), scheme)
                 scale[:, gid], zp[:, gid] = s.to(W.dtype).float(), z
             w = W1[:, i]
             q = quantize_with(w, scale[:, gid], zp[:, gid], scheme)
@@ -163,6 +177,7 @@ def gptq_quantize_model(
     progress: ProgressFn | None = None,
     sink_weight: float = 32.0,
     down_percdamp: float = 1.0,
+    clip_search: bool = False,
 ) -> list[dict]:
     """Quantize the named Linears of a :class:`Transformer` decoder layer by decoder layer.
 
@@ -182,6 +197,10 @@ def gptq_quantize_model(
         down_percdamp: damping for ``down_proj`` (the MLP output), whose 1536-wide gated input
             Hessian from a small off-domain calibration set overfits: with 1% damping GPTQ's
             held-out output error on down_proj exceeded RTN's in most layers (3x in layer 28).
+        clip_search: group scales/zero points from the Hessian-diagonal-weighted clip search
+            (:func:`gptq_quantize_weight`). The round-to-nearest fallback outside the decoder
+            layers keeps min/max parameters (no Hessian is collected for it, and the unweighted
+            search raised perplexity for RTN).
     Returns:
         report rows as :func:`quant.layer_report`, in ``names`` order.
     """
@@ -212,7 +231,9 @@ def gptq_quantize_model(
         for n_, linear in linears:
             full = prefix + n_
             damp = down_percdamp if n_.endswith("down_proj") else percdamp
-            qparams = gptq_quantize_weight(linear.weight, accs[n_].H, scheme, damp, block_size, name=full)
+            qparams = gptq_quantize_weight(
+                linear.weight, accs[n_].H, scheme, damp, block_size, name=full, clip_search=clip_search
+            )
             rows[full] = _swap(layer, n_, full, linear, scheme, qparams)
             if progress:
                 progress(len(rows), len(names), full)

@@ -25,7 +25,8 @@ error ``sum_j c_j (w_j - w_hat_j)^2``, ``c_j`` the mean squared input activation
 (:func:`input_sq_means`) or 1 without calibration data (llama.cpp's quantizers and AWQ's clip search
 do the same kind of search; llm-compressor calls it the ``mse`` observer). It changes only which
 scale/zero point is stored; the formulas and layout are the ones above, and ``alpha = 1``
-reproduces the minmax parameters.
+reproduces the minmax parameters. GPTQ (``gptq.py``) can run the same search on each group's error-updated
+weights, weighted by the layer Hessian's diagonal.
 
 An ``in_features`` that is not a multiple of ``group_size`` gets ``ceil(in / group_size)`` groups;
 the last one is partial and its scale comes from its real columns only (zero padding changes
@@ -387,10 +388,12 @@ def quantize_model(
         calib_ids: (n_samples, seq_len) int64 calibration tokens: GPTQ's, and the RTN clip search's
             activation weighting (:func:`input_sq_means`).
         progress: called as ``progress(done, total, layer_name)`` after each layer.
-        clip_search: RTN only: each group's range from :func:`search_qparams` instead of its min/max
+        clip_search: RTN: each group's range from :func:`search_qparams` instead of its min/max
             (compressed-tensors' ``minmax`` observer), the squared error weighted per input column by
             the mean squared activation over ``calib_ids`` when given, else unweighted. Measured on
             SmolLM2-135M int4 g128 (README): weighted lowers wikitext perplexity, unweighted raises it.
+            GPTQ: the same search at the point GPTQ fixes each group's parameters, weighted by the
+            layer Hessian's diagonal (:func:`gptq.gptq_quantize_weight`).
         gptq_kwargs: ``percdamp``, ``block_size``, ``batch_size``, ``sink_weight``, ``down_percdamp`` for :func:`gptq.gptq_quantize_model`.
     Returns:
         the per-layer report rows (:func:`layer_report`).
@@ -426,5 +429,8 @@ def quantize_model(
             raise BaigeError("GPTQ needs calibration data (--calib-data)")
         from baige.runtime.gptq import gptq_quantize_model
 
-        return gptq_quantize_model(model, scheme, [n for n, _ in targets], calib_ids, progress=progress, **gptq_kwargs)
+        names = [n for n, _ in targets]
+        return gptq_quantize_model(
+            model, scheme, names, calib_ids, progress=progress, clip_search=clip_search, **gptq_kwargs
+        )
     raise BaigeError(f"unknown quantization method {method!r} (choose rtn, gptq)")

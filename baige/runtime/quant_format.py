@@ -29,6 +29,9 @@ from baige.runtime.quant import (
 )
 
 REPORT_FILE = "quantization_report.json"
+# --method gptq without --clip-search/--no-clip-search: whether group parameters come from the
+# Hessian-weighted clip search (README "Quantization (perplexity)" has the measurements)
+GPTQ_CLIP_SEARCH_DEFAULT = True
 
 
 def quantization_config(scheme: QuantScheme, ignored: list[str], clip_search: bool = False) -> dict:
@@ -143,7 +146,7 @@ def save_quantized(
     """Write the quantized model as an HF directory in the compressed-tensors format, with
     ``quantization_report.json`` (the per-layer report) beside the weights. Atomic (temp dir + rename).
 
-    ``clip_search``: how the RTN clip search ran (e.g. ``{"weighting": ..., "calib_data": ...}``),
+    ``clip_search``: how the RTN or GPTQ clip search ran (e.g. ``{"weighting": ..., "calib_data": ...}``),
     written to the report under ``clip_search`` (null: min/max scales) and recorded in config.json
     as the ``mse`` observer.
 
@@ -213,10 +216,14 @@ def quantize_checkpoint(cfg: QuantizeConfig, progress: ProgressFn | None = None)
         raise BaigeError("--act-order applies to --method gptq only")
     if cfg.method == "gptq" and not cfg.calib_data:
         raise BaigeError("--method gptq needs --calib-data FILE (text to calibrate on)")
-    if cfg.method == "gptq" and cfg.clip_search:
-        raise BaigeError("--clip-search applies to round to nearest (--method int4 / int8), not gptq")
-    # default: on for int4 with calibration text (activation-weighted); unweighted search raised ppl
-    clip = cfg.clip_search if cfg.clip_search is not None else (cfg.method == "int4" and bool(cfg.calib_data))
+    # default: on for int4 with calibration text (activation-weighted; unweighted search raised ppl),
+    # GPTQ_CLIP_SEARCH_DEFAULT for gptq (Hessian-diagonal-weighted)
+    if cfg.clip_search is not None:
+        clip = cfg.clip_search
+    elif cfg.method == "gptq":
+        clip = GPTQ_CLIP_SEARCH_DEFAULT
+    else:
+        clip = cfg.method == "int4" and bool(cfg.calib_data)
 
     model_dir = resolve_model(cfg.model)
     model = load_model(model_dir, "auto", resolve_device(cfg.device))
@@ -229,7 +236,14 @@ def quantize_checkpoint(cfg: QuantizeConfig, progress: ProgressFn | None = None)
     method = "gptq" if cfg.method == "gptq" else "rtn"
     report = quantize_model(model, scheme, cfg.ignore, method, calib, progress=progress, clip_search=clip)
     clip_info = None
-    if clip:
+    if clip and method == "gptq":
+        clip_info = {
+            "weighting": "GPTQ Hessian diagonal per column, on the error-updated weights of each group",
+            "calib_data": str(cfg.calib_data),
+            "calib_samples": cfg.calib_samples,
+            "calib_seq_len": cfg.calib_seq_len,
+        }
+    elif clip:
         clip_info = {"weighting": "none (weight-space squared error)"}
         if calib is not None:
             clip_info = {
