@@ -83,10 +83,134 @@ void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, 
     }
 }
 
+/* exp of 8 fp32 lanes: n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for exactness),
+ * exp(r) by its degree-6 Taylor polynomial on |r| <= ln2 / 2 (relative error < 2e-7), times 2^n
+ * built in the exponent bits. x is clamped to [-87, 88]: lower inputs give ~1.6e-38 instead of 0,
+ * which is below one part in 1e37 of a softmax sum that is at least 1. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.0f / 720.0f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* In place: p[0..n) <- softmax(p[0..n)) (max subtracted; vector exp above). */
+static void softmax_inplace(float *p, int64_t n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float m = _mm_cvtss_f32(m4);
+    for (; i < n; i++) m = p[i] > m ? p[i] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + i), mb));
+        _mm256_storeu_ps(p + i, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+    float sum = _mm_cvtss_f32(s4);
+    for (; i < n; i++) {
+        const __m256 e = exp256(_mm256_set1_ps(p[i] - m));
+        p[i] = _mm256_cvtss_f32(e);
+        sum += p[i];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inv));
+    for (; i < n; i++) p[i] *= 1.0f / sum;
+}
+
+/* scores[pos] = scale * q . K[pos] for pos < L, walking the block table block by block (a block's
+ * rows are contiguous). Head dims that are a multiple of 8: four rows at a time, each q vector
+ * loaded once for the four. */
+static void qk_scores(const float *qj, const float *kh, const int64_t *table, int64_t bs, int64_t d, int64_t L,
+                      float scale, float *scores) {
+    for (int64_t b0 = 0; b0 < L; b0 += bs) {
+        const float *kb = kh + table[b0 / bs] * bs * d;  /* this block's rows */
+        const int64_t rows = L - b0 < bs ? L - b0 : bs;
+        float *sc = scores + b0;
+        int64_t i = 0;
+        if ((d & 7) == 0) {
+            for (; i + 4 <= rows; i += 4) {
+                const float *k0 = kb + i * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t c = 0; c < d; c += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qj + c);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
+                }
+                /* four horizontal sums at once: lane i of r is sum(a_i) */
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                _mm_storeu_ps(sc + i, _mm_mul_ps(r, _mm_set1_ps(scale)));
+            }
+        }
+        for (; i < rows; i++) sc[i] = dot_f32(qj, kb + i * d, d) * scale;
+    }
+}
+
+/* out[0..d) = sum_pos w[pos] * V[pos]; 8-lane accumulators in registers, 64 columns at a time,
+ * walking the block table block by block. */
+static void pv_sum(const float *w, const float *vh, const int64_t *table, int64_t bs, int64_t d, int64_t L,
+                   float *out) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= d; c0 += 64) {
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+        for (int64_t b0 = 0; b0 < L; b0 += bs) {
+            const float *vb = vh + table[b0 / bs] * bs * d + c0;
+            const int64_t rows = L - b0 < bs ? L - b0 : bs;
+            for (int64_t i = 0; i < rows; i++) {
+                const float *vp = vb + i * d;
+                const __m256 wb = _mm256_set1_ps(w[b0 + i]);
+                o0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp), o0);
+                o1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8), o1);
+                o2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 16), o2);
+                o3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 24), o3);
+                o4 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 32), o4);
+                o5 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 40), o5);
+                o6 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 48), o6);
+                o7 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 56), o7);
+            }
+        }
+        _mm256_storeu_ps(out + c0, o0); _mm256_storeu_ps(out + c0 + 8, o1);
+        _mm256_storeu_ps(out + c0 + 16, o2); _mm256_storeu_ps(out + c0 + 24, o3);
+        _mm256_storeu_ps(out + c0 + 32, o4); _mm256_storeu_ps(out + c0 + 40, o5);
+        _mm256_storeu_ps(out + c0 + 48, o6); _mm256_storeu_ps(out + c0 + 56, o7);
+    }
+    if (c0 < d) {  /* remaining columns (d not a multiple of 64) */
+        for (int64_t i = c0; i < d; i++) out[i] = 0.0f;
+        for (int64_t b0 = 0; b0 < L; b0 += bs) {
+            const float *vb = vh + table[b0 / bs] * bs * d;
+            const int64_t rows = L - b0 < bs ? L - b0 : bs;
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t i = c0; i < d; i++) out[i] += w[b0 + r] * vb[r * d + i];
+        }
+    }
+}
+
 /* Decode attention over paged K/V read in place (no gather). q, out: (S, hq, d); caches
  * (hk, num_blocks, bs, d); block_tables (S, W) int64; context_lens (S,) int64. Query head j uses KV
- * head j / (hq / hk). Softmax with the running max subtracted (exact, two passes over the scores).
- * Returns 0, or -1 when a scratch allocation fails (out is then unspecified). */
+ * head j / (hq / hk). Per (sequence, query head): scores by qk_scores, softmax with the max
+ * subtracted (exact up to the vector exp), then the V rows weighted by pv_sum. Any row may be any
+ * query of any sequence, so a prefill chunk can be passed as one row per token (its own length).
+ * Returns 0, or -1 when the score buffer cannot be allocated (out is then unspecified). */
 int baige_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
@@ -94,35 +218,17 @@ int baige_paged_decode_attention(const float *q, const float *k_cache, const flo
     const int64_t group = hq / hk;
     int64_t max_len = 0;
     for (int64_t s = 0; s < S; s++) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
-    float *p = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+    float *p = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len : 1));
     if (!p) return -1;
     for (int64_t s = 0; s < S; s++) {
         const int64_t L = context_lens[s];
         const int64_t *table = block_tables + s * W;
-        for (int64_t g = 0; g < hk; g++) {
+        for (int64_t h = 0; h < hq; h++) {
+            const int64_t g = h / group;
             const float *kh = k_cache + g * num_blocks * bs * d, *vh = v_cache + g * num_blocks * bs * d;
-            const float *qg = q + (s * hq + g * group) * d;
-            float *og = out + (s * hq + g * group) * d;
-            for (int64_t pos = 0; pos < L; pos++) {
-                const float *kp = kh + (table[pos / bs] * bs + pos % bs) * d;
-                for (int64_t j = 0; j < group; j++) p[j * L + pos] = dot_f32(qg + j * d, kp, d) * scale;
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *pj = p + j * L, m = -INFINITY, sum = 0.0f;
-                for (int64_t pos = 0; pos < L; pos++) m = pj[pos] > m ? pj[pos] : m;
-                for (int64_t pos = 0; pos < L; pos++) { pj[pos] = expf(pj[pos] - m); sum += pj[pos]; }
-                const float inv = 1.0f / sum;
-                for (int64_t pos = 0; pos < L; pos++) pj[pos] *= inv;
-                for (int64_t i = 0; i < d; i++) og[j * d + i] = 0.0f;
-            }
-            for (int64_t pos = 0; pos < L; pos++) {
-                const float *vp = vh + (table[pos / bs] * bs + pos % bs) * d;
-                for (int64_t j = 0; j < group; j++) {
-                    const float w = p[j * L + pos];
-                    float *o = og + j * d;
-                    for (int64_t i = 0; i < d; i++) o[i] += w * vp[i];
-                }
-            }
+            qk_scores(q + (s * hq + h) * d, kh, table, bs, d, L, scale, p);
+            softmax_inplace(p, L);
+            pv_sum(p, vh, table, bs, d, L, out + (s * hq + h) * d);
         }
     }
     free(p);
