@@ -8,7 +8,9 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
   ``len * [1 - range_ratio, 1 + range_ratio]``); total tokens/s = (prompt + output tokens) / seconds
   (``vllm bench throughput``). HF transformers runs *static batching*: ``hf_batch_size`` prompts at a
   time, left-padded, each batch generating its longest requested output; only requested tokens count;
-  it runs in the HF dtype that decoded fastest in the first round (the "best dtype").
+  the first round times it in every HF dtype and later rounds only in the one that was fastest on
+  this workload (the "best dtype"; decode speed does not predict it: with 2 threads on the AVX2 dev
+  box bf16 decoded fastest but ran static batches at 41 total tokens/s).
 
 Peers: HF transformers (``generate``) in float32 and bfloat16 always; llama-cpp-python on the same
 GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128)
@@ -190,8 +192,8 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     for name, fn in decode.items():
         fn()
     samples: dict[str, dict[str, list[float]]] = {"decode": {k: [] for k in decode}, "throughput": {}}
-    n_tp = sum(not k.startswith("hf-") for k in batch) + (1 if cfg.hf_dtypes else 0)
-    total = cfg.repeats * (len(decode) + n_tp)
+    n_hf = sum(k.startswith("hf-") for k in batch)
+    total = cfg.repeats * (len(decode) + len(batch) - n_hf + min(n_hf, 1)) + max(n_hf - 1, 0)
     done = 0
     interrupted = False
 
@@ -206,14 +208,15 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
             for name, fn in decode.items():
                 samples["decode"][name].append(_timed(fn))
                 tick(f"decode {name}")
-            if r == 0:  # static batching runs in HF's fastest decode dtype only (bf16 is slow on CPUs without it)
-                hf = [k for k in decode if k.startswith("hf-")]
-                best = min(hf, key=lambda k: samples["decode"][k][0]) if hf else None
-                batch = {k: v for k, v in batch.items() if not k.startswith("hf-") or k == best}
+            if r == 0:
                 samples["throughput"] = {k: [] for k in batch}
             for name, fn in batch.items():
                 samples["throughput"][name].append(_timed(fn))
                 tick(f"throughput {name}")
+            if r == 0:  # later rounds: static batching in HF's fastest dtype on this workload only
+                hf = [k for k in batch if k.startswith("hf-")]
+                best = min(hf, key=lambda k: samples["throughput"][k][0]) if hf else None
+                batch = {k: v for k, v in batch.items() if not k.startswith("hf-") or k == best}
     except KeyboardInterrupt:
         interrupted = True
     finally:
