@@ -83,15 +83,12 @@ def _native_cpu(*tensors: torch.Tensor):
     built), else None (see :mod:`baige.kernels.cpu`). Called once per op: kept to a few attribute reads."""
     if tensors[0].device.type != "cpu":
         return None
-    mode = os.environ.get("BAIGE_KERNELS")
-    if (mode and mode != "auto") or torch.compiler.is_compiling():
-        return None
     if not _CPU_OPS:
-        from baige.kernels.cpu import ops
+        from baige.kernels.cpu import native_allowed, ops
 
-        _CPU_OPS.append(ops)
-    ops = _CPU_OPS[0]
-    return ops if ops.usable(*tensors) else None
+        _CPU_OPS.extend((ops, native_allowed))
+    ops, native_allowed = _CPU_OPS
+    return ops if native_allowed() and ops.usable(*tensors) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

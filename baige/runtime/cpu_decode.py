@@ -68,9 +68,10 @@ class FusedDecoder:
     @classmethod
     def build(cls, model: Transformer, kv: KVCache) -> tuple["FusedDecoder | None", str]:
         """``(decoder, "")`` when the model is eligible (module docstring), else ``(None, why)``."""
-        if os.environ.get("BAIGE_CPU_DECODE", "1") == "0" or (os.environ.get("BAIGE_KERNELS") or "auto") != "auto":
+        from baige.kernels.cpu import library, native_allowed
+
+        if os.environ.get("BAIGE_CPU_DECODE", "1") == "0" or not native_allowed():
             return None, "disabled (BAIGE_CPU_DECODE=0 or BAIGE_KERNELS set)"
-        from baige.kernels.cpu import library
 
         for name, t in model.named_parameters():
             if t.device.type != "cpu" or t.dtype != torch.float32:

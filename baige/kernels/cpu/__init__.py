@@ -12,6 +12,6 @@ no gradient use these kernels when the library builds; ``BAIGE_KERNELS=reference
 training (tensors that require grad) always takes the reference.
 """
 
-from baige.kernels.cpu.build import cpu_has_avx2, library
+from baige.kernels.cpu.build import cpu_has_avx2, library, native_allowed
 
-__all__ = ["cpu_has_avx2", "library"]
+__all__ = ["cpu_has_avx2", "library", "native_allowed"]

@@ -37,6 +37,13 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("BAIGE_CACHE") or Path.home() / ".cache" / "baige").expanduser() / "cpu_kernels"
 
 
+def native_allowed() -> bool:
+    """The settings part of every native-kernel check: ``BAIGE_KERNELS`` unset or ``auto`` (the
+    reference and Triton settings never use these kernels) and not inside a ``torch.compile`` trace."""
+    mode = os.environ.get("BAIGE_KERNELS")
+    return (not mode or mode == "auto") and not torch.compiler.is_compiling()
+
+
 def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 

@@ -9,12 +9,10 @@ fast there (compute-bound).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from baige.kernels.cpu.build import library
+from baige.kernels.cpu.build import library, native_allowed
 
 # Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
 # core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
@@ -84,9 +82,8 @@ def quantized_linear(
 def supports_f16(x: torch.Tensor) -> bool:
     """Whether :func:`linear_f16` takes ``x``: (rows, in) CPU fp32, at most :data:`MAX_ROWS` rows, no
     gradient needed, ``BAIGE_KERNELS`` unset or ``auto``, outside a ``torch.compile`` trace, library built."""
-    return (x.device.type == "cpu" and (os.environ.get("BAIGE_KERNELS") or "auto") == "auto" and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
-            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
-            and library() is not None)
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+            and not (torch.is_grad_enabled() and x.requires_grad) and native_allowed() and library() is not None)
 
 
 def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
