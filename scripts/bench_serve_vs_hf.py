@@ -47,7 +47,8 @@ def bench_baige(args, prompts, out_lens) -> dict:
     from baige import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048,
-              kv_cache_memory=int(1.5e9), enforce_eager=args.enforce_eager, quantization=args.quantization)
+              kv_cache_memory=int(1.5e9), enforce_eager=args.enforce_eager, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     warm = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)] * 2
     llm.generate(prompts[:2], warm)  # warm-up (and compile for small batches)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--quantization", default=None, choices=["fp16-weight"],
                     help="baige's engine only (HF runs the fp32 model)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                    help="baige's engine only (HF keeps its fp32 cache)")
     ap.add_argument("--model", default=None,
                     help="baige's engine only: e.g. an int8 directory from `baige quantize` (HF runs the fp32 GGUF)")
     ap.add_argument("--skip-hf", action="store_true")
@@ -119,7 +122,7 @@ def main() -> None:
     tok = Tokenizer.from_dir(resolve_model(None))
     prompts, out_lens = make_prompts(tok, args.num_prompts, args.seed)
     result = {"dtype": args.dtype, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
-              "enforce_eager": args.enforce_eager, "quantization": args.quantization, "model": args.model, "load_avg_1min_start": os.getloadavg()[0]}
+              "enforce_eager": args.enforce_eager, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "model": args.model, "load_avg_1min_start": os.getloadavg()[0]}
     if not args.skip_baige:
         result["baige"] = bench_baige(args, prompts, out_lens)
         print(json.dumps(result, indent=2), flush=True)

@@ -27,11 +27,11 @@ BS = 4
 CTX = [5, 17, 2]  # context lengths including the new token: partial, several blocks, tiny
 
 
-def _step_inputs(model, num_blocks=20, seed=0):
+def _step_inputs(model, num_blocks=20, seed=0, kv_dtype=torch.float32):
     """A filled KV cache and one decode step's inputs for len(CTX) sequences on scattered blocks."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
-    kv = KVCache(cfg, num_blocks, BS, torch.float32, torch.device("cpu"))
+    kv = KVCache(cfg, num_blocks, BS, kv_dtype, torch.device("cpu"))
     for t in kv.k + kv.v:
         t.copy_(torch.randn(t.shape, generator=g))
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -47,8 +47,8 @@ def _step_inputs(model, num_blocks=20, seed=0):
     return kv, ids, pos, torch.tensor(slots), torch.tensor(tables), torch.tensor(CTX)
 
 
-def _check(model, monkeypatch, atol=1e-4):
-    kv, ids, pos, slots, tables, lens = _step_inputs(model)
+def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32):
+    kv, ids, pos, slots, tables, lens = _step_inputs(model, kv_dtype=kv_dtype)
     ref_k, ref_v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
     fused, why = FusedDecoder.build(model, kv)
     assert fused is not None, why
@@ -60,7 +60,8 @@ def _check(model, monkeypatch, atol=1e-4):
     assert out.shape == ref.shape == (1, len(CTX), model.config.hidden_size)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=atol)
     for a, b in zip(kv.k + kv.v, ref_k + ref_v):  # the new K/V landed in the same slots
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=atol)
+        assert a.dtype == kv_dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-3 if kv_dtype == torch.float16 else 1e-4, atol=atol)
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-tied", "mistral-head-dim", "qwen2-bias", "qwen3-qk-norm",
@@ -86,6 +87,13 @@ def test_fused_decode_fp16_weight(tmp_path, monkeypatch):
     model = load_model(make_checkpoint(tmp_path / "h", "qwen3-qk-norm"), "float32")
     apply_quantization(model, "fp16-weight")
     _check(model, monkeypatch)
+
+
+def test_fused_decode_fp16_kv_cache(tmp_path, monkeypatch):
+    """--kv-cache-dtype float16 under an fp32 model: the fused step stores fp16 K/V and reads them
+    back converted, like the module path (reference store rounds with .to(float16))."""
+    model = load_model(make_checkpoint(tmp_path / "k", "qwen3-qk-norm"), "float32")
+    _check(model, monkeypatch, kv_dtype=torch.float16)
 
 
 def test_ineligible_models_say_why(tmp_path, monkeypatch):
@@ -115,3 +123,24 @@ def test_engine_uses_it_and_gives_the_same_tokens(embedded_dir, monkeypatch):
         assert (llm.engine.runner.fused_decode is not None) == (flag == "1")
         outs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["1"] == outs["0"] and all(len(t) == 12 for t in outs["1"])
+
+
+def test_engine_fp16_kv_cache(embedded_dir, monkeypatch):
+    """kv_cache_dtype="float16" under the fp32 model: an fp16 pool of twice the blocks for the same
+    bytes, the fused step used, greedy tokens equal to the reference kernels on the same fp16 cache."""
+    from baige import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time there was a story about"]
+    outs, blocks = {}, {}
+    for mode in ("auto", "reference"):
+        monkeypatch.setenv("BAIGE_KERNELS", mode)
+        llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20,
+                  kv_cache_dtype="float16")
+        assert llm.engine.kv_cache.k[0].dtype == torch.float16
+        assert (llm.engine.runner.fused_decode is not None) == (mode == "auto")
+        blocks[mode] = llm.engine.kv_cache.num_blocks
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["auto"] == outs["reference"] and all(len(t) == 12 for t in outs["auto"])
+    fp32 = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20)
+    assert blocks["auto"] == 2 * fp32.engine.kv_cache.num_blocks

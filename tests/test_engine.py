@@ -209,6 +209,19 @@ def test_kv_budget_keeps_the_warm_up_activation_peak_free(monkeypatch):
     assert kv_cache.profile_activation_peak(Transformer(cfg), 8, 2) == 0
 
 
+def test_kv_cache_dtype_resolution():
+    from baige.runtime.kv_cache import resolve_kv_cache_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32, cpu) == torch.float16
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, cuda) == torch.bfloat16
+    with pytest.raises(BaigeError, match=r"--kv-cache-dtype float16 under a float32 model is supported on CPU only"):
+        resolve_kv_cache_dtype("float16", torch.float32, cuda)
+    with pytest.raises(BaigeError, match=r"unknown --kv-cache-dtype 'fp8' \(choose auto, float32, float16, bfloat16\)"):
+        resolve_kv_cache_dtype("fp8", torch.float32, cpu)
+
+
 def test_prompt_logprobs_equal_the_full_forward_with_chunks_and_prefix_cache(loaded, prompts):
     model, _ = loaded
     shared_a, shared_b = prompts[2], prompts[3]  # share a 40+ token prefix: b would hit the cache

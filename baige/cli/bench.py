@@ -65,11 +65,15 @@ QuantizationOpt = Annotated[Optional[str], typer.Option(
          "its remaining fp32 linears, i.e. the tied lm_head). Default: none.")]
 
 
-def _engine(model, dtype, device, enforce_eager, mnbt, quantization=None):
+KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype; auto = the model's (float16 under an fp32 "
+                                                     "model on CPU: half the attention's reads).")]
+
+
+def _engine(model, dtype, device, enforce_eager, mnbt, quantization=None, kv_cache_dtype=DType.auto):
     from baige.runtime.bench.offline import EngineArgs
 
     return EngineArgs(model=model, dtype=dtype.value, device=device.value, max_num_batched_tokens=mnbt,
-                      enforce_eager=enforce_eager, quantization=quantization)
+                      enforce_eager=enforce_eager, quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
 
 
 @bench_app.callback()
@@ -106,7 +110,7 @@ def latency(
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts in the batch.")] = 8,
     num_iters_warmup: Annotated[int, typer.Option(min=0, help="Untimed iterations.")] = 1,
     num_iters: Annotated[int, typer.Option(min=1, help="Timed iterations.")] = 5,
-    quantization: QuantizationOpt = None,
+    quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -115,7 +119,8 @@ def latency(
     from baige.runtime.bench.offline import LatencyConfig, run_latency
     from baige.runtime.bench.report import latency_rows, metric_table
 
-    cfg = LatencyConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization), input_len, output_len,
+    cfg = LatencyConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization,
+                                kv_cache_dtype), input_len, output_len,
                         batch_size, num_iters_warmup, num_iters, seed)
     _execute("latency", run_latency, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench latency (batch {batch_size}, {input_len} in, {output_len} out)",
@@ -130,7 +135,7 @@ def throughput(
     output_len: Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")] = 128,
     range_ratio: Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")] = 0.0,
     dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")] = None,
-    quantization: QuantizationOpt = None,
+    quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -139,7 +144,8 @@ def throughput(
     from baige.runtime.bench.offline import ThroughputConfig, run_throughput
     from baige.runtime.bench.report import metric_table, throughput_rows
 
-    cfg = ThroughputConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization), num_prompts,
+    cfg = ThroughputConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization,
+                                kv_cache_dtype), num_prompts,
                            input_len, output_len, range_ratio, str(dataset_path) if dataset_path else None, seed)
     _execute("throughput", run_throughput, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench throughput ({num_prompts} prompts)", throughput_rows(r)))
@@ -271,6 +277,7 @@ def compare(
     quantized: Annotated[bool, typer.Option(help="Also time baige on int8 and int4 copies, with "
                                                  "--quantization fp16-weight, and on the int8 copy with "
                                                  "fp16-weight (CPU fp32).")] = True,
+    kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -279,7 +286,8 @@ def compare(
     from baige.runtime.bench.compare import CompareConfig, run_compare
     from baige.runtime.bench.report import compare_table
 
-    cfg = CompareConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens), input_len, output_len,
+    cfg = CompareConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, None, kv_cache_dtype),
+                        input_len, output_len,
                         num_prompts, tp_input_len, tp_output_len, range_ratio, hf_batch_size, repeats,
                         quantized=CompareConfig.quantized if quantized else (), seed=seed)
 

@@ -38,6 +38,9 @@ def serve(
         help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fbgemm fp16 "
              "weights, fp32 math; half the weight bytes, near-lossless). On an int8/int4 checkpoint it "
              "rewrites the remaining fp32 linears (the tied lm_head): the fastest CPU decode. Default: none.")] = None,
+    kv_cache_dtype: Annotated[DType, typer.Option(
+        help="KV-cache dtype; auto = the model's. On CPU float16 under an fp32 model halves the cache's "
+             "memory and the attention's reads (K/V rounded to fp16).")] = DType.auto,
     log_level: Annotated[str, typer.Option(help="Logging level (one line per request at info).")] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
@@ -50,6 +53,6 @@ def serve(
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-                       quantization=quantization)
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
     engine = AsyncEngine(Engine.from_config(cfg))
     run_server(engine, served_model_name or model or "smollm2-135m-instruct", host, port, api_key, log_level)

@@ -77,10 +77,11 @@ def _impl(x: torch.Tensor, module: str):
 _CPU_OPS: list = []  # [baige.kernels.cpu.ops] once imported
 
 
-def _native_cpu(*tensors: torch.Tensor):
+def _native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()):
     """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
-    mode, fp32 CPU tensors needing no gradient, not inside a ``torch.compile`` trace, the library
-    built), else None (see :mod:`baige.kernels.cpu`). Called once per op: kept to a few attribute reads."""
+    mode, fp32 CPU tensors needing no gradient, KV ``caches`` fp32 or fp16, not inside a
+    ``torch.compile`` trace, the library built), else None (see :mod:`baige.kernels.cpu`). Called once
+    per op: kept to a few attribute reads."""
     if tensors[0].device.type != "cpu":
         return None
     if not _CPU_OPS:
@@ -88,7 +89,7 @@ def _native_cpu(*tensors: torch.Tensor):
 
         _CPU_OPS.extend((ops, native_allowed))
     ops, native_allowed = _CPU_OPS
-    return ops if native_allowed() and ops.usable(*tensors) else None
+    return ops if native_allowed() and ops.usable(*tensors, caches=caches) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,7 +148,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., intermediate).
     """
-    return _impl(gate, "swiglu").silu_mul(gate, up)
+    impl = _native_cpu(gate, up) or _impl(gate, "swiglu")
+    return impl.silu_mul(gate, up)
 
 
 def attention(
@@ -182,7 +184,8 @@ def store_kv(
     """Write new tokens' K/V into their cache slots, in place.
 
     Args:
-        k, v: (N, n_kv_heads, head_dim), the cache's dtype.
+        k, v: (N, n_kv_heads, head_dim). On CPU they are rounded to the cache's dtype (an fp16 cache
+            under an fp32 model, ``kv_cache_dtype``); the Triton path needs the cache's dtype.
         k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
         slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct and
             inside the pool. The Triton path does not range-check them (that would need a device sync):
@@ -190,7 +193,7 @@ def store_kv(
     Raises:
         ValueError (Triton path): K/V and cache dtypes differ, or slot_mapping is not (N,).
     """
-    impl = _native_cpu(k, v, k_cache, v_cache) or _impl(k, "paged_attention")
+    impl = _native_cpu(k, v, caches=(k_cache, v_cache)) or _impl(k, "paged_attention")
     impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -211,7 +214,8 @@ def paged_decode_attention(
 
     Args:
         q: (S, n_heads, head_dim).
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
+        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous; on CPU their
+            dtype may differ from q's (read converted to it), on the Triton path it must not.
         block_tables: (S, W) int64 block ids; entries past a sequence's blocks must be valid ids
             (any block: they are masked).
         context_lens: (S,) int64 tokens in the cache per sequence, 1 <= context_lens <= W * block_size.
@@ -219,7 +223,7 @@ def paged_decode_attention(
     Returns:
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
-    impl = _native_cpu(q, k_cache, v_cache) or _impl(q, "paged_attention")
+    impl = _native_cpu(q, caches=(k_cache, v_cache)) or _impl(q, "paged_attention")
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -241,7 +245,8 @@ def paged_prefill_attention(
 
     Args:
         q: (N, n_heads, head_dim), N = total query tokens.
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
+        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous; on CPU their
+            dtype may differ from q's (read converted to it), on the Triton path it must not.
         block_tables: (P, W) int64 block ids per sequence.
         cu_seqlens_q: (P + 1,) int64 cumulative query counts, starting at 0.
         context_lens: (P,) int64 cached tokens per sequence, the new ones included.

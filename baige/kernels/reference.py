@@ -90,8 +90,8 @@ def store_kv(
 ) -> None:
     Hkv, D = k_cache.shape[0], k_cache.shape[-1]
     # (Hkv, num_blocks * block_size, D): slot = block * block_size + offset indexes dim 1
-    k_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    k_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -116,8 +116,8 @@ def paged_decode_attention(
     S, H, D = q.shape
     Hkv = k_cache.shape[0]
     L = block_tables.shape[1] * k_cache.shape[2]
-    k = _gather_blocks(k_cache, block_tables)  # (Hkv, S, L, D)
-    v = _gather_blocks(v_cache, block_tables)
+    k = _gather_blocks(k_cache, block_tables).to(q.dtype)  # (Hkv, S, L, D)
+    v = _gather_blocks(v_cache, block_tables).to(q.dtype)
     mask = torch.arange(L, device=q.device)[None, :] < context_lens[:, None]  # (S, L)
     qh = q.view(S, Hkv, H // Hkv, D).transpose(0, 1)  # (Hkv, S, group, D): query head h uses KV head h // group
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[None, :, None, :], scale=scale)  # (Hkv, S, group, D)
@@ -140,8 +140,8 @@ def paged_prefill_attention(
         start, end = cu[i], cu[i + 1]
         n_blocks = -(-ctx // block_size)
         table = block_tables[i:i + 1, :n_blocks]
-        k = _gather_blocks(k_cache, table)[:, 0, :ctx].transpose(0, 1)  # (ctx, Hkv, D)
-        v = _gather_blocks(v_cache, table)[:, 0, :ctx].transpose(0, 1)
+        k = _gather_blocks(k_cache, table)[:, 0, :ctx].transpose(0, 1).to(q.dtype)  # (ctx, Hkv, D)
+        v = _gather_blocks(v_cache, table)[:, 0, :ctx].transpose(0, 1).to(q.dtype)
         out[start:end] = attention(q[None, start:end], k[None], v[None], scale, q_offset=ctx - (end - start))[0]
     return out
 
@@ -149,14 +149,113 @@ def paged_prefill_attention(
 class FusedLinearCrossEntropyGrads(torch.autograd.Function):
     """Backward of a fused linear + cross-entropy whose forward saved ``(grad_hidden, grad_weight)``
     of the unit-scaled loss and ``ctx.weight_dtype``: it only scales them by the incoming gradient.
-    Shared by this reference and the Triton implementation."""
+    Shared by this reference and the Triton implementation.
+
+    A CPU upstream gradient of exactly 1 (a plain ``loss.backward()``) returns the saved gradients
+    as they are: scaling a (vocab, hidden) weight gradient by 1 is a full pass over it for nothing.
+    Autograd accumulates into a returned tensor in place only when nothing else holds it, so this is
+    safe under ``retain_graph`` too. On a GPU the check would need a device sync, so it always scales.
+    """
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
+        if grad_out.device.type == "cpu" and grad_out.item() == 1.0:
+            gw = grad_w.to(ctx.weight_dtype) if grad_w is not None else None
+            return grad_h, gw, None, None, None
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.weight_dtype) if grad_w is not None else None
         return gh, gw, None, None, None
+
+
+# Vocabulary rows per block of the fp32 path: a (block, chunk) fp32 logit tile of 512 x 256 (512 KiB)
+# stays in a core's L2 between its matmul, its softmax statistics and its gradient matmul.
+_VOCAB_BLOCK = 512
+
+
+def _ce_chunk_blocked(h, weight, t, valid, scale, grad_h, grad_w, first):
+    """Summed loss of one token chunk, writing its gradients, for ``h`` (n, hidden) and ``weight``
+    (vocab, hidden) both fp32 (or both fp64, which tests use); ``t`` (n,) int64 targets, ``valid`` (n,)
+    bool, ``scale`` (n,) ``valid / normalizer`` (fp32; fp64 for fp64 inputs); ``grad_h`` the chunk's (n, hidden) rows or None,
+    ``grad_w`` (vocab, hidden) in ``h``'s dtype or None (written when ``first``, else accumulated).
+
+    The logits are computed transposed, (vocab, n), in vocabulary blocks, and the softmax is taken
+    blockwise with the usual max shift (the "safe softmax" merge of Milakov & Gimelshein 2018,
+    arXiv:1805.02867): pass 1 stores ``e_b = exp(z_b - m_b)`` with each block's column max ``m_b``
+    and sum ``s_b``; then ``m = max_b m_b``, ``s = sum_b s_b exp(m_b - m)``, ``lse = m + log s``; pass 2
+    turns each block into the gradient ``dL/dz = scale * (softmax - one_hot)`` by one multiply with
+    ``scale exp(m_b - m) / s``, and multiplies it into ``grad_w`` while it is still in cache. The
+    loss is ``sum(scale (lse - z_target))`` before the division by the normalizer, with ``z_target``
+    the dot product ``h . weight[target]``. One exp per logit, and no full-size temporaries besides
+    the (vocab, n) tile buffer.
+    """
+    n, vocab = h.shape[0], weight.shape[0]
+    block = _VOCAB_BLOCK
+    n_blocks = -(-vocab // block)
+    z = h.new_empty(vocab, n)  # logits^T, then exp, then dL/dz^T
+    m_b, s_b = h.new_empty(n_blocks, n), h.new_empty(n_blocks, n)
+    ht = h.t()
+    for b in range(n_blocks):
+        zb = z[b * block:(b + 1) * block]  # (block, n)
+        torch.mm(weight[b * block:(b + 1) * block], ht, out=zb)
+        torch.amax(zb, 0, out=m_b[b])
+        zb.sub_(m_b[b]).exp_()
+        torch.sum(zb, 0, out=s_b[b])
+    m = m_b.amax(0)  # (n,)
+    factor = (m_b - m).exp_()  # (n_blocks, n): exp(m_b - m)
+    s = (s_b * factor).sum(0)  # (n,)
+    safe_t = torch.where(valid, t, 0)
+    z_target = (h * weight[safe_t]).sum(-1)  # (n,)
+    loss = ((m + s.log() - z_target) * valid).sum()
+    if grad_h is None and grad_w is None:
+        return loss
+    factor.mul_(scale / s)
+    # the one-hot term: -scale at (target row, column) for every valid column, grouped by block
+    cols = torch.arange(n, device=h.device)[valid]
+    rows = safe_t[valid]
+    blk = torch.div(rows, block, rounding_mode="floor")
+    order = torch.argsort(blk)
+    counts = torch.bincount(blk, minlength=n_blocks).tolist()
+    rows_in = (rows - blk * block)[order].split(counts)
+    cols_in, minus = cols[order].split(counts), (-scale[cols]).to(z.dtype)[order].split(counts)
+    for b in range(n_blocks):
+        zb = z[b * block:(b + 1) * block]
+        zb.mul_(factor[b])
+        if counts[b]:
+            zb.index_put_((rows_in[b], cols_in[b]), minus[b], accumulate=True)
+        if grad_w is not None:
+            gw = grad_w[b * block:(b + 1) * block]
+            if first:
+                torch.mm(zb, h, out=gw)  # (block, hidden)
+            else:
+                gw.addmm_(zb, h)
+    if grad_h is not None:
+        torch.mm(z.t(), weight, out=grad_h)  # (n, hidden)
+    return loss
+
+
+def _ce_chunk_generic(h, weight, t, valid, scale, grad_h, grad_w, first):
+    """:func:`_ce_chunk_blocked` for any dtype: (n, vocab) logits cast to fp32 for the log-sum-exp, the
+    gradient cast back to ``h``'s dtype for the two matmuls, ``grad_w`` accumulated in fp32."""
+    logits = (h @ weight.t()).float()  # (n, vocab)
+    lse = torch.logsumexp(logits, dim=-1)  # (n,)
+    safe_t = torch.where(valid, t, 0)
+    rows = torch.arange(len(t), device=t.device)
+    loss = ((lse - logits[rows, safe_t]) * valid).sum()
+    if grad_h is None and grad_w is None:
+        return loss
+    # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows (in place)
+    g = logits.sub_(lse[:, None]).exp_()
+    g[rows, safe_t] -= 1.0
+    g = g.mul_(scale[:, None]).to(h.dtype)
+    if grad_h is not None:
+        grad_h.copy_(g @ weight)  # (n, hidden)
+    if grad_w is not None:
+        if first:
+            torch.mm(g.t().to(grad_w.dtype), h.to(grad_w.dtype), out=grad_w)  # (vocab, hidden)
+        else:
+            grad_w.addmm_(g.t().to(grad_w.dtype), h.to(grad_w.dtype))
+    return loss
 
 
 class _FusedLinearCrossEntropy(FusedLinearCrossEntropyGrads):
@@ -169,30 +268,23 @@ class _FusedLinearCrossEntropy(FusedLinearCrossEntropyGrads):
         chunk = max(1, (1 << 24) // vocab)  # ~16M logits (64 MB in fp32) at a time
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        # fp32 (fp64 for fp64 weights) accumulator, cast to the weight's dtype in backward
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        if want_w and n_tokens == 0:
+            grad_w.zero_()
+        blocked = hidden.dtype == weight.dtype and hidden.dtype in (torch.float32, torch.float64)
+        chunk_fn = _ce_chunk_blocked if blocked else _ce_chunk_generic
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, n_tokens, chunk):
-            h, t = hidden[s:s + chunk], targets[s:s + chunk]
-            logits = (h @ weight.t()).float()  # (n, vocab), fp32 for the log-sum-exp
-            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            t = targets[s:s + chunk]
             valid = t != ignore_index
-            safe_t = torch.where(valid, t, 0)
-            rows = torch.arange(len(t), device=t.device)
-            total += ((lse - logits[rows, safe_t]) * valid).sum()
-            if want_h or want_w:
-                # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows (in place)
-                g = logits.sub_(lse[:, None]).exp_()
-                g[rows, safe_t] -= 1.0
-                g.mul_((valid.float() / normalizer)[:, None])
-                g = g.to(hidden.dtype)
-                if want_h:
-                    grad_h[s:s + chunk] = g @ weight  # (n, hidden)
-                if want_w:
-                    grad_w.addmm_(g.t().float(), h.float())  # (vocab, hidden)
+            scale = valid.to(acc) / normalizer  # (n,) d(loss)/d(token loss)
+            total += chunk_fn(hidden[s:s + chunk], weight, t, valid, scale,
+                              grad_h[s:s + chunk] if want_h else None, grad_w, s == 0)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total / normalizer
-
 
 
 def fused_linear_cross_entropy(

@@ -11,7 +11,8 @@ results agree up to accumulation order and SiLU's ``exp`` (tests/test_cpu_decode
 What makes a model eligible (:meth:`FusedDecoder.build` says which check failed): every parameter
 fp32 on the CPU, each layer's seven projections fp32 ``nn.Linear``, ``Fp16WeightLinear``
 (``--quantization fp16-weight``) or ``QuantizedLinear`` (int8 per channel, or int4 with
-``in_features`` and ``group_size`` multiples of 8), contiguous KV pools, and the native library built.
+``in_features`` and ``group_size`` multiples of 8), contiguous fp32 or fp16 KV pools
+(``kv_cache_dtype``), and the native library built.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class FusedDecoder:
         for name, t in model.named_parameters():
             if t.device.type != "cpu" or t.dtype != torch.float32:
                 return None, f"{name} is {t.dtype} on {t.device.type}, not fp32 on the CPU"
-        if kv.k[0].device.type != "cpu" or kv.k[0].dtype != torch.float32:
-            return None, "the KV cache is not fp32 on the CPU"
+        if kv.k[0].device.type != "cpu" or kv.k[0].dtype not in (torch.float32, torch.float16):
+            return None, "the KV cache is not fp32 or fp16 on the CPU"
         if library() is None:
             return None, "the native CPU library is not available"
         keep: list = []
@@ -129,7 +130,7 @@ class FusedDecoder:
         rc = library().baige_decode_layers(
             ctypes.addressof(self._layers), n_layers, h.shape[0], hidden, hq, hk, d, inter, self._eps, self._scale,
             kv.k[0].shape[1], kv.block_size, h.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), tables.shape[1], lens.data_ptr(), torch.get_num_threads())
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv.k[0].dtype == torch.float16, torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native decode step: could not allocate its scratch buffers")
         return model.model.norm(h)[None]

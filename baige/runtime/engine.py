@@ -21,7 +21,7 @@ import torch
 from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.block_manager import BlockManager
-from baige.runtime.kv_cache import KVCache, num_blocks_for, profile_activation_peak
+from baige.runtime.kv_cache import KVCache, num_blocks_for, profile_activation_peak, resolve_kv_cache_dtype
 from baige.runtime.loader import load_model, resolve_device, resolve_model
 from baige.runtime.model import Transformer
 from baige.runtime.runner import ModelRunner
@@ -50,6 +50,7 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     quantization: str | None = None  # None or "fp16-weight" (CPU fp32; see quant_dynamic.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's) | float32 | float16 | bfloat16; others than auto: CPU
 
 
 @dataclass
@@ -150,9 +151,10 @@ class Engine:
         if cfg.kv_cache_memory is None:  # size the cache from what is free after a warm-up step
             peak = profile_activation_peak(model, min(cfg.max_num_batched_tokens, self.max_model_len),
                                            min(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len))
-        num_blocks = num_blocks_for(mc, cfg.block_size, p.dtype, p.device, cfg.kv_cache_memory, self.max_model_len,
+        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, p.dtype, p.device)
+        num_blocks = num_blocks_for(mc, cfg.block_size, kv_dtype, p.device, cfg.kv_cache_memory, self.max_model_len,
                                     activation_peak=peak)
-        self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, p.dtype, p.device)
+        self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, kv_dtype, p.device)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len, cfg.enforce_eager)
@@ -163,9 +165,10 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB)", num_blocks, cfg.block_size,
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)", num_blocks, cfg.block_size,
                     num_blocks * cfg.block_size,
-                    num_blocks * KVCache.bytes_per_block(mc, cfg.block_size, p.dtype) / 1e6)
+                    num_blocks * KVCache.bytes_per_block(mc, cfg.block_size, kv_dtype) / 1e6,
+                    str(kv_dtype).removeprefix("torch."))
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "Engine":

@@ -11,6 +11,7 @@ import torch
 from baige.errors import BaigeError
 from baige.runtime.config import ModelConfig
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_FRACTION = 0.1  # default share of available RAM for the cache on CPU
 GPU_KV_FRACTION = 0.9  # default share of free GPU memory after warm-up (vLLM's gpu_memory_utilization)
 
@@ -27,7 +28,7 @@ class KVCache:
         cfg: the model's config.
         num_blocks: usable blocks.
         block_size: token slots per block.
-        dtype: cache dtype (the model's).
+        dtype: cache dtype (the model's, or ``--kv-cache-dtype``: :func:`resolve_kv_cache_dtype`).
         device: where the pool lives.
     """
 
@@ -43,6 +44,28 @@ class KVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block takes across all layers, K and V."""
         return block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV-cache dtype for ``--kv-cache-dtype`` (vLLM's option): ``auto`` is the model's dtype.
+
+    On CPU any of float32 / float16 / bfloat16 works under any model dtype (K/V are rounded when
+    stored and read back converted; the native kernels read an fp16 cache under an fp32 model at half
+    the memory traffic of fp32). The Triton kernels need the model's dtype.
+
+    Raises:
+        BaigeError: an unknown name, or a dtype other than the model's on CUDA.
+    """
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise BaigeError(f"unknown --kv-cache-dtype {name!r} (choose auto, {', '.join(KV_CACHE_DTYPES)})")
+    dtype = KV_CACHE_DTYPES[name]
+    if device.type != "cpu" and dtype != model_dtype:
+        model = str(model_dtype).removeprefix("torch.")
+        raise BaigeError(f"--kv-cache-dtype {name} under a {model} model is supported on CPU only; "
+                         f"use auto or {model} on {device.type}")
+    return dtype
 
 
 def available_memory(device: torch.device) -> int:

@@ -79,13 +79,14 @@ def _build() -> ctypes.CDLL:
         ("baige_rms_norm", [_ptr, _i64, _i64, _ptr, f32, _ptr], None),
         ("baige_add_rms_norm", [_ptr, _ptr, _i64, _i64, _ptr, f32, _ptr, _ptr], None),
         ("baige_rope", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr], None),
-        ("baige_store_kv", [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr], None),
+        ("baige_store_kv", [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int], None),
+        ("baige_silu_mul", [_ptr, _ptr, _i64, _ptr], None),
         ("baige_linear_f32", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_linear_f16", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_decode_layers", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _ptr,
-                                 _ptr, _ptr, _ptr, _i64, _ptr, _int], _int),
+                                 _ptr, _ptr, _ptr, _i64, _ptr, _int, _int], _int),
         ("baige_paged_decode_attention", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                                          f32, _ptr], _int),
+                                          f32, _ptr, _int, _int], _int),
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res

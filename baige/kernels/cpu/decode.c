@@ -27,12 +27,13 @@ void baige_add_rms_norm(const float *x, const float *res, int64_t rows, int64_t 
                         float *out, float *sum);
 void baige_rope(const float *q, const float *k, int64_t tokens, int64_t hq, int64_t hk, int64_t d,
                 const float *cos_, const float *sin_, float *q_out, float *k_out);
-void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, int64_t d, float *k_cache,
-                    float *v_cache, int64_t slots, const int64_t *slot_mapping);
-int baige_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t S,
+void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, int64_t d, void *k_cache,
+                    void *v_cache, int64_t slots, const int64_t *slot_mapping, int kv_f16);
+int baige_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
-                                 float *out);
+                                 float *out, int kv_f16, int nthreads);
+void baige_silu_mul(const float *g, const float *u, int64_t n, float *out);
 
 enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3 };
 
@@ -51,7 +52,7 @@ typedef struct {
     baige_linear q, k, v, o, gate, up, down;
     const float *input_norm, *post_norm;  /* (hidden) */
     const float *q_norm, *k_norm;         /* (head_dim), or NULL without per-head q/k norm */
-    float *k_cache, *v_cache;             /* (hk, num_blocks, block_size, head_dim) */
+    void *k_cache, *v_cache;              /* (hk, num_blocks, block_size, head_dim), fp32 or fp16 */
 } baige_layer;
 
 static void linear(const baige_linear *l, const float *x, int64_t M, float *y, int nthreads) {
@@ -68,12 +69,12 @@ static void linear(const baige_linear *l, const float *x, int64_t M, float *y, i
 
 /* h: (M, hidden) fp32, in: the token embeddings, out: the last layer's output (before the final
  * norm). cos/sin: (M, head_dim). slots: (M,) cache slot of each token. tables: (M, W) block ids,
- * lens: (M,) context lengths including the new token. Returns 0, or -1 when scratch memory cannot
+ * lens: (M,) context lengths including the new token. kv_f16: the caches hold fp16. Returns 0, or -1 when scratch memory cannot
  * be allocated (h is then unspecified). */
 int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, int64_t hidden, int64_t hq,
                         int64_t hk, int64_t d, int64_t inter, float eps, float scale, int64_t num_blocks,
                         int64_t bs, float *h, const float *cos_, const float *sin_, const int64_t *slots,
-                        const int64_t *tables, int64_t W, const int64_t *lens, int nthreads)
+                        const int64_t *tables, int64_t W, const int64_t *lens, int kv_f16, int nthreads)
 {
     const int64_t nq = M * hq * d, nk = M * hk * d;
     float *buf = malloc(sizeof(float) * (size_t)(2 * M * hidden + 3 * nq + 3 * nk + 2 * M * inter));
@@ -92,14 +93,14 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
             baige_rms_norm(k, M * hk, d, L->k_norm, eps, k);
         }
         baige_rope(q, k, M, hq, hk, d, cos_, sin_, qr, kr);
-        baige_store_kv(kr, v, M, hk, d, L->k_cache, L->v_cache, num_blocks * bs, slots);
+        baige_store_kv(kr, v, M, hk, d, L->k_cache, L->v_cache, num_blocks * bs, slots, kv_f16);
         rc = baige_paged_decode_attention(qr, L->k_cache, L->v_cache, M, hq, hk, d, num_blocks, bs, tables, W,
-                                          lens, scale, attn);
+                                          lens, scale, attn, kv_f16, nthreads);
         linear(&L->o, attn, M, o, nthreads);
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */
         linear(&L->gate, normed, M, g, nthreads);
         linear(&L->up, normed, M, u, nthreads);
-        for (int64_t j = 0; j < M * inter; j++) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        baige_silu_mul(g, u, M * inter, g);
         linear(&L->down, g, M, o, nthreads);
         for (int64_t j = 0; j < M * hidden; j++) h[j] = h[j] + o[j];
     }

@@ -68,17 +68,29 @@ void baige_rope(const float *q, const float *k, int64_t tokens, int64_t hq, int6
     }
 }
 
-/* k, v: (tokens, hk, d) contiguous; caches (hk, slots, d) with slots = num_blocks * block_size;
+/* k, v: (tokens, hk, d) contiguous fp32; caches (hk, slots, d) with slots = num_blocks * block_size,
+ * fp32 (kv_f16 = 0) or IEEE fp16 (kv_f16 = 1, rounded to nearest even as torch's .to(float16));
  * token t goes to slot slot_mapping[t] (negative: skipped, the padding convention). */
-void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, int64_t d, float *k_cache,
-                    float *v_cache, int64_t slots, const int64_t *slot_mapping) {
+void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, int64_t d, void *k_cache,
+                    void *v_cache, int64_t slots, const int64_t *slot_mapping, int kv_f16) {
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         for (int64_t j = 0; j < hk; j++) {
             const float *ks = k + (t * hk + j) * d, *vs = v + (t * hk + j) * d;
-            float *kd = k_cache + (j * slots + slot) * d, *vd = v_cache + (j * slots + slot) * d;
-            for (int64_t i = 0; i < d; i++) { kd[i] = ks[i]; vd[i] = vs[i]; }
+            const int64_t at = (j * slots + slot) * d;
+            if (kv_f16) {
+                uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
+                int64_t i = 0;
+                for (; i + 8 <= d; i += 8) {
+                    _mm_storeu_si128((__m128i *)(kd + i), _mm256_cvtps_ph(_mm256_loadu_ps(ks + i), _MM_FROUND_TO_NEAREST_INT));
+                    _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(vs + i), _MM_FROUND_TO_NEAREST_INT));
+                }
+                for (; i < d; i++) { kd[i] = _cvtss_sh(ks[i], 0); vd[i] = _cvtss_sh(vs[i], 0); }
+            } else {
+                float *kd = (float *)k_cache + at, *vd = (float *)v_cache + at;
+                for (int64_t i = 0; i < d; i++) { kd[i] = ks[i]; vd[i] = vs[i]; }
+            }
         }
     }
 }
@@ -135,46 +147,44 @@ static void softmax_inplace(float *p, int64_t n) {
     for (; i < n; i++) p[i] *= 1.0f / sum;
 }
 
-/* scores[pos] = scale * q . K[pos] for pos < L, walking the block table block by block (a block's
- * rows are contiguous). Head dims that are a multiple of 8: four rows at a time, each q vector
- * loaded once for the four. */
-static void qk_scores(const float *qj, const float *kh, const int64_t *table, int64_t bs, int64_t d, int64_t L,
-                      float scale, float *scores) {
-    for (int64_t b0 = 0; b0 < L; b0 += bs) {
-        const float *kb = kh + table[b0 / bs] * bs * d;  /* this block's rows */
-        const int64_t rows = L - b0 < bs ? L - b0 : bs;
-        float *sc = scores + b0;
-        int64_t i = 0;
-        if ((d & 7) == 0) {
-            for (; i + 4 <= rows; i += 4) {
-                const float *k0 = kb + i * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (int64_t c = 0; c < d; c += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qj + c);
-                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
-                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
-                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
-                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
-                }
-                /* four horizontal sums at once: lane i of r is sum(a_i) */
-                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-                _mm_storeu_ps(sc + i, _mm_mul_ps(r, _mm_set1_ps(scale)));
+/* sc[i] = scale * q . kb[i] for the rows i < rows of one block (rows contiguous, d apart). Head dims
+ * that are a multiple of 8: four rows at a time, each q vector loaded once for the four. */
+static void qk_rows(const float *q, const float *kb, int64_t rows, int64_t d, float scale, float *sc) {
+    int64_t i = 0;
+    if ((d & 7) == 0) {
+        for (; i + 4 <= rows; i += 4) {
+            const float *k0 = kb + i * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < d; c += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + c);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
             }
+            /* four horizontal sums at once: lane i of r is sum(a_i) */
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(sc + i, _mm_mul_ps(r, _mm_set1_ps(scale)));
         }
-        for (; i < rows; i++) sc[i] = dot_f32(qj, kb + i * d, d) * scale;
     }
+    for (; i < rows; i++) sc[i] = dot_f32(q, kb + i * d, d) * scale;
 }
 
-/* out[0..d) = sum_pos w[pos] * V[pos]; 8-lane accumulators in registers, 64 columns at a time,
- * walking the block table block by block. */
+/* out[0..d) = sum_pos w[pos] * V[pos] for pos < L, V's rows found block by block through table
+ * (table NULL: V is L contiguous rows). Accumulators stay in registers across all blocks: 64 columns
+ * at a time in eight 8-lane registers, then 8 at a time, then a scalar tail. */
+static const float *v_row(const float *vh, const int64_t *table, int64_t bs, int64_t d, int64_t pos) {
+    return table ? vh + (table[pos / bs] * bs + pos % bs) * d : vh + pos * d;
+}
+
 static void pv_sum(const float *w, const float *vh, const int64_t *table, int64_t bs, int64_t d, int64_t L,
                    float *out) {
     int64_t c0 = 0;
     for (; c0 + 64 <= d; c0 += 64) {
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
         for (int64_t b0 = 0; b0 < L; b0 += bs) {
-            const float *vb = vh + table[b0 / bs] * bs * d + c0;
+            const float *vb = v_row(vh, table, bs, d, b0) + c0;
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
             for (int64_t i = 0; i < rows; i++) {
                 const float *vp = vb + i * d;
@@ -194,43 +204,107 @@ static void pv_sum(const float *w, const float *vh, const int64_t *table, int64_
         _mm256_storeu_ps(out + c0 + 32, o4); _mm256_storeu_ps(out + c0 + 40, o5);
         _mm256_storeu_ps(out + c0 + 48, o6); _mm256_storeu_ps(out + c0 + 56, o7);
     }
-    if (c0 < d) {  /* remaining columns (d not a multiple of 64) */
-        for (int64_t i = c0; i < d; i++) out[i] = 0.0f;
+    for (; c0 + 8 <= d; c0 += 8) {
+        __m256 o0 = _mm256_setzero_ps();
         for (int64_t b0 = 0; b0 < L; b0 += bs) {
-            const float *vb = vh + table[b0 / bs] * bs * d;
+            const float *vb = v_row(vh, table, bs, d, b0) + c0;
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t i = c0; i < d; i++) out[i] += w[b0 + r] * vb[r * d + i];
+            for (int64_t i = 0; i < rows; i++) o0 = _mm256_fmadd_ps(_mm256_set1_ps(w[b0 + i]), _mm256_loadu_ps(vb + i * d), o0);
         }
+        _mm256_storeu_ps(out + c0, o0);
+    }
+    for (; c0 < d; c0++) {
+        float acc = 0.0f;
+        for (int64_t pos = 0; pos < L; pos++) acc += w[pos] * v_row(vh, table, bs, d, pos)[c0];
+        out[c0] = acc;
     }
 }
 
-/* Decode attention over paged K/V read in place (no gather). q, out: (S, hq, d); caches
- * (hk, num_blocks, bs, d); block_tables (S, W) int64; context_lens (S,) int64. Query head j uses KV
- * head j / (hq / hk). Per (sequence, query head): scores by qk_scores, softmax with the max
- * subtracted (exact up to the vector exp), then the V rows weighted by pv_sum. Any row may be any
- * query of any sequence, so a prefill chunk can be passed as one row per token (its own length).
- * Returns 0, or -1 when the score buffer cannot be allocated (out is then unspecified). */
-int baige_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t S,
+/* The rows of one cache block as fp32: the block itself (fp32 cache) or its n values converted into
+ * tile (fp16 cache). */
+static const float *block_f32(const void *cache, int kv_f16, int64_t offset, int64_t n, float *tile) {
+    if (!kv_f16) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(tile + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) tile[i] = _cvtsh_ss(src[i]);
+    return tile;
+}
+
+/* Ask for the n values of a cache block at offset to be brought into cache (one prefetch per 64-byte
+ * line): blocks are scattered pages, where the hardware prefetcher has to start over each time. */
+static inline void prefetch_block(const void *cache, int kv_f16, int64_t offset, int64_t n) {
+    const char *p = (const char *)cache + offset * (kv_f16 ? 2 : 4);
+    const int64_t bytes = n * (kv_f16 ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+/* Decode attention over paged K/V read in place (no gather). q, out: (S, hq, d) fp32; caches
+ * (hk, num_blocks, bs, d), fp32 or fp16 (kv_f16); block_tables (S, W) int64; context_lens (S,) int64.
+ * Query head j uses KV head j / (hq / hk). Work item = (sequence, KV head), spread over nthreads
+ * OpenMP threads: every block of that head's K is read (and converted from fp16) once for all the
+ * query heads of its group (scores by qk_rows), softmax per query head with the max subtracted
+ * (exact up to the vector exp), then each head's output summed over V by pv_sum (fp32: V read in
+ * place, L2-resident after the first head; fp16: converted once into a contiguous fp32 copy). Any row may be any query of any sequence, so a prefill chunk can be passed as one row per
+ * token (its own length). Returns 0, or -1 when a scratch buffer cannot be allocated (out is then
+ * unspecified). */
+int baige_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
-                                 float *out) {
+                                 float *out, int kv_f16, int nthreads) {
     const int64_t group = hq / hk;
-    int64_t max_len = 0;
+    int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
-    float *p = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len : 1));
-    if (!p) return -1;
-    for (int64_t s = 0; s < S; s++) {
-        const int64_t L = context_lens[s];
-        const int64_t *table = block_tables + s * W;
-        for (int64_t h = 0; h < hq; h++) {
-            const int64_t g = h / group;
-            const float *kh = k_cache + g * num_blocks * bs * d, *vh = v_cache + g * num_blocks * bs * d;
-            qk_scores(q + (s * hq + h) * d, kh, table, bs, d, L, scale, p);
-            softmax_inplace(p, L);
-            pv_sum(p, vh, table, bs, d, L, out + (s * hq + h) * d);
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S * hk > 1)
+    {
+        /* per thread: group score rows, and (fp16 cache) the K block / all V rows converted to fp32 */
+        float *p = malloc(sizeof(float) * (size_t)(group * max_len + (kv_f16 ? bs * d + max_len * d : 0)));
+        float *tile = p ? p + group * max_len : NULL, *vconv = tile ? tile + bs * d : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < S * hk; item++) {
+            if (!p) {
+#pragma omp atomic write
+                rc = -1;
+                continue;
+            }
+            const int64_t s = item / hk, g = item % hk, L = context_lens[s];
+            const int64_t *table = block_tables + s * W;
+            const int64_t head0 = s * hq + g * group;  /* first query row of this group */
+            const int64_t base = g * num_blocks * bs * d;
+            for (int64_t b0 = 0; b0 < L; b0 += bs) {
+                const int64_t rows = L - b0 < bs ? L - b0 : bs;
+                if (b0 + bs < L) prefetch_block(k_cache, kv_f16, base + table[b0 / bs + 1] * bs * d, bs * d);
+                else prefetch_block(v_cache, kv_f16, base + table[0] * bs * d, (L < bs ? L : bs) * d);
+                const float *kb = block_f32(k_cache, kv_f16, base + table[b0 / bs] * bs * d, rows * d, tile);
+                for (int64_t j = 0; j < group; j++) qk_rows(q + (head0 + j) * d, kb, rows, d, scale, p + j * L + b0);
+            }
+            for (int64_t j = 0; j < group; j++) softmax_inplace(p + j * L, L);
+            const float *vh = (const float *)v_cache + base;  /* fp32: V read in place through the table */
+            const int64_t *vtable = table;
+            if (kv_f16) {  /* convert this head's V rows once for the whole group */
+                for (int64_t b0 = 0; b0 < L; b0 += bs) {
+                    const int64_t rows = L - b0 < bs ? L - b0 : bs;
+                    if (b0 + bs < L) prefetch_block(v_cache, 1, base + table[b0 / bs + 1] * bs * d, bs * d);
+                    block_f32(v_cache, 1, base + table[b0 / bs] * bs * d, rows * d, vconv + b0 * d);
+                }
+                vh = vconv, vtable = NULL;
+            }
+            for (int64_t j = 0; j < group; j++) pv_sum(p + j * L, vh, vtable, bs, d, L, out + (head0 + j) * d);
         }
+        free(p);
     }
-    free(p);
-    return 0;
+    return rc;
+}
+
+/* out[j] = silu(g[j]) * u[j] = g[j] / (1 + exp(-g[j])) * u[j] for j < n, the vector exp above. */
+void baige_silu_mul(const float *g, const float *u, int64_t n, float *out) {
+    int64_t j = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(g + j);
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+    }
+    for (; j < n; j++) out[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }

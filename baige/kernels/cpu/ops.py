@@ -1,6 +1,7 @@
 """The small per-layer ops of CPU inference on the native library (``ops.c``): same arguments and
 results as their twins in :mod:`baige.kernels.reference` (see :mod:`baige.kernels` for shapes),
-fp32 CPU tensors only, no autograd. Call them only where :func:`usable` is true."""
+fp32 CPU tensors only (the KV cache may also be fp16), no autograd. Call them only where
+:func:`usable` is true."""
 
 from __future__ import annotations
 
@@ -9,13 +10,28 @@ import torch
 from baige.kernels.cpu.build import library
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is fp32 on the CPU, none needs a gradient, and the library builds."""
+def usable(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()) -> bool:
+    """True when every tensor is fp32 on the CPU, none needs a gradient, the KV ``caches`` (if any)
+    are fp32 or fp16 CPU tensors of one dtype, and the library builds."""
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32 or (grad and t.requires_grad):
             return False
+    for c in caches:
+        if c.device.type != "cpu" or c.dtype not in (torch.float32, torch.float16) or c.dtype != caches[0].dtype:
+            return False
     return library() is not None
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    library().baige_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,7 +74,7 @@ def store_kv(
     k, v = k.contiguous(), v.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     library().baige_store_kv(k.data_ptr(), v.data_ptr(), k.shape[0], hk, d, k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_cache.numel() // (hk * d), slots.data_ptr())
+                             k_cache.numel() // (hk * d), slots.data_ptr(), k_cache.dtype == torch.float16)
 
 
 def paged_decode_attention(
@@ -69,8 +85,9 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Raises MemoryError when the kernel's score buffer (n_heads / n_kv_heads x longest context
-    floats) cannot be allocated."""
+    """Runs on ``torch.get_num_threads()`` OpenMP threads over (sequence, KV head) pairs. Raises
+    MemoryError when a thread's score buffer (n_heads / n_kv_heads x longest context floats plus one
+    block) cannot be allocated."""
     S, H, D = q.shape
     hk, nb, bs, _ = k_cache.shape
     q = q.contiguous()
@@ -79,7 +96,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     rc = library().baige_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D, nb,
                                                 bs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
-                                                out.data_ptr())
+                                                out.data_ptr(), k_cache.dtype == torch.float16, _threads())
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate the score buffer")
     return out

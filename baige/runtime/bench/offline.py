@@ -43,6 +43,7 @@ class EngineArgs:
     enforce_eager: bool = False
     enable_prefix_caching: bool = False  # random prompts share nothing; off = no hashing cost
     quantization: str | None = None  # None or "fp16-weight" (EngineConfig.quantization)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
 
 
 @dataclass
@@ -78,7 +79,7 @@ def build_llm(args: EngineArgs, max_model_len: int, max_num_seqs: int):
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-               quantization=args.quantization)
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _model_info(llm, dtype_bytes: int) -> dict:
