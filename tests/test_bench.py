@@ -179,6 +179,18 @@ def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path):
     assert [x["output_len"] for x in r["samples"]] == [3] * 5
 
 
+def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
+    """`baige bench --model M --output-dir D compare ...` (group options first) and --hf-dtype /
+    --kv-cache-dtype reach the run: the JSON lands in D, one HF dtype timed, an fp16 KV cache."""
+    res = _cli(["bench", "--model", str(tiny_dir), "--output-dir", str(tmp_path), "compare", "--input-len", "4",
+                "--output-len", "3", "--num-prompts", "2", "--tp-input-len", "4", "--tp-output-len", "2",
+                "--no-quantized", "--hf-dtype", "float32", "--kv-cache-dtype", "float16"])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "compare")
+    assert set(r["samples"]["decode"]) == {"baige", "hf-float32"}
+    assert r["args"]["engine"]["kv_cache_dtype"] == "float16" and r["args"]["engine"]["model"] == str(tiny_dir)
+
+
 def test_cli_compare_prints_ratios(tiny_dir, tmp_path):
     res = _cli(["bench", "compare", "--model", str(tiny_dir), "--input-len", "4", "--output-len", "3",
                 "--num-prompts", "32", "--tp-input-len", "4", "--tp-output-len", "2", "--hf-batch-size", "8",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -65,6 +66,12 @@ QuantizationOpt = Annotated[Optional[str], typer.Option(
          "its remaining fp32 linears, i.e. the tied lm_head). Default: none.")]
 
 
+class HFDType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype; auto = the model's (float16 under an fp32 "
                                                      "model on CPU: half the attention's reads).")]
 
@@ -91,6 +98,14 @@ def bench(
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by `baige serve` children
         torch.set_num_threads(threads)
     if ctx.invoked_subcommand is not None:
+        # --model / --output-dir / --plot given before the subcommand become its defaults
+        from click.core import ParameterSource
+
+        given = {name: ctx.params[name] for name in ("model", "output_dir", "plot")
+                 if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+        if given:
+            ctx.default_map = {name: {k: v for k, v in given.items() if any(p.name == k for p in cmd.params)}
+                               for name, cmd in ctx.command.commands.items()}
         return
     from baige.runtime.bench.suite import run_suite, suite_table
 
@@ -278,6 +293,9 @@ def compare(
                                                  "--quantization fp16-weight, and on the int8 copy with "
                                                  "fp16-weight (CPU fp32).")] = True,
     kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
+    hf_dtype: Annotated[Optional[list[HFDType]], typer.Option(
+        help="HF transformers dtypes to time (repeat the option); throughput keeps the fastest after round 1. "
+             "Default: float32 and bfloat16.")] = None,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
@@ -289,7 +307,8 @@ def compare(
     cfg = CompareConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, None, kv_cache_dtype),
                         input_len, output_len,
                         num_prompts, tp_input_len, tp_output_len, range_ratio, hf_batch_size, repeats,
-                        quantized=CompareConfig.quantized if quantized else (), seed=seed)
+                        quantized=CompareConfig.quantized if quantized else (), seed=seed,
+                        hf_dtypes=tuple(dict.fromkeys(d.value for d in hf_dtype)) if hf_dtype else CompareConfig.hf_dtypes)
 
     def render(r):
         from rich.console import Group
