@@ -175,9 +175,10 @@ _VOCAB_BLOCK = 512
 
 def _ce_chunk_blocked(h, weight, t, valid, scale, grad_h, grad_w, first):
     """Summed loss of one token chunk, writing its gradients, for ``h`` (n, hidden) and ``weight``
-    (vocab, hidden) both fp32 (or both fp64, which tests use); ``t`` (n,) int64 targets, ``valid`` (n,)
-    bool, ``scale`` (n,) ``valid / normalizer`` (fp32; fp64 for fp64 inputs); ``grad_h`` the chunk's (n, hidden) rows or None,
-    ``grad_w`` (vocab, hidden) in ``h``'s dtype or None (written when ``first``, else accumulated).
+    (vocab, hidden) both fp32 (or both fp64, which tests use); ``t`` (n,) int64 targets, ``valid``
+    (n,) bool, ``scale`` (n,) ``valid / normalizer`` (fp32; fp64 for fp64 inputs); ``grad_h`` the
+    chunk's (n, hidden) rows or None; ``grad_w`` (vocab, hidden) in ``h``'s dtype or None (written
+    when ``first``, else accumulated).
 
     The logits are computed transposed, (vocab, n), in vocabulary blocks, and the softmax is taken
     blockwise with the usual max shift (the "safe softmax" merge of Milakov & Gimelshein 2018,
