@@ -185,6 +185,13 @@ class Trainer:
         self.autocast = (not self.dims.fsdp_enabled) and self.param_dtype != torch.float32
         self.model = model
         self.optimizer = self._build_optimizer()
+        # Fused AdamW divides every gradient by ``optimizer.grad_scale`` inside its own pass (the hook
+        # torch.amp.GradScaler uses): clipping then costs no extra pass over the gradients. Plain
+        # tensors only; FSDP/TP DTensor gradients are clipped in place as before.
+        from torch.distributed.tensor import DTensor
+
+        self._clip_in_optimizer = getattr(self.optimizer, "_step_supports_amp_scaling", False) and not any(
+            isinstance(p, DTensor) for p in model.parameters())
         sc = cfg.lr_scheduler
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
             lr_lambda, name=sc.name, warmup=sc.warmup_steps, total=t.steps, min_ratio=sc.min_lr_ratio,
@@ -292,13 +299,25 @@ class Trainer:
             (loss * self.dims.dp_size).backward()
             local_loss += loss.item()
         loss_value = self._all_reduce_sum([local_loss])[0] / self.dims.tp
-        grad_norm = parallel.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm).item()
+        max_norm = self.cfg.training.max_norm
+        fold_clip = self._clip_in_optimizer and max_norm > 0
+        norm = parallel.clip_grad_norm_(self.model.parameters(), 0.0 if fold_clip else max_norm)
+        grad_norm = norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise BaigeError(f"step {self.step + 1}: loss {loss_value} / grad norm {grad_norm} is not finite; "
                              "stopping without a checkpoint (lower optimizer.lr or check the data)")
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        # clipping multiplies by max_norm / (norm + 1e-6) when that is below 1 (clip_grads_with_norm_'s
+        # coefficient); folded into fused AdamW it is a division by the inverse
+        fold_clip = fold_clip and grad_norm + 1e-6 > max_norm
+        if fold_clip:
+            self.optimizer.grad_scale = (norm.float() + 1e-6) / max_norm
+        try:
+            self.optimizer.step()
+        finally:
+            if fold_clip:
+                del self.optimizer.grad_scale
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
