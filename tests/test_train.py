@@ -336,3 +336,41 @@ def test_clipping_folded_into_fused_adamw_matches_explicit_clipping(tmp_path, on
     trainer = Trainer(tiny_config(model, data, tmp_path / "noclip", **{**flags, "training.max_norm": 0.0}))
     free = [trainer.train_step()[0] for _ in range(4)]
     assert abs(free[-1] - runs[True][0][-1]) > 1e-4
+
+
+def test_tied_embedding_gradient_goes_straight_into_the_head_gradient(tmp_path):
+    # apply_tied_embedding_grad: the embedding rows' gradient is index-added into the tied weight's
+    # gradient; the result equals autograd's dense embedding backward plus the head's gradient
+    import copy
+
+    from baige.runtime import parallel
+    from baige.runtime.loader import load_model
+
+    ref = load_model(tiny_model(tmp_path / "model", "llama-tied"), dtype=torch.float64, device="cpu").train()
+    fast = copy.deepcopy(ref)
+    fast.tie_weights()
+    assert fast.lm_head.weight is fast.model.embed_tokens.weight
+    parallel.apply_tied_embedding_grad(fast)
+    out = fast.model.embed_tokens(torch.tensor([[1, 2]]))
+    assert out.requires_grad and out.grad_fn is None  # the detached lookup, not autograd's embedding
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (3, 2, 16), generator=g)
+    ids[0, 0, :4] = 5  # repeated ids accumulate
+    labels = torch.randint(0, 97, (3, 2, 16), generator=g)
+    pos = torch.arange(16).expand(2, 16)
+    for model in (ref, fast):
+        for b in range(3):  # three micro-batches accumulate into .grad
+            hidden = model(ids[b], pos)
+            kernels.fused_linear_cross_entropy(hidden, model.lm_head.weight, labels[b], normalizer=96.0).backward()
+    for (name, p), (_, q) in zip(ref.named_parameters(), fast.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-15, msg=name)
+    # without a head gradient yet (the loss does not use lm_head) the rows land in a zero gradient
+    for model in (ref, fast):
+        model.zero_grad(set_to_none=True)
+        model(ids[0], pos).pow(2).sum().backward()
+    w_ref, w_fast = ref.model.embed_tokens.weight.grad, fast.model.embed_tokens.weight.grad
+    torch.testing.assert_close(w_fast, w_ref, rtol=1e-12, atol=1e-15)
+    assert w_fast.abs().sum() > 0
+    # no grad mode (evaluation): a plain lookup, no hook
+    with torch.no_grad():
+        assert not fast.model.embed_tokens(ids[0]).requires_grad

@@ -11,6 +11,7 @@ Launch forms: torchrun (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/`
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections import defaultdict
@@ -239,6 +240,45 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile(fullgraph=True)
 
 
+def _embed_into_tied_grad(embed: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """``embed(input_ids)`` whose backward index-adds the looked-up rows' gradient into ``weight.grad``.
+
+    Autograd's embedding backward builds a dense (vocab, hidden) gradient (a zero fill of the whole
+    table, then a scatter of the B*T rows) and adds it to the lm_head's dense gradient: two passes
+    over the table for a few hundred rows. Here the lookup reads a detached weight and a hook on the
+    output adds its (B*T, hidden) gradient into ``weight.grad`` in place. That is correct because of
+    the order of the backward: the tied lm_head's gradient comes first (the loss), and autograd runs a
+    parameter's AccumulateGrad as soon as its inputs are in, so ``weight.grad`` holds it by the time
+    the backward reaches the embedding output, the last node. (No grad yet, e.g. a frozen head: a
+    zero-filled gradient is made.)
+    """
+    weight = embed.weight
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return nn.functional.embedding(input_ids, weight)
+    out = nn.functional.embedding(input_ids, weight.detach()).requires_grad_()  # (B, T, hidden)
+    ids = input_ids.reshape(-1)  # (B*T,)
+
+    def accumulate(grad: torch.Tensor) -> None:
+        rows = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)  # (B*T, hidden)
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, ids, rows)
+
+    out.register_hook(accumulate)
+    return out
+
+
+def apply_tied_embedding_grad(model: nn.Module) -> None:
+    """Route the input embedding's gradient into the tied lm_head's gradient (see
+    :func:`_embed_into_tied_grad`). Only for tied weights held as plain tensors (no FSDP/TP): an
+    untied table has no dense gradient to add into. The module, its class and its parameter names
+    are unchanged; only this instance's ``forward`` is replaced."""
+    embed = model.model.embed_tokens
+    if model.lm_head.weight is not embed.weight:
+        return
+    embed.forward = functools.partial(_embed_into_tied_grad, embed)
+
+
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
     """FSDP2 ``fully_shard`` on every decoder block, then on the root (embeddings, final norm, lm_head).
 
@@ -258,7 +298,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile: bool,
                 param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """Apply TP, AC, compile and FSDP in that order (each only when enabled)."""
+    """Apply TP, AC, compile and FSDP in that order (each only when enabled); without FSDP and TP,
+    route a tied embedding's gradient into the lm_head's (:func:`apply_tied_embedding_grad`)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
     apply_ac(model, ac)
@@ -267,6 +308,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile:
     if dims.fsdp_enabled:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
+    elif dims.tp == 1:
+        apply_tied_embedding_grad(model)
 
 
 # ---- gradient clipping -----------------------------------------------------------------------------
