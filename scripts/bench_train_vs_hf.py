@@ -4,6 +4,7 @@ Both runs start from the same checkpoint, see the same windows in the same order
 DataLoader), use AdamW with the same hyper-parameters and parameter groups and clip at the same
 norm; tokens/s is the median over steps 2..N (step 1 is warm-up). MFU uses the same formula and
 peak for both: model.flops_per_token(seq_len) (6N + 12LHQT) x tokens/s / the measured matmul peak.
+baige runs with the trainer's defaults (torch.compile of the blocks on CPU: step 1 includes the compile).
 
     python scripts/bench_train_vs_hf.py --steps 12 --seq-len 128 --batch-size 4 --threads 2 \
         --output bench-train.json
@@ -32,7 +33,7 @@ def run_baige(args, out_dir: Path):
         "model.name": args.model, "data.train": [args.data], "output": str(out_dir), "training.steps": args.steps,
         "training.seq_len": args.seq_len, "training.batch_size": args.batch_size, "optimizer.lr": args.lr,
         "lr_scheduler.name": "constant", "metrics.tensorboard": False, "checkpoint.export_hf": False,
-        "training.device": args.device, "training.compile": args.compile})
+        "training.device": args.device, "training.compile": "auto" if args.compile is None else args.compile})
     trainer = Trainer(cfg)
     losses, times = [], []
     for _ in range(args.steps):
@@ -89,7 +90,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each block of baige's model (HF stays eager)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile each block of baige's model, or not (default: the trainer's, on for CPU); "
+                         "HF stays eager")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.threads:

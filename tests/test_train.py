@@ -374,3 +374,17 @@ def test_tied_embedding_gradient_goes_straight_into_the_head_gradient(tmp_path):
     # no grad mode (evaluation): a plain lookup, no hook
     with torch.no_grad():
         assert not fast.model.embed_tokens(ids[0]).requires_grad
+
+
+def test_compile_defaults_to_on_for_single_device_cpu(tmp_path):
+    # training.compile = auto: the blocks are compiled on one CPU device (construction only; no step)
+    from baige.runtime.train import Trainer
+
+    model = tiny_model(tmp_path / "model")
+    data = tmp_path / "train.txt"
+    data.write_text(shakespeare(2_000))
+    for value, expected in (("auto", True), (False, False), (True, True)):
+        trainer = Trainer(tiny_config(model, data, tmp_path / f"run-{value}", **{"training.compile": value}))
+        assert trainer.compile is expected
+        compiled = [getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.model.layers]
+        assert compiled == [expected] * len(compiled)

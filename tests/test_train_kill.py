@@ -42,7 +42,7 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path):
     out = tmp_path / "run"
     args = ["--model", str(model), "--data", str(data), "--output", str(out), "--steps", "10", "--seq-len", "32",
             "--batch-size", "4", "--lr", "1e-2", "--set", "checkpoint.interval=5", "--set", "metrics.log_every=1",
-            "--set", "checkpoint.keep_latest=0"]
+            "--set", "checkpoint.keep_latest=0", "--no-compile"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HOLD_STEP="step_00000010", HOLD_MARKER=str(tmp_path / "held"))
     child = subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)

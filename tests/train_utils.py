@@ -56,12 +56,13 @@ def read_metrics(output: Path, split: str = "train") -> dict[int, float]:
 
 
 def tiny_config(model: Path, data: Path, output: Path, **flags):
-    """A TrainConfig for the tiny model: seq_len 32, lr 1e-2 cosine, metrics every step, keep all checkpoints."""
+    """A TrainConfig for the tiny model: seq_len 32, lr 1e-2 cosine, metrics every step, keep all checkpoints,
+    eager (no torch.compile: seconds of inductor builds per test)."""
     from baige.runtime.train_config import load_train_config
 
     base = {"model.name": str(model), "data.train": [str(data)], "output": str(output), "training.seq_len": 32,
             "optimizer.lr": 1e-2, "lr_scheduler.warmup_steps": 2, "metrics.log_every": 1, "checkpoint.keep_latest": 0,
-            "checkpoint.interval": 0, "metrics.tensorboard": False}
+            "checkpoint.interval": 0, "metrics.tensorboard": False, "training.compile": False}
     base.update(flags)
     return load_train_config(None, base)
 

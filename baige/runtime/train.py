@@ -177,7 +177,9 @@ class Trainer:
         self.param_dtype = _DTYPES["bfloat16" if mp == "auto" and self.device.type == "cuda" else
                                    ("float32" if mp == "auto" else mp)]
         reduce_dtype = _DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
-        parallel.parallelize(model, self.dims, self.mesh, ac=t.activation_checkpointing, compile=t.compile,
+        self.compile = t.compile if isinstance(t.compile, bool) else (
+            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1)
+        parallel.parallelize(model, self.dims, self.mesh, ac=t.activation_checkpointing, compile=self.compile,
                              param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         if not self.dims.fsdp_enabled:
             model.to(self.device)

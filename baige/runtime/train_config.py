@@ -46,7 +46,9 @@ class TrainingSection:
     eval_batches: int = 0  # micro-batches per evaluation (per device); 0 = the whole eval set
     device: str = "auto"  # auto | cpu | cuda
     activation_checkpointing: str = "none"  # none | full | N (every N-th block)
-    compile: bool = False  # torch.compile each block
+    # torch.compile each block; auto = on for single-device CPU training (no FSDP/TP), where the blocks'
+    # reference norms/RoPE/SwiGLU otherwise run as many small eager ops (README, Performance)
+    compile: bool | str = "auto"  # auto | true | false
 
 
 @dataclass
@@ -240,6 +242,8 @@ def validate(cfg: TrainConfig) -> None:
         raise BaigeError(f"optimizer.name {cfg.optimizer.name!r} is not supported (adamw)")
     if len(cfg.optimizer.betas) != 2:
         raise BaigeError(f"optimizer.betas must be two numbers (got {cfg.optimizer.betas})")
+    if t.compile not in (True, False, "auto"):
+        raise BaigeError(f"training.compile must be auto, true or false (got {t.compile!r})")
     if cfg.optimizer.fused not in ("auto", "true", "false"):
         raise BaigeError(f"optimizer.fused must be auto, true or false (got {cfg.optimizer.fused!r})")
     if cfg.lr_scheduler.name not in ("cosine", "wsd", "constant"):
