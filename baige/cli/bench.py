@@ -261,7 +261,9 @@ def train(
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16.")] = "auto",
     device: DeviceOpt = Device.auto,
     activation_checkpointing: Annotated[str, typer.Option(help="none | full | N.")] = "none",
-    compile: Annotated[bool, typer.Option(help="torch.compile each block.")] = False,
+    compile: Annotated[Optional[bool], typer.Option(
+        "--compile/--no-compile", help="torch.compile each block. Default: the Trainer's (training.compile = "
+                                       "auto: on for single-device CPU training).")] = None,
     data: Annotated[Optional[Path], typer.Option(help="UTF-8 text to train on (default: synthetic).")] = None,
     seed: SeedOpt = 0, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
@@ -273,7 +275,8 @@ def train(
     if dtype not in ("auto", "float32", "bfloat16"):
         raise BaigeError(f"--dtype {dtype!r}: choose auto, float32 or bfloat16")
     cfg = TrainBenchConfig(model, seq_len, batch_size, grad_accum, steps, warmup_steps, dtype, device.value,
-                           activation_checkpointing, compile, str(data) if data else None, seed)
+                           activation_checkpointing, "auto" if compile is None else compile,
+                           str(data) if data else None, seed)
     _execute("train", run_train, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench train ({batch_size} x {seq_len} tokens/step)", train_rows(r)))
 

@@ -44,7 +44,7 @@ class TrainBenchConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"
     activation_checkpointing: str = "none"
-    compile: bool = False
+    compile: bool | str = "auto"  # training.compile: auto | True | False
     data_path: str | None = None
     seed: int = 0
 
