@@ -388,3 +388,18 @@ def test_compile_defaults_to_on_for_single_device_cpu(tmp_path):
         assert trainer.compile is expected
         compiled = [getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.model.layers]
         assert compiled == [expected] * len(compiled)
+
+
+def test_compile_auto_stays_eager_without_a_cxx_compiler(tmp_path, monkeypatch):
+    # Inductor's CPU backend needs a C++ compiler: auto must not pick compile where none is on PATH
+    import shutil
+
+    from baige.runtime.train import Trainer
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    model = tiny_model(tmp_path / "model")
+    data = tmp_path / "train.txt"
+    data.write_text(shakespeare(2_000))
+    trainer = Trainer(tiny_config(model, data, tmp_path / "run", **{"training.compile": "auto"}))
+    assert trainer.compile is False

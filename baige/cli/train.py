@@ -44,7 +44,7 @@ def train(
     tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree.")] = None,
     dp_replicate: Annotated[Optional[int], typer.Option(help="HSDP replica count (1 = FSDP).")] = None,
     ac: Annotated[Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")] = None,
-    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block (default: on for single-device CPU training).")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block (default: on for single-device CPU training when a C++ compiler is on PATH).")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed for init and data order.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)] = None,

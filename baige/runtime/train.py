@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,13 @@ class TrainResult:
     export: Path | None = None
 
 
+def _has_cxx_compiler() -> bool:
+    """A C++ compiler for torch.compile's CPU backend (Inductor): $CXX, g++, c++ or clang++ on PATH."""
+    import shutil
+
+    return any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++"))
+
+
 class Trainer:
     """One training run on this rank. Collective: every rank builds one with the same config."""
 
@@ -178,7 +186,8 @@ class Trainer:
                                    ("float32" if mp == "auto" else mp)]
         reduce_dtype = _DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
         self.compile = t.compile if isinstance(t.compile, bool) else (
-            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1)
+            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1
+            and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
         parallel.parallelize(model, self.dims, self.mesh, ac=t.activation_checkpointing, compile=self.compile,
                              param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         if not self.dims.fsdp_enabled:
