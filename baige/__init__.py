@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "BaigeError"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from baige.runtime.sampling import SamplingParams
 
         return SamplingParams
+    if name == "BaigeError":
+        from baige.errors import BaigeError
+
+        return BaigeError
     raise AttributeError(f"module 'baige' has no attribute {name!r}")

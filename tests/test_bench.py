@@ -189,6 +189,12 @@ def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
     r = _result(tmp_path, "compare")
     assert set(r["samples"]["decode"]) == {"baige", "hf-float32"}
     assert r["args"]["engine"]["kv_cache_dtype"] == "float16" and r["args"]["engine"]["model"] == str(tiny_dir)
+    res = _cli(["bench", "--output-dir", str(tmp_path), "latency", "--model", str(tiny_dir), "--input-len", "4",
+                "--output-len", "2", "--batch-size", "1", "--num-iters", "1", "--num-iters-warmup", "0",
+                "--kv-cache-dtype", "float16"])
+    assert res.exit_code == 0, res.output
+    # the roofline counts the cache's bytes: fp16 K+V x layers x kv heads x head_dim
+    assert _result(tmp_path, "latency")["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
 
 
 def test_cli_compare_prints_ratios(tiny_dir, tmp_path):
@@ -313,7 +319,7 @@ def test_cli_train_reports_mfu_from_flops_per_token(tmp_path):
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "train")
     s = r["summary"]
-    assert [x["step"] for x in r["samples"]] == [2, 3] and r["args"]["compile"] is False
+    assert [x["step"] for x in r["samples"]] == [2, 3] and r["args"]["compile"] is False and r["compiled"] is False
     assert s["tokens_per_s_per_device"] == pytest.approx(2 * 16 / s["step_time_s"])
     # debug preset: N_non-embedding = 2 layers x (attn 64*64*2 + 2*64*32 + mlp 3*64*192 + 2*64) + 64; L*H*Q = 2*4*16
     n = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 64

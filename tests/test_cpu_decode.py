@@ -142,5 +142,5 @@ def test_engine_fp16_kv_cache(embedded_dir, monkeypatch):
         blocks[mode] = llm.engine.kv_cache.num_blocks
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["auto"] == outs["reference"] and all(len(t) == 12 for t in outs["auto"])
-    fp32 = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20)
+    fp32 = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory="64MiB")
     assert blocks["auto"] == 2 * fp32.engine.kv_cache.num_blocks

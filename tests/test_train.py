@@ -403,3 +403,7 @@ def test_compile_auto_stays_eager_without_a_cxx_compiler(tmp_path, monkeypatch):
     data.write_text(shakespeare(2_000))
     trainer = Trainer(tiny_config(model, data, tmp_path / "run", **{"training.compile": "auto"}))
     assert trainer.compile is False
+    from baige import BaigeError
+
+    with pytest.raises(BaigeError, match=r"--compile \(training.compile = true\) on CPU needs a C\+\+ compiler"):
+        Trainer(tiny_config(model, data, tmp_path / "run-true", **{"training.compile": True}))

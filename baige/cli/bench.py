@@ -21,7 +21,8 @@ app.add_typer(bench_app, name="bench")
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
 OutDirOpt = Annotated[Path, typer.Option(help="Directory for the JSON results (and PNG charts).")]
 PlotOpt = Annotated[bool, typer.Option("--plot", help="Also write PNG charts (matplotlib).")]
-DTypeOpt = Annotated[DType, typer.Option(help="Weights and KV-cache dtype; auto = the checkpoint's.")]
+DTypeOpt = Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is set); "
+                                               "auto = the checkpoint's.")]
 DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")]
 EagerOpt = Annotated[bool, typer.Option(help="Never capture the decode step (torch.compile / CUDA graphs).")]
 MNBTOpt = Annotated[int, typer.Option(min=1, help="Most tokens computed in one engine step.")]
@@ -72,8 +73,10 @@ class HFDType(str, Enum):
     float16 = "float16"
 
 
-KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype; auto = the model's (float16 under an fp32 "
-                                                     "model on CPU: half the attention's reads).")]
+KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype of every baige row; auto = the model's. On CPU "
+                                                     "float16 under an fp32 model halves the attention's reads (the "
+                                                     "native kernels read fp32 or fp16 caches; bfloat16 takes the "
+                                                     "slower PyTorch path).")]
 
 
 def _engine(model, dtype, device, enforce_eager, mnbt, quantization=None, kv_cache_dtype=DType.auto):
@@ -297,8 +300,8 @@ def compare(
                                                  "fp16-weight (CPU fp32).")] = True,
     kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     hf_dtype: Annotated[Optional[list[HFDType]], typer.Option(
-        help="HF transformers dtypes to time (repeat the option); throughput keeps the fastest after round 1. "
-             "Default: float32 and bfloat16.")] = None,
+        help="HF transformers dtypes to time (repeat the option; no auto). Decode times each in every round; "
+             "static-batch throughput times each in round 1, then only the fastest. Default: float32 and bfloat16.")] = None,
     dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,

@@ -21,7 +21,8 @@ def serve(
                                                    help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(min=2, help="Context limit in tokens (prompt + output). "
                                                          "Default: the model's max_position_embeddings.")] = None,
-    dtype: Annotated[DType, typer.Option(help="Weights and KV-cache dtype; auto = the checkpoint's.")] = DType.auto,
+    dtype: Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is set); "
+                                              "auto = the checkpoint's.")] = DType.auto,
     device: Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")] = Device.auto,
     seed: Annotated[int, typer.Option(help="Seed of the RNG that requests without a seed sample from.")] = 0,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Most sequences in one step.")] = 128,
@@ -40,7 +41,8 @@ def serve(
              "rewrites the remaining fp32 linears (the tied lm_head): the fastest CPU decode. Default: none.")] = None,
     kv_cache_dtype: Annotated[DType, typer.Option(
         help="KV-cache dtype; auto = the model's. On CPU float16 under an fp32 model halves the cache's "
-             "memory and the attention's reads (K/V rounded to fp16).")] = DType.auto,
+             "memory and the attention's reads (K/V rounded to fp16; bfloat16 works but takes the slower "
+             "PyTorch path). On CUDA only the model's dtype.")] = DType.auto,
     log_level: Annotated[str, typer.Option(help="Logging level (one line per request at info).")] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""

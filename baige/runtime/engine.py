@@ -22,7 +22,7 @@ from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.block_manager import BlockManager
 from baige.runtime.kv_cache import KVCache, num_blocks_for, profile_activation_peak, resolve_kv_cache_dtype
-from baige.runtime.loader import load_model, resolve_device, resolve_model
+from baige.runtime.loader import load_model, parse_size, resolve_device, resolve_model
 from baige.runtime.model import Transformer
 from baige.runtime.runner import ModelRunner
 from baige.runtime.sampling import Logprobs, SamplerRow, SamplingParams
@@ -45,7 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes
+    kv_cache_memory: int | str | None = None  # bytes, or a size such as "2GB" / "512MiB" (loader.parse_size)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
@@ -145,6 +145,10 @@ class Engine:
                              f"--max-num-seqs ({cfg.max_num_seqs})")
         if cfg.block_size < 1 or cfg.max_num_seqs < 1:
             raise BaigeError("--block-size and --max-num-seqs must be >= 1")
+        if isinstance(cfg.kv_cache_memory, str):
+            from dataclasses import replace
+
+            cfg = self.cfg = replace(cfg, kv_cache_memory=parse_size(cfg.kv_cache_memory))
         p = next(model.parameters())
         kernels.backend(p)  # a bad BAIGE_KERNELS fails here, at start-up, not inside the first request
         peak = 0

@@ -188,6 +188,10 @@ class Trainer:
         self.compile = t.compile if isinstance(t.compile, bool) else (
             self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1
             and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
+        if self.compile is True and self.device.type == "cpu" and not _has_cxx_compiler():
+            raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
+                             "(g++, c++, clang++ or $CXX) for torch.compile's Inductor backend; install one "
+                             "or use --no-compile")
         parallel.parallelize(model, self.dims, self.mesh, ac=t.activation_checkpointing, compile=self.compile,
                              param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         if not self.dims.fsdp_enabled:

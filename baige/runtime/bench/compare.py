@@ -145,7 +145,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     decode: dict[str, Callable[[], None]] = {"baige": _baige_decode(baige, decode_prompt, cfg.output_len)}
     batch: dict[str, Callable[[], None]] = {"baige": _baige_batch(baige, reqs)}
     weight_bytes = {"baige": roofline.weight_bytes(baige.engine.model)}
-    dtype_bytes = {"baige": next(baige.engine.model.parameters()).element_size()}
+    dtype_bytes = {"baige": baige.engine.kv_cache.k[0].element_size()}  # per cached K/V element
     for dt in cfg.hf_dtypes:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dt)).eval()
         decode[f"hf-{dt}"] = lambda m=hf: _hf_generate(m, [decode_prompt], cfg.output_len, pad_id)
@@ -176,7 +176,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
         decode[f"baige-{variant}"] = _baige_decode(q, decode_prompt, cfg.output_len)
         batch[f"baige-{variant}"] = _baige_batch(q, reqs)
         weight_bytes[f"baige-{variant}"] = roofline.weight_bytes(q.engine.model)
-        dtype_bytes[f"baige-{variant}"] = dtype_bytes["baige"]
+        dtype_bytes[f"baige-{variant}"] = q.engine.kv_cache.k[0].element_size()
     gguf = _gguf_of(cfg.engine.model)
     if importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")

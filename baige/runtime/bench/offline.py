@@ -92,8 +92,10 @@ def _fwd_flops(info: dict, context_len: float) -> float:
 
 
 def _limits(llm):
+    """This machine's limits for the model's dtype, and the bytes of one cached K/V element (the KV
+    cache's dtype, which ``--kv-cache-dtype`` may set apart from the weights')."""
     p = next(llm.engine.model.parameters())
-    return roofline.hardware_limits(p.device, p.dtype), p.element_size()
+    return roofline.hardware_limits(p.device, p.dtype), llm.engine.kv_cache.k[0].element_size()
 
 
 def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:

@@ -108,6 +108,7 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
         except KeyboardInterrupt:
             interrupted = True
         mem = peak_memory_bytes(trainer.device)
+        compiled = trainer.compile  # what training.compile (auto by default) resolved to
         fpt = trainer.model.flops_per_token(cfg.seq_len)
         counts = {"num_params": trainer.model.num_params(),
                   "num_params_non_embedding": trainer.model.num_params(non_embedding=True)}
@@ -120,5 +121,5 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
                    "roofline": roofline.compute_roofline(tps, fpt, peak)}
         summary["mfu_pct"] = summary["roofline"]["pct_of_limit"]
     return {"benchmark": "train", "args": asdict(cfg), "environment": environment(), "limits": limits.to_dict(),
-            "model": counts, "dtype": str(dtype).removeprefix("torch."), "interrupted": interrupted,
+            "model": counts, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled, "interrupted": interrupted,
             "samples": samples, "summary": summary}
