@@ -174,18 +174,28 @@ static void qk_rows(const float *q, const float *kb, int64_t rows, int64_t d, fl
     for (; i < rows; i++) sc[i] = dot_f32(q, kb + i * d, d) * scale;
 }
 
-/* qk_rows for three query heads sharing one K block (a GQA group), d a multiple of 8: two rows x
- * three heads per step, so each K vector is loaded once for the three (5 loads per 6 FMAs instead
- * of 5 per 4). */
-static void qk_rows3(const float *const q[3], const float *kb, int64_t rows, int64_t d, float scale,
-                     float *const sc[3]) {
+/* 8 K/V values from element i of an fp32 (f16 = 0) or fp16 (f16 = 1) cache, as fp32; and one. */
+static inline __attribute__((always_inline)) __m256 load8(const void *base, int f16, int64_t i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
+               : _mm256_loadu_ps((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) float load1(const void *base, int f16, int64_t i) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* qk_rows for three query heads sharing one K block (a GQA group), d a multiple of 8, the block fp32
+ * or fp16 (converted in registers, once for the three heads): two rows x three heads per step, so
+ * each K vector is loaded once for the three (5 loads per 6 FMAs instead of 5 per 4). Always
+ * inlined: each call site passes a constant f16 and gets its own loop. */
+static inline __attribute__((always_inline)) void qk_rows3(const float *const q[3], const void *kb, int f16,
+                                                           int64_t rows, int64_t d, float scale, float *const sc[3]) {
     const __m128 sv = _mm_set1_ps(scale);
     int64_t i = 0;
     for (; i + 2 <= rows; i += 2) {
-        const float *k0 = kb + i * d, *k1 = k0 + d;
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
         for (int64_t c = 0; c < d; c += 8) {
-            const __m256 x0 = _mm256_loadu_ps(k0 + c), x1 = _mm256_loadu_ps(k1 + c);
+            const __m256 x0 = load8(kb, f16, i * d + c), x1 = load8(kb, f16, (i + 1) * d + c);
             __m256 qv = _mm256_loadu_ps(q[0] + c);
             a00 = _mm256_fmadd_ps(qv, x0, a00);
             a01 = _mm256_fmadd_ps(qv, x1, a01);
@@ -203,7 +213,11 @@ static void qk_rows3(const float *const q[3], const float *kb, int64_t rows, int
         sc[2][i] = r[4], sc[2][i + 1] = r[5];
     }
     for (; i < rows; i++)
-        for (int j = 0; j < 3; j++) sc[j][i] = dot_f32(q[j], kb + i * d, d) * scale;
+        for (int j = 0; j < 3; j++) {
+            float acc = 0.0f;
+            for (int64_t c = 0; c < d; c++) acc += q[j][c] * load1(kb, f16, i * d + c);
+            sc[j][i] = acc * scale;
+        }
 }
 
 /* out[c] = sum_pos w[pos] * V[pos][c] for pos < L and columns c0 <= c < d, V's rows found block by
@@ -254,19 +268,21 @@ static void pv_sum(const float *w, const float *vh, const int64_t *table, int64_
     }
 }
 
-/* pv_sum for three query heads sharing one V (a GQA group): 16 columns x three heads per pass over
- * the rows, so each V vector is loaded once for the three; columns past the last multiple of 16 by
- * pv_sum. Returns nothing; out[j] gets head j's d values. */
-static void pv_sum3(const float *const w[3], const float *vh, const int64_t *table, int64_t bs, int64_t d, int64_t L,
-                    float *const out[3]) {
+/* pv_sum for three query heads sharing one V (a GQA group), V fp32 or fp16 (converted in registers,
+ * once for the three heads) with rows found through table (NULL: contiguous): 16 columns x three
+ * heads per pass over the rows, so each V vector is loaded once for the three; remaining columns
+ * one at a time. Always inlined with a constant f16, like qk_rows3. */
+static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3], const void *vh, int f16,
+                                                          const int64_t *table, int64_t bs, int64_t d, int64_t L,
+                                                          float *const out[3]) {
     int64_t c0 = 0;
     for (; c0 + 16 <= d; c0 += 16) {
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
         for (int64_t b0 = 0; b0 < L; b0 += bs) {
-            const float *vb = v_row(vh, table, bs, d, b0) + c0;
+            const int64_t at = (table ? table[b0 / bs] * bs : b0) * d + c0;  /* this block's first row */
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
             for (int64_t i = 0; i < rows; i++) {
-                const __m256 v0 = _mm256_loadu_ps(vb + i * d), v1 = _mm256_loadu_ps(vb + i * d + 8);
+                const __m256 v0 = load8(vh, f16, at + i * d), v1 = load8(vh, f16, at + i * d + 8);
                 __m256 x = _mm256_set1_ps(w[0][b0 + i]);
                 a00 = _mm256_fmadd_ps(x, v0, a00);
                 a01 = _mm256_fmadd_ps(x, v1, a01);
@@ -282,8 +298,13 @@ static void pv_sum3(const float *const w[3], const float *vh, const int64_t *tab
         _mm256_storeu_ps(out[1] + c0, a10); _mm256_storeu_ps(out[1] + c0 + 8, a11);
         _mm256_storeu_ps(out[2] + c0, a20); _mm256_storeu_ps(out[2] + c0 + 8, a21);
     }
-    if (c0 < d)
-        for (int j = 0; j < 3; j++) pv_sum(w[j], vh, table, bs, d, L, out[j], c0);
+    for (; c0 < d; c0++)
+        for (int j = 0; j < 3; j++) {
+            float acc = 0.0f;
+            for (int64_t pos = 0; pos < L; pos++)
+                acc += w[j][pos] * load1(vh, f16, (table ? table[pos / bs] * bs + pos % bs : pos) * d + c0);
+            out[j][c0] = acc;
+        }
 }
 
 /* The rows of one cache block as fp32: the block itself (fp32 cache) or its n values converted into
@@ -320,6 +341,9 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
                                  float *out, int kv_f16, int nthreads) {
     const int64_t group = hq / hk;
+    /* fp16 cache, head_dim a multiple of 8, groups of three query heads: K and V are converted in
+     * registers by qk_rows3 / pv_sum3 (no conversion buffer); otherwise through tile / vconv */
+    const int f16_groups = kv_f16 && group % 3 == 0 && (d & 7) == 0;
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
     int rc = 0;
@@ -343,16 +367,33 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
                 const int64_t rows = L - b0 < bs ? L - b0 : bs;
                 if (b0 + bs < L) prefetch_block(k_cache, kv_f16, base + table[b0 / bs + 1] * bs * d, bs * d);
                 else prefetch_block(v_cache, kv_f16, base + table[0] * bs * d, (L < bs ? L : bs) * d);
-                const float *kb = block_f32(k_cache, kv_f16, base + table[b0 / bs] * bs * d, rows * d, tile);
+                const int64_t at = base + table[b0 / bs] * bs * d;
+                if (f16_groups) {  /* fp16 K converted in registers, once per group of three heads */
+                    for (int64_t j = 0; j < group; j += 3) {
+                        const float *qs[3] = {q + (head0 + j) * d, q + (head0 + j + 1) * d, q + (head0 + j + 2) * d};
+                        float *const sc[3] = {p + j * L + b0, p + (j + 1) * L + b0, p + (j + 2) * L + b0};
+                        qk_rows3(qs, (const uint16_t *)k_cache + at, 1, rows, d, scale, sc);
+                    }
+                    continue;
+                }
+                const float *kb = block_f32(k_cache, kv_f16, at, rows * d, tile);
                 int64_t j = 0;
                 for (; (d & 7) == 0 && j + 3 <= group; j += 3) {
                     const float *qs[3] = {q + (head0 + j) * d, q + (head0 + j + 1) * d, q + (head0 + j + 2) * d};
                     float *const sc[3] = {p + j * L + b0, p + (j + 1) * L + b0, p + (j + 2) * L + b0};
-                    qk_rows3(qs, kb, rows, d, scale, sc);
+                    qk_rows3(qs, kb, 0, rows, d, scale, sc);
                 }
                 for (; j < group; j++) qk_rows(q + (head0 + j) * d, kb, rows, d, scale, p + j * L + b0);
             }
             for (int64_t j = 0; j < group; j++) softmax_inplace(p + j * L, L);
+            if (f16_groups) {  /* fp16 V converted in registers, once per group of three heads */
+                for (int64_t j = 0; j < group; j += 3) {
+                    const float *ws[3] = {p + j * L, p + (j + 1) * L, p + (j + 2) * L};
+                    float *const os[3] = {out + (head0 + j) * d, out + (head0 + j + 1) * d, out + (head0 + j + 2) * d};
+                    pv_sum3(ws, (const uint16_t *)v_cache + base, 1, table, bs, d, L, os);
+                }
+                continue;
+            }
             const float *vh = (const float *)v_cache + base;  /* fp32: V read in place through the table */
             const int64_t *vtable = table;
             if (kv_f16) {  /* convert this head's V rows once for the whole group */
@@ -367,7 +408,7 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
             for (; j + 3 <= group; j += 3) {
                 const float *ws[3] = {p + j * L, p + (j + 1) * L, p + (j + 2) * L};
                 float *const os[3] = {out + (head0 + j) * d, out + (head0 + j + 1) * d, out + (head0 + j + 2) * d};
-                pv_sum3(ws, vh, vtable, bs, d, L, os);
+                pv_sum3(ws, vh, 0, vtable, bs, d, L, os);
             }
             for (; j < group; j++) pv_sum(p + j * L, vh, vtable, bs, d, L, out + (head0 + j) * d, 0);
         }
