@@ -153,28 +153,9 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* sc[i] = scale * q . kb[i] for the rows i < rows of one block (rows contiguous, d apart). Head dims
- * that are a multiple of 8: four rows at a time, each q vector loaded once for the four. */
-static void qk_rows(const float *q, const float *kb, int64_t rows, int64_t d, float scale, float *sc) {
-    int64_t i = 0;
-    if ((d & 7) == 0) {
-        for (; i + 4 <= rows; i += 4) {
-            const float *k0 = kb + i * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < d; c += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + c);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
-            }
-            _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-        }
-    }
-    for (; i < rows; i++) sc[i] = dot_f32(q, kb + i * d, d) * scale;
-}
-
-/* 8 K/V values from element i of an fp32 (f16 = 0) or fp16 (f16 = 1) cache, as fp32; and one. */
+/* 8 K/V values from element i of an fp32 (f16 = 0) or fp16 (f16 = 1) cache, as fp32; and one. The
+ * readers below are always inlined and every call site passes a constant f16, so each gets its own
+ * loop: fp16 is converted in registers, never through a buffer. */
 static inline __attribute__((always_inline)) __m256 load8(const void *base, int f16, int64_t i) {
     return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
                : _mm256_loadu_ps((const float *)base + i);
@@ -184,10 +165,35 @@ static inline __attribute__((always_inline)) float load1(const void *base, int f
     return f16 ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+/* sc[i] = scale * q . kb[i] for the rows i < rows of one block (rows contiguous, d apart). Head dims
+ * that are a multiple of 8: four rows at a time, each q vector loaded once for the four. */
+static inline __attribute__((always_inline)) void qk_rows(const float *q, const void *kb, int f16, int64_t rows,
+                                                          int64_t d, float scale, float *sc) {
+    int64_t i = 0;
+    if ((d & 7) == 0) {
+        for (; i + 4 <= rows; i += 4) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < d; c += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + c);
+                a0 = _mm256_fmadd_ps(qv, load8(kb, f16, i * d + c), a0);
+                a1 = _mm256_fmadd_ps(qv, load8(kb, f16, (i + 1) * d + c), a1);
+                a2 = _mm256_fmadd_ps(qv, load8(kb, f16, (i + 2) * d + c), a2);
+                a3 = _mm256_fmadd_ps(qv, load8(kb, f16, (i + 3) * d + c), a3);
+            }
+            _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+        }
+    }
+    for (; i < rows; i++) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < d; c++) acc += q[c] * load1(kb, f16, i * d + c);
+        sc[i] = acc * scale;
+    }
+}
+
 /* qk_rows for three query heads sharing one K block (a GQA group), d a multiple of 8, the block fp32
  * or fp16 (converted in registers, once for the three heads): two rows x three heads per step, so
  * each K vector is loaded once for the three (5 loads per 6 FMAs instead of 5 per 4). Always
- * inlined: each call site passes a constant f16 and gets its own loop. */
+ * inlined like the readers above. */
 static inline __attribute__((always_inline)) void qk_rows3(const float *const q[3], const void *kb, int f16,
                                                            int64_t rows, int64_t d, float scale, float *const sc[3]) {
     const __m128 sv = _mm_set1_ps(scale);
@@ -220,31 +226,29 @@ static inline __attribute__((always_inline)) void qk_rows3(const float *const q[
         }
 }
 
-/* out[c] = sum_pos w[pos] * V[pos][c] for pos < L and columns c0 <= c < d, V's rows found block by
- * block through table (table NULL: V is L contiguous rows). Accumulators stay in registers across all
- * blocks: 64 columns at a time in eight 8-lane registers, then 8 at a time, then a scalar tail. */
-static const float *v_row(const float *vh, const int64_t *table, int64_t bs, int64_t d, int64_t pos) {
-    return table ? vh + (table[pos / bs] * bs + pos % bs) * d : vh + pos * d;
-}
-
-static void pv_sum(const float *w, const float *vh, const int64_t *table, int64_t bs, int64_t d, int64_t L,
-                   float *out, int64_t c0) {
+/* out[0..d) = sum_pos w[pos] * V[pos] for pos < L, V's rows found block by block through table.
+ * Accumulators stay in registers across all blocks: 64 columns at a time in eight 8-lane registers,
+ * then 8 at a time, then a scalar tail. */
+static inline __attribute__((always_inline)) void pv_sum(const float *w, const void *vh, int f16,
+                                                         const int64_t *table, int64_t bs, int64_t d, int64_t L,
+                                                         float *out) {
+    int64_t c0 = 0;
     for (; c0 + 64 <= d; c0 += 64) {
         __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
         for (int64_t b0 = 0; b0 < L; b0 += bs) {
-            const float *vb = v_row(vh, table, bs, d, b0) + c0;
+            const int64_t at = table[b0 / bs] * bs * d + c0;  /* this block's first row */
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
             for (int64_t i = 0; i < rows; i++) {
-                const float *vp = vb + i * d;
+                const int64_t r = at + i * d;
                 const __m256 wb = _mm256_set1_ps(w[b0 + i]);
-                o0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp), o0);
-                o1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8), o1);
-                o2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 16), o2);
-                o3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 24), o3);
-                o4 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 32), o4);
-                o5 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 40), o5);
-                o6 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 48), o6);
-                o7 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 56), o7);
+                o0 = _mm256_fmadd_ps(wb, load8(vh, f16, r), o0);
+                o1 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 8), o1);
+                o2 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 16), o2);
+                o3 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 24), o3);
+                o4 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 32), o4);
+                o5 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 40), o5);
+                o6 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 48), o6);
+                o7 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 56), o7);
             }
         }
         _mm256_storeu_ps(out + c0, o0); _mm256_storeu_ps(out + c0 + 8, o1);
@@ -255,23 +259,23 @@ static void pv_sum(const float *w, const float *vh, const int64_t *table, int64_
     for (; c0 + 8 <= d; c0 += 8) {
         __m256 o0 = _mm256_setzero_ps();
         for (int64_t b0 = 0; b0 < L; b0 += bs) {
-            const float *vb = v_row(vh, table, bs, d, b0) + c0;
+            const int64_t at = table[b0 / bs] * bs * d + c0;
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
-            for (int64_t i = 0; i < rows; i++) o0 = _mm256_fmadd_ps(_mm256_set1_ps(w[b0 + i]), _mm256_loadu_ps(vb + i * d), o0);
+            for (int64_t i = 0; i < rows; i++)
+                o0 = _mm256_fmadd_ps(_mm256_set1_ps(w[b0 + i]), load8(vh, f16, at + i * d), o0);
         }
         _mm256_storeu_ps(out + c0, o0);
     }
     for (; c0 < d; c0++) {
         float acc = 0.0f;
-        for (int64_t pos = 0; pos < L; pos++) acc += w[pos] * v_row(vh, table, bs, d, pos)[c0];
+        for (int64_t pos = 0; pos < L; pos++) acc += w[pos] * load1(vh, f16, (table[pos / bs] * bs + pos % bs) * d + c0);
         out[c0] = acc;
     }
 }
 
 /* pv_sum for three query heads sharing one V (a GQA group), V fp32 or fp16 (converted in registers,
- * once for the three heads) with rows found through table (NULL: contiguous): 16 columns x three
- * heads per pass over the rows, so each V vector is loaded once for the three; remaining columns
- * one at a time. Always inlined with a constant f16, like qk_rows3. */
+ * once for the three heads): 16 columns x three heads per pass over the rows, so each V vector is
+ * loaded once for the three; remaining columns one at a time. */
 static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3], const void *vh, int f16,
                                                           const int64_t *table, int64_t bs, int64_t d, int64_t L,
                                                           float *const out[3]) {
@@ -279,7 +283,7 @@ static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3
     for (; c0 + 16 <= d; c0 += 16) {
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
         for (int64_t b0 = 0; b0 < L; b0 += bs) {
-            const int64_t at = (table ? table[b0 / bs] * bs : b0) * d + c0;  /* this block's first row */
+            const int64_t at = table[b0 / bs] * bs * d + c0;  /* this block's first row */
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
             for (int64_t i = 0; i < rows; i++) {
                 const __m256 v0 = load8(vh, f16, at + i * d), v1 = load8(vh, f16, at + i * d + 8);
@@ -302,20 +306,9 @@ static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3
         for (int j = 0; j < 3; j++) {
             float acc = 0.0f;
             for (int64_t pos = 0; pos < L; pos++)
-                acc += w[j][pos] * load1(vh, f16, (table ? table[pos / bs] * bs + pos % bs : pos) * d + c0);
+                acc += w[j][pos] * load1(vh, f16, (table[pos / bs] * bs + pos % bs) * d + c0);
             out[j][c0] = acc;
         }
-}
-
-/* The rows of one cache block as fp32: the block itself (fp32 cache) or its n values converted into
- * tile (fp16 cache). */
-static const float *block_f32(const void *cache, int kv_f16, int64_t offset, int64_t n, float *tile) {
-    if (!kv_f16) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(tile + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++) tile[i] = _cvtsh_ss(src[i]);
-    return tile;
 }
 
 /* Ask for the n values of a cache block at offset to be brought into cache (one prefetch per 64-byte
@@ -329,29 +322,24 @@ static inline void prefetch_block(const void *cache, int kv_f16, int64_t offset,
 /* Decode attention over paged K/V read in place (no gather). q, out: (S, hq, d) fp32; caches
  * (hk, num_blocks, bs, d), fp32 or fp16 (kv_f16); block_tables (S, W) int64; context_lens (S,) int64.
  * Query head j uses KV head j / (hq / hk). Work item = (sequence, KV head), spread over nthreads
- * OpenMP threads: every block of that head's K is read (and converted from fp16) once for all the
- * query heads of its group (scores by qk_rows3 / qk_rows), softmax per query head with the max
+ * OpenMP threads: every block of that head's K is read (and converted from fp16) once for each
+ * three query heads of its group (scores by qk_rows3 / qk_rows), softmax per query head with the max
  * subtracted (exact up to the vector exp), then the heads' outputs summed over V three heads at a
- * time by pv_sum3 (the rest by pv_sum); fp32 V is read in place, fp16 V converted once into a
- * contiguous fp32 copy. Any row may be any query of any sequence, so a prefill chunk can be passed as one row per
- * token (its own length). Returns 0, or -1 when a scratch buffer cannot be allocated (out is then
+ * time by pv_sum3 (the rest by pv_sum). fp16 K/V are converted in registers as they are read. Any
+ * row may be any query of any sequence, so a prefill chunk can be passed as one row per token (its
+ * own length). Returns 0, or -1 when a scratch buffer cannot be allocated (out is then
  * unspecified). */
 int baige_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
                                  float *out, int kv_f16, int nthreads) {
     const int64_t group = hq / hk;
-    /* fp16 cache, head_dim a multiple of 8, groups of three query heads: K and V are converted in
-     * registers by qk_rows3 / pv_sum3 (no conversion buffer); otherwise through tile / vconv */
-    const int f16_groups = kv_f16 && group % 3 == 0 && (d & 7) == 0;
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
     int rc = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S * hk > 1)
     {
-        /* per thread: group score rows, and (fp16 cache) the K block / all V rows converted to fp32 */
-        float *p = malloc(sizeof(float) * (size_t)(group * max_len + (kv_f16 ? bs * d + max_len * d : 0)));
-        float *tile = p ? p + group * max_len : NULL, *vconv = tile ? tile + bs * d : NULL;
+        float *p = malloc(sizeof(float) * (size_t)(group * max_len));  /* this thread's score rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < S * hk; item++) {
             if (!p) {
@@ -362,55 +350,38 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
             const int64_t s = item / hk, g = item % hk, L = context_lens[s];
             const int64_t *table = block_tables + s * W;
             const int64_t head0 = s * hq + g * group;  /* first query row of this group */
-            const int64_t base = g * num_blocks * bs * d;
+            const int64_t base = g * num_blocks * bs * d;  /* this KV head's pool, in elements */
+            const void *kh = kv_f16 ? (const void *)((const uint16_t *)k_cache + base) : (const float *)k_cache + base;
+            const void *vh = kv_f16 ? (const void *)((const uint16_t *)v_cache + base) : (const float *)v_cache + base;
             for (int64_t b0 = 0; b0 < L; b0 += bs) {
                 const int64_t rows = L - b0 < bs ? L - b0 : bs;
                 if (b0 + bs < L) prefetch_block(k_cache, kv_f16, base + table[b0 / bs + 1] * bs * d, bs * d);
                 else prefetch_block(v_cache, kv_f16, base + table[0] * bs * d, (L < bs ? L : bs) * d);
-                const int64_t at = base + table[b0 / bs] * bs * d;
-                if (f16_groups) {  /* fp16 K converted in registers, once per group of three heads */
-                    for (int64_t j = 0; j < group; j += 3) {
-                        const float *qs[3] = {q + (head0 + j) * d, q + (head0 + j + 1) * d, q + (head0 + j + 2) * d};
-                        float *const sc[3] = {p + j * L + b0, p + (j + 1) * L + b0, p + (j + 2) * L + b0};
-                        qk_rows3(qs, (const uint16_t *)k_cache + at, 1, rows, d, scale, sc);
-                    }
-                    continue;
-                }
-                const float *kb = block_f32(k_cache, kv_f16, at, rows * d, tile);
+                const int64_t at = table[b0 / bs] * bs * d;
                 int64_t j = 0;
                 for (; (d & 7) == 0 && j + 3 <= group; j += 3) {
                     const float *qs[3] = {q + (head0 + j) * d, q + (head0 + j + 1) * d, q + (head0 + j + 2) * d};
                     float *const sc[3] = {p + j * L + b0, p + (j + 1) * L + b0, p + (j + 2) * L + b0};
-                    qk_rows3(qs, kb, 0, rows, d, scale, sc);
+                    if (kv_f16) qk_rows3(qs, (const uint16_t *)kh + at, 1, rows, d, scale, sc);
+                    else qk_rows3(qs, (const float *)kh + at, 0, rows, d, scale, sc);
                 }
-                for (; j < group; j++) qk_rows(q + (head0 + j) * d, kb, rows, d, scale, p + j * L + b0);
+                for (; j < group; j++) {
+                    if (kv_f16) qk_rows(q + (head0 + j) * d, (const uint16_t *)kh + at, 1, rows, d, scale, p + j * L + b0);
+                    else qk_rows(q + (head0 + j) * d, (const float *)kh + at, 0, rows, d, scale, p + j * L + b0);
+                }
             }
             for (int64_t j = 0; j < group; j++) softmax_inplace(p + j * L, L);
-            if (f16_groups) {  /* fp16 V converted in registers, once per group of three heads */
-                for (int64_t j = 0; j < group; j += 3) {
-                    const float *ws[3] = {p + j * L, p + (j + 1) * L, p + (j + 2) * L};
-                    float *const os[3] = {out + (head0 + j) * d, out + (head0 + j + 1) * d, out + (head0 + j + 2) * d};
-                    pv_sum3(ws, (const uint16_t *)v_cache + base, 1, table, bs, d, L, os);
-                }
-                continue;
-            }
-            const float *vh = (const float *)v_cache + base;  /* fp32: V read in place through the table */
-            const int64_t *vtable = table;
-            if (kv_f16) {  /* convert this head's V rows once for the whole group */
-                for (int64_t b0 = 0; b0 < L; b0 += bs) {
-                    const int64_t rows = L - b0 < bs ? L - b0 : bs;
-                    if (b0 + bs < L) prefetch_block(v_cache, 1, base + table[b0 / bs + 1] * bs * d, bs * d);
-                    block_f32(v_cache, 1, base + table[b0 / bs] * bs * d, rows * d, vconv + b0 * d);
-                }
-                vh = vconv, vtable = NULL;
-            }
             int64_t j = 0;
             for (; j + 3 <= group; j += 3) {
                 const float *ws[3] = {p + j * L, p + (j + 1) * L, p + (j + 2) * L};
                 float *const os[3] = {out + (head0 + j) * d, out + (head0 + j + 1) * d, out + (head0 + j + 2) * d};
-                pv_sum3(ws, vh, 0, vtable, bs, d, L, os);
+                if (kv_f16) pv_sum3(ws, vh, 1, table, bs, d, L, os);
+                else pv_sum3(ws, vh, 0, table, bs, d, L, os);
             }
-            for (; j < group; j++) pv_sum(p + j * L, vh, vtable, bs, d, L, out + (head0 + j) * d, 0);
+            for (; j < group; j++) {
+                if (kv_f16) pv_sum(p + j * L, vh, 1, table, bs, d, L, out + (head0 + j) * d);
+                else pv_sum(p + j * L, vh, 0, table, bs, d, L, out + (head0 + j) * d);
+            }
         }
         free(p);
     }

@@ -23,10 +23,6 @@ def usable(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()) -> boo
     return library() is not None
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
@@ -86,8 +82,8 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Runs on ``torch.get_num_threads()`` OpenMP threads over (sequence, KV head) pairs. Raises
-    MemoryError when a thread's score buffer (n_heads / n_kv_heads x longest context floats plus one
-    block) cannot be allocated."""
+    MemoryError when a thread's score buffer (n_heads / n_kv_heads x longest context floats) cannot
+    be allocated."""
     S, H, D = q.shape
     hk, nb, bs, _ = k_cache.shape
     q = q.contiguous()
@@ -96,7 +92,8 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     rc = library().baige_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D, nb,
                                                 bs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
-                                                out.data_ptr(), k_cache.dtype == torch.float16, _threads())
+                                                out.data_ptr(), k_cache.dtype == torch.float16,
+                                                torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate the score buffer")
     return out
