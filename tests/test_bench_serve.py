@@ -161,3 +161,26 @@ def test_against_fake_server_counts_failures_and_uses_usage(fake_server):
     assert m["ttfts"][2] == 0.0 and 2 == sum(1 for e in m["errors"] if e)
     # no latency statistic includes a failed request: 2 TTFT samples
     assert m["mean_ttft_ms"] == pytest.approx(1000 * (results[0].ttft + results[1].ttft) / 2)
+
+
+def test_serve_roofline_counts_the_servers_kv_cache_dtype(tmp_path, monkeypatch):
+    from baige.runtime.bench import roofline
+    from baige.runtime.bench.serve_run import server_option, serve_roofline
+    from baige.runtime.config import ModelConfig
+    from tiny import make_checkpoint
+
+    assert server_option(["--kv-cache-dtype", "float16", "--max-num-seqs=4"], "--kv-cache-dtype") == "float16"
+    assert server_option(["--kv-cache-dtype=bfloat16"], "--kv-cache-dtype") == "bfloat16"
+    assert server_option(["--kv-cache-dtype"], "--kv-cache-dtype") is None  # no value: nothing to read
+    limits = roofline.HardwareLimits(device="cpu", dtype="float32", bandwidth=1e10, matmul_peak=1e11)
+    monkeypatch.setattr(roofline, "hardware_limits", lambda *a, **k: limits)
+    src = make_checkpoint(tmp_path / "src", "llama")  # fp32 checkpoint
+    kv32 = ModelConfig.from_file(src / "config.json").kv_bytes_per_token(4)
+    # two requests of 1 s each over 2 s: mean batch 1; context 20 / 2 + 10 / 2 / 2 = 12.5 tokens
+    metrics = {"duration": 2.0, "completed": 2, "total_input_tokens": 20, "total_output_tokens": 10,
+               "output_throughput": 5.0}
+    ok = [RequestResult(True, ttft=0.1, latency=1.0, output_tokens=5)] * 2
+    wbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    default = serve_roofline(src, metrics, ok)["decode"]["bytes_per_step"]
+    half = serve_roofline(src, metrics, ok, ["--kv-cache-dtype", "float16"])["decode"]["bytes_per_step"]
+    assert default == wbytes + 12.5 * kv32 and half == wbytes + 12.5 * kv32 / 2

@@ -16,6 +16,10 @@ CPU_KV_FRACTION = 0.1  # default share of available RAM for the cache on CPU
 GPU_KV_FRACTION = 0.9  # default share of free GPU memory after warm-up (vLLM's gpu_memory_utilization)
 
 
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
 class KVCache:
     """K and V pools, each layer ``(n_kv_heads, num_blocks + 1, block_size, head_dim)`` (the layout of
     ``baige.kernels``' paged ops: heads outermost).
@@ -121,8 +125,8 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
     need = -(-max_model_len // block_size)
     if num_blocks < need:
         raise BaigeError(
-            f"KV cache of {kv_cache_memory} bytes holds {num_blocks} blocks of {block_size} tokens, "
-            f"fewer than one sequence of max_model_len={max_model_len} tokens needs ({need} blocks, "
+            f"KV cache of {kv_cache_memory} bytes holds {_blocks(num_blocks)} of {block_size} tokens, "
+            f"fewer than one sequence of max_model_len={max_model_len} tokens needs ({_blocks(need)}, "
             f"{need * per_block} bytes); raise --kv-cache-memory or lower --max-model-len"
         )
     return int(num_blocks)

@@ -115,12 +115,25 @@ def launch_server(model: str | None, max_model_len: int, extra_args: list[str], 
                     proc.wait()
 
 
-def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult]) -> dict:
+def server_option(args: list[str], name: str) -> str | None:
+    """The value of ``baige serve`` option ``name`` (``--x=v`` or ``--x v``) in ``args``, last one wins."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+        elif a == name and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult], server_args: list[str] = ()) -> dict:
     """Decode under load against this machine's bandwidth limit (an estimate from the client side).
 
     Mean batch C = sum of successful requests' e2e latency / duration (Little's law); decode steps/s
     = output tokens/s / C; bytes per step = checkpoint bytes (the safetensors files, read once per
     step) + C * mean context * KV bytes per token, context = mean prompt + half the mean output.
+    The KV bytes follow the server's ``--kv-cache-dtype`` (else ``--dtype``, else the checkpoint's
+    dtype) as given in ``server_args``.
     """
     import torch
 
@@ -128,7 +141,12 @@ def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult])
     from baige.runtime.config import ModelConfig
 
     mc = ModelConfig.from_file(model_dir / "config.json")
-    dtype_bytes = {"bfloat16": 2, "float16": 2}.get(mc.torch_dtype, 4)
+    kv_dtype = mc.torch_dtype
+    for opt in ("--dtype", "--kv-cache-dtype"):
+        given = server_option(list(server_args), opt)
+        if given not in (None, "auto"):
+            kv_dtype = given
+    dtype_bytes = {"bfloat16": 2, "float16": 2}.get(kv_dtype, 4)
     wbytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     ok = [r for r in results if r.success]
     limits = roofline.hardware_limits("cuda" if torch.cuda.is_available() else "cpu")
@@ -204,7 +222,7 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
         inputs = [inputs[r.index] for r in results]
     metrics = calculate_metrics(inputs, results, duration, tok, cfg.percentiles, slo)
     if not cfg.base_url:
-        metrics["roofline"] = serve_roofline(model_dir, metrics, results)
+        metrics["roofline"] = serve_roofline(model_dir, metrics, results, cfg.server_args)
     args = asdict(cfg)
     if args["request_rate"] == float("inf"):
         args["request_rate"] = "inf"  # JSON has no infinity
