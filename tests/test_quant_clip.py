@@ -1,6 +1,7 @@
 """Clip search (RTN and GPTQ): per-group range shrinking that minimises the weighted squared error."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -35,8 +36,55 @@ def _group_sq_err(w, q, scale, zp, group_size, col_weight=None):
 
 def test_clip_factors_grid():
     f = clip_factors()
-    assert len(f) == 20 and f[0] == 1.0 and f[1] == pytest.approx(0.975) and f[-1] == pytest.approx(0.525)
-    assert clip_factors(10, 0.3) == pytest.approx([1.0, 0.9, 0.8])
+    assert len(f) == 24 and f[0] == 1.0 and f[1] == pytest.approx(0.975) and f[19] == pytest.approx(0.525)
+    assert f[20:] == pytest.approx([1.025, 1.05, 1.075, 1.1])
+    assert clip_factors(10, 0.3, 0.0) == pytest.approx([1.0, 0.9, 0.8])
+    assert clip_factors(10, 0.3, 0.2) == pytest.approx([1.0, 0.9, 0.8, 1.1, 1.2])
+
+
+def test_asymmetric_search_is_the_best_candidate_and_uses_zero_point_neighbours():
+    """Brute force over every (factor, zero point) candidate, one group at a time in float64: the
+    search reaches the smallest weighted error; the zero-point neighbours win some groups and
+    lower the total error against a search with the range's own zero point only."""
+    torch.manual_seed(11)
+    scheme = QuantScheme(4, 32, symmetric=False)
+    w = torch.randn(12, 96) * 0.3 + 0.1
+    cw = torch.rand(96) + 0.05
+    grouped, cwg = w.view(12, 3, 32), cw.view(3, 32)
+    scale, zp = search_qparams(grouped, scheme, col_weight=cwg)
+    s_own, z_own = search_qparams(grouped, scheme, col_weight=cwg, zp_offsets=(0,))
+
+    def err(r, gi, s, z):
+        x = grouped[r, gi].double()
+        q = torch.clamp(torch.round(x / s + z), -8, 7)
+        return float((((x - (q - z) * s) ** 2) * cwg[gi].double()).sum())
+
+    used_neighbour = 0
+    for r in range(12):
+        for gi in range(3):
+            lo, hi = float(grouped[r, gi].min()), float(grouped[r, gi].max())
+            best = math.inf
+            for a in clip_factors():
+                lo_a, hi_a = min(a * lo, 0.0), max(a * hi, 0.0)
+                s = float(torch.tensor((hi_a - lo_a) / 15, dtype=torch.float32))  # stored in float32
+                z0 = min(max(round(-8 - lo_a / s), -8), 7)
+                best = min(best, *(err(r, gi, s, min(max(z0 + d, -8), 7)) for d in (-1, 0, 1)))
+            got = err(r, gi, float(scale[r, gi]), float(zp[r, gi]))
+            assert got <= best * (1 + 1e-5) + 1e-12, (r, gi, got, best)
+            assert got <= err(r, gi, float(s_own[r, gi]), float(z_own[r, gi])) * (1 + 1e-6) + 1e-12
+            # the chosen zero point is not the one its own scaled range gives
+            alpha = (scale[r, gi] * 15 / (max(hi, 0.0) - min(lo, 0.0))).item()
+            z_range = min(max(round(-8 - min(alpha * lo, 0.0) / float(scale[r, gi])), -8), 7)
+            used_neighbour += int(zp[r, gi]) != z_range
+    assert used_neighbour > 0
+
+
+def test_symmetric_search_ignores_zero_point_offsets():
+    torch.manual_seed(12)
+    w = torch.randn(8, 2, 32)
+    a = search_qparams(w, QuantScheme(4, 32))
+    b = search_qparams(w, QuantScheme(4, 32), zp_offsets=(0,))
+    assert torch.equal(a[0], b[0]) and not a[1].any()
 
 
 @pytest.mark.parametrize(
@@ -122,6 +170,20 @@ def test_input_sq_means_matches_manual_first_layer(tmp_path):
     assert torch.allclose(stats[names[0]], (x.float() ** 2).mean(dim=(0, 1)), rtol=1e-5, atol=1e-7)
     assert stats[names[1]].shape == (model.model.layers[0].mlp.down_proj.in_features,)
     assert not model.model.layers[0].self_attn.q_proj._forward_pre_hooks  # hooks removed
+    skipped = input_sq_means(model, names, ids, batch_size=2, skip_first=True)
+    assert torch.allclose(skipped[names[0]], (x[:, 1:].float() ** 2).mean(dim=(0, 1)), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(skipped[names[0]], stats[names[0]])
+
+
+def test_rtn_clip_search_leaves_out_each_windows_first_token(tmp_path, monkeypatch):
+    from baige.runtime import quant
+
+    seen = []
+    real = quant.input_sq_means
+    monkeypatch.setattr(quant, "input_sq_means", lambda *a, **k: (seen.append(k), real(*a, **k))[1])
+    model = load_model(make_checkpoint(tmp_path / "src", "llama"))
+    quantize_model(model, QuantScheme(4, 32), calib_ids=torch.randint(0, 160, (2, 16)), clip_search=True)
+    assert seen == [{"skip_first": True}]
 
 
 def test_quantize_model_clip_search_with_calibration_and_format(tmp_path):
@@ -132,16 +194,17 @@ def test_quantize_model_clip_search_with_calibration_and_format(tmp_path):
     w = m0.model.layers[0].mlp.up_proj.weight.detach().clone()
     quantize_model(m0, scheme)
     report = quantize_model(m1, scheme, calib_ids=calib, clip_search=True)
-    # the weighted search changed some scales, only to grid points at or below the min/max scale
+    # the weighted search changed some scales, only to grid points within the factor range
     s0 = m0.model.layers[0].mlp.up_proj.weight_scale
     s1 = m1.model.layers[0].mlp.up_proj.weight_scale
-    assert (s1 <= s0 * (1 + 1e-6)).all() and (s1 < s0).any()
+    assert (s1 <= s0 * 1.1 * (1 + 1e-6)).all() and (s1 >= s0 * 0.525 * (1 - 1e-6)).all() and (s1 != s0).any()
     out = save_quantized(m1, scheme, report, tmp_path / "q", None, {"weighting": "test"})
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     wq = qc["config_groups"]["group_0"]["weights"]
-    assert wq["observer"] == "mse" and wq["observer_kwargs"] == {"maxshrink": 0.5, "grid": 40, "norm": 2}
+    kwargs = {"maxshrink": 0.5, "maxexpand": 0.1, "grid": 40, "norm": 2, "zero_point_offsets": [0, -1, 1]}
+    assert wq["observer"] == "mse" and wq["observer_kwargs"] == kwargs
     rep = json.loads((out / REPORT_FILE).read_text())
-    assert rep["clip_search"] == {"maxshrink": 0.5, "grid": 40, "weighting": "test"}
+    assert rep["clip_search"] == {**kwargs, "weighting": "test"}
     loaded = load_model(out)  # same tensors and layout as min/max scales
     assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight_scale, s1)
     w_hat = loaded.model.layers[0].mlp.up_proj.dequantized_weight()

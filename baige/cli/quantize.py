@@ -36,9 +36,10 @@ def quantize(
         Optional[bool],
         typer.Option(
             "--clip-search/--no-clip-search",
-            help="int4/int8 round to nearest: per group, shrink the range (x1.0 .. x0.525, 20 steps) to the "
-            "smallest squared rounding error, weighted by each input column's mean squared activation on "
-            "--calib-data. Default: on for int4 when --calib-data is given, else off (plain min/max scales). "
+            help="int4/int8 round to nearest: per group, scale the range (x1.0 down to x0.525, up to x1.1; 24 "
+            "steps; asymmetric also tries the zero point's two neighbours) to the smallest squared rounding "
+            "error, weighted by each input column's mean squared activation on --calib-data (first token of "
+            "each window left out). Default: on for int4 when --calib-data is given, else off (plain min/max scales). "
             "--clip-search without --calib-data weighs columns equally (raised perplexity on SmolLM2-135M). "
             "gptq: the same search where GPTQ fixes each group's scale, weighted by the Hessian diagonal "
             "(default: on; --no-clip-search: min/max group scales).",

@@ -19,14 +19,17 @@ with ``min <= 0 <= max`` (0 stays exact), ``zp = clamp(round(qmin - min / scale)
 
 Clip search (``quantize_model(clip_search=True)``; ``baige quantize --method int4`` uses it when given
 calibration text): the extremes above are the minmax choice. :func:`search_qparams` instead tries
-the shrunk range ``alpha * min``, ``alpha * max`` for each shrink factor ``alpha`` of a grid (1
-first, then down to ``1 - maxshrink``) and keeps, per group, the ``alpha`` with the smallest squared
-error ``sum_j c_j (w_j - w_hat_j)^2``, ``c_j`` the mean squared input activation of column ``j``
-(:func:`input_sq_means`) or 1 without calibration data (llama.cpp's quantizers and AWQ's clip search
-do the same kind of search; llm-compressor calls it the ``mse`` observer). It changes only which
-scale/zero point is stored; the formulas and layout are the ones above, and ``alpha = 1``
-reproduces the minmax parameters. GPTQ (``gptq.py``) can run the same search on each group's error-updated
-weights, weighted by the layer Hessian's diagonal.
+the scaled range ``alpha * min``, ``alpha * max`` for each factor ``alpha`` of a grid (1 first,
+then shrinking down to ``1 - maxshrink``, then widening up to ``1 + maxexpand``) -- and, when
+asymmetric, that range's zero point and its two neighbours ``zp - 1``, ``zp + 1`` -- and keeps,
+per group, the candidate with the smallest squared error ``sum_j c_j (w_j - w_hat_j)^2``, ``c_j``
+the mean squared input activation of column ``j`` (:func:`input_sq_means`, the first token of each
+calibration window left out) or 1 without calibration data (llama.cpp's quantizers and AWQ's clip
+search do the same kind of search; llm-compressor calls it the ``mse`` observer). It changes only
+which scale/zero point is stored; the formulas and layout are the ones above (every candidate zero
+point is an integer in ``[qmin, qmax]``, so 0 stays exact), and ``alpha = 1`` with the range's own
+zero point reproduces the minmax parameters. GPTQ (``gptq.py``) can run the same search on each
+group's error-updated weights, weighted by the layer Hessian's diagonal.
 
 An ``in_features`` that is not a multiple of ``group_size`` gets ``ceil(in / group_size)`` groups;
 the last one is partial and its scale comes from its real columns only (zero padding changes
@@ -128,13 +131,21 @@ def quantize_with(w: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, scheme
 
 CLIP_GRID = 40  # shrink factors 1 - i / CLIP_GRID ...
 CLIP_MAXSHRINK = 0.5  # ... for i < CLIP_MAXSHRINK * CLIP_GRID: 1.0, 0.975, ..., 0.525 (20 steps)
+CLIP_MAXEXPAND = 0.1  # then widening factors 1 + i / CLIP_GRID up to 1 + CLIP_MAXEXPAND: 1.025 ... 1.1
+ZP_OFFSETS = (0, -1, 1)  # asymmetric search: each range's own zero point, then its two neighbours
+# how the search runs, as config.json's observer_kwargs and the report record it
+CLIP_KWARGS = {"maxshrink": CLIP_MAXSHRINK, "maxexpand": CLIP_MAXEXPAND, "grid": CLIP_GRID, "norm": 2,
+               "zero_point_offsets": list(ZP_OFFSETS)}
 
 
-def clip_factors(grid: int = CLIP_GRID, maxshrink: float = CLIP_MAXSHRINK) -> list[float]:
-    """The shrink factors ``1 - i / grid`` for ``i = 0 .. round(maxshrink * grid) - 1`` (1.0 first),
-    the grid of llm-compressor's ``mse`` observer (its ``grid`` and ``maxshrink`` arguments)."""
+def clip_factors(grid: int = CLIP_GRID, maxshrink: float = CLIP_MAXSHRINK, maxexpand: float = CLIP_MAXEXPAND) -> list[float]:
+    """The range factors of the clip search: 1.0 first, the shrink factors ``1 - i / grid`` for
+    ``i = 1 .. round(maxshrink * grid) - 1`` (the grid of llm-compressor's ``mse`` observer, its
+    ``grid`` and ``maxshrink`` arguments), then the widening factors ``1 + i / grid`` for
+    ``i = 1 .. round(maxexpand * grid)`` (with the zero-point neighbours of :func:`search_qparams`
+    they lowered held-out perplexity of the embedded model at int4 g128 asymmetric; README)."""
     n = max(1, round(maxshrink * grid))
-    return [1.0 - i / grid for i in range(n)]
+    return [1.0 - i / grid for i in range(n)] + [1.0 + i / grid for i in range(1, round(maxexpand * grid) + 1)]
 
 
 def search_qparams(
@@ -143,16 +154,26 @@ def search_qparams(
     dtype: torch.dtype = torch.float32,
     col_weight: torch.Tensor | None = None,
     factors: list[float] | None = None,
+    zp_offsets: tuple[int, ...] = ZP_OFFSETS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group clip search: the scale/zero point minimising the (weighted) squared rounding error.
 
     For each shrink factor ``alpha`` (default :func:`clip_factors`), the candidate parameters are
-    :func:`compute_qparams` of ``alpha * min`` and ``alpha * max`` (so 0 stays exact when
-    asymmetric), rounded to ``dtype`` as they would be stored; the error of a group is
-    ``sum_j c_j (w_j - w_hat_j)^2`` with ``w_hat = (clamp(round(w / scale + zp)) - zp) * scale``.
-    Each group keeps the first factor with the smallest error, so the result is never worse than
-    the minmax parameters (``alpha = 1``, tried first). All groups at once; the loop runs over the
-    grid only. Zero padding of a partial group adds no error (0 is exact on every candidate grid).
+    :func:`compute_qparams` of ``alpha * min`` and ``alpha * max``, the scale rounded to ``dtype``
+    as it would be stored; when asymmetric, each of ``zp + d`` for ``d`` in ``zp_offsets`` (clamped
+    to ``[qmin, qmax]``, so always an integer and 0 stays exact) is a candidate with that scale.
+    The error of a group is ``sum_j c_j (w_j - w_hat_j)^2`` with
+    ``w_hat = (clamp(round(w / scale + zp)) - zp) * scale``. Each group keeps the first candidate
+    with the smallest error, so the result is never worse than the minmax parameters (``alpha = 1``
+    with offset 0, tried first). All groups at once; the loops run over the grid only. Zero padding
+    of a partial group adds no error (0 is exact on every candidate grid).
+
+    Why the zero-point neighbours: the levels are always the multiples of the scale (0 is exact),
+    and the zero point only picks which ``qmax - qmin + 1`` consecutive multiples are representable.
+    A shrunk range's own zero point clips both ends in proportion; a neighbour moves the window
+    one step toward either end, so the clipping can fall on the side where it costs less. With
+    the widening factors it lowered held-out perplexity of the embedded SmolLM2-135M at int4 g128
+    asymmetric (README, Quantization).
 
     Args:
         grouped: (out, n_groups, g) float32 weights, ``g`` columns per group (zero padded).
@@ -167,20 +188,24 @@ def search_qparams(
     """
     wmin, wmax = grouped.amin(dim=2), grouped.amax(dim=2)  # (out, n_groups)
     best_scale = best_zp = best_err = None
+    offsets = (0,) if scheme.symmetric else zp_offsets
     for alpha in factors or clip_factors():
-        scale, zp = compute_qparams(alpha * wmin, alpha * wmax, scheme)
+        scale, zp0 = compute_qparams(alpha * wmin, alpha * wmax, scheme)
         scale = scale.to(dtype)
-        s, z = scale.float()[..., None], zp[..., None]  # (out, n_groups, 1)
-        w_hat = (quantize_with(grouped, s, z, scheme).float() - z) * s  # (out, n_groups, g)
-        sq = (grouped - w_hat) ** 2
-        err = (sq if col_weight is None else sq * col_weight).sum(dim=2)  # (out, n_groups)
-        if best_err is None:
-            best_scale, best_zp, best_err = scale, zp, err
-        else:
-            better = err < best_err  # strict: ties keep the larger range (alpha = 1 first)
-            best_scale = torch.where(better, scale, best_scale)
-            best_zp = torch.where(better, zp, best_zp)
-            best_err = torch.where(better, err, best_err)
+        s = scale.float()[..., None]  # (out, n_groups, 1)
+        for d in offsets:
+            zp = torch.clamp(zp0 + d, scheme.qmin, scheme.qmax)
+            z = zp[..., None]
+            w_hat = (quantize_with(grouped, s, z, scheme).float() - z) * s  # (out, n_groups, g)
+            sq = (grouped - w_hat) ** 2
+            err = (sq if col_weight is None else sq * col_weight).sum(dim=2)  # (out, n_groups)
+            if best_err is None:
+                best_scale, best_zp, best_err = scale, zp, err
+            else:
+                better = err < best_err  # strict: ties keep the earlier candidate (alpha = 1, offset 0 first)
+                best_scale = torch.where(better, scale, best_scale)
+                best_zp = torch.where(better, zp, best_zp)
+                best_err = torch.where(better, err, best_err)
     return best_scale, best_zp
 
 
@@ -332,26 +357,33 @@ def layer_report(name: str, w: torch.Tensor, qlinear: QuantizedLinear) -> dict:
 
 
 @torch.no_grad()
-def input_sq_means(model: nn.Module, names: list[str], calib_ids: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
+def input_sq_means(
+    model: nn.Module, names: list[str], calib_ids: torch.Tensor, batch_size: int = 8, skip_first: bool = False
+) -> dict[str, torch.Tensor]:
     """Mean squared input of every input column of the named Linears over calibration windows.
 
-    ``c_j = mean_t x_{t,j}^2`` over all ``n_samples * seq_len`` tokens, from one forward of the
-    (unquantized) model with causal attention. It is the diagonal of ``X^T X / n``, so
+    ``c_j = mean_t x_{t,j}^2`` over the ``n_samples * seq_len`` tokens (``seq_len - 1`` per window
+    with ``skip_first``: position 0 of each window left out), from one forward of the (unquantized)
+    model with causal attention. It is the diagonal of ``X^T X / n``, so
     ``sum_j c_j (w_j - w_hat_j)^2`` is the expected output error ``E[((w - w_hat) . x)^2]`` of a row
     when the input columns are treated as uncorrelated -- the weighting of the clip search.
+    ``skip_first``: the first position is the attention sink, whose hidden state carries a few
+    channels hundreds of times larger than any other token's; left in, that one token sets
+    those channels' weights.
 
     Args:
         model: a :class:`Transformer` (``forward(input_ids, positions)``).
-        calib_ids: (n_samples, seq_len) int64 token ids.
+        calib_ids: (n_samples, seq_len) int64 token ids (``seq_len >= 2`` with ``skip_first``).
     Returns:
         name -> (in_features,) float32.
     """
     sums: dict[str, torch.Tensor] = {}
     count = 0
+    first = 1 if skip_first else 0
 
     def hook(name: str):
         def fn(module: nn.Module, args: tuple) -> None:
-            x = args[0].float().reshape(-1, args[0].shape[-1])  # (tokens, in)
+            x = args[0][:, first:].float().reshape(-1, args[0].shape[-1])  # (tokens, in)
             sums[name] = sums.get(name, 0) + (x * x).sum(dim=0)
         return fn
 
@@ -361,7 +393,7 @@ def input_sq_means(model: nn.Module, names: list[str], calib_ids: torch.Tensor, 
         for i in range(0, len(calib_ids), batch_size):
             ids = calib_ids[i : i + batch_size].to(device)  # (b, T)
             model(ids, torch.arange(ids.shape[1], device=device)[None].expand(ids.shape[0], -1))
-            count += ids.numel()
+            count += ids.shape[0] * (ids.shape[1] - first)
     finally:
         for h in hooks:
             h.remove()
@@ -412,7 +444,7 @@ def quantize_model(
     if method == "rtn":
         col_weights = {}
         if clip_search and calib_ids is not None:
-            col_weights = input_sq_means(model, [n for n, _ in targets], calib_ids)
+            col_weights = input_sq_means(model, [n for n, _ in targets], calib_ids, skip_first=True)
         report = []
         for i, (name, linear) in enumerate(targets):
             q, scale, zp = quantize_weight(linear.weight, scheme, clip_search, col_weights.get(name))

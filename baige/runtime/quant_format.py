@@ -19,8 +19,7 @@ from torch import nn
 from baige.errors import BaigeError
 from baige.runtime.config import QuantizeConfig
 from baige.runtime.quant import (
-    CLIP_GRID,
-    CLIP_MAXSHRINK,
+    CLIP_KWARGS,
     ProgressFn,
     QuantizedLinear,
     QuantScheme,
@@ -53,7 +52,7 @@ def quantization_config(scheme: QuantScheme, ignored: list[str], clip_search: bo
         "actorder": "weight" if scheme.actorder else None,
         "block_structure": None,
         "observer": "mse" if clip_search else "minmax",
-        "observer_kwargs": {"maxshrink": CLIP_MAXSHRINK, "grid": CLIP_GRID, "norm": 2} if clip_search else {},
+        "observer_kwargs": CLIP_KWARGS if clip_search else {},
     }
     return {
         "quant_method": "compressed-tensors",
@@ -163,7 +162,7 @@ def save_quantized(
     summary = {
         "scheme": scheme.describe(),
         "format": scheme.format,
-        "clip_search": None if clip_search is None else {"maxshrink": CLIP_MAXSHRINK, "grid": CLIP_GRID, **clip_search},
+        "clip_search": None if clip_search is None else {**CLIP_KWARGS, **clip_search},
         "layers": report,
         "quantized_bytes": sum(v.numel() * v.element_size() for k, v in state.items() if k.rsplit(".", 1)[0] in quantized),
     }
