@@ -367,9 +367,10 @@ def input_sq_means(
     model with causal attention. It is the diagonal of ``X^T X / n``, so
     ``sum_j c_j (w_j - w_hat_j)^2`` is the expected output error ``E[((w - w_hat) . x)^2]`` of a row
     when the input columns are treated as uncorrelated -- the weighting of the clip search.
-    ``skip_first``: the first position is the attention sink, whose hidden state carries a few
-    channels hundreds of times larger than any other token's; left in, that one token sets
-    those channels' weights.
+    ``skip_first``: the first position is the attention sink. On SmolLM2-135M its MLP intermediate
+    (``down_proj``'s input) has a few channels so large that counting this one token multiplies
+    their mean square by up to 1151 (layer 11; 477 in layer 29; the attention and MLP input
+    projections change by at most 1.4x), so it would set those channels' weights alone.
 
     Args:
         model: a :class:`Transformer` (``forward(input_ids, positions)``).
