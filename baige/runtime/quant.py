@@ -158,7 +158,7 @@ def search_qparams(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group clip search: the scale/zero point minimising the (weighted) squared rounding error.
 
-    For each shrink factor ``alpha`` (default :func:`clip_factors`), the candidate parameters are
+    For each range factor ``alpha`` (default :func:`clip_factors`), the candidate parameters are
     :func:`compute_qparams` of ``alpha * min`` and ``alpha * max``, the scale rounded to ``dtype``
     as it would be stored; when asymmetric, each of ``zp + d`` for ``d`` in ``zp_offsets`` (clamped
     to ``[qmin, qmax]``, so always an integer and 0 stays exact) is a candidate with that scale.
