@@ -88,7 +88,7 @@ def test_gptq_int4_g128_beats_rtn(embedded_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="best RTN measured 35.34 vs 29.20 (+21%): this 135M model's weights are "
+@pytest.mark.xfail(strict=True, reason="best RTN measured 36.36 vs 29.20 (+24.5%): this 135M model's weights are "
                                        "already Q4_1 (g32), and a g128 grid cannot hold four g32 grids")
 def test_int4_g128_rtn_within_8_percent(embedded_dir):
     """The issue's target, with baige's best RTN: asymmetric, activation-weighted clip search."""
@@ -96,6 +96,6 @@ def test_int4_g128_rtn_within_8_percent(embedded_dir):
     ids = read_tokens(tok, WIKITEXT, 8192)
     fp32 = perplexity(load_model(embedded_dir), ids, 1024).perplexity
     model = load_model(embedded_dir)
-    calib = calibration_ids(tok, DATA_DIR / "tinyshakespeare.txt", 8, 512)
+    calib = calibration_ids(tok, DATA_DIR / "tinyshakespeare.txt", 128, 512)  # the CLI's default
     quantize_model(model, QuantScheme(4, 128, symmetric=False), calib_ids=calib, clip_search=True)
     assert perplexity(model, ids, 1024).perplexity / fp32 - 1 < 0.08

@@ -30,7 +30,8 @@ def quantize(
     calib_data: Annotated[
         Optional[Path], typer.Option(help="gptq, and int4's clip search: UTF-8 text file to calibrate on.")
     ] = None,
-    calib_samples: Annotated[int, typer.Option(min=1, help="gptq / clip search: calibration windows.")] = 128,
+    calib_samples: Annotated[int, typer.Option(min=1, help="gptq / clip search: calibration windows (the int4 "
+                                               "clip search needs dozens; from 8 its result varies by sample).")] = 128,
     calib_seq_len: Annotated[int, typer.Option(min=2, help="gptq / clip search: tokens per calibration window.")] = 512,
     clip_search: Annotated[
         Optional[bool],
