@@ -189,12 +189,20 @@ def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
     r = _result(tmp_path, "compare")
     assert set(r["samples"]["decode"]) == {"baige", "hf-float32"}
     assert r["args"]["engine"]["kv_cache_dtype"] == "float16" and r["args"]["engine"]["model"] == str(tiny_dir)
-    res = _cli(["bench", "--output-dir", str(tmp_path), "latency", "--model", str(tiny_dir), "--input-len", "4",
-                "--output-len", "2", "--batch-size", "1", "--num-iters", "1", "--num-iters-warmup", "0",
-                "--kv-cache-dtype", "float16"])
+    res = _cli(["bench", "--output-dir", str(tmp_path), "--kv-cache-dtype", "float16", "latency", "--model",
+                str(tiny_dir), "--input-len", "4", "--output-len", "2", "--batch-size", "1", "--num-iters", "1",
+                "--num-iters-warmup", "0"])
     assert res.exit_code == 0, res.output
     # the roofline counts the cache's bytes: fp16 K+V x layers x kv heads x head_dim
     assert _result(tmp_path, "latency")["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+
+
+def test_cli_group_kv_cache_dtype_refused_where_it_does_not_apply():
+    res = _cli(["bench", "--kv-cache-dtype", "float16", "serve"])  # `baige` prints it as one line (main.py)
+    assert res.exit_code != 0 and "does not apply to `bench serve`" in str(res.exception)
+    assert "--server-arg" in str(res.exception)
+    res = _cli(["bench", "--kv-cache-dtype", "float16", "kernels"])
+    assert res.exit_code != 0 and "does not apply to `bench kernels`" in str(res.exception)
 
 
 def test_cli_compare_prints_ratios(tiny_dir, tmp_path):
@@ -335,6 +343,10 @@ def test_suite_headlines_and_table():
 
     cfgs = suite_configs(None)
     assert list(cfgs) == ["latency", "throughput", "serve", "compare"] and cfgs["serve"].request_rate == 4.0
+    assert cfgs["latency"].engine.kv_cache_dtype == "auto" and cfgs["serve"].server_args == []
+    half = suite_configs(None, "float16")
+    assert {half[k].engine.kv_cache_dtype for k in ("latency", "throughput", "compare")} == {"float16"}
+    assert half["serve"].server_args == ["--kv-cache-dtype", "float16"]
     lat = {"summary": {"decode_tokens_per_s": 20.0, "ttft_s": 0.05, "tpot_s": 0.05,
                        "decode_roofline": {"pct_of_limit": 40.0}}}
     cmp_ = {"summary": {"ratios": {"decode_baige_over_hf_best": 2.5}}}

@@ -91,6 +91,7 @@ def bench(
     ctx: typer.Context, model: ModelOpt = None, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
     threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for torch here and in a launched server "
                                                    "(sets OMP_NUM_THREADS). Default: torch's choice.")] = None,
+    kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
 ) -> None:
     """Benchmark baige against its peers and this machine's limits (memory bandwidth, matmul peak)."""
     if threads:
@@ -101,11 +102,16 @@ def bench(
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by `baige serve` children
         torch.set_num_threads(threads)
     if ctx.invoked_subcommand is not None:
-        # --model / --output-dir / --plot given before the subcommand become its defaults
-        from click.core import ParameterSource
+        # --model / --output-dir / --plot / --kv-cache-dtype given before the subcommand become its
+        # defaults (compared by name: typer vendors its own click, whose ParameterSource is another enum)
+        given = {name: ctx.params[name] for name in ("model", "output_dir", "plot", "kv_cache_dtype")
+                 if ctx.get_parameter_source(name).name != "DEFAULT"}
+        sub = ctx.command.commands[ctx.invoked_subcommand]
+        if "kv_cache_dtype" in given and not any(p.name == "kv_cache_dtype" for p in sub.params):
+            from baige.errors import BaigeError
 
-        given = {name: ctx.params[name] for name in ("model", "output_dir", "plot")
-                 if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+            hint = " (pass it to the server: --server-arg=--kv-cache-dtype=...)" if ctx.invoked_subcommand == "serve" else ""
+            raise BaigeError(f"--kv-cache-dtype does not apply to `bench {ctx.invoked_subcommand}`{hint}")
         if given:
             ctx.default_map = {name: {k: v for k, v in given.items() if any(p.name == k for p in cmd.params)}
                                for name, cmd in ctx.command.commands.items()}
@@ -114,7 +120,7 @@ def bench(
 
     from rich.console import Console
 
-    result = run_suite(model, output_dir, plot)
+    result = run_suite(model, output_dir, plot, kv_cache_dtype.value)
     Console().print(suite_table(result))
     if result.get("interrupted"):
         raise typer.Exit(130)

@@ -14,17 +14,20 @@ from baige.runtime.bench.common import environment, write_result
 from baige.runtime.bench.report import write_plots
 
 
-def suite_configs(model: str | None) -> dict:
-    """The four parts and their (small) sizes."""
+def suite_configs(model: str | None, kv_cache_dtype: str = "auto") -> dict:
+    """The four parts and their (small) sizes; ``kv_cache_dtype`` goes to every baige engine, the
+    launched server included."""
     from baige.runtime.bench.compare import CompareConfig
     from baige.runtime.bench.offline import EngineArgs, LatencyConfig, ThroughputConfig
     from baige.runtime.bench.serve_run import ServeBenchConfig
 
-    eng = EngineArgs(model=model)
+    eng = EngineArgs(model=model, kv_cache_dtype=kv_cache_dtype)
+    server_args = [] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]
     return {
         "latency": LatencyConfig(eng, input_len=32, output_len=32, batch_size=1, num_iters_warmup=1, num_iters=3),
         "throughput": ThroughputConfig(eng, num_prompts=16, input_len=64, output_len=32, range_ratio=0.5),
-        "serve": ServeBenchConfig(model, num_prompts=16, input_len=64, output_len=32, request_rate=4.0),
+        "serve": ServeBenchConfig(model, num_prompts=16, input_len=64, output_len=32, request_rate=4.0,
+                                  server_args=server_args),
         "compare": CompareConfig(eng, input_len=32, output_len=32, num_prompts=32, tp_input_len=64, tp_output_len=32),
     }
 
@@ -48,7 +51,7 @@ def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
     return []
 
 
-def run_suite(model: str | None, output_dir: str | Path, plot: bool = False) -> dict:
+def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_cache_dtype: str = "auto") -> dict:
     """Run the parts in order; stops after an interrupted part (its JSON is still written)."""
     from baige.runtime.bench.compare import run_compare
     from baige.runtime.bench.offline import run_latency, run_throughput
@@ -57,7 +60,7 @@ def run_suite(model: str | None, output_dir: str | Path, plot: bool = False) -> 
     err = Console(stderr=True)
     runners = {"latency": run_latency, "throughput": run_throughput, "compare": run_compare,
                "serve": lambda cfg, progress: run_serve(cfg, None)}
-    cfgs = suite_configs(model)
+    cfgs = suite_configs(model, kv_cache_dtype)
     rows: dict[str, list] = {}
     files: dict[str, str] = {}
     interrupted = False
