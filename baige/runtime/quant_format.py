@@ -39,8 +39,9 @@ def quantization_config(scheme: QuantScheme, ignored: list[str], clip_search: bo
 
     ``observer`` records how the scales were chosen (compressed-tensors ``QuantizationArgs.observer``,
     free text; loaders ignore it): ``minmax``, or with ``clip_search`` ``mse`` with
-    ``observer_kwargs`` ``maxshrink``/``grid``/``norm`` -- llm-compressor's names for the same shrink
-    grid and error exponent (see ``quant.search_qparams``; its activation weighting is in the report).
+    ``observer_kwargs`` ``maxshrink``/``grid``/``norm`` -- llm-compressor's names for the shrink grid
+    and error exponent -- plus baige's ``maxexpand`` and ``zero_point_offsets`` (see
+    ``quant.search_qparams``; its activation weighting is in the report).
     """
     weights = {
         "num_bits": scheme.num_bits,
@@ -52,7 +53,7 @@ def quantization_config(scheme: QuantScheme, ignored: list[str], clip_search: bo
         "actorder": "weight" if scheme.actorder else None,
         "block_structure": None,
         "observer": "mse" if clip_search else "minmax",
-        "observer_kwargs": CLIP_KWARGS if clip_search else {},
+        "observer_kwargs": dict(CLIP_KWARGS) if clip_search else {},
     }
     return {
         "quant_method": "compressed-tensors",
