@@ -8,11 +8,11 @@ __all__ = ["LLM", "SamplingParams", "BaigeError"]
 def __getattr__(name: str):
     # Lazy: `import baige` stays light (no torch) until the offline API is used.
     if name == "LLM":
-        from baige.runtime.engine import LLM
+        from baige.runtime.infer.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from baige.runtime.sampling import SamplingParams
+        from baige.runtime.infer.sampling import SamplingParams
 
         return SamplingParams
     if name == "BaigeError":

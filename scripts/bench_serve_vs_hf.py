@@ -67,9 +67,8 @@ def bench_baige(args, prompts, out_lens) -> dict:
 
 
 def bench_hf(args, prompts, out_lens) -> dict:
-    from transformers import AutoModelForCausalLM
-
     from conftest import embedded_gguf
+    from transformers import AutoModelForCausalLM
 
     path = embedded_gguf()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -116,8 +115,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from baige.runtime.loader import resolve_model
-    from baige.runtime.tokenizer import Tokenizer
+    from baige.runtime.model.tokenizer import Tokenizer
+    from baige.runtime.weights.hub import resolve_model
 
     tok = Tokenizer.from_dir(resolve_model(None))
     prompts, out_lens = make_prompts(tok, args.num_prompts, args.seed)

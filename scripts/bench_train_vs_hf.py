@@ -26,8 +26,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespear
 
 
 def run_baige(args, out_dir: Path):
-    from baige.runtime.train import Trainer
-    from baige.runtime.train_config import load_train_config
+    from baige.runtime.train.config import load_train_config
+    from baige.runtime.train.trainer import Trainer
 
     cfg = load_train_config(None, {
         "model.name": args.model, "data.train": [args.data], "output": str(out_dir), "training.steps": args.steps,
@@ -50,7 +50,7 @@ def run_hf(args, trainer):
     """The same steps through transformers' LlamaForCausalLM with a plain PyTorch loop."""
     from transformers import AutoModelForCausalLM
 
-    from baige.runtime.data import DataLoader
+    from baige.runtime.train.data import DataLoader
 
     device = trainer.device
     model = AutoModelForCausalLM.from_pretrained(trainer.model_dir, dtype=torch.float32).to(device).train()
@@ -98,7 +98,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from baige.runtime.metrics import mfu
+    from baige.runtime.train.metrics import mfu
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer, b_losses, b_times = run_baige(args, Path(tmp) / "run")

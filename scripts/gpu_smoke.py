@@ -68,7 +68,7 @@ def engine_tokens(model_dir: Path, dtype: str, kernels: str, eager: bool, defaul
 
 def train_step(model_dir: Path, device: str, kernels: str) -> tuple[float, list[float]]:
     from baige.kernels import fused_linear_cross_entropy
-    from baige.runtime.loader import load_model
+    from baige.runtime.weights.loader import load_model
 
     os.environ["BAIGE_KERNELS"] = kernels
     model = load_model(model_dir, "float32", device)

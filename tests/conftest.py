@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from baige.runtime.settings import reload_settings
+
 # Triton kernels run in Triton's interpreter on CPU-only machines. triton.jit reads this when a kernel
 # module is imported (lazily, on first use), so it must be set before any test touches a kernel.
 if not torch.cuda.is_available():
@@ -28,12 +30,21 @@ def _baige_cache(tmp_path_factory):
         os.environ["BAIGE_CACHE"] = os.environ["BAIGE_TEST_CACHE"]
     else:
         os.environ["BAIGE_CACHE"] = str(tmp_path_factory.mktemp("baige-cache"))
+    reload_settings()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _settings_follow_env():
+    """Settings are read once per process; a test that changes the variables calls
+    ``reload_settings()``, and after each test (and monkeypatch's undo) they are read again."""
+    yield
+    reload_settings()
 
 
 @pytest.fixture(scope="session")
 def embedded_dir(_baige_cache) -> Path:
-    from baige.runtime.loader import resolve_model
+    from baige.runtime.weights.hub import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 

@@ -13,6 +13,8 @@ import contextlib
 import pytest
 import torch
 
+from baige.runtime.settings import reload_settings
+
 # Absolute error floors per dtype, scaled by the magnitude of the exact result (max |exact|, at least 1).
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -26,6 +28,7 @@ def triton_kernels(monkeypatch: pytest.MonkeyPatch):
     from baige.kernels.triton_ops import common
 
     monkeypatch.setenv("BAIGE_KERNELS", "triton")
+    reload_settings()
     monkeypatch.setattr(common, "FILL_NAN", True)
     yield
 

@@ -1,65 +1,225 @@
-"""DESIGN.md's dependency direction: cli -> runtime -> kernels, enforced on the import statements."""
+"""The layout's rules (DESIGN.md, README "Layout"), enforced on the import statements of baige/.
+
+Every import counts, function-level ones included. Imports are resolved to baige modules: ``from
+baige.x import y`` is an edge to ``baige.x.y`` when that is a module, else to ``baige.x``.
+"""
 
 import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "baige"
 STDLIB = set(sys.stdlib_module_names)
 
+# The dependency direction: a module may import modules of its own group or of a lower rank.
+# kernels <- model <- quant <- weights <- {infer, train} <- {server, quantize, evaluate} <- bench <- cli
+RANKS = {
+    "baige.errors": 0, "baige.kernels": 0,
+    "baige.runtime.config": 1, "baige.runtime.settings": 1, "baige.runtime.roofline": 1,
+    "baige.runtime.model": 2,
+    "baige.runtime.quant": 3,
+    "baige.runtime.weights": 4,
+    "baige.runtime.infer": 5, "baige.runtime.train": 5,
+    "baige.runtime.server": 6, "baige.runtime.quantize": 6, "baige.runtime.evaluate": 6,
+    "baige.runtime.bench": 7,
+    "baige.cli": 8, "baige.__main__": 9,
+    "baige": 9,  # the package root: lazy re-exports of the public API (LLM, SamplingParams, BaigeError)
+}
 
-def imports(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (function-level imports count too)."""
-    names = set()
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+MODULES = all_modules()
+
+
+def raw_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) for every import statement at any depth; relative imports resolved."""
+    out = []
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module
+            out.append((mod, [a.name for a in node.names]))
+    return out
+
+
+def baige_edges(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The baige modules a file imports."""
+    edges = set()
+    for mod, names in raw_imports(path):
+        if mod != "baige" and not mod.startswith("baige."):
+            continue
+        subs = [f"{mod}.{n}" for n in names if f"{mod}.{n}" in modules]
+        edges.update(subs)
+        if len(subs) < len(names) or not names:
+            edges.add(mod)
+    edges.discard(module_name(path))
+    return edges
+
+
+def graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    return {m: baige_edges(p, modules) for m, p in modules.items()}
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(g.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (c := visit(n)):
+                return c
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(g):
+        if m not in state and (c := visit(m)):
+            return c
+    return None
+
+
+def group(mod: str) -> str:
+    """The longest RANKS key that is ``mod`` or a package above it."""
+    parts = mod.split(".")
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in RANKS:
+            return ".".join(parts[:k])
+    raise AssertionError(f"{mod} belongs to no layer of RANKS; add it")
 
 
 def top(name: str) -> str:
     return name.split(".")[0]
 
 
-def files(sub: str = "") -> list[Path]:
-    return sorted((PKG / sub).rglob("*.py"))
+def third_party(path: Path) -> set[str]:
+    return {top(m) for m, _ in raw_imports(path)} - STDLIB - {"baige", "__future__"}
 
 
-def test_package_has_modules():
-    assert len(files()) > 10 and (PKG / "runtime" / "model.py").is_file()
+# ---- the rules ----------------------------------------------------------------------------------
+def test_layout_has_the_subsystem_packages():
+    for sub in ("model", "weights", "quant", "infer", "server", "train", "bench"):
+        assert (PKG / "runtime" / sub / "__init__.py").is_file(), sub
+    assert len(MODULES) > 40
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(graph(MODULES))
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    # the check above could pass by never seeing an edge: it must see this one
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    edges = graph(MODULES)
+    assert "baige.runtime.weights.loader" in edges["baige.runtime.infer.engine"]
+
+
+def test_dependency_direction():
+    for mod, edges in graph(MODULES).items():
+        g = group(mod)
+        for dep in edges:
+            d = group(dep)
+            assert d == g or RANKS[d] < RANKS[g], f"{mod} imports {dep}: {d} is not below {g}"
+
+
+def test_runtime_uses_only_the_public_kernel_api():
+    import baige.kernels
+
+    public = set(baige.kernels.__all__)
+    for mod, path in MODULES.items():
+        if mod.startswith("baige.kernels"):
+            continue
+        for imported, names in raw_imports(path):
+            if imported.startswith("baige.kernels."):
+                pytest.fail(f"{mod} imports {imported}: use `from baige import kernels`")
+            if imported == "baige.kernels":
+                assert set(names) <= public, f"{mod} imports {set(names) - public} from baige.kernels (not in __all__)"
 
 
 def test_kernels_import_only_torch_and_triton():
-    for f in files("kernels"):
-        for name in imports(f):
-            assert top(name) in STDLIB | {"torch", "triton", "__future__"} or name.startswith("baige.kernels"), (f, name)
-
-
-def test_runtime_never_imports_cli_or_typer_or_transformers():
-    bench_compare = PKG / "runtime" / "bench" / "compare.py"  # DESIGN: transformers in tests and benchmarks only
-    for f in files("runtime"):
-        for name in imports(f):
-            assert not name.startswith("baige.cli"), (f, name)
-            assert top(name) not in ({"typer"} if f == bench_compare else {"typer", "transformers"}), (f, name)
-
-
-def test_model_stays_plain():
-    for name in imports(PKG / "runtime" / "model.py"):
-        assert not any(name.startswith(f"baige.runtime.{m}") for m in ("parallel", "engine", "train", "server")), name
-
-
-def test_only_server_imports_the_web_framework():
-    web = {"fastapi", "starlette", "uvicorn"}
-    for f in files():
-        if f.name == "server.py":
-            continue
-        assert not {top(n) for n in imports(f)} & web, f
+    for mod, path in MODULES.items():
+        if mod.startswith("baige.kernels"):
+            assert third_party(path) <= {"torch", "triton"}, (mod, third_party(path))
+            assert all(d.startswith("baige.kernels") for d in baige_edges(path, MODULES)), mod
 
 
 def test_bookkeeping_modules_do_not_import_torch():
-    for name in ("scheduler.py", "block_manager.py"):
-        f = PKG / "runtime" / name
-        if f.is_file():  # present once the serving engine lands
-            assert "torch" not in {top(n) for n in imports(f)}, f
+    for mod in ("baige.runtime.infer.scheduler", "baige.runtime.infer.block_manager"):
+        assert "torch" not in third_party(MODULES[mod]), mod
+
+
+def test_only_cli_imports_typer():
+    for mod, path in MODULES.items():
+        if not mod.startswith("baige.cli"):
+            assert not third_party(path) & {"typer", "click"}, mod
+
+
+def test_only_server_imports_the_web_framework():
+    for mod, path in MODULES.items():
+        if not mod.startswith("baige.runtime.server"):
+            assert not third_party(path) & {"fastapi", "starlette", "uvicorn"}, mod
+
+
+def test_transformers_only_in_the_peer_benchmark():
+    for mod, path in MODULES.items():
+        if mod != "baige.runtime.bench.compare":
+            assert "transformers" not in third_party(path), mod
+
+
+def test_model_stays_plain():
+    for mod, path in MODULES.items():
+        if mod.startswith("baige.runtime.model"):
+            for dep in baige_edges(path, MODULES):
+                assert not dep.startswith(("baige.runtime.infer", "baige.runtime.train", "baige.runtime.server")), (mod, dep)
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 500 lines, no function over 80 (DESIGN.md: split at ~400 / one screen)."""
+    for mod, path in MODULES.items():
+        src = path.read_text()
+        assert len(src.splitlines()) <= 500, f"{mod}: {len(src.splitlines())} lines"
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= 80, f"{mod}.{node.name}: {n} lines"
+
+
+def test_environment_is_read_in_the_settings_modules_only():
+    """BAIGE_*/TRITON_INTERPRET/CC/CXX are read once (kernels.settings, runtime.settings); the
+    distributed launcher's variables stay where torch.distributed needs them."""
+    allowed = {"baige.kernels.settings", "baige.runtime.settings", "baige.runtime.train.parallel",
+               "baige.runtime.bench.common", "baige.runtime.bench.serve_run"}
+    for mod, path in MODULES.items():
+        if mod in allowed:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                pytest.fail(f"{mod}:{node.lineno} reads the environment; add it to a settings module")

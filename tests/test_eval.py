@@ -7,12 +7,13 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DATA_DIR
+from tiny import make_checkpoint
 
 from baige.errors import BaigeError
 from baige.runtime.evaluate import compare, perplexity, windows
-from baige.runtime.loader import TOKENIZER_FILES, load_model
-from conftest import DATA_DIR
-from tiny import make_checkpoint
+from baige.runtime.weights.loader import load_model
+from baige.runtime.weights.safetensors_io import TOKENIZER_FILES
 
 
 def hf_guide_perplexity(hf, ids: torch.Tensor, max_length: int) -> float:
@@ -169,7 +170,7 @@ def test_cli_int4_clip_search_default_with_calib_data(tiny_with_tokenizer, tmp_p
 
 @pytest.mark.parametrize("flag", [None, "--clip-search", "--no-clip-search"])
 def test_cli_gptq_clip_search_option(tiny_with_tokenizer, tmp_path, flag):
-    from baige.runtime.quant_format import GPTQ_CLIP_SEARCH_DEFAULT
+    from baige.runtime.quantize import GPTQ_CLIP_SEARCH_DEFAULT
 
     out = tmp_path / "o"
     args = ["--method", "gptq", "--group-size", "32", "--asymmetric", "--calib-data", DATA_DIR / "tinyshakespeare.txt",

@@ -58,7 +58,7 @@ def read_metrics(output: Path, split: str = "train") -> dict[int, float]:
 def tiny_config(model: Path, data: Path, output: Path, **flags):
     """A TrainConfig for the tiny model: seq_len 32, lr 1e-2 cosine, metrics every step, keep all checkpoints,
     eager (no torch.compile: seconds of inductor builds per test)."""
-    from baige.runtime.train_config import load_train_config
+    from baige.runtime.train.config import load_train_config
 
     base = {"model.name": str(model), "data.train": [str(data)], "output": str(output), "training.seq_len": 32,
             "optimizer.lr": 1e-2, "lr_scheduler.warmup_steps": 2, "metrics.log_every": 1, "checkpoint.keep_latest": 0,
@@ -99,7 +99,7 @@ def job_train(model: str, data: str, output: str, copy_checkpoint: str | None = 
 
     import torch.distributed as dist
 
-    from baige.runtime.train import run_training
+    from baige.runtime.train.trainer import run_training
 
     if copy_checkpoint is not None and int(__import__("os").environ.get("RANK", "0")) == 0:
         src = Path(copy_checkpoint)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import sys
 
+from baige.cli import (  # noqa: F401  (modules register their commands)  # noqa: F401
+    bench,  # noqa: F401
+    convert,
+    evaluate,
+    generate,
+    quantize,
+    serve,  # noqa: F401
+    train,  # noqa: F401
+)
 from baige.cli.app import app
-from baige.cli import convert, generate  # noqa: F401  (modules register their commands)
-from baige.cli import serve  # noqa: F401
-from baige.cli import evaluate, quantize  # noqa: F401
-from baige.cli import train  # noqa: F401
-from baige.cli import bench  # noqa: F401
 from baige.errors import BaigeError
 
 

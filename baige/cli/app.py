@@ -10,5 +10,3 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-
-MODEL_HELP = "HF directory, .gguf file, alias or HF repo id. Default: smollm2-135m-instruct (embedded)."

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from baige.cli.app import MODEL_HELP, app
-from baige.cli.generate import Device, DType
+from baige.cli.app import app
+from baige.cli.options import MODEL_HELP, Device, DType, progress_bar
 
 bench_app = typer.Typer(
     help="Benchmark baige against its peers and this machine's limits. Without a subcommand: a short "
@@ -34,17 +34,13 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
     """Run ``fn(cfg, progress)`` under a progress bar, print its table, write its JSON (and charts).
     Exits 130 after writing when the run was interrupted (Ctrl-C)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from baige.runtime.bench.common import write_result
     from baige.runtime.bench.report import write_plots
 
     err = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task(f"bench {name}", total=None)
-        result = fn(cfg, lambda done, total, what: bar.update(task, completed=done, total=total,
-                                                             description=f"bench {name}: {what}"))
+    with progress_bar(f"bench {name}", transient=True) as update:
+        result = fn(cfg, update)
     Console().print(render(result))
     env = result.get("environment", {})
     load, cpus = (env.get("load_average") or [0.0])[0], env.get("cpu_count") or 1
@@ -116,9 +112,9 @@ def bench(
             ctx.default_map = {name: {k: v for k, v in given.items() if any(p.name == k for p in cmd.params)}
                                for name, cmd in ctx.command.commands.items()}
         return
-    from baige.runtime.bench.suite import run_suite, suite_table
-
     from rich.console import Console
+
+    from baige.runtime.bench.suite import run_suite, suite_table
 
     result = run_suite(model, output_dir, plot, kv_cache_dtype.value)
     Console().print(suite_table(result))

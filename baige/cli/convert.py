@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from baige.cli.app import app
-from baige.cli.generate import DType
+from baige.cli.options import DType
 
 
 @app.command()
@@ -21,7 +21,7 @@ def convert(
     """Convert a checkpoint to an HF directory: config.json, generation_config.json, safetensors (sharded with an index past --max-shard-size) and tokenizer files."""
     from rich.console import Console
 
-    from baige.runtime.convert import convert_checkpoint
+    from baige.runtime.weights.convert import convert_checkpoint
 
     written = convert_checkpoint(src, out, dtype.value, max_shard_size)
     Console(stderr=True).print(f"wrote {written}")

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from baige.cli.app import MODEL_HELP, app
-from baige.cli.generate import Device, DType
+from baige.cli.app import app
+from baige.cli.options import MODEL_HELP, Device, DType, progress_bar
 from baige.runtime.config import EvalConfig
 
 eval_app = typer.Typer(help="Measure a model on text: perplexity, and agreement between two models.", no_args_is_help=True)
@@ -23,13 +23,8 @@ OutputOpt = Annotated[Optional[Path], typer.Option(help="Also write the JSON res
 def _run(fn, cfg: EvalConfig, output: Optional[Path]) -> dict:
     import json
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task("windows", total=None)
-        result = fn(cfg, lambda done, total: bar.update(task, completed=done, total=total))
+    with progress_bar("windows") as update:
+        result = fn(cfg, update)
     text = json.dumps(result, indent=2)
     if output is not None:
         output.write_text(text + "\n")

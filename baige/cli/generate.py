@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import sys
 import time
-from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
-from baige.cli.app import MODEL_HELP, app
+from baige.cli.app import app
+from baige.cli.options import Device, DeviceOpt, DType, ModelOpt
 from baige.runtime.config import GenerateConfig
 
-
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
 MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier at EOS).")]
 TemperatureOpt = Annotated[
     Optional[float], typer.Option(min=0.0, help="0 = greedy. Default: the model's generation_config, else 1.0.")
@@ -36,7 +21,6 @@ TopKOpt = Annotated[Optional[int], typer.Option(min=0, help="Keep the K most lik
 MinPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Drop tokens below min_p * p(top token).")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.")]
 DTypeOpt = Annotated[DType, typer.Option(help="Weights dtype; auto = the checkpoint's torch_dtype.")]
-DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")]
 SystemOpt = Annotated[Optional[str], typer.Option(help="System message for the chat template.")]
 
 
@@ -59,7 +43,7 @@ def generate(
     system: SystemOpt = None,
 ) -> None:
     """Generate a completion for one prompt, streamed to stdout as it is produced."""
-    from baige.runtime.session import ChatSession
+    from baige.runtime.infer.session import ChatSession
 
     cfg = GenerateConfig(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                          top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, dtype=dtype.value,
@@ -71,6 +55,7 @@ def generate(
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     _stats(n, time.perf_counter() - t0)
 
 
@@ -91,7 +76,7 @@ def chat(
     from rich.console import Console
 
     from baige.errors import BaigeError
-    from baige.runtime.session import ChatSession
+    from baige.runtime.infer.session import ChatSession
 
     cfg = GenerateConfig(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, min_p=min_p, seed=seed, dtype=dtype.value, device=device.value,

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from baige.cli.app import MODEL_HELP, app
-from baige.cli.generate import Device
+from baige.cli.app import app
+from baige.cli.options import MODEL_HELP, Device, progress_bar
 from baige.runtime.config import QuantizeConfig
 
 
@@ -53,10 +53,10 @@ def quantize(
 ) -> None:
     """Quantize every Linear except lm_head (and --ignore patterns); write an HF directory in the compressed-tensors format (vLLM, transformers and baige load it) with quantization_report.json."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from baige.runtime.quant_format import REPORT_FILE, quantize_checkpoint
+    from baige.runtime.quant.format import REPORT_FILE
+    from baige.runtime.quantize import quantize_checkpoint
 
     cfg = QuantizeConfig(
         model=model, method=method.value, output=str(output), group_size=group_size, symmetric=symmetric,
@@ -64,10 +64,8 @@ def quantize(
         calib_seq_len=calib_seq_len, ignore=ignore or ["lm_head"], device=device.value, clip_search=clip_search,
     )
     console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task(f"quantize ({cfg.method})", total=None)
-        out, report = quantize_checkpoint(cfg, lambda done, total, name: bar.update(task, completed=done, total=total))
+    with progress_bar(f"quantize ({cfg.method})") as update:
+        out, report = quantize_checkpoint(cfg, lambda done, total, name: update(done, total))
 
     table = Table(title=f"{out} ({report[0]['scheme']}, {report[0]['format']})")
     table.add_column("layer", overflow="fold")

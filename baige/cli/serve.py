@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from baige.cli.app import MODEL_HELP, app
-from baige.cli.generate import Device, DType
+from baige.cli.app import app
+from baige.cli.options import MODEL_HELP, Device, DType
 
 
 @app.command()
@@ -46,9 +46,10 @@ def serve(
     log_level: Annotated[str, typer.Option(help="Logging level (one line per request at info).")] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
-    from baige.runtime.engine import AsyncEngine, Engine, EngineConfig
-    from baige.runtime.loader import parse_size
-    from baige.runtime.server import run_server
+    from baige.runtime.config import EngineConfig, parse_size
+    from baige.runtime.infer.async_engine import AsyncEngine
+    from baige.runtime.infer.engine import Engine
+    from baige.runtime.server.app import run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,

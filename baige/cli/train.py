@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from baige.cli.app import MODEL_HELP, app
+from baige.cli.app import app
+from baige.cli.options import MODEL_HELP
 
 SET_HELP = (
     "Override any config field: --set section.field=value (TOML value; repeatable), e.g. "
@@ -50,8 +51,8 @@ def train(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)] = None,
 ) -> None:
     """Train or fine-tune a model; checkpoints (DCP), metrics.jsonl and an HF export go to --output."""
-    from baige.runtime.train import run_training
-    from baige.runtime.train_config import load_train_config
+    from baige.runtime.train.config import load_train_config
+    from baige.runtime.train.trainer import run_training
 
     flags = {
         "model.name": model, "model.config": model_config, "model.tokenizer": tokenizer,

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import torch
 
 from baige.kernels import reference
+from baige.kernels.settings import KernelSettings, reload_settings, settings
 
 __all__ = [
     "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen",
@@ -47,7 +47,8 @@ def backend(x: torch.Tensor) -> str:
         KernelConfigError: ``BAIGE_KERNELS`` is not one of auto/reference/triton, or it asks for Triton
         where Triton cannot run (not installed; CPU tensors without ``TRITON_INTERPRET=1``).
     """
-    mode = os.environ.get("BAIGE_KERNELS") or "auto"
+    s = settings()
+    mode = s.mode
     if mode == "reference":
         return "reference"
     if mode == "auto":
@@ -56,7 +57,7 @@ def backend(x: torch.Tensor) -> str:
         raise KernelConfigError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
     if not _triton_importable():
         raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on", "yes"):
+    if not x.is_cuda and not s.triton_interpret:
         raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return "triton"
 
@@ -328,7 +329,7 @@ def quantized_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weight-only quantized ``x @ W.T + bias`` with ``W = (q - zero_point) * scale`` dequantized
-    inside the matmul (compressed-tensors layouts, see ``baige.runtime.quant``).
+    inside the matmul (compressed-tensors layouts, see ``baige.runtime.quant.scheme``).
 
     Args:
         x: (..., in_features) fp32/fp16/bf16.
@@ -353,3 +354,71 @@ def quantized_linear(
         if qlinear.supports(x, qweight, group_size, bias):
             return qlinear.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
     return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+
+
+def fp16_weight_linear(x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.Tensor | None,
+                       packed: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T + bias`` with fp16 weights and fp32 activations and accumulation.
+
+    Args:
+        x: (M, in) fp32 on the CPU.
+        weight_fp16: (out, in) fp16, contiguous.
+        bias: (out,) fp32 or None.
+        packed: the same weight prepacked by ``torch.ops.quantized.linear_prepack_fp16``.
+    Returns:
+        (M, out) fp32. Batches the native F16C kernel takes (:mod:`baige.kernels.cpu.qlinear`) run
+        there; others, or any batch without the native library, run fbgemm's fp16 GEMM
+        (``torch.ops.quantized.linear_dynamic_fp16``).
+    """
+    from baige.kernels.cpu import qlinear
+
+    if qlinear.supports_f16(x):
+        return qlinear.linear_f16(x, weight_fp16, bias)
+    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
+
+
+def native_cpu_available() -> bool:
+    """Whether the native CPU library is built and loadable here (builds it on first call)."""
+    from baige.kernels.cpu import library
+
+    return library() is not None
+
+
+def native_allowed() -> bool:
+    """Whether the settings let ops use the native CPU kernels (``BAIGE_KERNELS`` auto, and not
+    inside a ``torch.compile`` trace)."""
+    from baige.kernels.cpu import native_allowed as allowed
+
+    return allowed()
+
+
+# The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
+from baige.kernels.cpu.decode import (  # noqa: E402
+    LINEAR_F16,
+    LINEAR_F32,
+    LINEAR_INT4,
+    LINEAR_INT8,
+)
+from baige.kernels.cpu.decode import (
+    PROJECTIONS as DECODE_PROJECTIONS,
+)
+from baige.kernels.cpu.decode import (
+    DecodeLayers as NativeDecodeLayers,
+)
+from baige.kernels.cpu.decode import (
+    LayerDesc as DecodeLayerDesc,
+)
+from baige.kernels.cpu.decode import (
+    LinearDesc as DecodeLinearDesc,
+)
+
+# Quantization math shared with the runtime's quantizer (pure PyTorch).
+from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
+
+__all__ += [
+    "fp16_weight_linear", "native_cpu_available", "native_allowed",
+    "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
+    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc",
+    "dequantize_weight", "expand_groups", "unpack_int4",
+    "backend", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",
+]

@@ -313,7 +313,7 @@ def flatten_ce_inputs(
     return h, t, normalizer
 
 
-# ---- weight-only quantization (compressed-tensors layouts; see baige.runtime.quant) ----------------
+# ---- weight-only quantization (compressed-tensors layouts; see baige.runtime.quant.scheme) ----------------
 
 
 def expand_groups(t: torch.Tensor, group_size: int | None, in_features: int) -> torch.Tensor:

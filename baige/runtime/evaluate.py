@@ -13,36 +13,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from baige.errors import BaigeError
 from baige.runtime.config import EvalConfig
+from baige.runtime.model.device import resolve_device
+from baige.runtime.model.tokenizer import Tokenizer, read_tokens
+from baige.runtime.weights.hub import resolve_model
+from baige.runtime.weights.loader import load_model
 
 ProgressFn = Callable[[int, int], None]  # (windows done, windows total)
-
-
-def read_tokens(tokenizer, path: str | Path, max_tokens: int | None = None) -> torch.Tensor:
-    """Tokenize a UTF-8 text file (with the tokenizer's special tokens, as ``tokenizer(text)`` does)
-    and keep the first ``max_tokens``.
-
-    Returns (N,) int64. Raises BaigeError: missing/unreadable file, or fewer than 2 tokens.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BaigeError(f"{path}: data file not found") from None
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise BaigeError(f"{path}: not a UTF-8 text file ({type(e).__name__})") from None
-    ids = tokenizer.encode(text)
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    if len(ids) < 2:
-        raise BaigeError(f"{path}: fewer than 2 tokens of text")
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
@@ -143,16 +125,12 @@ def compare(model_a, model_b, ids: torch.Tensor, seq_len: int = 1024, progress: 
 
 
 def _load(spec: str | None, cfg: EvalConfig):
-    from baige.runtime.loader import load_model, resolve_device, resolve_model
-
     model_dir = resolve_model(spec)
     return model_dir, load_model(model_dir, cfg.dtype, resolve_device(cfg.device))
 
 
 def evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None = None) -> dict:
     """``baige eval ppl``: the JSON-ready result for ``cfg.models[0]`` (adds ``model`` and ``data``)."""
-    from baige.runtime.tokenizer import Tokenizer
-
     model_dir, model = _load(cfg.models[0], cfg)
     ids = read_tokens(Tokenizer.from_dir(model_dir), cfg.data, cfg.max_tokens)
     result = perplexity(model, ids, cfg.seq_len, progress)
@@ -162,8 +140,6 @@ def evaluate_ppl(cfg: EvalConfig, progress: ProgressFn | None = None) -> dict:
 def evaluate_compare(cfg: EvalConfig, progress: ProgressFn | None = None) -> dict:
     """``baige eval compare``: both perplexities, mean KL(P_a || P_b) and top-1 agreement, tokenized
     with model A's tokenizer."""
-    from baige.runtime.tokenizer import Tokenizer
-
     dir_a, model_a = _load(cfg.models[0], cfg)
     dir_b, model_b = _load(cfg.models[1], cfg)
     ids = read_tokens(Tokenizer.from_dir(dir_a), cfg.data, cfg.max_tokens)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from baige.kernels.settings import settings
+
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # -ffp-contract=off: no FMA merges two roundings of the plain-C code (ops.c follows the reference
 # op by op); the intrinsics' explicit FMAs are unaffected.
@@ -34,14 +36,13 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("BAIGE_CACHE") or Path.home() / ".cache" / "baige").expanduser() / "cpu_kernels"
+    return settings().cache_dir / "cpu_kernels"
 
 
 def native_allowed() -> bool:
     """The settings part of every native-kernel check: ``BAIGE_KERNELS`` unset or ``auto`` (the
     reference and Triton settings never use these kernels) and not inside a ``torch.compile`` trace."""
-    mode = os.environ.get("BAIGE_KERNELS")
-    return (not mode or mode == "auto") and not torch.compiler.is_compiling()
+    return settings().mode == "auto" and not torch.compiler.is_compiling()
 
 
 def cpu_has_avx2() -> bool:
@@ -50,7 +51,7 @@ def cpu_has_avx2() -> bool:
 
 def _build() -> ctypes.CDLL:
     """Compile (or find in the cache) and load ``qlinear.c``. Raises OSError/RuntimeError on failure."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = settings().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout

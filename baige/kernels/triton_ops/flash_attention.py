@@ -14,9 +14,9 @@ dK/dV program of a KV head loops over its query heads, so no atomics are needed.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from baige.kernels.triton_ops.common import block_for, new_empty
 

@@ -11,9 +11,9 @@ through per-program fp32 partial sums.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from baige.kernels.triton_ops.common import block_for, new_empty
 

@@ -1,7 +1,7 @@
 """Weight-only quantized linear layer in Triton: dequantize weight tiles in registers inside a tiled
 matmul (the approach of GPTQ-for-LLaMa's / AutoGPTQ's Triton kernels, with compressed-tensors layouts).
 
-Layouts (see :mod:`baige.runtime.quant`): int8 per output channel, ``qweight`` int8 (out, in) and
+Layouts (see :mod:`baige.runtime.quant.scheme`): int8 per output channel, ``qweight`` int8 (out, in) and
 ``scale`` (out, 1); int4 group-wise, ``qweight`` int32 (out, ceil(in / 8)) with element ``j`` of a
 word in bits ``4j..4j+3`` stored as ``q + 8``, ``scale`` (out, n_groups) and an optional unpacked
 ``zero_point`` (out, n_groups). Dequantization (compressed-tensors): ``w = (q - zero_point) * scale``.

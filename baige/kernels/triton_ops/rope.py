@@ -14,9 +14,9 @@ cos/sin once and rotates every query and key head (Liger-Kernel's ``rope`` does 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from baige.kernels.triton_ops.common import block_for, new_empty
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from baige.runtime.bench import roofline
+from baige.runtime import roofline
 from baige.runtime.bench.common import environment
 from baige.runtime.bench.offline import EngineArgs, Progress, build_llm, random_token_prompts
 
@@ -63,14 +63,14 @@ def _timed(fn: Callable[[], None]) -> float:
 
 
 def _baige_decode(llm, prompt: list[int], n: int) -> Callable[[], None]:
-    from baige.runtime.sampling import SamplingParams
+    from baige.runtime.infer.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return lambda: llm.generate([{"prompt_token_ids": prompt}], params)
 
 
 def _baige_batch(llm, reqs: list[tuple[list[int], int]]) -> Callable[[], None]:
-    from baige.runtime.sampling import SamplingParams
+    from baige.runtime.infer.sampling import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
@@ -109,7 +109,7 @@ def _llama_cpp_decode(gguf: Path, prompt: list[int], n: int) -> Callable[[], Non
 
 
 def _gguf_of(spec: str | None) -> Path | None:
-    from baige.runtime.loader import ALIASES, DEFAULT_MODEL, alias_gguf_path
+    from baige.runtime.weights.hub import ALIASES, DEFAULT_MODEL, alias_gguf_path
 
     spec = spec or DEFAULT_MODEL
     if spec in ALIASES:
@@ -128,9 +128,9 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     except ImportError:
         raise BaigeError("bench compare needs HF transformers: pip install 'baige[bench]'") from None
 
-    from baige.runtime.loader import resolve_model
-    from baige.runtime.quant_format import quantize_checkpoint
     from baige.runtime.config import QuantizeConfig
+    from baige.runtime.quantize import quantize_checkpoint
+    from baige.runtime.weights.hub import resolve_model
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one on screen
     model_dir = resolve_model(cfg.engine.model)

@@ -18,9 +18,10 @@ import torch
 
 from baige import kernels
 from baige.kernels import reference
-from baige.runtime.bench import roofline
+from baige.runtime import roofline
 from baige.runtime.bench.common import environment, median_time
 from baige.runtime.bench.offline import Progress
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -75,8 +76,8 @@ def _r(*shape, dt, dev):
 def _cache(sh: Shape, blocks: int, block_size: int, dt: torch.dtype, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V block pools in whatever layout the engine's :class:`KVCache` uses
     (random contents; the pool's extra scratch block included)."""
-    from baige.runtime.config import ModelConfig
-    from baige.runtime.kv_cache import KVCache
+    from baige.runtime.infer.kv_cache import KVCache
+    from baige.runtime.model.config import ModelConfig
 
     cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": sh.vocab, "hidden_size": sh.hidden,
                                  "intermediate_size": sh.intermediate, "num_hidden_layers": 1,
@@ -204,7 +205,7 @@ def run_kernels(cfg: KernelsConfig, progress: Progress | None = None) -> dict:
     ``forward_only``); the fused cross-entropy then also runs the unfused path (``unfused``: logits
     materialised + ``F.cross_entropy``) so its time and, on CUDA, peak memory compare directly.
     """
-    from baige.runtime.loader import resolve_device
+    from baige.runtime.model.device import resolve_device
 
     dev = resolve_device(cfg.device)
     dt = getattr(torch, cfg.dtype)

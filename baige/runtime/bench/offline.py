@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from baige.errors import BaigeError
-from baige.runtime.bench import roofline
+from baige.runtime import roofline
 from baige.runtime.bench.common import environment, random_token_prompts, summarize  # noqa: F401 (re-exported)
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
@@ -74,7 +74,7 @@ class ThroughputConfig:
 
 def build_llm(args: EngineArgs, max_model_len: int, max_num_seqs: int):
     """An ``LLM`` sized for the workload (context ``max_model_len`` tokens, ``max_num_seqs`` at once)."""
-    from baige.runtime.engine import LLM
+    from baige.runtime.infer.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
@@ -101,7 +101,7 @@ def _limits(llm):
 def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
     """Run ``baige bench latency``; returns the JSON result (args, environment, samples, summary,
     roofline). Raises BaigeError for bad sizes."""
-    from baige.runtime.sampling import SamplingParams
+    from baige.runtime.infer.sampling import SamplingParams
 
     if min(cfg.input_len, cfg.output_len, cfg.batch_size, cfg.num_iters) < 1:
         raise BaigeError("--input-len, --output-len, --batch-size and --num-iters must be >= 1")
@@ -159,10 +159,10 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
     """Run ``baige bench throughput``: every request submitted at once, stepped to completion.
     Returns the JSON result; raises BaigeError for a bad dataset or sizes."""
     from baige.runtime.bench.serve import sharegpt_requests
-    from baige.runtime.config import ModelConfig
-    from baige.runtime.loader import resolve_model
-    from baige.runtime.sampling import SamplingParams
-    from baige.runtime.tokenizer import Tokenizer
+    from baige.runtime.infer.sampling import SamplingParams
+    from baige.runtime.model.config import ModelConfig
+    from baige.runtime.model.tokenizer import Tokenizer
+    from baige.runtime.weights.hub import resolve_model
 
     if cfg.num_prompts < 1:
         raise BaigeError("--num-prompts must be >= 1")

@@ -137,8 +137,8 @@ def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult],
     """
     import torch
 
-    from baige.runtime.bench import roofline
-    from baige.runtime.config import ModelConfig
+    from baige.runtime import roofline
+    from baige.runtime.model.config import ModelConfig
 
     mc = ModelConfig.from_file(model_dir / "config.json")
     kv_dtype = mc.torch_dtype
@@ -166,8 +166,8 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
     A Ctrl-C during the load stops sending, and the result covers the requests that finished
     (``"interrupted": true``). Raises BaigeError for bad options or a server that does not start.
     """
-    from baige.runtime.loader import resolve_model
-    from baige.runtime.tokenizer import Tokenizer
+    from baige.runtime.model.tokenizer import Tokenizer
+    from baige.runtime.weights.hub import resolve_model
 
     if cfg.num_prompts < 1:
         raise BaigeError("--num-prompts must be >= 1")
@@ -182,7 +182,7 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
         inputs = random_requests(tok, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
     name = cfg.served_model_name or cfg.model or "smollm2-135m-instruct"
     # the prompt is re-tokenized by the server: leave room for the text not round-tripping exactly
-    from baige.runtime.config import ModelConfig
+    from baige.runtime.model.config import ModelConfig
 
     max_pos = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
     max_model_len = min(max(r.prompt_len + r.output_len for r in inputs) * 2 + 16, max_pos)

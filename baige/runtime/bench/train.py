@@ -1,4 +1,4 @@
-"""``baige bench train``: short training runs through the :class:`~baige.runtime.train.Trainer`.
+"""``baige bench train``: short training runs through the :class:`~baige.runtime.train.trainer.Trainer`.
 
 Each step is one optimizer step (forward + backward of ``batch_size`` windows of ``seq_len`` tokens,
 gradient clipping, AdamW), timed from before the step to after it (``loss.item()`` inside the step
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from baige.errors import BaigeError
-from baige.runtime.bench import roofline
+from baige.runtime import roofline
 from baige.runtime.bench.common import environment
 from baige.runtime.bench.offline import Progress
 
@@ -59,11 +59,11 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
     """Run ``baige bench train``; returns the JSON result (per-step samples in seconds, summary)."""
     import torch
 
-    from baige.runtime.loader import resolve_model
-    from baige.runtime.metrics import peak_memory_bytes
-    from baige.runtime.tokenizer import Tokenizer
-    from baige.runtime.train import PRESETS, Trainer
-    from baige.runtime.train_config import TrainConfig, validate
+    from baige.runtime.model.tokenizer import Tokenizer
+    from baige.runtime.train.config import TrainConfig, validate
+    from baige.runtime.train.metrics import peak_memory_bytes
+    from baige.runtime.train.trainer import PRESETS, Trainer
+    from baige.runtime.weights.hub import resolve_model
 
     if cfg.steps <= cfg.warmup_steps:
         raise BaigeError(f"--steps ({cfg.steps}) must exceed --warmup-steps ({cfg.warmup_steps})")

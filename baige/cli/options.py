@@ -1,0 +1,48 @@
+"""What the command modules share: option types, the dtype/device choices, and the progress bar."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+MODEL_HELP = "HF directory, .gguf file, alias or HF repo id. Default: smollm2-135m-instruct (embedded)."
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
+DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")]
+WeightsDTypeOpt = Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is "
+                                                     "set); auto = the checkpoint's.")]
+
+
+@contextmanager
+def progress_bar(description: str, transient: bool = False) -> Iterator[Callable[..., None]]:
+    """A rich progress bar on stderr; yields ``update(done, total, what=None)``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=transient) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int | None, what: str | None = None) -> None:
+            bar.update(task, completed=done, total=total,
+                       **({"description": f"{description}: {what}"} if what else {}))
+
+        yield update

@@ -1,0 +1,125 @@
+"""The C ABI of the one-call native decode step (``decode.c``): descriptors and the call.
+
+The runtime (:mod:`baige.runtime.infer.cpu_decode`) walks the model and describes each layer's
+tensors; this module packs them into the structs ``baige_decode_layers`` reads and calls it. The
+structs hold raw pointers: every tensor described is kept referenced by :class:`DecodeLayers`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from baige.kernels.cpu.build import library
+
+# projection kinds understood by decode.c
+LINEAR_F32, LINEAR_INT8, LINEAR_INT4, LINEAR_F16 = 0, 1, 2, 3
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("w", _p), ("ldw", _i64), ("scale", _p),
+                ("zero_point", _p), ("groups", _i64), ("group_size", _i64), ("bias", _p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _Linear) for name in PROJECTIONS] + [
+        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p), ("v_cache", _p)]
+
+
+@dataclass
+class LinearDesc:
+    """One projection ``y = x W^T + b`` with ``W`` (n, k) in row-major storage of row stride ``ldw``.
+
+    ``kind`` LINEAR_F32: fp32 ``w``; LINEAR_F16: fp16 ``w``; LINEAR_INT8: int8 ``w`` with fp32
+    per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, fp32 ``scale`` (n, groups),
+    optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None.
+    """
+
+    kind: int
+    n: int
+    k: int
+    w: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    group_size: int = 0
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class LayerDesc:
+    """One decoder layer: seven projections (``PROJECTIONS`` order), fp32 norm weights (hidden,)
+    or (head_dim,) for q/k norms, and this layer's K/V pools (n_kv_heads, num_blocks, block_size, head_dim)."""
+
+    linears: list[LinearDesc]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeLayers:
+    """The packed layer table of one model and KV cache; call it for each decode step.
+
+    Args:
+        layers: the layers' descriptions (tensors contiguous, on the CPU; see :class:`LayerDesc`).
+        dims: (n_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate).
+        eps: the RMSNorm epsilon; scale: the attention softmax scale.
+    """
+
+    def __init__(self, layers: list[LayerDesc], dims: tuple[int, ...], eps: float, scale: float):
+        self._keep: list[torch.Tensor] = []
+        self._table = (_Layer * len(layers))()
+        for i, desc in enumerate(layers):
+            row = self._table[i]
+            for name, lin in zip(PROJECTIONS, desc.linears):
+                setattr(row, name, self._linear(lin))
+            row.input_norm, row.post_norm = _ptr(desc.input_norm), _ptr(desc.post_norm)
+            row.q_norm, row.k_norm = _ptr(desc.q_norm), _ptr(desc.k_norm)
+            row.k_cache, row.v_cache = _ptr(desc.k_cache), _ptr(desc.v_cache)
+            self._keep += [t for t in (desc.input_norm, desc.post_norm, desc.q_norm, desc.k_norm,
+                                       desc.k_cache, desc.v_cache) if t is not None]
+        self._dims, self._eps, self._scale = dims, eps, scale
+        self._fp16_cache = layers[0].k_cache.dtype == torch.float16
+        self._num_blocks, self._block_size = layers[0].k_cache.shape[1], layers[0].k_cache.shape[2]
+
+    def _linear(self, d: LinearDesc) -> _Linear:
+        lin = _Linear()
+        lin.kind, lin.n, lin.k, lin.w, lin.ldw = d.kind, d.n, d.k, d.w.data_ptr(), d.w.stride(0)
+        lin.scale, lin.zero_point, lin.bias = _ptr(d.scale), _ptr(d.zero_point), _ptr(d.bias)
+        if d.kind == LINEAR_INT4:
+            lin.groups, lin.group_size = d.scale.shape[1], d.group_size
+        self._keep += [t for t in (d.w, d.scale, d.zero_point, d.bias) if t is not None]
+        return lin
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+        """Run every layer on ``h`` in place.
+
+        Args:
+            h: (M, hidden) fp32 contiguous hidden states of M sequences' new tokens, updated in place.
+            cos, sin: (M, head_dim) fp32 rotary tables of the tokens' positions.
+            slot_mapping: (M,) int64 cache slot of each new token.
+            block_tables: (M, W) int64 block ids per sequence.
+            context_lens: (M,) int64 tokens in the cache per sequence, the new one included.
+        Raises:
+            MemoryError: the kernel's scratch buffers could not be allocated.
+        """
+        n_layers, hidden, hq, hk, d, inter = self._dims
+        tables = block_tables.contiguous()
+        rc = library().baige_decode_layers(
+            ctypes.addressof(self._table), n_layers, h.shape[0], hidden, hq, hk, d, inter, self._eps, self._scale,
+            self._num_blocks, self._block_size, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slot_mapping.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1],
+            context_lens.contiguous().data_ptr(), self._fp16_cache, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native decode step: could not allocate its scratch buffers")

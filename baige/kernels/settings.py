@@ -1,0 +1,49 @@
+"""The kernels' settings, read from the environment once (not on every op call).
+
+- ``BAIGE_KERNELS``: ``auto`` (default), ``reference`` or ``triton`` (see :mod:`baige.kernels`).
+- ``TRITON_INTERPRET``: Triton's interpreter, which lets Triton kernels run on CPU tensors.
+- ``BAIGE_CACHE``: the cache root (default ``~/.cache/baige``); the native CPU library is built
+  under ``$BAIGE_CACHE/cpu_kernels``, models and token files under the same root.
+- ``CC``: the C compiler for the native CPU kernels (default: ``cc``, else ``gcc`` on PATH).
+
+Code that changes these variables at run time (tests, ``scripts/gpu_smoke.py``) calls
+:func:`reload_settings` afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    mode: str  # BAIGE_KERNELS, "auto" when unset or empty (validated by baige.kernels.backend)
+    triton_interpret: bool
+    cache_dir: Path
+    cc: str | None  # None: look on PATH
+
+
+def _read() -> KernelSettings:
+    env = os.environ
+    return KernelSettings(
+        mode=env.get("BAIGE_KERNELS") or "auto",
+        triton_interpret=env.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes"),
+        cache_dir=Path(env.get("BAIGE_CACHE") or Path.home() / ".cache" / "baige").expanduser(),
+        cc=env.get("CC") or None,
+    )
+
+
+_current: list[KernelSettings] = [_read()]
+
+
+def settings() -> KernelSettings:
+    """The settings in force (a list read: cheap, and traceable by torch.compile)."""
+    return _current[0]
+
+
+def reload_settings() -> KernelSettings:
+    """Re-read the environment (after a test or script changed it) and return the new settings."""
+    _current[0] = _read()
+    return _current[0]

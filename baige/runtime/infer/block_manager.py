@@ -1,0 +1,201 @@
+"""Paged KV-cache bookkeeping in plain Python (no torch): which block holds which tokens.
+
+The KV cache is a pool of ``num_blocks`` fixed-size blocks of ``block_size`` token slots each (the
+tensors live in :mod:`baige.runtime.infer.kv_cache`). A sequence owns a *block table*: the list of block
+ids that hold its tokens in order, so token ``i`` sits in slot
+``block_table[i // block_size] * block_size + i % block_size`` (vLLM's PagedAttention layout,
+Kwon et al. 2023, arXiv:2309.06180).
+
+Prefix caching: a block whose ``block_size`` tokens have all been computed gets a *chained hash*,
+``hash((parent_hash, tokens))``, so equal hashes mean equal whole prefixes. A new sequence whose
+prompt starts with cached blocks reuses them (ref count + 1) and skips computing those tokens.
+Blocks nobody references stay cached until the pool runs out, then the least recently freed one is
+evicted (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class SequenceLike(Protocol):
+    """What the block manager reads and writes on a sequence (see ``scheduler.Sequence``)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and computed (prefix caching)
+    token_ids: tuple[int, ...] = field(default=())  # the tokens behind `hash`, checked on a hit
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of the block before it (None for the first block)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Ref-counted allocation of KV blocks with prefix caching and LRU eviction.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
+        enable_prefix_caching: reuse computed full blocks across sequences.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, not cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; oldest first
+        self._cached: dict[int, int] = {}  # hash -> block id
+        # prefix-cache statistics, in tokens
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free or evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of prompt tokens looked up in the prefix cache that were found (0 when none)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation ------------------------------------------------------------------------
+    def _take_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)  # least recently freed
+            block = self.blocks[block_id]
+            del self._cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._evictable.pop(block_id)
+        block.ref_count += 1
+
+    def _cached_prefix(self, seq: SequenceLike) -> list[int]:
+        """Ids of cached blocks that hold a prefix of ``seq``'s tokens (at least one token is left).
+        None for a sequence that asks for prompt logprobs (``seq.prompt_logprobs`` set): those need
+        logits at every prompt position, so its prompt is computed in full."""
+        if not self.enable_prefix_caching or getattr(seq, "prompt_logprobs", None) is not None:
+            return []
+        hits: list[int] = []
+        parent = None
+        # never the whole sequence: the last token must be computed to get its logits
+        for i in range((len(seq.token_ids) - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def can_allocate(self, seq: SequenceLike, num_new_tokens: int) -> bool:
+        """Whether :meth:`allocate` for a sequence without blocks would succeed."""
+        hits = self._cached_prefix(seq)
+        n_cached = len(hits) * self.block_size
+        evictable_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(n_cached + min(num_new_tokens, len(seq.token_ids) - n_cached)) - len(hits)
+        return need <= self.num_free_blocks - evictable_hits
+
+    def allocate(self, seq: SequenceLike, num_new_tokens: int) -> int:
+        """Give a sequence without blocks its cached prefix plus blocks for ``num_new_tokens`` more.
+
+        Sets ``seq.block_table``, ``seq.num_cached_tokens`` and ``seq.num_computed_tokens`` (both
+        to the cached prefix length). Returns the number of tokens to compute now (the request
+        minus nothing; capped at what is left of the sequence). Raises RuntimeError when the pool
+        is too small (call :meth:`can_allocate` first).
+        """
+        assert not seq.block_table, "sequence already has blocks"
+        if not self.can_allocate(seq, num_new_tokens):
+            raise RuntimeError("out of KV blocks")
+        hits = self._cached_prefix(seq)
+        for b in hits:
+            self._ref(b)
+        n_cached = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(seq.token_ids)
+            self.prefix_hits += n_cached
+        seq.block_table = list(hits)
+        seq.num_cached_tokens = seq.num_computed_tokens = n_cached
+        num_new_tokens = min(num_new_tokens, len(seq.token_ids) - n_cached)
+        self.append_slots(seq, num_new_tokens)
+        return num_new_tokens
+
+    def can_append(self, seq: SequenceLike, num_new_tokens: int) -> bool:
+        """Whether the pool has the blocks to hold ``num_new_tokens`` more computed tokens."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def append_slots(self, seq: SequenceLike, num_new_tokens: int) -> None:
+        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            raise RuntimeError("out of KV blocks")
+        for _ in range(need):
+            seq.block_table.append(self._take_block())
+
+    def cache_computed_blocks(self, seq: SequenceLike) -> None:
+        """Register the hashes of ``seq``'s full blocks whose tokens are all computed now."""
+        if not self.enable_prefix_caching:
+            return
+        parent = None
+        for i in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if block.hash is None:
+                h = chain_hash(parent, tokens)
+                if h not in self._cached:  # an identical block cached by another sequence keeps its entry
+                    block.hash, block.token_ids = h, tokens
+                    self._cached[h] = block.block_id
+                parent = h
+            else:
+                parent = block.hash
+
+    def free(self, seq: SequenceLike) -> None:
+        """Drop ``seq``'s references; cached blocks become evictable, the others free.
+
+        Blocks are released last-first so the tail of a sequence is evicted before its prefix.
+        """
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0  # num_cached_tokens keeps its value: the last admission's (reported)

@@ -1,0 +1,127 @@
+"""A decode step in one native call on CPU (``baige/kernels/cpu/decode.c``).
+
+For decode-only steps of an fp32 model on CPU the engine's runner hands the whole layer stack to
+``baige_decode_layers`` (:class:`baige.kernels.NativeDecodeLayers`): each layer's norms, projections (fp32 ``nn.Linear``, or int8 / int4
+``QuantizedLinear`` through the native weight-only kernels), RoPE, KV store, paged attention and MLP
+run in C, the tensors read in place through the pointers gathered here. Only the embedding lookup,
+the rotary tables, the final norm and ``lm_head`` stay in PyTorch. The per-op path is unchanged and
+remains the reference (``BAIGE_KERNELS=reference`` or ``BAIGE_CPU_DECODE=0`` select it); the
+results agree up to accumulation order and SiLU's ``exp`` (tests/infer/test_cpu_decode.py).
+
+What makes a model eligible (:meth:`FusedDecoder.build` says which check failed): every parameter
+fp32 on the CPU, each layer's seven projections fp32 ``nn.Linear``, ``Fp16WeightLinear``
+(``--quantization fp16-weight``) or ``QuantizedLinear`` (int8 per channel, or int4 with
+``in_features`` and ``group_size`` multiples of 8), contiguous fp32 or fp16 KV pools
+(``kv_cache_dtype``), and the native library built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baige import kernels
+from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.model.transformer import Transformer
+from baige.runtime.quant.fp16_weight import Fp16WeightLinear
+from baige.runtime.quant.linear import QuantizedLinear
+from baige.runtime.settings import settings
+
+
+class FusedDecoder:
+    """The native decode step for one model and KV cache (build with :meth:`build`).
+
+    The kernel's layer table points into the model's and the cache's own storage; every tensor
+    it points to (weights, norms, biases, pools, and the fp32 scale copies / unpacked int4 zero
+    points made here) stays referenced by it, so swapping a module afterwards leaves stale values,
+    never a dangling pointer; build a new decoder after changing the model.
+    """
+
+    def __init__(self, model: Transformer, layers: kernels.NativeDecodeLayers):
+        self.model, self._layers = model, layers
+
+    @classmethod
+    def build(cls, model: Transformer, kv: KVCache) -> tuple["FusedDecoder | None", str]:
+        """``(decoder, "")`` when the model is eligible (module docstring), else ``(None, why)``."""
+        if not settings().cpu_decode or not kernels.native_allowed():
+            return None, "disabled (BAIGE_CPU_DECODE=0 or BAIGE_KERNELS set)"
+        for name, t in model.named_parameters():
+            if t.device.type != "cpu" or t.dtype != torch.float32:
+                return None, f"{name} is {t.dtype} on {t.device.type}, not fp32 on the CPU"
+        if kv.k[0].device.type != "cpu" or kv.k[0].dtype not in (torch.float32, torch.float16):
+            return None, "the KV cache is not fp32 or fp16 on the CPU"
+        if not kernels.native_cpu_available():
+            return None, "the native CPU library is not available"
+        descs = []
+        for i, layer in enumerate(model.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            linears = []
+            for name, mod in zip(kernels.DECODE_PROJECTIONS, mods):
+                lin, why = _describe(mod)
+                if lin is None:
+                    return None, f"layer {i} {name}_proj: {why}"
+                linears.append(lin)
+            if not (kv.k[i].is_contiguous() and kv.v[i].is_contiguous()):
+                return None, "a KV pool is not contiguous"
+            descs.append(kernels.DecodeLayerDesc(
+                linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                a.q_norm.weight if a.q_norm is not None else None, a.k_norm.weight if a.k_norm is not None else None,
+                kv.k[i], kv.v[i]))
+        c = model.config
+        dims = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                c.intermediate_size)
+        layer0 = model.model.layers[0]
+        table = kernels.NativeDecodeLayers(descs, dims, float(layer0.input_layernorm.eps), float(layer0.self_attn.scale))
+        return cls(model, table), ""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """One decode step.
+
+        Args:
+            input_ids, positions: (1, M) int64, the new token of each of M sequences and its position.
+            slot_mapping: (M,) int64 cache slot of each new token.
+            block_tables: (M, W) int64 block ids per sequence (padding beyond its context is not read).
+            context_lens: (M,) int64 tokens in the cache per sequence, the new one included.
+        Returns:
+            (1, M, hidden) fp32 final hidden states (after the last norm), as ``Transformer.forward``.
+        Raises:
+            MemoryError: the kernel's scratch buffers could not be allocated.
+        """
+        model = self.model
+        h = model.model.embed_tokens(input_ids)[0].contiguous()  # (M, hidden), a fresh copy
+        cos, sin = model.rotary_emb(positions, h.dtype)  # (1, M, head_dim)
+        self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens)
+        return model.model.norm(h)[None]
+
+
+def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
+    """The kernel's description of one projection, or (None, why not)."""
+    bias = getattr(mod, "bias", None)
+    if type(mod) is nn.Linear:
+        w = mod.weight
+        if w.dtype != torch.float32 or w.stride(-1) != 1:
+            return None, "an fp32 nn.Linear with a row-major weight is needed"
+        desc = kernels.DecodeLinearDesc(kernels.LINEAR_F32, mod.out_features, mod.in_features, w)
+    elif isinstance(mod, Fp16WeightLinear):
+        desc = kernels.DecodeLinearDesc(kernels.LINEAR_F16, mod.out_features, mod.in_features, mod.weight_fp16)
+        bias = mod.bias_fp32
+    elif isinstance(mod, QuantizedLinear):
+        scheme = mod.scheme
+        scale = mod.weight_scale.float().contiguous()
+        if scheme.num_bits == 8:
+            desc = kernels.DecodeLinearDesc(kernels.LINEAR_INT8, mod.out_features, mod.in_features, mod.weight,
+                                            scale)
+        else:
+            if mod.in_features % 8 or scheme.group_size % 8:
+                return None, "int4 needs in_features and group_size multiples of 8"
+            zp = mod.zero_point()
+            zp = None if zp is None else zp.to(torch.int32).contiguous()
+            desc = kernels.DecodeLinearDesc(kernels.LINEAR_INT4, mod.out_features, mod.in_features,
+                                            mod.weight_packed, scale, zp, scheme.group_size)
+    else:
+        return None, f"{type(mod).__name__} has no native kernel"
+    if bias is not None:
+        desc.bias = bias.detach().float().contiguous()
+    return desc, ""

@@ -1,0 +1,132 @@
+"""The paged KV-cache tensors: per layer, a pool of fixed-size blocks allocated once.
+
+Which block holds which tokens is decided by :class:`baige.runtime.infer.block_manager.BlockManager`
+(plain Python); this module only owns the memory and sizes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baige.errors import BaigeError
+from baige.runtime.model.config import ModelConfig
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_FRACTION = 0.1  # default share of available RAM for the cache on CPU
+GPU_KV_FRACTION = 0.9  # default share of free GPU memory after warm-up (vLLM's gpu_memory_utilization)
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
+class KVCache:
+    """K and V pools, each layer ``(n_kv_heads, num_blocks + 1, block_size, head_dim)`` (the layout of
+    ``baige.kernels``' paged ops: heads outermost).
+
+    Block ``num_blocks`` (the last) is a scratch block the block manager never hands out: padded
+    rows of a fixed-shape decode batch write their K/V there. Pools are zero-filled so padded,
+    masked reads never meet NaNs.
+
+    Args:
+        cfg: the model's config.
+        num_blocks: usable blocks.
+        block_size: token slots per block.
+        dtype: cache dtype (the model's, or ``--kv-cache-dtype``: :func:`resolve_kv_cache_dtype`).
+        device: where the pool lives.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks
+        shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        return block_size * cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV-cache dtype for ``--kv-cache-dtype`` (vLLM's option): ``auto`` is the model's dtype.
+
+    On CPU any of float32 / float16 / bfloat16 works under any model dtype (K/V are rounded when
+    stored and read back converted; the native kernels read an fp16 cache under an fp32 model at half
+    the memory traffic of fp32). The Triton kernels need the model's dtype.
+
+    Raises:
+        BaigeError: an unknown name, or a dtype other than the model's on CUDA.
+    """
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise BaigeError(f"unknown --kv-cache-dtype {name!r} (choose auto, {', '.join(KV_CACHE_DTYPES)})")
+    dtype = KV_CACHE_DTYPES[name]
+    if device.type != "cpu" and dtype != model_dtype:
+        model = str(model_dtype).removeprefix("torch.")
+        raise BaigeError(f"--kv-cache-dtype {name} under a {model} model is supported on CPU only; "
+                         f"use auto or {model} on {device.type}")
+    return dtype
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the cache now: free GPU memory on CUDA, ``MemAvailable`` of /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise BaigeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory")
+
+
+@torch.inference_mode()
+def profile_activation_peak(model: torch.nn.Module, num_tokens: int, num_logits: int) -> int:
+    """Warm-up (vLLM's profile run): one forward of ``num_tokens`` dummy tokens (the largest step the
+    scheduler can build) plus logits of ``num_logits`` rows; returns the peak bytes it allocated on
+    CUDA beyond what was allocated before (0 off CUDA, where no allocator statistics exist). The
+    caching allocator's freed blocks are released afterwards so a free-memory reading sees them.
+    """
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)
+    positions = torch.arange(num_tokens, device=device)[None]
+    hidden = model(ids, positions, None)  # causal attention over the whole chunk
+    model.compute_logits(hidden[0, -num_logits:])
+    del hidden
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   kv_cache_memory: int | None, max_model_len: int, activation_peak: int = 0) -> int:
+    """Blocks that fit in ``kv_cache_memory`` bytes. Default budget: a fraction of the free memory
+    measured now (after the warm-up, on CUDA), less ``activation_peak`` bytes kept free for the
+    activations of the largest step (:func:`profile_activation_peak`).
+
+    Raises:
+        BaigeError: the budget does not hold one sequence of ``max_model_len`` tokens.
+    """
+    per_block = KVCache.bytes_per_block(cfg, block_size, dtype)
+    if kv_cache_memory is None:
+        frac = GPU_KV_FRACTION if device.type == "cuda" else CPU_KV_FRACTION
+        kv_cache_memory = max(0, int(available_memory(device) * frac) - activation_peak)
+    num_blocks = kv_cache_memory // per_block
+    need = -(-max_model_len // block_size)
+    if num_blocks < need:
+        raise BaigeError(
+            f"KV cache of {kv_cache_memory} bytes holds {_blocks(num_blocks)} of {block_size} tokens, "
+            f"fewer than one sequence of max_model_len={max_model_len} tokens needs ({_blocks(need)}, "
+            f"{need * per_block} bytes); raise --kv-cache-memory or lower --max-model-len"
+        )
+    return int(num_blocks)

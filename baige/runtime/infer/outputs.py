@@ -1,0 +1,48 @@
+"""What the engine returns per request and per sequence (vLLM's ``RequestOutput`` / ``CompletionOutput``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baige.runtime.infer.sampling import Logprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One sequence of a request. Cumulative fields plus the delta of the step that produced it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[Logprobs] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[Logprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far.
+
+    Times are ``time.monotonic()`` seconds: ``arrival_time`` (added), ``first_token_time`` (TTFT
+    = first_token_time - arrival_time), ``finished_time``.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then one Logprobs per token
+    # (filled as prefill chunks run; complete once the first output token exists)
+    prompt_logprobs: list[Logprobs | None] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None

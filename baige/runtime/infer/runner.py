@@ -1,0 +1,296 @@
+"""ModelRunner: a scheduled batch -> flat tensors -> the model -> one sampled token per sequence.
+
+Layout of one step (B = 1, T = all scheduled tokens, no padding): the decoding sequences' single
+tokens first, then each prefill chunk's tokens. ``slot_mapping[t]`` is the cache slot of token t;
+paged attention reads each sequence's blocks through its block table. Logits are computed only
+for the last position of each sequence that samples this step.
+
+Decoding sequences are grouped by context length (each group one paged-decode call whose block
+tables are only as wide as its longest sequence): attention traffic then follows the real
+contexts instead of the longest one. When graphs are captured (CUDA graphs through
+``torch.compile``, on GPU unless ``enforce_eager``), decode-only steps instead run as one group
+with fixed shapes: the batch padded to a bucket size and the tables to a bucket width, padded rows
+writing to the pool's scratch block; one graph per bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from baige import kernels
+from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.infer.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
+from baige.runtime.infer.scheduler import ScheduledBatch
+from baige.runtime.model.transformer import Transformer
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Attention metadata of one step (see ``model.AttentionMetadata``); owns the cache writes.
+
+    Tokens ``0 .. num_decodes-1`` are decodes (one per sequence), the rest prefill chunks.
+    """
+
+    k_cache: list[torch.Tensor]  # per layer (n_kv_heads, num_blocks + 1, block_size, head_dim)
+    v_cache: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # (T,) int64
+    num_decodes: int
+    # consecutive groups of decode rows: (block_tables (S_g, W_g) int64, context_lens (S_g,) int64)
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    prefill_block_tables: torch.Tensor | None = None  # (P, W) int64
+    prefill_cu_seqlens: torch.Tensor | None = None  # (P + 1,) int64
+    prefill_context_lens: torch.Tensor | None = None  # (P,) int64
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: (1, T, n_heads, D); k, v: (1, T, n_kv_heads, D) -> (1, T, n_heads, D)."""
+        kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        q, k, v = q[0], k[0], v[0]  # (T, H, D), (T, Hkv, D)
+        kernels.store_kv(k, v, kc, vc, self.slot_mapping)
+        nd = self.num_decodes
+        parts = []
+        row = 0
+        for tables, lens in self.decode_groups:
+            n = tables.shape[0]
+            parts.append(kernels.paged_decode_attention(q[row:row + n], kc, vc, tables, lens, scale))
+            row += n
+        if nd < q.shape[0]:
+            parts.append(kernels.paged_prefill_attention(q[nd:], kc, vc, self.prefill_block_tables,
+                                                         self.prefill_cu_seqlens, self.prefill_context_lens, scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out[None]  # (1, T, H, D)
+
+
+# Cost of one extra decode group relative to one padded (sequence, block) of attention work, in
+# (sequence, block) units: ~10 small ops per layer against ~25 KB of fp32 K/V per block read
+# twice (gather + matmul). Measured on the 2-core dev box; only shapes the grouping, not results.
+GROUP_OVERHEAD_BLOCKS = 6
+
+
+def group_by_width(widths: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> list[int]:
+    """Split ascending block counts into consecutive groups minimising padded work.
+
+    Cost of a group = rows * (its widest row) + ``overhead`` (dynamic programming, O(n * distinct)).
+
+    Args:
+        widths: per row its block count, ascending.
+    Returns:
+        The end index of each group, ascending, the last one ``len(widths)``.
+    """
+    n = len(widths)
+    best, cut = [0] + [0] * n, [0] * (n + 1)
+    starts = [i for i in range(n) if i == 0 or widths[i] != widths[i - 1]]  # cut only where widths change
+    for j in range(1, n + 1):
+        if j < n and widths[j] == widths[j - 1]:
+            continue  # never end a group inside a run of equal widths
+        best[j], cut[j] = min((best[i] + (j - i) * widths[j - 1] + overhead, i) for i in starts if i < j)
+    ends, j = [], n
+    while j:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]
+
+
+def _buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... up to and including ``limit``."""
+    out = [1]
+    while out[-1] < limit:
+        out.append(min(out[-1] * 2, limit))
+    return out
+
+
+class ModelRunner:
+    """Runs one scheduled step on the model.
+
+    Args:
+        model: the decoder (eval mode).
+        kv_cache: the block pools.
+        max_num_seqs: largest decode batch (sets the batch buckets).
+        max_model_len: longest sequence (sets the block-table width buckets).
+        enforce_eager: never capture graphs.
+    """
+
+    def __init__(self, model: Transformer, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False):
+        self.model = model
+        self.kv = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = next(model.parameters()).device
+        self.batch_buckets = _buckets(max_num_seqs)
+        self.width_buckets = _buckets(-(-max_model_len // self.block_size))
+        self.enforce_eager = enforce_eager
+        self._decode_fn = self._decode_forward
+        # Capture on GPU only: torch.compile "reduce-overhead" records CUDA graphs of the fixed-shape
+        # decode. On CPU the step is bound by fp32 GEMV memory traffic, and a compiled graph measured
+        # no faster (8.2 vs 9.0 tokens/s at batch 1 on the 2-core dev box) for ~30 s of compile per
+        # bucket, so the CPU decode runs eager; the shapes are fixed either way.
+        self.captures = not enforce_eager and self.device.type == "cuda"
+        if self.captures:
+            self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
+        # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
+        self.fused_decode, self.fused_decode_why = None, "not on the CPU"
+        if self.device.type == "cpu":
+            from baige.runtime.infer.cpu_decode import FusedDecoder
+
+            self.fused_decode, self.fused_decode_why = FusedDecoder.build(model, kv_cache)
+
+    def _tensor(self, data: list) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                        groups: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Decode: (1, B) ids/positions, (B,) slots, groups of ((B_g, W_g) tables, (B_g,) lengths)
+        covering the B rows in order -> (B, vocab) logits."""
+        if self.fused_decode is not None:
+            # one table for every row: the native kernel reads only each row's own context
+            W = max(t.shape[1] for t, _ in groups)
+            tables = torch.cat([F.pad(t, (0, W - t.shape[1]), value=self.kv.scratch_block) for t, _ in groups])
+            lens = torch.cat([n for _, n in groups]) if len(groups) > 1 else groups[0][1]
+            hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens)
+        else:
+            md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1], decode_groups=groups)
+            hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
+        return self.model.compute_logits(hidden[0])  # (B, vocab)
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _decode_groups(self, seqs: list) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Order decoding sequences by context length and group them (see :func:`group_by_width`).
+
+        Returns:
+            ``(order, groups)``: the row order (indices into ``seqs``) and per group its block tables
+            (rows, widest row's blocks) and context lengths, padded with the scratch block.
+        """
+        lens = [len(s.token_ids) for s in seqs]  # context including the token being decoded
+        bs, scratch = self.block_size, self.kv.scratch_block
+        order = sorted(range(len(seqs)), key=lens.__getitem__)
+        widths = [-(-lens[i] // bs) for i in order]
+        groups, start = [], 0
+        for end in group_by_width(widths):
+            w = widths[end - 1]
+            rows = order[start:end]
+            tables = [seqs[i].block_table[:w] + [scratch] * (w - len(seqs[i].block_table[:w])) for i in rows]
+            groups.append((self._tensor(tables), self._tensor([lens[i] for i in rows])))
+            start = end
+        return order, groups
+
+    def _decode_inputs(self, seqs: list) -> tuple[list[int], list[int], list[int]]:
+        """Per decoding sequence, in the given order: its last token, that token's position and cache slot."""
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        for s in seqs:
+            p = len(s.token_ids) - 1
+            ids.append(s.token_ids[-1])
+            pos.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+        return ids, pos, slots
+
+    def _run_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+        seqs = batch.seqs
+        n = len(seqs)
+        if not self.captures:  # eager: unpadded, grouped by length
+            order, groups = self._decode_groups(seqs)
+            ids, pos, slots = self._decode_inputs([seqs[i] for i in order])
+            logits = self._decode_fn(self._tensor([ids]), self._tensor([pos]), self._tensor(slots), groups)
+            inverse = [0] * n
+            for row, i in enumerate(order):
+                inverse[i] = row
+            return logits[self._tensor(inverse)]
+        B = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
+        widest = max(len(s.block_table) for s in seqs)
+        W = self.width_buckets[bisect.bisect_left(self.width_buckets, widest)]
+        bs, scratch = self.block_size, self.kv.scratch_block
+        ids, pos, slots = self._decode_inputs(seqs)
+        tables = [s.block_table + [scratch] * (W - len(s.block_table)) for s in seqs]
+        lens = [p + 1 for p in pos]
+        pad = B - n
+        ids += [0] * pad
+        pos += [0] * pad
+        slots += [scratch * bs] * pad
+        tables += [[scratch] * W] * pad
+        lens += [1] * pad
+        logits = self._decode_fn(self._tensor([ids]), self._tensor([pos]), self._tensor(slots),
+                                 [(self._tensor(tables), self._tensor(lens))])
+        return logits[:n]
+
+    def _run_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], dict[int, tuple[int, list]]]:
+        """Any mix of decodes and prefill chunks, unpadded. Returns (logits of samplers, their batch
+        indices, prompt logprobs): the last maps a batch index whose sequence asks for prompt logprobs
+        to (index of the first prompt token scored, its :class:`Logprobs` in order)."""
+        nd = batch.num_decodes
+        order, groups = self._decode_groups(batch.seqs[:nd]) if nd else ([], [])
+        ids, pos, slots = [], [], []
+        sample_rows, sample_at = [], []  # batch index, flat position of its last token
+        score_at, score_targets, score_spans = [], [], []  # prompt logprobs: flat positions, next tokens, (row, first, n)
+        pre_tables, pre_cu, pre_lens = [], [0], []
+        for i in order + list(range(nd, len(batch))):
+            s, n = batch.seqs[i], batch.num_new_tokens[i]
+            start, end = s.num_computed_tokens, s.num_computed_tokens + n
+            ids += s.token_ids[start:end]
+            pos += range(start, end)
+            slots += self._slots(s.block_table, start, end)
+            if i >= nd:
+                if s.prompt_logprobs is not None:
+                    # position p's logits score prompt token p + 1
+                    last = min(end, s.num_prompt_tokens - 1)
+                    if last > start:
+                        score_spans.append((i, start + 1, last - start))
+                        score_at += range(len(ids) - n, len(ids) - n + last - start)
+                        score_targets += s.token_ids[start + 1:last + 1]
+                pre_tables.append(s.block_table)
+                pre_cu.append(pre_cu[-1] + n)
+                pre_lens.append(end)
+            if end == len(s.token_ids):
+                sample_rows.append(i)
+                sample_at.append(len(ids) - 1)
+
+        md = PagedAttentionMetadata(self.kv.k, self.kv.v, self._tensor(slots), nd, decode_groups=groups)
+        if pre_lens:
+            w = max(len(t) for t in pre_tables)
+            md.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
+            md.prefill_cu_seqlens, md.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
+        hidden = self.model(self._tensor([ids]), self._tensor([pos]), md)  # (1, T, hidden)
+        logits = self.model.compute_logits(hidden[0, self._tensor(sample_at)])  # (n_sample, vocab)
+        prompt_lps: dict[int, tuple[int, list]] = {}
+        if score_at:
+            k = max(batch.seqs[i].prompt_logprobs for i, _, _ in score_spans)
+            lps = target_logprobs(self.model.compute_logits(hidden[0, self._tensor(score_at)]),
+                                  self._tensor(score_targets), k)
+            at = 0
+            for i, first, n in score_spans:
+                want = batch.seqs[i].prompt_logprobs
+                prompt_lps[i] = (first, [Logprobs(lp.token_id, lp.logprob, lp.top[:want]) for lp in lps[at:at + n]])
+                at += n
+        return logits, sample_rows, prompt_lps
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None]
+                ) -> tuple[list[int | None], list[Logprobs | None], dict[int, tuple[int, list[Logprobs]]]]:
+        """Run the step and sample.
+
+        Args:
+            batch: the scheduler's step.
+            rows: per scheduled sequence its sampling inputs (read only for sequences that sample).
+        Returns:
+            Per scheduled sequence: the sampled token id (None for a chunk that does not end its
+            prefill) and its logprobs (None unless asked for); and the prompt logprobs of this step's
+            prefill chunks that ask for them (see :meth:`_run_mixed`).
+        """
+        prompt_lps: dict[int, tuple[int, list[Logprobs]]] = {}
+        if batch.num_decodes == len(batch):
+            logits = self._run_decode(batch)
+            sample_rows = list(range(len(batch)))
+        else:
+            logits, sample_rows, prompt_lps = self._run_mixed(batch)
+        tokens: list[int | None] = [None] * len(batch)
+        logprobs: list[Logprobs | None] = [None] * len(batch)
+        if sample_rows:
+            got, lps = sample_batch(logits, [rows[i] for i in sample_rows])
+            for i, t, lp in zip(sample_rows, got, lps):
+                tokens[i], logprobs[i] = t, lp
+        return tokens, logprobs, prompt_lps

@@ -1,0 +1,264 @@
+"""Sampling parameters and batched token sampling.
+
+Filters follow the usual definitions: top-k keeps the k most likely tokens; top-p (nucleus,
+Holtzman et al. 2019, arXiv:1904.09751) keeps the smallest set whose probability reaches p;
+min-p keeps tokens with probability >= min_p * p_max (Nguyen et al. 2024, arXiv:2407.01082).
+Temperature 0 is greedy whatever the filters say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baige.errors import BaigeError
+
+MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's top_logprobs cap)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (vLLM's names and meanings).
+
+    Attributes:
+        n: sequences to generate per prompt.
+        temperature: 0 = greedy; logits are divided by it.
+        top_p, top_k, min_p: filters, applied in that order (see the module docstring).
+        presence_penalty, frequency_penalty: subtracted from the logits of tokens already generated,
+            once / once per occurrence (OpenAI's definition), in [-2, 2].
+        repetition_penalty: tokens of the prompt or the output get their logit divided by it when
+            positive, multiplied when negative (Keskar et al. 2019, arXiv:1909.05858); 1 = off.
+        seed: per-request RNG seed (sequence ``i`` of ``n`` uses ``seed + i``).
+        max_tokens: most tokens to generate (None: up to the context limit).
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated.
+        stop: strings that end generation; not included in the output text.
+        stop_token_ids: ids that end generation besides EOS.
+        ignore_eos: keep going past EOS.
+        logprobs: return the log-probability of each generated token and this many top alternatives
+            (0: the sampled token only), from the model's raw distribution (before penalties and
+            temperature, as vLLM). None: off.
+        prompt_logprobs: also return, for every prompt token after the first, its log-probability
+            given the tokens before it and the ``k`` most likely alternatives (vLLM's name; needed by
+            ``echo`` + ``logprobs`` completions, e.g. lm-eval's loglikelihood). The request then skips
+            the prefix cache (its whole prompt must be computed). None: off.
+        skip_special_tokens: leave special tokens out of the text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise BaigeError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BaigeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise BaigeError(f"top_k must be >= 0 (or -1 for off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise BaigeError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise BaigeError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise BaigeError(f"n must be >= 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise BaigeError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise BaigeError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise BaigeError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BaigeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise BaigeError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def apply_filters(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (set to -inf) the tokens top-k, top-p and min-p exclude.
+
+    Args:
+        logits: (B, vocab) float, already divided by the temperature.
+    Returns:
+        (B, vocab) with excluded entries at -inf; the most likely token always survives.
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick the next token of each row.
+
+    Args:
+        logits: (B, vocab), any float dtype; computed in fp32.
+        params: shared by every row.
+        generator: seeded RNG for reproducible sampling (None: torch's global RNG).
+    Returns:
+        (B,) int64 token ids.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return logits.argmax(-1)
+    logits = apply_filters(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class SamplerRow:
+    """One sequence's sampling inputs for :func:`sample_batch`."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_ids: list[int] | None = None  # needed for repetition_penalty
+    output_ids: list[int] | None = None  # needed for penalties and min_tokens
+    stop_ids: list[int] | None = None  # masked while len(output_ids) < params.min_tokens
+
+
+@dataclass
+class Logprobs:
+    """Log-probability of the sampled token and the ``k`` most likely tokens (natural log)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[Logprobs]:
+    """Log-probability of given tokens under raw logits, with the ``k`` most likely alternatives.
+
+    Args:
+        logits: (P, V) any float dtype (the log-softmax is taken in fp32).
+        targets: (P,) int64 token ids, one per row.
+        k: alternatives per row (0: none).
+    Returns:
+        P :class:`Logprobs` (natural log).
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
+    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+    if k:
+        vals, ids = lp.topk(k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return [Logprobs(t, c, top) for t, c, top in zip(targets.tolist(), chosen, tops)]
+
+
+def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[Logprobs | None]]:
+    """Sample one token per row with per-row parameters.
+
+    Order: penalties and the min_tokens mask on the raw logits, then greedy rows take the argmax;
+    the others divide by their temperature, apply top-k, top-p, min-p (each on the renormalised
+    result of the one before, as :func:`apply_filters`) and draw with their own generator (the
+    exponential-race form of categorical sampling, ``argmax(p / E)``, ``E ~ Exp(1)``).
+
+    Args:
+        logits: (S, vocab) float logits, any float dtype (computed in fp32).
+        rows: S row descriptions.
+    Returns:
+        ``(token_ids, logprobs)``: S ints, and per row a :class:`Logprobs` when
+        ``params.logprobs`` is set, else None.
+    """
+    logits = logits.float()
+    S, V = logits.shape
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # (S, V)
+    adjust = [i for i, r in enumerate(rows)
+              if r.params.has_penalties or (r.params.min_tokens and len(r.output_ids or ()) < r.params.min_tokens)]
+    if adjust:
+        logits = logits.clone()
+        for i in adjust:
+            r, p = rows[i], rows[i].params
+            out = torch.tensor(r.output_ids or [], dtype=torch.long, device=logits.device)
+            if p.repetition_penalty != 1:
+                seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+                seen[torch.tensor(r.prompt_ids or [], dtype=torch.long, device=logits.device)] = True
+                seen[out] = True
+                row = logits[i]
+                logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
+                                                          row * p.repetition_penalty), row)
+            if p.presence_penalty or p.frequency_penalty:
+                counts = torch.bincount(out, minlength=V).float()[:V]
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            if len(r.output_ids or ()) < p.min_tokens and r.stop_ids:
+                logits[i, torch.tensor(r.stop_ids, dtype=torch.long, device=logits.device)] = float("-inf")
+    tokens = logits.argmax(-1)  # (S,) greedy rows keep these
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        temps = torch.tensor([rows[i].params.temperature for i in random_rows], device=logits.device)
+        sub = logits[idx] / temps[:, None]  # (R, V)
+        sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
+        top_k = torch.tensor([rows[i].params.top_k if rows[i].params.top_k > 0 else V for i in random_rows],
+                             device=logits.device)
+        ranks = torch.arange(V, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        top_p = torch.tensor([rows[i].params.top_p for i in random_rows], device=logits.device)
+        if (top_p < 1).any():
+            probs = sorted_logits.softmax(-1)
+            drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop & (top_p[:, None] < 1), float("-inf"))
+        min_p = torch.tensor([rows[i].params.min_p for i in random_rows], device=logits.device)
+        if (min_p > 0).any():
+            probs = sorted_logits.softmax(-1)
+            sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+        probs = sorted_logits.softmax(-1)  # (R, V) in sorted order
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=rows[i].generator)
+        choice = (probs / noise).argmax(-1, keepdim=True)  # (R, 1) rank of the drawn token
+        tokens[idx] = order.gather(-1, choice).squeeze(-1)
+    token_list = tokens.tolist()
+    logprobs: list[Logprobs | None] = [None] * S
+    if raw_logprobs is not None:
+        k = max(r.params.logprobs or 0 for r in rows)
+        top_vals, top_ids = torch.topk(raw_logprobs, k, dim=-1) if k else (None, None)
+        chosen = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        tv = top_vals.tolist() if k else None
+        ti = top_ids.tolist() if k else None
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                continue
+            kk = r.params.logprobs
+            top = list(zip(ti[i][:kk], tv[i][:kk])) if kk else []
+            logprobs[i] = Logprobs(token_list[i], chosen[i], top)
+    return token_list, logprobs

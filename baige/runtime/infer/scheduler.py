@@ -1,0 +1,214 @@
+"""Continuous batching in plain Python (no torch): which sequences run each step, and how many tokens.
+
+Policy (vLLM's, simplified):
+
+- Every running sequence is scheduled each step, in admission order: a decoding sequence for its
+  one new token, a sequence in the middle of a chunked prefill for as much of the rest of its
+  prompt as the token budget (``max_num_batched_tokens``) allows.
+- When the pool has no block for a running sequence, the most recently admitted running sequence
+  is preempted by *recompute*: its blocks are freed and it goes back to the front of the waiting
+  queue; when readmitted it prefills its prompt plus the tokens it had generated.
+- Waiting sequences are admitted first come, first served (a sequence that does not fit blocks the
+  ones behind it), while the budget, ``max_num_seqs`` and the pool allow; a long prompt is split
+  into chunks (chunked prefill). Nothing is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from baige.runtime.infer.block_manager import BlockManager
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation of one prompt (a request with ``n`` > 1 has ``n`` sequences).
+
+    ``token_ids`` holds the prompt followed by the generated tokens; ``num_computed_tokens`` of
+    them have their K/V in the cache. Stop conditions on ids (``eos_token_ids`` unless ignored,
+    ``stop_token_ids``, ``max_tokens``, ``min_tokens``) are checked by :meth:`Scheduler.postprocess`;
+    stop strings are the engine's (they need text).
+    """
+
+    token_ids: list[int]
+    max_tokens: int
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # EOS included unless ignore_eos
+    request_id: str = ""
+    index: int = 0  # which of the request's n sequences
+    payload: Any = None  # the engine's per-sequence state (sampling, detokenizer)
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # tokens found in the prefix cache at the last admission
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    prompt_logprobs: int | None = None  # set: the runner returns prompt-token logprobs; no prefix-cache reuse
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``(sequence, number of tokens to compute)``, decodes first.
+
+    A sequence whose scheduled tokens reach the end of its ``token_ids`` samples a new token.
+    """
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_decodes: int  # the first num_decodes entries compute exactly one token after a full cache
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    """Waiting and running queues over a :class:`BlockManager`.
+
+    Args:
+        block_manager: owns the KV blocks.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens computed in one step; must be >= max_num_seqs so every
+            running sequence can decode each step.
+        max_model_len: longest sequence (prompt + output) in tokens; a sequence reaching it finishes
+            with reason "length".
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's sequences and token counts, allocating their KV slots."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, n)
+                is_decode = n == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1
+                (decodes if is_decode else prefills).append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: the ones after it are gone too
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            want = min(len(seq.token_ids), budget)
+            if not bm.can_allocate(seq, want):
+                break
+            n = bm.allocate(seq, want)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            is_decode = n == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1
+            (decodes if is_decode else prefills).append((seq, n))
+            budget -= n
+        both = decodes + prefills
+        return ScheduledBatch([s for s, _ in both], [n for _, n in both], len(decodes), preempted)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Advance the computed counts, append sampled tokens and finish sequences on id stops.
+
+        Args:
+            batch: what :meth:`schedule` returned.
+            sampled: per scheduled sequence, the new token id, or None for a prefill chunk that did
+                not reach the end of the sequence.
+        Returns:
+            The sequences that got a new token (finished ones included, already freed).
+        """
+        got: list[Sequence] = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            got.append(seq)
+            n_out = seq.num_output_tokens
+            if token in seq.stop_token_ids and n_out > seq.min_tokens:  # the sampler masks them before
+                self.finish(seq, "stop", token)
+            elif n_out >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self.finish(seq, "length")
+        return got
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence (stop, length or abort): out of its queue, blocks freed."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason

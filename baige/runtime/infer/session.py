@@ -1,0 +1,134 @@
+"""``baige generate`` and ``baige chat`` on the :class:`Engine`: one prompt or a multi-turn
+conversation, streamed as text deltas. The same engine as ``baige serve``, so every engine feature
+(paged KV, prefix caching across chat turns, the native CPU decode step) reaches the terminal too."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from baige.errors import BaigeError
+from baige.runtime.config import EngineConfig, GenerateConfig
+from baige.runtime.infer.engine import Engine
+from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.infer.sampling import SamplingParams
+from baige.runtime.model.device import resolve_device
+from baige.runtime.model.tokenizer import Tokenizer
+from baige.runtime.weights.hub import DEFAULT_MODEL, resolve_model
+from baige.runtime.weights.loader import load_model
+
+
+def generation_defaults(model_dir: Path) -> dict:
+    """Sampling defaults from ``generation_config.json`` (temperature/top_p/top_k when ``do_sample``)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    gen = json.loads(path.read_text())
+    if not gen.get("do_sample", False):
+        return {}
+    return {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+
+
+@dataclass
+class ChatSession:
+    """An engine, its sampling settings, and the message history of a multi-turn chat."""
+
+    engine: Engine
+    params: SamplingParams
+    name: str
+    use_chat: bool
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    _ids: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @classmethod
+    def load(cls, cfg: GenerateConfig) -> "ChatSession":
+        """Resolve, load and configure. Raises BaigeError for any bad argument or checkpoint.
+
+        The KV cache holds one sequence of the model's whole context (``max_position_embeddings``
+        tokens): generation is one request at a time.
+        """
+        model_dir = resolve_model(cfg.model)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        model = load_model(model_dir, cfg.dtype, resolve_device(cfg.device))
+        block_size, max_len = 16, model.config.max_position_embeddings
+        kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(model.config, block_size,
+                                                                         next(model.parameters()).dtype)
+        engine = Engine(model, tokenizer, EngineConfig(model=str(model_dir), max_num_seqs=1, block_size=block_size,
+                                                       kv_cache_memory=kv_bytes))
+        defaults = generation_defaults(model_dir)
+        params = SamplingParams(
+            temperature=cfg.temperature if cfg.temperature is not None else defaults.get("temperature", 1.0),
+            top_p=cfg.top_p if cfg.top_p is not None else defaults.get("top_p", 1.0),
+            top_k=cfg.top_k if cfg.top_k is not None else defaults.get("top_k", 0),
+            min_p=cfg.min_p,
+            seed=cfg.seed,
+            max_tokens=cfg.max_tokens,
+        )
+        use_chat = tokenizer.has_chat_template if cfg.chat is None else cfg.chat
+        if use_chat and not tokenizer.has_chat_template:
+            raise BaigeError(f"{model_dir}: --chat needs a chat template and this tokenizer has none (use --no-chat)")
+        return cls(engine, params, cfg.model or DEFAULT_MODEL, use_chat, cfg.system)
+
+    def _system(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def stream(self, prompt_ids: list[int]) -> Iterator[tuple[str, int]]:
+        """Yield ``(text delta, tokens generated so far)`` until the request finishes (EOS ends it
+        and is not printed; ``max_tokens`` is capped to the room left in the context).
+
+        Raises BaigeError for a prompt that leaves no room to generate. Leaving the iterator early
+        (Ctrl-C) aborts the request and frees its KV blocks.
+        """
+        room = self.engine.max_model_len - len(prompt_ids)
+        params = self.params
+        if params.max_tokens is not None and 0 < room < params.max_tokens:
+            params = replace(params, max_tokens=room)
+        rid = f"session-{next(self._ids)}"
+        self.engine.add_request(rid, prompt_ids, params)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    o = out.outputs[0]
+                    done = out.finished
+                    if o.delta_text or done:
+                        yield o.delta_text, len(o.token_ids)
+        finally:
+            if not done:
+                self.engine.abort(rid)
+
+    def complete(self, prompt: str) -> Iterator[tuple[str, int]]:
+        """One prompt: through the chat template (one user turn) when ``use_chat``, else raw text."""
+        if self.use_chat:
+            ids = self.tokenizer.apply_chat_template(self._system() + [{"role": "user", "content": prompt}])
+        else:
+            ids = self.tokenizer.encode(prompt)
+        return self.stream(ids)
+
+    def chat_turn(self, text: str) -> Iterator[tuple[str, int]]:
+        """Add a user turn, stream the reply, and keep both in the history (the turn is dropped on error)."""
+        self.messages.append({"role": "user", "content": text})
+        reply = []
+        try:
+            ids = self.tokenizer.apply_chat_template(self._system() + self.messages)
+            for delta, n in self.stream(ids):
+                reply.append(delta)
+                yield delta, n
+        except BaseException:
+            self.messages.pop()
+            raise
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def reset(self) -> None:
+        self.messages.clear()
+

@@ -1,0 +1,118 @@
+"""The quantized module: :class:`QuantizedLinear` (compressed-tensors buffers, see
+:mod:`baige.runtime.quant.scheme`), and the helpers that find and swap Linears in a model."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+from torch import nn
+
+from baige import kernels
+from baige.kernels import dequantize_weight, unpack_int4
+from baige.runtime.quant.scheme import QuantScheme, pack_int4
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is stored as integers and dequantized inside ``forward``.
+
+    Buffer names and layouts are compressed-tensors' (module docstring), so the module's state
+    dict is the on-disk checkpoint. The bias stays a float Parameter, untouched.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        n_groups = scheme.n_groups(in_features)
+        kw = dict(device=device)
+        if scheme.num_bits == 8:
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, **kw))
+        else:
+            words = math.ceil(in_features / 8)
+            self.register_buffer("weight_packed", torch.zeros(out_features, words, dtype=torch.int32, **kw))
+            self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int64, **kw))
+        self.register_buffer("weight_scale", torch.ones(out_features, n_groups, dtype=dtype, **kw))
+        if not scheme.symmetric:
+            zp_rows = math.ceil(out_features / 8)
+            self.register_buffer("weight_zero_point", torch.zeros(zp_rows, n_groups, dtype=torch.int32, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, **kw)) if bias else None
+
+    @classmethod
+    def from_quantized(
+        cls, linear: nn.Linear, scheme: QuantScheme, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+    ) -> "QuantizedLinear":
+        """Wrap integer weights (from :func:`quantize_weight` or GPTQ) for ``linear``; reuses its bias Parameter."""
+        m = cls(linear.in_features, linear.out_features, False, scheme, scale.dtype, device=q.device)
+        if scheme.num_bits == 8:
+            m.weight = q.contiguous()
+        else:
+            m.weight_packed = pack_int4(q)
+        m.weight_scale = scale.contiguous()
+        if zero_point is not None:
+            m.weight_zero_point = pack_int4(zero_point.t()).t().contiguous()  # packed along out_features
+        m.bias = linear.bias
+        return m
+
+    def int_weight(self) -> torch.Tensor:
+        """(out, in) int8 quantized values."""
+        if self.scheme.num_bits == 8:
+            return self.weight
+        return unpack_int4(self.weight_packed, self.in_features)
+
+    def zero_point(self) -> torch.Tensor | None:
+        """(out, n_groups) int8 zero points, or None when symmetric."""
+        if self.scheme.symmetric:
+            return None
+        return unpack_int4(self.weight_zero_point.t(), self.out_features).t()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(out, in) float weight in the scale's dtype."""
+        return dequantize_weight(self.int_weight(), self.weight_scale, self.zero_point(), self.scheme.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out): ``F.linear`` with the dequantized weight."""
+        qweight = self.weight if self.scheme.num_bits == 8 else self.weight_packed
+        return kernels.quantized_linear(x, qweight, self.weight_scale, self.zero_point(), self.scheme.group_size, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
+
+
+def target_linears(model: nn.Module, ignore: list[str]) -> list[tuple[str, nn.Linear]]:
+    """Every ``nn.Linear`` whose qualified name matches none of the ``ignore`` glob patterns
+    (``fnmatch``, e.g. ``lm_head``, ``*.down_proj``, ``model.layers.0.*``), in module order."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in ignore)
+    ]
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def layer_report(name: str, w: torch.Tensor, qlinear: QuantizedLinear) -> dict:
+    """One report row: format, shape, relative Frobenius error ``||W - W_hat|| / ||W||`` (unitless)."""
+    w_hat = qlinear.dequantized_weight().float()
+    w = w.float()
+    rel = (torch.linalg.vector_norm(w - w_hat) / torch.linalg.vector_norm(w).clamp_min(1e-30)).item()
+    partial = qlinear.scheme.group_size is not None and w.shape[1] % qlinear.scheme.group_size != 0
+    return {
+        "name": name,
+        "format": qlinear.scheme.format,
+        "scheme": qlinear.scheme.describe(),
+        "shape": list(w.shape),
+        "relative_weight_error": rel,
+        "partial_last_group": partial,
+    }

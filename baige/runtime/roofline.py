@@ -1,0 +1,205 @@
+"""The hardware limit every benchmark is compared against: measured memory bandwidth and matmul peak.
+
+A roofline (Williams, Waterman & Patterson 2009, "Roofline: an insightful visual performance model")
+bounds a workload by ``min(peak FLOP/s, bandwidth * arithmetic intensity)``. Here:
+
+- **Bandwidth** (bytes/s) is measured with a large device copy ``dst.copy_(src)``: every byte is read
+  once and written once, so ``bandwidth = 2 * nbytes / time`` (the STREAM "copy" kernel's counting,
+  McCalpin 1995), best of 10 trials.
+- **Matmul peak** (FLOP/s) is measured with a large square GEMM in the run dtype:
+  ``2 * N**3 / time`` (one multiply and one add per inner-product term), best of 5 trials.
+- **Decode** at batch ``B`` reads every weight once per step and each sequence's K/V cache once:
+  ``bytes/step = weight_bytes + B * context_len * kv_bytes_per_token``; achieved bandwidth is
+  ``bytes/step * steps/s`` (gpt-fast's "memory bandwidth achieved" counts weights only; we add the KV).
+- **Prefill / offline throughput / training** are compute bound: achieved FLOP/s is tokens/s times
+  FLOPs per token, forward only = ``flops_per_token / 3`` (the PaLM paper's 6N + 12LHQT training count,
+  appendix B, is 2N + 4LHQT forward plus twice that backward).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+# Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (bytes/s) from the vendors' data sheets:
+# A100 SXM (NVIDIA A100 datasheet), H100 SXM and H200 (H100/H200 datasheets), L4, A10. Matched by
+# substring of torch.cuda.get_device_name(); first match wins.
+GPU_PEAKS: list[tuple[str, float, float]] = [
+    ("H200", 989e12, 4.8e12),
+    ("H100 PCIe", 756e12, 2.0e12),
+    ("H100", 989e12, 3.35e12),
+    ("A100", 312e12, 2.039e12),
+    ("L40S", 362e12, 0.864e12),
+    ("L4", 121e12, 0.3e12),
+    ("A10", 125e12, 0.6e12),
+]
+
+
+@dataclass
+class HardwareLimits:
+    """What this machine can do: ``bandwidth`` bytes/s, ``matmul_peak`` FLOP/s (measured), and the
+    data-sheet numbers where the device is known (None otherwise)."""
+
+    device: str
+    dtype: str
+    bandwidth: float  # bytes/s, measured
+    matmul_peak: float  # FLOP/s, measured
+    datasheet_bandwidth: float | None = None  # bytes/s
+    datasheet_peak: float | None = None  # FLOP/s, dense bf16
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def datasheet_peaks(device_name: str) -> tuple[float, float] | None:
+    """(bf16 FLOP/s, bytes/s) from :data:`GPU_PEAKS` for a CUDA device name, or None."""
+    for key, flops, bw in GPU_PEAKS:
+        if key.lower() in device_name.lower():
+            return flops, bw
+    return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+    """Best (minimum) seconds per call, as STREAM reports the best rate of its trials: a limit is
+    what the machine can do, and on a shared machine the median is pulled down by other work.
+    ``triton.testing.do_bench`` on CUDA, warm-up + timed loop on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="min") / 1e3
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s from a copy of ``nbytes`` (default 256 MiB on CPU, 2 GiB on
+    CUDA, far beyond any cache): ``2 * nbytes / best time`` (read + write)."""
+    nbytes = nbytes or (2 << 30 if device.type == "cuda" else 256 << 20)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), device, warmup=2, iters=iters)
+    return 2 * src.numel() * 4 / t
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 5) -> float:
+    """Matmul FLOP/s of an ``n x n @ n x n`` GEMM in ``dtype`` (default n = 2048 on CPU, 8192 on
+    CUDA): ``2 * n**3 / best time``."""
+    n = n or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = _time(lambda: torch.mm(a, b), device, warmup=1, iters=iters)
+    return 2 * n**3 / t
+
+
+_CACHE: dict[tuple[str, str], HardwareLimits] = {}
+
+
+def hardware_limits(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> HardwareLimits:
+    """Measure (once per process, per device and dtype) the bandwidth and matmul peak."""
+    device = torch.device(device)
+    key = (str(device), str(dtype))
+    if key not in _CACHE:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        sheet = datasheet_peaks(name) if device.type == "cuda" else None
+        _CACHE[key] = HardwareLimits(
+            device=name, dtype=str(dtype).removeprefix("torch."), bandwidth=measure_bandwidth(device),
+            matmul_peak=measure_matmul_peak(device, dtype),
+            datasheet_peak=sheet[0] if sheet else None, datasheet_bandwidth=sheet[1] if sheet else None)
+    return _CACHE[key]
+
+
+# ----------------------------------------------------------------------------- model byte/FLOP counts
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights one decode step reads: every distinct parameter and buffer storage
+    (tied embeddings count once, quantized weights at their packed size), except an untied input
+    embedding table, of which a step reads only one row per token. Rotary tables are excluded."""
+    seen: set[int] = set()
+    total = 0
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    lm_head = getattr(model, "lm_head", None)
+    skip = set()
+    if embed is not None and lm_head is not None and embed.weight is not getattr(lm_head, "weight", None):
+        skip.add(embed.weight.data_ptr())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "rotary_emb" in name or t.data_ptr() in seen or t.data_ptr() in skip:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total + sum(m.packed_weight_bytes() for m in model.modules() if hasattr(m, "packed_weight_bytes"))
+
+
+def model_counts(model) -> dict[str, int]:
+    """The numbers the rooflines need from a :class:`Transformer`: ``num_params``,
+    ``num_params_non_embedding``, ``attn_dims`` (= L * H * Q, layers x heads x head_dim) and
+    ``weight_bytes``."""
+    c = model.config
+    return {"num_params": model.num_params(), "num_params_non_embedding": model.num_params(non_embedding=True),
+            "attn_dims": c.num_hidden_layers * c.num_attention_heads * c.head_dim,
+            "weight_bytes": weight_bytes(model)}
+
+
+def forward_flops_per_token(num_params_non_embedding: int, attn_dims: int, context_len: float) -> float:
+    """Forward FLOPs per token ``2 N + 4 L H Q T``: one third of ``Transformer.flops_per_token``'s
+    training count ``6 N + 12 L H Q T`` (PaLM, Chowdhery et al. 2022, appendix B). N = non-embedding
+    parameters, ``attn_dims`` = L H Q, T = ``context_len`` tokens. The lm_head projection is not
+    counted (prefill projects only the last position)."""
+    return 2 * num_params_non_embedding + 4 * attn_dims * context_len
+
+
+def decode_roofline(tokens_per_s: float, batch_size: int, weight_bytes_: int, kv_bytes_per_token: int,
+                    context_len: float, bandwidth: float) -> dict[str, float]:
+    """Decode against the bandwidth limit.
+
+    Args:
+        tokens_per_s: decode tokens/s summed over the batch.
+        batch_size: sequences decoded per step.
+        weight_bytes_: bytes of weights read per step (:func:`weight_bytes`).
+        kv_bytes_per_token: bytes of K+V per cached token (``ModelConfig.kv_bytes_per_token``).
+        context_len: mean tokens in each sequence's cache during decode.
+        bandwidth: measured bytes/s.
+    Returns:
+        ``bytes_per_step`` (bytes), ``achieved_gb_s`` (GB/s = 1e9 bytes/s), ``limit_gb_s``,
+        ``limit_tokens_per_s`` (tokens/s if every step ran at ``bandwidth``), ``pct_of_limit`` (%).
+    """
+    bytes_per_step = weight_bytes_ + batch_size * context_len * kv_bytes_per_token
+    achieved = bytes_per_step * tokens_per_s / batch_size
+    return {
+        "bytes_per_step": bytes_per_step,
+        "achieved_gb_s": achieved / 1e9,
+        "limit_gb_s": bandwidth / 1e9,
+        "limit_tokens_per_s": bandwidth / bytes_per_step * batch_size,
+        "pct_of_limit": 100 * achieved / bandwidth,
+    }
+
+
+def compute_roofline(tokens_per_s: float, flops_per_token: float, peak: float) -> dict[str, float]:
+    """Compute-bound work against the matmul peak: achieved FLOP/s = tokens/s * FLOPs/token.
+
+    Returns ``achieved_tflop_s`` and ``limit_tflop_s`` (1e12 FLOP/s), ``limit_tokens_per_s``,
+    ``pct_of_limit`` (%; for training this is the MFU of the PaLM paper, in percent).
+    """
+    achieved = tokens_per_s * flops_per_token
+    return {
+        "flops_per_token": flops_per_token,
+        "achieved_tflop_s": achieved / 1e12,
+        "limit_tflop_s": peak / 1e12,
+        "limit_tokens_per_s": peak / flops_per_token,
+        "pct_of_limit": 100 * achieved / peak,
+    }

@@ -1,0 +1,61 @@
+"""Prometheus metrics of one server (vLLM's names with a ``baige:`` prefix), in its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from baige.runtime.infer.async_engine import AsyncEngine
+from baige.runtime.infer.outputs import RequestOutput
+
+# ---- metrics ------------------------------------------------------------------------------------
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
+
+
+class Metrics:
+    """Prometheus metrics of one server (vLLM's names with a ``baige:`` prefix), in its own registry."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = r = CollectorRegistry()
+        eng, bm = engine.engine, engine.engine.block_manager
+        Gauge("baige:num_requests_running", "Requests with sequences in the running queue.", registry=r
+              ).set_function(lambda: eng.num_running_requests)
+        Gauge("baige:num_requests_waiting", "Requests waiting to be scheduled.", registry=r
+              ).set_function(lambda: eng.num_waiting_requests + engine.num_pending)
+        Gauge("baige:kv_cache_blocks_used", "KV-cache blocks referenced by a sequence.", registry=r
+              ).set_function(lambda: bm.num_used_blocks)
+        Gauge("baige:kv_cache_blocks_total", "KV-cache blocks in the pool.", registry=r).set(bm.num_blocks)
+        Gauge("baige:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", registry=r
+              ).set_function(lambda: bm.num_used_blocks / bm.num_blocks)
+        Gauge("baige:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.",
+              registry=r).set_function(lambda: bm.prefix_hit_rate)
+        Gauge("baige:num_preemptions", "Sequences preempted (recompute) so far.", registry=r
+              ).set_function(lambda: eng.scheduler.num_preemptions)
+        self.prompt_tokens = Counter("baige:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("baige:generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("baige:request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("baige:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("baige:time_per_output_token_seconds",
+                              "Time per output token after the first (TPOT), seconds.", buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("baige:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Called by the engine thread with every output."""
+        self.generation_tokens.inc(sum(len(o.delta_token_ids) for o in out.outputs))
+        if not out.finished:
+            return
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for o in out.outputs:
+            self.requests.labels(o.finish_reason or "unknown").inc()
+        if out.first_token_time is not None:
+            self.ttft.observe(out.first_token_time - out.arrival_time)
+            n = max(len(o.token_ids) for o in out.outputs)
+            if n > 1 and out.finished_time is not None:
+                self.tpot.observe((out.finished_time - out.first_token_time) / (n - 1))
+        if out.finished_time is not None:
+            self.e2e.observe(out.finished_time - out.arrival_time)

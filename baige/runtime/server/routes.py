@@ -1,0 +1,430 @@
+"""The route handlers: ``/health``, ``/metrics``, ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (``stream: true`` as server-sent events ending with ``data: [DONE]``).
+
+Handlers are module-level functions over the :class:`ServerState` the app holds in
+``app.state.baige``. A client that disconnects aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from baige.errors import BaigeError
+from baige.runtime.infer.async_engine import AsyncEngine
+from baige.runtime.infer.outputs import RequestOutput
+from baige.runtime.infer.sampling import MAX_LOGPROBS, Logprobs, SamplingParams
+from baige.runtime.model.tokenizer import Tokenizer
+from baige.runtime.server.metrics import Metrics
+from baige.runtime.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    validation_message,
+)
+
+
+@dataclass
+class ServerState:
+    """What every handler reads: the engine, the name it serves under, metrics, start time."""
+
+    engine: AsyncEngine
+    served_model_name: str
+    metrics: Metrics
+    created: int
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.engine.tokenizer
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.baige
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as they produce; cancelling the consumer cancels them all."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                await queue.put((k, out))
+        except BaseException as e:  # delivered to the consumer, which re-raises it
+            await queue.put((k, e))
+            return
+        await queue.put((k, done))
+
+    tasks = [asyncio.create_task(pump(k, g)) for k, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            k, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.05)
+
+
+async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput] | None:
+    """Final outputs of each stream; None when the client disconnected (which aborts them)."""
+    async def run() -> list[RequestOutput]:
+        final: list[RequestOutput | None] = [None] * len(gens)
+        async for k, out in merge(gens):
+            final[k] = out
+        return final
+
+    task = asyncio.create_task(run())
+    watch = asyncio.create_task(until_disconnect(request))
+    await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+async def parse(request: Request, schema: type[BaseModel]) -> Any:
+    """The request body validated by ``schema``. Raises APIError (400, or 404 for another model)."""
+    st = state_of(request)
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(msg, param=param) from None
+    if req.model is not None and req.model != st.served_model_name:
+        raise APIError(f"the model `{req.model}` does not exist (this server serves `{st.served_model_name}`)",
+                       404, param="model", code="model_not_found")
+    return req
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for a request's sampling fields. Raises APIError."""
+    if max_tokens is not None and max_tokens <= 0:
+        raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    try:
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+            max_tokens=max_tokens, ignore_eos=req.ignore_eos, n=req.n, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except BaigeError as e:
+        raise APIError(str(e)) from None
+
+
+def prepared(st: ServerState, prompts: list[str | list[int]],
+             params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
+    """Validate every prompt before anything runs (the same 400 whether streaming or not)."""
+    out = []
+    for p in prompts:
+        try:
+            _, ids, filled = st.engine.engine.prepare(p, params)
+        except BaigeError as e:
+            raise APIError(str(e), param="prompt") from None
+        out.append((ids, filled))
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def include_usage(req: SamplingFields) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+# ---- small endpoints ----------------------------------------------------------------------------
+async def health(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> dict:
+    st = state_of(request)
+    return {"object": "list", "data": [{"id": st.served_model_name, "object": "model", "created": st.created,
+                                        "owned_by": "baige", "max_model_len": st.engine.engine.max_model_len}]}
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+@dataclass
+class CompletionJob:
+    """A parsed /v1/completions request, its prompts validated."""
+
+    req: CompletionRequest
+    jobs: list[tuple[list[int], SamplingParams]]
+    prompt_texts: list[str]
+    base: dict
+    score_prompt: bool  # logprobs of the echoed prompt tokens too
+
+    @property
+    def n(self) -> int:
+        return self.jobs[0][1].n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.jobs)
+
+
+def completion_logprobs(tok: Tokenizer, lps: list[Logprobs | None], offset0: int,
+                        token_ids: list[int] | None = None) -> dict:
+    """OpenAI's completion ``logprobs`` object. ``token_ids`` default to each entry's own token; an
+    entry of None (the first echoed prompt token, which nothing predicts) gives nulls."""
+    ids = [lp.token_id for lp in lps] if token_ids is None else token_ids
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset0
+    for t, lp in zip(ids, lps):
+        text = tok.decode([t], skip_special_tokens=False)
+        tokens.append(text)
+        token_lps.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else {tok.decode([a], skip_special_tokens=False): v for a, v in lp.top})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise APIError("the prompt is empty", param="prompt")
+    return prompts
+
+
+async def completions(request: Request):
+    st = state_of(request)
+    req: CompletionRequest = await parse(request, CompletionRequest)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
+    prompts = completion_prompts(req)
+    echo_only = req.echo and req.max_tokens == 0
+    score_prompt = req.echo and req.logprobs is not None
+    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+    if score_prompt:
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+    jobs = prepared(st, prompts, params)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.served_model_name}
+    job = CompletionJob(req, jobs, [x if isinstance(x, str) else st.tokenizer.decode(x) for x in prompts], base,
+                        score_prompt)
+    if echo_only:
+        return await echo_only_completion(request, st, job)
+    gens = [st.engine.generate(ids, sp, f"{rid}-{k}") for k, (ids, sp) in enumerate(jobs)]
+    if not req.stream:
+        return await plain_completion(request, st, job, gens)
+    return StreamingResponse(stream_completion(st, job, gens), media_type="text/event-stream")
+
+
+async def echo_only_completion(request: Request, st: ServerState, job: CompletionJob):
+    """``echo`` with ``max_tokens: 0``: nothing generated; with logprobs, one scoring pass per prompt
+    (its sampled token discarded)."""
+    plps: list[dict | None] = [None] * len(job.jobs)
+    if job.score_prompt:
+        gens = [st.engine.generate(ids, dataclasses.replace(sp, n=1), f"{job.base['id']}-{k}")
+                for k, (ids, sp) in enumerate(job.jobs)]
+        finals = await collect(request, gens)
+        if finals is None:
+            return Response(status_code=499)
+        plps = [completion_logprobs(st.tokenizer, out.prompt_logprobs, 0, ids)
+                for (ids, _), out in zip(job.jobs, finals)]
+    n = job.n
+    choices = [{"index": k * n + i, "text": job.prompt_texts[k], "logprobs": plps[k], "finish_reason": "length"}
+               for k in range(len(job.jobs)) for i in range(n)]
+    if not job.req.stream:
+        return {**job.base, "choices": choices, "usage": usage(job.num_prompt_tokens, 0)}
+
+    async def echo_stream() -> AsyncIterator[str]:
+        for c in choices:
+            yield sse({**job.base, "choices": [c]})
+        if include_usage(job.req):
+            yield sse({**job.base, "choices": [], "usage": usage(job.num_prompt_tokens, 0)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(echo_stream(), media_type="text/event-stream")
+
+
+async def plain_completion(request: Request, st: ServerState, job: CompletionJob,
+                           gens: list[AsyncIterator[RequestOutput]]):
+    finals = await collect(request, gens)
+    if finals is None:
+        return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
+    choices, n_out = [], 0
+    for k, out in enumerate(finals):
+        for o in out.outputs:
+            prefix = job.prompt_texts[k] if job.req.echo else ""
+            lp = completion_logprobs(st.tokenizer, o.logprobs, len(prefix)) if o.logprobs is not None else None
+            if job.score_prompt:
+                lp = join_logprobs(completion_logprobs(st.tokenizer, out.prompt_logprobs, 0, job.jobs[k][0]), lp)
+            choices.append({"index": k * job.n + o.index, "text": prefix + o.text, "logprobs": lp,
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            n_out += len(o.token_ids)
+    return {**job.base, "choices": choices, "usage": usage(job.num_prompt_tokens, n_out)}
+
+
+async def stream_completion(st: ServerState, job: CompletionJob,
+                            gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    n, n_out = job.n, 0
+    offsets: dict[int, int] = {}
+    echoed: set[int] = set()
+
+    def echo_chunks(k: int, prompt_lps: list[Logprobs | None] | None) -> list[str]:
+        echoed.add(k)
+        lp = completion_logprobs(st.tokenizer, prompt_lps, 0, job.jobs[k][0]) if prompt_lps is not None else None
+        chunks = []
+        for i in range(n):
+            offsets[k * n + i] = len(job.prompt_texts[k])
+            chunks.append(sse({**job.base, "choices": [{"index": k * n + i, "text": job.prompt_texts[k],
+                                                        "logprobs": lp, "finish_reason": None}]}))
+        return chunks
+
+    if job.req.echo and not job.score_prompt:  # the echo goes first; with prompt logprobs, once they exist
+        for k in range(len(job.jobs)):
+            for chunk in echo_chunks(k, None):
+                yield chunk
+    async for k, out in merge(gens):
+        if job.req.echo and k not in echoed:
+            for chunk in echo_chunks(k, out.prompt_logprobs):
+                yield chunk
+        for o in out.outputs:
+            if not (o.delta_text or o.delta_token_ids or o.finished):
+                continue
+            idx = k * n + o.index
+            n_out += len(o.delta_token_ids)
+            lp = None
+            if o.logprobs is not None:
+                lp = completion_logprobs(st.tokenizer, o.delta_logprobs, offsets.get(idx, 0))
+            offsets[idx] = offsets.get(idx, 0) + len(o.delta_text)
+            yield sse({**job.base, "choices": [{"index": idx, "text": o.delta_text, "logprobs": lp,
+                                                "finish_reason": o.finish_reason if o.finished else None}]})
+    if include_usage(job.req):
+        yield sse({**job.base, "choices": [], "usage": usage(job.num_prompt_tokens, n_out)})
+    yield "data: [DONE]\n\n"
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict:
+    def entry(t: int, v: float) -> dict:
+        text = tok.decode([t], skip_special_tokens=False)
+        return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the chat template takes them (text parts joined)."""
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+    return messages
+
+
+async def chat_completions(request: Request):
+    st = state_of(request)
+    req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    try:
+        ids = st.tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True)
+    except BaigeError as e:
+        raise APIError(str(e), param="messages") from None
+    (ids, params), = prepared(st, [ids], params)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.served_model_name}
+    gen = st.engine.generate(ids, params, rid)
+    if req.stream:
+        return StreamingResponse(stream_chat(st, req, base, len(ids), params.n, gen), media_type="text/event-stream")
+    finals = await collect(request, [gen])
+    if finals is None:
+        return Response(status_code=499)
+    (final,) = finals
+    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                "logprobs": chat_logprobs(st.tokenizer, o.logprobs) if o.logprobs is not None else None,
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
+    n_out = sum(len(o.token_ids) for o in final.outputs)
+    return {**base, "choices": choices, "usage": usage(len(ids), n_out)}
+
+
+async def stream_chat(st: ServerState, req: ChatCompletionRequest, base: dict, n_prompt: int, n: int,
+                      gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    chunk = {**base, "object": "chat.completion.chunk"}
+    n_out = 0
+    for i in range(n):
+        yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]})
+    async for _, out in merge([gen]):
+        for o in out.outputs:
+            if not (o.delta_text or o.delta_token_ids or o.finished):
+                continue
+            n_out += len(o.delta_token_ids)
+            delta = {"content": o.delta_text} if o.delta_text else {}
+            lp = chat_logprobs(st.tokenizer, o.delta_logprobs) if o.logprobs is not None else None
+            yield sse({**chunk, "choices": [{"index": o.index, "delta": delta, "logprobs": lp,
+                                             "finish_reason": o.finish_reason if o.finished else None}]})
+    if include_usage(req):
+        yield sse({**chunk, "choices": [], "usage": usage(n_prompt, n_out)})
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,47 @@
+"""The runtime's settings, read from the environment once.
+
+- ``BAIGE_CACHE``: the cache root (models imported from GGUF, token files, the native library);
+  read by :mod:`baige.kernels.settings`, the one reader of that variable.
+- ``BAIGE_CPU_DECODE=0``: keep CPU decode steps on the per-op path instead of the one-call native
+  decode step (:mod:`baige.runtime.infer.cpu_decode`).
+- ``CXX``: the C++ compiler Inductor would use; ``training.compile = auto`` stays eager without one.
+
+Torch.distributed's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, SLURM's) are read where
+torch.distributed needs them (:mod:`baige.runtime.train.parallel`). Code that changes these
+variables at run time calls :func:`reload_settings` afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from baige import kernels
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    cache_dir: Path
+    cpu_decode: bool
+    cxx: str | None
+
+
+def _read() -> RuntimeSettings:
+    return RuntimeSettings(cache_dir=kernels.settings().cache_dir,
+                           cpu_decode=os.environ.get("BAIGE_CPU_DECODE", "1") != "0",
+                           cxx=os.environ.get("CXX") or None)
+
+
+_current: list[RuntimeSettings] = [_read()]
+
+
+def settings() -> RuntimeSettings:
+    return _current[0]
+
+
+def reload_settings() -> RuntimeSettings:
+    """Re-read the environment, the kernels' settings included."""
+    kernels.reload_settings()
+    _current[0] = _read()
+    return _current[0]

@@ -1,0 +1,158 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP), and the final HF export.
+
+Layout under ``<output>/checkpoints``: ``step_00000010/`` (DCP shards ``*.distcp``, ``.metadata``,
+and the resolved ``config.toml``). A step is written as ``.tmp-step_00000010`` and renamed by rank 0
+once every rank has finished, so a directory named ``step_*`` is always complete; a run killed
+mid-write leaves only a ``.tmp-*`` directory, removed at the next start. DCP reshards on load: a
+checkpoint saved by N ranks loads on M ranks (same global model).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from baige.errors import BaigeError
+
+_STEP_RE = re.compile(r"step_(\d+)")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class CheckpointManager:
+    """Save / find / load training checkpoints in ``root``; only rank 0 touches directory names."""
+
+    def __init__(self, root: Path, is_main: bool, keep_latest: int):
+        self.root, self.is_main, self.keep_latest = Path(root), is_main, keep_latest
+
+    def complete_steps(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every complete checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _STEP_RE.fullmatch(p.name)
+            if m and p.is_dir() and (p / ".metadata").is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def resolve_resume(self, resume: str) -> Path | None:
+        """The checkpoint to resume from: ``auto`` (newest complete step, None when the folder does not
+        exist yet), ``none`` (start fresh) or a path to a step directory.
+
+        Raises:
+            BaigeError: ``auto`` with a checkpoint folder holding no complete step (an interrupted
+            first save: pass ``--resume none`` to start fresh); ``none`` with complete checkpoints
+            present (they would be overwritten); a path that is not a complete checkpoint.
+        """
+        steps = self.complete_steps()
+        if resume == "auto":
+            if steps:
+                return steps[-1][1]
+            if self.root.is_dir():
+                raise BaigeError(
+                    f"{self.root} exists but holds no complete checkpoint (an interrupted first save?); "
+                    "pass --resume none to start fresh"
+                )
+            return None
+        if resume == "none":
+            if steps:
+                raise BaigeError(
+                    f"{self.root} already holds checkpoints (newest: {steps[-1][1].name}); use --resume auto, "
+                    "a new --output, or remove them"
+                )
+            return None
+        path = Path(resume)
+        if not (path / ".metadata").is_file():
+            raise BaigeError(f"{path}: not a complete checkpoint (no .metadata); expected a {self.root}/step_* directory")
+        return path
+
+    def clean_partial(self) -> None:
+        """Remove temporary directories left by an interrupted save (rank 0; all ranks wait)."""
+        if self.is_main and self.root.is_dir():
+            for p in self.root.glob(".tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+        _barrier()
+
+    def save(self, step: int, state: dict[str, Any], config_toml: str) -> Path:
+        """Write ``state`` for ``step`` (collective: every rank calls it). Returns the final directory."""
+        import torch.distributed.checkpoint as dcp
+
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{final.name}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        _barrier()
+        if self.is_main:
+            (tmp / "config.toml").write_text(config_toml)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            if self.keep_latest > 0:
+                for _, old in self.complete_steps()[: -self.keep_latest]:
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    @staticmethod
+    def load(path: Path, state: dict[str, Any]) -> None:
+        """Load ``path`` into ``state`` in place (collective), resharding as needed."""
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The torch RNG states this process uses (CPU, and the current CUDA device when on CUDA)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def export_hf(model: torch.nn.Module, config: dict, out_dir: Path, tokenizer_dir: Path | None,
+              dtype: torch.dtype, is_main: bool) -> Path | None:
+    """Gather the full model (collective) and write an HF directory from rank 0 (``save_hf_checkpoint``:
+    safetensors, config.json, generation_config.json, tokenizer files; lm_head dropped when tied).
+
+    An existing export at ``out_dir`` is replaced. Returns ``out_dir`` on rank 0, None elsewhere.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from baige.runtime.weights.safetensors_io import save_hf_checkpoint
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result = None
+    if is_main:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        result = save_hf_checkpoint(state, config, out_dir, tokenizer_dir)
+    _barrier()
+    return result

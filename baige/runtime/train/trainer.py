@@ -1,0 +1,423 @@
+"""The Trainer: model set-up, the training step (fused CE, accumulation, clipping), schedule,
+evaluation, checkpoints and metrics. ``baige train`` builds a :class:`TrainConfig` and calls
+:func:`run_training` on every rank.
+
+Loss normalisation: every micro-batch's summed token cross-entropy is divided by the number of valid
+target tokens of the whole step (all micro-batches, all data-parallel ranks), so accumulation and
+data parallelism give the gradient of one big batch. FSDP averages gradients over data-parallel
+ranks, so the backward loss is multiplied by the data-parallel size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from baige import kernels
+from baige.errors import BaigeError
+from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.device import DTYPES
+from baige.runtime.model.transformer import Transformer
+from baige.runtime.settings import settings
+from baige.runtime.train import parallel
+from baige.runtime.train.checkpoint import CheckpointManager, export_hf, rng_state, set_rng_state
+from baige.runtime.train.config import TrainConfig
+from baige.runtime.train.data import DataLoader, eval_batches, load_windows
+from baige.runtime.train.metrics import MetricsLogger, mfu, peak_flops, peak_memory_bytes
+
+# Architectures for training from scratch (vocab_size comes from the tokenizer).
+PRESETS: dict[str, dict] = {
+    "debug": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                         tie_word_embeddings=True),
+    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+                        tie_word_embeddings=True),
+}
+
+
+def lr_lambda(step: int, *, name: str, warmup: int, total: int, min_ratio: float, decay_ratio: float) -> float:
+    """Learning-rate multiplier after ``step`` optimizer steps (LambdaLR convention: step 0 = the first).
+
+    Linear warmup over ``warmup`` steps, then ``constant``; ``cosine`` decay to ``min_ratio`` at
+    ``total`` (Loshchilov & Hutter 2017, arXiv:1608.03983); or ``wsd`` warmup-stable-decay: flat,
+    then a linear decay to ``min_ratio`` over the last ``decay_ratio * total`` steps (Hu et al. 2024,
+    MiniCPM, arXiv:2404.06395).
+    """
+    s = step + 1
+    if s <= warmup:
+        return s / warmup
+    if name == "constant":
+        return 1.0
+    if name == "cosine":
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(decay_ratio * total))
+    decay_start = total - decay_steps
+    if s <= decay_start:
+        return 1.0
+    return 1.0 - (1 - min_ratio) * min(1.0, (s - decay_start) / decay_steps)
+
+
+def init_weights(model: Transformer, std: float) -> None:
+    """Seeded init from the current RNG: Linear/Embedding weights ~ N(0, std), biases 0, norms 1 (HF Llama)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+
+def scratch_config(spec: str, vocab_size: int, bos: int | None, eos: list[int]) -> ModelConfig:
+    """A :class:`ModelConfig` from a config.json path or a preset name (vocab from the tokenizer)."""
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelConfig.from_file(path)
+    if spec not in PRESETS:
+        raise BaigeError(f"model.config {spec!r} is neither a config.json nor a preset ({', '.join(PRESETS)})")
+    raw = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab_size, rms_norm_eps=1e-5,
+               initializer_range=0.02, tie_word_embeddings=False, torch_dtype="bfloat16",
+               bos_token_id=bos, eos_token_id=eos[0] if len(eos) == 1 else eos, **PRESETS[spec])
+    return ModelConfig.from_dict(raw)
+
+
+@dataclass
+class TrainResult:
+    """What a run did: per-step training losses and evaluation losses (rank 0 and others alike)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # step -> mean loss over the global batch (nats/token)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    start_step: int = 0
+    checkpoint: Path | None = None
+    export: Path | None = None
+
+
+def _has_cxx_compiler() -> bool:
+    """A C++ compiler for torch.compile's CPU backend (Inductor): $CXX, g++, c++ or clang++ on PATH."""
+    return any(shutil.which(c) for c in (settings().cxx or "g++", "c++", "clang++"))
+
+
+class Trainer:
+    """One training run on this rank. Collective: every rank builds one with the same config."""
+
+    def __init__(self, cfg: TrainConfig):
+        from baige.runtime.model.device import resolve_device
+        from baige.runtime.model.tokenizer import Tokenizer
+        from baige.runtime.weights.hub import cache_dir, resolve_model
+
+        self.cfg = cfg
+        t, p = cfg.training, cfg.parallelism
+        for path in cfg.data.train + cfg.data.eval:  # before any expensive set-up
+            if not Path(path).is_file():
+                raise BaigeError(f"{path}: data file not found")
+        self.device = resolve_device(t.device)
+        self.dist = parallel.init_distributed(self.device.type)
+        self.dims = parallel.ParallelDims.resolve(self.dist.world_size, p.data_parallel_replicate_degree,
+                                                  p.data_parallel_shard_degree, p.tensor_parallel_degree)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank = self.dims.dp_rank(self.mesh)
+        self.output = Path(cfg.output)
+        if self.dist.is_main:
+            self.output.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        self.log = MetricsLogger(self.output, self.dist.is_main, cfg.metrics.tensorboard)
+
+        # Model + tokenizer. Local rank 0 resolves first (a GGUF import or download happens once per node).
+        if self.dist.local_rank != 0:
+            self._barrier()
+        if cfg.model.config is None:
+            self.model_dir = resolve_model(cfg.model.name)
+            tok_dir = self.model_dir
+        else:
+            self.model_dir = None
+            tok_dir = self._tokenizer_dir(cfg, resolve_model)
+        if cfg.model.tokenizer is not None:
+            tok_dir = self._tokenizer_dir(cfg, resolve_model)
+        if self.dist.local_rank == 0:
+            self._barrier()
+        self.tokenizer_dir = tok_dir
+        self.tokenizer = Tokenizer.from_dir(tok_dir)
+        torch.manual_seed(t.seed)
+        if self.model_dir is not None:
+            from baige.runtime.weights.loader import load_model
+
+            model = load_model(self.model_dir, dtype=torch.float32, device="cpu")
+        else:
+            mcfg = scratch_config(cfg.model.config, self.tokenizer.vocab_size, self.tokenizer.bos_token_id,
+                                  self.tokenizer.eos_token_ids)
+            model = Transformer(mcfg)
+            init_weights(model, float(mcfg.raw.get("initializer_range", 0.02)))
+        model.train()
+        self.model_config = model.config
+
+        # Data (local rank 0 tokenizes into the cache first).
+        cache = cache_dir() / "tokens"
+        if self.dist.local_rank != 0:
+            self._barrier()
+        self.train_windows = load_windows(cfg.data.train, self.tokenizer, tok_dir, cache, t.seq_len)
+        self.eval_windows = load_windows(cfg.data.eval, self.tokenizer, tok_dir, cache, t.seq_len) if cfg.data.eval else None
+        if self.dist.local_rank == 0:
+            self._barrier()
+        for w in (self.train_windows, self.eval_windows):
+            if w is not None and w.max_id >= self.model_config.vocab_size:
+                raise BaigeError(f"the data holds token id {w.max_id} but the model's vocab_size is "
+                                 f"{self.model_config.vocab_size}: tokenizer and model do not match")
+        self.loader = DataLoader(self.train_windows, t.batch_size, t.grad_accum, self.dims.dp_size, self.dp_rank,
+                                 t.seed, cfg.data.shuffle)
+
+        # Parallelism: TP -> AC -> compile -> FSDP, then the optimizer over the (sharded) parameters.
+        mp = p.mixed_precision_param
+        self.param_dtype = DTYPES["bfloat16" if mp == "auto" and self.device.type == "cuda" else
+                                   ("float32" if mp == "auto" else mp)]
+        reduce_dtype = DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
+        self.compile = t.compile if isinstance(t.compile, bool) else (
+            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1
+            and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
+        if self.compile is True and self.device.type == "cpu" and not _has_cxx_compiler():
+            raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
+                             "(g++, c++, clang++ or $CXX) for torch.compile's Inductor backend; install one "
+                             "or use --no-compile")
+        parallel.parallelize(model, self.dims, self.mesh, ac=t.activation_checkpointing, compile=self.compile,
+                             param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
+        if not self.dims.fsdp_enabled:
+            model.to(self.device)
+        # Without FSDP's MixedPrecisionPolicy, low-precision compute comes from autocast.
+        self.autocast = (not self.dims.fsdp_enabled) and self.param_dtype != torch.float32
+        self.model = model
+        self.optimizer = self._build_optimizer()
+        # Fused AdamW divides every gradient by ``optimizer.grad_scale`` inside its own pass (the hook
+        # torch.amp.GradScaler uses): clipping then costs no extra pass over the gradients. Plain
+        # tensors only; FSDP/TP DTensor gradients are clipped in place as before.
+        from torch.distributed.tensor import DTensor
+
+        self._clip_in_optimizer = getattr(self.optimizer, "_step_supports_amp_scaling", False) and not any(
+            isinstance(p, DTensor) for p in model.parameters())
+        sc = cfg.lr_scheduler
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
+            lr_lambda, name=sc.name, warmup=sc.warmup_steps, total=t.steps, min_ratio=sc.min_lr_ratio,
+            decay_ratio=sc.decay_ratio))
+        self.ckpt = CheckpointManager(self.output / "checkpoints", self.dist.is_main, cfg.checkpoint.keep_latest)
+        self.step = 0
+        self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.peak_flops, self.peak_source = peak_flops(self.device, self.param_dtype, cfg.metrics.peak_tflops)
+
+    # ---- set-up helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _tokenizer_dir(cfg: TrainConfig, resolve_model) -> Path:
+        spec = cfg.model.tokenizer
+        if spec is None:
+            cfg_path = Path(cfg.model.config)
+            base = cfg_path if cfg_path.is_dir() else cfg_path.parent
+            if (base / "tokenizer.json").is_file():
+                return base
+            raise BaigeError("training from scratch needs a tokenizer: pass --tokenizer DIR_OR_MODEL")
+        path = Path(spec).expanduser()
+        if path.is_dir() and (path / "tokenizer.json").is_file():
+            return path
+        return resolve_model(spec)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW (Loshchilov & Hutter 2019) with no weight decay on norms, biases and embeddings."""
+        from torch.distributed.tensor import DTensor
+
+        o = self.cfg.optimizer
+        groups: dict[tuple[bool, bool], list] = {}
+        for name, param in self.model.named_parameters():
+            decay = param.ndim >= 2 and "embed_tokens" not in name
+            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP) apart from plain tensors
+            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
+        groups = [{"params": params, "weight_decay": o.weight_decay if decay else 0.0}
+                  for (decay, _), params in sorted(groups.items(), reverse=True)]
+        fused = o.fused != "false"  # auto: torch has fused AdamW kernels for CUDA and CPU
+        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
+
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum over every rank (fp64 on the CPU when gloo, on the device otherwise)."""
+        if not dist.is_initialized():
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, normalizer: float) -> torch.Tensor:
+        """Summed token cross-entropy of one micro-batch / ``normalizer``; (B, T) int64 inputs."""
+        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)  # (B, T)
+        with torch.autocast(self.device.type, dtype=self.param_dtype, enabled=self.autocast):
+            hidden = self.model(input_ids, positions)  # (B, T, hidden)
+            # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight.
+            return kernels.fused_linear_cross_entropy(hidden, self.model.lm_head.weight, labels, normalizer=normalizer)
+
+    # ---- checkpoint state -------------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
+
+    def save(self) -> Path:
+        path = self.ckpt.save(self.step, self._state(), self.cfg.to_toml())
+        self.log.print(f"saved checkpoint {path}")
+        return path
+
+    def resume(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        self.ckpt.load(path, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["data"])
+        set_rng_state(state["rng"], self.device)
+        self.step = int(state["step"])
+        self.log.print(f"resumed from {path} at step {self.step}")
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimizer step over ``grad_accum`` micro-batches. Returns (loss, grad_norm, lr) of the step.
+
+        Raises:
+            BaigeError: a non-finite loss or gradient norm (before the parameters change).
+        """
+        micro = self.loader.next_step()
+        local_valid = sum(int((labels != -100).sum()) for _, labels in micro)
+        # Every rank of a TP group holds the same data: divide the world sum by the TP degree.
+        n_valid = self._all_reduce_sum([float(local_valid)])[0] / self.dims.tp
+        if n_valid == 0:
+            raise BaigeError(f"step {self.step + 1}: no target token carries loss in the whole batch")
+        local_loss = 0.0
+        for input_ids, labels in micro:
+            loss = self._loss_sum(input_ids, labels, n_valid)
+            (loss * self.dims.dp_size).backward()
+            local_loss += loss.item()
+        loss_value = self._all_reduce_sum([local_loss])[0] / self.dims.tp
+        max_norm = self.cfg.training.max_norm
+        fold_clip = self._clip_in_optimizer and max_norm > 0
+        norm = parallel.clip_grad_norm_(self.model.parameters(), 0.0 if fold_clip else max_norm)
+        grad_norm = norm.item()
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise BaigeError(f"step {self.step + 1}: loss {loss_value} / grad norm {grad_norm} is not finite; "
+                             "stopping without a checkpoint (lower optimizer.lr or check the data)")
+        lr = self.optimizer.param_groups[0]["lr"]
+        # clipping multiplies by max_norm / (norm + 1e-6) when that is below 1 (clip_grads_with_norm_'s
+        # coefficient); folded into fused AdamW it is a division by the inverse
+        fold_clip = fold_clip and grad_norm + 1e-6 > max_norm
+        if fold_clip:
+            self.optimizer.grad_scale = (norm.float() + 1e-6) / max_norm
+        try:
+            self.optimizer.step()
+        finally:
+            if fold_clip:
+                del self.optimizer.grad_scale
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_value, grad_norm, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the eval data (``training.eval_batches`` rounds, 0 = all), nats/token."""
+        t = self.cfg.training
+        total, count = 0.0, 0.0
+        for input_ids, labels in eval_batches(self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank,
+                                              t.eval_batches):
+            total += self._loss_sum(input_ids, labels, 1.0).item()
+            count += float((labels != -100).sum())
+        total, count = self._all_reduce_sum([total, count])
+        total, count = total / self.dims.tp, count / self.dims.tp
+        loss = total / count if count else float("nan")
+        self.log.log({"split": "eval", "step": self.step, "loss": loss, "tokens": int(count)})
+        return loss
+
+    def train(self) -> TrainResult:
+        """Resume if asked, train to ``training.steps``, evaluate, checkpoint, export. Collective."""
+        cfg, t = self.cfg, self.cfg.training
+        result = TrainResult()
+        resume_path = self.ckpt.resolve_resume(cfg.checkpoint.resume)
+        self.ckpt.clean_partial()
+        if self.dist.is_main:
+            (self.output / "config.toml").write_text(cfg.to_toml())
+        self.log.print(cfg.to_toml())
+        if resume_path is not None:
+            self.resume(resume_path)
+        result.start_step = self.step
+        self.log.print(
+            f"{self.model_config.model_type} {self.model_config.num_params() / 1e6:.1f}M params | world_size "
+            f"{self.dist.world_size} (dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
+            f"{self.dims.tp}) | {self.train_windows.num_tokens} training tokens | global batch "
+            f"{self.loader.global_batch} x {t.seq_len} tokens | peak {self.peak_flops / 1e12:.2f} TFLOP/s per "
+            f"device ({self.peak_source})"
+        )
+        if self.eval_windows is not None and self.step == 0:
+            result.eval_losses[0] = self.evaluate()
+        tokens_per_step_per_device = self.loader.global_batch * t.seq_len / self.dist.world_size
+        window_t0, window_steps = time.perf_counter(), 0
+        last_saved = self.step
+        while self.step < t.steps:
+            loss, grad_norm, lr = self.train_step()
+            result.losses[self.step] = loss
+            window_steps += 1
+            if self.step % cfg.metrics.log_every == 0 or self.step == t.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - window_t0
+                tps = window_steps * tokens_per_step_per_device / elapsed
+                self.log.log({
+                    "split": "train", "step": self.step, "loss": loss, "grad_norm": grad_norm,
+                    "lr": lr,
+                    "tokens_per_second_per_device": tps, "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
+                    "peak_memory_gib": peak_memory_bytes(self.device) / 2**30, "seconds": elapsed,
+                })
+                window_t0, window_steps = time.perf_counter(), 0
+            evaluated = False
+            if self.eval_windows is not None and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
+                result.eval_losses[self.step] = self.evaluate()
+                evaluated = True
+            interval = cfg.checkpoint.interval
+            if (interval and self.step % interval == 0) or self.step == t.steps:
+                result.checkpoint = self.save()
+                last_saved = self.step
+            if evaluated or self.step == last_saved:
+                window_t0 = time.perf_counter()  # evaluation and saving are not training throughput
+        if cfg.checkpoint.export_hf:
+            result.export = self.export()
+        self.log.close()
+        return result
+
+    def export(self) -> Path | None:
+        """Write ``<output>/hf`` from the current weights (collective)."""
+        want = self.cfg.checkpoint.export_dtype
+        dtype = DTYPES.get(self.model_config.torch_dtype.replace("torch.", ""), torch.float32) if want == "auto" else DTYPES[want]
+        out = export_hf(self.model, dict(self.model_config.raw), self.output / "hf", self.tokenizer_dir, dtype,
+                        self.dist.is_main)
+        if out is not None:
+            self.log.print(f"exported HF checkpoint to {out}")
+        return out
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    """Build a :class:`Trainer` for ``cfg`` and run it (every rank calls this). Collective."""
+    return Trainer(cfg).train()

@@ -1,0 +1,35 @@
+"""Checkpoint conversion: GGUF or HF directory -> HF directory (``baige convert``)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from baige.errors import BaigeError
+from baige.runtime.config import parse_size
+from baige.runtime.weights.hub import resolve_model
+from baige.runtime.weights.loader import load_model
+from baige.runtime.weights.safetensors_io import save_hf_checkpoint
+
+
+def convert_checkpoint(src: str, out: str | Path, dtype: str = "auto", max_shard_size: str = "2GB") -> Path:
+    """Write ``out`` as an HF directory from ``src`` (any model spec; a .gguf is imported directly).
+
+    The source goes through the same strict load as ``baige generate``, so only a checkpoint that
+    baige can run is written. Raises BaigeError for bad input or an existing non-empty ``out``.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BaigeError(f"{out}: already exists and is not empty; choose a new output directory")
+    shard_bytes = parse_size(max_shard_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        if src.lower().endswith(".gguf"):
+            from baige.runtime.weights.gguf_import import import_gguf
+
+            if not Path(src).is_file():
+                raise BaigeError(f"{src}: GGUF file not found")
+            src_dir = import_gguf(src, Path(tmp) / "imported")
+        else:
+            src_dir = resolve_model(src)
+        model = load_model(src_dir, dtype)
+        return save_hf_checkpoint(model.state_dict(), model.config.raw, out, src_dir, shard_bytes)

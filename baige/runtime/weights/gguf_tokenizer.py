@@ -1,0 +1,199 @@
+"""Rebuild a Hugging Face tokenizer (`tokenizer.json` + `tokenizer_config.json`) from GGUF metadata.
+
+A GGUF file carries no `tokenizer.json`: llama.cpp stores the vocabulary, the BPE merges, the token
+types and the special-token ids as metadata under `tokenizer.ggml.*` (spec:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md, "Tokenizer" section). This module turns
+that metadata back into the two JSON documents a Hugging Face checkpoint directory holds, so the rest
+of baige loads every model through one path (`baige.runtime.model.tokenizer.Tokenizer.from_dir`).
+
+Supported: `tokenizer.ggml.model == "gpt2"` (byte-level BPE: GPT-2, SmolLM, Llama 3, Qwen 2, ...).
+The pre-tokenizer (how text is split before BPE) is chosen by `tokenizer.ggml.pre`, the name
+llama.cpp gives each model family's split rule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from baige.errors import BaigeError
+
+if TYPE_CHECKING:
+    import gguf
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp token types (gguf `tokenizer.ggml.token_type`, enum llama_token_type).
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Split rules for families whose rule is not GPT-2's, as one regex applied before byte-level BPE.
+# Llama 3 (tiktoken cl100k rule: numbers in groups of up to three digits); Qwen 2 (one digit a piece).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+# Families that split every digit off on its own, then apply GPT-2's rule (their HF tokenizer.json is
+# `Sequence[Digits(individual_digits=True), ByteLevel]`; llama.cpp's rule is `\p{N}` then GPT-2's).
+_DIGIT_SPLIT_FAMILIES = {"smollm", "starcoder"}
+_GPT2_FAMILIES = {None, "default", "gpt-2", "gpt2"}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies.
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes (controls, space, ...) map to
+    U+0100 upward in byte order, so e.g. the space byte 0x20 is spelled 'Ġ' (U+0120).
+    Source: the GPT-2 encoder (openai/gpt-2, src/encoder.py).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """The decoded value of metadata `key`, or `default` when the file lacks it."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name `pre`."""
+    if pre in _REGEX_SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre in _DIGIT_SPLIT_FAMILIES:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre not in _GPT2_FAMILIES:
+        logger.warning("GGUF pre-tokenizer %r is not known to baige; splitting text with GPT-2's rule", pre)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def build_tokenizer_files(reader: gguf.GGUFReader) -> tuple[dict, dict]:
+    """Build the contents of `tokenizer.json` and `tokenizer_config.json` from a GGUF's metadata.
+
+    Args:
+        reader: an open `gguf.GGUFReader`. Keys read: `tokenizer.ggml.{model, pre, tokens, merges,
+            token_type, bos_token_id, eos_token_id, padding_token_id, unknown_token_id,
+            add_bos_token, add_eos_token}`, `tokenizer.chat_template`, `general.architecture` and
+            `<arch>.context_length`.
+
+    Returns:
+        `(tokenizer_json, tokenizer_config)`: plain dicts ready for `json.dump`. `tokenizer_json` loads
+        with `tokenizers.Tokenizer.from_str(json.dumps(tokenizer_json))`. Control tokens (type 3)
+        become special added tokens, user-defined tokens (type 4) plain added tokens, both matched
+        whole in text. `tokenizer_config` holds `bos_token`, `eos_token`, `pad_token`, `unk_token`
+        (token text or None), `add_bos_token`, `add_eos_token`, `chat_template` (when present),
+        `model_max_length` (tokens, when the file states a context length) and `added_tokens_decoder`.
+
+    Raises:
+        BaigeError: the file has no tokenizer, or one other than byte-level BPE (`gpt2`).
+    """
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind is None:
+        raise BaigeError("GGUF file has no tokenizer metadata (tokenizer.ggml.model)")
+    if kind != "gpt2":
+        raise BaigeError(f"unsupported GGUF tokenizer model '{kind}'")
+
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
+
+    # Vocabulary keys are spelled in the byte alphabet. A token written in plain text (llama.cpp
+    # stores added tokens as their text) is respelled, except added ones: those keep their text as
+    # the key, so the added token and the vocabulary entry share one id.
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    added: list[AddedToken] = []
+    for index, (token, token_type) in enumerate(zip(tokens, token_types)):
+        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+            vocab[token] = index
+            added.append(AddedToken(token, normalized=False, special=token_type == TOKEN_TYPE_CONTROL))
+        elif set(token) <= alphabet:
+            vocab[token] = index
+        else:
+            vocab["".join(spelling[b] for b in token.encode("utf-8"))] = index
+    pairs = [tuple(merge.split(" ")) for merge in merges]
+
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+    # Added in one call, in id order; each is found in the vocabulary, so no id moves.
+    backend.add_tokens(added)
+
+    def text_of(key: str) -> str | None:
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        return None if token_id is None or token_id >= len(tokens) else tokens[token_id]
+
+    bos_token, eos_token = text_of("bos_token_id"), text_of("eos_token_id")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_token is not None
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos_token is not None
+    # BOS/EOS that `encode(..., add_special_tokens=True)` adds, as HF's post-processor.
+    single, specials = ["$A:0"], {}
+    if add_bos:
+        single.insert(0, f"{bos_token}:0")
+        specials[bos_token] = _field(reader, "tokenizer.ggml.bos_token_id")
+    if add_eos:
+        single.append(f"{eos_token}:0")
+        specials[eos_token] = _field(reader, "tokenizer.ggml.eos_token_id")
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(specials.items()))
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "pad_token": text_of("padding_token_id"),
+        "unk_token": text_of("unknown_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {
+            str(vocab[t.content]): {
+                "content": t.content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": t.special,
+            }
+            for t in added
+        },
+    }
+    chat_template = _field(reader, "tokenizer.chat_template")
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    architecture = _field(reader, "general.architecture")
+    context_length = _field(reader, f"{architecture}.context_length")
+    if context_length is not None:
+        config["model_max_length"] = int(context_length)
+
+    return json.loads(backend.to_str()), config

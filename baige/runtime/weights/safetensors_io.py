@@ -1,0 +1,139 @@
+"""Safetensors checkpoints: read every tensor of a (sharded) HF directory, and write one
+atomically (:func:`save_hf_checkpoint`, the one writer of HF directories in baige).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from baige.errors import BaigeError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, list[str] | None]:
+    """Safetensors files of a checkpoint -> the tensor names the index promises (None: unindexed).
+
+    Raises:
+        BaigeError: no safetensors (pickle-only checkpoints are refused), or an index naming a missing shard.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise BaigeError(f"{index}: not a valid safetensors index (no weight_map)") from None
+        files: dict[str, list[str] | None] = {}
+        for tensor, fname in weight_map.items():
+            files.setdefault(fname, []).append(tensor)
+        for fname in files:
+            if not (model_dir / fname).is_file():
+                raise BaigeError(f"{model_dir / fname}: shard listed in {index.name} is missing")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return {"model.safetensors": None}
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise BaigeError(f"{model_dir}: only pickle checkpoints (*.bin/*.pt) found; baige loads safetensors only")
+    raise BaigeError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_state_dict(model_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read every tensor of a (possibly sharded) safetensors checkpoint.
+
+    Raises BaigeError when an index entry's tensor is absent from its shard.
+    """
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for fname, promised in checkpoint_files(model_dir).items():
+        with safe_open(str(model_dir / fname), framework="pt") as f:
+            present = set(f.keys())
+            for name in promised or []:
+                if name not in present:
+                    raise BaigeError(f"{model_dir / fname}: tensor {name!r} listed in the index is absent")
+            for name in present:
+                t = f.get_tensor(name)
+                state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return state
+
+
+def save_hf_checkpoint(
+    state: dict[str, torch.Tensor],
+    config: dict,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_size: int = 2 * 10**9,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write an HF-layout directory: config.json, generation_config.json, safetensors (sharded with
+    ``model.safetensors.index.json`` past ``max_shard_size`` bytes) and the tokenizer files.
+
+    Written under a temporary name and renamed when complete. ``lm_head.weight`` is dropped when
+    ``config['tie_word_embeddings']`` is true. ``torch_dtype`` in the config is set from the tensors.
+    ``extra_files`` (file name -> text) are written into the same directory before the rename.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise BaigeError(f"{out_dir}: already exists and is not empty; choose a new output directory")
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    float_dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    config = dict(config)
+    if len(float_dtypes) == 1:
+        config["torch_dtype"] = str(next(iter(float_dtypes))).replace("torch.", "")
+    config.pop("dtype", None)
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
+        gen_src = Path(tokenizer_dir) / "generation_config.json" if tokenizer_dir else None
+        if gen_src is not None and gen_src.is_file():
+            shutil.copy(gen_src, tmp / "generation_config.json")
+        else:
+            gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if tokenizer_dir is not None:
+            for fname in TOKENIZER_FILES + ("chat_template.jinja",):
+                if (Path(tokenizer_dir) / fname).is_file():
+                    shutil.copy(Path(tokenizer_dir) / fname, tmp / fname)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

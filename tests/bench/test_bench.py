@@ -1,0 +1,365 @@
+"""``baige bench``: roofline and summary math against hand-computed values, and the CLI end to end
+on a tiny checkpoint (latency, throughput, compare, kernels), Ctrl-C accounting, bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import BASE, make_checkpoint
+from typer.testing import CliRunner
+
+from baige.runtime import roofline
+from baige.runtime.bench.compare import ratios
+from baige.runtime.bench.offline import (
+    EngineArgs,
+    LatencyConfig,
+    latency_summary,
+    random_token_prompts,
+    throughput_summary,
+)
+from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.transformer import Transformer
+
+LIMITS = roofline.HardwareLimits("cpu", "float32", bandwidth=10e9, matmul_peak=100e9)
+
+
+# ----------------------------------------------------------------------------- roofline math
+
+
+def test_decode_roofline_by_hand():
+    # 100 MB of weights, 1000 B of KV per token, batch 2 at a mean context of 50 tokens:
+    # bytes/step = 1e8 + 2*50*1000 = 100.1e6; 40 tokens/s over batch 2 = 20 steps/s -> 2.002 GB/s
+    r = roofline.decode_roofline(40.0, 2, 100_000_000, 1000, 50, 10e9)
+    assert r["bytes_per_step"] == 100_100_000
+    assert r["achieved_gb_s"] == pytest.approx(2.002)
+    assert r["pct_of_limit"] == pytest.approx(20.02)
+    assert r["limit_tokens_per_s"] == pytest.approx(2 * 10e9 / 100.1e6)
+
+
+def test_compute_roofline_and_forward_flops_by_hand():
+    # N = 1e6 non-embedding params, L*H*Q = 1000, T = 100: forward 2e6 + 4e5 = 2.4e6 FLOPs/token
+    f = roofline.forward_flops_per_token(1_000_000, 1000, 100)
+    assert f == 2_400_000
+    r = roofline.compute_roofline(1000.0, f, 100e9)
+    assert r["achieved_tflop_s"] == pytest.approx(2.4e-3)
+    assert r["pct_of_limit"] == pytest.approx(2.4)
+    assert r["limit_tokens_per_s"] == pytest.approx(100e9 / 2.4e6)
+
+
+def _tiny_model(tied: bool) -> Transformer:
+    cfg = ModelConfig.from_dict({**BASE, "model_type": "llama", "tie_word_embeddings": tied})
+    return Transformer(cfg)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_counts_match_the_model(tied):
+    m = _tiny_model(tied)
+    c = roofline.model_counts(m)
+    h, V, L, H, Q = 64, 160, 2, 4, 16
+    assert c["attn_dims"] == L * H * Q
+    # forward = one third of the training count 6N + 12LHQT
+    assert roofline.forward_flops_per_token(c["num_params_non_embedding"], c["attn_dims"], 37) == m.flops_per_token(37) / 3
+    # every weight read once per decode step, fp32: the non-embedding body + the V x h output head
+    # (tied: that is the embedding; untied: the embedding table itself is only indexed, not read)
+    assert c["weight_bytes"] == 4 * (c["num_params_non_embedding"] + V * h)
+
+
+def test_weight_bytes_of_fp16_weight_model():
+    from baige.runtime.quant.fp16_weight import apply_quantization
+
+    m = _tiny_model(True)
+    body = roofline.model_counts(m)["num_params_non_embedding"]
+    norms = sum(p.numel() for n, p in m.named_parameters() if "norm" in n)
+    apply_quantization(m, "fp16-weight")  # every Linear, the tied lm_head too (it packs its own copy)
+    h, V = 64, 160
+    # linears at 2 bytes per weight (lm_head included), norms stay fp32; the embedding is only indexed
+    assert roofline.weight_bytes(m) == 2 * (body - norms + V * h) + 4 * norms
+
+
+def test_datasheet_lookup():
+    assert roofline.datasheet_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert roofline.datasheet_peaks("NVIDIA H100 PCIe")[0] == 756e12
+    assert roofline.datasheet_peaks("cpu") is None
+
+
+def test_measured_limits_are_positive_and_cached():
+    a = roofline.hardware_limits("cpu", torch.float32)
+    assert a.bandwidth > 0 and a.matmul_peak > 0 and a is roofline.hardware_limits("cpu", torch.float32)
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def test_latency_summary_by_hand():
+    cfg = LatencyConfig(EngineArgs(), input_len=10, output_len=5, batch_size=2)
+    info = {"num_params_non_embedding": 1000, "attn_dims": 10, "weight_bytes": 8000, "kv_bytes_per_token": 100}
+    samples = [{"latency": 1.0, "ttft": 0.2}, {"latency": 3.0, "ttft": 0.2}]
+    s = latency_summary(samples, cfg, info, LIMITS)
+    assert s["avg_latency_s"] == 2.0 and s["std_latency_s"] == 1.0 and s["p50_latency_s"] == 2.0
+    assert s["p10_latency_s"] == pytest.approx(1.2)  # linear interpolation
+    # prefill: 2 x 10 tokens in 0.2 s; decode: 2 x 4 tokens in 2.0 - 0.2 s; TPOT 1.8 / 4
+    assert s["prefill_tokens_per_s"] == pytest.approx(100.0)
+    assert s["decode_tokens_per_s"] == pytest.approx(8 / 1.8)
+    assert s["tpot_s"] == pytest.approx(0.45)
+    # prefill FLOPs/token 2*1000 + 4*10*10 = 2400 -> 240 kFLOP/s of 100 GFLOP/s
+    assert s["prefill_roofline"]["pct_of_limit"] == pytest.approx(100 * 240_000 / 100e9)
+    # decode bytes/step = 8000 + 2 * (10 + 2.5) * 100 = 10500, steps/s = (8/1.8)/2
+    assert s["decode_roofline"]["bytes_per_step"] == 10500
+    assert s["decode_roofline"]["achieved_gb_s"] == pytest.approx(10500 * 8 / 1.8 / 2 / 1e9)
+
+
+def test_throughput_summary_by_hand():
+    samples = [{"prompt_len": 10, "output_len": 6}, {"prompt_len": 20, "output_len": 4}]
+    info = {"num_params_non_embedding": 1000, "attn_dims": 10}
+    s = throughput_summary(samples, 2.0, info, LIMITS)
+    assert s["requests_per_second"] == 1.0 and s["tokens_per_second"] == 20.0 and s["output_tokens_per_second"] == 5.0
+    assert s["total_num_tokens"] == 40 and s["total_output_tokens"] == 10
+    # mean length 20 -> 2*1000 + 4*10*20 = 2800 FLOPs/token
+    assert s["compute_roofline"]["flops_per_token"] == 2800
+
+
+def test_random_prompts_lengths_and_ids():
+    reqs = random_token_prompts(160, 50, 20, 10, range_ratio=0.5, seed=1)
+    assert all(10 <= len(p) <= 30 and 5 <= n <= 15 and all(0 <= t < 160 for t in p) for p, n in reqs)
+    assert reqs == random_token_prompts(160, 50, 20, 10, range_ratio=0.5, seed=1)
+    assert all(len(p) == 20 and n == 10 for p, n in random_token_prompts(5000, 5, 20, 10))
+    assert min(t for p, _ in random_token_prompts(5000, 5, 20, 10) for t in p) >= 32  # special ids skipped
+
+
+def test_compare_ratios_by_hand():
+    s = {"decode": {"baige": {"tokens_per_s": 30.0}, "baige-int8": {"tokens_per_s": 50.0},
+                    "hf-float32": {"tokens_per_s": 10.0}, "hf-bfloat16": {"tokens_per_s": 15.0}},
+         "throughput": {"baige": {"tokens_per_s": 400.0}, "hf-float32": {"tokens_per_s": 100.0}}}
+    r = ratios(s)
+    assert r == {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-bfloat16": 2.0,
+                 "decode_baige_over_hf_best": 2.0, "decode_baige-int8_over_hf_best": 50.0 / 15.0,
+                 "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf_best": 4.0}
+
+
+# ----------------------------------------------------------------------------- CLI on a tiny checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, embedded_dir):
+    path = make_checkpoint(tmp_path_factory.mktemp("bench") / "tiny", "llama-tied")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_dir / name, path / name)
+    return path
+
+
+def _cli(args):
+    from baige.cli import app
+
+    return CliRunner().invoke(app, args, env={"COLUMNS": "200"})  # wide enough for unwrapped table cells
+
+
+def _result(out: Path, name: str) -> dict:
+    files = sorted(out.glob(f"{name}-*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path):
+    res = _cli(["bench", "latency", "--model", str(tiny_dir), "--input-len", "6", "--output-len", "4",
+                "--batch-size", "2", "--num-iters", "2", "--num-iters-warmup", "0", "--output-dir", str(tmp_path), "--plot"])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "latency")
+    assert len(r["samples"]) == 2 and r["args"]["batch_size"] == 2 and r["environment"]["cpu_count"] >= 1
+    assert "decode throughput" in res.output and "tokens/s" in res.output and "% of limit" in res.output
+    assert r["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32
+    assert list(tmp_path.glob("latency-*-latency.png"))
+
+    res = _cli(["bench", "throughput", "--model", str(tiny_dir), "--num-prompts", "5", "--input-len", "7",
+                "--output-len", "3", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "throughput")
+    s = r["summary"]
+    assert s["num_requests"] == 5 and s["total_output_tokens"] == 15 and s["total_num_tokens"] == 50
+    assert s["tokens_per_second"] == pytest.approx(50 / s["elapsed_time_s"])
+    assert [x["output_len"] for x in r["samples"]] == [3] * 5
+
+
+def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
+    """`baige bench --model M --output-dir D compare ...` (group options first) and --hf-dtype /
+    --kv-cache-dtype reach the run: the JSON lands in D, one HF dtype timed, an fp16 KV cache."""
+    res = _cli(["bench", "--model", str(tiny_dir), "--output-dir", str(tmp_path), "compare", "--input-len", "4",
+                "--output-len", "3", "--num-prompts", "2", "--tp-input-len", "4", "--tp-output-len", "2",
+                "--no-quantized", "--hf-dtype", "float32", "--kv-cache-dtype", "float16"])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "compare")
+    assert set(r["samples"]["decode"]) == {"baige", "hf-float32"}
+    assert r["args"]["engine"]["kv_cache_dtype"] == "float16" and r["args"]["engine"]["model"] == str(tiny_dir)
+    res = _cli(["bench", "--output-dir", str(tmp_path), "--kv-cache-dtype", "float16", "latency", "--model",
+                str(tiny_dir), "--input-len", "4", "--output-len", "2", "--batch-size", "1", "--num-iters", "1",
+                "--num-iters-warmup", "0"])
+    assert res.exit_code == 0, res.output
+    # the roofline counts the cache's bytes: fp16 K+V x layers x kv heads x head_dim
+    assert _result(tmp_path, "latency")["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+
+
+def test_cli_group_kv_cache_dtype_refused_where_it_does_not_apply():
+    res = _cli(["bench", "--kv-cache-dtype", "float16", "serve"])  # `baige` prints it as one line (main.py)
+    assert res.exit_code != 0 and "does not apply to `bench serve`" in str(res.exception)
+    assert "--server-arg" in str(res.exception)
+    res = _cli(["bench", "--kv-cache-dtype", "float16", "kernels"])
+    assert res.exit_code != 0 and "does not apply to `bench kernels`" in str(res.exception)
+
+
+def test_cli_compare_prints_ratios(tiny_dir, tmp_path):
+    res = _cli(["bench", "compare", "--model", str(tiny_dir), "--input-len", "4", "--output-len", "3",
+                "--num-prompts", "32", "--tp-input-len", "4", "--tp-output-len", "2", "--hf-batch-size", "8",
+                "--no-quantized", "--repeats", "2", "--output-dir", str(tmp_path), "--plot"])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "compare")
+    ratios_ = r["summary"]["ratios"]
+    for key in ("decode_baige_over_hf_best", "throughput_baige_over_hf_best",
+                "decode_baige_over_hf-float32", "decode_baige_over_hf-bfloat16"):
+        assert ratios_[key] > 0
+    d = r["summary"]["decode"]
+    # static batching: every HF dtype in round 1, then only the one that was fastest on it
+    tp = r["samples"]["throughput"]
+    hf_best = min(("hf-float32", "hf-bfloat16"), key=lambda k: tp[k][0])
+    other = ({"hf-float32", "hf-bfloat16"} - {hf_best}).pop()
+    assert len(tp[hf_best]) == 2 and len(tp[other]) == 1 and len(tp["baige"]) == 2
+    t = r["summary"]["throughput"]
+    assert ratios_["throughput_baige_over_hf_best"] == pytest.approx(
+        t["baige"]["tokens_per_s"] / max(t["hf-float32"]["tokens_per_s"], t["hf-bfloat16"]["tokens_per_s"]))
+    assert ratios_["decode_baige_over_hf-float32"] == pytest.approx(d["baige"]["tokens_per_s"] / d["hf-float32"]["tokens_per_s"])
+    assert "baige / row" in res.output and "offline throughput (32 prompts)" in res.output
+    assert any("llama" in n for n in r["notes"]) or "llama.cpp" in r["summary"]["decode"]
+    assert list(tmp_path.glob("compare-*-decode.png"))
+
+
+def test_cli_kernels_every_op_or_listed_skipped(tmp_path):
+    from baige import kernels
+
+    res = _cli(["bench", "kernels", "--sizes", "8", "--no-compile", "--iters", "1", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "kernels")
+    measured = {row["op"] for row in r["samples"]}
+    assert measured | set(r["skipped"]) == set(kernels.__all__)
+    rms = next(row for row in r["samples"] if row["op"] == "rms_norm" and row["impl"] == "reference")
+    assert rms["bytes"] == (2 * 8 * 576 + 576) * 4 and rms["flops"] == 4 * 8 * 576
+
+
+def test_cli_kernels_backward_and_shape(tmp_path):
+    res = _cli(["bench", "kernels", "--op", "rms_norm", "--op", "store_kv", "--op", "fused_linear_cross_entropy",
+                "--sizes", "8", "--backward", "--no-compile", "--iters", "1", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "kernels")
+    assert r["forward_only"] == ["store_kv"] and {row["pass"] for row in r["samples"]} == {"fwd+bwd"}
+    assert {row["impl"] for row in r["samples"] if row["op"] == "fused_linear_cross_entropy"} == {"baige", "reference",
+                                                                                                  "unfused"}
+    rms = next(row for row in r["samples"] if row["op"] == "rms_norm" and row["impl"] == "reference")
+    assert rms["bytes"] == 3 * (2 * 8 * 576 + 576) * 4  # forward + backward counted as 3 forward passes
+    assert "rms_norm" in r["summary"]["speedup_vs_reference"]
+    res = _cli(["bench", "kernels", "--shape", "llama3-8b", "--op", "rms_norm", "--sizes", "4", "--no-compile",
+                "--iters", "1", "--output-dir", str(tmp_path / "big")])
+    assert res.exit_code == 0 and _result(tmp_path / "big", "kernels")["shape"]["hidden"] == 4096
+    res = _cli(["bench", "kernels", "--shape", "llama9", "--output-dir", str(tmp_path)])
+    assert res.exit_code != 0 and "--shape 'llama9'" in str(res.exception)
+
+
+def test_interrupted_run_still_writes_what_was_measured(tmp_path, monkeypatch):
+    from baige.cli import bench as bench_cli
+    from baige.runtime.bench.kernels import KernelsConfig, run_kernels
+
+    def stop_after_first(done, total, what):
+        raise KeyboardInterrupt
+
+    r = run_kernels(KernelsConfig(sizes=(8, 16), ops=("silu_mul",), compile=False, iters=1), stop_after_first)
+    assert r["interrupted"] and [row["tokens"] for row in r["samples"]] == [8, 8]  # baige + reference at n=8
+
+    res = _cli(["bench", "kernels", "--op", "silu_mul", "--sizes", "8,16", "--no-compile", "--iters", "1",
+                "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0
+    monkeypatch.setattr("baige.runtime.bench.kernels.run_kernels",
+                        lambda cfg, progress: run_kernels(cfg, stop_after_first))
+    out2 = tmp_path / "interrupted"
+    res = _cli(["bench", "kernels", "--op", "silu_mul", "--sizes", "8,16", "--no-compile", "--iters", "1",
+                "--output-dir", str(out2)])
+    assert res.exit_code == 130
+    r = _result(out2, "kernels")
+    assert r["interrupted"] and len(r["samples"]) == 2
+    assert bench_cli.bench_app is not None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench", "kernels", "--op", "nope"], "--op 'nope' is not a baige.kernels op"),
+    (["bench", "throughput", "--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+    (["bench", "serve", "--slo", "ttfb:5", "--base-url", "http://127.0.0.1:9"], "--slo: unknown metric 'ttfb'"),
+])
+def test_bad_input_is_one_line(args, message, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "baige", *args, "--output-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], p.stderr
+
+
+def test_help_lists_every_subcommand():
+    res = _cli(["bench", "--help"])
+    assert res.exit_code == 0
+    for name in ("latency", "throughput", "serve", "kernels", "train", "compare"):
+        assert name in res.output
+
+
+def test_bench_serve_against_baige_serve(tmp_path):
+    """The acceptance run at a size the suite can afford (the 64-request run is in the README)."""
+    res = _cli(["bench", "serve", "--num-prompts", "8", "--request-rate", "4", "--input-len", "16", "--output-len", "6",
+                "--slo", "e2el:600000", "--output-dir", str(tmp_path), "--plot"])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "serve")
+    assert (r["completed"], r["failed"]) == (8, 0)
+    assert r["total_output_tokens"] == 8 * 6 and r["output_lens"] == [6] * 8  # usage counts, EOS ignored
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 10-minute SLO: every request is good
+    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput",
+                "output_throughput", "total_token_throughput", "duration"):
+        assert r[key] > 0, key
+    assert r["request_rate"] == 4.0 and r["args"]["num_prompts"] == 8 and r["environment"]["torch"]
+    assert r["roofline"]["decode"]["achieved_gb_s"] > 0
+    assert "failed requests" in res.output and list(tmp_path.glob("serve-*-serve.png"))
+
+
+def test_cli_train_reports_mfu_from_flops_per_token(tmp_path):
+    res = _cli(["bench", "train", "--model", "debug", "--seq-len", "16", "--batch-size", "2", "--steps", "3",
+                "--warmup-steps", "1", "--no-compile", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "train")
+    s = r["summary"]
+    assert [x["step"] for x in r["samples"]] == [2, 3] and r["args"]["compile"] is False and r["compiled"] is False
+    assert s["tokens_per_s_per_device"] == pytest.approx(2 * 16 / s["step_time_s"])
+    # debug preset: N_non-embedding = 2 layers x (attn 64*64*2 + 2*64*32 + mlp 3*64*192 + 2*64) + 64; L*H*Q = 2*4*16
+    n = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 64
+    assert s["roofline"]["flops_per_token"] == 6 * n + 12 * 2 * 4 * 16 * 16
+    assert s["mfu_pct"] == pytest.approx(100 * s["tokens_per_s_per_device"] * s["roofline"]["flops_per_token"] / s["peak_flops"])
+    assert s["peak_memory_bytes"] > 0 and "MFU" in res.output
+
+
+def test_suite_headlines_and_table():
+    from rich.console import Console
+
+    from baige.runtime.bench.suite import headline, suite_configs, suite_table
+
+    cfgs = suite_configs(None)
+    assert list(cfgs) == ["latency", "throughput", "serve", "compare"] and cfgs["serve"].request_rate == 4.0
+    assert cfgs["latency"].engine.kv_cache_dtype == "auto" and cfgs["serve"].server_args == []
+    half = suite_configs(None, "float16")
+    assert {half[k].engine.kv_cache_dtype for k in ("latency", "throughput", "compare")} == {"float16"}
+    assert half["serve"].server_args == ["--kv-cache-dtype", "float16"]
+    lat = {"summary": {"decode_tokens_per_s": 20.0, "ttft_s": 0.05, "tpot_s": 0.05,
+                       "decode_roofline": {"pct_of_limit": 40.0}}}
+    cmp_ = {"summary": {"ratios": {"decode_baige_over_hf_best": 2.5}}}
+    rows = {"latency": headline("latency", lat), "compare": headline("compare", cmp_)}
+    assert rows["latency"][0] == ("batch-1 decode", 20.0, "tokens/s", 40.0)
+    assert rows["latency"][1] == ("TTFT", 50.0, "ms", None)
+    assert rows["compare"] == [("decode: baige / hf_best", 2.5, "x", None)]
+    result = {"summary": {k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), r)) for r in v] for k, v in rows.items()}}
+    console = Console(width=200, record=True)
+    console.print(suite_table(result))
+    text = console.export_text()
+    assert "batch-1 decode" in text and "20.00" in text and "40.0%" in text and "2.50" in text

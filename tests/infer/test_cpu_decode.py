@@ -1,0 +1,152 @@
+"""The native CPU decode step (baige/runtime/cpu_decode.py + kernels/cpu/decode.c) against the
+module path on the PyTorch reference kernels: same hidden states and KV writes for a batch of
+decoding sequences with scattered blocks, on every tiny architecture and on int8 / int4 copies."""
+
+import shutil
+
+import pytest
+import torch
+
+from baige.kernels.cpu import build as cpu_build
+from baige.runtime.infer.cpu_decode import FusedDecoder
+from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.infer.runner import PagedAttentionMetadata
+from baige.runtime.quant.apply import quantize_model
+from baige.runtime.quant.scheme import QuantScheme
+from baige.runtime.settings import reload_settings
+from baige.runtime.weights.loader import load_model
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    if not (shutil.which("cc") or shutil.which("gcc")) or not cpu_build.cpu_has_avx2():
+        pytest.skip("no C compiler or no AVX2: the native kernels are not built here")
+    assert cpu_build.library() is not None
+
+
+BS = 4
+CTX = [5, 17, 2]  # context lengths including the new token: partial, several blocks, tiny
+
+
+def _step_inputs(model, num_blocks=20, seed=0, kv_dtype=torch.float32):
+    """A filled KV cache and one decode step's inputs for len(CTX) sequences on scattered blocks."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    kv = KVCache(cfg, num_blocks, BS, kv_dtype, torch.device("cpu"))
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    W = max(-(-n // BS) for n in CTX)
+    tables, slots, at = [], [], 0
+    for n in CTX:
+        blocks = perm[at:at + -(-n // BS)]
+        at += len(blocks)
+        slots.append(blocks[(n - 1) // BS] * BS + (n - 1) % BS)
+        tables.append(blocks + [kv.scratch_block] * (W - len(blocks)))
+    ids = torch.randint(0, cfg.vocab_size, (1, len(CTX)), generator=g)
+    pos = torch.tensor([[n - 1 for n in CTX]])
+    return kv, ids, pos, torch.tensor(slots), torch.tensor(tables), torch.tensor(CTX)
+
+
+def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32):
+    kv, ids, pos, slots, tables, lens = _step_inputs(model, kv_dtype=kv_dtype)
+    ref_k, ref_v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
+    fused, why = FusedDecoder.build(model, kv)
+    assert fused is not None, why
+    with torch.inference_mode():
+        out = fused(ids, pos, slots, tables, lens)
+        monkeypatch.setenv("BAIGE_KERNELS", "reference")
+        reload_settings()
+        md = PagedAttentionMetadata(ref_k, ref_v, slots, len(CTX), decode_groups=[(tables, lens)])
+        ref = model(ids, pos, md)
+    assert out.shape == ref.shape == (1, len(CTX), model.config.hidden_size)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=atol)
+    for a, b in zip(kv.k + kv.v, ref_k + ref_v):  # the new K/V landed in the same slots
+        assert a.dtype == kv_dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-3 if kv_dtype == torch.float16 else 1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "mistral-head-dim", "qwen2-bias", "qwen3-qk-norm",
+                                     "llama-llama3-rope"])
+def test_fused_decode_matches_module_path(tmp_path, monkeypatch, variant):
+    model = load_model(make_checkpoint(tmp_path / variant, variant), "float32")
+    _check(model, monkeypatch)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 64, symmetric=False)],
+                         ids=["int8", "int4-g32", "int4-g64-asym"])
+def test_fused_decode_quantized(tmp_path, monkeypatch, scheme):
+    """int8 and int4 projections (g64 on in_features 96: a partial last group), q/k/v biases kept fp32."""
+    model = load_model(make_checkpoint(tmp_path / "q", "qwen2-bias"), "float32")
+    quantize_model(model, scheme, ignore=["lm_head"])
+    _check(model, monkeypatch)
+
+
+def test_fused_decode_fp16_weight(tmp_path, monkeypatch):
+    """--quantization fp16-weight projections (native F16C kernel) against the module path on fbgemm."""
+    from baige.runtime.quant.fp16_weight import apply_quantization
+
+    model = load_model(make_checkpoint(tmp_path / "h", "qwen3-qk-norm"), "float32")
+    apply_quantization(model, "fp16-weight")
+    _check(model, monkeypatch)
+
+
+def test_fused_decode_fp16_kv_cache(tmp_path, monkeypatch):
+    """--kv-cache-dtype float16 under an fp32 model: the fused step stores fp16 K/V and reads them
+    back converted, like the module path (reference store rounds with .to(float16))."""
+    model = load_model(make_checkpoint(tmp_path / "k", "qwen3-qk-norm"), "float32")
+    _check(model, monkeypatch, kv_dtype=torch.float16)
+
+
+def test_ineligible_models_say_why(tmp_path, monkeypatch):
+    path = make_checkpoint(tmp_path / "m", "llama")
+    half = load_model(path, "float16")
+    kv = KVCache(half.config, 4, BS, torch.float16, torch.device("cpu"))
+    assert FusedDecoder.build(half, kv) == (None, "model.embed_tokens.weight is torch.float16 on cpu, not fp32 on the CPU")
+    model = load_model(path, "float32")
+    kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
+    model.model.layers[1].mlp.up_proj = torch.nn.Identity()
+    assert FusedDecoder.build(model, kv) == (None, "layer 1 up_proj: Identity has no native kernel")
+    monkeypatch.setenv("BAIGE_CPU_DECODE", "0")
+    reload_settings()
+    assert FusedDecoder.build(load_model(path, "float32"), kv)[0] is None
+
+
+def test_engine_uses_it_and_gives_the_same_tokens(embedded_dir, monkeypatch):
+    """The embedded model through LLM.generate: fused decode on by default on CPU fp32; greedy tokens
+    of a mixed batch equal to the per-op path's (BAIGE_CPU_DECODE=0)."""
+    from baige import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time there was a story about"]
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("BAIGE_CPU_DECODE", flag)
+        reload_settings()
+        llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20)
+        assert (llm.engine.runner.fused_decode is not None) == (flag == "1")
+        outs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["1"] == outs["0"] and all(len(t) == 12 for t in outs["1"])
+
+
+def test_engine_fp16_kv_cache(embedded_dir, monkeypatch):
+    """kv_cache_dtype="float16" under the fp32 model: an fp16 pool of twice the blocks for the same
+    bytes, the fused step used, greedy tokens equal to the reference kernels on the same fp16 cache."""
+    from baige import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time there was a story about"]
+    outs, blocks = {}, {}
+    for mode in ("auto", "reference"):
+        monkeypatch.setenv("BAIGE_KERNELS", mode)
+        reload_settings()
+        llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20,
+                  kv_cache_dtype="float16")
+        assert llm.engine.kv_cache.k[0].dtype == torch.float16
+        assert (llm.engine.runner.fused_decode is not None) == (mode == "auto")
+        blocks[mode] = llm.engine.kv_cache.num_blocks
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["auto"] == outs["reference"] and all(len(t) == 12 for t in outs["auto"])
+    fp32 = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory="64MiB")
+    assert blocks["auto"] == 2 * fp32.engine.kv_cache.num_blocks

@@ -1,0 +1,103 @@
+"""Scheduler without a model: token budget, sequence cap, chunked prefill, preemption, FIFO."""
+
+from baige.runtime.infer.block_manager import BlockManager
+from baige.runtime.infer.scheduler import Scheduler, Sequence, SequenceStatus
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_model_len=64):
+    return Scheduler(BlockManager(num_blocks, block_size, False), max_num_seqs, max_tokens_step, max_model_len)
+
+
+def run_step(sched, next_token=7):
+    batch = sched.schedule()
+    sampled = [next_token if s.num_computed_tokens + n == len(s.token_ids) else None
+               for s, n in zip(batch.seqs, batch.num_new_tokens)]
+    sched.postprocess(batch, sampled)
+    return batch
+
+
+def test_token_budget_and_chunked_prefill():
+    sched = make(max_tokens_step=16)
+    a = Sequence(list(range(40)), max_tokens=3)
+    sched.add(a)
+    b1 = run_step(sched)
+    assert b1.num_new_tokens == [16] and a.num_computed_tokens == 16 and a.num_output_tokens == 0
+    b2 = run_step(sched)
+    assert b2.num_new_tokens == [16] and a.num_output_tokens == 0
+    b3 = run_step(sched)
+    assert b3.num_new_tokens == [8] and a.num_output_tokens == 1  # prefill done: first token sampled
+    b4 = run_step(sched)
+    assert b4.num_new_tokens == [1] and b4.num_decodes == 1
+
+
+def test_decodes_first_then_waiting_fill_the_budget():
+    sched = make(max_tokens_step=10)
+    a = Sequence([1, 2, 3], max_tokens=10)
+    sched.add(a)
+    run_step(sched)  # a prefilled, 1 token out
+    b, c = Sequence(list(range(6)), max_tokens=5), Sequence(list(range(6)), max_tokens=5)
+    sched.add(b)
+    sched.add(c)
+    batch = run_step(sched)
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 6, 3] and batch.num_decodes == 1
+    assert batch.num_tokens == 10
+
+
+def test_max_num_seqs_cap_and_fifo():
+    sched = make(max_num_seqs=2)
+    seqs = [Sequence([i] * 3, max_tokens=2) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    batch = run_step(sched)
+    assert batch.seqs == seqs[:2]
+    assert list(sched.waiting) == seqs[2:]
+    run_step(sched)  # seqs 0, 1 reach max_tokens=2 and finish
+    assert seqs[0].finish_reason == "length" and seqs[0].is_finished
+    batch = run_step(sched)
+    assert batch.seqs == seqs[2:]
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    # 6 blocks of 2 tokens; two sequences of 4 prompt tokens each take 4 blocks, decoding needs more
+    sched = make(num_blocks=6, block_size=2, max_tokens_step=16)
+    a, b = Sequence([1, 2, 3, 4], max_tokens=6), Sequence([5, 6, 7, 8], max_tokens=6)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefilled: 4 tokens + 1 sampled each, 2 blocks each
+    run_step(sched)  # both decode into a 3rd block -> 6 blocks used
+    assert sched.block_manager.num_free_blocks == 0
+    run_step(sched)  # position 5 still fits in the 3rd block
+    run_step(sched)  # position 6 needs a 4th block: b (newest) is preempted
+    assert sched.num_preemptions >= 1 and b.status is SequenceStatus.WAITING and b.block_table == []
+    assert sched.waiting[0] is b and b.num_computed_tokens == 0
+    assert len(b.token_ids) == 7  # its generated tokens are kept and recomputed on readmission
+    while not a.is_finished:
+        run_step(sched)
+    while not b.is_finished:
+        run_step(sched)
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_stop_tokens_min_tokens_and_max_model_len():
+    sched = make(max_model_len=8)
+    s = Sequence([1, 2, 3], max_tokens=50, stop_token_ids=frozenset({7}))
+    sched.add(s)
+    run_step(sched, next_token=7)
+    assert s.finish_reason == "stop" and s.stop_reason == 7
+    t = Sequence([1, 2, 3], max_tokens=50)
+    sched.add(t)
+    while not t.is_finished:
+        run_step(sched, next_token=5)
+    assert t.finish_reason == "length" and len(t.token_ids) == 8
+
+
+def test_finish_aborts_waiting_and_running():
+    sched = make(max_num_seqs=1)
+    a, b = Sequence([1, 2], max_tokens=5), Sequence([3, 4], max_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    sched.finish(a, "abort")
+    sched.finish(b, "abort")
+    assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0

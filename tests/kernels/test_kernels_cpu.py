@@ -1,0 +1,331 @@
+"""The native CPU quantized-linear kernel (baige/kernels/cpu): values against the reference and
+fp64, the dispatch rules, and the fallback when it cannot be built."""
+
+import shutil
+
+import pytest
+import torch
+
+import baige.kernels as kernels
+from baige.kernels import reference
+from baige.kernels.cpu import build as cpu_library
+from baige.kernels.cpu import qlinear as cpu
+from baige.runtime.quant.scheme import QuantScheme, pack_int4, quantize_weight
+from tests.kernel_checks import assert_close_fp64
+
+
+@pytest.fixture(autouse=True)
+def _native_kernel():
+    """Skip only where the kernel is not meant to build (no C compiler, no AVX2); elsewhere it must."""
+    if not (shutil.which("cc") or shutil.which("gcc")) or not cpu_library.cpu_has_avx2():
+        pytest.skip("no C compiler or no AVX2: the native kernel is not built here")
+    assert cpu_library.library() is not None, "the native CPU kernels failed to build (see the warning)"
+
+SCHEMES = {
+    "int8": QuantScheme(8, None),
+    "int4-g32-sym": QuantScheme(4, 32),
+    "int4-g128-sym": QuantScheme(4, 128),
+    "int4-g128-asym": QuantScheme(4, 128, symmetric=False),
+    "int4-g64-asym": QuantScheme(4, 64, symmetric=False),
+}
+
+
+def _weights(scheme, out_f, in_f, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    q, scale, zp = quantize_weight(w, scheme)
+    return (q if scheme.num_bits == 8 else pack_int4(q)), scale, zp
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 17])
+@pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
+def test_native_matches_reference(name, rows, in_f, out_f):
+    """Odd in_features (96, 1000 = 7 x 128 + 104, 4097: partial groups and a partial int4 word), out
+    rows not a multiple of the 4-row tile, 1-3 and 17 input rows (both tile heights and the tail)."""
+    scheme = SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, out_f, in_f)
+    x = _randn(rows, in_f, seed=1)
+    bias = _randn(out_f, seed=2) if "asym" in name or name == "int8" else None
+    assert cpu.supports(x, qweight, scheme.group_size, bias)
+    out = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    ref = reference.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    exact = reference.quantized_linear(d(x), qweight, d(scale), zp, scheme.group_size, d(bias))
+    assert out.dtype == torch.float32 and out.shape == (rows, out_f)
+    assert_close_fp64(out, ref, exact, name=f"{name} rows={rows} in={in_f}")
+
+
+def test_native_strided_input_and_leading_dims():
+    """A (B, T, in) input whose rows are strided views, and an fp16 scale: same values as contiguous."""
+    scheme = SCHEMES["int4-g128-asym"]
+    qweight, scale, zp = _weights(scheme, 40, 256)
+    wide = _randn(2, 3, 300, seed=3)
+    x = wide[..., :256]  # row stride 300
+    out = cpu.quantized_linear(x, qweight, scale.half(), zp, 128)
+    ref = reference.quantized_linear(x.contiguous(), qweight, scale.half().float(), zp, 128)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_native_zero_rows():
+    qweight, scale, zp = _weights(SCHEMES["int8"], 8, 64)
+    assert cpu.quantized_linear(torch.empty(0, 64), qweight, scale, zp, None).shape == (0, 8)
+
+
+def test_dispatch(monkeypatch):
+    """auto: small CPU fp32 batches go native; BAIGE_KERNELS=reference, too many rows, a gradient to
+    compute or fp16 activations go to the reference."""
+    scheme = SCHEMES["int8"]
+    qweight, scale, zp = _weights(scheme, 16, 64)
+    calls = []
+    real = cpu.quantized_linear
+    monkeypatch.setattr(cpu, "quantized_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    reload_settings()
+    small = _randn(2, 64, seed=0)
+    kernels.quantized_linear(small, qweight, scale, zp, None)
+    assert calls == [(2, 64)]
+    big = _randn(cpu.MAX_ROWS + 1, 64, seed=0)
+    kernels.quantized_linear(big, qweight, scale, zp, None)
+    kernels.quantized_linear(small.half(), qweight, scale.half(), zp, None)
+    grad_x = small.clone().requires_grad_()
+    y = kernels.quantized_linear(grad_x, qweight, scale, zp, None)
+    y.sum().backward()  # the reference path keeps autograd
+    assert grad_x.grad is not None
+    monkeypatch.setenv("BAIGE_KERNELS", "reference")
+    reload_settings()
+    kernels.quantized_linear(small, qweight, scale, zp, None)
+    assert calls == [(2, 64)]
+    q4, s4, _ = _weights(SCHEMES["int4-g128-sym"], 16, 64)
+    assert not cpu.supports(_randn(cpu.MAX_ROWS + 1, 64, seed=0), q4, 128, None)
+    assert not cpu.supports(small, q4, 12, None)  # group not a multiple of 8: reference
+
+
+def test_build_failure_falls_back(monkeypatch, tmp_path):
+    """No usable compiler: one warning, library() is None, and the public op still answers (reference)."""
+    monkeypatch.setattr(cpu_library, "_lib", None)
+    monkeypatch.setattr(cpu_library, "_tried", False)
+    monkeypatch.setenv("BAIGE_CACHE", str(tmp_path))
+    reload_settings()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    reload_settings()
+    with pytest.warns(UserWarning, match="native CPU kernels unavailable"):
+        assert cpu_library.library() is None
+    qweight, scale, zp = _weights(SCHEMES["int8"], 8, 64)
+    x = _randn(1, 64, seed=0)
+    torch.testing.assert_close(kernels.quantized_linear(x, qweight, scale, zp, None),
+                               reference.quantized_linear(x, qweight, scale, zp, None))
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built left in the cache
+
+
+def test_build_is_cached(monkeypatch, tmp_path):
+    """The first build writes one .so under $BAIGE_CACHE/cpu_kernels; a second load reuses it."""
+    monkeypatch.setattr(cpu_library, "_lib", None)
+    monkeypatch.setattr(cpu_library, "_tried", False)
+    monkeypatch.setenv("BAIGE_CACHE", str(tmp_path))
+    reload_settings()
+    assert cpu_library.library() is not None
+    built = list((tmp_path / "cpu_kernels").glob("baige_cpu-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_library, "_tried", False)
+    assert cpu_library.library() is not None
+    assert built[0].stat().st_mtime_ns == mtime and len(list((tmp_path / "cpu_kernels").iterdir())) == 1
+
+
+# ---- the small per-layer ops (ops.c) --------------------------------------------------------------
+
+from baige.kernels.cpu import ops as cpu_ops  # noqa: E402
+from baige.runtime.settings import reload_settings
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 576), (2, 1023), (1, 1, 7)])
+def test_rms_norm_and_add_rms_norm(shape):
+    x, res = _randn(*shape, seed=0) * 3, _randn(*shape, seed=1)
+    w = _randn(shape[-1], seed=2)
+    eps = 1e-5
+    exact = reference.rms_norm(x.double(), w.double(), eps)
+    assert_close_fp64(cpu_ops.rms_norm(x, w, eps), reference.rms_norm(x, w, eps), exact, name=f"rms {shape}")
+    out, summed = cpu_ops.add_rms_norm(x, res, w, eps)
+    ref_out, ref_sum = reference.add_rms_norm(x, res, w, eps)
+    assert torch.equal(summed, ref_sum)  # one fp32 add: bitwise
+    assert_close_fp64(out, ref_out, reference.rms_norm((x + res).double(), w.double(), eps), name=f"add_rms {shape}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 110])
+def test_apply_rope_is_bitwise_the_reference(head_dim):
+    """Same products and sums in the same order as the reference (no FMA contraction): bitwise equal;
+    strided q (a view into a wider buffer) and GQA head counts."""
+    q = _randn(2, 3, 9, head_dim + 4, seed=0)[..., :head_dim]
+    k = _randn(2, 3, 3, head_dim, seed=1)
+    cos, sin = _randn(2, 3, head_dim, seed=2), _randn(2, 3, head_dim, seed=3)
+    out_q, out_k = cpu_ops.apply_rope(q, k, cos, sin)
+    ref_q, ref_k = reference.apply_rope(q, k, cos, sin)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    bq, bk = cpu_ops.apply_rope(q, k, cos[:1], sin[:1])  # cos/sin broadcast over the batch
+    assert torch.equal(bq, reference.apply_rope(q, k, cos[:1], sin[:1])[0]) and bk.shape == k.shape
+
+
+def _paged_case(seed, S=4, H=6, Hkv=2, D=59, nb=12, bs=4, W=3):
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = torch.randn(Hkv, nb, bs, D, generator=g), torch.randn(Hkv, nb, bs, D, generator=g)
+    tables = torch.randperm(nb, generator=g)[: S * W].view(S, W)  # scattered blocks, no sharing
+    lens = torch.tensor([1, bs, bs * W, 7])[:S]  # one token, one full block, every slot, a partial block
+    q = torch.randn(S, H, D, generator=g)
+    return q, kc, vc, tables, lens
+
+
+def test_paged_decode_attention_reads_blocks_in_place():
+    q, kc, vc, tables, lens = _paged_case(0)
+    scale = 59 ** -0.5
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    ref = reference.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens, scale)
+    assert_close_fp64(out, ref, exact, name="paged decode")
+    # a key outside every sequence's context must not matter: poison the unused slots
+    kc2, vc2 = kc.clone(), vc.clone()
+    used = torch.zeros(kc.shape[1] * kc.shape[2], dtype=torch.bool)
+    for s in range(tables.shape[0]):
+        for pos in range(int(lens[s])):
+            used[int(tables[s, pos // kc.shape[2]]) * kc.shape[2] + pos % kc.shape[2]] = True
+    kc2.view(kc.shape[0], -1, kc.shape[-1])[:, ~used] = float("nan")
+    vc2.view(vc.shape[0], -1, vc.shape[-1])[:, ~used] = float("nan")
+    assert torch.equal(cpu_ops.paged_decode_attention(q, kc2, vc2, tables, lens, scale), out)
+
+
+def test_store_kv_matches_reference_and_skips_negative_slots():
+    Hkv, nb, bs, D = 2, 5, 4, 16
+    k, v = _randn(3, Hkv, D, seed=0), _randn(3, Hkv, D, seed=1)
+    kc, vc = torch.zeros(Hkv, nb, bs, D), torch.zeros(Hkv, nb, bs, D)
+    slots = torch.tensor([17, 2, 9])
+    rk, rv = kc.clone(), vc.clone()
+    reference.store_kv(k, v, rk, rv, slots)
+    cpu_ops.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    cpu_ops.store_kv(k, v, kc, vc, torch.tensor([-1, -1, 3]))  # padding slots: untouched
+    assert torch.equal(kc.view(Hkv, -1, D)[:, 3], k[2]) and torch.equal(kc.view(Hkv, -1, D)[:, 17], rk.view(Hkv, -1, D)[:, 17])
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (4, 4, 80), (8, 2, 20), (9, 3, 24)],
+                         ids=["gqa3-d64", "mha-d80", "gqa4-d20", "gqa3-d24"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv-fp32", "kv-fp16"])
+def test_paged_decode_attention_head_layouts_and_fp16_cache(H, Hkv, D, kv_dtype):
+    """Every column path of the V sum (64-wide, 8-wide, scalar tail), group sizes 1-4, an fp16 cache
+    read converted (against the reference on the same fp16 values, and fp64), and the result
+    independent of the thread count (each (sequence, KV head) is one thread's work)."""
+    q, kc, vc, tables, lens = _paged_case(1, S=4, H=H, Hkv=Hkv, D=D)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+    scale = D ** -0.5
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    ref = reference.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens, scale)
+    assert out.dtype == torch.float32
+    assert_close_fp64(out, ref, exact, name=f"paged decode {H}/{Hkv}/{D} {kv_dtype}")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_store_kv_into_an_fp16_cache_rounds_like_torch():
+    """fp32 K/V into an fp16 cache: round to nearest even, bitwise what ``.to(torch.float16)`` gives
+    (values at fp16 rounding ties and beyond its range included); head_dim 20: the scalar tail too."""
+    Hkv, nb, bs, D = 2, 5, 4, 20
+    k, v = _randn(3, Hkv, D, seed=0) * 3, _randn(3, Hkv, D, seed=1)
+    k[0, 0, :4] = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 70000.0, -1e-8])  # ties to even, overflow, underflow
+    k[0, 0, 19] = 1 + 2 ** -11  # a tie in the scalar tail
+    kc, vc = torch.zeros(Hkv, nb, bs, D, dtype=torch.float16), torch.zeros(Hkv, nb, bs, D, dtype=torch.float16)
+    rk, rv = kc.clone(), vc.clone()
+    slots = torch.tensor([17, 2, 9])
+    reference.store_kv(k, v, rk, rv, slots)
+    cpu_ops.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    assert kc.view(Hkv, -1, D)[0, 17, 0] == 1.0 and kc.view(Hkv, -1, D)[0, 17, 2] == float("inf")
+
+
+def test_silu_mul_against_reference():
+    g = _randn(5, 37, seed=0) * 6  # 37: the scalar tail; large |x| for the clamped exp
+    g[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    u = _randn(5, 37, seed=1)
+    out = cpu_ops.silu_mul(g, u)
+    assert_close_fp64(out, reference.silu_mul(g, u), reference.silu_mul(g.double(), u.double()), name="silu_mul")
+
+
+def test_ops_dispatch(monkeypatch):
+    """auto + fp32 CPU without grad: native; requires grad (training), fp16 or BAIGE_KERNELS=reference:
+    the reference, with autograd intact."""
+    calls = []
+    real = cpu_ops.rms_norm
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    reload_settings()
+    x, w = _randn(2, 8, seed=0), torch.ones(8)
+    kernels.rms_norm(x, w, 1e-6)
+    assert calls == [1]
+    xg = x.clone().requires_grad_()
+    kernels.rms_norm(xg, w, 1e-6).sum().backward()
+    assert xg.grad is not None
+    kernels.rms_norm(x.half(), w.half(), 1e-6)
+    with torch.no_grad():
+        kernels.rms_norm(xg, w, 1e-6)  # no grad mode: native again
+    monkeypatch.setenv("BAIGE_KERNELS", "reference")
+    reload_settings()
+    kernels.rms_norm(x, w, 1e-6)
+    assert calls == [1, 1]
+
+
+def test_embedded_model_same_on_native_and_reference(embedded_dir, monkeypatch):
+    """The serving engine on the native CPU kernels gives the reference kernels' greedy tokens, and
+    full-sequence logits within accumulation-order noise."""
+    from baige import LLM, SamplingParams
+    from baige.runtime.weights.loader import load_model
+
+    model = load_model(embedded_dir, "float32")
+    ids = torch.tensor([[504, 3575, 282, 4649, 314, 1, 42, 2000]])
+
+    def logits():
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, torch.arange(ids.shape[1])[None], None))
+
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    reload_settings()
+    native = logits()
+    monkeypatch.setenv("BAIGE_KERNELS", "reference")
+    reload_settings()
+    ref = logits()
+    torch.testing.assert_close(native, ref, rtol=0, atol=1e-3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20)
+    ref_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.delenv("BAIGE_KERNELS")
+    reload_settings()
+    out_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert out_tokens == ref_tokens and all(len(t) == 8 for t in out_tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 17])
+@pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
+def test_fp16_and_fp32_weight_linears(rows, in_f, out_f):
+    """The fp16-weight kernel (public wrapper) and the fp32 one (called by the native decode step,
+    driven here through ctypes) against F.linear in fp64 on the same weights, with odd shapes."""
+    x = _randn(rows, in_f, seed=1)
+    w = _randn(out_f, in_f, seed=2) * 0.05
+    bias = _randn(out_f, seed=3)
+    w16 = w.half()
+    exact16 = torch.nn.functional.linear(x.double(), w16.double(), bias.double())
+    ref16 = torch.nn.functional.linear(x, w16.float(), bias)
+    assert cpu.supports_f16(x)
+    assert_close_fp64(cpu.linear_f16(x, w16, bias), ref16, exact16, name=f"f16 rows={rows} in={in_f}")
+    y = torch.empty(rows, out_f)
+    cpu_library.library().baige_linear_f32(x.data_ptr(), rows, in_f, in_f, w.data_ptr(), out_f, in_f, None,
+                                           bias.data_ptr(), y.data_ptr(), out_f, 1)
+    exact = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    assert_close_fp64(y, torch.nn.functional.linear(x, w, bias), exact, name=f"f32 rows={rows} in={in_f}")
