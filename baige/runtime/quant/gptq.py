@@ -44,6 +44,53 @@ def _inverse_hessian_factor(H: torch.Tensor, percdamp: float, name: str) -> torc
     raise BaigeError(f"{name}: calibration Hessian is not positive definite even with damping {damp:.3g}")
 
 
+def _drop_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 copies of ``W`` (out, in) and ``H`` (in, in) without the inputs that were always zero
+    (``diag H == 0``): their weights cannot matter, so they are set to 0 and their Hessian diagonal
+    to 1 (keeps ``H`` invertible; the reference code's ``dead`` columns)."""
+    Wf = W.float().clone()
+    H = H.float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    Wf[:, dead] = 0.0
+    return Wf, H
+
+
+def _initial_qparams(
+    W: torch.Tensor, scheme: QuantScheme, hdiag: torch.Tensor, clip_search: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point (out, n_groups) float32 before GPTQ's column loop.
+
+    Per channel (``group_size=None``) or with act-order they are final: fixed from the original
+    weights ``W`` (out, in) (static groups), by the clip search weighted with ``hdiag`` (in,) when
+    ``clip_search``; the scale is rounded through ``W.dtype``, the zero point is 0 when symmetric.
+    Otherwise they are placeholders (scale 1, zero point 0) that :func:`_group_qparams` overwrites
+    group by group.
+    """
+    out_f, in_f = W.shape
+    if scheme.group_size is None or scheme.actorder:
+        _, s, z = quantize_weight(W.float(), scheme, clip_search, hdiag if clip_search else None)
+        return s.to(W.dtype).float(), (torch.zeros_like(s) if z is None else z.float())
+    n_groups = scheme.n_groups(in_f)
+    return torch.ones(out_f, n_groups, device=W.device), torch.zeros(out_f, n_groups, device=W.device)
+
+
+def _group_qparams(
+    grp: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, hdiag: torch.Tensor, clip_search: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (out,) float32 rounded through ``dtype`` and zero point (out,) of one group.
+
+    ``grp`` (out, <=g) is the group's error-updated columns when its first column is reached;
+    ``hdiag`` (<=g,) their Hessian diagonal, used only by the clip search (else min/max).
+    """
+    if clip_search:
+        s, z = search_qparams(grp[:, None, :], scheme, dtype, hdiag[None])
+        s, z = s[:, 0], z[:, 0]
+    else:
+        s, z = compute_qparams(grp.amin(dim=1), grp.amax(dim=1), scheme)
+    return s.to(dtype).float(), z
+
+
 @torch.no_grad()
 def gptq_quantize_weight(
     W: torch.Tensor,
@@ -80,22 +127,11 @@ def gptq_quantize_weight(
         BaigeError: the Hessian cannot be made positive definite.
     """
     out_f, in_f = W.shape
-    Wf = W.float().clone()
-    H = H.float().clone()
-    dead = torch.diag(H) == 0  # inputs that were always zero: their weights cannot matter
-    H[dead, dead] = 1.0
-    Wf[:, dead] = 0.0
-
+    Wf, H = _drop_dead_inputs(W, H)
     g = scheme.group_size
-    n_groups = scheme.n_groups(in_f)
     dev = W.device
     hdiag = torch.diag(H).clone()  # (in,) column weights of the clip search, original column order
-    scale = torch.ones(out_f, n_groups, device=dev)
-    zp = torch.zeros(out_f, n_groups, device=dev)
-    if g is None or scheme.actorder:
-        # parameters fixed from the original weights (per channel, or static groups for act-order)
-        _, s, z = quantize_weight(W.float(), scheme, clip_search, hdiag if clip_search else None)
-        scale, zp = s.to(W.dtype).float(), (torch.zeros_like(s) if z is None else z.float())
+    scale, zp = _initial_qparams(W, scheme, hdiag, clip_search)
     if g is not None:
         block_size = max(1, block_size // g) * g
 
@@ -115,12 +151,9 @@ def gptq_quantize_weight(
             gid = int(group_of[col])
             if g is not None and not scheme.actorder and col % g == 0:
                 grp = W1[:, i : i + g]  # (out, <=g) the whole group lies in this block
-                if clip_search:  # no act-order here, so permuted column == original column
-                    s, z = search_qparams(grp[:, None, :], scheme, W.dtype, hdiag[col : col + grp.shape[1]][None])
-                    s, z = s[:, 0], z[:, 0]
-                else:
-                    s, z = compute_qparams(grp.amin(dim=1), grp.amax(dim=1), scheme)
-                scale[:, gid], zp[:, gid] = s.to(W.dtype).float(), z
+                # no act-order here, so permuted column == original column
+                scale[:, gid], zp[:, gid] = _group_qparams(grp, scheme, W.dtype, hdiag[col : col + grp.shape[1]],
+                                                           clip_search)
             w = W1[:, i]
             q = quantize_with(w, scale[:, gid], zp[:, gid], scheme)
             Q[:, col] = q
