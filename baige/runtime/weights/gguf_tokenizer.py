@@ -97,6 +97,91 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
+def _vocab(tokens: list[str], token_types: list[int]) -> tuple[dict[str, int], list[AddedToken]]:
+    """The BPE vocabulary (key -> id) and the added tokens (control: special, user-defined: plain), in id order.
+
+    Vocabulary keys are spelled in the byte alphabet. A token written in plain text (llama.cpp
+    stores added tokens as their text) is respelled, except added ones: those keep their text as
+    the key, so the added token and the vocabulary entry share one id.
+    """
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    added: list[AddedToken] = []
+    for index, (token, token_type) in enumerate(zip(tokens, token_types)):
+        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+            vocab[token] = index
+            added.append(AddedToken(token, normalized=False, special=token_type == TOKEN_TYPE_CONTROL))
+        elif set(token) <= alphabet:
+            vocab[token] = index
+        else:
+            vocab["".join(spelling[b] for b in token.encode("utf-8"))] = index
+    return vocab, added
+
+
+def _special_tokens(reader: gguf.GGUFReader, tokens: list[str]) -> dict[str, Any]:
+    """``bos_token``, ``eos_token``, ``pad_token``, ``unk_token`` (token text, or None when the file
+    names no id or one outside the vocabulary) and ``add_bos_token``, ``add_eos_token`` (True only
+    when the file asks for it and the token exists), in `tokenizer_config.json`'s key order."""
+
+    def text_of(key: str) -> str | None:
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        return None if token_id is None or token_id >= len(tokens) else tokens[token_id]
+
+    bos_token, eos_token = text_of("bos_token_id"), text_of("eos_token_id")
+    return {
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "pad_token": text_of("padding_token_id"),
+        "unk_token": text_of("unknown_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_token is not None,
+        "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos_token is not None,
+    }
+
+
+def _post_processor(reader: gguf.GGUFReader, specials: dict[str, Any]) -> processors.TemplateProcessing:
+    """BOS/EOS that `encode(..., add_special_tokens=True)` adds, as HF's post-processor."""
+    single, ids = ["$A:0"], {}
+    if specials["add_bos_token"]:
+        single.insert(0, f"{specials['bos_token']}:0")
+        ids[specials["bos_token"]] = _field(reader, "tokenizer.ggml.bos_token_id")
+    if specials["add_eos_token"]:
+        single.append(f"{specials['eos_token']}:0")
+        ids[specials["eos_token"]] = _field(reader, "tokenizer.ggml.eos_token_id")
+    return processors.TemplateProcessing(single=single, special_tokens=list(ids.items()))
+
+
+def _tokenizer_config(
+    reader: gguf.GGUFReader, specials: dict[str, Any], vocab: dict[str, int], added: list[AddedToken]
+) -> dict[str, Any]:
+    """`tokenizer_config.json`: the special tokens, `added_tokens_decoder` (id -> entry),
+    `chat_template` (when present) and `model_max_length` (tokens, from `<arch>.context_length`)."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {
+            str(vocab[t.content]): {
+                "content": t.content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": t.special,
+            }
+            for t in added
+        },
+    }
+    chat_template = _field(reader, "tokenizer.chat_template")
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    architecture = _field(reader, "general.architecture")
+    context_length = _field(reader, f"{architecture}.context_length")
+    if context_length is not None:
+        config["model_max_length"] = int(context_length)
+    return config
+
+
 def build_tokenizer_files(reader: gguf.GGUFReader) -> tuple[dict, dict]:
     """Build the contents of `tokenizer.json` and `tokenizer_config.json` from a GGUF's metadata.
 
@@ -126,22 +211,7 @@ def build_tokenizer_files(reader: gguf.GGUFReader) -> tuple[dict, dict]:
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
-
-    # Vocabulary keys are spelled in the byte alphabet. A token written in plain text (llama.cpp
-    # stores added tokens as their text) is respelled, except added ones: those keep their text as
-    # the key, so the added token and the vocabulary entry share one id.
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab: dict[str, int] = {}
-    added: list[AddedToken] = []
-    for index, (token, token_type) in enumerate(zip(tokens, token_types)):
-        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
-            vocab[token] = index
-            added.append(AddedToken(token, normalized=False, special=token_type == TOKEN_TYPE_CONTROL))
-        elif set(token) <= alphabet:
-            vocab[token] = index
-        else:
-            vocab["".join(spelling[b] for b in token.encode("utf-8"))] = index
+    vocab, added = _vocab(tokens, token_types)
     pairs = [tuple(merge.split(" ")) for merge in merges]
 
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
@@ -149,51 +219,6 @@ def build_tokenizer_files(reader: gguf.GGUFReader) -> tuple[dict, dict]:
     backend.decoder = decoders.ByteLevel()
     # Added in one call, in id order; each is found in the vocabulary, so no id moves.
     backend.add_tokens(added)
-
-    def text_of(key: str) -> str | None:
-        token_id = _field(reader, f"tokenizer.ggml.{key}")
-        return None if token_id is None or token_id >= len(tokens) else tokens[token_id]
-
-    bos_token, eos_token = text_of("bos_token_id"), text_of("eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_token is not None
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos_token is not None
-    # BOS/EOS that `encode(..., add_special_tokens=True)` adds, as HF's post-processor.
-    single, specials = ["$A:0"], {}
-    if add_bos:
-        single.insert(0, f"{bos_token}:0")
-        specials[bos_token] = _field(reader, "tokenizer.ggml.bos_token_id")
-    if add_eos:
-        single.append(f"{eos_token}:0")
-        specials[eos_token] = _field(reader, "tokenizer.ggml.eos_token_id")
-    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(specials.items()))
-
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos_token,
-        "eos_token": eos_token,
-        "pad_token": text_of("padding_token_id"),
-        "unk_token": text_of("unknown_token_id"),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {
-            str(vocab[t.content]): {
-                "content": t.content,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": t.special,
-            }
-            for t in added
-        },
-    }
-    chat_template = _field(reader, "tokenizer.chat_template")
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    architecture = _field(reader, "general.architecture")
-    context_length = _field(reader, f"{architecture}.context_length")
-    if context_length is not None:
-        config["model_max_length"] = int(context_length)
-
-    return json.loads(backend.to_str()), config
+    specials = _special_tokens(reader, tokens)
+    backend.post_processor = _post_processor(reader, specials)
+    return json.loads(backend.to_str()), _tokenizer_config(reader, specials, vocab, added)
