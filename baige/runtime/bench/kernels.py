@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from baige import kernels
+from baige.errors import BaigeError
 from baige.kernels import reference
 from baige.runtime import roofline
 from baige.runtime.bench.common import environment, median_time
@@ -48,16 +49,30 @@ GRAD_OPS = ("rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_
 
 @dataclass
 class KernelsConfig:
-    """Resolved arguments of ``baige bench kernels``. ``sizes``: tokens per call."""
+    """Resolved arguments of ``baige bench kernels``. ``sizes``: tokens per call. Raises BaigeError for
+    a dtype, op or shape it does not know, or a size below 1."""
 
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"
     sizes: tuple[int, ...] = (128, 512, 2048)
-    ops: tuple[str, ...] = ()  # empty: every op
+    ops: tuple[str, ...] = ()  # baige.kernels names; empty: every op
     compile: bool = True
     iters: int = 10
-    shape: str = "smollm2-135m"
+    shape: str = "smollm2-135m"  # a SHAPES name
     backward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise BaigeError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+        unknown = [o for o in self.ops if o not in kernels.__all__]
+        if unknown:
+            raise BaigeError(f"--op {unknown[0]!r} is not a baige.kernels op ({', '.join(kernels.__all__)})")
+        if not self.sizes:
+            raise BaigeError("--sizes: give at least one token count")
+        if min(self.sizes) < 1:
+            raise BaigeError(f"--sizes {','.join(map(str, self.sizes))!r}: token counts must be >= 1")
+        if self.shape not in SHAPES:
+            raise BaigeError(f"--shape {self.shape!r}: choose {' or '.join(SHAPES)}")
 
 
 @dataclass

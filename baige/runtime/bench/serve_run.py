@@ -35,7 +35,8 @@ from baige.runtime.bench.serve import (
 
 @dataclass
 class ServeBenchConfig:
-    """Resolved arguments of ``baige bench serve``."""
+    """Resolved arguments of ``baige bench serve``. Raises BaigeError for no prompts, a bad ``slo``
+    or a percentile outside (0, 100]."""
 
     model: str | None = None
     base_url: str | None = None  # None: start `baige serve` on the model
@@ -54,6 +55,13 @@ class ServeBenchConfig:
     api_key: str | None = None
     server_args: list[str] = field(default_factory=list)  # extra `baige serve` options
     server_timeout: float = 600.0  # seconds to wait for /health
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise BaigeError("--num-prompts must be >= 1")
+        parse_slo(self.slo)  # raises for a bad --slo
+        if any(not 0 < p <= 100 for p in self.percentiles):
+            raise BaigeError("--percentiles must be in (0, 100]")
 
 
 def free_port() -> int:
@@ -85,6 +93,19 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float, l
     raise BaigeError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
 
 
+def server_env(api_key: str | None = None) -> dict[str, str]:
+    """The environment of a launched ``baige serve``: this process's, with ``OMP_NUM_THREADS`` =
+    this process's torch threads (``baige bench --threads``, else torch's choice), so the server
+    computes on as many threads as the bench, and ``BAIGE_API_KEY`` when ``api_key`` is given."""
+    import torch
+
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    if api_key:
+        env["BAIGE_API_KEY"] = api_key
+    return env
+
+
 @contextlib.contextmanager
 def launch_server(model: str | None, max_model_len: int, extra_args: list[str], timeout: float,
                   api_key: str | None = None) -> Iterator[str]:
@@ -94,9 +115,7 @@ def launch_server(model: str | None, max_model_len: int, extra_args: list[str], 
            "--log-level", "warning", *extra_args]
     if model:
         cmd += ["--model", model]
-    env = dict(os.environ)
-    if api_key:
-        env["BAIGE_API_KEY"] = api_key
+    env = server_env(api_key)
     with tempfile.TemporaryDirectory(prefix="baige-bench-serve-") as tmp:
         log = Path(tmp) / "server.log"
         with open(log, "wb") as fh:
@@ -164,16 +183,12 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
     """Run ``baige bench serve``; returns vLLM's result fields plus args, environment and roofline.
 
     A Ctrl-C during the load stops sending, and the result covers the requests that finished
-    (``"interrupted": true``). Raises BaigeError for bad options or a server that does not start.
+    (``"interrupted": true``). Raises BaigeError for a bad dataset or a server that does not start.
     """
     from baige.runtime.model.tokenizer import Tokenizer
     from baige.runtime.weights.hub import resolve_model
 
-    if cfg.num_prompts < 1:
-        raise BaigeError("--num-prompts must be >= 1")
     slo = parse_slo(cfg.slo)
-    if any(not 0 < p <= 100 for p in cfg.percentiles):
-        raise BaigeError("--percentiles must be in (0, 100]")
     model_dir = resolve_model(cfg.model)
     tok = Tokenizer.from_dir(model_dir)
     if cfg.dataset_path:

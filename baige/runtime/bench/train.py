@@ -33,7 +33,8 @@ from baige.runtime.bench.offline import Progress
 
 @dataclass
 class TrainBenchConfig:
-    """Resolved arguments of ``baige bench train``."""
+    """Resolved arguments of ``baige bench train``. Raises BaigeError for an unknown dtype or no
+    timed step."""
 
     model: str | None = None  # a model spec, or a train.PRESETS name (from scratch)
     seq_len: int = 256  # tokens per window
@@ -47,6 +48,12 @@ class TrainBenchConfig:
     compile: bool | str = "auto"  # training.compile: auto | True | False
     data_path: str | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise BaigeError(f"--dtype {self.dtype!r}: choose auto, float32 or bfloat16")
+        if self.steps <= self.warmup_steps:
+            raise BaigeError(f"--steps ({self.steps}) must exceed --warmup-steps ({self.warmup_steps})")
 
 
 def _synthetic_text(tokenizer, n_tokens: int, path: Path, seed: int) -> None:
@@ -65,8 +72,6 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
     from baige.runtime.train.trainer import PRESETS, Trainer
     from baige.runtime.weights.hub import resolve_model
 
-    if cfg.steps <= cfg.warmup_steps:
-        raise BaigeError(f"--steps ({cfg.steps}) must exceed --warmup-steps ({cfg.warmup_steps})")
     from_scratch = cfg.model in PRESETS  # a preset architecture, randomly initialised, default tokenizer
     with tempfile.TemporaryDirectory(prefix="baige-bench-train-") as tmp:
         data = cfg.data_path
