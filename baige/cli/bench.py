@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import MODEL_HELP, Device, DType, progress_bar
+from baige.cli.options import MODEL_HELP, Device, DeviceOpt, DType, ModelOpt, WeightsDTypeOpt, progress_bar
 
 bench_app = typer.Typer(
     help="Benchmark baige against its peers and this machine's limits. Without a subcommand: a short "
@@ -18,16 +18,29 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
 OutDirOpt = Annotated[Path, typer.Option(help="Directory for the JSON results (and PNG charts).")]
 PlotOpt = Annotated[bool, typer.Option("--plot", help="Also write PNG charts (matplotlib).")]
-DTypeOpt = Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is set); "
-                                               "auto = the checkpoint's.")]
-DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")]
 EagerOpt = Annotated[bool, typer.Option(help="Never capture the decode step (torch.compile / CUDA graphs).")]
 MNBTOpt = Annotated[int, typer.Option(min=1, help="Most tokens computed in one engine step.")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the random prompts.")]
+QuantizationOpt = Annotated[Optional[str], typer.Option(
+    help="fp16-weight: the engine's fbgemm fp16-weight linears (CPU fp32 only; on an int8/int4 checkpoint, "
+         "its remaining fp32 linears, i.e. the tied lm_head). Default: none.")]
+KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype of every baige row; auto = the model's. On CPU "
+                                                     "float16 under an fp32 model halves the attention's reads (the "
+                                                     "native kernels read fp32 or fp16 caches; bfloat16 takes the "
+                                                     "slower PyTorch path).")]
+InputLenOpt = Annotated[int, typer.Option(min=1, help="Random dataset: prompt length (tokens).")]
+OutputLenOpt = Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")]
+RangeRatioOpt = Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")]
+DatasetOpt = Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")]
 DEFAULT_OUT = Path("bench-results")
+
+
+class HFDType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
@@ -58,28 +71,24 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
     return result
 
 
-QuantizationOpt = Annotated[Optional[str], typer.Option(
-    help="fp16-weight: the engine's fbgemm fp16-weight linears (CPU fp32 only; on an int8/int4 checkpoint, "
-         "its remaining fp32 linears, i.e. the tied lm_head). Default: none.")]
+def _engine(model: str | None, dtype: DType, device: Device, enforce_eager: bool, max_num_batched_tokens: int,
+            quantization: str | None = None, kv_cache_dtype: DType = DType.auto):
+    """The benchmarks' ``EngineConfig`` from the shared engine options."""
+    from baige.runtime.bench.offline import bench_engine
+
+    return bench_engine(model=model, dtype=dtype.value, device=device.value, enforce_eager=enforce_eager,
+                        max_num_batched_tokens=max_num_batched_tokens, quantization=quantization,
+                        kv_cache_dtype=kv_cache_dtype.value)
 
 
-class HFDType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+def _numbers(text: str, option: str, kind: type, hint: str) -> list:
+    """Comma-separated ``kind`` values of ``option`` (empty items skipped). Raises BaigeError with ``hint``."""
+    from baige.errors import BaigeError
 
-
-KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype of every baige row; auto = the model's. On CPU "
-                                                     "float16 under an fp32 model halves the attention's reads (the "
-                                                     "native kernels read fp32 or fp16 caches; bfloat16 takes the "
-                                                     "slower PyTorch path).")]
-
-
-def _engine(model, dtype, device, enforce_eager, mnbt, quantization=None, kv_cache_dtype=DType.auto):
-    from baige.runtime.bench.offline import EngineArgs
-
-    return EngineArgs(model=model, dtype=dtype.value, device=device.value, max_num_batched_tokens=mnbt,
-                      enforce_eager=enforce_eager, quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
+    try:
+        return [kind(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise BaigeError(f"{option} {text!r}: {hint}") from None
 
 
 @bench_app.callback()
@@ -91,12 +100,9 @@ def bench(
 ) -> None:
     """Benchmark baige against its peers and this machine's limits (memory bandwidth, matmul peak)."""
     if threads:
-        import os
-
         import torch
 
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by `baige serve` children
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # a launched `baige serve` gets torch's count (serve_run.server_env)
     if ctx.invoked_subcommand is not None:
         # --model / --output-dir / --plot / --kv-cache-dtype given before the subcommand become its
         # defaults (compared by name: typer vendors its own click, whose ParameterSource is another enum)
@@ -131,7 +137,7 @@ def latency(
     num_iters_warmup: Annotated[int, typer.Option(min=0, help="Untimed iterations.")] = 1,
     num_iters: Annotated[int, typer.Option(min=1, help="Timed iterations.")] = 5,
     quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
-    dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
+    dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
@@ -139,9 +145,8 @@ def latency(
     from baige.runtime.bench.offline import LatencyConfig, run_latency
     from baige.runtime.bench.report import latency_rows, metric_table
 
-    cfg = LatencyConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization,
-                                kv_cache_dtype), input_len, output_len,
-                        batch_size, num_iters_warmup, num_iters, seed)
+    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype)
+    cfg = LatencyConfig(engine, input_len, output_len, batch_size, num_iters_warmup, num_iters, seed)
     _execute("latency", run_latency, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench latency (batch {batch_size}, {input_len} in, {output_len} out)",
                                     latency_rows(r)))
@@ -151,12 +156,10 @@ def latency(
 def throughput(
     model: ModelOpt = None,
     num_prompts: Annotated[int, typer.Option(min=1, help="Requests, all submitted at once.")] = 32,
-    input_len: Annotated[int, typer.Option(min=1, help="Random dataset: prompt length (tokens).")] = 128,
-    output_len: Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")] = 128,
-    range_ratio: Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")] = 0.0,
-    dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")] = None,
+    input_len: InputLenOpt = 128, output_len: OutputLenOpt = 128, range_ratio: RangeRatioOpt = 0.0,
+    dataset_path: DatasetOpt = None,
     quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
-    dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
+    dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
@@ -164,9 +167,9 @@ def throughput(
     from baige.runtime.bench.offline import ThroughputConfig, run_throughput
     from baige.runtime.bench.report import metric_table, throughput_rows
 
-    cfg = ThroughputConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization,
-                                kv_cache_dtype), num_prompts,
-                           input_len, output_len, range_ratio, str(dataset_path) if dataset_path else None, seed)
+    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype)
+    cfg = ThroughputConfig(engine, num_prompts, input_len, output_len, range_ratio,
+                           str(dataset_path) if dataset_path else None, seed)
     _execute("throughput", run_throughput, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench throughput ({num_prompts} prompts)", throughput_rows(r)))
 
@@ -178,10 +181,8 @@ def serve(
                                                     "`baige serve` on --model and stop it afterwards.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name sent in requests.")] = None,
     num_prompts: Annotated[int, typer.Option(min=1, help="Requests to send.")] = 64,
-    input_len: Annotated[int, typer.Option(min=1, help="Random dataset: prompt length (tokens).")] = 128,
-    output_len: Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")] = 64,
-    range_ratio: Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")] = 0.0,
-    dataset_path: Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")] = None,
+    input_len: InputLenOpt = 128, output_len: OutputLenOpt = 64, range_ratio: RangeRatioOpt = 0.0,
+    dataset_path: DatasetOpt = None,
     request_rate: Annotated[float, typer.Option(help="Requests/s (inf: all at once).")] = float("inf"),
     burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrivals (1 = Poisson).")] = 1.0,
     max_concurrency: Annotated[Optional[int], typer.Option(min=1, help="Most requests in flight.")] = None,
@@ -193,14 +194,10 @@ def serve(
     seed: SeedOpt = 0, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Online serving load (vllm bench serve): streamed requests, TTFT/TPOT/ITL/E2EL (ms), goodput."""
-    from baige.errors import BaigeError
     from baige.runtime.bench.report import metric_table, serve_rows
     from baige.runtime.bench.serve_run import ServeBenchConfig, run_serve
 
-    try:
-        pcts = [float(p) for p in percentiles.split(",") if p.strip()]
-    except ValueError:
-        raise BaigeError(f"--percentiles {percentiles!r}: use comma-separated numbers, e.g. 50,90,99") from None
+    pcts = _numbers(percentiles, "--percentiles", float, "use comma-separated numbers, e.g. 50,90,99")
     cfg = ServeBenchConfig(model, base_url, served_model_name, num_prompts, input_len, output_len, range_ratio,
                            str(dataset_path) if dataset_path else None, request_rate, burstiness, max_concurrency,
                            seed, pcts, slo, api_key, list(server_arg or []))
@@ -230,26 +227,10 @@ def kernels(
 ) -> None:
     """Every baige.kernels op vs its PyTorch reference and torch.compile: µs, GB/s, TFLOP/s, % of limit
     (and peak memory on CUDA)."""
-    from baige import kernels as kernel_api
-    from baige.errors import BaigeError
     from baige.runtime.bench.kernels import KernelsConfig, run_kernels
     from baige.runtime.bench.report import kernels_table
 
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise BaigeError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
-    unknown = [o for o in op or [] if o not in kernel_api.__all__]
-    if unknown:
-        raise BaigeError(f"--op {unknown[0]!r} is not a baige.kernels op ({', '.join(kernel_api.__all__)})")
-    try:
-        size_list = tuple(int(s) for s in sizes.split(","))
-    except ValueError:
-        raise BaigeError(f"--sizes {sizes!r}: use comma-separated integers") from None
-    if min(size_list) < 1:
-        raise BaigeError(f"--sizes {sizes!r}: token counts must be >= 1")
-    from baige.runtime.bench.kernels import SHAPES
-
-    if shape not in SHAPES:
-        raise BaigeError(f"--shape {shape!r}: choose {' or '.join(SHAPES)}")
+    size_list = tuple(_numbers(sizes, "--sizes", int, "use comma-separated integers"))
     cfg = KernelsConfig(dtype, device.value, size_list, tuple(op or ()), compile, iters, shape, backward)
     _execute("kernels", run_kernels, cfg, output_dir, plot, kernels_table)
 
@@ -273,12 +254,9 @@ def train(
     seed: SeedOpt = 0, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Short training run through the Trainer: tokens/s per device, MFU (%), peak memory."""
-    from baige.errors import BaigeError
     from baige.runtime.bench.report import metric_table, train_rows
     from baige.runtime.bench.train import TrainBenchConfig, run_train
 
-    if dtype not in ("auto", "float32", "bfloat16"):
-        raise BaigeError(f"--dtype {dtype!r}: choose auto, float32 or bfloat16")
     cfg = TrainBenchConfig(model, seq_len, batch_size, grad_accum, steps, warmup_steps, dtype, device.value,
                            activation_checkpointing, "auto" if compile is None else compile,
                            str(data) if data else None, seed)
@@ -304,7 +282,7 @@ def compare(
     hf_dtype: Annotated[Optional[list[HFDType]], typer.Option(
         help="HF transformers dtypes to time (repeat the option; no auto). Decode times each in every round; "
              "static-batch throughput times each in round 1, then only the fastest. Default: float32 and bfloat16.")] = None,
-    dtype: DTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
+    dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
@@ -312,11 +290,10 @@ def compare(
     from baige.runtime.bench.compare import CompareConfig, run_compare
     from baige.runtime.bench.report import compare_table
 
-    cfg = CompareConfig(_engine(model, dtype, device, enforce_eager, max_num_batched_tokens, None, kv_cache_dtype),
-                        input_len, output_len,
-                        num_prompts, tp_input_len, tp_output_len, range_ratio, hf_batch_size, repeats,
-                        quantized=CompareConfig.quantized if quantized else (), seed=seed,
-                        hf_dtypes=tuple(dict.fromkeys(d.value for d in hf_dtype)) if hf_dtype else CompareConfig.hf_dtypes)
+    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, None, kv_cache_dtype)
+    cfg = CompareConfig(engine, input_len, output_len, num_prompts, tp_input_len, tp_output_len, range_ratio,
+                        hf_batch_size, repeats, quantized=CompareConfig.quantized if quantized else (), seed=seed,
+                        hf_dtypes=tuple(d.value for d in hf_dtype) if hf_dtype else CompareConfig.hf_dtypes)
 
     def render(r):
         from rich.console import Group

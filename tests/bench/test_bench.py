@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from baige.runtime import roofline
 from baige.runtime.bench.compare import ratios
 from baige.runtime.bench.offline import (
-    EngineArgs,
     LatencyConfig,
+    bench_engine,
     latency_summary,
     random_token_prompts,
     throughput_summary,
@@ -95,7 +95,7 @@ def test_measured_limits_are_positive_and_cached():
 
 
 def test_latency_summary_by_hand():
-    cfg = LatencyConfig(EngineArgs(), input_len=10, output_len=5, batch_size=2)
+    cfg = LatencyConfig(bench_engine(), input_len=10, output_len=5, batch_size=2)
     info = {"num_params_non_embedding": 1000, "attn_dims": 10, "weight_bytes": 8000, "kv_bytes_per_token": 100}
     samples = [{"latency": 1.0, "ttft": 0.2}, {"latency": 3.0, "ttft": 0.2}]
     s = latency_summary(samples, cfg, info, LIMITS)
@@ -140,6 +140,79 @@ def test_compare_ratios_by_hand():
                  "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf_best": 4.0}
 
 
+def test_compare_times_rows_in_turn_and_keeps_the_fastest_hf_dtype(monkeypatch):
+    from baige.runtime.bench import compare
+
+    calls: list[str] = []
+    seconds = {"hf-float32": 2.0, "hf-bfloat16": 3.0}  # per throughput call; 1.0 for every other row
+
+    def row(name):
+        fn = lambda: calls.append(name)  # noqa: E731
+        fn.row = name
+        return fn
+
+    monkeypatch.setattr(compare, "_timed", lambda fn: (fn(), seconds.get(fn.row, 1.0))[1])
+    rows = compare.Rows()
+    for name in ("baige", "hf-float32", "hf-bfloat16", "baige-int8"):
+        rows.add(name, row("decode " + name), row(name), 1, 4)
+    rows.add("llama.cpp", row("decode llama.cpp"), None, 1, 2)
+    progress = []
+    samples, interrupted = compare.time_rows(rows, 2, lambda done, total, what: progress.append((done, total, what)))
+    decode = [f"decode {k}" for k in ("baige", "hf-float32", "hf-bfloat16", "baige-int8", "llama.cpp")]
+    # warm-up decodes, round 1: every row, round 2: HF static batching in float32 only (2.0 s < 3.0 s)
+    assert calls == decode + decode + ["baige", "hf-float32", "hf-bfloat16", "baige-int8"] + decode + [
+        "baige", "hf-float32", "baige-int8"]
+    assert not interrupted and samples["throughput"] == {"baige": [1.0, 1.0], "hf-float32": [2.0, 2.0],
+                                                         "hf-bfloat16": [3.0], "baige-int8": [1.0, 1.0]}
+    assert samples["decode"]["llama.cpp"] == [1.0, 1.0] and "llama.cpp" not in samples["throughput"]
+    assert [d for d, _, _ in progress] == list(range(1, 18)) and {t for _, t, _ in progress} == {17}
+    assert list(rows.dtype_bytes) == list(rows.decode) and rows.dtype_bytes["llama.cpp"] == 2
+
+
+def test_bench_configs_refuse_bad_values_in_one_line():
+    from baige.errors import BaigeError
+    from baige.runtime.bench.compare import CompareConfig
+    from baige.runtime.bench.kernels import KernelsConfig
+    from baige.runtime.bench.offline import ThroughputConfig
+    from baige.runtime.bench.serve_run import ServeBenchConfig
+    from baige.runtime.bench.train import TrainBenchConfig
+
+    for make, message in [
+        (lambda: LatencyConfig(bench_engine(), batch_size=0), "--batch-size and --num-iters must be >= 1"),
+        (lambda: ThroughputConfig(bench_engine(), num_prompts=0), "--num-prompts must be >= 1"),
+        (lambda: ServeBenchConfig(percentiles=[50.0, 101.0]), "--percentiles must be in (0, 100]"),
+        (lambda: ServeBenchConfig(slo="ttfb:5"), "--slo: unknown metric 'ttfb'"),
+        (lambda: KernelsConfig(dtype="int8"), "--dtype 'int8': choose float32, bfloat16 or float16"),
+        (lambda: KernelsConfig(sizes=(8, 0)), "--sizes '8,0': token counts must be >= 1"),
+        (lambda: KernelsConfig(shape="llama9"), "--shape 'llama9'"),
+        (lambda: TrainBenchConfig(dtype="float16"), "--dtype 'float16': choose auto, float32 or bfloat16"),
+        (lambda: TrainBenchConfig(steps=2, warmup_steps=2), "--steps (2) must exceed --warmup-steps (2)"),
+    ]:
+        with pytest.raises(BaigeError) as e:
+            make()
+        assert message in str(e.value) and "\n" not in str(e.value)
+    # the benchmarks' engine: prefix caching off (random prompts share nothing), the rest EngineConfig's
+    eng = bench_engine(model="m", kv_cache_dtype="float16")
+    assert (eng.enable_prefix_caching, eng.model, eng.kv_cache_dtype, eng.max_num_batched_tokens) == (False, "m",
+                                                                                                      "float16", 2048)
+    assert CompareConfig(eng, hf_dtypes=("bfloat16", "float32", "bfloat16")).hf_dtypes == ("bfloat16", "float32")
+
+
+def test_launched_server_gets_this_processes_thread_count(monkeypatch):
+    """`baige bench --threads N` sets torch's threads here; the launched `baige serve` gets N too."""
+    from baige.runtime.bench.serve_run import server_env
+
+    monkeypatch.delenv("BAIGE_API_KEY", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        env = server_env("key")
+        assert env["OMP_NUM_THREADS"] == "1" and env["BAIGE_API_KEY"] == "key"
+        assert "BAIGE_API_KEY" not in server_env(None)
+    finally:
+        torch.set_num_threads(before)
+
+
 # ----------------------------------------------------------------------------- CLI on a tiny checkpoint
 
 
@@ -169,6 +242,8 @@ def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path):
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "latency")
     assert len(r["samples"]) == 2 and r["args"]["batch_size"] == 2 and r["environment"]["cpu_count"] >= 1
+    engine = r["args"]["engine"]  # as built: sized to the batch, prefix caching off
+    assert (engine["max_num_seqs"], engine["max_model_len"], engine["enable_prefix_caching"]) == (2, 6 + 4, False)
     assert "decode throughput" in res.output and "tokens/s" in res.output and "% of limit" in res.output
     assert r["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32
     assert list(tmp_path.glob("latency-*-latency.png"))

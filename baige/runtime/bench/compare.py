@@ -27,21 +27,24 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from baige.runtime import roofline
-from baige.runtime.bench.common import environment
-from baige.runtime.bench.offline import EngineArgs, Progress, build_llm, random_token_prompts
+from baige.runtime.bench.common import environment, random_token_prompts
+from baige.runtime.bench.offline import Progress, build_llm, run_args
+from baige.runtime.config import EngineConfig
+
+Requests = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
 
 
 @dataclass
 class CompareConfig:
-    """Resolved arguments of ``baige bench compare``."""
+    """Resolved arguments of ``baige bench compare`` (``hf_dtypes`` kept once each, in order)."""
 
-    engine: EngineArgs
+    engine: EngineConfig  # see offline.bench_engine
     input_len: int = 32  # tokens, decode prompt
     output_len: int = 64  # tokens, decode
     num_prompts: int = 32
@@ -55,6 +58,26 @@ class CompareConfig:
     quantized: tuple[str, ...] = ("int8", "int4", "fp16-weight", "int8+fp16-weight")
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        self.hf_dtypes = tuple(dict.fromkeys(self.hf_dtypes))
+
+
+@dataclass
+class Rows:
+    """The systems under test by row name, in timing order: the calls timed and the roofline inputs."""
+
+    decode: dict[str, Callable[[], None]] = field(default_factory=dict)  # batch-1 decode call
+    batch: dict[str, Callable[[], None]] = field(default_factory=dict)  # offline throughput call
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # bytes read per decode step
+    dtype_bytes: dict[str, int] = field(default_factory=dict)  # bytes per cached K/V element
+
+    def add(self, name: str, decode: Callable[[], None], batch: Callable[[], None] | None, weight_bytes: int,
+            dtype_bytes: int) -> None:
+        self.decode[name] = decode
+        if batch is not None:
+            self.batch[name] = batch
+        self.weight_bytes[name], self.dtype_bytes[name] = weight_bytes, dtype_bytes
+
 
 def _timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
@@ -62,19 +85,16 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _baige_decode(llm, prompt: list[int], n: int) -> Callable[[], None]:
+def _add_baige(rows: Rows, name: str, llm, prompt: list[int], reqs: Requests, n: int) -> None:
+    """Row ``name``: ``llm`` decoding ``n`` tokens after ``prompt``, and generating ``reqs`` at once."""
     from baige.runtime.infer.sampling import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return lambda: llm.generate([{"prompt_token_ids": prompt}], params)
-
-
-def _baige_batch(llm, reqs: list[tuple[list[int], int]]) -> Callable[[], None]:
-    from baige.runtime.infer.sampling import SamplingParams
-
+    decode_params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    return lambda: llm.generate(prompts, params)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    rows.add(name, lambda: llm.generate([{"prompt_token_ids": prompt}], decode_params),
+             lambda: llm.generate(prompts, params), roofline.weight_bytes(llm.engine.model),
+             llm.engine.kv_cache.k[0].element_size())
 
 
 def _hf_generate(model, batch: list[list[int]], n: int, pad_id: int) -> None:
@@ -86,7 +106,7 @@ def _hf_generate(model, batch: list[list[int]], n: int, pad_id: int) -> None:
                        pad_token_id=pad_id)
 
 
-def _hf_static(model, reqs: list[tuple[list[int], int]], batch_size: int, pad_id: int) -> Callable[[], None]:
+def _hf_static(model, reqs: Requests, batch_size: int, pad_id: int) -> Callable[[], None]:
     def run() -> None:
         for i in range(0, len(reqs), batch_size):
             chunk = reqs[i : i + batch_size]
@@ -95,7 +115,63 @@ def _hf_static(model, reqs: list[tuple[list[int], int]], batch_size: int, pad_id
     return run
 
 
-def _llama_cpp_decode(gguf: Path, prompt: list[int], n: int) -> Callable[[], None] | None:
+def _transformers():
+    """HF transformers' ``AutoModelForCausalLM``, its (and the hub's) progress bars off. Raises
+    BaigeError when transformers is not installed."""
+    from baige.errors import BaigeError
+
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise BaigeError("bench compare needs HF transformers: pip install 'baige[bench]'") from None
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one on screen
+    return AutoModelForCausalLM
+
+
+def _add_hf(rows: Rows, auto_model, cfg: CompareConfig, model_dir: Path, prompt: list[int], reqs: Requests,
+            pad_id: int) -> None:
+    """Rows ``hf-<dtype>``: ``auto_model`` (``AutoModelForCausalLM``) ``generate`` in each of
+    ``cfg.hf_dtypes``; throughput in static batches of ``cfg.hf_batch_size``, left-padded with ``pad_id``."""
+    for dt in cfg.hf_dtypes:
+        hf = auto_model.from_pretrained(model_dir, dtype=getattr(torch, dt)).eval()
+        rows.add(f"hf-{dt}", lambda m=hf: _hf_generate(m, [prompt], cfg.output_len, pad_id),
+                 _hf_static(hf, reqs, cfg.hf_batch_size, pad_id), roofline.weight_bytes(hf),
+                 torch.tensor([], dtype=getattr(torch, dt)).element_size())
+
+
+def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, prompt: list[int], reqs: Requests,
+                   notes: list[str]) -> None:
+    """Rows ``baige-<variant>`` for each of ``cfg.quantized``: int8 / int4 copies quantized into ``tmp``
+    (each once), fp16-weight, or both; a variant the engine refuses becomes a note."""
+    from baige.errors import BaigeError
+    from baige.runtime.config import QuantizeConfig
+    from baige.runtime.quantize import quantize_checkpoint
+
+    checkpoints: dict[str, Path] = {}
+    for variant in cfg.quantized:
+        # "<checkpoint>+<runtime>": a quantized copy (int8 / int4) and/or a serving-time rewrite (fp16-weight)
+        checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4")), None)
+        runtime = next((p for p in variant.split("+") if p == "fp16-weight"), None)
+        engine = cfg.engine
+        if checkpoint is not None:
+            if checkpoint not in checkpoints:
+                checkpoints[checkpoint] = tmp / checkpoint
+                quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=checkpoint,
+                                                   output=str(checkpoints[checkpoint]), device=cfg.engine.device))
+            engine = replace(engine, model=str(checkpoints[checkpoint]))
+        if runtime is not None:
+            engine = replace(engine, quantization=runtime)
+        try:
+            q = build_llm(engine, _context_len(cfg), cfg.num_prompts)
+        except BaigeError as e:
+            notes.append(f"baige-{variant} skipped: {e}")
+            continue
+        _add_baige(rows, f"baige-{variant}", q, prompt, reqs, cfg.output_len)
+
+
+def _llama_cpp_decode(gguf: Path, prompt: list[int], n: int) -> Callable[[], None]:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n + 8, n_threads=torch.get_num_threads(), verbose=False)
@@ -117,85 +193,37 @@ def _gguf_of(spec: str | None) -> Path | None:
     return Path(spec) if spec.endswith(".gguf") and Path(spec).is_file() else None
 
 
-def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
-    """Run ``baige bench compare``; returns the JSON result with per-repeat samples (seconds) and a
-    summary of tokens/s, ratios and roofline per system."""
-    from baige.errors import BaigeError
-
-    try:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        raise BaigeError("bench compare needs HF transformers: pip install 'baige[bench]'") from None
-
-    from baige.runtime.config import QuantizeConfig
-    from baige.runtime.quantize import quantize_checkpoint
-    from baige.runtime.weights.hub import resolve_model
-
-    hf_logging.disable_progress_bar()  # our own progress bar is the one on screen
-    model_dir = resolve_model(cfg.engine.model)
-    notes: list[str] = []
-    baige = build_llm(cfg.engine, max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len)),
-                      cfg.num_prompts)
-    vocab = baige.engine.vocab_size
-    decode_prompt = random_token_prompts(vocab, 1, cfg.input_len, 1, 0.0, cfg.seed)[0][0]
-    reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.tp_input_len, cfg.tp_output_len, cfg.range_ratio, cfg.seed)
-    pad_id = baige.engine.eos_token_ids[0]
-
-    decode: dict[str, Callable[[], None]] = {"baige": _baige_decode(baige, decode_prompt, cfg.output_len)}
-    batch: dict[str, Callable[[], None]] = {"baige": _baige_batch(baige, reqs)}
-    weight_bytes = {"baige": roofline.weight_bytes(baige.engine.model)}
-    dtype_bytes = {"baige": baige.engine.kv_cache.k[0].element_size()}  # per cached K/V element
-    for dt in cfg.hf_dtypes:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dt)).eval()
-        decode[f"hf-{dt}"] = lambda m=hf: _hf_generate(m, [decode_prompt], cfg.output_len, pad_id)
-        batch[f"hf-{dt}"] = _hf_static(hf, reqs, cfg.hf_batch_size, pad_id)
-        weight_bytes[f"hf-{dt}"] = roofline.weight_bytes(hf)
-        dtype_bytes[f"hf-{dt}"] = torch.tensor([], dtype=getattr(torch, dt)).element_size()
-    tmp = tempfile.TemporaryDirectory(prefix="baige-bench-quant-")
-    checkpoints: dict[str, Path] = {}
-    for variant in cfg.quantized:
-        # "<checkpoint>+<runtime>": a quantized copy (int8 / int4) and/or a serving-time rewrite (fp16-weight)
-        checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4")), None)
-        runtime = next((p for p in variant.split("+") if p == "fp16-weight"), None)
-        args = asdict(cfg.engine)
-        if checkpoint is not None:
-            if checkpoint not in checkpoints:
-                checkpoints[checkpoint] = Path(tmp.name) / checkpoint
-                quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=checkpoint,
-                                                   output=str(checkpoints[checkpoint]), device=cfg.engine.device))
-            args["model"] = str(checkpoints[checkpoint])
-        if runtime is not None:
-            args["quantization"] = runtime
-        try:
-            q = build_llm(EngineArgs(**args), max(cfg.input_len + cfg.output_len,
-                                                  2 * (cfg.tp_input_len + cfg.tp_output_len)), cfg.num_prompts)
-        except BaigeError as e:
-            notes.append(f"baige-{variant} skipped: {e}")
-            continue
-        decode[f"baige-{variant}"] = _baige_decode(q, decode_prompt, cfg.output_len)
-        batch[f"baige-{variant}"] = _baige_batch(q, reqs)
-        weight_bytes[f"baige-{variant}"] = roofline.weight_bytes(q.engine.model)
-        dtype_bytes[f"baige-{variant}"] = q.engine.kv_cache.k[0].element_size()
+def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str]) -> None:
+    """Row ``llama.cpp`` (decode only) on the model's GGUF when llama-cpp-python is installed, else a note."""
     gguf = _gguf_of(cfg.engine.model)
     if importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
     elif gguf is None:
         notes.append("the model is not a GGUF file: llama.cpp skipped")
     else:
-        decode["llama.cpp"] = _llama_cpp_decode(gguf, decode_prompt, cfg.output_len)
-        weight_bytes["llama.cpp"] = gguf.stat().st_size
-        dtype_bytes["llama.cpp"] = 2
+        rows.add("llama.cpp", _llama_cpp_decode(gguf, prompt, cfg.output_len), None, gguf.stat().st_size, 2)
 
-    limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)  # before the load, once
-    # warm-up: one short call of each (compilation, allocation, first-touch page faults)
-    for name, fn in decode.items():
+
+def _context_len(cfg: CompareConfig) -> int:
+    """Tokens of context every baige engine is built for: the decode run, or twice the mean throughput request."""
+    return max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len))
+
+
+def time_rows(rows: Rows, repeats: int, progress: Progress | None = None) -> tuple[dict, bool]:
+    """One warm-up decode call per row (compilation, allocation, first-touch page faults), then
+    ``repeats`` rounds, each timing every decode row, then every throughput row, once in turn. Round 1
+    times every HF dtype's static batching; later rounds only the one fastest in round 1.
+
+    Returns ``({"decode": {row: [seconds per round]}, "throughput": {...}}, interrupted)``; a
+    ``KeyboardInterrupt`` while timing ends the rounds early with ``interrupted`` True.
+    """
+    for fn in rows.decode.values():
         fn()
-    samples: dict[str, dict[str, list[float]]] = {"decode": {k: [] for k in decode}, "throughput": {}}
+    batch = rows.batch
+    samples: dict[str, dict[str, list[float]]] = {"decode": {k: [] for k in rows.decode}, "throughput": {}}
     n_hf = sum(k.startswith("hf-") for k in batch)
-    total = cfg.repeats * (len(decode) + len(batch) - n_hf + min(n_hf, 1)) + max(n_hf - 1, 0)
+    total = repeats * (len(rows.decode) + len(batch) - n_hf + min(n_hf, 1)) + max(n_hf - 1, 0)
     done = 0
-    interrupted = False
 
     def tick(what: str) -> None:
         nonlocal done
@@ -204,8 +232,8 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
             progress(done, total, what)
 
     try:
-        for r in range(cfg.repeats):
-            for name, fn in decode.items():
+        for r in range(repeats):
+            for name, fn in rows.decode.items():
                 samples["decode"][name].append(_timed(fn))
                 tick(f"decode {name}")
             if r == 0:
@@ -218,19 +246,22 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
                 best = min(hf, key=lambda k: samples["throughput"][k][0]) if hf else None
                 batch = {k: v for k, v in batch.items() if not k.startswith("hf-") or k == best}
     except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        tmp.cleanup()
+        return samples, True
+    return samples, False
 
-    counts = roofline.model_counts(baige.engine.model)
-    mc = baige.engine.model.config
+
+def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, counts: dict, mc, limits) -> dict:
+    """Median tokens/s per row and its roofline: decode against the bandwidth ``limits`` (weights +
+    KV bytes per step at the mean context, KV bytes per token from the ``ModelConfig`` ``mc``),
+    throughput against the matmul peak (FLOPs/token from baige's model ``counts`` at the mean
+    request length); plus the ratios."""
     tp_tokens = sum(len(p) + n for p, n in reqs)
     summary: dict = {"decode": {}, "throughput": {}}
     for name, ts in samples["decode"].items():
         if ts:
             tps = cfg.output_len / statistics.median(ts)
             summary["decode"][name] = {"tokens_per_s": tps, "roofline": roofline.decode_roofline(
-                tps, 1, weight_bytes[name], mc.kv_bytes_per_token(dtype_bytes[name]),
+                tps, 1, rows.weight_bytes[name], mc.kv_bytes_per_token(rows.dtype_bytes[name]),
                 cfg.input_len + cfg.output_len / 2, limits.bandwidth)}
     for name, ts in samples["throughput"].items():
         if ts:
@@ -240,7 +271,32 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
             summary["throughput"][name] = {"tokens_per_s": tps, "roofline": roofline.compute_roofline(
                 tps, flops, limits.matmul_peak)}
     summary["ratios"] = ratios(summary)
-    return {"benchmark": "compare", "args": asdict(cfg), "environment": environment(), "limits": limits.to_dict(),
+    return summary
+
+
+def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
+    """Run ``baige bench compare``; returns the JSON result with per-repeat samples (seconds) and a
+    summary of tokens/s, ratios and roofline per system. Raises BaigeError without HF transformers."""
+    from baige.runtime.weights.hub import resolve_model
+
+    auto_model = _transformers()
+    model_dir = resolve_model(cfg.engine.model)
+    notes: list[str] = []
+    baige = build_llm(cfg.engine, _context_len(cfg), cfg.num_prompts)
+    vocab = baige.engine.vocab_size
+    decode_prompt = random_token_prompts(vocab, 1, cfg.input_len, 1, 0.0, cfg.seed)[0][0]
+    reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.tp_input_len, cfg.tp_output_len, cfg.range_ratio, cfg.seed)
+    rows = Rows()
+    _add_baige(rows, "baige", baige, decode_prompt, reqs, cfg.output_len)
+    _add_hf(rows, auto_model, cfg, model_dir, decode_prompt, reqs, pad_id=baige.engine.eos_token_ids[0])
+    with tempfile.TemporaryDirectory(prefix="baige-bench-quant-") as tmp:
+        _add_quantized(rows, cfg, model_dir, Path(tmp), decode_prompt, reqs, notes)
+        _add_llama_cpp(rows, cfg, decode_prompt, notes)
+        limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)  # before the load, once
+        samples, interrupted = time_rows(rows, cfg.repeats, progress)
+    counts = roofline.model_counts(baige.engine.model)
+    summary = _summary(cfg, rows, samples, reqs, counts, baige.engine.model.config, limits)
+    return {"benchmark": "compare", "args": run_args(cfg, baige), "environment": environment(), "limits": limits.to_dict(),
             "model": counts, "interrupted": interrupted, "notes": notes, "samples": samples, "summary": summary}
 
 

@@ -20,37 +20,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from baige.errors import BaigeError
 from baige.runtime import roofline
 from baige.runtime.bench.common import environment, random_token_prompts, summarize  # noqa: F401 (re-exported)
+from baige.runtime.config import EngineConfig
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-@dataclass
-class EngineArgs:
-    """The engine settings a bench run uses (``EngineConfig`` names)."""
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_batched_tokens: int = 2048
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = False  # random prompts share nothing; off = no hashing cost
-    quantization: str | None = None  # None or "fp16-weight" (EngineConfig.quantization)
-    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
+def bench_engine(**fields) -> EngineConfig:
+    """The :class:`EngineConfig` of a benchmark: ``fields`` (EngineConfig names) over its defaults,
+    prefix caching off unless asked (random prompts share nothing; off = no hashing cost).
+    ``max_model_len`` and ``max_num_seqs`` are sized to each workload by :func:`build_llm` (the result's
+    ``args.engine`` records the sized values)."""
+    return EngineConfig(**{"enable_prefix_caching": False, **fields})
 
 
 @dataclass
 class LatencyConfig:
-    """Resolved arguments of ``baige bench latency``."""
+    """Resolved arguments of ``baige bench latency``. Raises BaigeError for sizes below 1."""
 
-    engine: EngineArgs
+    engine: EngineConfig  # see bench_engine
     input_len: int = 32  # tokens
     output_len: int = 128  # tokens
     batch_size: int = 8
@@ -58,12 +53,16 @@ class LatencyConfig:
     num_iters: int = 5
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if min(self.input_len, self.output_len, self.batch_size, self.num_iters) < 1:
+            raise BaigeError("--input-len, --output-len, --batch-size and --num-iters must be >= 1")
+
 
 @dataclass
 class ThroughputConfig:
-    """Resolved arguments of ``baige bench throughput``."""
+    """Resolved arguments of ``baige bench throughput``. Raises BaigeError for no prompts."""
 
-    engine: EngineArgs
+    engine: EngineConfig  # see bench_engine
     num_prompts: int = 32
     input_len: int = 128  # tokens
     output_len: int = 128  # tokens
@@ -71,15 +70,26 @@ class ThroughputConfig:
     dataset_path: str | None = None  # ShareGPT JSON
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise BaigeError("--num-prompts must be >= 1")
 
-def build_llm(args: EngineArgs, max_model_len: int, max_num_seqs: int):
-    """An ``LLM`` sized for the workload (context ``max_model_len`` tokens, ``max_num_seqs`` at once)."""
+
+def build_llm(engine: EngineConfig, max_model_len: int, max_num_seqs: int):
+    """An ``LLM`` on ``engine``'s settings sized for the workload: context ``max_model_len`` tokens,
+    ``max_num_seqs`` sequences at once (both replace ``engine``'s), and at least ``max_num_seqs``
+    tokens per step."""
     from baige.runtime.infer.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=max_model_len,
-               max_num_seqs=max_num_seqs, max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
-               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    sized = replace(engine, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max(engine.max_num_batched_tokens, max_num_seqs))
+    return LLM(**asdict(sized))
+
+
+def run_args(cfg, llm) -> dict:
+    """The JSON ``args`` of a run: ``cfg`` with its ``engine`` as ``llm`` was built (sized by
+    :func:`build_llm`: ``max_model_len``, ``max_num_seqs`` and ``max_num_batched_tokens`` as used)."""
+    return {**asdict(cfg), "engine": asdict(llm.engine.cfg)}
 
 
 def _model_info(llm, dtype_bytes: int) -> dict:
@@ -100,11 +110,9 @@ def _limits(llm):
 
 def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
     """Run ``baige bench latency``; returns the JSON result (args, environment, samples, summary,
-    roofline). Raises BaigeError for bad sizes."""
+    roofline)."""
     from baige.runtime.infer.sampling import SamplingParams
 
-    if min(cfg.input_len, cfg.output_len, cfg.batch_size, cfg.num_iters) < 1:
-        raise BaigeError("--input-len, --output-len, --batch-size and --num-iters must be >= 1")
     llm = build_llm(cfg.engine, cfg.input_len + cfg.output_len, cfg.batch_size)
     prompts = [{"prompt_token_ids": ids} for ids, _ in
                random_token_prompts(llm.engine.vocab_size, cfg.batch_size, cfg.input_len, 1, 0.0, cfg.seed)]
@@ -127,7 +135,7 @@ def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
         interrupted = True
     info = _model_info(llm, dtype_bytes)
     return {
-        "benchmark": "latency", "args": asdict(cfg), "environment": environment(), "model": info,
+        "benchmark": "latency", "args": run_args(cfg, llm), "environment": environment(), "model": info,
         "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
         "summary": latency_summary(samples, cfg, info, limits) if samples else {},
     }
@@ -157,15 +165,13 @@ def latency_summary(samples: list[dict], cfg: LatencyConfig, info: dict, limits)
 
 def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> dict:
     """Run ``baige bench throughput``: every request submitted at once, stepped to completion.
-    Returns the JSON result; raises BaigeError for a bad dataset or sizes."""
+    Returns the JSON result; raises BaigeError for a bad dataset or ``range_ratio``."""
     from baige.runtime.bench.serve import sharegpt_requests
     from baige.runtime.infer.sampling import SamplingParams
     from baige.runtime.model.config import ModelConfig
     from baige.runtime.model.tokenizer import Tokenizer
     from baige.runtime.weights.hub import resolve_model
 
-    if cfg.num_prompts < 1:
-        raise BaigeError("--num-prompts must be >= 1")
     if cfg.dataset_path:
         tok = Tokenizer.from_dir(resolve_model(cfg.engine.model))
         reqs = [(tok.encode(r.prompt, add_special_tokens=False), r.output_len)
@@ -206,7 +212,7 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
                             "ttft_s": out.first_token_time - out.arrival_time})
     info = _model_info(llm, dtype_bytes)
     return {
-        "benchmark": "throughput", "args": asdict(cfg), "environment": environment(), "model": info,
+        "benchmark": "throughput", "args": run_args(cfg, llm), "environment": environment(), "model": info,
         "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
         "summary": throughput_summary(samples, elapsed, info, limits) if samples else {},
     }

@@ -18,10 +18,10 @@ def suite_configs(model: str | None, kv_cache_dtype: str = "auto") -> dict:
     """The four parts and their (small) sizes; ``kv_cache_dtype`` goes to every baige engine, the
     launched server included."""
     from baige.runtime.bench.compare import CompareConfig
-    from baige.runtime.bench.offline import EngineArgs, LatencyConfig, ThroughputConfig
+    from baige.runtime.bench.offline import LatencyConfig, ThroughputConfig, bench_engine
     from baige.runtime.bench.serve_run import ServeBenchConfig
 
-    eng = EngineArgs(model=model, kv_cache_dtype=kv_cache_dtype)
+    eng = bench_engine(model=model, kv_cache_dtype=kv_cache_dtype)
     server_args = [] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]
     return {
         "latency": LatencyConfig(eng, input_len=32, output_len=32, batch_size=1, num_iters_warmup=1, num_iters=3),
