@@ -64,9 +64,9 @@ class KernelsConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise BaigeError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
-        unknown = [o for o in self.ops if o not in kernels.__all__]
+        unknown = [o for o in self.ops if o not in kernels.OPS]
         if unknown:
-            raise BaigeError(f"--op {unknown[0]!r} is not a baige.kernels op ({', '.join(kernels.__all__)})")
+            raise BaigeError(f"--op {unknown[0]!r} is not a baige.kernels op ({', '.join(kernels.OPS)})")
         if not self.sizes:
             raise BaigeError("--sizes: give at least one token count")
         if min(self.sizes) < 1:
@@ -227,7 +227,7 @@ def run_kernels(cfg: KernelsConfig, progress: Progress | None = None) -> dict:
     sh = SHAPES[cfg.shape]
     limits = roofline.hardware_limits(dev, dt)
     timer = _timer(dev, cfg.iters)
-    ops = list(cfg.ops) or list(kernels.__all__)
+    ops = list(cfg.ops) or list(kernels.OPS)
     rows, skipped, forward_only = [], [], []
     total, done = len(ops) * len(cfg.sizes), 0
     interrupted = False
