@@ -17,7 +17,8 @@ from baige.errors import BaigeError
 from baige.runtime.settings import reload_settings
 from baige.runtime.train.checkpoint import CheckpointManager
 from baige.runtime.train.config import load_train_config
-from baige.runtime.train.trainer import lr_lambda, run_training
+from baige.runtime.train.lr_scheduler import lr_lambda
+from baige.runtime.train.trainer import run_training
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ ranks, so the backward loss is multiplied by the data-parallel size.
 
 from __future__ import annotations
 
-import functools
 import math
 import shutil
 import time
@@ -30,6 +29,7 @@ from baige.runtime.train import parallel
 from baige.runtime.train.checkpoint import CheckpointManager, export_hf, rng_state, set_rng_state
 from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
+from baige.runtime.train.lr_scheduler import build_lr_scheduler
 from baige.runtime.train.metrics import MetricsLogger, mfu, peak_flops, peak_memory_bytes
 
 # Architectures for training from scratch (vocab_size comes from the tokenizer).
@@ -43,29 +43,6 @@ PRESETS: dict[str, dict] = {
                         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
                         tie_word_embeddings=True),
 }
-
-
-def lr_lambda(step: int, *, name: str, warmup: int, total: int, min_ratio: float, decay_ratio: float) -> float:
-    """Learning-rate multiplier after ``step`` optimizer steps (LambdaLR convention: step 0 = the first).
-
-    Linear warmup over ``warmup`` steps, then ``constant``; ``cosine`` decay to ``min_ratio`` at
-    ``total`` (Loshchilov & Hutter 2017, arXiv:1608.03983); or ``wsd`` warmup-stable-decay: flat,
-    then a linear decay to ``min_ratio`` over the last ``decay_ratio * total`` steps (Hu et al. 2024,
-    MiniCPM, arXiv:2404.06395).
-    """
-    s = step + 1
-    if s <= warmup:
-        return s / warmup
-    if name == "constant":
-        return 1.0
-    if name == "cosine":
-        progress = min(1.0, (s - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    decay_steps = max(1, round(decay_ratio * total))
-    decay_start = total - decay_steps
-    if s <= decay_start:
-        return 1.0
-    return 1.0 - (1 - min_ratio) * min(1.0, (s - decay_start) / decay_steps)
 
 
 def init_weights(model: Transformer, std: float) -> None:
@@ -115,28 +92,53 @@ class Trainer:
     """One training run on this rank. Collective: every rank builds one with the same config."""
 
     def __init__(self, cfg: TrainConfig):
-        from baige.runtime.model.device import resolve_device
-        from baige.runtime.model.tokenizer import Tokenizer
-        from baige.runtime.weights.hub import cache_dir, resolve_model
-
         self.cfg = cfg
-        t, p = cfg.training, cfg.parallelism
         for path in cfg.data.train + cfg.data.eval:  # before any expensive set-up
             if not Path(path).is_file():
                 raise BaigeError(f"{path}: data file not found")
-        self.device = resolve_device(t.device)
+        self._init_distributed()
+        self._init_output()
+        self._resolve_model_and_tokenizer()
+        model = self._load_or_init_weights()
+        self._build_data()
+        self.model = self._apply_parallelisms(model)
+        self.optimizer = self._build_optimizer()
+        self._clip_in_optimizer = self._can_clip_in_optimizer()
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.ckpt = CheckpointManager(self.output / "checkpoints", self.dist.is_main, cfg.checkpoint.keep_latest)
+        self.step = 0
+        self.flops_per_token = self.model.flops_per_token(cfg.training.seq_len)
+        self.peak_flops, self.peak_source = peak_flops(self.device, self.param_dtype, cfg.metrics.peak_tflops)
+
+    # ---- set-up steps, in the order __init__ runs them --------------------------------------------
+
+    def _init_distributed(self) -> None:
+        """Device, process group (:func:`parallel.init_distributed`), parallel dims and device mesh."""
+        from baige.runtime.model.device import resolve_device
+
+        p = self.cfg.parallelism
+        self.device = resolve_device(self.cfg.training.device)
         self.dist = parallel.init_distributed(self.device.type)
         self.dims = parallel.ParallelDims.resolve(self.dist.world_size, p.data_parallel_replicate_degree,
                                                   p.data_parallel_shard_degree, p.tensor_parallel_degree)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank(self.mesh)
-        self.output = Path(cfg.output)
+
+    def _init_output(self) -> None:
+        """The output directory (rank 0 creates it, the others wait) and the metrics logger."""
+        self.output = Path(self.cfg.output)
         if self.dist.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
         self._barrier()
-        self.log = MetricsLogger(self.output, self.dist.is_main, cfg.metrics.tensorboard)
+        self.log = MetricsLogger(self.output, self.dist.is_main, self.cfg.metrics.tensorboard)
 
-        # Model + tokenizer. Local rank 0 resolves first (a GGUF import or download happens once per node).
+    def _resolve_model_and_tokenizer(self) -> None:
+        """``model_dir`` (None from scratch), ``tokenizer_dir`` and ``tokenizer``. Local rank 0 resolves
+        first (a GGUF import or download happens once per node)."""
+        from baige.runtime.model.tokenizer import Tokenizer
+        from baige.runtime.weights.hub import resolve_model
+
+        cfg = self.cfg
         if self.dist.local_rank != 0:
             self._barrier()
         if cfg.model.config is None:
@@ -151,25 +153,40 @@ class Trainer:
             self._barrier()
         self.tokenizer_dir = tok_dir
         self.tokenizer = Tokenizer.from_dir(tok_dir)
-        torch.manual_seed(t.seed)
+
+    def _load_or_init_weights(self) -> Transformer:
+        """The plain model in train mode, fp32 on the CPU: the checkpoint's weights, or (from scratch)
+        :func:`init_weights` after seeding with ``training.seed``. Sets ``model_config``."""
+        torch.manual_seed(self.cfg.training.seed)
         if self.model_dir is not None:
             from baige.runtime.weights.loader import load_model
 
             model = load_model(self.model_dir, dtype=torch.float32, device="cpu")
         else:
-            mcfg = scratch_config(cfg.model.config, self.tokenizer.vocab_size, self.tokenizer.bos_token_id,
+            mcfg = scratch_config(self.cfg.model.config, self.tokenizer.vocab_size, self.tokenizer.bos_token_id,
                                   self.tokenizer.eos_token_ids)
             model = Transformer(mcfg)
             init_weights(model, float(mcfg.raw.get("initializer_range", 0.02)))
         model.train()
         self.model_config = model.config
+        return model
 
-        # Data (local rank 0 tokenizes into the cache first).
+    def _build_data(self) -> None:
+        """Token windows of the train (and eval) files and the data loader; local rank 0 tokenizes
+        into the cache first.
+
+        Raises:
+            BaigeError: the data holds a token id outside the model's vocabulary.
+        """
+        from baige.runtime.weights.hub import cache_dir
+
+        cfg, t = self.cfg, self.cfg.training
         cache = cache_dir() / "tokens"
         if self.dist.local_rank != 0:
             self._barrier()
-        self.train_windows = load_windows(cfg.data.train, self.tokenizer, tok_dir, cache, t.seq_len)
-        self.eval_windows = load_windows(cfg.data.eval, self.tokenizer, tok_dir, cache, t.seq_len) if cfg.data.eval else None
+        self.train_windows = load_windows(cfg.data.train, self.tokenizer, self.tokenizer_dir, cache, t.seq_len)
+        self.eval_windows = load_windows(cfg.data.eval, self.tokenizer, self.tokenizer_dir, cache,
+                                         t.seq_len) if cfg.data.eval else None
         if self.dist.local_rank == 0:
             self._barrier()
         for w in (self.train_windows, self.eval_windows):
@@ -179,41 +196,65 @@ class Trainer:
         self.loader = DataLoader(self.train_windows, t.batch_size, t.grad_accum, self.dims.dp_size, self.dp_rank,
                                  t.seed, cfg.data.shuffle)
 
-        # Parallelism: TP -> AC -> compile -> FSDP, then the optimizer over the (sharded) parameters.
+    def _apply_parallelisms(self, model: Transformer) -> Transformer:
+        """TP -> AC -> compile -> FSDP (:func:`parallel.parallelize`), then the device move when FSDP
+        does not place the parameters. Sets ``param_dtype``, ``compile`` and ``autocast``."""
+        p = self.cfg.parallelism
         mp = p.mixed_precision_param
         self.param_dtype = DTYPES["bfloat16" if mp == "auto" and self.device.type == "cuda" else
                                    ("float32" if mp == "auto" else mp)]
         reduce_dtype = DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
-        self.compile = t.compile if isinstance(t.compile, bool) else (
-            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1
-            and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
-        if self.compile is True and self.device.type == "cpu" and not _has_cxx_compiler():
-            raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
-                             "(g++, c++, clang++ or $CXX) for torch.compile's Inductor backend; install one "
-                             "or use --no-compile")
-        parallel.parallelize(model, self.dims, self.mesh, ac=t.activation_checkpointing, compile=self.compile,
-                             param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
+        self.compile = self._resolve_compile()
+        parallel.parallelize(model, self.dims, self.mesh, ac=self.cfg.training.activation_checkpointing,
+                             compile=self.compile, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
         if not self.dims.fsdp_enabled:
             model.to(self.device)
         # Without FSDP's MixedPrecisionPolicy, low-precision compute comes from autocast.
         self.autocast = (not self.dims.fsdp_enabled) and self.param_dtype != torch.float32
-        self.model = model
-        self.optimizer = self._build_optimizer()
-        # Fused AdamW divides every gradient by ``optimizer.grad_scale`` inside its own pass (the hook
-        # torch.amp.GradScaler uses): clipping then costs no extra pass over the gradients. Plain
-        # tensors only; FSDP/TP DTensor gradients are clipped in place as before.
+        return model
+
+    def _resolve_compile(self) -> bool:
+        """``training.compile``; ``auto`` compiles on a CPU without FSDP or TP when a C++ compiler exists.
+
+        Raises:
+            BaigeError: compile forced on a CPU without a C++ compiler.
+        """
+        c = self.cfg.training.compile
+        enabled = c if isinstance(c, bool) else (
+            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1
+            and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
+        if enabled is True and self.device.type == "cpu" and not _has_cxx_compiler():
+            raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
+                             "(g++, c++, clang++ or $CXX) for torch.compile's Inductor backend; install one "
+                             "or use --no-compile")
+        return enabled
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW (Loshchilov & Hutter 2019) with no weight decay on norms, biases and embeddings."""
         from torch.distributed.tensor import DTensor
 
-        self._clip_in_optimizer = getattr(self.optimizer, "_step_supports_amp_scaling", False) and not any(
-            isinstance(p, DTensor) for p in model.parameters())
-        sc = cfg.lr_scheduler
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
-            lr_lambda, name=sc.name, warmup=sc.warmup_steps, total=t.steps, min_ratio=sc.min_lr_ratio,
-            decay_ratio=sc.decay_ratio))
-        self.ckpt = CheckpointManager(self.output / "checkpoints", self.dist.is_main, cfg.checkpoint.keep_latest)
-        self.step = 0
-        self.flops_per_token = model.flops_per_token(t.seq_len)
-        self.peak_flops, self.peak_source = peak_flops(self.device, self.param_dtype, cfg.metrics.peak_tflops)
+        o = self.cfg.optimizer
+        groups: dict[tuple[bool, bool], list] = {}
+        for name, param in self.model.named_parameters():
+            decay = param.ndim >= 2 and "embed_tokens" not in name
+            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP) apart from plain tensors
+            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
+        groups = [{"params": params, "weight_decay": o.weight_decay if decay else 0.0}
+                  for (decay, _), params in sorted(groups.items(), reverse=True)]
+        fused = o.fused != "false"  # auto: torch has fused AdamW kernels for CUDA and CPU
+        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
+
+    def _can_clip_in_optimizer(self) -> bool:
+        """Whether gradient clipping folds into the optimizer step.
+
+        Fused AdamW divides every gradient by ``optimizer.grad_scale`` inside its own pass (the hook
+        torch.amp.GradScaler uses): clipping then costs no extra pass over the gradients. Plain
+        tensors only; FSDP/TP DTensor gradients are clipped in place as before.
+        """
+        from torch.distributed.tensor import DTensor
+
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False) and not any(
+            isinstance(p, DTensor) for p in self.model.parameters())
 
     # ---- set-up helpers ---------------------------------------------------------------------------
 
@@ -234,21 +275,6 @@ class Trainer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW (Loshchilov & Hutter 2019) with no weight decay on norms, biases and embeddings."""
-        from torch.distributed.tensor import DTensor
-
-        o = self.cfg.optimizer
-        groups: dict[tuple[bool, bool], list] = {}
-        for name, param in self.model.named_parameters():
-            decay = param.ndim >= 2 and "embed_tokens" not in name
-            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP) apart from plain tensors
-            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
-        groups = [{"params": params, "weight_decay": o.weight_decay if decay else 0.0}
-                  for (decay, _), params in sorted(groups.items(), reverse=True)]
-        fused = o.fused != "false"  # auto: torch has fused AdamW kernels for CUDA and CPU
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over every rank (fp64 on the CPU when gloo, on the device otherwise)."""
