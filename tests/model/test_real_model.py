@@ -9,6 +9,8 @@ import pytest
 import torch
 from oracle_generate import generate_tokens
 
+from baige.runtime.config import EngineConfig
+from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.loader import load_model
@@ -58,10 +60,15 @@ def test_greedy_32_tokens_and_logits_match_transformers(prompt, baige_model, hf_
     assert ids == hf_prompt_ids(hf_tok, prompt)
 
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ours = list(generate_tokens(model, ids, params))
     with torch.no_grad():
         ref = hf_greedy(hf, ids, 32)
+    ours = list(generate_tokens(model, ids, params))  # the plain oracle loop
     assert ours == ref
+    # what `baige generate` / `chat` / `serve` run: the Engine (paged KV, native CPU decode step)
+    engine = Engine(model, tok, EngineConfig(max_num_seqs=4, max_model_len=512, kv_cache_memory="64MiB"))
+    engine.add_request("r", ids, params)
+    (out,) = engine.run_to_completion(["r"])
+    assert out.outputs[0].token_ids == ref
 
     full = torch.tensor([ids + ours])
     with torch.no_grad():
