@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import sys
 
-from baige.cli import (  # noqa: F401  (modules register their commands)  # noqa: F401
-    bench,  # noqa: F401
-    convert,
-    evaluate,
-    generate,
-    quantize,
-    serve,  # noqa: F401
-    train,  # noqa: F401
-)
+from typer.exceptions import Abort, TyperException
+
+# the command modules register their commands on `app` when imported
+from baige.cli import bench, convert, evaluate, generate, quantize, serve, train  # noqa: F401
 from baige.cli.app import app
 from baige.errors import BaigeError
 
 
-def main() -> None:
-    """Console-script entry point: user errors print one line and exit 1; Ctrl-C exits 130."""
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: every user mistake prints one line (``error: ...``) and exits
+    non-zero (1 for bad values and files, 2 for bad command-line usage); Ctrl-C exits 130."""
     try:
-        app()
+        code = app(args=argv, standalone_mode=False)
+    except TyperException as e:  # click's usage errors (unknown option, bad value, missing argument)
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()
+            sys.exit(0)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        print(f"error: {' '.join(e.format_message().split())}{hint}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
     except BaigeError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Abort):
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:
@@ -33,3 +37,4 @@ def main() -> None:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

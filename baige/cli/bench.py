@@ -20,7 +20,7 @@ app.add_typer(bench_app, name="bench")
 
 OutDirOpt = Annotated[Path, typer.Option(help="Directory for the JSON results (and PNG charts).")]
 PlotOpt = Annotated[bool, typer.Option("--plot", help="Also write PNG charts (matplotlib).")]
-EagerOpt = Annotated[bool, typer.Option(help="Never capture the decode step (torch.compile / CUDA graphs).")]
+EagerOpt = Annotated[bool, typer.Option(help="GPU: never capture the decode step as CUDA graphs (torch.compile reduce-overhead). No effect on CPU, where decode steps are never captured.")]
 MNBTOpt = Annotated[int, typer.Option(min=1, help="Most tokens computed in one engine step.")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the random prompts.")]
 QuantizationOpt = Annotated[Optional[str], typer.Option(

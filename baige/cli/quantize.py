@@ -28,7 +28,9 @@ def quantize(
     symmetric: Annotated[bool, typer.Option("--symmetric/--asymmetric", help="int4/gptq: zero point or not.")] = True,
     act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="gptq: visit columns by decreasing Hessian diagonal.")] = False,
     calib_data: Annotated[
-        Optional[Path], typer.Option(help="gptq, and int4's clip search: UTF-8 text file to calibrate on.")
+        Optional[Path], typer.Option(help="UTF-8 text file to calibrate on: gptq's Hessians and the clip search's "
+                                     "activation weighting. int8 reads it only with --clip-search (its default "
+                                     "scales are per-channel min/max).")
     ] = None,
     calib_samples: Annotated[int, typer.Option(min=1, help="gptq / clip search: calibration windows (the int4 "
                                                "clip search needs dozens; from 8 its result varies by sample).")] = 128,

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import logging
+from enum import Enum
 from typing import Annotated, Optional
 
 import typer
 
 from baige.cli.app import app
 from baige.cli.options import MODEL_HELP, Device, DType
+
+
+class LogLevel(str, Enum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
 
 
 @app.command()
@@ -33,8 +42,7 @@ def serve(
                                                            "of free GPU memory, or 10% of available RAM on CPU.")] = None,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
                                                         help="Reuse the KV blocks of shared prompt prefixes.")] = True,
-    enforce_eager: Annotated[bool, typer.Option(help="Never capture the decode step "
-                                                "(torch.compile on CPU, CUDA graphs on GPU).")] = False,
+    enforce_eager: Annotated[bool, typer.Option(help="GPU: never capture the decode step as CUDA graphs (torch.compile reduce-overhead). No effect on CPU, where decode steps are never captured.")] = False,
     quantization: Annotated[Optional[str], typer.Option(
         help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fbgemm fp16 "
              "weights, fp32 math; half the weight bytes, near-lossless). On an int8/int4 checkpoint it "
@@ -43,7 +51,12 @@ def serve(
         help="KV-cache dtype; auto = the model's. On CPU float16 under an fp32 model halves the cache's "
              "memory and the attention's reads (K/V rounded to fp16; bfloat16 works but takes the slower "
              "PyTorch path). On CUDA only the model's dtype.")] = DType.auto,
-    log_level: Annotated[str, typer.Option(help="Logging level (one line per request at info).")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="Logging level (one line per request at info).",
+                                                 case_sensitive=False)] = LogLevel.info,
+    max_n: Annotated[int, typer.Option(min=1, help="Most sequences one request may ask for (n x prompts); "
+                                       "more is a 400.")] = 128,
+    max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body in bytes; larger "
+                                                   "bodies get 413 before they are read whole.")] = 16 * 2**20,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig, parse_size
@@ -51,11 +64,12 @@ def serve(
     from baige.runtime.infer.engine import Engine
     from baige.runtime.server.app import run_server
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
     engine = AsyncEngine(Engine.from_config(cfg))
-    run_server(engine, served_model_name or model or "smollm2-135m-instruct", host, port, api_key, log_level)
+    run_server(engine, served_model_name or model or "smollm2-135m-instruct", host, port, api_key, log_level.value,
+               max_n=max_n, max_request_bytes=max_request_bytes)

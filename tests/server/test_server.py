@@ -222,8 +222,8 @@ GOOD = {"prompt": "Hi", "max_tokens": 2}
     ("/v1/chat/completions", {"messages": FRANCE, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, None),
-    ("/v1/completions", {"prompt": "Hi", "n": 0}, 400, None),
+    ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": FRANCE, "model": "gpt-4", "stream": True}, 404, "model"),
 ])

@@ -1,5 +1,12 @@
 """One :class:`Engine` driven from a background thread, its outputs streamed to asyncio consumers
-(what the HTTP server runs)."""
+(what the HTTP server runs).
+
+The loop contains every failure it can attribute: a request that cannot be added or fails in a
+step gets its own error (the others go on); a step that fails as a whole fails the requests in it and
+the loop goes on. Anything else that escapes the loop stops it: :attr:`AsyncEngine.dead` is set,
+every waiting client gets :class:`EngineDeadError`, new requests are refused with it, and
+``on_dead`` is called (the server then answers 503 on /health and exits non-zero).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 from baige.errors import BaigeError
 from baige.runtime.infer.engine import Engine
-from baige.runtime.infer.outputs import RequestOutput
+from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import SamplingParams
 
 logger = logging.getLogger("baige.engine")
@@ -22,12 +29,16 @@ class AsyncEngine:
 
     Args:
         engine: the engine (used only from the loop thread after this).
-        on_output: called in the loop thread with every output (metrics).
+        on_output: called in the loop thread with every output (metrics); its errors are logged.
+        on_dead: called once, in the loop thread, if the loop stops for any reason but :meth:`shutdown`.
     """
 
-    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None,
+                 on_dead: Callable[[], None] | None = None):
         self.engine = engine
         self.on_output = on_output
+        self.on_dead = on_dead
+        self.dead: BaseException | None = None
         self._cv = threading.Condition()
         self._adds: list[tuple[str, str | list[int], SamplingParams, float]] = []
         self._aborts: list[str] = []
@@ -44,18 +55,28 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._adds)
 
+    @property
+    def is_alive(self) -> bool:
+        """The loop thread is running and has not died."""
+        return self.dead is None and self._thread.is_alive()
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; leaving early (or cancellation) aborts it.
 
         Validation happens before the first yield: bad input raises BaigeError at the first
-        ``__anext__`` and nothing is queued.
+        ``__anext__`` and nothing is queued. Raises RequestFailed when the engine fails this
+        request, EngineDeadError when the loop has stopped.
         """
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped; restart the server")
         _, ids, params = self.engine.prepare(prompt, params)
         request_id = request_id or self.new_request_id()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._cv:
+            if self.dead is not None:
+                raise EngineDeadError("the engine loop has stopped; restart the server")
             self._streams[request_id] = (loop, queue)
             self._adds.append((request_id, prompt if isinstance(prompt, str) else ids, params, time.monotonic()))
             self._cv.notify()
@@ -91,38 +112,79 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cv:
-                while not (self._stopped or self._adds or self._aborts or engine.has_unfinished()):
-                    self._cv.wait()
-                if self._stopped:
-                    return
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-            for rid in aborts:
-                engine.abort(rid)
-            for rid, prompt, params, arrival in adds:
-                if rid in aborts:
-                    continue
-                try:
-                    engine.add_request(rid, prompt, params, arrival)
-                except BaigeError as e:
-                    self._deliver(rid, e)
-            if not engine.has_unfinished():
-                continue
             try:
-                outputs = engine.step()
-            except Exception as e:  # a bug: fail the requests in flight, keep serving
-                logger.exception("engine step failed; aborting %d requests", len(engine.requests))
-                for rid in list(engine.requests):
-                    engine.abort(rid)
-                    self._deliver(rid, RuntimeError(f"engine error: {e}"))
-                continue
-            for out in outputs:
-                if self.on_output is not None:
-                    self.on_output(out)
-                self._deliver(out.request_id, out)
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop has closed: nobody is waiting
+                pass
+
+    # ---- the loop thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as e:  # noqa: B902 - whatever stops the loop must reach the clients
+            self._die(e)
+
+    def _iterate(self) -> bool:
+        """One round: take adds and aborts, run a step, deliver. False once shut down."""
+        engine = self.engine
+        with self._cv:
+            while not (self._stopped or self._adds or self._aborts or engine.has_unfinished()):
+                self._cv.wait()
+            if self._stopped:
+                return False
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            engine.abort(rid)
+        aborted = set(aborts)
+        for rid, prompt, params, arrival in adds:
+            if rid not in aborted:
+                self._add(rid, prompt, params, arrival)
+        if engine.has_unfinished():
+            for out in self._step():
+                self._emit(out)
+        for rid, error in engine.take_failures():
+            self._deliver(rid, error)
+        return True
+
+    def _add(self, rid: str, prompt: str | list[int], params: SamplingParams, arrival: float) -> None:
+        try:
+            self.engine.add_request(rid, prompt, params, arrival)
+        except BaigeError as e:
+            self._deliver(rid, e)
+        except Exception as e:  # not the caller's mistake: log it, fail this request only
+            logger.exception("request %s could not be added", rid)
+            self.engine.abort(rid)
+            self._deliver(rid, RequestFailed(f"request {rid} failed: {type(e).__name__}: {e}"))
+
+    def _step(self) -> list[RequestOutput]:
+        engine = self.engine
+        try:
+            return engine.step()
+        except Exception as e:  # not attributable to one request: fail the ones in flight, keep serving
+            rids = list(engine.requests)
+            logger.exception("engine step failed; failing requests %s", ", ".join(rids))
+            for rid in rids:
+                engine.abort(rid)
+                self._deliver(rid, RequestFailed(f"request {rid} failed: engine step error: {type(e).__name__}: {e}"))
+            return []
+
+    def _emit(self, out: RequestOutput) -> None:
+        if self.on_output is not None:
+            try:
+                self.on_output(out)
+            except Exception:
+                logger.exception("on_output failed for request %s", out.request_id)
+        self._deliver(out.request_id, out)
+
+    def _die(self, error: BaseException) -> None:
+        with self._cv:
+            self.dead = error
+            streams = list(self._streams)
+        logger.critical("the engine loop stopped (%s: %s); failing %d waiting requests: %s", type(error).__name__,
+                        error, len(streams), ", ".join(streams))
+        for rid in streams:
+            self._deliver(rid, EngineDeadError(f"the engine loop stopped ({type(error).__name__}); restart the server"))
+        if self.on_dead is not None:
+            self.on_dead()

@@ -6,8 +6,11 @@ ids that hold its tokens in order, so token ``i`` sits in slot
 ``block_table[i // block_size] * block_size + i % block_size`` (vLLM's PagedAttention layout,
 Kwon et al. 2023, arXiv:2309.06180).
 
-Prefix caching: a block whose ``block_size`` tokens have all been computed gets a *chained hash*,
-``hash((parent_hash, tokens))``, so equal hashes mean equal whole prefixes. A new sequence whose
+Prefix caching: a block whose ``block_size`` tokens have all been computed gets a *chained key*,
+``sha256(parent_key + tokens as little-endian int64)``, so equal keys mean equal whole prefixes. A
+lookup compares the 32-byte keys themselves (and the block's own tokens), never Python's 64-bit
+``hash``, whose collisions a client could craft to be served another client's cached KV (vLLM
+moved to sha256 prefix keys for the same reason). A new sequence whose
 prompt starts with cached blocks reuses them (ref count + 1) and skips computing those tokens.
 Blocks nobody references stay cached until the pool runs out, then the least recently freed one is
 evicted (LRU).
@@ -15,6 +18,8 @@ evicted (LRU).
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,13 +38,16 @@ class SequenceLike(Protocol):
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and computed (prefix caching)
+    hash: bytes | None = None  # the chained sha256 key, set once the block is full and computed
     token_ids: tuple[int, ...] = field(default=())  # the tokens behind `hash`, checked on a hit
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it (None for the first block)."""
-    return hash((parent_hash, token_ids))
+def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """The sha256 key (32 bytes) of a full block given the key of the block before it (None for
+    the first block). Token ids are encoded as little-endian int64 after the parent key."""
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
 
 
 class BlockManager:
@@ -60,7 +68,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))  # unreferenced, not cached
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; oldest first
-        self._cached: dict[int, int] = {}  # hash -> block id
+        self._cached: dict[bytes, int] = {}  # chained sha256 key -> block id
         # prefix-cache statistics, in tokens
         self.prefix_queries = 0
         self.prefix_hits = 0

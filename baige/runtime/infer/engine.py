@@ -1,7 +1,10 @@
 """The inference engine: requests in, streamed text out, many requests sharing one model.
 
 ``Engine`` is synchronous: :meth:`Engine.add_request`, :meth:`Engine.step` (one scheduler step:
-schedule -> run -> sample -> stop checks -> detokenize), :meth:`Engine.abort`. ``AsyncEngine``
+schedule -> run -> sample -> stop checks -> detokenize), :meth:`Engine.abort`. Whatever goes
+wrong with one request while it is prepared, run, sampled or detokenized fails that request alone
+(:meth:`Engine.take_failures`); a batched step that raises is retried one sequence at a time so the
+others go on. ``AsyncEngine``
 (``async_engine.py``) drives one from a background thread for the HTTP server; ``LLM``
 (``llm.py``) is the offline API.
 """
@@ -20,32 +23,19 @@ from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig, parse_size
 from baige.runtime.infer.block_manager import BlockManager
 from baige.runtime.infer.kv_cache import KVCache, num_blocks_for, profile_activation_peak, resolve_kv_cache_dtype
-from baige.runtime.infer.outputs import CompletionOutput, RequestOutput
+from baige.runtime.infer.outputs import CompletionOutput, RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
-from baige.runtime.infer.scheduler import Scheduler, Sequence
+from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
+from baige.runtime.infer.stop import StopMatcher
+from baige.runtime.infer.text import SeqText
 from baige.runtime.model.device import resolve_device
-from baige.runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.weights.hub import resolve_model
 from baige.runtime.weights.loader import load_model
 
 logger = logging.getLogger("baige.engine")
-
-
-class _SeqState:
-    """Per-sequence text state: detokenizer, stop strings, what has been streamed."""
-
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, generator: torch.Generator | None):
-        self.params = params
-        self.generator = generator
-        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.text = ""
-        self.sent = 0  # characters of text already emitted
-        self.max_stop = max((len(s) for s in params.stop), default=0)
-        self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
-        self.sent_tokens = 0
-        self.sent_logprobs = 0
 
 
 @dataclass
@@ -104,6 +94,7 @@ class Engine:
         self._eos_only = frozenset(self.eos_token_ids)
         self.generator = torch.Generator(device=p.device).manual_seed(cfg.seed)  # unseeded requests
         self.requests: dict[str, _Request] = {}
+        self._failures: list[tuple[str, RequestFailed]] = []
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)", num_blocks, cfg.block_size,
@@ -128,10 +119,18 @@ class Engine:
         """Tokenize and validate a prompt; fill in ``max_tokens`` (default: the rest of the context).
 
         Raises:
-            BaigeError: empty prompt, token ids outside the vocabulary, or a prompt plus max_tokens
-            longer than max_model_len (the message gives both numbers).
+            BaigeError: empty prompt or not valid Unicode, token ids (prompt, stop_token_ids,
+            logit_bias, allowed_token_ids) or top_k outside the vocabulary, or a prompt plus
+            max_tokens longer than max_model_len (the message gives both numbers).
         """
+        params.check_vocab(self.vocab_size)
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
+            # far too long to fit, whatever it tokenizes to: refused without tokenizing (margin 4x
+            # for normalizers that drop characters)
+            if len(prompt) > 4 * self.max_model_len * self.tokenizer.max_token_chars:
+                raise BaigeError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                 f"has {len(prompt)} characters, far more than that many tokens can hold")
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         else:
             text, ids = None, list(prompt)
@@ -160,17 +159,19 @@ class Engine:
             raise BaigeError(f"request id {request_id!r} is already in use")
         text, ids, params = self.prepare(prompt, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+        matcher = StopMatcher(params.stop) if params.stop else None
         seqs = []
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+                gen = torch.Generator(device=self.runner.device).manual_seed(params.seed_for(i))
             elif not params.greedy:
                 gen = self.generator
             seq = Sequence(list(ids), params.max_tokens, params.min_tokens, stop_ids, request_id, i,
-                           payload=_SeqState(self.tokenizer, params, gen),
+                           payload=SeqText(self.tokenizer, params, gen, matcher),
                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)  # one scorer per request
             seqs.append(seq)
+        for seq in seqs:  # queued only once all are built: a failure above leaves nothing behind
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, text, ids, params, seqs,
                                              time.monotonic() if arrival_time is None else arrival_time,
@@ -198,23 +199,29 @@ class Engine:
         running = {s.request_id for s in list(self.scheduler.running)}
         return len({s.request_id for s in list(self.scheduler.waiting)} - running)
 
+    def take_failures(self) -> list[tuple[str, RequestFailed]]:
+        """The requests that failed since the last call, ``(request id, error)``; they are gone
+        from the engine (their blocks freed) and produce no more outputs."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        logger.error("request %s failed: %s: %s", request_id, type(error).__name__, error)
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        self._failures.append((request_id, RequestFailed(f"request {request_id} failed: {type(error).__name__}: {error}")))
+
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that produced a token (or finished)."""
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
-        rows = []
-        for s in batch.seqs:
-            st: _SeqState = s.payload
-            p = st.params
-            rows.append(SamplerRow(
-                p, st.generator,
-                prompt_ids=s.token_ids[: s.num_prompt_tokens] if p.repetition_penalty != 1 else None,
-                output_ids=s.output_token_ids if (p.has_penalties or p.min_tokens) else None,
-                stop_ids=list(s.stop_token_ids) if p.min_tokens else None,
-            ))
-        tokens, logprobs, prompt_lps = self.runner.execute(batch, rows)
+        rows = [_sampler_row(s) for s in batch.seqs]
+        tokens, logprobs, prompt_lps = self._execute(batch, rows)
         for i, (first, lps) in prompt_lps.items():
             req = self.requests.get(batch.seqs[i].request_id)
             if req is not None and req.prompt_logprobs is not None and first == len(req.prompt_logprobs):
@@ -224,53 +231,63 @@ class Engine:
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
         touched: dict[str, _Request] = {}
         for seq in got:
-            self._process_token(seq, lp_of[seq.seq_id])
-            self.num_generated_tokens += 1
             req = self.requests.get(seq.request_id)
-            if req is not None:
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                touched[req.request_id] = req
+            if req is None:  # failed earlier in this step
+                continue
+            try:
+                self._process_token(seq, lp_of[seq.seq_id])
+            except Exception as e:  # a detokenizer or stop-string problem of this request only
+                self._fail(seq.request_id, e)
+                touched.pop(seq.request_id, None)
+                continue
+            self.num_generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
         return [self._output(req, now) for req in touched.values()]
 
-    def _process_token(self, seq: Sequence, lp: Logprobs | None) -> None:
-        st: _SeqState = seq.payload
-        token = seq.token_ids[-1]
-        if st.logprobs is not None and lp is not None:
-            st.logprobs.append(lp)
-        if not (seq.finish_reason == "stop" and seq.stop_reason == token):  # a stop token adds no text
-            st.text += st.detok.add(token)
-        if seq.is_finished:
-            st.text += st.detok.flush()
-        if st.max_stop:
-            # emitted text never holds the start of a stop string (see _emit_upto), so search after it
-            hits = [(i, s) for s in st.params.stop if (i := st.text.find(s, st.sent)) >= 0]
-            if hits:
-                i, stop = min(hits)
-                st.text = st.text[:i]
-                if seq.is_finished:
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                else:
-                    self.scheduler.finish(seq, "stop", stop)
+    def _execute(self, batch: ScheduledBatch, rows: list[SamplerRow]):
+        """``runner.execute``; when the batched step raises, each sequence runs alone and the ones
+        that still raise fail their requests (K/V slots of a failed step are rewritten on retry)."""
+        try:
+            return self.runner.execute(batch, rows)
+        except Exception as e:
+            if len(batch) == 1:
+                self._fail(batch.seqs[0].request_id, e)
+                return [None], [None], {}
+            logger.exception("a step of %d sequences failed; running them one at a time", len(batch))
+        tokens: list[int | None] = [None] * len(batch)
+        logprobs: list[Logprobs | None] = [None] * len(batch)
+        prompt_lps: dict = {}
+        for i, seq in enumerate(batch.seqs):
+            if seq.request_id not in self.requests:
+                continue
+            one = ScheduledBatch([seq], [batch.num_new_tokens[i]], int(i < batch.num_decodes))
+            try:
+                (tokens[i],), (logprobs[i],), lps = self.runner.execute(one, [rows[i]])
+            except Exception as e:
+                self._fail(seq.request_id, e)
+                continue
+            if 0 in lps:
+                prompt_lps[i] = lps[0]
+        return tokens, logprobs, prompt_lps
 
-    def _emit_upto(self, seq: Sequence) -> int:
-        """Characters of the text that may be streamed now: all when finished, else all but the
-        longest tail that is a prefix of a stop string (it could still become one)."""
-        st: _SeqState = seq.payload
-        if seq.is_finished or not st.max_stop:
-            return len(st.text)
-        text = st.text
-        for k in range(min(st.max_stop - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in st.params.stop):
-                return len(text) - k
-        return len(text)
+    def _process_token(self, seq: Sequence, lp: Logprobs | None) -> None:
+        st: SeqText = seq.payload
+        token = seq.token_ids[-1]
+        is_stop_token = seq.finish_reason == "stop" and seq.stop_reason == token
+        stop = st.add(token, is_stop_token, seq.is_finished, lp)
+        if stop is not None:
+            if seq.is_finished:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
 
     def _output(self, req: _Request, now: float) -> RequestOutput:
         outs = []
         for seq in req.seqs:
-            st: _SeqState = seq.payload
-            upto = max(self._emit_upto(seq), st.sent)
+            st: SeqText = seq.payload
+            upto = st.emit_upto(seq.is_finished)
             out_ids = seq.output_token_ids
             outs.append(CompletionOutput(
                 index=seq.index,
@@ -301,13 +318,38 @@ class Engine:
 
     # ---- offline ---------------------------------------------------------------------------
     def run_to_completion(self, request_ids: Seq[str]) -> list[RequestOutput]:
-        """Step until every listed request has finished; their final outputs, in the given order."""
+        """Step until every listed request has finished; their final outputs, in the given order.
+
+        Raises RequestFailed (after the others have finished) when one of them failed.
+        """
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(request_ids) and self.has_unfinished():
+        failed: dict[str, RequestFailed] = {}
+        wanted = set(request_ids)
+        while len(final) + len(failed) < len(request_ids) and self.has_unfinished():
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+            failed.update((rid, e) for rid, e in self.take_failures() if rid in wanted)
+        if failed:
+            raise next(iter(failed.values()))
         return [final[r] for r in request_ids]
+
+
+def _sampler_row(s: Sequence) -> SamplerRow:
+    st: SeqText = s.payload
+    p = st.params
+    return SamplerRow(p, st.generator,
+                      prompt_ids=s.token_ids[: s.num_prompt_tokens] if p.repetition_penalty != 1 else None,
+                      output_ids=s.output_token_ids if (p.has_penalties or p.min_tokens) else None,
+                      stop_ids=list(s.stop_token_ids) if p.min_tokens else None)
+
+
+def _check_text(text: str, field: str) -> None:
+    """Raise BaigeError for text that is not valid Unicode (a lone surrogate from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BaigeError(f"{field}: not valid Unicode (a lone surrogate at character {e.start})") from None
 
 
 

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from baige.runtime.infer.sampling import Logprobs
 
 
+class RequestFailed(RuntimeError):
+    """A request failed inside the engine (not the caller's mistake); the other requests go on."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped: no request can be served until the process is restarted."""
+
+
 @dataclass
 class CompletionOutput:
     """One sequence of a request. Cumulative fields plus the delta of the step that produced it."""

@@ -8,6 +8,7 @@ Temperature 0 is greedy whatever the filters say.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,12 @@ import torch
 from baige.errors import BaigeError
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's top_logprobs cap)
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_LEN = 512  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass
@@ -29,7 +36,7 @@ class SamplingParams:
             once / once per occurrence (OpenAI's definition), in [-2, 2].
         repetition_penalty: tokens of the prompt or the output get their logit divided by it when
             positive, multiplied when negative (Keskar et al. 2019, arXiv:1909.05858); 1 = off.
-        seed: per-request RNG seed (sequence ``i`` of ``n`` uses ``seed + i``).
+        seed: per-request RNG seed (sequence ``i`` of ``n`` uses ``seed + i``, wrapped to 64 bits).
         max_tokens: most tokens to generate (None: up to the context limit).
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens are generated.
         stop: strings that end generation; not included in the output text.
@@ -43,6 +50,12 @@ class SamplingParams:
             ``echo`` + ``logprobs`` completions, e.g. lm-eval's loglikelihood). The request then skips
             the prefix cache (its whole prompt must be computed). None: off.
         skip_special_tokens: leave special tokens out of the text.
+        logit_bias: token id -> bias added to its logit before sampling (OpenAI's field), in [-100, 100].
+        allowed_token_ids: when set, only these tokens can be sampled (vLLM's field).
+
+    Raises:
+        BaigeError: a value out of its range (one line naming the field). Token ids are checked
+        against the vocabulary by ``Engine.prepare``, which knows it.
     """
 
     temperature: float = 1.0
@@ -62,8 +75,17 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise BaigeError(f"{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "n", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise BaigeError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise BaigeError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -91,14 +113,60 @@ class SamplingParams:
             raise BaigeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise BaigeError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise BaigeError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        self._check_stops()
+        self._check_token_fields()
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise BaigeError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or len(s) > MAX_STOP_LEN:
+                raise BaigeError(f"stop: each entry must be a string of at most {MAX_STOP_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise BaigeError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+
+    def _check_token_fields(self) -> None:
+        ids = list(self.stop_token_ids) + list(self.allowed_token_ids or []) + list(self.logit_bias or {})
+        bad = next((t for t in ids if not _is_int(t) or t < 0), None)
+        if bad is not None:
+            raise BaigeError(f"token id {bad!r} is not a non-negative integer")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise BaigeError("allowed_token_ids must not be empty")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise BaigeError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            for t, b in self.logit_bias.items():
+                if not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+                    raise BaigeError(f"logit_bias[{t}] must be a number in [-100, 100], got {b!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise BaigeError for a token id (stop_token_ids, logit_bias, allowed_token_ids) or a
+        top_k outside a vocabulary of ``vocab_size`` tokens."""
+        if self.top_k > vocab_size:
+            raise BaigeError(f"top_k must be at most the vocabulary size {vocab_size} (or -1/0 for off), got {self.top_k}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", list(self.logit_bias or {}))):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise BaigeError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    def seed_for(self, index: int) -> int:
+        """The RNG seed of sequence ``index`` of the request (``seed + index`` wrapped to 64 bits)."""
+        return (self.seed + index) % 2**64
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def apply_filters(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -182,10 +250,42 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list
     return [Logprobs(t, c, top) for t, c, top in zip(targets.tolist(), chosen, tops)]
 
 
+def _needs_adjust(r: SamplerRow) -> bool:
+    p = r.params
+    return bool(p.has_penalties or p.logit_bias or p.allowed_token_ids is not None
+                or (p.min_tokens and len(r.output_ids or ()) < p.min_tokens))
+
+
+def _adjust_row(row: torch.Tensor, r: SamplerRow) -> torch.Tensor:
+    """One row's logit processors (see :func:`sample_batch`). ``row``: (vocab,) fp32; returns a new row."""
+    p, V, dev = r.params, row.shape[0], row.device
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(V, dtype=torch.bool, device=dev)
+        keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = True
+        row = row.masked_fill(~keep, float("-inf"))
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+        row = row.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=dev))
+    out = torch.tensor(r.output_ids or [], dtype=torch.long, device=dev)
+    if len(r.output_ids or ()) < p.min_tokens and r.stop_ids:
+        row = row.index_fill(0, torch.tensor(r.stop_ids, dtype=torch.long, device=dev), float("-inf"))
+    if p.repetition_penalty != 1:
+        seen = torch.zeros(V, dtype=torch.bool, device=dev)
+        seen[torch.tensor(r.prompt_ids or [], dtype=torch.long, device=dev)] = True
+        seen[out] = True
+        row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+    if p.presence_penalty or p.frequency_penalty:
+        counts = torch.bincount(out, minlength=V).float()[:V]
+        row = row - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
+    return row
+
+
 def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[Logprobs | None]]:
     """Sample one token per row with per-row parameters.
 
-    Order: penalties and the min_tokens mask on the raw logits, then greedy rows take the argmax;
+    Order (vLLM's): on the raw logits, the ``allowed_token_ids`` mask, ``logit_bias``, the
+    min_tokens mask of stop ids, then the repetition/presence/frequency penalties; then greedy rows
+    take the argmax;
     the others divide by their temperature, apply top-k, top-p, min-p (each on the renormalised
     result of the one before, as :func:`apply_filters`) and draw with their own generator (the
     exponential-race form of categorical sampling, ``argmax(p / E)``, ``E ~ Exp(1)``).
@@ -202,25 +302,11 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int
     raw_logprobs = None
     if any(r.params.logprobs is not None for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # (S, V)
-    adjust = [i for i, r in enumerate(rows)
-              if r.params.has_penalties or (r.params.min_tokens and len(r.output_ids or ()) < r.params.min_tokens)]
+    adjust = [i for i, r in enumerate(rows) if _needs_adjust(r)]
     if adjust:
         logits = logits.clone()
         for i in adjust:
-            r, p = rows[i], rows[i].params
-            out = torch.tensor(r.output_ids or [], dtype=torch.long, device=logits.device)
-            if p.repetition_penalty != 1:
-                seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
-                seen[torch.tensor(r.prompt_ids or [], dtype=torch.long, device=logits.device)] = True
-                seen[out] = True
-                row = logits[i]
-                logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
-                                                          row * p.repetition_penalty), row)
-            if p.presence_penalty or p.frequency_penalty:
-                counts = torch.bincount(out, minlength=V).float()[:V]
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-            if len(r.output_ids or ()) < p.min_tokens and r.stop_ids:
-                logits[i, torch.tensor(r.stop_ids, dtype=torch.long, device=logits.device)] = float("-inf")
+            logits[i] = _adjust_row(logits[i], rows[i])
     tokens = logits.argmax(-1)  # (S,) greedy rows keep these
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:

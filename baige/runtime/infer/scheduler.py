@@ -11,6 +11,10 @@ Policy (vLLM's, simplified):
 - Waiting sequences are admitted first come, first served (a sequence that does not fit blocks the
   ones behind it), while the budget, ``max_num_seqs`` and the pool allow; a long prompt is split
   into chunks (chunked prefill). Nothing is admitted in a step that preempted.
+
+Finishing a sequence (stop, length, abort) is O(1): it is marked finished and its blocks freed at
+once, and the queues drop finished entries when they next pass them (the running list at the start
+of each step, the waiting queue at its head), so aborting a request of ``n`` sequences costs O(n).
 """
 
 from __future__ import annotations
@@ -116,37 +120,50 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self._waiting: deque[Sequence] = deque()  # may hold finished entries (dropped lazily)
+        self._running: list[Sequence] = []  # likewise
+        self._num_unfinished = 0
         self.num_preemptions = 0
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Unfinished sequences waiting for admission, front first (O(queue); for metrics and tests)."""
+        return [s for s in self._waiting if not s.is_finished]
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Unfinished running sequences in admission order (O(running))."""
+        return [s for s in self._running if not s.is_finished]
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._waiting.append(seq)
+        self._num_unfinished += 1
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self._num_unfinished > 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences and token counts, allocating their KV slots."""
+        self._running = [s for s in self._running if not s.is_finished]
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not bm.can_append(seq, n):
-                victim = self.running.pop()
+                victim = self._running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -159,15 +176,18 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted: the ones after it are gone too
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while self._waiting and budget > 0 and not preempted and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            if seq.is_finished:
+                self._waiting.popleft()
+                continue
             want = min(len(seq.token_ids), budget)
             if not bm.can_allocate(seq, want):
                 break
             n = bm.allocate(seq, want)
-            self.waiting.popleft()
+            self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._running.append(seq)
             is_decode = n == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1
             (decodes if is_decode else prefills).append((seq, n))
             budget -= n
@@ -202,13 +222,10 @@ class Scheduler:
         return got
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a sequence (stop, length or abort): out of its queue, blocks freed."""
+        """End a sequence (stop, length or abort) in O(1): blocks freed now, queue entry dropped lazily."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        self._num_unfinished -= 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

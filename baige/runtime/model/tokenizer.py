@@ -14,6 +14,7 @@ into real control tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -135,6 +136,13 @@ class Tokenizer:
         specials = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special),
                           key=len, reverse=True)  # longest first: the leftmost-longest match, as tokenizers does
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (byte-level entries count one per byte, so this
+        bounds the text one token can stand for): a text longer than ``n * max_token_chars`` chars
+        tokenizes to more than ``n`` tokens, before normalization."""
+        return max((len(s) for s in self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

@@ -1,14 +1,21 @@
 """The FastAPI application: routes (:mod:`.routes`), error handlers in OpenAI's shape
-(:mod:`.protocol`), bearer-token auth, metrics (:mod:`.metrics`), and :func:`run_server` (uvicorn).
+(:mod:`.protocol`) for every status (400, 401, 404, 405, 413, 422, 500, 503), a request-size limit,
+bearer-token auth, metrics (:mod:`.metrics`), and :func:`run_server` (uvicorn).
 
-Every user error is a 4xx with OpenAI's error body; the engine keeps serving.
+Every user error is a 4xx with OpenAI's error body; the engine keeps serving. If the engine loop
+stops, /health answers 503 and the server exits non-zero a moment later (a supervisor restarts it).
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
+import threading
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
@@ -16,19 +23,58 @@ from baige.runtime.server import routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
 
+logger = logging.getLogger("baige.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # `baige serve --max-request-bytes`
+DEAD_EXIT_DELAY_S = 2.0  # /health answers 503 this long before the process exits
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Pure ASGI middleware: a request body over ``max_bytes`` gets 413 before it is read whole
+    (a ``Content-Length`` over the limit at once, a chunked body as soon as it passes it)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._refuse(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge()
+            return message
+
+        return await self.app(scope, limited, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)",
+                                  413, code="request_too_large")
+        await response(scope, receive, send)
+
 
 class BearerAuth:
-    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (401 otherwise).
-
-    Not a BaseHTTPMiddleware: that wrapper hides client disconnects from the endpoints.
-    """
+    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (401 otherwise),
+    compared in constant time. Not a BaseHTTPMiddleware: that wrapper hides client disconnects."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+            if not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
                 response = error_response("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
                                           code="invalid_api_key")
                 return await response(scope, receive, send)
@@ -43,26 +89,46 @@ async def _baige_error(_: Request, e: BaigeError):
     return error_response(str(e), 400)
 
 
-async def _not_found(_: Request, e):
-    return error_response("not found", 404)
+async def _too_large(request: Request, e: BodyTooLarge):
+    return error_response(f"the request body is larger than {request.app.state.baige_max_bytes} bytes "
+                          "(--max-request-bytes)", 413, code="request_too_large")
 
 
-async def _not_allowed(request: Request, e):
-    return error_response(f"method {request.method} not allowed", 405)
+async def _http_error(request: Request, e: HTTPException):
+    if e.status_code == 404:
+        return error_response(f"not found: {request.url.path[:200]}", 404)
+    if e.status_code == 405:
+        return error_response(f"method {request.method} not allowed on {request.url.path[:200]}", 405)
+    return error_response(str(e.detail)[:300], e.status_code)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application serving ``engine`` under the model name ``served_model_name``."""
-    app = FastAPI(title="baige", docs_url=None, redoc_url=None)
+async def _validation_error(_: Request, e: RequestValidationError):
+    return error_response(f"invalid request: {str(e.errors()[:1])[:300]}", 422)
+
+
+async def _internal_error(request: Request, e: Exception):
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
+    return error_response(f"internal error ({type(e).__name__}); the server keeps running", 500, code="internal_error")
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_n: int = routes.DEFAULT_MAX_N, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
+
+    ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body.
+    """
+    app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
     engine.on_output = metrics.on_output
-    app.state.baige = routes.ServerState(engine, served_model_name, metrics, int(time.time()))
+    app.state.baige = routes.ServerState(engine, served_model_name, metrics, int(time.time()), max_n)
+    app.state.baige_max_bytes = max_request_bytes
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(BaigeError, _baige_error)
-    app.add_exception_handler(404, _not_found)
-    app.add_exception_handler(405, _not_allowed)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # outermost: before auth reads anything
+    for exc, handler in ((APIError, _api_error), (BaigeError, _baige_error), (BodyTooLarge, _too_large),
+                         (HTTPException, _http_error), (RequestValidationError, _validation_error),
+                         (Exception, _internal_error)):
+        app.add_exception_handler(exc, handler)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -72,11 +138,28 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
 
 def run_server(engine: AsyncEngine, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, log_level: str = "info") -> None:
-    """Serve ``engine`` with uvicorn until interrupted; the engine thread is stopped on the way out."""
+               api_key: str | None = None, log_level: str = "info", max_n: int = routes.DEFAULT_MAX_N,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    """Serve ``engine`` with uvicorn until interrupted; the engine thread is stopped on the way out.
+
+    Raises:
+        BaigeError: the engine loop stopped while serving (after /health has answered 503 for
+        DEAD_EXIT_DELAY_S seconds and the server has shut down), so the CLI exits non-zero.
+    """
     import uvicorn
 
+    app = build_app(engine, served_model_name, api_key, max_n, max_request_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                           timeout_graceful_shutdown=5))
+
+    def stop_later() -> None:
+        threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+    engine.on_dead = stop_later
     try:
-        uvicorn.run(build_app(engine, served_model_name, api_key), host=host, port=port, log_level=log_level.lower())
+        server.run()
     finally:
         engine.shutdown()
+    if engine.dead is not None:
+        raise BaigeError(f"the engine loop stopped ({type(engine.dead).__name__}: {engine.dead}); exiting so a "
+                         "supervisor can restart the server")

@@ -7,10 +7,24 @@ OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from baige.runtime.infer.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+)
+
+MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a request body
+MAX_TOKEN_ID = 2**31 - 1  # token ids beyond int32 are refused by type; the engine checks the vocabulary
 
 # ---- errors -------------------------------------------------------------------------------------
 class APIError(Exception):
@@ -21,18 +35,70 @@ class APIError(Exception):
         self.message, self.status, self.param, self.code = message, status, param, code
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object: valid UTF-8 JSON, nested at most MAX_JSON_DEPTH deep,
+    every string valid Unicode (no lone surrogates from ``\\ud800`` escapes). Python's parser takes
+    NaN and Infinity; the schemas refuse them. Raises APIError (400) naming the problem."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: Any) -> None:
+    """Walk the parsed body iteratively: depth and string validity (keys included)."""
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            path = f"{where}.{key}" if where else str(key)
+            for s in (key, value):
+                if isinstance(s, str):
+                    _check_unicode(s, path)
+            if isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, path))
+
+
+def _check_unicode(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"{where}: not valid Unicode (a lone surrogate at character {e.start})",
+                       param=where.split(".")[0]) from None
 
 
 # ---- request schemas ----------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: no coercion ("1" is not 1); NaN and +-Infinity are refused for every float
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_LEN)]
 
 
 class StreamOptions(_Strict):
@@ -40,32 +106,48 @@ class StreamOptions(_Strict):
 
 
 class SamplingFields(_Strict):
+    """The sampling fields both endpoints share; ranges by the field's meaning (OpenAI's, vLLM's).
+    ``n`` is further bounded by ``--max-n`` and ``max_tokens`` by the context (the routes check)."""
+
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # vLLM extensions
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    top_k: int = Field(0, ge=-1)  # -1 or 0: off; at most the vocabulary size (the engine checks)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids as strings, OpenAI's form) as ints. Raises APIError."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+                raise APIError(f"logit_bias: key {key[:40]!r} is not a token id", param="logit_bias")
+            out[int(key)] = bias
+        return out
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(_Strict):
@@ -81,14 +163,15 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
     """One line for the first problem pydantic found, and the top-level field it concerns."""
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
+    loc = ".".join(str(x) for x in err["loc"])[:200]
     first = str(err["loc"][0]) if err["loc"] else None
-    return (f"{loc}: {err['msg']}" if loc else err["msg"]), first
+    msg = err["msg"][:300]
+    return (f"{loc}: {msg}" if loc else msg), first

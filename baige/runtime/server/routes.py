@@ -23,8 +23,8 @@ from pydantic import BaseModel, ValidationError
 
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
-from baige.runtime.infer.outputs import RequestOutput
-from baige.runtime.infer.sampling import MAX_LOGPROBS, Logprobs, SamplingParams
+from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
+from baige.runtime.infer.sampling import Logprobs, SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import (
@@ -32,8 +32,12 @@ from baige.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    error_body,
+    parse_body,
     validation_message,
 )
+
+DEFAULT_MAX_N = 128  # sequences one request may ask for (n x prompts); `baige serve --max-n`
 
 
 @dataclass
@@ -44,6 +48,7 @@ class ServerState:
     served_model_name: str
     metrics: Metrics
     created: int
+    max_n: int = DEFAULT_MAX_N
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -100,7 +105,10 @@ async def until_disconnect(request: Request) -> None:
 
 
 async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput] | None:
-    """Final outputs of each stream; None when the client disconnected (which aborts them)."""
+    """Final outputs of each stream; None when the client disconnected (which aborts them).
+
+    Raises APIError 500 when the engine failed one of them (RequestFailed), 503 when the engine
+    loop has stopped."""
     async def run() -> list[RequestOutput]:
         final: list[RequestOutput | None] = [None] * len(gens)
         async for k, out in merge(gens):
@@ -115,19 +123,41 @@ async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) ->
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return None
-    return task.result()
+    try:
+        return task.result()
+    except (RequestFailed, EngineDeadError) as e:
+        raise engine_error(e) from None
+
+
+def engine_error(e: RequestFailed | EngineDeadError) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503, code="engine_dead")
+    return APIError(str(e), 500, code="internal_error")
+
+
+async def guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A server-sent-event stream that ends with an error event and ``[DONE]`` when the engine
+    fails the request (or stops) mid-stream, instead of a cut connection."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (RequestFailed, EngineDeadError) as e:
+        err = engine_error(e)
+        yield sse(error_body(err.message, err.status, code=err.code))
+        yield "data: [DONE]\n\n"
+
+
+def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(guarded(chunks), media_type="text/event-stream")
 
 
 async def parse(request: Request, schema: type[BaseModel]) -> Any:
-    """The request body validated by ``schema``. Raises APIError (400, or 404 for another model)."""
+    """The request body validated by ``schema``. Raises APIError (400, 404 for another model,
+    503 when the engine loop has stopped)."""
     st = state_of(request)
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    if not st.engine.is_alive:
+        raise APIError("the engine loop has stopped; restart the server", 503, code="engine_dead")
+    body = parse_body(await request.body())
     try:
         req = schema.model_validate(body)
     except ValidationError as e:
@@ -139,10 +169,14 @@ async def parse(request: Request, schema: type[BaseModel]) -> Any:
     return req
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    num_prompts: int, max_n: int) -> SamplingParams:
     """The engine's parameters for a request's sampling fields. Raises APIError."""
     if max_tokens is not None and max_tokens <= 0:
         raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if req.n * num_prompts > max_n:
+        what = f"n={req.n} x {num_prompts} prompts" if num_prompts > 1 else f"n={req.n}"
+        raise APIError(f"{what} asks for more than the {max_n} sequences a request may have (--max-n)", param="n")
     try:
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
@@ -155,17 +189,21 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         raise APIError(str(e)) from None
 
 
-def prepared(st: ServerState, prompts: list[str | list[int]],
-             params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
-    """Validate every prompt before anything runs (the same 400 whether streaming or not)."""
-    out = []
-    for p in prompts:
-        try:
-            _, ids, filled = st.engine.engine.prepare(p, params)
-        except BaigeError as e:
-            raise APIError(str(e), param="prompt") from None
-        out.append((ids, filled))
-    return out
+async def prepared(st: ServerState, prompts: list[str | list[int]],
+                   params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
+    """Validate and tokenize every prompt before anything runs (the same 400 whether streaming or
+    not), off the event loop so a long prompt does not stall other clients' streams."""
+    def run() -> list[tuple[list[int], SamplingParams]]:
+        out = []
+        for p in prompts:
+            try:
+                _, ids, filled = st.engine.engine.prepare(p, params)
+            except BaigeError as e:
+                raise APIError(str(e), param="prompt") from None
+            out.append((ids, filled))
+        return out
+
+    return await asyncio.to_thread(run)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -179,7 +217,8 @@ def include_usage(req: SamplingFields) -> bool:
 
 # ---- small endpoints ----------------------------------------------------------------------------
 async def health(request: Request) -> Response:
-    return Response(status_code=200)
+    """200 while the engine loop runs, 503 once it has stopped (the process then exits)."""
+    return Response(status_code=200 if state_of(request).engine.is_alive else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -249,15 +288,13 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 async def completions(request: Request):
     st = state_of(request)
     req: CompletionRequest = await parse(request, CompletionRequest)
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs")
     prompts = completion_prompts(req)
     echo_only = req.echo and req.max_tokens == 0
     score_prompt = req.echo and req.logprobs is not None
-    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs)
+    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, len(prompts), st.max_n)
     if score_prompt:
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-    jobs = prepared(st, prompts, params)
+    jobs = await prepared(st, prompts, params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.served_model_name}
     job = CompletionJob(req, jobs, [x if isinstance(x, str) else st.tokenizer.decode(x) for x in prompts], base,
@@ -267,7 +304,7 @@ async def completions(request: Request):
     gens = [st.engine.generate(ids, sp, f"{rid}-{k}") for k, (ids, sp) in enumerate(jobs)]
     if not req.stream:
         return await plain_completion(request, st, job, gens)
-    return StreamingResponse(stream_completion(st, job, gens), media_type="text/event-stream")
+    return event_stream(stream_completion(st, job, gens))
 
 
 async def echo_only_completion(request: Request, st: ServerState, job: CompletionJob):
@@ -295,7 +332,7 @@ async def echo_only_completion(request: Request, st: ServerState, job: Completio
             yield sse({**job.base, "choices": [], "usage": usage(job.num_prompt_tokens, 0)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(echo_stream(), media_type="text/event-stream")
+    return event_stream(echo_stream())
 
 
 async def plain_completion(request: Request, st: ServerState, job: CompletionJob,
@@ -380,24 +417,23 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 async def chat_completions(request: Request):
     st = state_of(request)
     req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                           param="top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, st.max_n)
     try:
-        ids = st.tokenizer.apply_chat_template(chat_messages(req), add_generation_prompt=True)
+        ids = await asyncio.to_thread(st.tokenizer.apply_chat_template, chat_messages(req), add_generation_prompt=True)
     except BaigeError as e:
         raise APIError(str(e), param="messages") from None
-    (ids, params), = prepared(st, [ids], params)
+    except Exception as e:  # the template met message fields it cannot render (jinja2 type errors)
+        raise APIError(f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})",
+                       param="messages") from None
+    (ids, params), = await prepared(st, [ids], params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.served_model_name}
     gen = st.engine.generate(ids, params, rid)
     if req.stream:
-        return StreamingResponse(stream_chat(st, req, base, len(ids), params.n, gen), media_type="text/event-stream")
+        return event_stream(stream_chat(st, req, base, len(ids), params.n, gen))
     finals = await collect(request, [gen])
     if finals is None:
         return Response(status_code=499)

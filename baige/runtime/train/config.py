@@ -252,7 +252,7 @@ def validate(cfg: TrainConfig) -> None:
         if getattr(cfg.parallelism, name) not in ("auto", "float32", "bfloat16"):
             raise BaigeError(f"parallelism.{name} must be auto, float32 or bfloat16")
     if cfg.checkpoint.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise BaigeError(f"checkpoint.export_dtype must be auto, float32, bfloat16 or float16")
+        raise BaigeError("checkpoint.export_dtype must be auto, float32, bfloat16 or float16")
     if cfg.model.name is not None and cfg.model.config is not None:
         raise BaigeError("give model.name (pretrained weights) or model.config (from scratch), not both")
     if not cfg.data.train:
