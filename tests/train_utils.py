@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conftest import DATA_DIR
 from tiny import make_checkpoint
-
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # A minimal chat template: "<s>role\ncontent</s>" per turn; assistant turns end with the EOS "</s>".
 CHAT_TEMPLATE = (
