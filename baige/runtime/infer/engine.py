@@ -349,7 +349,7 @@ def _check_text(text: str, field: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise BaigeError(f"{field}: not valid Unicode (a lone surrogate at character {e.start})") from None
+        raise BaigeError(f"{field}: not valid Unicode (a lone surrogate at character {e.start})", param=field) from None
 
 
 

@@ -183,10 +183,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             max_tokens=max_tokens, ignore_eos=req.ignore_eos, n=req.n, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias_ids(),
+            allowed_token_ids=req.allowed_token_ids,
         )
     except BaigeError as e:
-        raise APIError(str(e)) from None
+        raise APIError(str(e), param=e.param) from None
 
 
 async def prepared(st: ServerState, prompts: list[str | list[int]],
@@ -199,7 +200,7 @@ async def prepared(st: ServerState, prompts: list[str | list[int]],
             try:
                 _, ids, filled = st.engine.engine.prepare(p, params)
             except BaigeError as e:
-                raise APIError(str(e), param="prompt") from None
+                raise APIError(str(e), param=e.param or "prompt") from None
             out.append((ids, filled))
         return out
 
