@@ -7,7 +7,8 @@ trainer uses a fused linear + cross-entropy).
 
 Attention metadata is passed explicitly: ``None`` means plain causal attention over the batch
 (training, one-shot scoring); otherwise it is an object with
-``attend(layer_idx, q, k, v, scale) -> out`` that owns the KV cache (see ``generate.py``).
+``attend(layer_idx, q, k, v, scale) -> out`` that owns the KV cache (the engine's paged
+metadata in ``infer/runner.py``; ``tests/oracle_generate.py`` has a contiguous one).
 """
 
 from __future__ import annotations
