@@ -158,13 +158,21 @@ def test_sampling_seed_n_penalties_logprobs(loaded, prompts):
     base = run(eng, [prompts[0]], [SamplingParams(max_tokens=12, **GREEDY)])[0].outputs[0].token_ids
     pen = run(eng, [prompts[0]], [SamplingParams(max_tokens=12, repetition_penalty=3.0, **GREEDY)])[0]
     assert pen.outputs[0].token_ids != base
-    # min_tokens masks EOS; stop_token_ids end generation
+    # min_tokens masks EOS: a chat prompt the model answers with one word then EOS (the control),
+    # and the same prompt with min_tokens=10 (the same first word, then no EOS before token 10)
     eos = eng.eos_token_ids[0]
-    o = run(eng, [prompts[0]], [SamplingParams(temperature=0, max_tokens=30, min_tokens=10)])[0].outputs[0]
-    assert eos not in o.token_ids[:10]
+    _, tok = loaded
+    chat = tok.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no. Is the sky blue?"}])
+    control = run(eng, [chat], [SamplingParams(temperature=0, max_tokens=30)])[0].outputs[0]
+    assert len(control.token_ids) == 2 and control.token_ids[1] == eos and control.finish_reason == "stop"
+    o = run(eng, [chat], [SamplingParams(temperature=0, max_tokens=30, min_tokens=10)])[0].outputs[0]
+    assert o.token_ids[0] == control.token_ids[0] and len(o.token_ids) >= 10 and eos not in o.token_ids[:10]
+    # stop_token_ids end generation (the control), and min_tokens masks them too
     first = base[0]
     o = run(eng, [prompts[0]], [SamplingParams(max_tokens=12, stop_token_ids=[first], **GREEDY)])[0].outputs[0]
     assert o.token_ids == [first] and o.finish_reason == "stop" and o.stop_reason == first
+    o = run(eng, [prompts[0]], [SamplingParams(max_tokens=12, stop_token_ids=[first], min_tokens=3, **GREEDY)])[0]
+    assert len(o.outputs[0].token_ids) >= 3 and first not in o.outputs[0].token_ids[:3]
 
 
 def test_abort_frees_blocks(loaded, prompts):
