@@ -2,9 +2,12 @@
 on a tiny checkpoint (latency, throughput, compare, kernels), Ctrl-C accounting, bad input."""
 
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,9 +89,43 @@ def test_datasheet_lookup():
     assert roofline.datasheet_peaks("cpu") is None
 
 
-def test_measured_limits_are_positive_and_cached():
+class FakeTime:
+    """Stands in for a module's ``time``: ``perf_counter`` / ``monotonic`` return the given readings in
+    order (and fail when there are more calls than readings); everything else is the real module."""
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.perf_counter = self.monotonic = self._next
+
+    def _next(self) -> float:
+        assert self.readings, "more clock readings than the test scripted"
+        return self.readings.pop(0)
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_measurements_take_the_best_of_their_timed_calls(monkeypatch):
+    # three timed calls of 0.25, 0.125 and 0.5 s (warm-up calls are not timed): the best is 0.125 s
+    monkeypatch.setattr(roofline, "time", FakeTime([0.0, 0.25, 1.0, 1.125, 2.0, 2.5]))
+    nbytes = 1 << 20
+    assert roofline.measure_bandwidth(torch.device("cpu"), nbytes, iters=3) == 2 * nbytes / 0.125  # read + write
+    monkeypatch.setattr(roofline, "time", FakeTime([0.0, 0.5, 1.0, 1.25, 2.0, 2.0625]))
+    assert roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=3) == 2 * 64**3 / 0.0625
+
+
+def test_hardware_limits_measure_once_per_device_and_dtype(monkeypatch):
+    calls = []
+    monkeypatch.setattr(roofline, "_CACHE", {})
+    monkeypatch.setattr(roofline, "measure_bandwidth", lambda device: calls.append(("bw", str(device))) or 7e9)
+    monkeypatch.setattr(roofline, "measure_matmul_peak",
+                        lambda device, dtype: calls.append(("mm", str(dtype))) or {torch.float32: 3e11}.get(dtype, 5e11))
     a = roofline.hardware_limits("cpu", torch.float32)
-    assert a.bandwidth > 0 and a.matmul_peak > 0 and a is roofline.hardware_limits("cpu", torch.float32)
+    assert (a.device, a.dtype, a.bandwidth, a.matmul_peak, a.datasheet_peak) == ("cpu", "float32", 7e9, 3e11, None)
+    assert roofline.hardware_limits("cpu", torch.float32) is a
+    b = roofline.hardware_limits("cpu", torch.bfloat16)
+    assert (b.dtype, b.matmul_peak) == ("bfloat16", 5e11)
+    assert calls == [("bw", "cpu"), ("mm", "torch.float32"), ("bw", "cpu"), ("mm", "torch.bfloat16")]
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -236,26 +273,34 @@ def _result(out: Path, name: str) -> dict:
     return json.loads(files[0].read_text())
 
 
-def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path):
+def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path, monkeypatch):
     res = _cli(["bench", "latency", "--model", str(tiny_dir), "--input-len", "6", "--output-len", "4",
                 "--batch-size", "2", "--num-iters", "2", "--num-iters-warmup", "0", "--output-dir", str(tmp_path), "--plot"])
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "latency")
-    assert len(r["samples"]) == 2 and r["args"]["batch_size"] == 2 and r["environment"]["cpu_count"] >= 1
+    assert len(r["samples"]) == 2 and r["args"]["batch_size"] == 2 and r["environment"]["cpu_count"] == os.cpu_count()
     engine = r["args"]["engine"]  # as built: sized to the batch, prefix caching off
     assert (engine["max_num_seqs"], engine["max_model_len"], engine["enable_prefix_caching"]) == (2, 6 + 4, False)
     assert "decode throughput" in res.output and "tokens/s" in res.output and "% of limit" in res.output
     assert r["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32
     assert list(tmp_path.glob("latency-*-latency.png"))
 
+    # a fake clock for the timed part: the 5 requests take 2.5 s
+    from baige.runtime.bench import offline
+
+    clock = FakeTime([100.0, 102.5])
+    monkeypatch.setattr(offline, "time", clock)
     res = _cli(["bench", "throughput", "--model", str(tiny_dir), "--num-prompts", "5", "--input-len", "7",
                 "--output-len", "3", "--output-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
+    assert clock.readings == []  # both readings taken
     r = _result(tmp_path, "throughput")
     s = r["summary"]
     assert s["num_requests"] == 5 and s["total_output_tokens"] == 15 and s["total_num_tokens"] == 50
-    assert s["tokens_per_second"] == pytest.approx(50 / s["elapsed_time_s"])
-    assert [x["output_len"] for x in r["samples"]] == [3] * 5
+    assert s["elapsed_time_s"] == 2.5
+    # 5 requests, 50 tokens, 15 of them generated, in 2.5 s
+    assert (s["requests_per_second"], s["tokens_per_second"], s["output_tokens_per_second"]) == (2.0, 20.0, 6.0)
+    assert [x["output_len"] for x in r["samples"]] == [3] * 5 and [x["prompt_len"] for x in r["samples"]] == [7] * 5
 
 
 def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
@@ -284,28 +329,62 @@ def test_cli_group_kv_cache_dtype_refused_where_it_does_not_apply():
     assert res.exit_code != 0 and "does not apply to `bench kernels`" in str(res.exception)
 
 
-def test_cli_compare_prints_ratios(tiny_dir, tmp_path):
+# seconds per timed call of each row, round by round (a fake clock: the calls themselves still run)
+COMPARE_SECONDS = {
+    ("decode", "baige"): [0.5, 0.25], ("decode", "hf-float32"): [1.0, 0.875], ("decode", "hf-bfloat16"): [2.0, 1.5],
+    ("throughput", "baige"): [0.25, 0.5], ("throughput", "hf-float32"): [1.5], ("throughput", "hf-bfloat16"): [0.75, 0.625],
+}
+
+
+def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    from baige.runtime.bench import compare
+
+    seconds = {k: list(v) for k, v in COMPARE_SECONDS.items()}
+    add = compare.Rows.add
+
+    def tagged(kind, name, fn):
+        if fn is None:
+            return None
+        call = lambda: fn()  # noqa: E731
+        call.key = (kind, name)
+        return call
+
+    monkeypatch.setattr(compare.Rows, "add", lambda self, name, decode, batch, wb, db: add(
+        self, name, tagged("decode", name, decode), tagged("throughput", name, batch), wb, db))
+    monkeypatch.setattr(compare, "_timed", lambda fn: (fn(), seconds[fn.key].pop(0))[1])
     res = _cli(["bench", "compare", "--model", str(tiny_dir), "--input-len", "4", "--output-len", "3",
-                "--num-prompts", "32", "--tp-input-len", "4", "--tp-output-len", "2", "--hf-batch-size", "8",
-                "--no-quantized", "--repeats", "2", "--output-dir", str(tmp_path), "--plot"])
+                "--num-prompts", "32", "--tp-input-len", "4", "--tp-output-len", "2", "--range-ratio", "0",
+                "--hf-batch-size", "8", "--no-quantized", "--repeats", "2", "--output-dir", str(tmp_path), "--plot"])
     assert res.exit_code == 0, res.output
+    assert all(not v for v in seconds.values())  # every scripted call was made, no more
     r = _result(tmp_path, "compare")
-    ratios_ = r["summary"]["ratios"]
-    for key in ("decode_baige_over_hf_best", "throughput_baige_over_hf_best",
-                "decode_baige_over_hf-float32", "decode_baige_over_hf-bfloat16"):
-        assert ratios_[key] > 0
-    d = r["summary"]["decode"]
-    # static batching: every HF dtype in round 1, then only the one that was fastest on it
-    tp = r["samples"]["throughput"]
-    hf_best = min(("hf-float32", "hf-bfloat16"), key=lambda k: tp[k][0])
-    other = ({"hf-float32", "hf-bfloat16"} - {hf_best}).pop()
-    assert len(tp[hf_best]) == 2 and len(tp[other]) == 1 and len(tp["baige"]) == 2
-    t = r["summary"]["throughput"]
-    assert ratios_["throughput_baige_over_hf_best"] == pytest.approx(
-        t["baige"]["tokens_per_s"] / max(t["hf-float32"]["tokens_per_s"], t["hf-bfloat16"]["tokens_per_s"]))
-    assert ratios_["decode_baige_over_hf-float32"] == pytest.approx(d["baige"]["tokens_per_s"] / d["hf-float32"]["tokens_per_s"])
+    # static batching: every HF dtype in round 1, then only the one fastest on it (bfloat16: 0.75 < 1.5 s)
+    assert r["samples"]["throughput"] == {"baige": [0.25, 0.5], "hf-float32": [1.5], "hf-bfloat16": [0.75, 0.625]}
+    assert r["samples"]["decode"]["baige"] == [0.5, 0.25]
+    d, t = r["summary"]["decode"], r["summary"]["throughput"]
+    # decode: 3 tokens / median seconds (0.375, 0.9375, 1.75)
+    assert {k: v["tokens_per_s"] for k, v in d.items()} == pytest.approx(
+        {"baige": 8.0, "hf-float32": 3.2, "hf-bfloat16": 3 / 1.75})
+    # throughput: 32 requests x (4 + 2) tokens = 192 / median seconds (0.375, 1.5, 0.6875)
+    assert {k: v["tokens_per_s"] for k, v in t.items()} == pytest.approx(
+        {"baige": 512.0, "hf-float32": 128.0, "hf-bfloat16": 192 / 0.6875})
+    assert r["summary"]["ratios"] == pytest.approx({
+        "decode_baige_over_hf-float32": 2.5, "decode_baige_over_hf-bfloat16": 1.75 / 0.375,
+        "decode_baige_over_hf_best": 2.5,  # float32 decodes faster
+        "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf-bfloat16": 0.6875 / 0.375,
+        "throughput_baige_over_hf_best": 0.6875 / 0.375})  # bfloat16 batches faster
+    # decode bytes per step: the fp32 weights (tied: 2 layers x (q, o 64x64 + k, v 64x32 + mlp 3 x 64x96 + 2
+    # norms) + final norm + the 160 x 64 head) + 1 sequence x mean context (4 + 3/2) x K+V bytes per token
+    weights = 4 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 96 + 2 * 64) + 64 + 160 * 64)
+    assert r["model"]["weight_bytes"] == weights
+    assert d["baige"]["roofline"]["bytes_per_step"] == weights + 5.5 * (2 * 2 * 2 * 16 * 4)
     assert "baige / row" in res.output and "offline throughput (32 prompts)" in res.output
-    assert any("llama" in n for n in r["notes"]) or "llama.cpp" in r["summary"]["decode"]
+    # the model is a directory: llama.cpp is skipped with a note, whether or not llama-cpp-python is installed
+    note = ("the model is not a GGUF file: llama.cpp skipped" if importlib.util.find_spec("llama_cpp")
+            else "llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
+    assert r["notes"] == [note] and "llama.cpp" not in d
     assert list(tmp_path.glob("compare-*-decode.png"))
 
 
@@ -383,36 +462,53 @@ def test_help_lists_every_subcommand():
         assert name in res.output
 
 
-def test_bench_serve_against_baige_serve(tmp_path):
-    """The acceptance run at a size the suite can afford (the 64-request run is in the README)."""
+def test_bench_serve_against_baige_serve(tmp_path, embedded_dir):
+    """The acceptance run at a size the suite can afford (the 64-request run is in the README). The
+    timing math on a fake clock and a fake server: tests/bench/test_bench_serve.py."""
     res = _cli(["bench", "serve", "--num-prompts", "8", "--request-rate", "4", "--input-len", "16", "--output-len", "6",
                 "--slo", "e2el:600000", "--output-dir", str(tmp_path), "--plot"])
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "serve")
-    assert (r["completed"], r["failed"]) == (8, 0)
+    assert (r["completed"], r["failed"]) == (8, 0) and r["errors"] == [""] * 8
     assert r["total_output_tokens"] == 8 * 6 and r["output_lens"] == [6] * 8  # usage counts, EOS ignored
+    assert r["total_input_tokens"] == 8 * 16 and r["input_lens"] == [16] * 8
+    # every request timed: a TTFT each, at most 5 gaps between its (at most 6) content chunks
+    assert len(r["ttfts"]) == len(r["itls"]) == 8 and all(len(g) <= 5 for g in r["itls"])
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 10-minute SLO: every request is good
-    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput",
-                "output_throughput", "total_token_throughput", "duration"):
-        assert r[key] > 0, key
-    assert r["request_rate"] == 4.0 and r["args"]["num_prompts"] == 8 and r["environment"]["torch"]
-    assert r["roofline"]["decode"]["achieved_gb_s"] > 0
+    assert r["request_rate"] == 4.0 and r["args"]["num_prompts"] == 8 and r["environment"]["torch"] == torch.__version__
+    # decode bytes per step: the fp32 checkpoint + mean batch x mean context (16 + 6/2 tokens) x K+V bytes
+    # per token (2 x 30 layers x 3 KV heads x head_dim 64 x 4 bytes)
+    wbytes = (embedded_dir / "model.safetensors").stat().st_size
+    roof = r["roofline"]
+    assert roof["decode"]["bytes_per_step"] == pytest.approx(wbytes + roof["mean_concurrency"] * 19 * (2 * 30 * 3 * 64 * 4))
     assert "failed requests" in res.output and list(tmp_path.glob("serve-*-serve.png"))
 
 
-def test_cli_train_reports_mfu_from_flops_per_token(tmp_path):
+def test_cli_train_reports_mfu_from_flops_per_token(tmp_path, monkeypatch):
+    from baige.runtime.bench import train
+
+    # a fake clock around the 3 steps (0.5 s of warm-up, then 0.5 s and 0.25 s) and a fake machine
+    monkeypatch.setattr(train, "time", FakeTime([0.0, 0.5, 10.0, 10.5, 20.0, 20.25]))
+    monkeypatch.setattr(roofline, "hardware_limits", lambda device, dtype=torch.float32: LIMITS)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     res = _cli(["bench", "train", "--model", "debug", "--seq-len", "16", "--batch-size", "2", "--steps", "3",
                 "--warmup-steps", "1", "--no-compile", "--output-dir", str(tmp_path)])
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "train")
     s = r["summary"]
     assert [x["step"] for x in r["samples"]] == [2, 3] and r["args"]["compile"] is False and r["compiled"] is False
-    assert s["tokens_per_s_per_device"] == pytest.approx(2 * 16 / s["step_time_s"])
+    assert [x["time_s"] for x in r["samples"]] == [0.5, 0.25] and s["step_time_s"] == 0.375  # the median
+    assert s["tokens_per_s_per_device"] == pytest.approx(2 * 16 / 0.375)
     # debug preset: N_non-embedding = 2 layers x (attn 64*64*2 + 2*64*32 + mlp 3*64*192 + 2*64) + 64; L*H*Q = 2*4*16
     n = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 64
-    assert s["roofline"]["flops_per_token"] == 6 * n + 12 * 2 * 4 * 16 * 16
-    assert s["mfu_pct"] == pytest.approx(100 * s["tokens_per_s_per_device"] * s["roofline"]["flops_per_token"] / s["peak_flops"])
-    assert s["peak_memory_bytes"] > 0 and "MFU" in res.output
+    fpt = 6 * n + 12 * 2 * 4 * 16 * 16
+    assert s["roofline"]["flops_per_token"] == fpt
+    # fp32 on CPU: the peak is the (fake) measured matmul peak, 100 GFLOP/s
+    assert s["peak_flops"] == 100e9 and s["peak_source"] == "measured matmul"
+    assert s["mfu_pct"] == pytest.approx(100 * (32 / 0.375) * fpt / 100e9)
+    # this process's peak RSS in bytes (ru_maxrss is in KiB on Linux, and never decreases)
+    assert rss_before <= s["peak_memory_bytes"] <= rss_after and "MFU" in res.output
 
 
 def test_suite_headlines_and_table():

@@ -95,6 +95,10 @@ def fake_app():
 
     app = FastAPI()
 
+    @app.get("/health")
+    async def health():
+        return {}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
@@ -185,3 +189,53 @@ def test_serve_roofline_counts_the_servers_kv_cache_dtype(tmp_path, monkeypatch)
     default = serve_roofline(src, metrics, ok)["decode"]["bytes_per_step"]
     half = serve_roofline(src, metrics, ok, ["--kv-cache-dtype", "float16"])["decode"]["bytes_per_step"]
     assert default == wbytes + 12.5 * kv32 and half == wbytes + 12.5 * kv32 / 2
+
+
+class TickClock:
+    """A fake ``time`` for the client: every ``perf_counter()`` reading is ``tick`` seconds after the
+    previous one (the first is 0); everything else is the real module."""
+
+    def __init__(self, tick: float):
+        self.tick, self.readings = tick, 0
+
+    def perf_counter(self) -> float:
+        self.readings += 1
+        return (self.readings - 1) * self.tick
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_cli_against_fake_server_on_a_fake_clock(fake_server, embedded_dir, tmp_path, monkeypatch):
+    """``baige bench serve --base-url`` end to end with every number known: 4 requests one at a time
+    (--max-concurrency 1), each answered with 4 content chunks and a usage of 7 tokens; the client's
+    clock advances 0.125 s per reading. Readings: the start of the run, then per request its start,
+    one per content chunk and its end, then the end of the run: 1 + 4 x 6 + 1."""
+    from typer.testing import CliRunner
+
+    from baige.cli import app
+    from baige.runtime.bench import serve
+
+    clock = TickClock(0.125)
+    monkeypatch.setattr(serve, "time", clock)
+    res = CliRunner().invoke(app, ["bench", "serve", "--base-url", fake_server, "--num-prompts", "4", "--input-len", "8",
+                                   "--output-len", "7", "--max-concurrency", "1", "--slo", "ttft:125,tpot:100",
+                                   "--output-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert clock.readings == 26
+    (path,) = tmp_path.glob("serve-*.json")
+    r = json.loads(path.read_text())
+    assert (r["completed"], r["failed"], r["max_concurrency"], r["request_rate"]) == (4, 0, 1, "inf")
+    assert r["duration"] == 25 * 0.125
+    assert r["total_input_tokens"] == 4 * 8 and r["total_output_tokens"] == 4 * 7 and r["output_lens"] == [7] * 4
+    # 4 requests, 28 generated tokens and 32 + 28 in all over 3.125 s
+    assert r["request_throughput"] == pytest.approx(1.28)
+    assert r["output_throughput"] == pytest.approx(8.96) and r["total_token_throughput"] == pytest.approx(19.2)
+    # per request: TTFT 1 tick, 3 gaps of 1 tick, end-to-end 5 ticks, TPOT (625 - 125) ms / (7 - 1) tokens
+    for stat in ("mean", "median", "p99"):
+        assert r[f"{stat}_ttft_ms"] == pytest.approx(125.0) and r[f"{stat}_itl_ms"] == pytest.approx(125.0)
+        assert r[f"{stat}_e2el_ms"] == pytest.approx(625.0) and r[f"{stat}_tpot_ms"] == pytest.approx(500 / 6)
+    assert r["itls"] == [[0.125] * 3] * 4 and r["ttfts"] == [0.125] * 4
+    # the SLO bounds are inclusive: TTFT 125 <= 125 ms and TPOT 83.3 <= 100 ms, every request is good
+    assert r["request_goodput"] == pytest.approx(1.28)
+    assert "roofline" not in r  # --base-url: a server this run did not start, of unknown size
