@@ -108,19 +108,39 @@ def test_cli_quantize_eval_and_compare(tiny_with_tokenizer, tmp_path):
     assert (out / "tokenizer.json").is_file()
     assert "relative weight error" in r.output and "down_" in r.output  # the rich table
 
+    # the references: HF's tokenizer and HF transformers' own load of both checkpoints (the int4 one
+    # through its compressed-tensors integration)
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     data = DATA_DIR / "wikitext-2-raw-test.txt"
+    ids = torch.tensor(AutoTokenizer.from_pretrained(tiny_with_tokenizer)(data.read_text())["input_ids"][:256])
+    hf_a = AutoModelForCausalLM.from_pretrained(tiny_with_tokenizer, dtype=torch.float32).eval()
+    hf_b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
     r = _cli("eval", "ppl", "--model", out, "--data", data, "--seq-len", "64", "--max-tokens", "256",
              "--output", tmp_path / "ppl.json")
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "ppl.json").read_text())
-    assert res["predicted_tokens"] == 4 * 63 and res["windows"] == 4 and res["perplexity"] > 1000
+    assert res["predicted_tokens"] == 4 * 63 and res["windows"] == 4
+    assert res["perplexity"] == pytest.approx(hf_guide_perplexity(hf_b, ids[None], 64), rel=1e-4)
 
     r = _cli("eval", "compare", tiny_with_tokenizer, out, "--data", data, "--seq-len", "64", "--max-tokens", "128",
              "--output", tmp_path / "cmp.json")
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "cmp.json").read_text())
-    assert res["mean_kl_divergence_nats"] > 0 and 0 < res["top1_agreement"] <= 1
-    assert res["b"]["perplexity"] != res["a"]["perplexity"]
+    kl = agree = 0.0
+    for b in (0, 64):  # two windows of 64 tokens, 63 predictions each
+        with torch.no_grad():
+            la = F.log_softmax(hf_a(ids[None, b:b + 64]).logits[0, :-1], -1)
+            lb = F.log_softmax(hf_b(ids[None, b:b + 64]).logits[0, :-1], -1)
+        kl += F.kl_div(lb, la, log_target=True, reduction="sum").item()  # KL(P_a || P_b)
+        agree += (la.argmax(-1) == lb.argmax(-1)).sum().item()
+    # (rel 1e-4: KL(P_b || P_a) is 6e-4 away here)
+    assert res["mean_kl_divergence_nats"] == pytest.approx(kl / 126, rel=1e-4) and kl > 0
+    assert res["top1_agreement"] == pytest.approx(agree / 126, abs=1.01 / 126)  # at most one near-tie flips
+    assert res["a"]["perplexity"] == pytest.approx(hf_guide_perplexity(hf_a, ids[None, :128], 64), rel=1e-4)
+    assert res["b"]["perplexity"] == pytest.approx(hf_guide_perplexity(hf_b, ids[None, :128], 64), rel=1e-4)
 
 
 def test_cli_gptq_runs_and_loads(tiny_with_tokenizer, tmp_path):
