@@ -251,18 +251,34 @@ def test_api_key_required(server, http):
     assert http.post("/v1/completions", json=GOOD).status_code == 200
 
 
-def _wait_idle(http, timeout=1.0) -> dict:
+def _wait_idle(http, timeout=60.0) -> dict:
+    """/metrics once no request runs and no KV block is used (polled; the timeout only ends a hang)."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(http)
         if m["baige:num_requests_running"] == 0 and m["baige:kv_cache_blocks_used"] == 0:
             return m
         assert time.monotonic() < deadline, m
-        time.sleep(0.02)
+        time.sleep(0.05)
+
+
+LONG = 800  # tokens the disconnected request would generate if it were not aborted
+
+
+def _finished(m: dict) -> dict:
+    """baige:request_success_total by finish reason (an aborted request never finishes)."""
+    return {k: v for k, v in m.items() if k.startswith("baige:request_success_total")}
+
+
+def _assert_aborted(before: dict, after: dict) -> None:
+    """Idle again because the disconnected request was dropped, not because it ran to its end
+    (finish_reason "length" after LONG tokens): no request finished meanwhile, for any reason."""
+    assert _finished(after) == _finished(before)
 
 
 def test_disconnect_mid_stream_frees_request_and_blocks(server, http):
-    body = {"prompt": "Tell me a long story.", "max_tokens": 800, "ignore_eos": True, "stream": True}
+    before = metrics(http)
+    body = {"prompt": "Tell me a long story.", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
@@ -270,13 +286,14 @@ def test_disconnect_mid_stream_frees_request_and_blocks(server, http):
             assert any(line.startswith("data: ") for line in got)
             m = metrics(http)
             assert m["baige:num_requests_running"] == 1 and m["baige:kv_cache_blocks_used"] > 0
-    _wait_idle(http)
+    _assert_aborted(before, _wait_idle(http))
     assert http.post("/v1/completions", json=GOOD).status_code == 200
 
 
 def test_disconnect_non_stream_frees_request_and_blocks(server, http):
+    before = metrics(http)
     host, port = server.removeprefix("http://").split(":")
-    payload = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 800, "ignore_eos": True}).encode()
+    payload = json.dumps({"prompt": "Tell me a long story.", "max_tokens": LONG, "ignore_eos": True}).encode()
     sock = socket.create_connection((host, int(port)))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
@@ -285,7 +302,7 @@ def test_disconnect_non_stream_frees_request_and_blocks(server, http):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     sock.close()
-    _wait_idle(http)
+    _assert_aborted(before, _wait_idle(http))
 
 
 def test_metrics_exposed(http):
