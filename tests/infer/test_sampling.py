@@ -343,12 +343,23 @@ def test_sample_batch_logprobs_are_the_raw_log_softmax():
         assert lps[3].top[0][0] == 1 and lps[3].token_id == 7  # the raw top-1 is not the biased pick
 
 
-@pytest.mark.xfail(strict=True, reason="sample_batch's top-k keeps exactly k tokens by sorted position; apply_filters "
-                                       "(which its docstring cites) and vLLM keep every token tied with the k-th")
 def test_sample_batch_top_k_keeps_ties_with_the_kth():
+    """Like apply_filters and vLLM: every token tied with the k-th largest logit stays."""
     logits, p = [3.0, 2.0, 2.0, 1.0], SamplingParams(top_k=2)
     expected = {0, 1, 2}
     assert support(ref_probs(logits, p)) == expected
     assert torch.isfinite(apply_filters(torch.tensor([logits]), 2, 1.0, 0.0)).tolist() == [[True, True, True, False]]
     seen = {draw([logits], [row(p, seed)])[0][0] for seed in range(300)}
     assert seen == expected
+
+
+def test_min_tokens_never_masks_every_allowed_token():
+    """allowed_token_ids of stop ids only, min_tokens not reached: the stop ids stay drawable (a row
+    of all -inf would otherwise yield token 0, which is not allowed)."""
+    p = SamplingParams(allowed_token_ids=[2], min_tokens=3, temperature=0)
+    r = SamplerRow(p, None, output_ids=[], stop_ids=[2])
+    tokens, _ = sample_batch(torch.tensor([[5.0, 4.0, 1.0, 0.0]]), [r])
+    assert tokens == [2]
+    p = SamplingParams(allowed_token_ids=[1, 2], min_tokens=3, temperature=0)
+    tokens, _ = sample_batch(torch.tensor([[5.0, 0.5, 4.0, 0.0]]), [SamplerRow(p, None, output_ids=[], stop_ids=[2])])
+    assert tokens == [1]  # a non-stop allowed token exists: the stop id is masked

@@ -273,7 +273,9 @@ def _adjust_row(row: torch.Tensor, r: SamplerRow) -> torch.Tensor:
         row = row.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=dev))
     out = torch.tensor(r.output_ids or [], dtype=torch.long, device=dev)
     if len(r.output_ids or ()) < p.min_tokens and r.stop_ids:
-        row = row.index_fill(0, torch.tensor(r.stop_ids, dtype=torch.long, device=dev), float("-inf"))
+        masked = row.index_fill(0, torch.tensor(r.stop_ids, dtype=torch.long, device=dev), float("-inf"))
+        if torch.isfinite(masked).any():  # allowed_token_ids may hold only stop ids: then they stay
+            row = masked
     if p.repetition_penalty != 1:
         seen = torch.zeros(V, dtype=torch.bool, device=dev)
         seen[torch.tensor(r.prompt_ids or [], dtype=torch.long, device=dev)] = True
@@ -321,8 +323,8 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int
         sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
         top_k = torch.tensor([rows[i].params.top_k if rows[i].params.top_k > 0 else V for i in random_rows],
                              device=logits.device)
-        ranks = torch.arange(V, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        kth = sorted_logits.gather(-1, (top_k - 1)[:, None])  # (R, 1) the k-th largest logit
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with it stay (vLLM)
         top_p = torch.tensor([rows[i].params.top_p for i in random_rows], device=logits.device)
         if (top_p < 1).any():
             probs = sorted_logits.softmax(-1)
