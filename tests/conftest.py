@@ -77,3 +77,23 @@ def hf_embedded():
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     return model, tok
+
+
+@pytest.fixture
+def cli_error(capsys):
+    """``cli_error(*args)`` runs ``baige ARGS`` in-process through the console entry point (``baige.cli.main``)
+    and returns its stderr, after asserting what a user mistake must give: a non-zero exit and one line,
+    ``error: ...``, with no traceback."""
+    from baige.cli import main
+
+    def run(*args) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code not in (0, None), err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("error: "), err
+        return err.strip()
+
+    return run

@@ -17,17 +17,19 @@ app.add_typer(eval_app, name="eval")
 DataOpt = Annotated[Path, typer.Option(help="UTF-8 text file (e.g. wikitext-2-raw test).")]
 SeqLenOpt = Annotated[int, typer.Option(min=2, help="Tokens per non-overlapping window.")]
 MaxTokensOpt = Annotated[Optional[int], typer.Option(min=2, help="Use only the first N tokens of the file.")]
-OutputOpt = Annotated[Optional[Path], typer.Option(help="Also write the JSON result to this file.")]
+OutputOpt = Annotated[Optional[Path], typer.Option(help="Also write the JSON result to this file (its directory is "
+                                                        "created).")]
 
 
-def _run(fn, cfg: EvalConfig, output: Optional[Path]) -> dict:
+def _run(fn, cfg: EvalConfig) -> dict:
     import json
 
     with progress_bar("windows") as update:
         result = fn(cfg, update)
     text = json.dumps(result, indent=2)
-    if output is not None:
-        output.write_text(text + "\n")
+    if cfg.output is not None:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(text + "\n")
     print(text)
     return result
 
@@ -46,8 +48,9 @@ def ppl(
     (HF's perplexity guide with stride = window). Prints JSON."""
     from baige.runtime.evaluate import evaluate_ppl
 
-    cfg = EvalConfig([model], str(data), seq_len, max_tokens, dtype.value, device.value)
-    _run(evaluate_ppl, cfg, output)
+    cfg = EvalConfig([model], str(data), seq_len, max_tokens, dtype.value, device.value,
+                     str(output) if output else None)
+    _run(evaluate_ppl, cfg)
 
 
 @eval_app.command("compare")
@@ -65,5 +68,6 @@ def compare(
     agreement, on the same windows. Prints JSON."""
     from baige.runtime.evaluate import evaluate_compare
 
-    cfg = EvalConfig([model_a, model_b], str(data), seq_len, max_tokens, dtype.value, device.value)
-    _run(evaluate_compare, cfg, output)
+    cfg = EvalConfig([model_a, model_b], str(data), seq_len, max_tokens, dtype.value, device.value,
+                     str(output) if output else None)
+    _run(evaluate_compare, cfg)

@@ -33,7 +33,8 @@ WeightsDTypeOpt = Annotated[DType, typer.Option(help="Weights dtype (and the KV 
 
 @contextmanager
 def progress_bar(description: str, transient: bool = False) -> Iterator[Callable[..., None]]:
-    """A rich progress bar on stderr; yields ``update(done, total, what=None)``."""
+    """A rich progress bar on stderr; yields ``update(done, total, what=None)``. A run that fails
+    erases its bar, so the error is the one line it leaves."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -45,4 +46,10 @@ def progress_bar(description: str, transient: bool = False) -> Iterator[Callable
             bar.update(task, completed=done, total=total,
                        **({"description": f"{description}: {what}"} if what else {}))
 
-        yield update
+        try:
+            yield update
+        except BaseException:
+            bar.live.transient = True  # erase the bar...
+            bar.live.stop()
+            bar.disable = True  # ...and let Progress.stop add no blank line (it does on a non-terminal)
+            raise

@@ -33,7 +33,8 @@ def serve(
     dtype: Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is set); "
                                               "auto = the checkpoint's.")] = DType.auto,
     device: Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")] = Device.auto,
-    seed: Annotated[int, typer.Option(help="Seed of the RNG that requests without a seed sample from.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the RNG that requests without a seed sample from (any 64-bit "
+                                           "integer).")] = 0,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Most sequences in one step.")] = 128,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Most tokens computed in one step "
                                                         "(prefill chunks + decodes).")] = 2048,
@@ -59,7 +60,7 @@ def serve(
                                                    "bodies get 413 before they are read whole.")] = 16 * 2**20,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
-    from baige.runtime.config import EngineConfig, parse_size
+    from baige.runtime.config import EngineConfig
     from baige.runtime.infer.async_engine import AsyncEngine
     from baige.runtime.infer.engine import Engine
     from baige.runtime.server.app import run_server
@@ -67,7 +68,7 @@ def serve(
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
+                       block_size=block_size, kv_cache_memory=kv_cache_memory,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
     engine = AsyncEngine(Engine.from_config(cfg))

@@ -2,24 +2,87 @@
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from baige.errors import BaigeError
 
+# torch.Generator.manual_seed takes any 64-bit integer, signed or unsigned (the engine's RNG)
+TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
+# seeds of data order and random prompts (numpy's SeedSequence takes no negative seed)
+DATA_SEED_RANGE = (0, 2**63 - 1)
 
-def parse_size(text: str) -> int:
+
+def parse_size(text: str, option: str | None = None) -> int:
     """'2GB' -> 2_000_000_000 bytes (decimal units as HF uses; GiB/MiB are binary).
 
-    Raises BaigeError for text that is not a number with an optional unit.
+    Raises BaigeError (naming ``option`` when given) for text that is not a number with an optional unit.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
     if not m:
-        raise BaigeError(f"bad size {text!r} (examples: 500MB, 2GB, 1GiB)")
+        raise BaigeError(f"{option + ': ' if option else ''}bad size {text!r} (examples: 500MB, 2GB, 1GiB)")
     unit = (m.group(2) or "B").upper()
     mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     return int(float(m.group(1)) * mult)
+
+
+def check_int(option: str, value: int, low: int, high: int | None = None) -> None:
+    """``value`` an integer in [low, high]. Raises BaigeError naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise BaigeError(f"{option} must be an integer {bounds} (got {value!r})")
+
+
+def check_float(option: str, value: float, low: float, high: float = math.inf, low_open: bool = False,
+                inf_ok: bool = False) -> None:
+    """``value`` a finite number (or +inf with ``inf_ok``) in [low, high] ((low, high] with ``low_open``).
+    Raises BaigeError naming ``option``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and inf_ok and value == math.inf:
+        return
+    if not (number and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+        bounds = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+        raise BaigeError(f"{option} must be a {'number' if inf_ok else 'finite number'} {bounds} (got {value!r})")
+
+
+def check_input_file(option: str, path: str | Path) -> None:
+    """An existing regular file. Raises BaigeError naming ``option``."""
+    p = Path(path)
+    if p.is_dir():
+        raise BaigeError(f"{option} {path}: a directory, not a file")
+    if not p.is_file():
+        raise BaigeError(f"{option} {path}: no such file")
+
+
+def _nearest_existing(path: Path) -> Path:
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def check_output_path(option: str, path: str | Path, kind: str) -> None:
+    """A path a command will write: ``kind`` "file", "dir" (created or written into) or "new dir"
+    (must not exist or be empty; written atomically). Checked before any work, so a bad path fails
+    at once rather than after minutes of compute.
+
+    Raises BaigeError naming ``option``: a file where a directory goes or the reverse, a non-empty
+    "new dir", a parent that is a file, or a nearest existing directory that is not writable.
+    """
+    p = Path(path)
+    if p.exists():
+        if kind == "file" and p.is_dir():
+            raise BaigeError(f"{option} {path}: a directory; give a file name")
+        if kind != "file" and not p.is_dir():
+            raise BaigeError(f"{option} {path}: a file, not a directory")
+        if kind == "new dir" and any(p.iterdir()):
+            raise BaigeError(f"{path}: already exists and is not empty; choose a new output directory")
+    base = _nearest_existing(p.parent if kind == "file" or kind == "new dir" else p)
+    if not base.is_dir():
+        raise BaigeError(f"{option} {path}: {base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise BaigeError(f"{option} {path}: {base} is not writable")
 
 
 @dataclass
@@ -57,6 +120,25 @@ class QuantizeConfig:
     device: str = "auto"
     clip_search: bool | None = None  # None: on for int4 when calib_data is given
 
+    def __post_init__(self) -> None:
+        """Raises BaigeError for an option that does not fit the method, a bad calibration setting, a
+        missing --calib-data file or an output that exists and is not empty."""
+        if self.method not in ("int8", "int4", "gptq"):
+            raise BaigeError(f"unknown method {self.method!r} (choose int8, int4, gptq)")
+        if self.act_order and self.method != "gptq":
+            raise BaigeError("--act-order applies to --method gptq only")
+        if self.method == "gptq" and not self.calib_data:
+            raise BaigeError("--method gptq needs --calib-data FILE (text to calibrate on)")
+        if self.method == "int8" and not self.symmetric:
+            raise BaigeError("int8 is symmetric per output channel; --asymmetric applies to int4 and gptq")
+        if self.method != "int8" and self.group_size not in (32, 64, 128):
+            raise BaigeError(f"--group-size {self.group_size}: choose 32, 64 or 128")
+        check_int("--calib-samples", self.calib_samples, 1)
+        check_int("--calib-seq-len", self.calib_seq_len, 2)
+        if self.calib_data:
+            check_input_file("--calib-data", self.calib_data)
+        check_output_path("--output", self.output, "new dir")
+
 
 @dataclass
 class EvalConfig:
@@ -68,6 +150,16 @@ class EvalConfig:
     max_tokens: int | None = None
     dtype: str = "auto"
     device: str = "auto"
+    output: str | None = None  # also write the JSON result here
+
+    def __post_init__(self) -> None:
+        """Raises BaigeError for a window under 2 tokens, a missing data file or an unwritable output."""
+        check_int("--seq-len", self.seq_len, 2)
+        if self.max_tokens is not None:
+            check_int("--max-tokens", self.max_tokens, 2)
+        check_input_file("--data", self.data)
+        if self.output is not None:
+            check_output_path("--output", self.output, "file")
 
 
 @dataclass
@@ -89,3 +181,16 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # None or "fp16-weight" (CPU fp32; see quant_dynamic.py)
     kv_cache_dtype: str = "auto"  # auto (the model's) | float32 | float16 | bfloat16; others than auto: CPU
+
+    def __post_init__(self) -> None:
+        """Raises BaigeError for a seed outside 64 bits, sizes below 1 or a bad ``kv_cache_memory``."""
+        check_int("--seed", self.seed, *TORCH_SEED_RANGE)
+        for option, value in (("--max-num-seqs", self.max_num_seqs), ("--block-size", self.block_size),
+                              ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+            check_int(option, value, 1)
+        if self.max_model_len is not None:
+            check_int("--max-model-len", self.max_model_len, 1)
+        if isinstance(self.kv_cache_memory, str):
+            parse_size(self.kv_cache_memory, "--kv-cache-memory")
+        elif self.kv_cache_memory is not None:
+            check_int("--kv-cache-memory", self.kv_cache_memory, 0)

@@ -53,19 +53,9 @@ def calibration_ids(tokenizer, path: str | Path, n_samples: int, seq_len: int, s
 
 
 def scheme_for(cfg: QuantizeConfig) -> QuantScheme:
-    """The weight scheme ``cfg`` asks for. Raises BaigeError for options that do not fit the method."""
-    if cfg.method not in ("int8", "int4", "gptq"):
-        raise BaigeError(f"unknown method {cfg.method!r} (choose int8, int4, gptq)")
-    if cfg.act_order and cfg.method != "gptq":
-        raise BaigeError("--act-order applies to --method gptq only")
-    if cfg.method == "gptq" and not cfg.calib_data:
-        raise BaigeError("--method gptq needs --calib-data FILE (text to calibrate on)")
+    """The weight scheme ``cfg`` asks for (``QuantizeConfig`` has checked that the options fit the method)."""
     if cfg.method == "int8":
-        if not cfg.symmetric:
-            raise BaigeError("int8 is symmetric per output channel; --asymmetric applies to int4 and gptq")
         return QuantScheme(8, None)
-    if cfg.group_size not in (32, 64, 128):
-        raise BaigeError(f"--group-size {cfg.group_size}: choose 32, 64 or 128")
     return QuantScheme(4, cfg.group_size, cfg.symmetric, actorder=cfg.act_order and cfg.method == "gptq")
 
 
@@ -96,12 +86,10 @@ def quantize_checkpoint(cfg: QuantizeConfig, progress: ProgressFn | None = None)
     compressed-tensors directory and its report. Returns (output dir, report rows).
 
     Raises:
-        BaigeError: bad method or options, an already quantized model, calibration problems,
-        a non-empty output directory (checked before any work).
+        BaigeError: an already quantized model, calibration problems (``QuantizeConfig`` checked the
+        options and the output directory before any work).
     """
     out = Path(cfg.output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BaigeError(f"{out}: already exists and is not empty; choose a new output directory")
     scheme = scheme_for(cfg)
     clip = clip_search_on(cfg)
     model_dir = resolve_model(cfg.model)
