@@ -15,6 +15,9 @@ import typer
 
 from baige.cli.app import app
 from baige.cli.options import MODEL_HELP
+from baige.runtime.train.config import TrainConfig
+
+D = TrainConfig()  # the defaults a flag left out keeps (unless --config or --set gives the field)
 
 SET_HELP = (
     "Override any config field: --set section.field=value (TOML value; repeatable), e.g. "
@@ -33,21 +36,22 @@ def train(
     data: Annotated[Optional[list[str]], typer.Option(
         "--data", help="Training file (repeatable): .txt, or .jsonl with \"text\" or chat \"messages\" (SFT).")] = None,
     eval_data: Annotated[Optional[list[str]], typer.Option("--eval-data", help="Held-out file (repeatable).")] = None,
-    eval_every: Annotated[Optional[int], typer.Option(help="Steps between evaluations (0 = at the end only).")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per training window.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Windows per device per micro-batch.")] = None,
-    grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per optimizer step.")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Run directory (checkpoints, metrics, hf export).")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Steps between evaluations of --eval-data (0 = at the end only; default 0).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help=f"Optimizer steps (default {D.training.steps}).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help=f"Tokens per training window (default {D.training.seq_len}).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help=f"Windows per device per micro-batch (default {D.training.batch_size}).")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(help=f"Micro-batches per optimizer step (default {D.training.grad_accum}).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help=f"Peak learning rate (default {D.optimizer.lr:g}): reached after lr_scheduler.warmup_steps of linear "
+                                               f"warm-up, then lr_scheduler.name decays it (default {D.lr_scheduler.name}).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help=f"Run directory (checkpoints, metrics.jsonl, the hf export); default {D.output}.")] = None,
     resume: Annotated[Optional[str], typer.Option(
         help="auto (newest complete checkpoint in the output dir, default), none (start fresh) or a step directory.")] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree.")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree (default 1); world_size must be divisible by it times --dp-replicate.")] = None,
     dp_replicate: Annotated[Optional[int], typer.Option(help="HSDP replica count (1 = FSDP).")] = None,
     ac: Annotated[Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block (default: on for single-device CPU training when a C++ compiler is on PATH).")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for init and data order.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help=f"Seed for init and data order, 0 .. 2**63-1 (default {D.training.seed}).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)] = None,
 ) -> None:
     """Train or fine-tune a model; checkpoints (DCP), metrics.jsonl and an HF export go to --output."""

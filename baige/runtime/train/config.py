@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from baige.errors import BaigeError
+from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int, check_output_path
 
 
 @dataclass
@@ -178,7 +179,10 @@ def _set(cfg: TrainConfig, dotted: str, value: Any) -> None:
         target = getattr(target, part)
     fields = {f.name: f for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else {}
     name = parts[-1]
-    if name not in fields or dataclasses.is_dataclass(getattr(target, name)):
+    if name in fields and dataclasses.is_dataclass(getattr(target, name)):
+        first = dataclasses.fields(getattr(target, name))[0].name
+        raise BaigeError(f"config {dotted!r} is a section, not a field: set its fields (e.g. {dotted}.{first}=...)")
+    if name not in fields:
         raise BaigeError(f"unknown config field {dotted!r}")
     setattr(target, name, _coerce(dotted, value, typing.get_type_hints(type(target))[name]))
 
@@ -212,6 +216,8 @@ def load_train_config(
             data = tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise BaigeError(f"{path}: config file not found") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+            raise BaigeError(f"{path}: cannot read the config file as UTF-8 text ({type(e).__name__})") from None
         except tomllib.TOMLDecodeError as e:
             raise BaigeError(f"{path}: not valid TOML ({e})") from None
         for key, value in data.items():
@@ -229,19 +235,43 @@ def load_train_config(
     return cfg
 
 
+def _check_paths(cfg: TrainConfig) -> None:
+    """Data files that are directories, and an output that cannot be a writable directory. Raises BaigeError."""
+    for split in ("train", "eval"):
+        for name in getattr(cfg.data, split):
+            if Path(name).is_dir():
+                raise BaigeError(f"data.{split} {name!r} is a directory; give the files in it (repeat --data)")
+    check_output_path("output", cfg.output, "dir")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Range and choice checks. Raises BaigeError naming the field."""
     t = cfg.training
     for name in ("steps", "seq_len", "batch_size", "grad_accum"):
         if getattr(t, name) < 1:
             raise BaigeError(f"training.{name} must be >= 1 (got {getattr(t, name)})")
+    for where, value in (("training.eval_every", t.eval_every), ("training.eval_batches", t.eval_batches),
+                         ("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps),
+                         ("checkpoint.interval", cfg.checkpoint.interval),
+                         ("checkpoint.keep_latest", cfg.checkpoint.keep_latest)):
+        if value < 0:
+            raise BaigeError(f"{where} must be >= 0 (got {value})")
+    check_int("training.seed", t.seed, *DATA_SEED_RANGE)  # torch.manual_seed and the data order's numpy seed
+    o = cfg.optimizer
+    check_float("optimizer.lr", o.lr, 0.0)
+    check_float("optimizer.eps", o.eps, 0.0)
+    check_float("optimizer.weight_decay", o.weight_decay, 0.0)
+    check_float("training.max_norm", t.max_norm, 0.0)
+    check_float("lr_scheduler.min_lr_ratio", cfg.lr_scheduler.min_lr_ratio, 0.0, 1.0)
+    check_float("lr_scheduler.decay_ratio", cfg.lr_scheduler.decay_ratio, 0.0, 1.0)
+    check_float("metrics.peak_tflops", cfg.metrics.peak_tflops, 0.0)
     ac = t.activation_checkpointing
     if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):
         raise BaigeError(f"training.activation_checkpointing must be none, full or a block interval N >= 1 (got {ac!r})")
     if cfg.optimizer.name != "adamw":
         raise BaigeError(f"optimizer.name {cfg.optimizer.name!r} is not supported (adamw)")
-    if len(cfg.optimizer.betas) != 2:
-        raise BaigeError(f"optimizer.betas must be two numbers (got {cfg.optimizer.betas})")
+    if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):  # nan fails too
+        raise BaigeError(f"optimizer.betas must be two numbers in [0, 1) (got {cfg.optimizer.betas})")
     if t.compile not in (True, False, "auto"):
         raise BaigeError(f"training.compile must be auto, true or false (got {t.compile!r})")
     if cfg.optimizer.fused not in ("auto", "true", "false"):
@@ -259,3 +289,4 @@ def validate(cfg: TrainConfig) -> None:
         raise BaigeError("no training data: pass --data FILE (or data.train in the config)")
     if cfg.metrics.log_every < 1:
         raise BaigeError(f"metrics.log_every must be >= 1 (got {cfg.metrics.log_every})")
+    _check_paths(cfg)

@@ -1,0 +1,46 @@
+"""User mistakes on generate / serve / eval: one `error:` line, a non-zero exit, no traceback.
+
+The other commands have theirs beside their tests (tests/train, tests/quant, tests/weights, tests/bench)."""
+
+import subprocess
+import sys
+
+
+def test_serve_options_fail_before_the_model_loads(cli_error):
+    assert f"--seed must be an integer in [-9223372036854775808, 18446744073709551615] (got {2**64})" in cli_error(
+        "serve", "--seed", 2**64)
+    assert "--kv-cache-memory: bad size 'lots'" in cli_error("serve", "--kv-cache-memory", "lots")
+
+
+def test_eval_paths(cli_error, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    (tmp_path / "afile").write_text("x")
+    assert f"--data {tmp_path / 'missing.txt'}: no such file" in cli_error("eval", "ppl", "--data", tmp_path / "missing.txt")
+    assert f"--data {tmp_path}: a directory, not a file" in cli_error("eval", "ppl", "--data", tmp_path)
+    assert f"--output {tmp_path}: a directory; give a file name" in cli_error("eval", "ppl", "--data", text,
+                                                                                "--output", tmp_path)
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in cli_error(
+        "eval", "compare", "a", "b", "--data", text, "--output", tmp_path / "afile" / "r.json")
+
+
+def test_a_failed_load_leaves_no_progress_bar(cli_error, tmp_path):
+    """The error comes from inside the progress bar (the model load); the bar is erased, not left above it."""
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.")
+    (tmp_path / "fake.gguf").write_bytes(b"not a gguf file")
+    assert "fake.gguf: not a readable GGUF file" in cli_error("eval", "ppl", "--data", text, "-m", tmp_path / "fake.gguf")
+
+
+def test_real_processes(tmp_path):
+    """As a user runs them: the console entry point in a fresh interpreter, stderr one line, exit 1 or 2."""
+    (tmp_path / "t.txt").write_text("hello")
+    for args, code, needle in [
+        (["train", "--data", tmp_path / "t.txt", "--lr", "nan", "-o", tmp_path / "run"], 1, "optimizer.lr"),
+        (["generate", "-p", "hi", "--temperature", "nan"], 2, "--temperature"),
+    ]:
+        proc = subprocess.run([sys.executable, "-m", "baige", *map(str, args)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == code and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert needle in proc.stderr

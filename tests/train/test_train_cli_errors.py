@@ -1,0 +1,48 @@
+"""`baige train` user mistakes: one `error:` line naming the bad field, a non-zero exit, no traceback.
+
+Every case fails in TrainConfig's checks, before a model or a file is loaded (in-process, milliseconds)."""
+
+import pytest
+
+
+@pytest.fixture
+def base(tmp_path):
+    (tmp_path / "train.txt").write_text("To be, or not to be, that is the question.\n")
+    (tmp_path / "afile").write_text("x")
+    # one tiny step, so that a check that regressed fails in seconds rather than training for minutes
+    return ["train", "--data", tmp_path / "train.txt", "--output", tmp_path / "run", "--steps", "1", "--seq-len", "8",
+            "--batch-size", "1", "--no-compile"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--lr", "nan"], "optimizer.lr must be a finite number >= 0 (got nan)"),
+    (["--lr", "-1"], "optimizer.lr must be a finite number >= 0 (got -1.0)"),
+    (["--lr", "inf"], "optimizer.lr must be a finite number >= 0 (got inf)"),
+    (["--seed", "-1"], "training.seed must be an integer in [0, 9223372036854775807] (got -1)"),
+    (["--seed", str(2**64)], f"training.seed must be an integer in [0, 9223372036854775807] (got {2**64})"),
+    (["--eval-every", "-1"], "training.eval_every must be >= 0"),
+    (["--set", "optimizer.betas=[0.9, 2]"], "optimizer.betas must be two numbers in [0, 1)"),
+    (["--set", "optimizer.betas=[nan, 0.9]"], "optimizer.betas must be two numbers in [0, 1)"),
+    (["--set", "optimizer.lr=nan"], "optimizer.lr must be a finite number"),
+    (["--set", "optimizer.weight_decay=-0.1"], "optimizer.weight_decay"),
+    (["--set", "lr_scheduler.min_lr_ratio=2"], "lr_scheduler.min_lr_ratio must be a finite number >= 0 and <= 1"),
+    (["--set", "lr_scheduler.warmup_steps=-5"], "lr_scheduler.warmup_steps must be >= 0"),
+    (["--set", "training=5"], "config 'training' is a section, not a field"),
+    (["--set", "checkpoint.keep_latest=-1"], "checkpoint.keep_latest must be >= 0"),
+])
+def test_bad_values(cli_error, base, args, needle):
+    assert needle in cli_error(*base, *args)
+
+
+def test_bad_paths(cli_error, base, tmp_path):
+    (tmp_path / "dir.toml").mkdir()
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
+    assert "dir.toml: cannot read the config file as UTF-8 text (IsADirectoryError)" in cli_error(
+        "train", "--config", tmp_path / "dir.toml")
+    assert "binary.toml: cannot read the config file as UTF-8 text (UnicodeDecodeError)" in cli_error(
+        "train", "--config", tmp_path / "binary.toml")
+    assert f"data.train '{tmp_path}' is a directory" in cli_error(*base, "--data", tmp_path)
+    assert f"output {tmp_path / 'afile'}: a file, not a directory" in cli_error(*base, "-o", tmp_path / "afile")
+    err = cli_error(*base, "-o", tmp_path / "afile" / "run")
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in err
+    assert not (tmp_path / "run").exists()
