@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from baige.errors import BaigeError
-from baige.runtime.config import parse_size
+from baige.runtime.config import check_output_path, parse_size
 from baige.runtime.weights.hub import resolve_model
 from baige.runtime.weights.loader import load_model
 from baige.runtime.weights.safetensors_io import save_hf_checkpoint
@@ -16,12 +16,14 @@ def convert_checkpoint(src: str, out: str | Path, dtype: str = "auto", max_shard
     """Write ``out`` as an HF directory from ``src`` (any model spec; a .gguf is imported directly).
 
     The source goes through the same strict load as ``baige generate``, so only a checkpoint that
-    baige can run is written. Raises BaigeError for bad input or an existing non-empty ``out``.
+    baige can run is written. Raises BaigeError for bad input, a bad ``max_shard_size`` or an ``out`` that exists and is not
+    empty (or cannot be created).
     """
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BaigeError(f"{out}: already exists and is not empty; choose a new output directory")
-    shard_bytes = parse_size(max_shard_size)
+    check_output_path("OUT", out, "new dir")
+    shard_bytes = parse_size(max_shard_size, "--max-shard-size")
+    if shard_bytes < 1:
+        raise BaigeError(f"--max-shard-size {max_shard_size!r} must be at least 1 byte (e.g. 2GB)")
     with tempfile.TemporaryDirectory() as tmp:
         if src.lower().endswith(".gguf"):
             from baige.runtime.weights.gguf_import import import_gguf

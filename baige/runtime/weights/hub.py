@@ -44,11 +44,17 @@ def alias_gguf_path(alias: str) -> Path:
 
 
 def _imported_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
-    """Import a GGUF once into the cache; the directory is keyed by the file's path, size and mtime."""
+    """Import a GGUF once into the cache; the directory is keyed by the file's path, size and mtime.
+    Raises BaigeError when the cache cannot hold it."""
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
     if not (out / "config.json").is_file():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BaigeError(f"cannot create {out.parent} for the imported model ({e.strerror or e}); "
+                             "set BAIGE_CACHE to a writable directory") from None
         import_gguf(gguf_path, out)
     return out
 
@@ -72,6 +78,10 @@ def resolve_model(spec: str | None) -> Path:
         return _imported_gguf_dir(path)
     if spec.lower() in ALIASES:
         return _imported_gguf_dir(alias_gguf_path(spec.lower()), spec.lower())
+    if path.is_file():
+        where = f" (its directory {path.parent} is one)" if path.name == "config.json" else ""
+        raise BaigeError(f"{path}: a file that is not a model: give an HF directory with config.json{where} "
+                         "or a .gguf file")
     if spec.startswith((".", "/", "~")) or path.suffix in (".safetensors", ".bin", ".pt", ".json"):
         raise BaigeError(f"{spec}: no such model directory or file")
     return _download(spec)

@@ -47,13 +47,18 @@ def checkpoint_files(model_dir: Path) -> dict[str, list[str] | None]:
 def load_state_dict(model_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor of a (possibly sharded) safetensors checkpoint.
 
-    Raises BaigeError when an index entry's tensor is absent from its shard.
+    Raises BaigeError when a file is not safetensors (bad header, truncated) or an index entry's tensor
+    is absent from its shard.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     state: dict[str, torch.Tensor] = {}
     for fname, promised in checkpoint_files(model_dir).items():
-        with safe_open(str(model_dir / fname), framework="pt") as f:
+        try:
+            f = safe_open(str(model_dir / fname), framework="pt")
+        except SafetensorError as e:
+            raise BaigeError(f"{model_dir / fname}: not a readable safetensors file ({e})") from None
+        with f:
             present = set(f.keys())
             for name in promised or []:
                 if name not in present:
@@ -103,8 +108,11 @@ def save_hf_checkpoint(
         shards[-1][name] = state[name]
         size += nbytes
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:
+        raise BaigeError(f"{out_dir}: cannot create the output directory ({e.strerror or e})") from None
     try:
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
