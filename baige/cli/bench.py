@@ -22,7 +22,7 @@ OutDirOpt = Annotated[Path, typer.Option(help="Directory for the JSON results (a
 PlotOpt = Annotated[bool, typer.Option("--plot", help="Also write PNG charts (matplotlib).")]
 EagerOpt = Annotated[bool, typer.Option(help="GPU: never capture the decode step as CUDA graphs (torch.compile reduce-overhead). No effect on CPU, where decode steps are never captured.")]
 MNBTOpt = Annotated[int, typer.Option(min=1, help="Most tokens computed in one engine step.")]
-SeedOpt = Annotated[int, typer.Option(help="Seed of the random prompts.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the random prompts, 0 .. 2**63-1.")]
 QuantizationOpt = Annotated[Optional[str], typer.Option(
     help="fp16-weight: the engine's fbgemm fp16-weight linears (CPU fp32 only; on an int8/int4 checkpoint, "
          "its remaining fp32 linears, i.e. the tied lm_head). Default: none.")]
@@ -50,7 +50,9 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
 
     from baige.runtime.bench.common import write_result
     from baige.runtime.bench.report import write_plots
+    from baige.runtime.config import check_output_path
 
+    check_output_path("--output-dir", output_dir, "dir")  # before the run, not after it
     err = Console(stderr=True)
     with progress_bar(f"bench {name}", transient=True) as update:
         result = fn(cfg, update)
@@ -94,8 +96,8 @@ def _numbers(text: str, option: str, kind: type, hint: str) -> list:
 @bench_app.callback()
 def bench(
     ctx: typer.Context, model: ModelOpt = None, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
-    threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for torch here and in a launched server "
-                                                   "(sets OMP_NUM_THREADS). Default: torch's choice.")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for torch here and in a launched "
+                                                   "`baige serve` (its OMP_NUM_THREADS). Default: torch's choice.")] = None,
     kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
 ) -> None:
     """Benchmark baige against its peers and this machine's limits (memory bandwidth, matmul peak)."""
@@ -251,7 +253,9 @@ def train(
         "--compile/--no-compile", help="torch.compile each block. Default: the Trainer's (training.compile = "
                                        "auto: on for single-device CPU training).")] = None,
     data: Annotated[Optional[Path], typer.Option(help="UTF-8 text to train on (default: synthetic).")] = None,
-    seed: SeedOpt = 0, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
+    seed: Annotated[int, typer.Option(help="Seed of the init, the data order and the synthetic text, "
+                                           "0 .. 2**63-1.")] = 0,
+    output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Short training run through the Trainer: tokens/s per device, MFU (%), peak memory."""
     from baige.runtime.bench.report import metric_table, train_rows

@@ -35,7 +35,7 @@ import torch
 from baige.runtime import roofline
 from baige.runtime.bench.common import environment, random_token_prompts
 from baige.runtime.bench.offline import Progress, build_llm, run_args
-from baige.runtime.config import EngineConfig
+from baige.runtime.config import DATA_SEED_RANGE, EngineConfig, check_int
 
 Requests = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
 
@@ -60,6 +60,7 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         self.hf_dtypes = tuple(dict.fromkeys(self.hf_dtypes))
+        check_int("--seed", self.seed, *DATA_SEED_RANGE)
 
 
 @dataclass

@@ -27,7 +27,7 @@ import numpy as np
 from baige.errors import BaigeError
 from baige.runtime import roofline
 from baige.runtime.bench.common import environment, random_token_prompts, summarize  # noqa: F401 (re-exported)
-from baige.runtime.config import EngineConfig
+from baige.runtime.config import DATA_SEED_RANGE, EngineConfig, check_int
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -56,6 +56,7 @@ class LatencyConfig:
     def __post_init__(self) -> None:
         if min(self.input_len, self.output_len, self.batch_size, self.num_iters) < 1:
             raise BaigeError("--input-len, --output-len, --batch-size and --num-iters must be >= 1")
+        check_int("--seed", self.seed, *DATA_SEED_RANGE)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class ThroughputConfig:
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise BaigeError("--num-prompts must be >= 1")
+        check_int("--seed", self.seed, *DATA_SEED_RANGE)
 
 
 def build_llm(engine: EngineConfig, max_model_len: int, max_num_seqs: int):

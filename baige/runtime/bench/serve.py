@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -227,8 +228,8 @@ def parse_slo(text: str | None) -> dict[str, float]:
             out[name] = float(value)
         except ValueError:
             raise BaigeError(f"--slo: {part!r} is not METRIC:MILLISECONDS") from None
-        if out[name] <= 0:
-            raise BaigeError(f"--slo: {name} must be > 0 ms")
+        if not 0 < out[name] < math.inf:
+            raise BaigeError(f"--slo: {name} must be a finite number of ms > 0 (got {value.strip()!r})")
     return out
 
 

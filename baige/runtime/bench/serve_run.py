@@ -23,6 +23,7 @@ from pathlib import Path
 
 from baige.errors import BaigeError
 from baige.runtime.bench.common import environment
+from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int
 from baige.runtime.bench.serve import (
     RequestResult,
     calculate_metrics,
@@ -62,6 +63,11 @@ class ServeBenchConfig:
         parse_slo(self.slo)  # raises for a bad --slo
         if any(not 0 < p <= 100 for p in self.percentiles):
             raise BaigeError("--percentiles must be in (0, 100]")
+        check_float("--request-rate", self.request_rate, 0.0, low_open=True, inf_ok=True)
+        check_float("--burstiness", self.burstiness, 0.0, low_open=True)
+        check_int("--seed", self.seed, *DATA_SEED_RANGE)
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise BaigeError(f"--base-url {self.base_url!r}: expected http://HOST:PORT (or https://)")
 
 
 def free_port() -> int:

@@ -52,10 +52,15 @@ def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
 
 
 def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_cache_dtype: str = "auto") -> dict:
-    """Run the parts in order; stops after an interrupted part (its JSON is still written)."""
+    """Run the parts in order; stops after an interrupted part (its JSON is still written).
+
+    Raises BaigeError at once for an ``output_dir`` that cannot be a writable directory."""
     from baige.runtime.bench.compare import run_compare
     from baige.runtime.bench.offline import run_latency, run_throughput
     from baige.runtime.bench.serve_run import run_serve
+    from baige.runtime.config import check_output_path
+
+    check_output_path("--output-dir", output_dir, "dir")
 
     err = Console(stderr=True)
     runners = {"latency": run_latency, "throughput": run_throughput, "compare": run_compare,

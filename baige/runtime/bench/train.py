@@ -29,6 +29,7 @@ from baige.errors import BaigeError
 from baige.runtime import roofline
 from baige.runtime.bench.common import environment
 from baige.runtime.bench.offline import Progress
+from baige.runtime.config import DATA_SEED_RANGE, check_int
 
 
 @dataclass
@@ -54,6 +55,7 @@ class TrainBenchConfig:
             raise BaigeError(f"--dtype {self.dtype!r}: choose auto, float32 or bfloat16")
         if self.steps <= self.warmup_steps:
             raise BaigeError(f"--steps ({self.steps}) must exceed --warmup-steps ({self.warmup_steps})")
+        check_int("--seed", self.seed, *DATA_SEED_RANGE)
 
 
 def _synthetic_text(tokenizer, n_tokens: int, path: Path, seed: int) -> None:
