@@ -12,14 +12,15 @@ from baige.cli.app import app
 from baige.cli.options import Device, DeviceOpt, DType, ModelOpt
 from baige.runtime.config import GenerateConfig
 
-MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier at EOS).")]
+MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier at EOS or where the "
+                                                      "model's context ends).")]
 TemperatureOpt = Annotated[
     Optional[float], typer.Option(min=0.0, help="0 = greedy. Default: the model's generation_config, else 1.0.")
 ]
 TopPOpt = Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")]
 TopKOpt = Annotated[Optional[int], typer.Option(min=0, help="Keep the K most likely tokens (0 = off).")]
 MinPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Drop tokens below min_p * p(top token).")]
-SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling (any 64-bit integer).")]
 DTypeOpt = Annotated[DType, typer.Option(help="Weights dtype; auto = the checkpoint's torch_dtype.")]
 SystemOpt = Annotated[Optional[str], typer.Option(help="System message for the chat template.")]
 
