@@ -35,6 +35,22 @@ VARIANTS = {
     "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False),
 }
 
+# Mixture-of-Experts: hidden 72 (not a power of two), dense and sparse layers mixed, shared
+# experts where the family has them, an odd number of experts
+MOE = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=2, head_dim=18, num_hidden_layers=3)
+MOE_VARIANTS = {
+    "qwen3-moe": dict(model_type="qwen3_moe", **MOE, num_experts=7, num_experts_per_tok=2, moe_intermediate_size=40,
+                      mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen2-moe-shared": dict(model_type="qwen2_moe", **MOE, num_experts=5, num_experts_per_tok=2,
+                             moe_intermediate_size=36, shared_expert_intermediate_size=56, decoder_sparse_step=2,
+                             norm_topk_prob=False),
+    "mixtral": dict(model_type="mixtral", **{**MOE, "num_hidden_layers": 2}, num_local_experts=6,
+                    num_experts_per_tok=2, intermediate_size=44),
+    "ernie4.5-moe": dict(model_type="ernie4_5_moe", **MOE, moe_num_experts=6, moe_k=3, moe_intermediate_size=32,
+                         moe_num_shared_experts=1, moe_layer_start_index=1, tie_word_embeddings=True),
+}
+VARIANTS.update(MOE_VARIANTS)
+
 
 def make_checkpoint(path: Path, variant: str, seed: int = 0, **overrides) -> Path:
     """Write a random tiny HF checkpoint of ``variant`` with transformers; returns the directory."""
@@ -47,7 +63,9 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, **overrides) -> Pat
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.05)  # ERNIE's selection bias: changes which experts win, not all of them
+            elif name.endswith("bias"):
                 p.normal_(0.0, 2.0)  # large q/k/v biases (Qwen2)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)  # non-unit norms (incl. Qwen3 q_norm/k_norm)

@@ -22,6 +22,7 @@ from torch import nn
 
 from baige import kernels
 from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.fp16_weight import Fp16WeightLinear
 from baige.runtime.quant.linear import QuantizedLinear
@@ -55,6 +56,10 @@ class FusedDecoder:
         descs = []
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
+            if isinstance(m, SparseMoeBlock):
+                return None, f"layer {i} is a Mixture-of-Experts layer (the native step is dense only)"
+            if a.rope_perm is not None:
+                return None, "interleaved RoPE (the native step rotates half-split pairs)"
             mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
             linears = []
             for name, mod in zip(kernels.DECODE_PROJECTIONS, mods):

@@ -11,8 +11,46 @@ from typing import Any
 from baige.errors import BaigeError
 
 # HF model_type -> the architecture features our single decoder switches on.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass
+class MoEConfig:
+    """The sparse MLP of a Mixture-of-Experts model, read from config.json (transformers' meanings).
+
+    Routing (``kernels.moe_topk``): ``probs = softmax(router_logits)`` in fp32; the ``top_k``
+    experts by ``probs`` (plus ``e_score_correction_bias`` when ``correction_bias``: ERNIE-4.5's
+    selection rule); their ``probs`` as weights, divided by ``max(sum, norm_min)`` when
+    ``renormalize`` (Mixtral always; Qwen's ``norm_topk_prob``; ERNIE with ``moe_norm_min``).
+
+    Attributes:
+        num_experts, top_k: routed experts and experts per token.
+        intermediate_size: each routed expert's SwiGLU width.
+        sparse_layers: indices of the layers whose MLP is sparse (the others are dense, with the
+            model's ``intermediate_size``).
+        shared_intermediate_size: width of the shared expert every token also goes through (0: none).
+        shared_gate: the shared expert's output is scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+        router_fp32: the router's matmul runs in fp32 with fp32 weights (ERNIE-4.5).
+        router_aux_loss_coef: weight of the load-balancing loss in training (Switch/GShard form).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    sparse_layers: tuple[int, ...]
+    renormalize: bool
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+    correction_bias: bool = False
+    norm_min: float = 0.0
+    router_fp32: bool = False
+    router_aux_loss_coef: float = 0.0
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return layer_idx in self.sparse_layers
 
 
 @dataclass
@@ -37,6 +75,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) instead of (i, i + D/2) (ERNIE-4.5)
+    moe: MoEConfig | None = None  # None: every layer dense
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -47,7 +87,8 @@ class ModelConfig:
         """Build from a parsed config.json.
 
         Raises:
-            BaigeError: unknown ``model_type`` or rope type, or a missing required field.
+            BaigeError: unknown ``model_type`` or rope type, a missing required field, or a field
+            value the decoder does not implement (named in the message).
         """
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -91,9 +132,11 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "ernie4_5_moe")),
+            attention_bias=_attention_bias(cfg, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rope_interleaved=model_type == "ernie4_5_moe",
+            moe=_moe_config(cfg, model_type, n_layers),
             torch_dtype=str(dtype),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
@@ -111,18 +154,29 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise BaigeError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count (tied embeddings counted once); ``non_embedding`` drops embeddings and lm_head."""
+    def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
+        """Parameter count (tied embeddings counted once); ``non_embedding`` drops embeddings and
+        lm_head; ``active`` counts, in sparse layers, only the ``top_k`` routed experts a token
+        uses (plus router and shared expert): the N of ``6 N`` training FLOPs for MoE models."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        body = self.num_hidden_layers * per_layer + h
+        body = h
+        for i in range(self.num_hidden_layers):
+            body += attn + self._mlp_params(i, active) + 2 * h
         if non_embedding:
             return body
         emb = self.vocab_size * h
         return body + emb + (0 if self.tie_word_embeddings else emb)
+
+    def _mlp_params(self, layer_idx: int, active: bool) -> int:
+        h, m = self.hidden_size, self.moe
+        if m is None or not m.is_sparse(layer_idx):
+            return 3 * h * self.intermediate_size
+        experts = m.top_k if active else m.num_experts
+        n = experts * 3 * h * m.intermediate_size + m.num_experts * h  # experts + router
+        n += 3 * h * m.shared_intermediate_size + (h if m.shared_gate else 0)
+        return n + (m.num_experts if m.correction_bias else 0)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies in the cache across all layers."""
@@ -132,3 +186,73 @@ class ModelConfig:
 def softmax_scale(cfg: ModelConfig) -> float:
     """``1/sqrt(head_dim)`` (Vaswani et al. 2017)."""
     return 1.0 / math.sqrt(cfg.head_dim)
+
+
+def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
+    """q/k/v biases: ``attention_bias`` (Llama), Qwen2's always, Qwen2-MoE's ``qkv_bias`` (transformers
+    5's name; older files have no key and a bias); ERNIE-4.5's ``use_bias`` must be false."""
+    if model_type == "ernie4_5_moe":
+        if cfg.get("use_bias"):
+            raise BaigeError("ernie4_5_moe with use_bias=true (biases on every linear) is not supported")
+        return False
+    if model_type == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
+    return bool(cfg.get("attention_bias", model_type == "qwen2"))
+
+
+def _int_field(cfg: dict[str, Any], *names: str, default: Any = None) -> int:
+    for name in names:
+        if cfg.get(name) is not None:
+            value = cfg[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise BaigeError(f"config.json field {name!r} must be an integer, got {value!r}")
+            return value
+    if default is None:
+        raise BaigeError(f"config.json is missing required field {names[0]!r}")
+    return default
+
+
+def _moe_config(cfg: dict[str, Any], model_type: str, n_layers: int) -> MoEConfig | None:
+    """The sparse-MLP settings of the MoE families (transformers' config fields and defaults).
+
+    Raises BaigeError naming a field whose value the decoder does not implement."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    if cfg.get("use_sliding_window") or (model_type == "mixtral" and cfg.get("sliding_window") is not None):
+        raise BaigeError(f"{model_type}: sliding-window attention (sliding_window/use_sliding_window) is not supported")
+    coef = float(cfg.get("router_aux_loss_coef") or 0.0)
+    if model_type == "mixtral":
+        e = _int_field(cfg, "num_local_experts", default=8)
+        return MoEConfig(e, _int_field(cfg, "num_experts_per_tok", default=2), _int_field(cfg, "intermediate_size"),
+                         tuple(range(n_layers)), renormalize=True, router_aux_loss_coef=coef)
+    if model_type == "ernie4_5_moe":
+        return _ernie_moe(cfg, n_layers, coef)
+    e = _int_field(cfg, "num_experts", "num_local_experts")  # transformers 5 saves the second name
+    step = _int_field(cfg, "decoder_sparse_step", default=1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(n_layers) if i not in dense and e > 0 and (i + 1) % step == 0)
+    shared = _int_field(cfg, "shared_expert_intermediate_size", default=0) if model_type == "qwen2_moe" else 0
+    return MoEConfig(e, _int_field(cfg, "num_experts_per_tok"), _int_field(cfg, "moe_intermediate_size"), sparse,
+                     renormalize=bool(cfg.get("norm_topk_prob", False)), shared_intermediate_size=shared,
+                     shared_gate=shared > 0, router_aux_loss_coef=coef)
+
+
+def _ernie_moe(cfg: dict[str, Any], n_layers: int, coef: float) -> MoEConfig:
+    """ERNIE-4.5-MoE (21B-A3B layout): MoE layers from ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (-1: the last) every ``moe_layer_interval`` layers (counted as
+    ``(i + 1) % interval == 0``, transformers' rule); shared experts of ``moe_num_shared_experts``
+    times the expert width, no gate; selection through ``e_score_correction_bias``."""
+    if isinstance(cfg.get("moe_num_experts"), list) or isinstance(cfg.get("moe_layer_start_index"), list):
+        raise BaigeError("ernie4_5_moe with several expert groups (list-valued moe_num_experts / "
+                         "moe_layer_start_index, the VL layout) is not supported")
+    start = _int_field(cfg, "moe_layer_start_index", default=1)
+    end = _int_field(cfg, "moe_layer_end_index", default=-1)
+    end = n_layers - 1 if end == -1 else end
+    interval = _int_field(cfg, "moe_layer_interval", default=1)
+    inter = _int_field(cfg, "moe_intermediate_size")
+    sparse = tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end)
+    return MoEConfig(_int_field(cfg, "moe_num_experts", "num_experts"), _int_field(cfg, "moe_k", "num_experts_per_tok"),
+                     inter, sparse, renormalize=True,
+                     shared_intermediate_size=inter * _int_field(cfg, "moe_num_shared_experts", default=2),
+                     correction_bias=True, norm_min=float(cfg.get("moe_norm_min", 1e-12)), router_fp32=True,
+                     router_aux_loss_coef=coef)

@@ -1,4 +1,6 @@
-"""One decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), used by training and serving.
+"""One decoder for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and its Mixture-of-Experts
+relatives (Qwen3-MoE, Qwen2-MoE, Mixtral, ERNIE-4.5-MoE), used by training and serving. Dense and
+sparse layers mix by config (:class:`~baige.runtime.model.moe.SparseMoeBlock`).
 
 Module and parameter names mirror HF transformers' ``LlamaForCausalLM`` so state dicts load and
 save without renaming. ``forward`` returns hidden states; ``compute_logits`` applies ``lm_head`` so
@@ -20,6 +22,7 @@ from torch import nn
 
 from baige import kernels
 from baige.runtime.model.config import ModelConfig, softmax_scale
+from baige.runtime.model.moe import SparseMoeBlock, SwiGLU
 from baige.runtime.model.rope import RotaryEmbedding
 
 
@@ -57,6 +60,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # interleaved RoPE (pairs 2i, 2i+1) is half-split RoPE (pairs i, i + D/2) on q and k with
+        # their head dims permuted [0, 2, 4, ..., 1, 3, 5, ...]; q.k is unchanged by the shared
+        # permutation, so the weights keep their layout and the cache holds the permuted keys
+        self.rope_perm = (list(range(0, self.head_dim, 2)) + list(range(1, self.head_dim, 2))
+                          if cfg.rope_interleaved else None)
+        self._perm: dict[torch.device, torch.Tensor] = {}  # rope_perm as an index tensor per device
 
     def forward(self, x, cos, sin, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -65,6 +74,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_perm is not None:
+            perm = self._perm.get(q.device)
+            if perm is None:
+                perm = self._perm[q.device] = torch.tensor(self.rope_perm, dtype=torch.long, device=q.device)
+            q, k = q.index_select(-1, perm), k.index_select(-1, perm)
         q, k = kernels.apply_rope(q, k, cos, sin)
         if attn_metadata is None:
             o = kernels.attention(q, k, v, self.scale)
@@ -73,33 +87,28 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, hidden)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
+        self.mlp = SparseMoeBlock(cfg) if sparse else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn_metadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, attn_metadata, router_logits: list | None = None) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn_metadata)
         norm = self.post_attention_layernorm
         if torch.is_grad_enabled():  # training: the residual add and the norm keep their own backward
             x = x + h
-            return x + self.mlp(norm(x))
+            return x + self._mlp(norm(x), router_logits)
         normed, x = kernels.add_rms_norm(h, x, norm.weight, norm.eps)  # inference: one fused pass
-        return x + self.mlp(normed)
+        return x + self._mlp(normed, router_logits)
+
+    def _mlp(self, x: torch.Tensor, router_logits: list | None) -> torch.Tensor:
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp(x, router_logits)
+        return self.mlp(x)
 
 
 class Decoder(nn.Module):
@@ -136,6 +145,7 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata | None = None,
+        router_logits: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the decoder.
 
@@ -143,13 +153,15 @@ class Transformer(nn.Module):
             input_ids: (B, T) int64 token ids.
             positions: (B, T) int64 absolute positions (RoPE).
             attn_metadata: ``None`` for causal attention within the batch, else a KV-cache owner.
+            router_logits: a list to receive each sparse layer's (B*T, num_experts) router logits,
+                in layer order (the load-balancing loss reads them); None: not collected.
         Returns:
             (B, T, hidden) final hidden states (after the last norm), in the model dtype.
         """
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, D) each
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_metadata)
+            x = layer(x, cos, sin, attn_metadata, router_logits)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -163,7 +175,9 @@ class Transformer(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: ``6 N + 12 L H Q T`` (Kaplan et al. 2020; PaLM appendix B),
 
-        N = non-embedding parameters, L layers, H heads, Q head_dim, T sequence length.
+        N = non-embedding parameters a token uses (for MoE the active ones: top-k routed experts,
+        router and shared experts), L layers, H heads, Q head_dim, T sequence length.
         """
         c = self.config
-        return 6 * self.num_params(non_embedding=True) + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+        n = self.config.num_params(non_embedding=True, active=True)
+        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len

@@ -13,6 +13,7 @@ from baige.runtime.model.device import resolve_dtype
 from baige.runtime.model.rope import RotaryEmbedding
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.format import prepare_quantized_model
+from baige.runtime.weights import moe_layout
 from baige.runtime.weights.safetensors_io import load_state_dict
 
 
@@ -33,7 +34,7 @@ def load_model(
     cfg = ModelConfig.from_file(model_dir / "config.json")
     torch_dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
-    state = load_state_dict(model_dir, torch_dtype)
+    state = moe_layout.to_internal(load_state_dict(model_dir, torch_dtype), cfg, str(model_dir))
     with torch.device("meta"):
         model = Transformer(cfg)
     if cfg.raw.get("quantization_config"):

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from baige.errors import BaigeError
+from baige.runtime.model.config import MOE_MODEL_TYPES, ModelConfig
+from baige.runtime.weights import moe_layout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -83,12 +85,16 @@ def save_hf_checkpoint(
     Written under a temporary name and renamed when complete. ``lm_head.weight`` is dropped when
     ``config['tie_word_embeddings']`` is true. ``torch_dtype`` in the config is set from the tensors.
     ``extra_files`` (file name -> text) are written into the same directory before the rename.
+    A Mixture-of-Experts model's stacked experts are written per expert, as published
+    (:func:`baige.runtime.weights.moe_layout.to_hf`).
     """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise BaigeError(f"{out_dir}: already exists and is not empty; choose a new output directory")
+    if config.get("model_type") in MOE_MODEL_TYPES:  # routed experts back in the published per-expert layout
+        state = moe_layout.to_hf(state, ModelConfig.from_dict(config))
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)

@@ -1,0 +1,121 @@
+"""The sparse MLP of Mixture-of-Experts layers: a router, ``num_experts`` SwiGLU experts stored
+stacked, and an optional shared expert (Qwen2-MoE's gated one, ERNIE-4.5's plain ones).
+
+Inside baige the routed experts are two 3-D parameters, transformers 5's in-memory layout:
+``experts.gate_up_proj`` (E, 2I, H) -- rows ``[0, I)`` gate_proj, ``[I, 2I)`` up_proj -- and
+``experts.down_proj`` (E, H, I). Checkpoints keep the published layout (one tensor per expert:
+``mlp.experts.{j}.gate_proj.weight`` ..., Mixtral's ``block_sparse_moe.experts.{j}.w1/w2/w3``);
+:mod:`baige.runtime.weights.moe_layout` converts on load and on save.
+
+Compute goes through ``baige.kernels``: ``moe_topk`` (routing) and ``fused_moe`` (the grouped
+experts: batched matmuls over the tokens sorted by expert on the reference path, the fused Triton
+kernel on CUDA); no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baige import kernels
+from baige.runtime.model.config import ModelConfig
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with HF's parameter names (the dense MLP and shared experts)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU experts as stacked weights (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x: (N, H); topk_weights (N, k) fp32; topk_ids (N, k) int64 -> (N, H) in x's dtype."""
+        return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+
+class Router(nn.Module):
+    """``gate``: the router's linear (E, H), plus ERNIE-4.5's per-expert selection bias."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.weight = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size))
+        self.fp32 = m.router_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (N, H) -> router logits (N, E), fp32 when the family computes them so (ERNIE), else x's dtype."""
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+
+class MoEStatics(nn.Module):
+    """ERNIE-4.5's ``moe_statics.e_score_correction_bias`` (1, E) fp32: added to the routing
+    probabilities to pick the experts (not to their weights). Stored as a parameter without
+    gradient, as transformers does, so checkpoints load and save it by name."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(1, num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router -> top-k experts -> weighted sum, plus the shared expert when the family has one.
+
+    Parameter names: ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``,
+    ``shared_expert.*`` + ``shared_expert_gate.weight`` (Qwen2-MoE), ``shared_experts.*`` and
+    ``moe_statics.e_score_correction_bias`` (ERNIE-4.5).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.top_k, self.renormalize, self.norm_min = m.top_k, m.renormalize, m.norm_min
+        self.gate = Router(cfg)
+        self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size)
+        self.moe_statics = MoEStatics(m.num_experts) if m.correction_bias else None
+        shared = SwiGLU(cfg.hidden_size, m.shared_intermediate_size) if m.shared_intermediate_size else None
+        if m.shared_gate:  # Qwen2-MoE's names
+            self.shared_expert, self.shared_experts = shared, None
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:  # ERNIE-4.5's
+            self.shared_expert, self.shared_experts, self.shared_expert_gate = None, shared, None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (N, H) -> (router logits (N, E), topk_weights (N, k) fp32, topk_ids (N, k) int64)."""
+        logits = self.gate(x)
+        bias = self.moe_statics.e_score_correction_bias[0] if self.moe_statics is not None else None
+        weights, ids = kernels.moe_topk(logits, self.top_k, self.renormalize, bias, self.norm_min)
+        return logits, weights, ids
+
+    def forward(self, x: torch.Tensor, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x: (B, T, H) -> (B, T, H). ``router_logits``: when a list, this layer's (B*T, E) logits are
+        appended (the training loss's load-balancing term reads them)."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (N, H)
+        logits, weights, ids = self.route(x2)
+        if router_logits is not None:
+            router_logits.append(logits)
+        out = self.experts(x2, weights, ids)  # (N, H)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+        elif self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
+        return out.view(shape)
