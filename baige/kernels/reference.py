@@ -352,3 +352,69 @@ def quantized_linear(
 ) -> torch.Tensor:
     q = qweight if qweight.dtype == torch.int8 else unpack_int4(qweight, x.shape[-1])
     return F.linear(x, dequantize_weight(q, scale, zero_point, group_size).to(x.dtype), bias)
+
+
+# ---- Mixture-of-Experts (routing, block alignment, grouped expert MLPs) -----------------------------------
+
+
+def moe_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    correction_bias: torch.Tensor | None = None,
+    norm_min: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = torch.promote_types(router_logits.dtype, torch.float32)  # fp32 (fp64 stays fp64: the tests' oracle)
+    probs = torch.softmax(router_logits.to(acc), dim=-1)  # (T, E)
+    scores = probs + correction_bias if correction_bias is not None else probs  # selection only
+    topk_ids = torch.topk(scores, top_k, dim=-1).indices  # (T, top_k) int64
+    topk_weights = probs.gather(-1, topk_ids)  # the unbiased probabilities (ERNIE-4.5's rule)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True).clamp(min=norm_min)
+    return topk_weights, topk_ids
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    flat = topk_ids.reshape(-1)  # (N,) expert of pair t * top_k + j
+    n, dev = flat.numel(), flat.device
+    counts = torch.bincount(flat, minlength=num_experts)  # (E,) pairs per expert
+    padded = (counts + block_size - 1) // block_size * block_size
+    starts = padded.cumsum(0) - padded  # (E,) first slot of each expert's segment
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert, ascending inside one
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]  # position inside the expert
+    max_len = n + num_experts * (block_size - 1)
+    sorted_token_ids = torch.full((max_len,), n, dtype=torch.int32, device=dev)
+    sorted_token_ids[starts[sorted_e] + rank] = order.to(torch.int32)
+    expert_ids = torch.full((-(-max_len // block_size),), -1, dtype=torch.int32, device=dev)
+    blocks = torch.repeat_interleave(torch.arange(num_experts, device=dev), padded // block_size)
+    expert_ids[: blocks.numel()] = blocks.to(torch.int32)
+    return sorted_token_ids, expert_ids, padded.sum().to(torch.int32).reshape(1)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    # Grouped: pairs sorted by expert, one batched matmul chain per expert that has pairs, then the
+    # weighted combine as one index_add (Megablocks' "dropless" formulation, Gale et al. 2022, arXiv:2211.15841).
+    T, k = topk_ids.shape
+    inter = w2.shape[-1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    flat = topk_ids.reshape(-1)  # (T * k,)
+    order = torch.argsort(flat, stable=True)  # (T * k,) pair indices grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tok = order // k  # (T * k,) token of each sorted pair
+    xs = x[tok]  # (T * k, H)
+    pieces, start = [], 0
+    # unbind: one backward stack for all experts instead of a full-size zero gradient per indexed expert
+    for c, w13_e, w2_e in zip(counts, w13.unbind(0), w2.unbind(0)):
+        if c:
+            gate_up = xs[start:start + c] @ w13_e.t()  # (c, 2 * I)
+            pieces.append(silu_mul(gate_up[:, :inter], gate_up[:, inter:]) @ w2_e.t())  # (c, H)
+            start += c
+    y = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])  # (T * k, H) in sorted order
+    weighted = y.to(acc) * topk_weights.reshape(-1)[order].to(acc)[:, None]
+    out = torch.zeros(T, x.shape[1], dtype=acc, device=x.device).index_add(0, tok, weighted)
+    return out.to(x.dtype)
