@@ -27,7 +27,7 @@ from baige.kernels.settings import KernelSettings, reload_settings, settings
 OPS = (
     "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen",
     "store_kv", "paged_decode_attention", "paged_prefill_attention",
-    "fused_linear_cross_entropy", "quantized_linear",
+    "fused_linear_cross_entropy", "quantized_linear", "moe_topk", "moe_align_block_size", "fused_moe",
 )
 __all__ = [*OPS, "OPS"]
 
@@ -358,6 +358,79 @@ def quantized_linear(
     return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
 
 
+# ---- Mixture-of-Experts (Mixtral, Qwen2/3-MoE, ERNIE-4.5 routing; vLLM's fused_moe block layout) ---------
+
+
+def moe_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    correction_bias: torch.Tensor | None = None,
+    norm_min: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router top-k: ``probs = softmax(router_logits.float())``, experts chosen by ``topk(probs +
+    correction_bias)`` (bias None: ``probs``), weights the *unbiased* probs of the chosen experts,
+    divided by ``clamp(sum, min=norm_min)`` when ``renormalize`` (HF Mixtral/Qwen2-MoE: bias None;
+    ERNIE-4.5: ``e_score_correction_bias`` and ``moe_norm_min``).
+
+    Args:
+        router_logits: (T, E), any float dtype (computed in fp32).
+        top_k: experts per token, 1 <= top_k <= E.
+        renormalize: divide the chosen weights by their sum (Mixtral always; Qwen ``norm_topk_prob``).
+        correction_bias: (E,) fp32 added to the probs for the selection only, or None.
+        norm_min: the lower clamp of the renormalizing sum.
+    Returns:
+        ``(topk_weights, topk_ids)``: (T, top_k) fp32 (fp64 for fp64 logits, reference) and int64,
+        best first. Ties: the reference uses ``torch.topk`` (order unspecified); the Triton kernel
+        takes the lowest index first. Differentiable w.r.t. router_logits: when it needs a gradient
+        the reference runs (the Triton kernel is forward only).
+    """
+    needs_grad = router_logits.requires_grad and torch.is_grad_enabled()
+    impl = reference if needs_grad else _impl(router_logits, "moe")
+    return impl.moe_topk(router_logits, top_k, renormalize, correction_bias, norm_min)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's ``moe_align_block_size``: the (token, expert) pairs ``p = t * top_k + j`` sorted by expert
+    (stable: ascending ``p`` inside an expert), each expert's segment padded to a multiple of
+    ``block_size`` with the sentinel ``N = T * top_k``; experts without pairs get no block.
+
+    Fixed-size outputs (a CUDA graph can capture the call; nothing is read back to the host):
+
+    - ``sorted_token_ids``: (N + E * (block_size - 1),) int32; the valid prefix is the first
+      ``num_tokens_post_padded`` entries, every other entry is ``N``.
+    - ``expert_ids``: (ceil(len(sorted_token_ids) / block_size),) int32 expert of each block; -1 for
+      the blocks past the valid prefix.
+    - ``num_tokens_post_padded``: (1,) int32 tensor, the padded total (a multiple of block_size).
+
+    Args:
+        topk_ids: (T, top_k) integer expert ids in ``[0, num_experts)``.
+    """
+    return _impl(topk_ids, "moe").moe_align_block_size(topk_ids, num_experts, block_size)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs, combined: ``out[t] = sum_j topk_weights[t, j] * w2[e] @
+    (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))`` with ``e = topk_ids[t, j]``, fp32 accumulation.
+
+    Reference: pairs sorted by expert, matmuls per expert with pairs, index_add combine. Triton:
+    vLLM's fused MoE grouped GEMMs over :func:`moe_align_block_size` blocks, with a backward.
+
+    Args:
+        x: (T, H) fp32/fp16/bf16.
+        w13: (E, 2I, H), x's dtype: rows [0, I) gate_proj, [I, 2I) up_proj (HF ``experts.gate_up_proj``).
+        w2: (E, H, I), x's dtype (HF ``experts.down_proj``).
+        topk_weights: (T, top_k) fp32; topk_ids: (T, top_k) int64 in ``[0, E)`` (any top_k <= E).
+    Returns:
+        (T, H) in x's dtype; differentiable w.r.t. x, w13, w2 and topk_weights on both paths.
+    """
+    return _impl(x, "moe").fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
 def fp16_weight_linear(x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.Tensor | None,
                        packed: torch.Tensor) -> torch.Tensor:
     """``x @ W.T + bias`` with fp16 weights and fp32 activations and accumulation.
@@ -395,24 +468,11 @@ def native_allowed() -> bool:
 
 
 # The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
-from baige.kernels.cpu.decode import (  # noqa: E402
-    LINEAR_F16,
-    LINEAR_F32,
-    LINEAR_INT4,
-    LINEAR_INT8,
-)
-from baige.kernels.cpu.decode import (
-    PROJECTIONS as DECODE_PROJECTIONS,
-)
-from baige.kernels.cpu.decode import (
-    DecodeLayers as NativeDecodeLayers,
-)
-from baige.kernels.cpu.decode import (
-    LayerDesc as DecodeLayerDesc,
-)
-from baige.kernels.cpu.decode import (
-    LinearDesc as DecodeLinearDesc,
-)
+from baige.kernels.cpu.decode import LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
+from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS
+from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers
+from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc
+from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
 
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
