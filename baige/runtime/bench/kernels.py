@@ -26,7 +26,8 @@ from baige.runtime.bench.offline import Progress
 
 @dataclass(frozen=True)
 class Shape:
-    """The layer shapes the cases are built from."""
+    """The layer shapes the cases are built from; ``experts``, ``top_k`` and ``moe_intermediate`` are
+    the MoE block of the same hidden size (the MoE ops' cases)."""
 
     hidden: int
     heads: int
@@ -34,17 +35,23 @@ class Shape:
     head_dim: int
     intermediate: int
     vocab: int
+    experts: int
+    top_k: int
+    moe_intermediate: int
 
 
 SHAPES = {
-    # the embedded model (SmolLM2-135M): hidden 576, 9 heads / 3 KV heads of 64, vocab 49152
-    "smollm2-135m": Shape(576, 9, 3, 64, 1536, 49152),
-    # Llama-3-8B (hidden 4096, 32 / 8 heads of 128, vocab 128256): the issue's GPU target shapes
-    "llama3-8b": Shape(4096, 32, 8, 128, 14336, 128256),
+    # the embedded model (SmolLM2-135M): hidden 576, 9 heads / 3 KV heads of 64, vocab 49152; a SmolLM2-sized
+    # MoE block of 8 experts, top-2, intermediate 256
+    "smollm2-135m": Shape(576, 9, 3, 64, 1536, 49152, 8, 2, 256),
+    # Llama-3-8B (hidden 4096, 32 / 8 heads of 128, vocab 128256): the issue's GPU target shapes; MoE block
+    # as Mixtral-8x7B's (8 experts, top-2, intermediate 14336 at hidden 4096)
+    "llama3-8b": Shape(4096, 32, 8, 128, 14336, 128256, 8, 2, 14336),
 }
 
 # ops with a backward (timed as forward + backward with --backward)
-GRAD_OPS = ("rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen", "fused_linear_cross_entropy")
+GRAD_OPS = ("rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen", "fused_linear_cross_entropy",
+            "fused_moe")
 
 
 @dataclass
@@ -169,6 +176,32 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
         scale = torch.rand(inter, groups, dtype=dt, device=dev) * 0.01
         return Case((_r(n, h, dt=dt, dev=dev), qweight, scale, None, 128, None),
                     n * h * e + qweight.numel() * 4 + scale.numel() * e + n * inter * e, 2 * n * h * inter)
+    return _moe_case(op, n, dt, dev, sh)
+
+
+def _moe_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape) -> Case | None:
+    """The MoE ops at ``n`` tokens routed top-``sh.top_k`` over ``sh.experts`` experts (random router).
+
+    moe_topk: reads the (n, E) logits, writes fp32 weights and int64 ids; ~5 FLOPs per logit (max,
+    exp, sum, divide, compare). moe_align_block_size: reads the int64 ids, writes the int32 buffers
+    (block size 64), no FLOPs. fused_moe: reads x, the weights of the experts the router picked and
+    the routing, writes the output; 2 FLOPs per multiply-add of the gate, up and down matmuls of each
+    (token, expert) pair.
+    """
+    e = torch.tensor([], dtype=dt).element_size()
+    h, E, k, inter = sh.hidden, sh.experts, sh.top_k, sh.moe_intermediate
+    if op == "moe_topk":
+        return Case((_r(n, E, dt=dt, dev=dev), k, True), n * E * e + n * k * 12, 5 * n * E)
+    topk_weights, topk_ids = reference.moe_topk(_r(n, E, dt=torch.float32, dev=dev), k, True)
+    if op == "moe_align_block_size":
+        max_len = n * k + E * 63
+        return Case((topk_ids, E, 64), n * k * 8 + (max_len + -(-max_len // 64) + 1) * 4, 0)
+    if op == "fused_moe":
+        w13 = _r(E, 2 * inter, h, dt=dt, dev=dev) * h**-0.5
+        w2 = _r(E, h, inter, dt=dt, dev=dev) * inter**-0.5
+        used = topk_ids.unique().numel()
+        return Case((_r(n, h, dt=dt, dev=dev), w13, w2, topk_weights, topk_ids),
+                    (2 * n * h + 3 * used * inter * h) * e + n * k * 12, 2 * n * k * 3 * inter * h)
     return None
 
 
