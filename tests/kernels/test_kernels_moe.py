@@ -11,7 +11,14 @@ import torch
 from baige import kernels
 from baige.kernels import reference
 from baige.kernels.triton_ops import moe
-from tests.kernel_checks import DEVICE, DTYPES, assert_close_fp64, rand, triton_kernels
+from tests.kernel_checks import (
+    DEVICE,
+    DTYPES,
+    assert_close_fp64,
+    noncontiguous,
+    rand,
+    triton_kernels,
+)
 
 # ---- moe_topk ------------------------------------------------------------------------------------------
 
@@ -57,8 +64,9 @@ def test_moe_topk_ties_lowest_index_first(monkeypatch):
         w, i = kernels.moe_topk(torch.zeros(3, 7, device=DEVICE), 3, True)
     assert i.tolist() == [[0, 1, 2]] * 3
     torch.testing.assert_close(w.cpu(), torch.full((3, 3), 1 / 3))
-    w_ref, i_ref = reference.moe_topk(torch.zeros(3, 7, device=DEVICE), 3, True)  # torch.topk: some 3 of the 7
-    assert (i_ref.sort(-1).values.unique(dim=-1).shape[-1] == 3) and torch.equal(w_ref, w)
+    w_ref, i_ref = reference.moe_topk(torch.zeros(3, 7, device=DEVICE), 3, True)  # torch.topk: any 3 of the 7
+    assert all(len(set(row)) == 3 for row in i_ref.tolist())
+    torch.testing.assert_close(w_ref, w)
 
 
 def test_moe_topk_gradient_runs_the_reference(monkeypatch):
@@ -182,7 +190,7 @@ def test_fused_moe_inference_path_equals_training_path(monkeypatch):
     x, w13, w2, weights, ids = _problem(9, 40, 24, 7, 2, 6, torch.float32)
     with triton_kernels(monkeypatch):
         with torch.no_grad():
-            y = kernels.fused_moe(x, w13, w2, weights, ids)
+            y = kernels.fused_moe(noncontiguous(x), w13, w2, weights, ids)  # rows of a wider buffer
         y_grad = kernels.fused_moe(x.requires_grad_(), w13, w2, weights, ids)
         assert y_grad.grad_fn is not None and y.grad_fn is None
         assert torch.equal(y, y_grad.detach())

@@ -19,7 +19,7 @@ expert's segment padded to a multiple of ``BLOCK_M`` with the sentinel ``num_pai
   (experts without pairs get zeros).
 
 Tile sizes are a first guess (vLLM's default-config heuristic), not tuned on a GPU; the interpreter
-gets wide K tiles (its cost grows with the number of program steps, not with tile area).
+gets wide tiles (its cost is mostly per program and per step, not per element).
 """
 
 from __future__ import annotations
