@@ -5,6 +5,10 @@ The other commands have theirs beside their tests (tests/train, tests/quant, tes
 import subprocess
 import sys
 
+import pytest
+
+from baige.errors import BaigeError
+
 
 def test_serve_options_fail_before_the_model_loads(cli_error):
     assert f"--seed must be an integer in [-9223372036854775808, 18446744073709551615] (got {2**64})" in cli_error(
@@ -44,3 +48,48 @@ def test_real_processes(tmp_path):
         assert proc.returncode == code and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert needle in proc.stderr
+
+
+def test_serve_on_a_busy_port_or_bad_host_is_one_line_before_the_model_loads():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for args, needle in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                             (["--host", "999.1.1.1"], "cannot listen on 999.1.1.1")):
+            proc = subprocess.run([sys.executable, "-m", "baige", "serve", "--model", "/nonexistent", *args],
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+            assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and needle in proc.stderr
+
+
+def test_bad_config_json_values_are_named(tmp_path):
+    import json
+
+    from baige.runtime.model.config import ModelConfig
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 160,
+            "intermediate_size": 96, "num_hidden_layers": 2}
+    for change, needle in (({"hidden_size": "big"}, "hidden_size"), ({"num_hidden_layers": -1}, "num_hidden_layers"),
+                           ({"rms_norm_eps": "x"}, "rms_norm_eps"), ({"head_dim": 0}, "head_dim")):
+        with pytest.raises(BaigeError, match=needle):
+            ModelConfig.from_dict({**base, **change})
+    (tmp_path / "config.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(BaigeError, match="JSON object"):
+        ModelConfig.from_file(tmp_path / "config.json")
+
+
+def test_kv_cache_larger_than_memory_is_one_line():
+    import torch
+
+    from baige.runtime.infer.kv_cache import num_blocks_for
+    from baige.runtime.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                 "vocab_size": 160, "intermediate_size": 96, "num_hidden_layers": 2})
+    with pytest.raises(BaigeError, match="--kv-cache-memory"):
+        num_blocks_for(cfg, 16, torch.float32, torch.device("cpu"), 100 * 10**12, 64)

@@ -63,7 +63,7 @@ def serve(
     from baige.runtime.config import EngineConfig
     from baige.runtime.infer.async_engine import AsyncEngine
     from baige.runtime.infer.engine import Engine
-    from baige.runtime.server.app import run_server
+    from baige.runtime.server.app import listen, run_server
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
@@ -71,6 +71,7 @@ def serve(
                        block_size=block_size, kv_cache_memory=kv_cache_memory,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
+    sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     engine = AsyncEngine(Engine.from_config(cfg))
-    run_server(engine, served_model_name or model or "smollm2-135m-instruct", host, port, api_key, log_level.value,
+    run_server(engine, served_model_name or model or "smollm2-135m-instruct", sock, api_key, log_level.value,
                max_n=max_n, max_request_bytes=max_request_bytes)

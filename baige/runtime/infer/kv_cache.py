@@ -118,6 +118,9 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
         BaigeError: the budget does not hold one sequence of ``max_model_len`` tokens.
     """
     per_block = KVCache.bytes_per_block(cfg, block_size, dtype)
+    if kv_cache_memory is not None and kv_cache_memory > (free := available_memory(device)):
+        raise BaigeError(f"--kv-cache-memory {kv_cache_memory} bytes is more than the {free} bytes free on "
+                         f"{device.type}; lower it (or leave it out to use a fraction of what is free)")
     if kv_cache_memory is None:
         frac = GPU_KV_FRACTION if device.type == "cuda" else CPU_KV_FRACTION
         kv_cache_memory = max(0, int(available_memory(device) * frac) - activation_peak)

@@ -90,19 +90,22 @@ class ModelConfig:
             BaigeError: unknown ``model_type`` or rope type, a missing required field, or a field
             value the decoder does not implement (named in the message).
         """
+        if not isinstance(cfg, dict):
+            raise BaigeError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise BaigeError(
                 f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        try:
-            hidden = int(cfg["hidden_size"])
-            n_heads = int(cfg["num_attention_heads"])
-            vocab_size = int(cfg["vocab_size"])
-            intermediate = int(cfg["intermediate_size"])
-            n_layers = int(cfg["num_hidden_layers"])
-        except KeyError as e:
-            raise BaigeError(f"config.json is missing required field {e.args[0]!r}") from None
+        hidden, n_heads, vocab_size, intermediate, n_layers = (
+            _int_field(cfg, name, minimum=1) for name in
+            ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers"))
+        for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if cfg.get(name) is not None:
+                _int_field(cfg, name, minimum=1)
+        for name in ("rms_norm_eps", "rope_theta"):
+            if cfg.get(name) is not None and (isinstance(cfg[name], bool) or not isinstance(cfg[name], (int, float))):
+                raise BaigeError(f"config.json field {name!r} must be a number, got {cfg[name]!r}")
         # transformers >= 5 writes rope settings as `rope_parameters` (with rope_theta inside);
         # older files use top-level `rope_theta` and `rope_scaling` with `rope_type` or legacy `type`.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -200,12 +203,16 @@ def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
     return bool(cfg.get("attention_bias", model_type == "qwen2"))
 
 
-def _int_field(cfg: dict[str, Any], *names: str, default: Any = None) -> int:
+def _int_field(cfg: dict[str, Any], *names: str, default: Any = None, minimum: int | None = None) -> int:
+    """The first of ``names`` present in ``cfg``, checked to be an integer (>= ``minimum``), else
+    ``default``. Raises BaigeError naming the field when it is absent without a default or bad."""
     for name in names:
         if cfg.get(name) is not None:
             value = cfg[name]
             if isinstance(value, bool) or not isinstance(value, int):
                 raise BaigeError(f"config.json field {name!r} must be an integer, got {value!r}")
+            if minimum is not None and value < minimum:
+                raise BaigeError(f"config.json field {name!r} must be >= {minimum}, got {value}")
             return value
     if default is None:
         raise BaigeError(f"config.json is missing required field {names[0]!r}")

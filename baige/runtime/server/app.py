@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 import threading
 import time
 
@@ -137,10 +138,28 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     return app
 
 
-def run_server(engine: AsyncEngine, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               api_key: str | None = None, log_level: str = "info", max_n: int = routes.DEFAULT_MAX_N,
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (IPv4 or IPv6, as ``host`` resolves).
+
+    Raises:
+        BaigeError: the host does not resolve or the address cannot be bound (in use, not local).
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        raise BaigeError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket, api_key: str | None = None,
+               log_level: str = "info", max_n: int = routes.DEFAULT_MAX_N,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
-    """Serve ``engine`` with uvicorn until interrupted; the engine thread is stopped on the way out.
+    """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
+    interrupted; the engine thread is stopped on the way out.
 
     Raises:
         BaigeError: the engine loop stopped while serving (after /health has answered 503 for
@@ -149,17 +168,17 @@ def run_server(engine: AsyncEngine, served_model_name: str, host: str = "127.0.0
     import uvicorn
 
     app = build_app(engine, served_model_name, api_key, max_n, max_request_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=5))
 
     def stop_later() -> None:
         threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
     engine.on_dead = stop_later
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     if engine.dead is not None:
         raise BaigeError(f"the engine loop stopped ({type(engine.dead).__name__}: {engine.dead}); exiting so a "
                          "supervisor can restart the server")
