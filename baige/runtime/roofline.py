@@ -147,18 +147,47 @@ def weight_bytes(model: nn.Module) -> int:
 
 def model_counts(model) -> dict[str, int]:
     """The numbers the rooflines need from a :class:`Transformer`: ``num_params``,
-    ``num_params_non_embedding``, ``attn_dims`` (= L * H * Q, layers x heads x head_dim) and
-    ``weight_bytes``."""
+    ``num_params_non_embedding``, ``num_params_active`` (non-embedding parameters one token uses:
+    for MoE models only its ``top_k`` routed experts, :meth:`ModelConfig.num_params`), ``attn_dims``
+    (= L * H * Q, layers x heads x head_dim), ``weight_bytes``, and for MoE models
+    ``routed_expert_bytes`` (all routed experts of all sparse layers), ``num_experts``, ``top_k``."""
     c = model.config
-    return {"num_params": model.num_params(), "num_params_non_embedding": model.num_params(non_embedding=True),
-            "attn_dims": c.num_hidden_layers * c.num_attention_heads * c.head_dim,
-            "weight_bytes": weight_bytes(model)}
+    counts = {"num_params": model.num_params(), "num_params_non_embedding": model.num_params(non_embedding=True),
+              "num_params_active": c.num_params(non_embedding=True, active=True),
+              "attn_dims": c.num_hidden_layers * c.num_attention_heads * c.head_dim,
+              "weight_bytes": weight_bytes(model), "routed_expert_bytes": 0, "num_experts": 0, "top_k": 0}
+    if c.moe is not None:
+        experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+        counts["routed_expert_bytes"] = sum(weight_bytes(m) for m in experts)
+        counts["num_experts"], counts["top_k"] = c.moe.num_experts, c.moe.top_k
+    return counts
+
+
+def expected_active_experts(num_experts: int, top_k: int, num_tokens: float) -> float:
+    """Expected distinct experts that ``num_tokens`` tokens activate in one layer when each picks
+    ``top_k`` of ``num_experts`` uniformly: ``E (1 - (1 - k/E)^n)`` (each expert is missed by a
+    token with probability ``1 - k/E``). Real routers are not uniform; this is the roofline's
+    assumption, stated in the result."""
+    if num_experts == 0:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+def step_weight_bytes(counts: dict, batch_size: float) -> float:
+    """Weight bytes one decode step of ``batch_size`` tokens reads: everything but the routed
+    experts, plus the routed experts the batch activates (:func:`expected_active_experts`) —
+    for a dense model just ``weight_bytes``."""
+    e, routed = counts.get("num_experts", 0), counts.get("routed_expert_bytes", 0)
+    if not e:
+        return counts["weight_bytes"]
+    return counts["weight_bytes"] - routed + routed * expected_active_experts(e, counts["top_k"], batch_size) / e
 
 
 def forward_flops_per_token(num_params_non_embedding: int, attn_dims: int, context_len: float) -> float:
     """Forward FLOPs per token ``2 N + 4 L H Q T``: one third of ``Transformer.flops_per_token``'s
     training count ``6 N + 12 L H Q T`` (PaLM, Chowdhery et al. 2022, appendix B). N = non-embedding
-    parameters, ``attn_dims`` = L H Q, T = ``context_len`` tokens. The lm_head projection is not
+    parameters a token uses (``num_params_active``: MoE counts its top-k experts), ``attn_dims`` =
+    L H Q, T = ``context_len`` tokens. The lm_head projection is not
     counted (prefill projects only the last position)."""
     return 2 * num_params_non_embedding + 4 * attn_dims * context_len
 

@@ -133,7 +133,7 @@ def test_hardware_limits_measure_once_per_device_and_dtype(monkeypatch):
 
 def test_latency_summary_by_hand():
     cfg = LatencyConfig(bench_engine(), input_len=10, output_len=5, batch_size=2)
-    info = {"num_params_non_embedding": 1000, "attn_dims": 10, "weight_bytes": 8000, "kv_bytes_per_token": 100}
+    info = {"num_params_non_embedding": 1000, "num_params_active": 1000, "attn_dims": 10, "weight_bytes": 8000, "kv_bytes_per_token": 100}
     samples = [{"latency": 1.0, "ttft": 0.2}, {"latency": 3.0, "ttft": 0.2}]
     s = latency_summary(samples, cfg, info, LIMITS)
     assert s["avg_latency_s"] == 2.0 and s["std_latency_s"] == 1.0 and s["p50_latency_s"] == 2.0
@@ -151,7 +151,7 @@ def test_latency_summary_by_hand():
 
 def test_throughput_summary_by_hand():
     samples = [{"prompt_len": 10, "output_len": 6}, {"prompt_len": 20, "output_len": 4}]
-    info = {"num_params_non_embedding": 1000, "attn_dims": 10}
+    info = {"num_params_non_embedding": 1000, "num_params_active": 1000, "attn_dims": 10}
     s = throughput_summary(samples, 2.0, info, LIMITS)
     assert s["requests_per_second"] == 1.0 and s["tokens_per_second"] == 20.0 and s["output_tokens_per_second"] == 5.0
     assert s["total_num_tokens"] == 40 and s["total_output_tokens"] == 10

@@ -93,9 +93,9 @@ def _add_baige(rows: Rows, name: str, llm, prompt: list[int], reqs: Requests, n:
     decode_params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
+    batch1_bytes = roofline.step_weight_bytes(roofline.model_counts(llm.engine.model), 1)  # MoE: k experts/layer
     rows.add(name, lambda: llm.generate([{"prompt_token_ids": prompt}], decode_params),
-             lambda: llm.generate(prompts, params), roofline.weight_bytes(llm.engine.model),
-             llm.engine.kv_cache.k[0].element_size())
+             lambda: llm.generate(prompts, params), batch1_bytes, llm.engine.kv_cache.k[0].element_size())
 
 
 def _hf_generate(model, batch: list[list[int]], n: int, pad_id: int) -> None:
@@ -267,7 +267,7 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
     for name, ts in samples["throughput"].items():
         if ts:
             tps = tp_tokens / statistics.median(ts)
-            flops = roofline.forward_flops_per_token(counts["num_params_non_embedding"], counts["attn_dims"],
+            flops = roofline.forward_flops_per_token(counts["num_params_active"], counts["attn_dims"],
                                                      tp_tokens / len(reqs))
             summary["throughput"][name] = {"tokens_per_s": tps, "roofline": roofline.compute_roofline(
                 tps, flops, limits.matmul_peak)}

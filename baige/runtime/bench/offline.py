@@ -100,7 +100,7 @@ def _model_info(llm, dtype_bytes: int) -> dict:
 
 
 def _fwd_flops(info: dict, context_len: float) -> float:
-    return roofline.forward_flops_per_token(info["num_params_non_embedding"], info["attn_dims"], context_len)
+    return roofline.forward_flops_per_token(info["num_params_active"], info["attn_dims"], context_len)
 
 
 def _limits(llm):
@@ -161,7 +161,8 @@ def latency_summary(samples: list[dict], cfg: LatencyConfig, info: dict, limits)
     out["prefill_roofline"] = roofline.compute_roofline(
         prefill_tps, _fwd_flops(info, n_in), limits.matmul_peak)
     out["decode_roofline"] = roofline.decode_roofline(
-        decode_tps, B, info["weight_bytes"], info["kv_bytes_per_token"], n_in + n_out / 2, limits.bandwidth)
+        decode_tps, B, roofline.step_weight_bytes(info, B), info["kv_bytes_per_token"], n_in + n_out / 2,
+        limits.bandwidth)
     return out
 
 

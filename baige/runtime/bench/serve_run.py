@@ -180,8 +180,14 @@ def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult],
     conc = sum(r.latency for r in ok) / metrics["duration"]
     n = metrics["completed"]
     ctx = metrics["total_input_tokens"] / n + metrics["total_output_tokens"] / n / 2
+    counts = {"weight_bytes": wbytes, "num_experts": 0}
+    if mc.moe is not None:  # the routed experts' share of the file bytes, by parameter count
+        m = mc.moe
+        routed = len(m.sparse_layers) * m.num_experts * 3 * mc.hidden_size * m.intermediate_size
+        counts.update(num_experts=m.num_experts, top_k=m.top_k, routed_expert_bytes=wbytes * routed / mc.num_params())
     return {"limits": limits.to_dict(), "mean_concurrency": conc,
-            "decode": roofline.decode_roofline(metrics["output_throughput"], max(conc, 1e-9), wbytes,
+            "decode": roofline.decode_roofline(metrics["output_throughput"], max(conc, 1e-9),
+                                               roofline.step_weight_bytes(counts, max(conc, 1e-9)),
                                                mc.kv_bytes_per_token(dtype_bytes), ctx, limits.bandwidth)}
 
 
