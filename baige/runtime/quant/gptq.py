@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from baige.errors import BaigeError
+from baige.runtime.quant.experts import NO_TOKEN_FALLBACK
 from baige.runtime.quant.linear import QuantizedLinear, layer_report, set_submodule
 from baige.runtime.quant.scheme import (
     ProgressFn,
@@ -169,11 +170,13 @@ def gptq_quantize_weight(
 
 class _HessianAccumulator:
     """Running weighted ``H = 2/n sum_t w_t x_t x_t^T`` over every token a Linear sees (forward
-    pre-hook); ``w_t = 1`` except ``first_token_weight`` at position 0, ``n = sum w_t``."""
+    pre-hook); ``w_t = 1`` except ``first_token_weight`` at position 0, ``n = sum w_t``. ``tokens``
+    counts the rows seen (a routed expert's Linear sees only the tokens routed to it, as (c, in))."""
 
     def __init__(self, in_features: int, device: torch.device, first_token_weight: float = 1.0):
         self.H = torch.zeros(in_features, in_features, device=device)
         self.n = 0.0
+        self.tokens = 0
         self.first_token_weight = first_token_weight
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
@@ -182,6 +185,7 @@ class _HessianAccumulator:
         w = torch.ones(x.shape[1], device=x.device)
         w[0] = self.first_token_weight  # position 0 of every calibration window counts this many times
         m = float(w.sum()) * x.shape[0]
+        self.tokens += x.shape[0] * x.shape[1]
         x = (x * w.sqrt()[None, :, None]).reshape(-1, x.shape[-1])  # (tokens, in)
         self.H *= self.n / (self.n + m)
         self.n += m
@@ -215,7 +219,10 @@ def gptq_quantize_model(
     Calibration hidden states enter layer 0; each layer's Hessians are collected from its
     full-precision forward, its Linears are quantized, and the quantized layer's outputs feed the
     next layer (the sequential scheme of the paper's reference code). Named Linears outside the
-    decoder layers (an unignored untied ``lm_head``) get round-to-nearest.
+    decoder layers (an unignored untied ``lm_head``) get round-to-nearest. The Linears of routed
+    experts (``quant.experts.QuantizedExperts``) see only the tokens the router sends them, so each
+    expert's Hessian is built from its own tokens; one that receives none gets min/max
+    round-to-nearest, reported as ``fallback`` (:func:`_quantize_layer_linear`).
 
     Args:
         calib_ids: (n_samples, seq_len) int64 token ids.
@@ -225,15 +232,17 @@ def gptq_quantize_model(
             that every later query reads; with weight 1 it is 1/seq_len of the objective and GPTQ
             moves rounding error onto its keys/values (measured on SmolLM2-135M: GPTQ on v_proj
             alone raised wikitext ppl 20.24 -> 22.9 while RTN gave 20.55; weight 32 gives 20.09).
-        down_percdamp: damping for ``down_proj`` (the MLP output), whose 1536-wide gated input
-            Hessian from a small off-domain calibration set overfits: with 1% damping GPTQ's
-            held-out output error on down_proj exceeded RTN's in most layers (3x in layer 28).
+        down_percdamp: damping for ``down_proj`` (the MLP output; also every routed expert's,
+            Mixtral's ``w2``), whose 1536-wide gated input Hessian from a small off-domain
+            calibration set overfits: with 1% damping GPTQ's held-out output error on down_proj
+            exceeded RTN's in most layers (3x in layer 28).
         clip_search: group scales/zero points from the Hessian-diagonal-weighted clip search
             (:func:`gptq_quantize_weight`). The round-to-nearest fallback outside the decoder
             layers keeps min/max parameters (no Hessian is collected for it, and the unweighted
             search raised perplexity for RTN).
     Returns:
-        report rows as :func:`linear.layer_report`, in ``names`` order.
+        report rows as :func:`linear.layer_report` plus ``calibration_tokens`` (and ``fallback``),
+        in ``names`` order.
     """
     device = next(model.parameters()).device
     dtype = model.model.embed_tokens.weight.dtype
@@ -245,29 +254,24 @@ def gptq_quantize_model(
     cos, sin = model.rotary_emb(positions, dtype)  # (1, T, head_dim)
     wanted = set(names)
     rows: dict[str, dict] = {}
+    damping = {"percdamp": percdamp, "down_percdamp": down_percdamp, "block_size": block_size,
+               "clip_search": clip_search}
 
     for li, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{li}."
         linears = [(n_, m) for n_, m in layer.named_modules() if isinstance(m, nn.Linear) and prefix + n_ in wanted]
         attn_in = ("q_proj", "k_proj", "v_proj")
-        accs = {
-            n_: _HessianAccumulator(m.in_features, device, sink_weight if n_.endswith(attn_in) else 1.0)
-            for n_, m in linears
-        }
+        accs = {n_: _HessianAccumulator(m.in_features, device, sink_weight if n_.endswith(attn_in) else 1.0)
+                for n_, m in linears}
         hooks = [m.register_forward_pre_hook(accs[n_]) for n_, m in linears]
         for x in hidden:
             layer(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1), None)
         for h in hooks:
             h.remove()
         for n_, linear in linears:
-            full = prefix + n_
-            damp = down_percdamp if n_.endswith("down_proj") else percdamp
-            qparams = gptq_quantize_weight(
-                linear.weight, accs[n_].H, scheme, damp, block_size, name=full, clip_search=clip_search
-            )
-            rows[full] = _swap(layer, n_, full, linear, scheme, qparams)
+            rows[prefix + n_] = _quantize_layer_linear(layer, n_, prefix + n_, linear, accs[n_], scheme, **damping)
             if progress:
-                progress(len(rows), len(names), full)
+                progress(len(rows), len(names), prefix + n_)
         hidden = [layer(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1), None) for x in hidden]
 
     for full in names:
@@ -278,3 +282,16 @@ def gptq_quantize_model(
                 progress(len(rows), len(names), full)
     return [rows[n_] for n_ in names]
 
+
+def _quantize_layer_linear(layer: nn.Module, name: str, full: str, linear: nn.Linear, acc: _HessianAccumulator,
+                           scheme: QuantScheme, percdamp: float, down_percdamp: float, block_size: int,
+                           clip_search: bool) -> dict:
+    """GPTQ of one Linear of a decoder layer from its accumulated Hessian, swapped in place; its
+    report row with ``calibration_tokens`` (the rows its Hessian summed). A Linear that saw no token
+    (a routed expert the router never chose) gets min/max round-to-nearest and a ``fallback`` note."""
+    if acc.tokens == 0:
+        row = _swap(layer, name, full, linear, scheme, quantize_weight(linear.weight, scheme))
+        return {**row, "calibration_tokens": 0, "fallback": NO_TOKEN_FALLBACK}
+    damp = down_percdamp if name.endswith(("down_proj", ".w2")) else percdamp  # Mixtral's expert w2 is down
+    qparams = gptq_quantize_weight(linear.weight, acc.H, scheme, damp, block_size, name=full, clip_search=clip_search)
+    return {**_swap(layer, name, full, linear, scheme, qparams), "calibration_tokens": acc.tokens}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -87,14 +88,19 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
 
 
-def target_linears(model: nn.Module, ignore: list[str]) -> list[tuple[str, nn.Linear]]:
+def target_linears(
+    model: nn.Module, ignore: list[str], rename: Callable[[str], str] | None = None
+) -> list[tuple[str, nn.Linear]]:
     """Every ``nn.Linear`` whose qualified name matches none of the ``ignore`` glob patterns
-    (``fnmatch``, e.g. ``lm_head``, ``*.down_proj``, ``model.layers.0.*``), in module order."""
-    return [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in ignore)
-    ]
+    (``fnmatch``, e.g. ``lm_head``, ``*.down_proj``, ``model.layers.0.*``), in module order.
+    With ``rename`` (baige name -> published name, e.g. Mixtral's ``block_sparse_moe``) a pattern
+    matching either name ignores the Linear."""
+
+    def ignored(name: str) -> bool:
+        names = (name,) if rename is None else (name, rename(name))
+        return any(fnmatch.fnmatchcase(n, p) for n in names for p in ignore)
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and not ignored(name)]
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
