@@ -14,11 +14,20 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 
 import torch
 from torch import nn
 
 from baige.errors import BaigeError
+from baige.runtime.model.moe import Experts
+from baige.runtime.quant.experts import (
+    QuantizedExperts,
+    expert_names,
+    published_name,
+    router_ignore,
+    stacked_expert_linears,
+)
 from baige.runtime.quant.linear import QuantizedLinear, set_submodule
 from baige.runtime.quant.scheme import CLIP_KWARGS, QuantScheme
 
@@ -27,7 +36,8 @@ REPORT_FILE = "quantization_report.json"
 
 def quantization_config(scheme: QuantScheme, ignored: list[str], clip_search: bool = False) -> dict:
     """The config.json ``quantization_config`` for one scheme applied to every Linear not in
-    ``ignored`` (exact module names, e.g. ``["lm_head"]``).
+    ``ignored`` (exact published module names, e.g. ``["lm_head"]``, or ``re:`` patterns such as the
+    MoE routers' ``re:.*mlp.gate$``).
 
     ``observer`` records how the scales were chosen (compressed-tensors ``QuantizationArgs.observer``,
     free text; loaders ignore it): ``minmax``, or with ``clip_search`` ``mse`` with
@@ -87,11 +97,39 @@ def _matches(name: str, module: nn.Module, pattern: str) -> bool:
     return pattern == name or pattern == type(module).__name__
 
 
+def _targeted(name: str, m: nn.Module, targets: list[str], ignore: list[str]) -> bool:
+    return any(_matches(name, m, t) for t in targets) and not any(_matches(name, m, p) for p in ignore)
+
+
+def _unstack_targeted_experts(model: nn.Module, targets: list[str], ignore: list[str]) -> None:
+    """Swap a sparse layer's stacked experts for :class:`QuantizedExperts` (float Linears, same
+    device and dtype) when any of its per-expert projections is targeted: the checkpoint then holds
+    them per expert and quantized (``weights.moe_layout.to_internal`` leaves such layers unstacked)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or cfg.moe is None:
+        return
+    for i in cfg.moe.sparse_layers:
+        name = f"model.layers.{i}.mlp.experts"
+        stacked = model.get_submodule(name)
+        if not isinstance(stacked, Experts):
+            continue
+        w = stacked.gate_up_proj
+        per_expert = QuantizedExperts.empty(stacked.num_experts, w.shape[2], stacked.intermediate_size,
+                                            expert_names(cfg, i)[1], w.dtype, w.device)
+        if any(_targeted(published_name(cfg, f"{name}.{n}"), m, targets, ignore)
+               for n, m in per_expert.named_modules() if isinstance(m, nn.Linear)):
+            set_submodule(model, name, per_expert)
+
+
 def prepare_quantized_model(model: nn.Module, qcfg: dict, where: str = "config.json") -> list[str]:
     """Swap the Linears a ``quantization_config`` targets for empty :class:`QuantizedLinear` modules,
     so that a strict state-dict load fills them (used by ``loader.load_model``, also on meta).
 
-    Returns the swapped module names.
+    Targets and ignore entries are matched against the published module names (Mixtral's sparse
+    block is ``block_sparse_moe`` on disk). A Mixture-of-Experts layer whose expert projections are
+    targeted gets :class:`QuantizedExperts` (one module per expert) in place of its stacked experts.
+
+    Returns the swapped module names (baige's).
     Raises:
         BaigeError: not compressed-tensors, an unsupported format/scheme, activation quantization,
         or a group that matches no module.
@@ -101,8 +139,11 @@ def prepare_quantized_model(model: nn.Module, qcfg: dict, where: str = "config.j
     if qcfg.get("quantization_status", "compressed") != "compressed":
         raise BaigeError(f"{where}: quantization_status {qcfg.get('quantization_status')!r}; baige loads compressed checkpoints")
     ignore = qcfg.get("ignore") or []
+    groups = qcfg.get("config_groups") or {}
+    _unstack_targeted_experts(model, [t for g in groups.values() for t in g.get("targets", [])], ignore)
+    rename = partial(published_name, getattr(model, "config", None))
     swapped: list[str] = []
-    for gname, group in (qcfg.get("config_groups") or {}).items():
+    for gname, group in groups.items():
         where_g = f"{where}: config_groups.{gname}"
         if group.get("input_activations") or group.get("output_activations"):
             raise BaigeError(f"{where_g}: activation quantization is not supported (weight-only)")
@@ -110,13 +151,8 @@ def prepare_quantized_model(model: nn.Module, qcfg: dict, where: str = "config.j
         fmt = group.get("format") or qcfg.get("format")
         if fmt != scheme.format:
             raise BaigeError(f"{where_g}: format {fmt!r} with int{scheme.num_bits} weights (baige reads {scheme.format})")
-        hits = [
-            (name, m)
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear)
-            and any(_matches(name, m, t) for t in group.get("targets", []))
-            and not any(_matches(name, m, p) for p in ignore)
-        ]
+        hits = [(name, m) for name, m in model.named_modules()
+                if isinstance(m, nn.Linear) and _targeted(rename(name), m, group.get("targets", []), ignore)]
         if not hits:
             raise BaigeError(f"{where_g}: targets {group.get('targets')} match no Linear layer")
         for name, m in hits:
@@ -137,9 +173,12 @@ def quantized_checkpoint(model: nn.Module, scheme: QuantScheme, report: list[dic
     as the ``mse`` observer.
     """
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    ignored = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quantized]
+    ignored = [published_name(model.config, name) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name not in quantized]
+    ignored += [published_name(model.config, name) for name in stacked_expert_linears(model)]
     config = dict(model.config.raw)
-    config["quantization_config"] = quantization_config(scheme, ignored, clip_search is not None)
+    config["quantization_config"] = quantization_config(scheme, ignored + router_ignore(model.config),
+                                                        clip_search is not None)
     state = dict(model.state_dict())
     summary = {
         "scheme": scheme.describe(),
