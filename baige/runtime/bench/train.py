@@ -6,9 +6,10 @@ synchronises the device). Reported per device (this bench runs one process):
 
 - tokens/s = batch_size * seq_len * grad_accum / step time (median of the timed steps);
 - MFU = tokens/s * FLOPs/token / peak (PaLM, Chowdhery et al. 2022, appendix B) with FLOPs/token =
-  ``Transformer.flops_per_token(seq_len)`` = 6 N_non-embedding + 12 L H Q T; peak = the data-sheet
-  dense bf16 number on known GPUs (:data:`roofline.GPU_PEAKS`) when training in bf16, otherwise the
-  measured matmul peak in the run dtype (:func:`roofline.hardware_limits`);
+  ``Transformer.flops_per_token(seq_len)`` = 6 N_non-embedding + 12 L H Q T, where for an MoE model
+  N counts the active parameters (``num_params_active``: top-k routed experts, router, shared
+  experts); peak = the data-sheet dense bf16 number on known GPUs (:data:`roofline.GPU_PEAKS`) when
+  training in bf16, otherwise the measured matmul peak in the run dtype (:func:`roofline.hardware_limits`);
 - peak memory = ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU (bytes).
 
 Data: ``data_path`` (a UTF-8 text file) or, by default, a synthetic file of random-token text just
@@ -117,8 +118,9 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
         mem = peak_memory_bytes(trainer.device)
         compiled = trainer.compile  # what training.compile (auto by default) resolved to
         fpt = trainer.model.flops_per_token(cfg.seq_len)
-        counts = {"num_params": trainer.model.num_params(),
-                  "num_params_non_embedding": trainer.model.num_params(non_embedding=True)}
+        mc = trainer.model_config
+        counts = {"num_params": mc.num_params(), "num_params_non_embedding": mc.num_params(non_embedding=True),
+                  "num_params_active": mc.num_params(non_embedding=True, active=True)}  # roofline.model_counts
     summary = {}
     if samples:
         step_s = statistics.median(s["time_s"] for s in samples)

@@ -75,8 +75,21 @@ class ParallelismSection:
     data_parallel_replicate_degree: int = 1  # HSDP replicas (1 = plain FSDP)
     data_parallel_shard_degree: int = -1  # -1 = whatever world_size leaves
     tensor_parallel_degree: int = 1
+    # experts sharded over this many ranks of the data-parallel shard dimension (torchtitan's name);
+    # must divide data_parallel_shard_degree and the number of routed experts
+    expert_parallel_degree: int = 1
     mixed_precision_param: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
     mixed_precision_reduce: str = "float32"
+
+
+@dataclass
+class MoESection:
+    """Mixture-of-Experts training (ignored for dense models); see ``train/moe.py`` for the formulas."""
+
+    load_balance: str = "aux_loss"  # aux_loss (Switch/GShard loss) | bias (DeepSeek-V3 aux-loss-free)
+    router_aux_loss_coef: float | None = None  # None: the model's router_aux_loss_coef (aux_loss), 0 (bias)
+    router_z_loss_coef: float = 0.0  # ST-MoE router z-loss weight; 0 = off
+    bias_update_rate: float = 1e-3  # bias: per-step selection-bias change (DeepSeek-V3's gamma)
 
 
 @dataclass
@@ -106,6 +119,7 @@ class TrainConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
     parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    moe: MoESection = field(default_factory=MoESection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
@@ -244,6 +258,18 @@ def _check_paths(cfg: TrainConfig) -> None:
     check_output_path("output", cfg.output, "dir")
 
 
+def _validate_moe(cfg: TrainConfig) -> None:
+    """The moe section and the expert-parallel degree. Raises BaigeError naming the field."""
+    m = cfg.moe
+    if m.load_balance not in ("aux_loss", "bias"):
+        raise BaigeError(f"moe.load_balance must be aux_loss or bias (got {m.load_balance!r})")
+    if m.router_aux_loss_coef is not None:
+        check_float("moe.router_aux_loss_coef", m.router_aux_loss_coef, 0.0)
+    check_float("moe.router_z_loss_coef", m.router_z_loss_coef, 0.0)
+    check_float("moe.bias_update_rate", m.bias_update_rate, 0.0)
+    check_int("parallelism.expert_parallel_degree", cfg.parallelism.expert_parallel_degree, 1)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Range and choice checks. Raises BaigeError naming the field."""
     t = cfg.training
@@ -265,6 +291,7 @@ def validate(cfg: TrainConfig) -> None:
     check_float("lr_scheduler.min_lr_ratio", cfg.lr_scheduler.min_lr_ratio, 0.0, 1.0)
     check_float("lr_scheduler.decay_ratio", cfg.lr_scheduler.decay_ratio, 0.0, 1.0)
     check_float("metrics.peak_tflops", cfg.metrics.peak_tflops, 0.0)
+    _validate_moe(cfg)
     ac = t.activation_checkpointing
     if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):
         raise BaigeError(f"training.activation_checkpointing must be none, full or a block interval N >= 1 (got {ac!r})")

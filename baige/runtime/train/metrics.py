@@ -70,20 +70,29 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(output / "tensorboard"))
 
     def log(self, record: dict[str, Any]) -> None:
-        """One record: ``{"split": "train"|"eval", "step": int, ...numbers}``."""
+        """One record: ``{"split": "train"|"eval", "step": int, ...numbers}``; MoE runs add ``aux_loss``,
+        ``z_loss`` and per-layer lists ``expert_load_max_mean`` / ``expert_load_cv`` (for ``moe_layers``)."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
+            layers = record.get("moe_layers", [])
             for key, value in record.items():
                 if key not in ("split", "step") and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{record['split']}/{key}", value, record["step"])
+                elif key.startswith("expert_load"):  # one curve per sparse layer
+                    for layer, v in zip(layers, value):
+                        self._tb.add_scalar(f"{record['split']}/{key}/layer_{layer}", v, record["step"])
         if record["split"] == "train":
+            moe = ""
+            if "aux_loss" in record:  # MoE: balance loss, and the worst layer's expert load
+                moe = (f"  aux {record['aux_loss']:.3f}  expert load max/mean {max(record['expert_load_max_mean']):.2f} "
+                       f"cv {max(record['expert_load_cv']):.2f}")
             self.console.print(
                 f"step {record['step']:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
                 f"lr {record['lr']:.3e}  {record['tokens_per_second_per_device']:,.0f} tokens/s/device  "
-                f"MFU {100 * record['mfu']:.1f}%  peak mem {record['peak_memory_gib']:.2f} GiB",
+                f"MFU {100 * record['mfu']:.1f}%  peak mem {record['peak_memory_gib']:.2f} GiB{moe}",
                 highlight=False,
             )
         else:

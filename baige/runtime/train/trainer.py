@@ -5,7 +5,9 @@ evaluation, checkpoints and metrics. ``baige train`` builds a :class:`TrainConfi
 Loss normalisation: every micro-batch's summed token cross-entropy is divided by the number of valid
 target tokens of the whole step (all micro-batches, all data-parallel ranks), so accumulation and
 data parallelism give the gradient of one big batch. FSDP averages gradients over data-parallel
-ranks, so the backward loss is multiplied by the data-parallel size.
+ranks, so the backward loss is multiplied by the data-parallel size. Mixture-of-Experts models add
+the router terms of :class:`~baige.runtime.train.moe.MoEBalancer` (load balancing, z-loss) to each
+micro-batch's loss under the same factors; the reported ``loss`` stays the cross-entropy.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
 from baige.runtime.train.lr_scheduler import build_lr_scheduler
 from baige.runtime.train.metrics import MetricsLogger, mfu, peak_flops, peak_memory_bytes
+from baige.runtime.train.moe import MoEBalancer, RouterLogits
 
 # Architectures for training from scratch (vocab_size comes from the tokenizer).
 PRESETS: dict[str, dict] = {
@@ -42,6 +45,12 @@ PRESETS: dict[str, dict] = {
     "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
                         tie_word_embeddings=True),
+    # A small Qwen3-MoE: 4 sparse layers of 8 experts, top-2 (~0.2M active of 0.5M non-embedding params)
+    "moe-tiny": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01,
+                     max_position_embeddings=2048, rope_theta=10000.0),
 }
 
 
@@ -68,7 +77,8 @@ def scratch_config(spec: str, vocab_size: int, bos: int | None, eos: list[int]) 
         raise BaigeError(f"model.config {spec!r} is neither a config.json nor a preset ({', '.join(PRESETS)})")
     raw = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab_size, rms_norm_eps=1e-5,
                initializer_range=0.02, tie_word_embeddings=False, torch_dtype="bfloat16",
-               bos_token_id=bos, eos_token_id=eos[0] if len(eos) == 1 else eos, **PRESETS[spec])
+               bos_token_id=bos, eos_token_id=eos[0] if len(eos) == 1 else eos)
+    raw.update(PRESETS[spec])
     return ModelConfig.from_dict(raw)
 
 
@@ -120,8 +130,10 @@ class Trainer:
         self.device = resolve_device(self.cfg.training.device)
         self.dist = parallel.init_distributed(self.device.type)
         self.dims = parallel.ParallelDims.resolve(self.dist.world_size, p.data_parallel_replicate_degree,
-                                                  p.data_parallel_shard_degree, p.tensor_parallel_degree)
+                                                  p.data_parallel_shard_degree, p.tensor_parallel_degree,
+                                                  p.expert_parallel_degree)
         self.mesh = self.dims.build_mesh(self.device.type)
+        self.sparse_mesh = self.dims.build_sparse_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank(self.mesh)
 
     def _init_output(self) -> None:
@@ -197,16 +209,20 @@ class Trainer:
                                  t.seed, cfg.data.shuffle)
 
     def _apply_parallelisms(self, model: Transformer) -> Transformer:
-        """TP -> AC -> compile -> FSDP (:func:`parallel.parallelize`), then the device move when FSDP
-        does not place the parameters. Sets ``param_dtype``, ``compile`` and ``autocast``."""
+        """The MoE balancer (on the plain model), then TP -> EP -> AC -> compile -> FSDP
+        (:func:`parallel.parallelize`), then the device move when FSDP does not place the parameters.
+        Sets ``moe``, ``param_dtype``, ``compile`` and ``autocast``."""
         p = self.cfg.parallelism
         mp = p.mixed_precision_param
         self.param_dtype = DTYPES["bfloat16" if mp == "auto" and self.device.type == "cuda" else
                                    ("float32" if mp == "auto" else mp)]
         reduce_dtype = DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
+        self.moe = (MoEBalancer(model, self.cfg.moe, self.cfg.training.grad_accum, self._dp_sum)
+                    if model.config.moe is not None else None)
         self.compile = self._resolve_compile()
         parallel.parallelize(model, self.dims, self.mesh, ac=self.cfg.training.activation_checkpointing,
-                             compile=self.compile, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype)
+                             compile=self.compile, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype,
+                             sparse_mesh=self.sparse_mesh)
         if not self.dims.fsdp_enabled:
             model.to(self.device)
         # Without FSDP's MixedPrecisionPolicy, low-precision compute comes from autocast.
@@ -214,14 +230,15 @@ class Trainer:
         return model
 
     def _resolve_compile(self) -> bool:
-        """``training.compile``; ``auto`` compiles on a CPU without FSDP or TP when a C++ compiler exists.
+        """``training.compile``; ``auto`` compiles on a CPU without FSDP or TP when a C++ compiler exists
+        and the model is dense (a sparse layer's expert grouping reads counts to the host: graph breaks).
 
         Raises:
             BaigeError: compile forced on a CPU without a C++ compiler.
         """
         c = self.cfg.training.compile
         enabled = c if isinstance(c, bool) else (
-            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1
+            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1 and self.moe is None
             and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
         if enabled is True and self.device.type == "cpu" and not _has_cxx_compiler():
             raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
@@ -237,7 +254,8 @@ class Trainer:
         groups: dict[tuple[bool, bool], list] = {}
         for name, param in self.model.named_parameters():
             decay = param.ndim >= 2 and "embed_tokens" not in name
-            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP) apart from plain tensors
+            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP/EP, any mesh) apart from
+            # plain tensors; the same groups on every layout, so checkpoints reshard between them
             groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
         groups = [{"params": params, "weight_decay": o.weight_decay if decay else 0.0}
                   for (decay, _), params in sorted(groups.items(), reverse=True)]
@@ -284,14 +302,26 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
-    def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, normalizer: float) -> torch.Tensor:
-        """Summed token cross-entropy of one micro-batch / ``normalizer``; (B, T) int64 inputs."""
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A fp64 tensor summed over the data-parallel ranks (the world sum / the TP degree)."""
+        if not dist.is_initialized():
+            return t
+        t = t.to(self.device)
+        dist.all_reduce(t)
+        return t / self.dims.tp
+
+    def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                  normalizer: float) -> tuple[torch.Tensor, RouterLogits | None]:
+        """Summed token cross-entropy of one micro-batch / ``normalizer``; (B, T) int64 inputs. With
+        gradients on an MoE model, also each sparse layer's (B*T, E) router logits."""
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)  # (B, T)
+        router_logits = RouterLogits() if self.moe is not None and torch.is_grad_enabled() else None
         with torch.autocast(self.device.type, dtype=self.param_dtype, enabled=self.autocast):
-            hidden = self.model(input_ids, positions)  # (B, T, hidden)
+            hidden = self.model(input_ids, positions, router_logits=router_logits)  # (B, T, hidden)
             # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight.
-            return kernels.fused_linear_cross_entropy(hidden, self.model.lm_head.weight, labels, normalizer=normalizer)
+            loss = kernels.fused_linear_cross_entropy(hidden, self.model.lm_head.weight, labels, normalizer=normalizer)
+        return loss, router_logits
 
     # ---- checkpoint state -------------------------------------------------------------------------
 
@@ -299,8 +329,10 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
-                "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
+        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                 "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
+        moe = self.moe.state_dict() if self.moe is not None else {}
+        return {**state, "moe": moe} if moe else state
 
     def save(self) -> Path:
         path = self.ckpt.save(self.step, self._state(), self.cfg.to_toml())
@@ -316,6 +348,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"], self.device)
+        if "moe" in state:
+            self.moe.load_state_dict(state["moe"])
         self.step = int(state["step"])
         self.log.print(f"resumed from {path} at step {self.step}")
 
@@ -335,10 +369,13 @@ class Trainer:
             raise BaigeError(f"step {self.step + 1}: no target token carries loss in the whole batch")
         local_loss = 0.0
         for input_ids, labels in micro:
-            loss = self._loss_sum(input_ids, labels, n_valid)
-            (loss * self.dims.dp_size).backward()
+            loss, router_logits = self._loss_sum(input_ids, labels, n_valid)
+            total = loss if router_logits is None else loss + self.moe.micro_batch_loss(router_logits)
+            (total * self.dims.dp_size).backward()
             local_loss += loss.item()
-        loss_value = self._all_reduce_sum([local_loss])[0] / self.dims.tp
+        sums = self._all_reduce_sum([local_loss] + (self.moe.step_values() if self.moe is not None else []))
+        loss_value = sums[0] / self.dims.tp
+        self.moe_losses = dict(zip(("aux_loss", "z_loss"), (v / self.dims.tp for v in sums[1:])))
         max_norm = self.cfg.training.max_norm
         fold_clip = self._clip_in_optimizer and max_norm > 0
         norm = parallel.clip_grad_norm_(self.model.parameters(), 0.0 if fold_clip else max_norm)
@@ -360,6 +397,8 @@ class Trainer:
                 del self.optimizer.grad_scale
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.moe is not None:
+            self.moe.end_step()
         self.step += 1
         return loss_value, grad_norm, lr
 
@@ -370,7 +409,7 @@ class Trainer:
         total, count = 0.0, 0.0
         for input_ids, labels in eval_batches(self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank,
                                               t.eval_batches):
-            total += self._loss_sum(input_ids, labels, 1.0).item()
+            total += self._loss_sum(input_ids, labels, 1.0)[0].item()
             count += float((labels != -100).sum())
         total, count = self._all_reduce_sum([total, count])
         total, count = total / self.dims.tp, count / self.dims.tp
@@ -390,10 +429,12 @@ class Trainer:
         if resume_path is not None:
             self.resume(resume_path)
         result.start_step = self.step
+        mc = self.model_config
+        active = f" ({mc.num_params(active=True) / 1e6:.1f}M active)" if mc.moe is not None else ""
         self.log.print(
-            f"{self.model_config.model_type} {self.model_config.num_params() / 1e6:.1f}M params | world_size "
+            f"{mc.model_type} {mc.num_params() / 1e6:.1f}M params{active} | world_size "
             f"{self.dist.world_size} (dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
-            f"{self.dims.tp}) | {self.train_windows.num_tokens} training tokens | global batch "
+            f"{self.dims.tp}, ep {self.dims.ep}) | {self.train_windows.num_tokens} training tokens | global batch "
             f"{self.loader.global_batch} x {t.seq_len} tokens | peak {self.peak_flops / 1e12:.2f} TFLOP/s per "
             f"device ({self.peak_source})"
         )
@@ -416,6 +457,7 @@ class Trainer:
                     "lr": lr,
                     "tokens_per_second_per_device": tps, "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
                     "peak_memory_gib": peak_memory_bytes(self.device) / 2**30, "seconds": elapsed,
+                    **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
                 })
                 window_t0, window_steps = time.perf_counter(), 0
             evaluated = False
