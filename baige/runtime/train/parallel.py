@@ -1,7 +1,7 @@
 """torch.distributed set-up and the parallelisms, applied to the plain :class:`Transformer`.
 
-Order (as torchtitan applies them): :func:`apply_tp` -> :func:`apply_ac` -> :func:`apply_compile` ->
-:func:`apply_fsdp`. Each transforms the model in place and keeps every parameter's fully qualified
+Order (as torchtitan applies them): :func:`apply_tp` -> :func:`apply_ep` (``expert_parallel.py``) ->
+:func:`apply_ac` -> :func:`apply_compile` -> :func:`apply_fsdp`. Each transforms the model in place and keeps every parameter's fully qualified
 name, so state dicts stay in the HF layout.
 
 Launch forms: torchrun (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) or
@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from baige import kernels
 from baige.errors import BaigeError
+from baige.runtime.model.moe import SparseMoeBlock
+from baige.runtime.train.expert_parallel import ExpertParallelExperts, apply_ep, sparse_blocks
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -132,16 +135,19 @@ def init_distributed(device_type: str) -> DistInfo:
 
 @dataclass
 class ParallelDims:
-    """Sizes of the mesh dimensions: ``dp_replicate x dp_shard x tp == world_size``."""
+    """Sizes of the mesh dimensions: ``dp_replicate x dp_shard x tp == world_size``; ``ep`` (expert
+    parallel) divides ``dp_shard`` (EP borrows from the data-parallel shard dimension)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int) -> "ParallelDims":
-        """``dp_shard = -1`` takes what the others leave. Raises BaigeError when the product is wrong."""
-        if dp_replicate < 1 or tp < 1 or dp_shard == 0 or dp_shard < -1:
+    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, ep: int = 1) -> "ParallelDims":
+        """``dp_shard = -1`` takes what the others leave. Raises BaigeError when the product is wrong
+        or ``ep`` does not divide ``dp_shard``."""
+        if dp_replicate < 1 or tp < 1 or ep < 1 or dp_shard == 0 or dp_shard < -1:
             raise BaigeError("parallelism degrees must be >= 1 (data_parallel_shard_degree may be -1)")
         if dp_shard == -1:
             if world_size % (dp_replicate * tp):
@@ -155,7 +161,10 @@ class ParallelDims:
                 f"parallelism degrees {dp_replicate} (replicate) x {dp_shard} (shard) x {tp} (tp) "
                 f"!= world_size {world_size}"
             )
-        return cls(dp_replicate, dp_shard, tp)
+        if dp_shard % ep:
+            raise BaigeError(f"expert_parallel_degree {ep} must divide data_parallel_shard_degree {dp_shard} "
+                             "(EP borrows ranks from the data-parallel shard dimension)")
+        return cls(dp_replicate, dp_shard, tp, ep)
 
     @property
     def dp_size(self) -> int:
@@ -175,6 +184,16 @@ class ParallelDims:
             device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
         )
 
+    def build_sparse_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
+        """The experts' 4-D mesh ``("dp_replicate", "efsdp", "ep", "tp")`` over the same ranks in the
+        same order (``dp_shard = efsdp * ep``); None without expert parallelism."""
+        if self.ep == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
+                                mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"))
+
     def dp_rank(self, mesh) -> int:
         """This rank's index among the data-parallel ranks (``replicate_idx * dp_shard + shard_idx``)."""
         if mesh is None:
@@ -190,32 +209,68 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
 
     q/k/v and gate/up projections column-wise, o_proj and down_proj row-wise (one all-reduce after
     attention and one after the MLP); embeddings, norms and lm_head stay replicated over ``tp_mesh``.
-    Each attention module's head counts become per-rank counts (as gpt-fast does).
+    In sparse (MoE) layers the shared expert is split the same way; the router and the routed
+    experts stay replicated (every TP rank routes the same tokens). Each attention module's head
+    counts become per-rank counts (as gpt-fast does).
 
     Raises:
-        BaigeError: heads, KV heads or the MLP width not divisible by the TP degree.
+        BaigeError: heads, KV heads or an MLP width not divisible by the TP degree.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
     cfg = model.config
-    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+    widths = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
+    if len(sparse_blocks(model)) < cfg.num_hidden_layers:
+        widths.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.moe is not None and cfg.moe.shared_intermediate_size:
+        widths.append(("shared_expert_intermediate_size", cfg.moe.shared_intermediate_size))
+    for name, n in widths:
         if n % tp:
             raise BaigeError(f"{name}={n} is not divisible by tensor_parallel_degree={tp}")
-    plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
+
+    def swiglu(prefix: str) -> dict:
+        return {f"{prefix}.gate_proj": ColwiseParallel(), f"{prefix}.up_proj": ColwiseParallel(),
+                f"{prefix}.down_proj": RowwiseParallel()}
+
+    group = tp_mesh.get_group()
     for layer in model.model.layers:
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoeBlock):
+            plan.update(swiglu("mlp"))
+        for shared in ("shared_expert", "shared_experts"):
+            if getattr(mlp, shared, None) is not None:
+                plan.update(swiglu(f"mlp.{shared}"))
         parallelize_module(layer, tp_mesh, plan)
         layer.self_attn.n_heads //= tp  # local heads: the projections' outputs are local shards
         layer.self_attn.n_kv_heads //= tp
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            if norm is not None:  # Qwen3's per-head norms see only the local heads
+                norm.forward = functools.partial(_head_norm_forward, norm, group)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; the backward all-reduces (sums) the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _head_norm_forward(norm: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
+    """A q/k head norm under TP: x (B, T, local heads, D); its weight is replicated and each rank's
+    gradient covers only its heads, so the gradient is summed over the TP group (Megatron's
+    sequence-parallel norm rule)."""
+    return kernels.rms_norm(x, _SumGradOverGroup.apply(norm.weight, group), norm.eps)
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:
@@ -235,9 +290,10 @@ def apply_ac(model: nn.Module, mode: str) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """``torch.compile`` each decoder block in place (repeated blocks share one compiled graph)."""
+    """``torch.compile`` each decoder block in place (repeated blocks share one compiled graph); a
+    sparse block's expert grouping reads counts to the host, so those compile with graph breaks."""
     for layer in model.model.layers:
-        layer.compile(fullgraph=True)
+        layer.compile(fullgraph=not isinstance(layer.mlp, SparseMoeBlock))
 
 
 def _embed_into_tied_grad(embed: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -279,35 +335,53 @@ def apply_tied_embedding_grad(model: nn.Module) -> None:
     embed.forward = functools.partial(_embed_into_tied_grad, embed)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               expert_mesh=None) -> None:
     """FSDP2 ``fully_shard`` on every decoder block, then on the root (embeddings, final norm, lm_head).
 
     ``dp_mesh`` is 1-D (FSDP) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: replicate across the first
     dimension, shard within the second). Gradients are averaged over the data-parallel ranks in
     ``reduce_dtype``; parameters are all-gathered in ``param_dtype`` (the MixedPrecisionPolicy).
     The last block is not resharded after forward: backward needs it at once.
+
+    With expert parallelism, each sparse layer's experts (already ``Shard(0)`` over ``ep``) are
+    their own FSDP unit over ``expert_mesh`` (``efsdp``, or ``(dp_replicate, efsdp)``; torchtitan
+    keeps it even at size 1 for mixed precision), averaging over those ``dp_size / ep`` ranks (the
+    experts scale their gradient by ``1 / ep``, see ``ExpertParallelExperts``). Their inputs are not
+    cast (the routing weights stay fp32).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    expert_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     layers = model.model.layers
     for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=i < len(layers) - 1)
+        reshard = i < len(layers) - 1
+        experts = getattr(layer.mlp, "experts", None)
+        if isinstance(experts, ExpertParallelExperts):
+            fully_shard(experts, mesh=expert_mesh, mp_policy=expert_policy, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile: bool,
-                param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """Apply TP, AC, compile and FSDP in that order (each only when enabled); without FSDP and TP,
-    route a tied embedding's gradient into the lm_head's (:func:`apply_tied_embedding_grad`)."""
+                param_dtype: torch.dtype, reduce_dtype: torch.dtype, sparse_mesh=None) -> None:
+    """Apply TP, EP, AC, compile and FSDP in that order (each only when enabled); without FSDP and
+    TP, route a tied embedding's gradient into the lm_head's (:func:`apply_tied_embedding_grad`).
+    ``sparse_mesh``: :meth:`ParallelDims.build_sparse_mesh` (needed when ``dims.ep > 1``)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
+    if dims.ep > 1:
+        apply_ep(model, sparse_mesh["ep"])
     apply_ac(model, ac)
     if compile:
         apply_compile(model)
     if dims.fsdp_enabled:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype)
+        expert_mesh = None
+        if dims.ep > 1:
+            expert_mesh = sparse_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse_mesh["efsdp"]
+        apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, expert_mesh)
     elif dims.tp == 1:
         apply_tied_embedding_grad(model)
 
