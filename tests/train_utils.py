@@ -36,9 +36,10 @@ def write_char_tokenizer(out: Path, text: str) -> int:
     return len(vocab)
 
 
-def tiny_model(path: Path, variant: str = "llama-tied", vocab_size: int = 97, seed: int = 0) -> Path:
-    """A random tiny HF checkpoint (tests/tiny.py) plus a character tokenizer over tinyshakespeare."""
-    make_checkpoint(path, variant, seed=seed, vocab_size=vocab_size)
+def tiny_model(path: Path, variant: str = "llama-tied", vocab_size: int = 97, seed: int = 0, **overrides) -> Path:
+    """A random tiny HF checkpoint (tests/tiny.py; ``overrides``: config fields) plus a character
+    tokenizer over tinyshakespeare."""
+    make_checkpoint(path, variant, seed=seed, vocab_size=vocab_size, **overrides)
     n = write_char_tokenizer(path, shakespeare(200_000))
     assert n <= vocab_size
     return path
@@ -106,3 +107,25 @@ def job_train(model: str, data: str, output: str, copy_checkpoint: str | None = 
     if dist.is_initialized():
         dist.barrier()
     run_training(tiny_config(Path(model), Path(data), Path(output), **flags))
+
+
+def job_train_dump_experts(model: str, data: str, output: str, **flags) -> None:
+    """:func:`job_train`, then each rank writes ``output/experts_rank{R}.pt``: every sparse layer's
+    ``expert_ids``, local expert count and local ``gate_up_proj`` / ``down_proj`` after training."""
+    import os
+
+    import torch
+
+    from baige.runtime.train.trainer import Trainer
+
+    trainer = Trainer(tiny_config(Path(model), Path(data), Path(output), **flags))
+    trainer.train()
+    layers = {}
+    for i, layer in enumerate(trainer.model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            layers[i] = {"expert_ids": list(experts.expert_ids), "num_local_experts": experts.num_local_experts,
+                         "global_shape": tuple(experts.gate_up_proj.shape),
+                         "gate_up_proj": experts.gate_up_proj.to_local().detach().clone(),
+                         "down_proj": experts.down_proj.to_local().detach().clone()}
+    torch.save(layers, Path(output) / f"experts_rank{os.environ['RANK']}.pt")
