@@ -34,6 +34,7 @@ MOE_FLAGS = {"moe.router_aux_loss_coef": 0.02, "moe.router_z_loss_coef": 1e-3}  
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_dist")
     qwen3 = tiny_model(root / "qwen3_moe", "qwen3-moe", num_experts=8)  # layer 0 dense, layers 1-2 sparse
+    ernie = tiny_model(root / "ernie", "ernie4.5-moe", seed=2)  # 6 experts top-3, its own selection bias
     data = root / "train.txt"
     data.write_text(shakespeare(20_000))
     common = dict(model=str(qwen3), data=str(data), **MOE_FLAGS)
@@ -44,10 +45,13 @@ def runs(tmp_path_factory):
         # EP=2 x FSDP2 (dp_shard=2): 2 ranks x batch 2, a checkpoint at step 3.
         (job_train_dump_experts, dict(common, output=str(root / "ep"), **ep, **{
             "training.steps": STEPS, "training.batch_size": 2, "checkpoint.interval": 3})),
-        # EP=2 with 2 micro-batches, activation checkpointing and DeepSeek-V3 bias balancing.
+        # EP=2 with 2 micro-batches, activation checkpointing, DeepSeek-V3 bias balancing, evaluation.
         (job_train, dict(common, output=str(root / "ep_bias_ac"), **ep, **bias, **{
             "training.steps": 3, "training.batch_size": 2, "training.activation_checkpointing": "full",
-            "checkpoint.export_hf": False})),
+            "checkpoint.export_hf": False, "data.eval": [str(data)], "training.eval_batches": 2})),
+        # ERNIE-4.5 under EP=2 x FSDP: bias balancing updates its own (FSDP-sharded) e_score_correction_bias.
+        (job_train, dict(common, model=str(ernie), output=str(root / "ernie_ep"), **ep, **bias, **{
+            "training.steps": 3, "training.batch_size": 2})),
         # TP=2 (attention split, router and routed experts replicated), each rank the whole batch.
         (job_train, dict(common, output=str(root / "tp"), **{
             "training.steps": STEPS, "training.batch_size": 4, "parallelism.tensor_parallel_degree": 2,
@@ -62,7 +66,10 @@ def runs(tmp_path_factory):
         job_train(**common, output=str(root / "single_from_ep"), copy_checkpoint=str(step3),
                   **{"training.steps": STEPS, "training.batch_size": 4})
         job_train(**common, output=str(root / "single_bias"), **bias, **{
-            "training.steps": 3, "training.batch_size": 4, "checkpoint.export_hf": False})
+            "training.steps": 3, "training.batch_size": 4, "checkpoint.export_hf": False,
+            "data.eval": [str(data)], "training.eval_batches": 2})
+        job_train(**dict(common, model=str(ernie)), output=str(root / "single_ernie"), **bias, **{
+            "training.steps": 3, "training.batch_size": 4})
     finally:
         torch.set_num_threads(threads)
     return root
@@ -120,6 +127,21 @@ def test_ep_checkpoint_resumes_in_one_process(runs):
 
 def test_ep_with_accumulation_checkpointing_and_bias_matches_one_process(runs):
     _assert_same_run(runs / "ep_bias_ac", runs / "single_bias", range(1, 4))
+    ep_eval, single_eval = read_metrics(runs / "ep_bias_ac", "eval"), read_metrics(runs / "single_bias", "eval")
+    assert sorted(ep_eval) == sorted(single_eval) == [0, 3]  # no-grad forwards under EP too
+    for step in (0, 3):
+        assert abs(ep_eval[step] - single_eval[step]) < 1e-5
+
+
+def test_ernie_bias_balancing_under_ep_matches_one_process(runs):
+    _assert_same_run(runs / "ernie_ep", runs / "single_ernie", range(1, 4))
+    name = "model.layers.1.mlp.moe_statics.e_score_correction_bias"
+    start = load_file(str(runs / "ernie" / "model.safetensors"))[name]
+    ep, single = (load_file(str(runs / d / "hf" / "model.safetensors"))[name] for d in ("ernie_ep", "single_ernie"))
+    assert torch.equal(ep, single)
+    # three updates of +-0.01 per expert (never 0 unless an expert's load is exactly the mean)
+    steps = ((ep - start) / 0.01).round()
+    assert steps.abs().max() <= 3 and (steps != 0).any() and torch.allclose(ep - start, 0.01 * steps, atol=1e-6)
 
 
 def test_tensor_parallel_moe_matches_one_process(runs):
