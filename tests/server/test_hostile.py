@@ -10,16 +10,13 @@ clients and makes the process exit non-zero.
 
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 
 import httpx
 import pytest
+import server_utils as serve_utils
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,39 +27,12 @@ MAX_BYTES = 1 << 20
 VOCAB = 49152  # SmolLM2's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def launched(embedded_dir, *extra: str, code: str | None = None):
-    """`baige serve` in a subprocess (``code`` runs before the CLI, to inject faults); yields
-    (base url, process)."""
-    port = _free_port()
-    args = ["serve", "--model", str(embedded_dir), "--port", str(port), "--max-model-len", str(MAX_LEN),
-            "--kv-cache-memory", "60MB", "--max-num-seqs", "16", "--log-level", "error", *extra]
-    boot = (code or "") + "\nfrom baige.cli import main\nmain(" + repr(args) + ")\n"
-    proc = subprocess.Popen([sys.executable, "-c", boot], env=dict(os.environ, BAIGE_API_KEY=KEY),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.3)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=30)
+    args = ("--max-model-len", str(MAX_LEN), "--kv-cache-memory", "60MB", "--max-num-seqs", "16",
+            "--log-level", "error", *extra)
+    with serve_utils.launched(embedded_dir, *args, api_key=KEY, code=code) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -4,51 +4,25 @@ client disconnects, /metrics. One server (a subprocess) for the module."""
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 import torch
+from server_utils import launched
 
 KEY = "test-key"
 NAME = "smol"
 MAX_LEN = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(embedded_dir):
-    port = _free_port()
-    env = dict(os.environ, BAIGE_API_KEY=KEY)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baige", "serve", "--model", str(embedded_dir), "--port", str(port),
-         "--served-model-name", NAME, "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "150MB",
-         "--max-num-seqs", "32", "--enforce-eager", "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with launched(embedded_dir, "--served-model-name", NAME, "--max-model-len", str(MAX_LEN), "--kv-cache-memory",
+                  "150MB", "--max-num-seqs", "32", "--enforce-eager", "--log-level", "warning", api_key=KEY) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
 from baige.runtime.infer.stop import StopMatcher
+from baige.runtime.infer.structured import GrammarCompiler
 from baige.runtime.infer.text import SeqText
 from baige.runtime.model.device import resolve_device
 from baige.runtime.model.tokenizer import Tokenizer
@@ -93,10 +94,12 @@ class Engine:
         self.eos_token_ids = list(tokenizer.eos_token_ids or mc.eos_token_id)
         self._eos_only = frozenset(self.eos_token_ids)
         self.generator = torch.Generator(device=p.device).manual_seed(cfg.seed)  # unseeded requests
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
         self.requests: dict[str, _Request] = {}
         self._failures: list[tuple[str, RequestFailed]] = []
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_constrained_requests = 0
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)", num_blocks, cfg.block_size,
                     num_blocks * cfg.block_size,
                     num_blocks * KVCache.bytes_per_block(mc, cfg.block_size, kv_dtype) / 1e6,
@@ -124,6 +127,8 @@ class Engine:
             max_tokens longer than max_model_len (the message gives both numbers).
         """
         params.check_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars().matcher(params.structured_outputs)  # compiles (cached) or raises BaigeError now
         if isinstance(prompt, str):
             _check_text(prompt, "prompt")
             # far too long to fit, whatever it tokenizes to: refused without tokenizing (margin 4x
@@ -160,6 +165,7 @@ class Engine:
         text, ids, params = self.prepare(prompt, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         matcher = StopMatcher(params.stop) if params.stop else None
+        so = params.structured_outputs
         seqs = []
         for i in range(params.n):
             gen = None
@@ -168,7 +174,8 @@ class Engine:
             elif not params.greedy:
                 gen = self.generator
             seq = Sequence(list(ids), params.max_tokens, params.min_tokens, stop_ids, request_id, i,
-                           payload=SeqText(self.tokenizer, params, gen, matcher),
+                           payload=SeqText(self.tokenizer, params, gen, matcher,
+                                           self.grammars().matcher(so) if so is not None else None),
                            prompt_logprobs=params.prompt_logprobs if i == 0 else None)  # one scorer per request
             seqs.append(seq)
         for seq in seqs:  # queued only once all are built: a failure above leaves nothing behind
@@ -177,6 +184,7 @@ class Engine:
                                              time.monotonic() if arrival_time is None else arrival_time,
                                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.num_prompt_tokens += len(ids)
+        self.num_constrained_requests += so is not None
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its KV blocks (no-op for an unknown or finished id)."""
@@ -221,7 +229,7 @@ class Engine:
         if not len(batch):
             return []
         rows = [_sampler_row(s) for s in batch.seqs]
-        tokens, logprobs, prompt_lps = self._execute(batch, rows)
+        tokens, logprobs, prompt_lps = self._execute(batch, rows, self._start_masks(batch))
         for i, (first, lps) in prompt_lps.items():
             req = self.requests.get(batch.seqs[i].request_id)
             if req is not None and req.prompt_logprobs is not None and first == len(req.prompt_logprobs):
@@ -246,11 +254,25 @@ class Engine:
             touched[req.request_id] = req
         return [self._output(req, now) for req in touched.values()]
 
-    def _execute(self, batch: ScheduledBatch, rows: list[SamplerRow]):
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer and vocabulary."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _start_masks(self, batch: ScheduledBatch):
+        """Start the grammar masks of the constrained sequences that sample this step (on the
+        compiler's worker thread, overlapping the forward); returns the callable that waits for
+        them, or None."""
+        constrained = {i: s.payload.grammar for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                       if s.payload.grammar is not None and s.num_computed_tokens + n == len(s.token_ids)}
+        return self._grammars.start_masks(constrained).result if constrained else None
+
+    def _execute(self, batch: ScheduledBatch, rows: list[SamplerRow], masks=None):
         """``runner.execute``; when the batched step raises, each sequence runs alone and the ones
         that still raise fail their requests (K/V slots of a failed step are rewritten on retry)."""
         try:
-            return self.runner.execute(batch, rows)
+            return self.runner.execute(batch, rows, masks)
         except Exception as e:
             if len(batch) == 1:
                 self._fail(batch.seqs[0].request_id, e)
@@ -259,12 +281,14 @@ class Engine:
         tokens: list[int | None] = [None] * len(batch)
         logprobs: list[Logprobs | None] = [None] * len(batch)
         prompt_lps: dict = {}
+        full = masks() if masks is not None else {}
         for i, seq in enumerate(batch.seqs):
             if seq.request_id not in self.requests:
                 continue
             one = ScheduledBatch([seq], [batch.num_new_tokens[i]], int(i < batch.num_decodes))
+            one_mask = (lambda m=full[i]: {0: m}) if i in full else None
             try:
-                (tokens[i],), (logprobs[i],), lps = self.runner.execute(one, [rows[i]])
+                (tokens[i],), (logprobs[i],), lps = self.runner.execute(one, [rows[i]], one_mask)
             except Exception as e:
                 self._fail(seq.request_id, e)
                 continue
@@ -282,6 +306,11 @@ class Engine:
                 seq.finish_reason, seq.stop_reason = "stop", stop
             else:
                 self.scheduler.finish(seq, "stop", stop)
+        if st.grammar is not None:
+            if not st.grammar.consume_token(token):
+                raise RuntimeError(f"the output grammar refused token {token} ({st.grammar.get_error()[:200]})")
+            if st.grammar.is_stopped() and not seq.is_finished:  # the language is complete: end here
+                self.scheduler.finish(seq, "stop")
 
     def _output(self, req: _Request, now: float) -> RequestOutput:
         outs = []

@@ -16,7 +16,8 @@ writing to the pool's scratch block; one graph per bucket.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -269,13 +270,17 @@ class ModelRunner:
         return logits, sample_rows, prompt_lps
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None]
+    def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None],
+                token_masks: Callable[[], dict[int, torch.Tensor]] | None = None,
                 ) -> tuple[list[int | None], list[Logprobs | None], dict[int, tuple[int, list[Logprobs]]]]:
         """Run the step and sample.
 
         Args:
             batch: the scheduler's step.
             rows: per scheduled sequence its sampling inputs (read only for sequences that sample).
+            token_masks: called after the forward, before sampling (so masks computed on another
+                thread overlap the forward): ``{batch index: (vocab,) bool allowed tokens}`` for the
+                constrained sequences.
         Returns:
             Per scheduled sequence: the sampled token id (None for a chunk that does not end its
             prefill) and its logprobs (None unless asked for); and the prompt logprobs of this step's
@@ -289,6 +294,10 @@ class ModelRunner:
             logits, sample_rows, prompt_lps = self._run_mixed(batch)
         tokens: list[int | None] = [None] * len(batch)
         logprobs: list[Logprobs | None] = [None] * len(batch)
+        if token_masks is not None:
+            rows = list(rows)
+            for i, mask in token_masks().items():
+                rows[i] = replace(rows[i], token_mask=mask)
         if sample_rows:
             got, lps = sample_batch(logits, [rows[i] for i in sample_rows])
             for i, t, lp in zip(sample_rows, got, lps):

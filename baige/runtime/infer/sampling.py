@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from baige.errors import BaigeError
+from baige.runtime.infer.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's top_logprobs cap)
 MAX_STOP_STRINGS = 64  # stop strings per request
@@ -52,6 +53,8 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         logit_bias: token id -> bias added to its logit before sampling (OpenAI's field), in [-100, 100].
         allowed_token_ids: when set, only these tokens can be sampled (vLLM's field).
+        structured_outputs: a JSON schema / JSON object / regex / choice / grammar constraint on the
+            output (:mod:`baige.runtime.infer.structured`).
 
     Raises:
         BaigeError: a value out of its range (one line naming the field). Token ids are checked
@@ -77,6 +80,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -225,6 +229,7 @@ class SamplerRow:
     prompt_ids: list[int] | None = None  # needed for repetition_penalty
     output_ids: list[int] | None = None  # needed for penalties and min_tokens
     stop_ids: list[int] | None = None  # masked while len(output_ids) < params.min_tokens
+    token_mask: torch.Tensor | None = None  # (vocab,) bool: the structured-output grammar's allowed tokens
 
 
 @dataclass
@@ -257,13 +262,15 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list
 
 def _needs_adjust(r: SamplerRow) -> bool:
     p = r.params
-    return bool(p.has_penalties or p.logit_bias or p.allowed_token_ids is not None
+    return bool(p.has_penalties or p.logit_bias or p.allowed_token_ids is not None or r.token_mask is not None
                 or (p.min_tokens and len(r.output_ids or ()) < p.min_tokens))
 
 
 def _adjust_row(row: torch.Tensor, r: SamplerRow) -> torch.Tensor:
     """One row's logit processors (see :func:`sample_batch`). ``row``: (vocab,) fp32; returns a new row."""
     p, V, dev = r.params, row.shape[0], row.device
+    if r.token_mask is not None:  # the grammar's mask first: nothing below can revive a refused token
+        row = row.masked_fill(~r.token_mask.to(dev)[:V], float("-inf"))
     if p.allowed_token_ids is not None:
         keep = torch.zeros(V, dtype=torch.bool, device=dev)
         keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=dev)] = True
@@ -290,7 +297,8 @@ def _adjust_row(row: torch.Tensor, r: SamplerRow) -> torch.Tensor:
 def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[Logprobs | None]]:
     """Sample one token per row with per-row parameters.
 
-    Order (vLLM's): on the raw logits, the ``allowed_token_ids`` mask, ``logit_bias``, the
+    Order (vLLM's): on the raw logits, the structured-output grammar's mask (``token_mask``), the
+    ``allowed_token_ids`` mask, ``logit_bias``, the
     min_tokens mask of stop ids, then the repetition/presence/frequency penalties; then greedy rows
     take the argmax;
     the others divide by their temperature, apply top-k, top-p, min-p (each on the renormalised

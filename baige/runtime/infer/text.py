@@ -18,10 +18,11 @@ class SeqText:
         params: the request's sampling parameters (stop strings, logprobs, skip_special_tokens).
         generator: the sequence's RNG (None: greedy or the engine's shared one).
         matcher: the request's stop-string automaton (None: no stop strings); shared by its sequences.
+        grammar: this sequence's structured-output matcher (llguidance ``LLMatcher``), or None.
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, generator: torch.Generator | None,
-                 matcher: StopMatcher | None):
+                 matcher: StopMatcher | None, grammar=None):
         self.params = params
         self.generator = generator
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
@@ -31,6 +32,7 @@ class SeqText:
         self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
         self.sent_tokens = 0
         self.sent_logprobs = 0
+        self.grammar = grammar
 
     def add(self, token: int, is_stop_token: bool, finished: bool, lp: Logprobs | None) -> str | None:
         """Append a generated token's text (a stop token adds none); flush the detokenizer when the

@@ -137,6 +137,10 @@ class Tokenizer:
                           key=len, reverse=True)  # longest first: the leftmost-longest match, as tokenizers does
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
+    def to_json(self) -> str:
+        """The backend's ``tokenizer.json`` serialisation (what grammar engines build their vocabulary from)."""
+        return self._backend.to_str()
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """Characters of the longest vocabulary entry (byte-level entries count one per byte, so this

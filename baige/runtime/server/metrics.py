@@ -33,6 +33,7 @@ class Metrics:
               registry=r).set_function(lambda: bm.prefix_hit_rate)
         Gauge("baige:num_preemptions", "Sequences preempted (recompute) so far.", registry=r
               ).set_function(lambda: eng.scheduler.num_preemptions)
+        self._structured_gauges(eng, r)
         self.prompt_tokens = Counter("baige:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("baige:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("baige:request_success", "Finished requests by finish reason.",
@@ -43,6 +44,22 @@ class Metrics:
                               "Time per output token after the first (TPOT), seconds.", buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("baige:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+
+    @staticmethod
+    def _structured_gauges(eng, r: CollectorRegistry) -> None:
+        """Structured outputs: constrained requests, grammar compiles and their time, mask time per token."""
+        def stat(name: str):
+            return lambda: eng.grammars().stats[name] if eng._grammars is not None else 0
+
+        Gauge("baige:structured_output_requests", "Requests with a structured-output constraint so far.",
+              registry=r).set_function(lambda: eng.num_constrained_requests)
+        Gauge("baige:grammar_compiles", "Constraints compiled (cache misses).", registry=r).set_function(stat("compiles"))
+        Gauge("baige:grammar_compile_seconds", "Seconds spent compiling constraints, in all.",
+              registry=r).set_function(stat("compile_seconds"))
+        Gauge("baige:structured_mask_seconds", "Seconds spent computing token masks, in all.",
+              registry=r).set_function(stat("mask_seconds"))
+        Gauge("baige:structured_masked_tokens", "Tokens sampled under a grammar mask.",
+              registry=r).set_function(stat("masked_tokens"))
 
     def on_output(self, out: RequestOutput) -> None:
         """Called by the engine thread with every output."""

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from baige.errors import BaigeError
 from baige.runtime.infer.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -105,6 +106,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field("schema", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` extra field (exactly one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+
 class SamplingFields(_Strict):
     """The sampling fields both endpoints share; ranges by the field's meaning (OpenAI's, vLLM's).
     ``n`` is further bounded by ``--max-n`` and ``max_tokens`` by the context (the routes check)."""
@@ -131,6 +156,30 @@ class SamplingFields(_Strict):
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    def constraint(self):
+        """The request's :class:`StructuredOutputsParams` (None: free), from ``response_format`` or
+        ``structured_outputs``. Raises APIError when both are given or one is incomplete."""
+        from baige.runtime.infer.structured import StructuredOutputsParams
+
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise APIError("give response_format or structured_outputs, not both", param="response_format")
+        try:
+            if so is not None:
+                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                               json_object=so.json_object)
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError("response_format json_schema needs json_schema.schema", param="response_format")
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        except BaigeError as e:
+            raise APIError(str(e), param="structured_outputs" if so is not None else "response_format") from None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids as strings, OpenAI's form) as ints. Raises APIError."""

@@ -184,7 +184,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias_ids(),
-            allowed_token_ids=req.allowed_token_ids,
+            allowed_token_ids=req.allowed_token_ids, structured_outputs=req.constraint(),
         )
     except BaigeError as e:
         raise APIError(str(e), param=e.param) from None
