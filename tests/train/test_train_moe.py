@@ -266,3 +266,36 @@ def test_bench_train_counts_active_parameters(embedded_dir, one_thread, monkeypa
     fpt = 6 * m["num_params_active"] + 12 * 4 * 4 * 16 * 16  # 6 N_active + 12 L H Q T
     assert s["roofline"]["flops_per_token"] == fpt
     assert s["mfu_pct"] == pytest.approx(100 * s["tokens_per_s_per_device"] * fpt / 100e9)
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+
+def test_moe_config_and_expert_parallel_errors(tmp_path):
+    from types import SimpleNamespace
+
+    from baige.errors import BaigeError
+    from baige.runtime.train.expert_parallel import apply_ep
+    from baige.runtime.train.parallel import ParallelDims
+    from baige.runtime.weights.loader import load_model
+
+    (tmp_path / "d.txt").write_text("x")
+    base = {"data.train": [str(tmp_path / "d.txt")], "output": str(tmp_path / "o")}
+    cfg = load_train_config(None, base, ["moe.router_aux_loss_coef=0.05", "moe.load_balance=bias",
+                                         "parallelism.expert_parallel_degree=2"])
+    assert (cfg.moe.router_aux_loss_coef, cfg.moe.load_balance, cfg.parallelism.expert_parallel_degree) == (0.05, "bias", 2)
+    assert "[moe]" in cfg.to_toml() and "expert_parallel_degree = 2" in cfg.to_toml()
+    for override, field in (("moe.load_balance=loss_free", "moe.load_balance"),
+                            ("moe.router_z_loss_coef=-1", "moe.router_z_loss_coef"),
+                            ("moe.bias_update_rate=nan", "moe.bias_update_rate"),
+                            ("parallelism.expert_parallel_degree=0", "parallelism.expert_parallel_degree")):
+        with pytest.raises(BaigeError, match=field):
+            load_train_config(None, base, [override])
+    assert ParallelDims.resolve(4, 1, -1, 1, 2) == ParallelDims(1, 4, 1, 2)
+    with pytest.raises(BaigeError, match="expert_parallel_degree 2 must divide data_parallel_shard_degree 1"):
+        ParallelDims.resolve(2, 2, -1, 1, 2)  # HSDP 2 x 1: no shard dimension to borrow from
+    mesh = SimpleNamespace(size=lambda: 2)
+    with pytest.raises(BaigeError, match="num_experts=7 is not divisible by expert_parallel_degree=2"):
+        apply_ep(load_model(tiny_model(tmp_path / "moe", "qwen3-moe"), dtype=torch.float32, device="cpu"), mesh)
+    with pytest.raises(BaigeError, match="needs a Mixture-of-Experts model"):
+        apply_ep(load_model(tiny_model(tmp_path / "dense", "llama"), dtype=torch.float32, device="cpu"), mesh)

@@ -483,6 +483,9 @@ class Trainer:
                         self.dist.is_main)
         if out is not None:
             self.log.print(f"exported HF checkpoint to {out}")
+            if self.moe is not None and self.moe.bias_mode and not self.moe.own_bias:
+                self.log.print(f"note: {self.model_config.model_type} checkpoints have no expert-selection bias: "
+                               "the export routes without the moe.load_balance=bias biases (kept in the DCP checkpoint)")
         return out
 
 
