@@ -1,6 +1,7 @@
 """Mixture-of-Experts compositions that need 4 gloo ranks, against one process on the same global
 batch: EP=2 inside dp_shard=4 (the experts FSDP-sharded over the remaining ``efsdp`` = 2 and the
-expert gradients averaged over all 4 ranks), and dp_shard=2 x TP=2 x EP=2 on a model with dense
+expert gradients averaged over all 4 ranks), HSDP 2 x 2 with EP=2 (experts replicated over
+``dp_replicate``, one rank each in ``efsdp``), and dp_shard=2 x TP=2 x EP=2 on a model with dense
 layers and a gated shared expert (TP splits the attention, the dense MLPs and the shared expert;
 EP groups the ranks of one TP index)."""
 
@@ -28,6 +29,9 @@ def runs(tmp_path_factory):
     jobs = [
         (job_train, dict(common, model=str(qwen3), output=str(root / "ep_efsdp"), **{
             "training.batch_size": 1, "parallelism.expert_parallel_degree": 2})),
+        (job_train, dict(common, model=str(qwen3), output=str(root / "ep_hsdp"), **{
+            "training.batch_size": 1, "parallelism.expert_parallel_degree": 2,
+            "parallelism.data_parallel_replicate_degree": 2})),
         (job_train, dict(common, model=str(shared), output=str(root / "ep_tp"), **{
             "training.batch_size": 2, "parallelism.expert_parallel_degree": 2,
             "parallelism.tensor_parallel_degree": 2})),
@@ -47,7 +51,8 @@ def _records(run_dir):
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("run, single", [("ep_efsdp", "single_qwen3"), ("ep_tp", "single_shared")])
+@pytest.mark.parametrize("run, single", [("ep_efsdp", "single_qwen3"), ("ep_hsdp", "single_qwen3"),
+                                         ("ep_tp", "single_shared")])
 def test_four_rank_moe_matches_one_process(runs, run, single):
     a, b = _records(runs / run), _records(runs / single)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
