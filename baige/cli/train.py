@@ -22,7 +22,8 @@ D = TrainConfig()  # the defaults a flag left out keeps (unless --config or --se
 SET_HELP = (
     "Override any config field: --set section.field=value (TOML value; repeatable), e.g. "
     "--set training.steps=200 --set optimizer.betas=[0.9,0.99] --set lr_scheduler.name=wsd. "
-    "Sections: model, data, training, optimizer, lr_scheduler, parallelism, checkpoint, metrics."
+    "Sections: model, data, training, optimizer, lr_scheduler, parallelism, checkpoint, metrics, moe "
+    "(router_aux_loss_coef, router_z_loss_coef, load_balance=aux_loss|bias, bias_update_rate)."
 )
 
 
@@ -31,7 +32,7 @@ def train(
     config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with the sections listed under --set.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP + " (pretrained weights)")] = None,
     model_config: Annotated[Optional[str], typer.Option(
-        "--model-config", help="Train from scratch (seeded init): a config.json or a preset (debug, smollm2-135m, llama3.2-1b).")] = None,
+        "--model-config", help="Train from scratch (seeded init): a config.json or a preset (debug, moe-tiny, smollm2-135m, llama3.2-1b).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory or model spec (default: the model's).")] = None,
     data: Annotated[Optional[list[str]], typer.Option(
         "--data", help="Training file (repeatable): .txt, or .jsonl with \"text\" or chat \"messages\" (SFT).")] = None,
@@ -48,6 +49,9 @@ def train(
         help="auto (newest complete checkpoint in the output dir, default), none (start fresh) or a step directory.")] = None,
     tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree (default 1); world_size must be divisible by it times --dp-replicate.")] = None,
     dp_replicate: Annotated[Optional[int], typer.Option(help="HSDP replica count (1 = FSDP).")] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree for MoE models (default 1): experts "
+                                              "sharded over EP ranks taken from the data-parallel shard dimension "
+                                              "(must divide it and the expert count); tokens move by all_to_all.")] = None,
     ac: Annotated[Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block (default: on for single-device CPU training when a C++ compiler is on PATH).")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
@@ -64,6 +68,7 @@ def train(
         "training.steps": steps, "training.seq_len": seq_len, "training.batch_size": batch_size,
         "training.grad_accum": grad_accum, "optimizer.lr": lr, "output": output, "checkpoint.resume": resume,
         "parallelism.tensor_parallel_degree": tp, "parallelism.data_parallel_replicate_degree": dp_replicate,
+        "parallelism.expert_parallel_degree": ep,
         "training.activation_checkpointing": ac, "training.compile": compile, "training.device": device,
         "training.seed": seed,
     }

@@ -46,3 +46,14 @@ def test_bad_paths(cli_error, base, tmp_path):
     err = cli_error(*base, "-o", tmp_path / "afile" / "run")
     assert f"{tmp_path / 'afile'} is a file, not a directory" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_ep_flag_reaches_the_config(cli_error, tmp_path):
+    from baige.runtime.train.config import load_train_config
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    cfg = load_train_config(None, {"parallelism.expert_parallel_degree": 2, "data.train": [str(text)]}, None)
+    assert cfg.parallelism.expert_parallel_degree == 2
+    assert "parallelism.expert_parallel_degree" in cli_error("train", "--data", text, "--model-config", "moe-tiny",
+                                                             "--ep", 0, "-o", tmp_path / "run")
