@@ -40,7 +40,7 @@ def timed(fn, repeats: int) -> float:
 def make(path: Path, args) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
+    cfg = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                          head_dim=args.hidden // 8, moe_intermediate_size=args.expert_width,
                          num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
@@ -51,6 +51,19 @@ def make(path: Path, args) -> None:
         for p in model.parameters():
             p.normal_(0.0, 0.05)
     model.save_pretrained(path)
+
+
+def save(src: Path, dst: Path) -> None:
+    import shutil
+
+    from baige.runtime.weights.hub import resolve_model
+    from baige.runtime.weights.safetensors_io import TOKENIZER_FILES
+
+    shutil.copytree(src, dst)
+    embedded = resolve_model(None)
+    for name in TOKENIZER_FILES:
+        if (embedded / name).is_file():
+            shutil.copy(embedded / name, dst / name)
 
 
 def main() -> None:
@@ -64,6 +77,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--save", type=Path, default=None,
+                    help="Also keep the random checkpoint here, with the embedded model's tokenizer (for "
+                         "`baige bench latency --model DIR`: the MoE decode roofline)")
+    ap.add_argument("--vocab", type=int, default=1024)
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -75,8 +92,10 @@ def main() -> None:
         make(Path(tmp), args)
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, experts_implementation="eager").eval()
         ours = load_model(tmp)
+        if args.save:
+            save(Path(tmp), args.save)
     layer = next(i for i, layer in enumerate(ours.model.layers) if isinstance(layer.mlp, SparseMoeBlock))
-    ids = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(1))
     x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(2))
     positions = torch.arange(args.tokens)[None]
     with torch.inference_mode():
