@@ -4,12 +4,34 @@ from __future__ import annotations
 
 import logging
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from baige.cli.app import app
 from baige.cli.options import MODEL_HELP, Device, DType
+from baige.errors import BaigeError
+
+
+class ToolCallParser(str, Enum):
+    auto = "auto"
+    hermes = "hermes"
+    llama3_json = "llama3_json"
+    mistral = "mistral"
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a jinja file, or (as vLLM takes it) the template itself. Raises BaigeError."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BaigeError(f"--chat-template: cannot read {path} ({e})") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise BaigeError(f"--chat-template: {value} is not a file (nor a jinja template)")
 
 
 class LogLevel(str, Enum):
@@ -58,6 +80,20 @@ def serve(
                                        "more is a 400.")] = 128,
     max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body in bytes; larger "
                                                    "bodies get 413 before they are read whole.")] = 16 * 2**20,
+    chat_template: Annotated[Optional[str], typer.Option(
+        help="A jinja chat template file (or the template itself) replacing the tokenizer's, e.g. one that "
+             "renders `tools`.")] = None,
+    tool_call_parser: Annotated[ToolCallParser, typer.Option(
+        help="How tool calls are read from the output (vLLM's names): hermes (<tool_call>JSON</tool_call>, "
+             "Qwen2.5/Qwen3), llama3_json, mistral ([TOOL_CALLS]); auto = from the chat template's markers, "
+             "else hermes (the format of the default tool prompt).", case_sensitive=False)] = ToolCallParser.auto,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        "--enable-auto-tool-choice/--no-enable-auto-tool-choice",
+        help="Parse the calls the model writes for tool_choice=auto (the default when tools are given). "
+             "Off: such requests get a 400, as vLLM without this flag.")] = True,
+    exclude_tools_when_tool_choice_none: Annotated[bool, typer.Option(
+        help="Leave the tools out of the prompt when tool_choice is none (by default they are rendered, as "
+             "vLLM does).")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -71,7 +107,12 @@ def serve(
                        block_size=block_size, kv_cache_memory=kv_cache_memory,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
+    template = read_chat_template(chat_template) if chat_template is not None else None
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
-    engine = AsyncEngine(Engine.from_config(cfg))
-    run_server(engine, served_model_name or model or "smollm2-135m-instruct", sock, api_key, log_level.value,
-               max_n=max_n, max_request_bytes=max_request_bytes)
+    core = Engine.from_config(cfg)
+    if template is not None:
+        core.tokenizer.set_chat_template(template)
+    run_server(AsyncEngine(core), served_model_name or model or "smollm2-135m-instruct", sock, api_key,
+               log_level.value, max_n=max_n, max_request_bytes=max_request_bytes,
+               tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice,
+               exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)

@@ -177,6 +177,15 @@ class Tokenizer:
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the chat template (``baige serve --chat-template``, vLLM's option); compiled now.
+
+        Raises:
+            BaigeError: the template does not compile.
+        """
+        self._compiled = _compile_template(source)
+        self.chat_template = source
+
     @property
     def has_chat_template(self) -> bool:
         """Whether the model ships a chat template."""

@@ -1,6 +1,6 @@
-"""The FastAPI application: routes (:mod:`.routes`), error handlers in OpenAI's shape
-(:mod:`.protocol`) for every status (400, 401, 404, 405, 413, 422, 500, 503), a request-size limit,
-bearer-token auth, metrics (:mod:`.metrics`), and :func:`run_server` (uvicorn).
+"""The FastAPI application: routes (:mod:`.routes`; tool calling in :mod:`.tools`), error handlers in
+OpenAI's shape (:mod:`.protocol`) for every status (400, 401, 404, 405, 413, 422, 500, 503), a
+request-size limit, bearer-token auth, metrics (:mod:`.metrics`), and :func:`run_server` (uvicorn).
 
 Every user error is a 4xx with OpenAI's error body; the engine keeps serving. If the engine loop
 stops, /health answers 503 and the server exits non-zero a moment later (a supervisor restarts it).
@@ -23,6 +23,7 @@ from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.server import routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
+from baige.runtime.server.tools import tool_config
 
 logger = logging.getLogger("baige.server")
 
@@ -113,15 +114,20 @@ async def _internal_error(request: Request, e: Exception):
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_n: int = routes.DEFAULT_MAX_N, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_n: int = routes.DEFAULT_MAX_N, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              tool_call_parser: str = "auto", exclude_tools_when_tool_choice_none: bool = False,
+              enable_auto_tool_choice: bool = True) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
-    ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body.
+    ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
+    ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...).
     """
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
     engine.on_output = metrics.on_output
-    app.state.baige = routes.ServerState(engine, served_model_name, metrics, int(time.time()), max_n)
+    tools = tool_config(engine.engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none,
+                        enable_auto_tool_choice)
+    app.state.baige = routes.ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
     app.state.baige_max_bytes = max_request_bytes
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
@@ -157,9 +163,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket, api_key: str | None = None,
                log_level: str = "info", max_n: int = routes.DEFAULT_MAX_N,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **tool_options) -> None:
     """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
-    interrupted; the engine thread is stopped on the way out.
+    interrupted; the engine thread is stopped on the way out. ``tool_options``: :func:`build_app`'s
+    ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``.
 
     Raises:
         BaigeError: the engine loop stopped while serving (after /health has answered 503 for
@@ -167,7 +174,7 @@ def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket,
     """
     import uvicorn
 
-    app = build_app(engine, served_model_name, api_key, max_n, max_request_bytes)
+    app = build_app(engine, served_model_name, api_key, max_n, max_request_bytes, **tool_options)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=5))
 
     def stop_later() -> None:

@@ -11,7 +11,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from baige.errors import BaigeError
 from baige.runtime.infer.sampling import (
@@ -204,10 +204,60 @@ class TextPart(_Strict):
     text: str
 
 
+# ---- tools (OpenAI's function tools; vLLM's tool_choice semantics: baige.runtime.server.tools) -------------
+MAX_TOOLS = 128  # functions one request may declare (OpenAI's limit)
+MAX_TOOL_CALLS = 128  # calls one assistant message may carry
+MAX_DESCRIPTION = 32768  # characters of a function's description
+MAX_ID_LEN = 256  # characters of a tool call id
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Strict):
+    name: ToolName
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked when the request is planned)
+    strict: bool | None = None
+
+
+class ChatCompletionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class FunctionCallField(_Strict):
+    name: str = Field(max_length=64)
+    arguments: str  # JSON text (OpenAI's shape); parsed when the conversation is rendered
+
+
+class ToolCallField(_Strict):
+    id: str = Field(min_length=1, max_length=MAX_ID_LEN)
+    type: Literal["function"] = "function"
+    function: FunctionCallField
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: Annotated[list[ToolCallField], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = Field(None, min_length=1, max_length=MAX_ID_LEN)
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role[:20]!r}")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -215,6 +265,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[ChatCompletionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:

@@ -36,6 +36,8 @@ from baige.runtime.server.protocol import (
     parse_body,
     validation_message,
 )
+from baige.runtime.server.tool_streams import assemble, delta_of
+from baige.runtime.server.tools import ToolConfig, ToolPlan, plan_tools
 
 DEFAULT_MAX_N = 128  # sequences one request may ask for (n x prompts); `baige serve --max-n`
 
@@ -49,6 +51,7 @@ class ServerState:
     metrics: Metrics
     created: int
     max_n: int = DEFAULT_MAX_N
+    tools: ToolConfig | None = None  # tool calling: build_app sets it from the chat template and the flags
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -404,15 +407,21 @@ def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict:
                         for lp in lps]}
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The request's messages as the chat template takes them (text parts joined)."""
-    messages = []
-    for m in req.messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-    return messages
+async def chat_prompt(st: ServerState, plan: ToolPlan) -> list[int]:
+    """Token ids of the rendered conversation (off the event loop). Raises APIError (400)."""
+    try:
+        return await asyncio.to_thread(st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=True,
+                                       **plan.template_vars)
+    except BaigeError as e:
+        raise APIError(str(e), param="messages") from None
+    except Exception as e:  # the template met message fields it cannot render (jinja2 type errors)
+        raise APIError(f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})",
+                       param="messages") from None
+
+
+def finish_reason(o, reader) -> str | None:
+    """``tool_calls`` when the output called tools and ended normally (a cut-off call keeps ``length``)."""
+    return "tool_calls" if reader.calls and o.finish_reason == "stop" else o.finish_reason
 
 
 async def chat_completions(request: Request):
@@ -422,34 +431,41 @@ async def chat_completions(request: Request):
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, st.max_n)
-    try:
-        ids = await asyncio.to_thread(st.tokenizer.apply_chat_template, chat_messages(req), add_generation_prompt=True)
-    except BaigeError as e:
-        raise APIError(str(e), param="messages") from None
-    except Exception as e:  # the template met message fields it cannot render (jinja2 type errors)
-        raise APIError(f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})",
-                       param="messages") from None
+    plan = plan_tools(req, st.tools)
+    if plan.constraint is not None:
+        params = dataclasses.replace(params, structured_outputs=plan.constraint)
+    if plan.keep_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    ids = await chat_prompt(st, plan)
     (ids, params), = await prepared(st, [ids], params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.served_model_name}
     gen = st.engine.generate(ids, params, rid)
     if req.stream:
-        return event_stream(stream_chat(st, req, base, len(ids), params.n, gen))
+        return event_stream(stream_chat(st, req, base, len(ids), params.n, gen, plan))
     finals = await collect(request, [gen])
     if finals is None:
         return Response(status_code=499)
     (final,) = finals
-    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                "logprobs": chat_logprobs(st.tokenizer, o.logprobs) if o.logprobs is not None else None,
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
+    choices = []
+    for o in final.outputs:
+        reader = plan.stream()
+        content, calls = assemble(reader.feed(o.text) + reader.finish())
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        choices.append({"index": o.index, "message": message,
+                        "logprobs": chat_logprobs(st.tokenizer, o.logprobs) if o.logprobs is not None else None,
+                        "finish_reason": finish_reason(o, reader), "stop_reason": o.stop_reason})
     n_out = sum(len(o.token_ids) for o in final.outputs)
     return {**base, "choices": choices, "usage": usage(len(ids), n_out)}
 
 
 async def stream_chat(st: ServerState, req: ChatCompletionRequest, base: dict, n_prompt: int, n: int,
-                      gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                      gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
+    """Chunks of every choice: content deltas, and tool calls as OpenAI streams them (a header with the
+    id and name, then argument fragments); the finish reason rides on each choice's last chunk."""
     chunk = {**base, "object": "chat.completion.chunk"}
     n_out = 0
+    readers = [plan.stream() for _ in range(n)]
     for i in range(n):
         yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]})
@@ -458,10 +474,19 @@ async def stream_chat(st: ServerState, req: ChatCompletionRequest, base: dict, n
             if not (o.delta_text or o.delta_token_ids or o.finished):
                 continue
             n_out += len(o.delta_token_ids)
-            delta = {"content": o.delta_text} if o.delta_text else {}
+            reader = readers[o.index]
+            events = reader.feed(o.delta_text) if o.delta_text else []
+            if o.finished:
+                events += reader.finish()
             lp = chat_logprobs(st.tokenizer, o.delta_logprobs) if o.logprobs is not None else None
-            yield sse({**chunk, "choices": [{"index": o.index, "delta": delta, "logprobs": lp,
-                                             "finish_reason": o.finish_reason if o.finished else None}]})
+            if not (events or o.finished or lp):
+                continue  # tokens that produced no delta yet (a call's start, half a character)
+            deltas = [delta_of(e) for e in events] or [{}]
+            for j, delta in enumerate(deltas):
+                last = j == len(deltas) - 1
+                yield sse({**chunk, "choices": [{"index": o.index, "delta": delta, "logprobs": lp if j == 0 else None,
+                                                 "finish_reason": finish_reason(o, reader) if o.finished and last
+                                                 else None}]})
     if include_usage(req):
         yield sse({**chunk, "choices": [], "usage": usage(n_prompt, n_out)})
     yield "data: [DONE]\n\n"
