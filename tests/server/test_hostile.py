@@ -371,10 +371,10 @@ class InjectedFatal(BaseException):
     pass
 
 _real_execute = _runner_mod.ModelRunner.execute
-def _execute(self, batch, rows):
+def _execute(self, batch, rows, *args):
     if any(r is not None and r.params.seed == 4242 for r in rows):
         raise RuntimeError("injected sampling fault")
-    return _real_execute(self, batch, rows)
+    return _real_execute(self, batch, rows, *args)
 _runner_mod.ModelRunner.execute = _execute
 
 _real_step = _engine_mod.Engine.step
