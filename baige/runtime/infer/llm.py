@@ -1,7 +1,9 @@
-"""The offline API: ``LLM(model).generate(prompts, params)`` (vLLM's ``LLM``)."""
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages, params)``
+(vLLM's ``LLM``)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 from baige.errors import BaigeError
@@ -12,6 +14,7 @@ from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
+Conversation = list[dict]
 
 
 class LLM:
@@ -28,6 +31,46 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate a reply to each conversation through the model's chat template (vLLM's ``LLM.chat``).
+
+        Args:
+            messages: one conversation ``[{"role": ..., "content": ...}, ...]`` or a list of them.
+            sampling_params: as in :meth:`generate` (``structured_outputs`` constrain the reply).
+            tools: OpenAI tool specs, given to the template as its ``tools`` variable (HF's convention,
+                as vLLM's offline ``chat`` does; the output is not parsed into calls: ``baige serve``
+                does that, and adds a tool prompt for templates that ignore ``tools``).
+            chat_template: a Jinja template used instead of the model's, for these calls only.
+            add_generation_prompt: end each prompt with the header of the assistant's turn.
+            chat_template_kwargs: further template variables (``enable_thinking``, ...).
+        Raises:
+            BaigeError: no chat template, a template that rejects a conversation or does not compile,
+                or bad parameters (nothing is generated then).
+        """
+        if not isinstance(messages, list) or not messages:
+            raise BaigeError("messages: a conversation (a non-empty list of messages) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        if chat_template is not None:
+            tok = copy.copy(tok)
+            tok.set_chat_template(chat_template)
+        extra = dict(chat_template_kwargs or {}, **({"tools": tools} if tools is not None else {}))
+        prompts = []
+        for k, conv in enumerate(conversations):
+            if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise BaigeError(f"messages[{k}]: a conversation is a list of {{'role': ..., 'content': ...}} dicts")
+            try:
+                prompts.append(tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **extra))
+            except BaigeError:
+                raise
+            except Exception as e:  # the template met fields it cannot render (jinja2 type errors)
+                raise BaigeError(f"messages[{k}]: the chat template cannot render it "
+                                 f"({type(e).__name__}: {str(e)[:200]})") from None
+        return self.generate(prompts, sampling_params)
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
