@@ -58,11 +58,11 @@ def test_a_step_that_raises_for_one_row_fails_only_that_request(loaded, solo):
     real = eng.runner.execute
     calls = []
 
-    def execute(batch, rows):
+    def execute(batch, rows, token_masks=None):
         calls.append(len(batch))
         if any(r is not None and r.params.seed == 7 for r in rows):
             raise RuntimeError("bad row")
-        return real(batch, rows)
+        return real(batch, rows, token_masks)
 
     eng.runner.execute = execute
     for i, p in enumerate(PROMPTS):
@@ -80,10 +80,10 @@ def test_run_to_completion_raises_for_a_failed_request_after_the_others(loaded):
     eng = make_engine(loaded)
     real = eng.runner.execute
 
-    def execute(batch, rows):
+    def execute(batch, rows, token_masks=None):
         if any(r.params.seed == 7 for r in rows):
             raise RuntimeError("x")
-        return real(batch, rows)
+        return real(batch, rows, token_masks)
 
     eng.runner.execute = execute
     eng.add_request("ok", PROMPTS[0], SamplingParams(max_tokens=4, **GREEDY))
