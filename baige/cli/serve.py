@@ -80,6 +80,9 @@ def serve(
                                        "more is a 400.")] = 128,
     max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body in bytes; larger "
                                                    "bodies get 413 before they are read whole.")] = 16 * 2**20,
+    read_timeout: Annotated[float, typer.Option(min=0.1, max=3600, help="Seconds a client may take to send a "
+                                                "request's headers, and each piece of its body: a stalled body gets "
+                                                "408, a connection idle that long without a request is closed.")] = 30.0,
     chat_template: Annotated[Optional[str], typer.Option(
         help="A jinja chat template file (or the template itself) replacing the tokenizer's, e.g. one that "
              "renders `tools`.")] = None,
@@ -114,5 +117,5 @@ def serve(
         core.tokenizer.set_chat_template(template)
     run_server(AsyncEngine(core), served_model_name or model or "smollm2-135m-instruct", sock, api_key,
                log_level.value, max_n=max_n, max_request_bytes=max_request_bytes,
-               tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice,
+               read_timeout=read_timeout, tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice,
                exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)

@@ -95,9 +95,16 @@ def test_malformed_params_are_refused(spec):
 
 def test_compiled_constraints_are_cached_by_content(compiler):
     before = compiler.stats["compiles"]
-    a = StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {"k": {"type": "integer"}}}))
-    b = StructuredOutputsParams(json={"properties": {"k": {"type": "integer"}}, "type": "object"})
+    a = StructuredOutputsParams(json=json.dumps({"type": "integer", "minimum": 1}))  # digits: in PIECES
+    b = StructuredOutputsParams(json={"minimum": 1, "type": "integer"})
     assert a.key() == b.key()
     compiler.matcher(a)
     compiler.matcher(b)
     assert compiler.stats["compiles"] == before + 1
+
+
+@pytest.mark.parametrize("kw", [{"json": {"type": "object"}},  # needs "{", which no piece holds
+                                {"regex": "zz"}, {"json": {"$ref": "#"}}, {"grammar": "start: x\nx: x"}])
+def test_constraints_no_token_sequence_can_write_are_refused(compiler, kw):
+    with pytest.raises(BaigeError, match="accepts no output"):
+        compiler.matcher(StructuredOutputsParams(**kw))

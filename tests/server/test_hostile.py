@@ -11,6 +11,7 @@ clients and makes the process exit non-zero.
 import asyncio
 import json
 import random
+import socket
 import time
 from contextlib import contextmanager
 
@@ -153,6 +154,20 @@ HOSTILE = [
     (b"", 400, None),
     ({"prompt": "x" * (MAX_BYTES + 10)}, 413, None),
     ({"prompt": "ab " * 20000, "max_tokens": 2}, 400, "prompt"),  # far longer than the context
+    # fields OpenAI has and baige does not serve: refused, not ignored
+    ({"prompt": "ab", "max_tokens": 2, "suffix": "x"}, 400, "suffix"),
+    ({"prompt": "ab", "max_tokens": 2, "best_of": 3}, 400, "best_of"),
+    # constraints: bad JSON text (also nested past the recursion limit inside the string), languages
+    # without any string, an engine limit met only while generating, a conflict with allowed_token_ids
+    ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"json": "{oops"}}, 400, "structured_outputs"),
+    ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"json": "[" * 100_000 + "]" * 100_000}}, 400,
+     "structured_outputs"),
+    ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"json": {"$ref": "#"}}}, 400, "structured_outputs"),
+    ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"grammar": "start: x\nx: x"}}, 400,
+     "structured_outputs"),
+    ({"prompt": "ab", "max_tokens": 4, "structured_outputs": {"regex": "b{1000}{1000}"}}, 400, "structured_outputs"),
+    ({"prompt": "ab", "max_tokens": 4, "structured_outputs": {"choice": ["yes"]}, "allowed_token_ids": [0]}, 400,
+     "allowed_token_ids"),
 ]
 
 
@@ -206,6 +221,18 @@ CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "n": MAX_N + 1}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
     (raw('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'), 400, "temperature"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function"},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x " * 300_000}], "max_tokens": 2}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "q"},
+                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                       "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "r"}], "max_tokens": 2}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "loop", "schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                   "$ref": "#/$defs/a"}}}}, 400, "response_format"),
 ]
 
 
@@ -232,6 +259,54 @@ def test_every_status_is_in_openai_shape(url, http):
     r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert_openai_error(r, 413)
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_one_authorization_header_and_head_health(url, http):
+    good, bad = f"Bearer {KEY}".encode(), b"Bearer nope"
+    for pair in ((bad, good), (good, bad), (good, good)):  # two headers: refused whichever comes last
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                       headers=[(b"authorization", pair[0]), (b"authorization", pair[1])])
+        assert_openai_error(r, 401)
+    assert httpx.head(f"{url}/health").status_code == 200
+
+
+def _http_reply(sock: socket.socket) -> bytes:
+    """One response (head and its Content-Length of body), or what came before the server closed
+    the connection (b"" when it closed it without a word)."""
+    sock.settimeout(60)  # generous: the server's --read-timeout below is 1 s
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        length = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+        if sep and length and len(body) >= length[0]:
+            break
+    return data
+
+
+def test_stalled_bodies_get_408_and_idle_connections_close(embedded_dir):
+    with launched(embedded_dir, "--read-timeout", "1") as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        stalled = socket.create_connection((host, int(port)))  # sends 10 of the 100 bytes it announces
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                        b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"prompt":')
+        chunked = socket.create_connection((host, int(port)))  # a chunked body that never ends
+        chunked.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                        b"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n")
+        idle = socket.create_connection((host, int(port)))  # never sends anything
+        half_head = socket.create_connection((host, int(port)))  # headers that never end
+        half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert ok.status_code == 200  # served while the others hang on
+        for sock in (stalled, chunked):
+            head, _, body = _http_reply(sock).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408"), head
+            err = json.loads(body)["error"]
+            assert err["code"] == "request_timeout" and "--read-timeout" in err["message"]
+        assert _http_reply(idle) == b"" and _http_reply(half_head) == b""  # closed without a reply
+        for sock in (stalled, chunked, idle, half_head):
+            sock.close()
 
 
 def test_422_and_500_handlers_use_openai_shape(embedded_dir):

@@ -183,7 +183,7 @@ GOOD = {"prompt": "Hi", "max_tokens": 2}
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),

@@ -105,6 +105,15 @@ def test_regex_over_50_samples(client):
         [c.text for c in r.choices]
 
 
+def test_choice_past_the_parsers_row_limit(http):
+    """2500 choices: llguidance caps a parser row at 2000 items, so choices are one lexeme."""
+    words = [f"item{i}" for i in range(2500)]
+    r = http.post("/v1/completions", json={"prompt": "Pick one:", "max_tokens": 8, "temperature": 1.0, "n": 5,
+                                           "seed": 2, "structured_outputs": {"choice": words}})
+    assert r.status_code == 200, r.text
+    assert all(c["text"] in words and c["finish_reason"] == "stop" for c in r.json()["choices"]), r.text
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"structured_outputs": {"json": {"type": "nonsense"}}}, "nonsense"),
     ({"structured_outputs": {"regex": "(ab"}}, "regex"),

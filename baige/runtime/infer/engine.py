@@ -28,7 +28,7 @@ from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
 from baige.runtime.infer.stop import StopMatcher
-from baige.runtime.infer.structured import GrammarCompiler
+from baige.runtime.infer.structured import GrammarCompiler, engine_error
 from baige.runtime.infer.text import SeqText
 from baige.runtime.model.device import resolve_device
 from baige.runtime.model.tokenizer import Tokenizer
@@ -128,7 +128,10 @@ class Engine:
         """
         params.check_vocab(self.vocab_size)
         if params.structured_outputs is not None:
-            self.grammars().matcher(params.structured_outputs)  # compiles (cached) or raises BaigeError now
+            first = self.grammars().first_mask(params.structured_outputs)  # compiles (cached) or raises now
+            if params.allowed_token_ids is not None and not bool(first[params.allowed_token_ids].any()):
+                raise BaigeError("allowed_token_ids leave no token that the structured-output constraint allows "
+                                 "first", param="allowed_token_ids")
         if isinstance(prompt, str):
             _check_text(prompt, "prompt")
             # far too long to fit, whatever it tokenizes to: refused without tokenizing (margin 4x
@@ -217,10 +220,15 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
-        logger.error("request %s failed: %s: %s", request_id, type(error).__name__, error)
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
-        self._failures.append((request_id, RequestFailed(f"request {request_id} failed: {type(error).__name__}: {error}")))
+        if isinstance(error, BaigeError):  # the request's own fields led here: the caller's 400
+            logger.info("request %s failed: %s", request_id, error)
+            failed = RequestFailed(str(error), 400, error.param)
+        else:
+            logger.error("request %s failed: %s: %s", request_id, type(error).__name__, error)
+            failed = RequestFailed(f"request {request_id} failed: {type(error).__name__}: {error}")
+        self._failures.append((request_id, failed))
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -307,8 +315,12 @@ class Engine:
             else:
                 self.scheduler.finish(seq, "stop", stop)
         if st.grammar is not None:
-            if not st.grammar.consume_token(token):
-                raise RuntimeError(f"the output grammar refused token {token} ({st.grammar.get_error()[:200]})")
+            # An error while computing this step's mask (an engine limit: then the mask allowed only
+            # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).
+            if st.grammar.is_error() or not st.grammar.consume_token(token):
+                raise BaigeError(f"structured_outputs: the constraint cannot go on after {len(seq.output_token_ids) - 1} "
+                                 f"tokens ({engine_error(st.grammar)}); allowed_token_ids, if given, must keep tokens "
+                                 "the constraint allows", param="structured_outputs")
             if st.grammar.is_stopped() and not seq.is_finished:  # the language is complete: end here
                 self.scheduler.finish(seq, "stop")
 

@@ -8,7 +8,15 @@ from baige.runtime.infer.sampling import Logprobs
 
 
 class RequestFailed(RuntimeError):
-    """A request failed inside the engine (not the caller's mistake); the other requests go on."""
+    """A request failed inside the engine; the other requests go on.
+
+    ``status`` is 400 when the request itself led there (a structured-output constraint that the
+    generation can no longer follow, ``param`` naming the field), 500 otherwise.
+    """
+
+    def __init__(self, message: str, status: int = 500, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
 
 
 class EngineDeadError(RuntimeError):

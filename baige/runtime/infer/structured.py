@@ -74,28 +74,41 @@ class StructuredOutputsParams:
                 raise BaigeError(f"structured_outputs.{name} must be a non-empty string", param="structured_outputs")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise BaigeError("structured_outputs.json must be a JSON schema object", param="structured_outputs")
+        if isinstance(self.json, str):  # the schema's JSON text: parsed once, here
+            try:
+                schema = json.loads(self.json)
+            except (ValueError, RecursionError) as e:
+                raise BaigeError(f"structured_outputs.json is not valid JSON ({_one_line(e)})",
+                                 param="structured_outputs") from None
+            if not isinstance(schema, dict):
+                raise BaigeError("structured_outputs.json: a JSON schema must be an object", param="structured_outputs")
+            object.__setattr__(self, "json", schema)
 
     def key(self) -> str:
         """sha256 of the canonical constraint: the compiled-grammar cache key."""
-        body = {"json": self.json if not isinstance(self.json, str) else json.loads(self.json)} if self.json else {}
-        body.update(json_object=self.json_object, regex=self.regex, choice=self.choice, grammar=self.grammar)
-        return hashlib.sha256(json.dumps(body, sort_keys=True, default=list).encode()).hexdigest()
+        body = {"json": self.json, "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
+                "grammar": self.grammar}
+        try:
+            text = json.dumps(body, sort_keys=True, default=list)
+        except (TypeError, ValueError, RecursionError) as e:  # a schema dict of non-JSON values / too deep
+            raise BaigeError(f"structured_outputs.json is not a JSON document ({_one_line(e)})",
+                             param="structured_outputs") from None
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def source(self) -> str:
         """The llguidance grammar for this constraint (not yet validated)."""
         from llguidance import LLMatcher
 
         if self.json is not None:
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            if not isinstance(schema, dict):
-                raise BaigeError("structured_outputs.json: a JSON schema must be an object", param="structured_outputs")
-            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+            # one lexeme (a regex alternation) rather than a rule of alternatives: the parser's rows
+            # are capped at 2000 items, the lexer has no such limit
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice))
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
@@ -112,7 +125,7 @@ class GrammarCompiler:
         self._tokenizer_json, self.vocab_size, self._eos = tokenizer_json, vocab_size, list(eos_token_ids)
         self._lltok = None
         self._lock = threading.Lock()
-        self._protos: OrderedDict[str, Any] = OrderedDict()  # key -> prototype LLMatcher
+        self._protos: OrderedDict[str, tuple[Any, torch.Tensor]] = OrderedDict()  # key -> (prototype, first mask)
         self._executor = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="baige-mask")
         self.stats = {"compiles": 0, "compile_seconds": 0.0, "mask_seconds": 0.0, "masked_tokens": 0}
@@ -129,21 +142,29 @@ class GrammarCompiler:
         """A fresh matcher for one sequence (a deep copy of the cached prototype).
 
         Raises:
-            BaigeError: the schema, regex or grammar is invalid (llguidance's message, one line).
+            BaigeError: the schema, regex or grammar is invalid, exceeds the grammar engine's limits
+            at its first step, or accepts no output at all (llguidance's message, one line).
         """
+        return self._compiled(params)[0].deep_copy()
+
+    def first_mask(self, params: StructuredOutputsParams) -> torch.Tensor:
+        """The ``(vocab,)`` bool mask of the tokens the constraint allows first. Raises as :meth:`matcher`."""
+        return self._compiled(params)[1]
+
+    def _compiled(self, params: StructuredOutputsParams) -> tuple[Any, torch.Tensor]:
         from llguidance import LLMatcher
 
         key = params.key()
         with self._lock:
-            proto = self._protos.get(key)
-            if proto is not None:
+            hit = self._protos.get(key)
+            if hit is not None:
                 self._protos.move_to_end(key)
-                return proto.deep_copy()
+                return hit
             start = time.perf_counter()
             tok = self._tokenizer()
             try:
                 source = params.source()
-            except (ValueError, json.JSONDecodeError) as e:
+            except (ValueError, RecursionError) as e:
                 raise BaigeError(f"structured_outputs: invalid constraint ({_one_line(e)})",
                                  param="structured_outputs") from None
             if len(source) > MAX_CONSTRAINT_CHARS:
@@ -153,12 +174,28 @@ class GrammarCompiler:
             if proto.is_error():
                 raise BaigeError(f"structured_outputs: invalid constraint ({_one_line(proto.get_error())})",
                                  param="structured_outputs")
+            # The first step, on a copy: limits the engine only meets when it parses (rows of more
+            # than 2000 alternatives, too many lexer expressions) and languages without any string
+            # (a schema that is only a $ref cycle, a rule that only refers to itself) fail here.
+            probe = proto.deep_copy()
+            first = self._bits(torch.frombuffer(bytearray(probe.compute_bitmask()), dtype=torch.int32)[None])[0]
+            if probe.is_error() and not probe.get_error().startswith("NoExtensionBias"):
+                raise BaigeError(f"structured_outputs: the grammar engine cannot run this constraint "
+                                 f"({engine_error(probe)})", param="structured_outputs")
+            if probe.is_error() or not bool(first.any()):  # NoExtensionBias: no token can extend the empty text
+                raise BaigeError("structured_outputs: the constraint accepts no output at all (no string satisfies "
+                                 "it, or none is made of this model's tokens)", param="structured_outputs")
             self.stats["compiles"] += 1
             self.stats["compile_seconds"] += time.perf_counter() - start
-            self._protos[key] = proto
+            self._protos[key] = (proto, first)
             if len(self._protos) > CACHE_SIZE:
                 self._protos.popitem(last=False)
-            return proto.deep_copy()
+            return proto, first
+
+    def _bits(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """``(R, ceil(V / 32))`` int32 bitmask -> ``(R, vocab)`` bool (bit j of word w: token 32 w + j)."""
+        bits = torch.arange(32, dtype=torch.int32)
+        return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(bitmask), -1)[:, : self.vocab_size]
 
     def start_masks(self, matchers: dict[int, Any]) -> Future:
         """Compute the token masks of ``{row index: matcher}`` on the worker thread; the future
@@ -172,11 +209,15 @@ class GrammarCompiler:
         rows = list(matchers)
         bitmask = allocate_token_bitmask(len(rows), self.vocab_size)  # (R, ceil(V / 32)) int32
         fill_next_token_bitmask_par(self._executor, [(matchers[r], j) for j, r in enumerate(rows)], bitmask)
-        bits = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(rows), -1)[:, : self.vocab_size]
+        allowed = self._bits(bitmask)
         self.stats["mask_seconds"] += time.perf_counter() - start
         self.stats["masked_tokens"] += len(rows)
         return {r: allowed[j] for j, r in enumerate(rows)}
+
+
+def engine_error(matcher) -> str:
+    """A matcher's error in one line, without the parser-state dump llguidance appends."""
+    return _one_line(matcher.get_error().split("<state>")[0]) or "no allowed token is left"
 
 
 def _one_line(e: object) -> str:

@@ -1,6 +1,6 @@
 """The FastAPI application: routes (:mod:`.routes`; tool calling in :mod:`.tools`), error handlers in
-OpenAI's shape (:mod:`.protocol`) for every status (400, 401, 404, 405, 413, 422, 500, 503), a
-request-size limit, bearer-token auth, metrics (:mod:`.metrics`), and :func:`run_server` (uvicorn).
+OpenAI's shape (:mod:`.protocol`) for every status (400, 401, 404, 405, 408, 413, 422, 500, 503), a
+request-size limit and read deadlines, bearer-token auth, metrics (:mod:`.metrics`), and :func:`run_server` (uvicorn).
 
 Every user error is a 4xx with OpenAI's error body; the engine keeps serving. If the engine loop
 stops, /health answers 503 and the server exits non-zero a moment later (a supervisor restarts it).
@@ -8,6 +8,7 @@ stops, /health answers 503 and the server exits non-zero a moment later (a super
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import socket
@@ -16,11 +17,14 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
-from baige.runtime.server import routes
+from baige.runtime.server import chat_routes, routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
 from baige.runtime.server.tools import tool_config
@@ -31,16 +35,26 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # `baige serve --max-request-bytes`
 DEAD_EXIT_DELAY_S = 2.0  # /health answers 503 this long before the process exits
 
 
+READ_TIMEOUT_S = 30.0  # `baige serve --read-timeout`: longest wait for a request's headers (then the
+# connection is closed) and for each next piece of its body (then 408)
+
+
 class BodyTooLarge(Exception):
+    pass
+
+
+class BodyTimeout(Exception):
     pass
 
 
 class BodyLimit:
     """Pure ASGI middleware: a request body over ``max_bytes`` gets 413 before it is read whole
-    (a ``Content-Length`` over the limit at once, a chunked body as soon as it passes it)."""
+    (a ``Content-Length`` over the limit at once, a chunked body as soon as it passes it), and a
+    body whose next piece takes longer than ``timeout`` seconds gets 408 (a client that stalls, or
+    sends less than its ``Content-Length``, holds its connection no longer than that)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout: float = READ_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -48,15 +62,21 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await self._refuse(scope, receive, send)
-        seen = 0
+        seen, done = 0, False
 
         async def limited():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, done
+            if done:  # the body is in: later calls wait for the client's disconnect, unbounded
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except asyncio.TimeoutError:
+                raise BodyTimeout() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise BodyTooLarge()
+                done = not message.get("more_body", False)
             return message
 
         return await self.app(scope, limited, send)
@@ -76,7 +96,9 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            if not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            # exactly one header: with two, proxies and frameworks disagree on which one counts
+            if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
                 response = error_response("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
                                           code="invalid_api_key")
                 return await response(scope, receive, send)
@@ -94,6 +116,16 @@ async def _baige_error(_: Request, e: BaigeError):
 async def _too_large(request: Request, e: BodyTooLarge):
     return error_response(f"the request body is larger than {request.app.state.baige_max_bytes} bytes "
                           "(--max-request-bytes)", 413, code="request_too_large")
+
+
+async def _body_timeout(request: Request, e: BodyTimeout):
+    return error_response(f"the request body stalled: no data for {request.app.state.baige_read_timeout:g} s "
+                          "(--read-timeout)", 408, code="request_timeout")
+
+
+async def _client_left(request: Request, e: ClientDisconnect):
+    logger.info("%s %s: the client left before its request body was read", request.method, request.url.path)
+    return Response(status_code=499)  # nobody reads it (nginx's code for a client that closed the request)
 
 
 async def _http_error(request: Request, e: HTTPException):
@@ -116,10 +148,11 @@ async def _internal_error(request: Request, e: Exception):
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_n: int = routes.DEFAULT_MAX_N, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               tool_call_parser: str = "auto", exclude_tools_when_tool_choice_none: bool = False,
-              enable_auto_tool_choice: bool = True) -> FastAPI:
+              enable_auto_tool_choice: bool = True, read_timeout: float = READ_TIMEOUT_S) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
     ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
+    ``read_timeout``: seconds each piece of a body may take (408 after it);
     ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...).
     """
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
@@ -128,20 +161,52 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     tools = tool_config(engine.engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none,
                         enable_auto_tool_choice)
     app.state.baige = routes.ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
-    app.state.baige_max_bytes = max_request_bytes
+    app.state.baige_max_bytes, app.state.baige_read_timeout = max_request_bytes, read_timeout
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)  # outermost: before auth reads anything
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout=read_timeout)  # outermost: before auth reads anything
     for exc, handler in ((APIError, _api_error), (BaigeError, _baige_error), (BodyTooLarge, _too_large),
-                         (HTTPException, _http_error), (RequestValidationError, _validation_error),
+                         (BodyTimeout, _body_timeout), (ClientDisconnect, _client_left), (HTTPException, _http_error), (RequestValidationError, _validation_error),
                          (Exception, _internal_error)):
         app.add_exception_handler(exc, handler)
-    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_routes.chat_completions, methods=["POST"])
     return app
+
+
+class HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for a request's headers: a connection that has not sent
+    a complete request head ``head_timeout`` seconds after it opened or after its last response is
+    closed (uvicorn itself times out idle keep-alive connections only after a response, and never a
+    head that trickles in), so idle or slow-header clients cannot pile up open sockets."""
+
+    head_timeout = READ_TIMEOUT_S  # run_server sets its --read-timeout on a subclass
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def _arm(self) -> None:
+        old = getattr(self, "_head_task", None)
+        if old is not None:
+            old.cancel()
+        self._head_task = self.loop.call_later(self.head_timeout, self._head_expired)
+
+    def _head_expired(self) -> None:
+        waiting = self.cycle is None or self.cycle.response_complete  # no request in progress
+        if waiting and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self._head_task.cancel()
+        super().connection_lost(exc)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -163,10 +228,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket, api_key: str | None = None,
                log_level: str = "info", max_n: int = routes.DEFAULT_MAX_N,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **tool_options) -> None:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, read_timeout: float = READ_TIMEOUT_S,
+               **tool_options) -> None:
     """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
     interrupted; the engine thread is stopped on the way out. ``tool_options``: :func:`build_app`'s
-    ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``.
+    ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``;
+    ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`).
 
     Raises:
         BaigeError: the engine loop stopped while serving (after /health has answered 503 for
@@ -174,8 +241,11 @@ def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket,
     """
     import uvicorn
 
-    app = build_app(engine, served_model_name, api_key, max_n, max_request_bytes, **tool_options)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=5))
+    app = build_app(engine, served_model_name, api_key, max_n, max_request_bytes, read_timeout=read_timeout,
+                    **tool_options)
+    protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": read_timeout})
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=5,
+                                           http=protocol))
 
     def stop_later() -> None:
         threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()

@@ -8,10 +8,11 @@ OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from baige.errors import BaigeError
 from baige.runtime.infer.sampling import (
@@ -197,6 +198,23 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None  # OpenAI's insertion mode: refused (as vLLM does), not silently ignored
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"best_of is not supported (only best_of == n, here {n}); ask for n completions")
+        return v
 
 
 class TextPart(_Strict):
@@ -262,7 +280,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Annotated[list[ChatCompletionTool], Field(max_length=MAX_TOOLS)] | None = None
@@ -270,10 +288,18 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
 
 
+# pydantic's names for the members of a union in an error's location ("str", "list[TextPart]",
+# "NamedToolChoice", "literal['none','auto']"): not field names, left out of the message
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-\w+\[.*\]|[A-Z]\w*)$")
+
+
 def validation_message(e: ValidationError) -> tuple[str, str | None]:
-    """One line for the first problem pydantic found, and the top-level field it concerns."""
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])[:200]
+    """One line for the problem pydantic found deepest in the body (for a union, the member that
+    matched the input furthest: a content part missing ``text`` names ``text``), and the top-level
+    field it concerns."""
+    errors = e.errors()
+    err = max(errors, key=lambda x: len([p for p in x["loc"] if not _UNION_TAG.match(str(p))]))
+    loc = ".".join(str(x) for x in err["loc"] if not _UNION_TAG.match(str(x)))[:200]
     first = str(err["loc"][0]) if err["loc"] else None
     msg = err["msg"][:300]
     return (f"{loc}: {msg}" if loc else msg), first

@@ -1,5 +1,6 @@
-"""The route handlers: ``/health``, ``/metrics``, ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` (``stream: true`` as server-sent events ending with ``data: [DONE]``).
+"""The route handlers: ``/health``, ``/metrics``, ``/v1/models``, ``/v1/completions`` (``stream: true``
+as server-sent events ending with ``data: [DONE]``), and the helpers the chat route
+(:mod:`.chat_routes`) shares with them.
 
 Handlers are module-level functions over the :class:`ServerState` the app holds in
 ``app.state.baige``. A client that disconnects aborts its request, which frees its KV blocks.
@@ -29,15 +30,13 @@ from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import (
     APIError,
-    ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     error_body,
     parse_body,
     validation_message,
 )
-from baige.runtime.server.tool_streams import assemble, delta_of
-from baige.runtime.server.tools import ToolConfig, ToolPlan, plan_tools
+from baige.runtime.server.tools import ToolConfig
 
 DEFAULT_MAX_N = 128  # sequences one request may ask for (n x prompts); `baige serve --max-n`
 
@@ -135,6 +134,8 @@ async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) ->
 def engine_error(e: RequestFailed | EngineDeadError) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, code="engine_dead")
+    if e.status == 400:
+        return APIError(str(e), 400, param=e.param)
     return APIError(str(e), 500, code="internal_error")
 
 
@@ -193,17 +194,21 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         raise APIError(str(e), param=e.param) from None
 
 
-async def prepared(st: ServerState, prompts: list[str | list[int]],
-                   params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
+async def prepared(st: ServerState, prompts: list[str | list[int]], params: SamplingParams,
+                   req: SamplingFields) -> list[tuple[list[int], SamplingParams]]:
     """Validate and tokenize every prompt before anything runs (the same 400 whether streaming or
-    not), off the event loop so a long prompt does not stall other clients' streams."""
+    not), off the event loop so a long prompt does not stall other clients' streams. A constraint's
+    error names the field the request gave it in (``response_format`` or ``structured_outputs``)."""
     def run() -> list[tuple[list[int], SamplingParams]]:
         out = []
         for p in prompts:
             try:
                 _, ids, filled = st.engine.engine.prepare(p, params)
             except BaigeError as e:
-                raise APIError(str(e), param=e.param or "prompt") from None
+                param = e.param or "prompt"
+                if param == "structured_outputs" and req.structured_outputs is None and req.response_format:
+                    param = "response_format"
+                raise APIError(str(e), param=param) from None
             out.append((ids, filled))
         return out
 
@@ -298,7 +303,7 @@ async def completions(request: Request):
     params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, len(prompts), st.max_n)
     if score_prompt:
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-    jobs = await prepared(st, prompts, params)
+    jobs = await prepared(st, prompts, params, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.served_model_name}
     job = CompletionJob(req, jobs, [x if isinstance(x, str) else st.tokenizer.decode(x) for x in prompts], base,
@@ -398,95 +403,3 @@ async def stream_completion(st: ServerState, job: CompletionJob,
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
-def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict:
-    def entry(t: int, v: float) -> dict:
-        text = tok.decode([t], skip_special_tokens=False)
-        return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in lps]}
-
-
-async def chat_prompt(st: ServerState, plan: ToolPlan) -> list[int]:
-    """Token ids of the rendered conversation (off the event loop). Raises APIError (400)."""
-    try:
-        return await asyncio.to_thread(st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=True,
-                                       **plan.template_vars)
-    except BaigeError as e:
-        raise APIError(str(e), param="messages") from None
-    except Exception as e:  # the template met message fields it cannot render (jinja2 type errors)
-        raise APIError(f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})",
-                       param="messages") from None
-
-
-def finish_reason(o, reader) -> str | None:
-    """``tool_calls`` when the output called tools and ended normally (a cut-off call keeps ``length``)."""
-    return "tool_calls" if reader.calls and o.finish_reason == "stop" else o.finish_reason
-
-
-async def chat_completions(request: Request):
-    st = state_of(request)
-    req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, st.max_n)
-    plan = plan_tools(req, st.tools)
-    if plan.constraint is not None:
-        params = dataclasses.replace(params, structured_outputs=plan.constraint)
-    if plan.keep_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    ids = await chat_prompt(st, plan)
-    (ids, params), = await prepared(st, [ids], params)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.served_model_name}
-    gen = st.engine.generate(ids, params, rid)
-    if req.stream:
-        return event_stream(stream_chat(st, req, base, len(ids), params.n, gen, plan))
-    finals = await collect(request, [gen])
-    if finals is None:
-        return Response(status_code=499)
-    (final,) = finals
-    choices = []
-    for o in final.outputs:
-        reader = plan.stream()
-        content, calls = assemble(reader.feed(o.text) + reader.finish())
-        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        choices.append({"index": o.index, "message": message,
-                        "logprobs": chat_logprobs(st.tokenizer, o.logprobs) if o.logprobs is not None else None,
-                        "finish_reason": finish_reason(o, reader), "stop_reason": o.stop_reason})
-    n_out = sum(len(o.token_ids) for o in final.outputs)
-    return {**base, "choices": choices, "usage": usage(len(ids), n_out)}
-
-
-async def stream_chat(st: ServerState, req: ChatCompletionRequest, base: dict, n_prompt: int, n: int,
-                      gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
-    """Chunks of every choice: content deltas, and tool calls as OpenAI streams them (a header with the
-    id and name, then argument fragments); the finish reason rides on each choice's last chunk."""
-    chunk = {**base, "object": "chat.completion.chunk"}
-    n_out = 0
-    readers = [plan.stream() for _ in range(n)]
-    for i in range(n):
-        yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
-    async for _, out in merge([gen]):
-        for o in out.outputs:
-            if not (o.delta_text or o.delta_token_ids or o.finished):
-                continue
-            n_out += len(o.delta_token_ids)
-            reader = readers[o.index]
-            events = reader.feed(o.delta_text) if o.delta_text else []
-            if o.finished:
-                events += reader.finish()
-            lp = chat_logprobs(st.tokenizer, o.delta_logprobs) if o.logprobs is not None else None
-            if not (events or o.finished or lp):
-                continue  # tokens that produced no delta yet (a call's start, half a character)
-            deltas = [delta_of(e) for e in events] or [{}]
-            for j, delta in enumerate(deltas):
-                last = j == len(deltas) - 1
-                yield sse({**chunk, "choices": [{"index": o.index, "delta": delta, "logprobs": lp if j == 0 else None,
-                                                 "finish_reason": finish_reason(o, reader) if o.finished and last
-                                                 else None}]})
-    if include_usage(req):
-        yield sse({**chunk, "choices": [], "usage": usage(n_prompt, n_out)})
-    yield "data: [DONE]\n\n"

@@ -37,8 +37,15 @@ def _reject_constant(name: str) -> Any:
 
 
 def loads(text: str) -> Any:
-    """``json.loads`` without NaN/Infinity (they are not JSON; a client could not parse them back)."""
-    return json.loads(text, parse_constant=_reject_constant)
+    """``json.loads`` without NaN/Infinity (they are not JSON; a client could not parse them back).
+
+    Raises:
+        ValueError: not JSON, NaN/Infinity, or nested deeper than Python's recursion limit.
+    """
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _held_prefix(buf: str, marker: str) -> int:
