@@ -12,6 +12,13 @@ from baige.runtime.settings import reload_settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2): each worker, and every
+# process its tests start (servers, CLIs, torchrun ranks), uses one thread, so the two workers share
+# the two cores instead of spinning OpenMP threads against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
