@@ -7,7 +7,7 @@ and one sparse ... see --layers) is written with transformers, loaded by both, a
 - the sparse block alone (router + experts + combine): baige's ``SparseMoeBlock`` (``kernels.moe_topk``
   + ``kernels.fused_moe``, the grouped reference on CPU: tokens sorted by expert, one matmul chain
   per expert) against ``Qwen3MoeSparseMoeBlock`` with ``experts_implementation="eager"``;
-- the whole model's forward (tokens/s).
+- the whole model's forward to the final hidden states, no lm_head on either side (tokens/s).
 
 Median of ``--repeats`` timed runs after one warm-up. Prints a table and writes JSON.
 
@@ -106,7 +106,7 @@ def main() -> None:
         with torch.inference_mode():
             hf_block = timed(lambda: hf.model.layers[layer].mlp(x), args.repeats)
             our_block = timed(lambda: ours.model.layers[layer].mlp(x), args.repeats)
-            hf_model = timed(lambda: hf(ids), args.repeats)
+            hf_model = timed(lambda: hf.model(ids), args.repeats)  # hidden states, as ours: no lm_head
             our_model = timed(lambda: ours(ids, positions), args.repeats)
         rows.append({"threads": threads,
                      "block_tokens_per_s": {"baige": args.tokens / our_block, "hf_eager": args.tokens / hf_block},
@@ -123,7 +123,7 @@ def main() -> None:
     print(f"max |block difference| = {diff:.2e}", file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        args.out.write_text(json.dumps(result, indent=2, default=str))
 
 
 if __name__ == "__main__":
