@@ -57,3 +57,12 @@ def test_ep_flag_reaches_the_config(cli_error, tmp_path):
     assert cfg.parallelism.expert_parallel_degree == 2
     assert "parallelism.expert_parallel_degree" in cli_error("train", "--data", text, "--model-config", "moe-tiny",
                                                              "--ep", 0, "-o", tmp_path / "run")
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "latin1.jsonl"])
+def test_data_that_is_not_utf8_is_one_line(cli_error, base, tmp_path, name, embedded_dir):
+    data = tmp_path / name
+    data.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1") if name.endswith(".jsonl") else "café".encode("latin-1"))
+    err = cli_error(*base, "--data", data, "--model-config", "moe-tiny", "--tokenizer", embedded_dir,
+                    "-o", tmp_path / "run-bad")
+    assert f"{data}: not UTF-8 text (it holds the byte 0xe9)" in err

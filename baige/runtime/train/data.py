@@ -89,7 +89,15 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], 
 
 
 def _documents(path: Path, tokenizer: Tokenizer):
-    """Yield ``(ids, mask or None)`` per document of ``path``. Raises BaigeError on bad records."""
+    """Yield ``(ids, mask or None)`` per document of ``path``. Raises BaigeError on bad records and
+    on a file that is not UTF-8 text."""
+    try:
+        yield from _records(path, tokenizer)
+    except UnicodeDecodeError as e:
+        raise BaigeError(f"{path}: not UTF-8 text (it holds the byte {e.object[e.start]:#04x})") from None
+
+
+def _records(path: Path, tokenizer: Tokenizer):
     eos = tokenizer.eos_token_ids[:1]
     if path.suffix.lower() not in (".jsonl", ".json"):
         yield tokenizer.encode(path.read_text(encoding="utf-8")) + eos, None
