@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -87,7 +88,7 @@ class _ValueEnd:
         return None
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Base of the parsers: a buffer of unconsumed text, ``feed``/``finish``, and what the default tool
     prompt needs (``instructions``, :meth:`render`).
 
@@ -115,8 +116,9 @@ class ToolParser:
     def finish(self) -> list[str | FunctionCall]:
         return [x for x in self._drain(final=True) if x != ""]
 
+    @abstractmethod
     def _drain(self, final: bool) -> list[str | FunctionCall]:
-        raise NotImplementedError
+        """Events from the buffer: text, and calls once complete (``final``: the output has ended)."""
 
     def _call(self, obj: Any, args_keys: tuple[str, ...]) -> FunctionCall | None:
         """``{"name": <declared tool>, <args key>: {...}}`` as a call (no arguments key: ``{}``), else None."""
@@ -128,9 +130,9 @@ class ToolParser:
         return FunctionCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
     @staticmethod
+    @abstractmethod
     def render(calls: list[tuple[str, Any]]) -> str:
         """The text this format gives earlier calls ``[(name, arguments value), ...]`` in a conversation."""
-        raise NotImplementedError
 
     @staticmethod
     def new_id() -> str:
@@ -201,8 +203,9 @@ class _JsonCallsParser(ToolParser):
         super().__init__(tool_names)
         self._mode, self._at_start, self._skip, self._scan = "content", True, 0, None
 
+    @abstractmethod
     def _calls(self, value: Any) -> list[FunctionCall] | None:
-        raise NotImplementedError
+        """The calls one parsed JSON value holds in this format, or None when it is not calls."""
 
     def _drain(self, final: bool) -> list[str | FunctionCall]:
         out: list[str | FunctionCall] = []
