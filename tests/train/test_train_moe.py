@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
-from train_utils import free_port, read_metrics, shakespeare, tiny_config, tiny_model, write_char_tokenizer
+from server_utils import launched
+from train_utils import read_metrics, shakespeare, tiny_config, tiny_model, write_char_tokenizer
 
 from baige.runtime.train.config import MoESection, load_train_config
 from baige.runtime.train.moe import MoEBalancer, RouterLogits, load_balancing_loss, router_z_loss
@@ -225,28 +222,10 @@ def test_moe_tiny_export_is_served(moe_tiny_run):
     hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
-    port = free_port()
-    cmd = [sys.executable, "-m", "baige", "serve", "--model", str(export), "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "128", "--kv-cache-memory", "16MB", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.3)
+    with launched(export, "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "16MB",
+                  "--log-level", "warning") as (url, _):
         r = httpx.post(f"{url}/v1/completions", json={"model": str(export), "prompt": prompt, "max_tokens": 8,
                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == 8
