@@ -118,6 +118,13 @@ class Engine:
         return cls(model, tokenizer, cfg)
 
     # ---- requests --------------------------------------------------------------------------
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit the context whatever it tokenizes to, so it is
+        refused without tokenizing: ``max_model_len`` tokens of at most ``max_token_chars`` each,
+        with a 4x margin for normalizers that drop characters."""
+        return 4 * self.max_model_len * self.tokenizer.max_token_chars
+
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """Tokenize and validate a prompt; fill in ``max_tokens`` (default: the rest of the context).
 
@@ -134,9 +141,7 @@ class Engine:
                                  "first", param="allowed_token_ids")
         if isinstance(prompt, str):
             _check_text(prompt, "prompt")
-            # far too long to fit, whatever it tokenizes to: refused without tokenizing (margin 4x
-            # for normalizers that drop characters)
-            if len(prompt) > 4 * self.max_model_len * self.tokenizer.max_token_chars:
+            if len(prompt) > self.max_prompt_chars:
                 raise BaigeError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                                  f"has {len(prompt)} characters, far more than that many tokens can hold")
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []

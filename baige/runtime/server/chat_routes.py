@@ -47,10 +47,10 @@ def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict:
 
 def check_chat_size(st: ServerState, req: ChatCompletionRequest) -> None:
     """Refuse, before rendering or tokenizing anything, a conversation whose text (messages, tool
-    calls, tools) is far longer than the context could hold whatever it tokenizes to (the rule
-    ``Engine.prepare`` applies to a completion prompt). Raises APIError (400)."""
+    calls, tools) is longer than ``Engine.max_prompt_chars``, the rule ``Engine.prepare`` applies to a
+    completion prompt. Raises APIError (400)."""
     engine = st.engine.engine
-    limit = 4 * engine.max_model_len * st.tokenizer.max_token_chars
+    limit = engine.max_prompt_chars
     chars = 0
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
