@@ -358,13 +358,16 @@ class Engine:
         n = seq.num_new_output
         first = len(seq.token_ids) - n
         for j in range(n):
-            self._process_token(seq, seq.token_ids[first + j], lps[j] if j < len(lps) else None, last=j == n - 1)
-            if seq.is_finished and j < n - 1:
+            ended = self._process_token(seq, seq.token_ids[first + j], lps[j] if j < len(lps) else None, last=j == n - 1)
+            if ended and j < n - 1:
                 del seq.token_ids[first + j + 1:]
                 return j + 1
         return n
 
-    def _process_token(self, seq: Sequence, token: int, lp: Logprobs | None, last: bool = True) -> None:
+    def _process_token(self, seq: Sequence, token: int, lp: Logprobs | None, last: bool = True) -> bool:
+        """One new token's text, stop strings and grammar; ``last``: the last token the step appended
+        (only then can the sequence's finish come from the scheduler). Returns whether a stop string
+        or the grammar ended the sequence at this token."""
         st: SeqText = seq.payload
         finished = seq.is_finished and last
         is_stop_token = finished and seq.finish_reason == "stop" and seq.stop_reason == token
@@ -374,6 +377,7 @@ class Engine:
                 seq.finish_reason, seq.stop_reason = "stop", stop
             else:
                 self.scheduler.finish(seq, "stop", stop)
+            return True
         if st.grammar is not None:
             # An error while computing this step's mask (an engine limit: then the mask allowed only
             # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).
@@ -383,6 +387,8 @@ class Engine:
                                  "the constraint allows", param="structured_outputs")
             if st.grammar.is_stopped() and not seq.is_finished:  # the language is complete: end here
                 self.scheduler.finish(seq, "stop")
+                return True
+        return False
 
     def _output(self, req: _Request, now: float) -> RequestOutput:
         outs = []

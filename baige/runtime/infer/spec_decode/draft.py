@@ -100,7 +100,7 @@ class DraftModelProposer(Proposer):
             ds = self.states[seq.seq_id] = _DraftSeq(list(seq.token_ids))
             return ds
         t, j = seq.token_ids, ds.fed
-        limit = min(ds.num_computed_tokens, len(t))
+        limit = min(ds.num_computed_tokens, len(t) - 1)  # the last token is always fed: its logits propose
         while j < limit and ds.token_ids[j] == t[j]:
             j += 1
         ds.num_computed_tokens = min(ds.num_computed_tokens, j)
