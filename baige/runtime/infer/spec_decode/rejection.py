@@ -52,7 +52,7 @@ def verify(target: torch.Tensor, draft_ids: list[int], draft_probs: torch.Tensor
     q = draft_probs[rows, ids] if draft_probs is not None else torch.ones(n, device=dev)
     u = torch.rand(n, generator=generator, device=dev)
     rejected = (u >= accept_probability(p, q)).tolist()
-    j = rejected.index(True) if True in rejected else n
+    j = rejected.index(True) if any(rejected) else n
     if j == n:
         dist = target[n]
     else:
