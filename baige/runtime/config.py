@@ -102,6 +102,7 @@ class GenerateConfig:
     device: str = "auto"
     chat: bool | None = None
     system: str | None = None
+    speculative_config: str | dict | None = None  # --speculative-config (EngineConfig parses it)
 
 
 @dataclass
