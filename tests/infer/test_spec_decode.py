@@ -116,3 +116,93 @@ def test_a_random_draft_accepts_almost_nothing_and_changes_nothing(loaded, rando
     assert eng.scheduler.num_preemptions > 0
     same(outs, reference)
     assert eng.spec_stats.num_draft_tokens > 100 and eng.spec_stats.acceptance_rate < 0.05
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def generate(loaded, spec, work: list[tuple[str, SamplingParams]]):
+    model, tok = loaded
+    eng = Engine(model, tok, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=ROOMY,
+                                          speculative_config=spec))
+    for i, (p, sp) in enumerate(work):
+        eng.add_request(f"r{i}", p, sp)
+    outs = eng.run_to_completion([f"r{i}" for i in range(len(work))])
+    assert eng.block_manager.num_used_blocks == 0
+    return eng, [o.outputs[0] for o in outs]
+
+
+def test_stop_strings_inside_an_accepted_run_cut_where_plain_decoding_cuts(loaded):
+    tok = loaded[1]
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passages(1)[0]}"}])
+    _, (full,) = generate(loaded, None, [(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))])
+    stops = [full.text[len(full.text) // 2:][:6], full.text[-9:-4]]  # mid-run, and near the end
+    work = [(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[s])) for s in stops]
+    _, plain = generate(loaded, None, work)
+    eng, spec = generate(loaded, NGRAM, work)
+    assert eng.spec_stats.num_accepted_tokens > 10  # the stops did fall inside accepted runs
+    for a, b in zip(spec, plain):
+        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
+                                                                          b.stop_reason)
+        assert b.finish_reason == "stop" and len(b.token_ids) < 30
+
+
+def test_max_tokens_is_never_exceeded(loaded):
+    tok = loaded[1]
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passages(2)[1]}"}])
+    work = [(prompt, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)) for m in (1, 2, 3, 4, 5, 6, 7, 11)]
+    _, plain = generate(loaded, None, work[-1:])
+    eng, outs = generate(loaded, NGRAM, work)
+    assert eng.spec_stats.num_accepted_tokens > 0
+    for (_, sp), o in zip(work, outs):
+        assert o.token_ids == plain[0].token_ids[:sp.max_tokens] and o.finish_reason == "length"
+
+
+def test_sampling_with_speculation_runs_to_length_and_frees_its_blocks(loaded):
+    tok = loaded[1]
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passages(1)[0]}"}])
+    work = [(prompt, SamplingParams(temperature=0.7, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True, n=2,
+                                    logprobs=1)) for s in range(3)]
+    eng, outs = generate(loaded, NGRAM, work)
+    assert all(len(o.token_ids) == 20 and len(o.logprobs) == 20 for o in outs)
+    assert eng.spec_stats.num_draft_tokens > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused_in_one_line(loaded, random_draft, tmp_path):
+    import json
+
+    other = tmp_path / "other"
+    shutil.copytree(random_draft, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # the same tokens, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    model, tok = loaded
+    with pytest.raises(BaigeError, match=r"draft model's tokenizer differs .*'hello' is id \d+ in the target") as e:
+        Engine(model, tok, EngineConfig(max_model_len=MAX_LEN, kv_cache_memory=ROOMY,
+                                        speculative_config={"model": str(other), "num_speculative_tokens": 2}))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{bad", "not valid JSON"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not one of ngram, draft_model"),
+    ('{"method": "ngram"}', 'give "num_speculative_tokens"'),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 32\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "x": 1}, "unknown key 'x'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(3\) must be <= prompt_lookup_max \(2\)"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, 'method draft_model needs "model"'),
+    ([1, 2], "a JSON object"),
+])
+def test_bad_speculative_configs_are_one_line_errors(value, message):
+    with pytest.raises(BaigeError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_ngram_defaults_and_the_inferred_method():
+    c = SpeculativeConfig.parse('{"num_speculative_tokens": 3, "model": "x"}')
+    assert (c.method, c.model) == ("draft_model", "x")
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (1, 4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.spec_decode.draft import DraftModelProposer, check_same_vocab
 from baige.runtime.infer.spec_decode.ngram import NgramProposer
@@ -31,7 +32,10 @@ def build_proposer(cfg: EngineConfig, max_model_len: int, tokenizer: Tokenizer, 
     k = sc.num_speculative_tokens
     if sc.method == "ngram":
         return NgramProposer(k, sc.prompt_lookup_max, sc.prompt_lookup_min)
-    draft_dir = resolve_model(sc.model)
+    try:
+        draft_dir = resolve_model(sc.model)
+    except BaigeError as e:
+        raise BaigeError(f"--speculative-config: draft model: {e}", param="speculative_config") from None
     check_same_vocab(tokenizer, Tokenizer.from_dir(draft_dir))
     p = next(model.parameters())
     draft = load_model(draft_dir, p.dtype, p.device)
