@@ -28,6 +28,7 @@ from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
 from baige.runtime.infer.spec_decode.factory import build_proposer
+from baige.runtime.infer.spec_decode.proposer import next_budget
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
 from baige.runtime.infer.structured import GrammarCompiler, engine_error
@@ -264,6 +265,7 @@ class Engine:
             if k and toks and req is not None:
                 self.spec_stats.observe(k, len(toks) - 1)
                 req.spec_stats.observe(k, len(toks) - 1)
+                seq.spec_budget = next_budget(k, k, len(toks) - 1, self.num_speculative_tokens)
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
@@ -287,7 +289,8 @@ class Engine:
         """Ask the proposer for draft tokens for the running sequences that decode next step.
 
         Structured-output sequences do not speculate (their masks are computed one token at a time).
-        A budget never lets a step emit past ``max_tokens`` or the context. A proposer that raises
+        A sequence's budget follows its acceptance (:func:`~baige.runtime.infer.spec_decode.proposer.next_budget`)
+        and never lets a step emit past ``max_tokens`` or the context. A proposer that raises
         costs this step's speculation only: every sequence then decodes plainly.
         """
         seqs, budgets = [], []
@@ -296,7 +299,8 @@ class Engine:
                 continue
             room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
             seqs.append(seq)
-            budgets.append(max(0, min(self.num_speculative_tokens, room)))
+            want = self.num_speculative_tokens if seq.spec_budget is None else seq.spec_budget
+            budgets.append(max(0, min(want, room)))
         if not seqs:
             return
         try:

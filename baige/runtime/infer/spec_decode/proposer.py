@@ -33,6 +33,20 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
+def next_budget(budget: int, num_draft: int, num_accepted: int, k: int) -> int:
+    """A sequence's draft budget for its next step after a verify step (dynamic speculation length).
+
+    Every draft token costs a row of the verify forward whether or not it is accepted, so a sequence
+    whose drafts keep failing should ask for fewer: after a rejection the budget becomes the run that
+    was accepted plus one (at least 1, so the proposer keeps probing); after a fully accepted step it
+    doubles, up to ``k``. Copying text ramps to ``k`` within a few steps; open-ended text settles at
+    one draft per step.
+    """
+    if num_accepted >= num_draft:
+        return min(k, max(1, budget) * 2)
+    return max(1, num_accepted + 1)
+
+
 class Proposer(ABC):
     """Guesses tokens for decoding sequences (see the module docstring)."""
 
