@@ -28,7 +28,7 @@ from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
 from baige.runtime.infer.spec_decode.factory import build_proposer
-from baige.runtime.infer.spec_decode.proposer import next_budget
+from baige.runtime.infer.spec_decode.proposer import DraftBudget
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
 from baige.runtime.infer.structured import GrammarCompiler, engine_error
@@ -265,7 +265,7 @@ class Engine:
             if k and toks and req is not None:
                 self.spec_stats.observe(k, len(toks) - 1)
                 req.spec_stats.observe(k, len(toks) - 1)
-                seq.spec_budget = next_budget(k, k, len(toks) - 1, self.num_speculative_tokens)
+                seq.spec_budget.update(k, len(toks) - 1)
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
@@ -289,7 +289,7 @@ class Engine:
         """Ask the proposer for draft tokens for the running sequences that decode next step.
 
         Structured-output sequences do not speculate (their masks are computed one token at a time).
-        A sequence's budget follows its acceptance (:func:`~baige.runtime.infer.spec_decode.proposer.next_budget`)
+        A sequence's budget follows its acceptance (:class:`~baige.runtime.infer.spec_decode.proposer.DraftBudget`)
         and never lets a step emit past ``max_tokens`` or the context. A proposer that raises
         costs this step's speculation only: every sequence then decodes plainly.
         """
@@ -299,8 +299,9 @@ class Engine:
                 continue
             room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
             seqs.append(seq)
-            want = self.num_speculative_tokens if seq.spec_budget is None else seq.spec_budget
-            budgets.append(max(0, min(want, room)))
+            if seq.spec_budget is None:
+                seq.spec_budget = DraftBudget(self.num_speculative_tokens)
+            budgets.append(max(0, min(seq.spec_budget.take(), room)))
         if not seqs:
             return
         try:

@@ -71,7 +71,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = None
     num_new_output: int = 0  # tokens the last postprocess appended (1 + accepted drafts)
-    spec_budget: int | None = None  # most drafts to ask for next step (None: num_speculative_tokens)
+    spec_budget: Any = None  # the engine's DraftBudget of this sequence (speculative decoding on)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

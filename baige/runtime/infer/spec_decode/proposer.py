@@ -33,18 +33,39 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
-def next_budget(budget: int, num_draft: int, num_accepted: int, k: int) -> int:
-    """A sequence's draft budget for its next step after a verify step (dynamic speculation length).
+@dataclass
+class DraftBudget:
+    """How many drafts one sequence asks for (dynamic speculation length).
 
     Every draft token costs a row of the verify forward whether or not it is accepted, so a sequence
-    whose drafts keep failing should ask for fewer: after a rejection the budget becomes the run that
-    was accepted plus one (at least 1, so the proposer keeps probing); after a fully accepted step it
-    doubles, up to ``k``. Copying text ramps to ``k`` within a few steps; open-ended text settles at
-    one draft per step.
+    whose drafts keep failing asks for fewer: after a rejection the budget becomes the accepted run
+    plus one, after a fully accepted step it doubles (up to ``k``); when even a single draft is
+    rejected outright, the sequence stops speculating for 1, 2, 4, ... 16 steps before it probes
+    again. Copying text ramps to ``k`` within a few steps; text with nothing to copy costs one extra
+    verify row every 16 steps.
     """
-    if num_accepted >= num_draft:
-        return min(k, max(1, budget) * 2)
-    return max(1, num_accepted + 1)
+
+    k: int
+    budget: int = -1  # -1: k
+    backoff: int = 0  # steps skipped after the last outright rejection of a single draft
+    skip: int = 0  # steps left to skip
+
+    def take(self) -> int:
+        """This step's budget (0 while backing off)."""
+        if self.skip:
+            self.skip -= 1
+            return 0
+        return self.k if self.budget < 0 else self.budget
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        """After a verify step of ``num_draft`` drafts whose first ``num_accepted`` were kept."""
+        if num_accepted >= num_draft:
+            self.budget, self.backoff = min(self.k, max(1, num_draft) * 2), 0
+        elif num_accepted == 0 and num_draft == 1:
+            self.backoff = min(16, max(1, 2 * self.backoff))
+            self.skip, self.budget = self.backoff, 1
+        else:
+            self.budget, self.backoff = num_accepted + 1, 0
 
 
 class Proposer(ABC):
