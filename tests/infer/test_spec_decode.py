@@ -115,7 +115,7 @@ def test_a_random_draft_accepts_almost_nothing_and_changes_nothing(loaded, rando
                     kv=TIGHT)
     assert eng.scheduler.num_preemptions > 0
     same(outs, reference)
-    assert eng.spec_stats.num_draft_tokens > 100 and eng.spec_stats.acceptance_rate < 0.05
+    assert eng.spec_stats.num_draft_tokens > 50 and eng.spec_stats.acceptance_rate < 0.05
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
