@@ -1,0 +1,127 @@
+"""LoRA fine-tuning in the Trainer: the adapters as a transformation of the plain model, their FLOPs,
+and the two exports (the PEFT adapter directory, and with ``lora.merge`` the merged HF checkpoint).
+
+Applied after tensor parallelism is ruled out and before the other parallelisms (AC, compile,
+FSDP2), like torchtitan's model converters: FSDP2 shards the frozen base with everything else
+(its frozen parameters get no gradient and no reduce-scatter) and the adapters train. The
+optimizer sees only the adapters; the DCP checkpoint holds only them (``ignore_frozen_params``)
+plus the optimizer state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from baige.runtime.model.lora import add_lora, find_targets, lora_modules
+from baige.runtime.train.config import LoRASection
+from baige.runtime.weights.peft import adapter_config, save_peft_adapter
+
+
+def apply_lora(model: nn.Module, cfg: LoRASection, seed: int) -> int:
+    """Freeze ``model`` and add a rank-``cfg.rank`` adapter on each target (``lora_A`` drawn in module
+    order from a ``torch.Generator`` seeded with ``seed``; ``lora_B`` zero). Returns the number of
+    trainable (adapter) parameters.
+
+    Raises:
+        BaigeError: a target absent from the model (:func:`find_targets`).
+    """
+    targets = find_targets(model, cfg.targets)
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    for _, module in targets:
+        add_lora(module, cfg.rank, cfg.alpha, cfg.dropout, cfg.use_rslora, generator)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def flops_per_token(model: nn.Module, n_lora: int, seq_len: int) -> int:
+    """Training FLOPs per token; with LoRA (``n_lora`` > 0 adapter parameters) and a frozen base:
+    ``4 N_frozen + 6 N_lora + 12 L H Q T``, else the model's ``6 N + 12 L H Q T``.
+
+    The ``6 N`` rule (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; PaLM appendix B) is 2N for the
+    forward and 4N for the backward, half of which is the weight-gradient matmuls. A frozen weight
+    needs no weight gradient, only the activation gradient: ``2N + 2N = 4N``
+    (Narayanan et al. 2021, arXiv:2104.04473, sec. 5.1, counts the same three matmuls per weight).
+    The attention term (no weights) is unchanged. N_frozen is the base's non-embedding parameter
+    count (active ones for MoE).
+    """
+    if not n_lora:
+        return model.flops_per_token(seq_len)
+    c = model.config
+    n_frozen = c.num_params(non_embedding=True, active=True)
+    return 4 * n_frozen + 6 * n_lora + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on the CPU, gathered from FSDP shards (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def export_adapter(model: nn.Module, cfg: LoRASection, base_model: str | None, out_dir: Path,
+                   dtype: torch.dtype, is_main: bool, full: dict | None = None) -> Path | None:
+    """Write the PEFT adapter directory ``out_dir`` from rank 0 (collective: gathers the adapters).
+    Returns ``out_dir`` on rank 0, None elsewhere."""
+    full = _full_state(model) if full is None else full
+    if not is_main:
+        return None
+    weights = {name: (full[f"{name}.lora_A.weight"], full[f"{name}.lora_B.weight"]) for name, _ in lora_modules(model)}
+    config = adapter_config(cfg.rank, cfg.alpha, cfg.dropout, cfg.targets, cfg.use_rslora, base_model)
+    return save_peft_adapter(weights, config, out_dir, dtype)
+
+
+def merged_state(model: nn.Module, full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The HF state dict of the base with every adapter folded in: ``W + scaling * B @ A`` (fp32
+    arithmetic, then ``dtype``), A and B taken from the gathered ``full`` state (right under FSDP). A
+    quantized base (QLoRA) is dequantized (its buffers are whole on every rank), so the result is a
+    plain float checkpoint (the caller drops ``quantization_config``). Adapter tensors are left out."""
+    out = {k: v for k, v in full.items() if ".lora_" not in k}
+    for name, module in model.named_modules():
+        if hasattr(module, "dequantized_weight"):  # QuantizedLinear: replace the integer layout
+            for suffix in ("weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point"):
+                out.pop(f"{name}.{suffix}", None)
+            out[f"{name}.weight"] = module.dequantized_weight().detach().float().cpu()
+        if hasattr(module, "lora_A"):
+            a, b = full[f"{name}.lora_A.weight"].float(), full[f"{name}.lora_B.weight"].float()
+            out[f"{name}.weight"] = out[f"{name}.weight"].float() + (b @ a) * module.lora_scaling
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
+
+
+def export_merged(model: nn.Module, config: dict, out_dir: Path, tokenizer_dir: Path | None, dtype: torch.dtype,
+                  is_main: bool, full: dict) -> Path | None:
+    """Write the merged HF checkpoint from rank 0 with ``save_hf_checkpoint`` (the plain export's writer);
+    an existing ``out_dir`` is replaced. Returns ``out_dir`` on rank 0, None elsewhere."""
+    import shutil
+
+    from baige.runtime.weights.safetensors_io import save_hf_checkpoint
+
+    if not is_main:
+        return None
+    state = merged_state(model, full, dtype)
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    return save_hf_checkpoint(state, config, out_dir, tokenizer_dir)
+
+
+def export_lora(trainer, dtype: torch.dtype) -> Path | None:
+    """The LoRA run's exports (collective): ``<output>/adapter`` (PEFT) and, with ``lora.merge``,
+    ``<output>/hf`` (merged). ``trainer``: the :class:`~baige.runtime.train.trainer.Trainer`. Returns
+    the adapter directory on rank 0, None elsewhere."""
+    cfg, main = trainer.cfg, trainer.dist.is_main
+    full = _full_state(trainer.model)
+    base = cfg.model.name or str(trainer.model_dir)
+    out = export_adapter(trainer.model, cfg.lora, base, trainer.output / "adapter", dtype, main, full)
+    if out is not None:
+        trainer.log.print(f"exported LoRA adapter (PEFT) to {out}")
+    if cfg.lora.merge:
+        merged = export_merged(trainer.model, dict(trainer.model_config.raw), trainer.output / "hf",
+                               trainer.tokenizer_dir, dtype, main, full)
+        if merged is not None:
+            trainer.log.print(f"exported the merged HF checkpoint to {merged}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return out
