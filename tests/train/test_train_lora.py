@@ -1,0 +1,191 @@
+"""LoRA fine-tuning against PEFT on a tiny random checkpoint (SFT data with loss masks): the same
+5 steps give the same losses and adapters; FSDP2 on 2 gloo ranks equals one process; resume is
+exact (with dropout); the exported adapter loads in PEFT with baige's logits; ``--merge`` equals
+PEFT's ``merge_and_unload``; a quantized (int8) base trains QLoRA-style and merges."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_config, tiny_model
+
+from baige.runtime.model.lora import LORA_TARGETS, lora_modules
+
+STEPS, LR, RANK = 5, 1e-3, 8
+FLAGS = {"training.steps": STEPS, "training.batch_size": 1, "training.grad_accum": 2, "optimizer.lr": LR,
+         "lr_scheduler.name": "constant", "lr_scheduler.warmup_steps": 0, "lora.rank": RANK, "lora.alpha": 16.0,
+         "checkpoint.interval": 2, "metrics.peak_tflops": 1.0}
+
+
+def _sft_data(path: Path) -> Path:
+    """Conversations (user line -> assistant line) from tinyshakespeare: only assistant tokens carry loss."""
+    lines = [ln for ln in shakespeare(12_000).splitlines() if ln.strip()]
+    with path.open("w") as f:
+        for q, a in zip(lines[::2], lines[1::2]):
+            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = tiny_model(root / "m", "llama", vocab_size=98, seed=3)
+    data = _sft_data(root / "sft.jsonl")
+    return root, model, data
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    """One process: baige's run (merge on), its initial A matrices, its data loader's batches."""
+    from baige.runtime.train.data import DataLoader
+    from baige.runtime.train.trainer import Trainer
+
+    root, model, data = setup
+    trainer = Trainer(tiny_config(model, data, root / "single", **FLAGS, **{"lora.merge": True}))
+    init_a = {n: m.lora_A.weight.detach().clone() for n, m in lora_modules(trainer.model)}
+    loader = DataLoader(trainer.train_windows, 1, 2, 1, 0, 0, True)  # the run's batches, replayed
+    batches = [loader.next_step() for _ in range(STEPS)]
+    result = trainer.train()
+    return trainer, result, init_a, batches
+
+
+def _peft_model(model_dir: Path, init_a: dict | None = None, adapter: Path | None = None):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        return PeftModel.from_pretrained(hf, adapter).eval()
+    pm = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
+    with torch.no_grad():
+        for name, a in init_a.items():
+            pm.get_submodule(f"base_model.model.{name}").lora_A["default"].weight.copy_(a)
+    return pm
+
+
+def test_lora_matches_peft(setup, single):
+    """Same init, data, AdamW and clipping: losses and adapters within 1e-5 after 5 steps."""
+    _, model_dir, _ = setup
+    trainer, result, init_a, batches = single
+    pm = _peft_model(model_dir, init_a)
+    params = [p for p in pm.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in params) == trainer.lora_params
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    peft_losses = []
+    for micro in batches:
+        n_valid = sum(int((labels != -100).sum()) for _, labels in micro)
+        total = 0.0
+        for input_ids, labels in micro:
+            logits = pm(input_ids=input_ids).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum") / n_valid
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        peft_losses.append(total)
+    assert any((labels == -100).any() for micro in batches for _, labels in micro)  # loss masks in play
+    ours = [result.losses[s] for s in range(1, STEPS + 1)]
+    assert max(abs(a - b) for a, b in zip(ours, peft_losses)) < 1e-5, (ours, peft_losses)
+    for name, m in lora_modules(trainer.model):
+        peft_mod = pm.get_submodule(f"base_model.model.{name}")
+        for ours_w, theirs in ((m.lora_A.weight, peft_mod.lora_A["default"].weight),
+                               (m.lora_B.weight, peft_mod.lora_B["default"].weight)):
+            assert (ours_w - theirs).abs().max() < 1e-5, name
+        assert m.lora_B.weight.abs().max() > 1e-4  # B moved off its zero init
+
+
+def test_adapter_loads_in_peft_and_merge_equals_merge_and_unload(setup, single):
+    from transformers import AutoModelForCausalLM
+
+    root, model_dir, _ = setup
+    trainer, _, _, batches = single
+    out = root / "single"
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == RANK and cfg["lora_alpha"] == 16.0 and sorted(cfg["target_modules"]) == sorted(LORA_TARGETS)
+    keys = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert len(keys) == 2 * len(LORA_TARGETS) * 2  # A and B, 7 targets, 2 layers
+    ids = batches[0][0][0]  # (1, 32)
+    pm = _peft_model(model_dir, adapter=out / "adapter")
+    trainer.model.eval()
+    with torch.no_grad():
+        ours = trainer.model.compute_logits(trainer.model(ids, torch.arange(ids.shape[1])[None]))
+        theirs = pm(input_ids=ids).logits
+        assert (ours - theirs).abs().max() < 1e-4
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(input_ids=ids).logits
+        assert (theirs - base).abs().max() > 1e-3  # the adapter changes the logits
+        merged_ref = pm.merge_and_unload()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)(input_ids=ids).logits
+    assert (merged - merged_ref).abs().max() < 1e-4
+    # the DCP checkpoint holds the adapters and their optimizer state, not the frozen base
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(out / "checkpoints" / "step_00000002")).read_metadata()
+    model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:3]
+    assert sum(1 for k in meta.state_dict_metadata if k.startswith("optimizer.state.")) > 0
+
+
+def test_lora_resume_is_exact_with_dropout(setup, tmp_path):
+    """4 steps with dropout 0.1 against 2 steps, a stop, and a resume from the step-2 checkpoint."""
+    from baige.runtime.train.trainer import run_training
+
+    _, model_dir, data = setup
+    flags = {**FLAGS, "training.steps": 4, "lora.dropout": 0.1}
+    run_training(tiny_config(model_dir, data, tmp_path / "a", **flags))
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_00000002", tmp_path / "b" / "checkpoints" / "step_00000002")
+    resumed = run_training(tiny_config(model_dir, data, tmp_path / "b", **flags))
+    assert resumed.start_step == 2
+    full = read_metrics(tmp_path / "a")
+    assert [full[s] for s in (3, 4)] == [resumed.losses[s] for s in (3, 4)]
+    a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_fsdp2_two_ranks_equals_one_process(setup, single):
+    root, model_dir, data = setup
+    out = root / "fsdp"
+    flags = {**FLAGS, "training.grad_accum": 1}  # 2 ranks x batch 1 = the single run's 1 x 2 micro-batches
+    mp.spawn(spawn_worker, args=(2, free_port(), [(job_train, dict(model=str(model_dir), data=str(data),
+                                                                    output=str(out), **flags))]), nprocs=2, join=True)
+    ours, ref = read_metrics(out), read_metrics(root / "single")
+    assert max(abs(ours[s] - ref[s]) for s in range(1, STEPS + 1)) < 1e-5, (ours, ref)
+    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(root / "single" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
+    """A baige int8 checkpoint as the frozen base: the adapters train through the quantized matmuls,
+    and the merged export (dequantized base + adapter) gives the adapted model's logits."""
+    from baige.runtime.config import QuantizeConfig
+    from baige.runtime.quantize import quantize_checkpoint
+    from baige.runtime.train.trainer import Trainer
+    from baige.runtime.weights.loader import load_model
+
+    _, model_dir, data = setup
+    qdir = tmp_path / "int8"
+    quantize_checkpoint(QuantizeConfig(model=str(model_dir), method="int8", output=str(qdir)))
+    trainer = Trainer(tiny_config(qdir, data, tmp_path / "run", **{**FLAGS, "training.steps": 3, "lora.merge": True,
+                                                                      "checkpoint.interval": 0}))
+    result = trainer.train()
+    assert type(trainer.model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    assert all(m.lora_B.weight.abs().max() > 0 for _, m in lora_modules(trainer.model))  # gradients reached layer 0
+    assert result.losses[3] < result.losses[1]
+    merged = load_model(tmp_path / "run" / "hf", dtype=torch.float32).eval()
+    ids = torch.arange(5, 37)[None]
+    trainer.model.eval()
+    with torch.no_grad():
+        want = trainer.model.compute_logits(trainer.model(ids, torch.arange(32)[None]))
+        got = merged.compute_logits(merged(ids, torch.arange(32)[None]))
+    assert (want - got).abs().max() < 1e-4
