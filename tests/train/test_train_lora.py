@@ -189,3 +189,29 @@ def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
         want = trainer.model.compute_logits(trainer.model(ids, torch.arange(32)[None]))
         got = merged.compute_logits(merged(ids, torch.arange(32)[None]))
     assert (want - got).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--lora-rank", "0"], "lora.rank must be an integer >= 1 (got 0)"),
+    (["--lora-rank", "-3"], "lora.rank must be an integer >= 1 (got -3)"),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,qkv_proj"], "lora.targets: unknown module 'qkv_proj'"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "lora.dropout must be < 1"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "lora.alpha must be a finite number > 0"),
+    (["--lora-alpha", "16"], "lora options need lora.rank"),
+    (["--merge"], "lora options need lora.rank"),
+])
+def test_lora_bad_flags(cli_error, tmp_path, args, needle):
+    (tmp_path / "t.txt").write_text("To be, or not to be.\n")
+    base = ["train", "--data", tmp_path / "t.txt", "-o", tmp_path / "run", "--steps", "1", "--no-compile"]
+    assert needle in cli_error(*base, *args)
+
+
+def test_lora_target_absent_from_the_model(cli_error, tmp_path):
+    # a Qwen3-MoE with every layer sparse: its experts are stacked, so it has no gate_proj Linear
+    model = tiny_model(tmp_path / "moe", "qwen3-moe", vocab_size=98, mlp_only_layers=[])
+    (tmp_path / "t.txt").write_text(shakespeare(2000))
+    err = cli_error("train", "--model", model, "--data", tmp_path / "t.txt", "-o", tmp_path / "run", "--steps", "1",
+                    "--seq-len", "8", "--batch-size", "1", "--no-compile", "--lora-rank", "4",
+                    "--lora-targets", "q_proj,gate_proj")
+    assert "lora target 'gate_proj' is not a linear module of this model (qwen3_moe: " in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
