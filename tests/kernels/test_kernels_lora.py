@@ -37,6 +37,7 @@ IDS = {
     "segments": [0] * 21 + [2] * 17 + [-1] * 5 + [1] * 27,  # prefill: runs of one adapter (70 tokens)
     "decode": [2, -1, 0, 1, 1, 2, 0, -1, 2, 1, 0],  # a different adapter nearly every token
     "none": [-1] * 9,
+    "one": [2],  # a single decode token
 }
 
 

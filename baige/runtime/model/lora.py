@@ -133,8 +133,8 @@ def lora_forward_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> t
     stack = getattr(module, "lora_stack", None)
     if stack is not None and stack[3].token_lora_ids is not None:
         a, b, s, batch = stack
-        y = output.reshape(-1, output.shape[-1])  # (N, out), a view of a contiguous output
-        kernels.lora_apply(y, x.reshape(-1, x.shape[-1]), a, b, s, batch.token_lora_ids)
+        y = output.reshape(-1, output.shape[-1])  # (N, out); a copy when the output was not contiguous
+        output = kernels.lora_apply(y, x.reshape(-1, x.shape[-1]), a, b, s, batch.token_lora_ids).view(output.shape)
     return output
 
 
