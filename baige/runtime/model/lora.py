@@ -10,7 +10,8 @@ its class and its parameter names, so the base's state-dict layout does not chan
 Two modes, one hook:
 
 - training (:func:`add_lora`): one adapter, ``y = base(x) + lora_B(lora_A(dropout(x))) * scaling``
-  in PEFT's order of operations, autograd through it; only ``lora_A``/``lora_B`` train.
+  in PEFT's order of operations, autograd through it; only ``lora_A``/``lora_B`` train. Dropout
+  applies in train mode with gradients enabled (the trainer's evaluation runs under ``no_grad``).
 - serving (:func:`attach_lora_stack`): many adapters stacked and zero-padded to one rank, the
   adapter of every token chosen per step through a shared :class:`LoRABatch`
   (``token_lora_ids``, -1 = none), computed by ``kernels.lora_apply`` (SGMV/BGMV) into the output.
@@ -128,8 +129,9 @@ def lora_forward_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> t
     projection; returns the output with the adapter's term added (training adapter and/or the
     serving stack)."""
     x = args[0]
-    if hasattr(module, "lora_A"):
-        output = output + module.lora_B(module.lora_A(module.lora_dropout(x))) * module.lora_scaling
+    if hasattr(module, "lora_A"):  # dropout only when training with gradients (not in evaluation passes)
+        xd = module.lora_dropout(x) if torch.is_grad_enabled() else x
+        output = output + module.lora_B(module.lora_A(xd)) * module.lora_scaling
     stack = getattr(module, "lora_stack", None)
     if stack is not None and stack[3].token_lora_ids is not None:
         a, b, s, batch = stack
