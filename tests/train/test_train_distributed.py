@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_model
 
 STEPS = 20
+LORA = {"training.steps": 3, "lora.rank": 4, "lora.merge": True, "optimizer.lr": 1e-3, "checkpoint.interval": 0}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,8 @@ def runs(tmp_path_factory):
             "training.steps": 3, "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
             "training.activation_checkpointing": "full", "checkpoint.export_hf": False,
             "data.eval": [str(data)], "training.eval_batches": 2})),
+        # LoRA under FSDP2 (frozen base sharded, adapters trained), with the merged export gathered.
+        (job_train, dict(common, output=str(root / "lora_fsdp"), **LORA, **{"training.batch_size": 2})),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     # Tensor parallel through the documented launch form: torchrun --no-python baige train (TP=2,
@@ -63,6 +66,7 @@ def runs(tmp_path_factory):
                   **{"training.steps": STEPS, "training.batch_size": 4})
         job_train(model=str(untied), data=str(data), output=str(root / "single_tp"),
                   **{"training.steps": 3, "training.batch_size": 4})
+        job_train(**common, output=str(root / "lora_single"), **LORA, **{"training.batch_size": 4})
     finally:
         torch.set_num_threads(threads)
     return root
@@ -140,3 +144,18 @@ def test_metrics_records(runs):
     assert {"loss", "grad_norm", "lr", "tokens_per_second_per_device", "mfu", "peak_memory_gib"} <= set(records[0])
     assert records[0]["lr"] == pytest.approx(0.5e-2)  # warmup step 1 of 2
     assert all(r["tokens_per_second_per_device"] > 0 and 0 < r["mfu"] for r in records)
+
+
+def test_lora_fsdp_two_ranks_match_one_process(runs):
+    fsdp, single = read_metrics(runs / "lora_fsdp"), read_metrics(runs / "lora_single")
+    assert sorted(fsdp) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert abs(fsdp[step] - single[step]) < 1e-5, (step, fsdp[step], single[step])
+    a = load_file(str(runs / "lora_fsdp" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(runs / "lora_single" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-4  # B moved off zero
+    merged_fsdp, merged_single = _params(runs / "lora_fsdp"), _params(runs / "lora_single")
+    assert merged_fsdp.keys() == merged_single.keys() == load_file(str(runs / "tied97" / "model.safetensors")).keys()
+    assert max((merged_fsdp[k] - merged_single[k]).abs().max().item() for k in merged_fsdp) < 1e-5

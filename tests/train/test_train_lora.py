@@ -1,7 +1,8 @@
 """LoRA fine-tuning against PEFT on a tiny random checkpoint (SFT data with loss masks): the same
-5 steps give the same losses and adapters; FSDP2 on 2 gloo ranks equals one process; resume is
-exact (with dropout); the exported adapter loads in PEFT with baige's logits; ``--merge`` equals
-PEFT's ``merge_and_unload``; a quantized (int8) base trains QLoRA-style and merges."""
+5 steps give the same losses and adapters; resume is exact (with dropout); the exported adapter
+loads in PEFT with baige's logits; ``--merge`` equals PEFT's ``merge_and_unload``; a quantized
+(int8) base trains QLoRA-style and merges. FSDP2 on 2 gloo ranks against one process:
+test_train_distributed.py (it shares that file's process spawn)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_config, tiny_model
+from train_utils import read_metrics, shakespeare, tiny_config, tiny_model
 
 from baige.runtime.model.lora import LORA_TARGETS, lora_modules
 
@@ -152,19 +152,6 @@ def test_lora_resume_is_exact_with_dropout(setup, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_lora_fsdp2_two_ranks_equals_one_process(setup, single):
-    root, model_dir, data = setup
-    out = root / "fsdp"
-    flags = {**FLAGS, "training.grad_accum": 1}  # 2 ranks x batch 1 = the single run's 1 x 2 micro-batches
-    mp.spawn(spawn_worker, args=(2, free_port(), [(job_train, dict(model=str(model_dir), data=str(data),
-                                                                    output=str(out), **flags))]), nprocs=2, join=True)
-    ours, ref = read_metrics(out), read_metrics(root / "single")
-    assert max(abs(ours[s] - ref[s]) for s in range(1, STEPS + 1)) < 1e-5, (ours, ref)
-    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(root / "single" / "adapter" / "adapter_model.safetensors"))
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
-
-
 def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
     """A baige int8 checkpoint as the frozen base: the adapters train through the quantized matmuls,
     and the merged export (dequantized base + adapter) gives the adapted model's logits."""
@@ -215,3 +202,21 @@ def test_lora_target_absent_from_the_model(cli_error, tmp_path):
                     "--lora-targets", "q_proj,gate_proj")
     assert "lora target 'gate_proj' is not a linear module of this model (qwen3_moe: " in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_lora_flags_reach_the_config(monkeypatch, tmp_path):
+    from baige.cli import main
+    from baige.runtime.train import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "run_training", seen.append)
+    (tmp_path / "t.txt").write_text("To be, or not to be.\n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--data", str(tmp_path / "t.txt"), "-o", str(tmp_path / "run"), "--lora-rank", "8",
+              "--lora-alpha", "32", "--lora-dropout", "0.05", "--lora-targets", "q_proj, v_proj", "--lora-use-rslora",
+              "--merge"])
+    assert e.value.code in (0, None)
+    lo = seen[0].lora
+    assert (lo.rank, lo.alpha, lo.dropout, lo.targets, lo.use_rslora, lo.merge) == (8, 32.0, 0.05, ["q_proj", "v_proj"],
+                                                                                   True, True)
+    assert "[lora]\nrank = 8\nalpha = 32.0" in seen[0].to_toml()

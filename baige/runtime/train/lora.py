@@ -42,8 +42,9 @@ def flops_per_token(model: nn.Module, n_lora: int, seq_len: int) -> int:
 
     The ``6 N`` rule (Kaplan et al. 2020, arXiv:2001.08361, sec. 2.1; PaLM appendix B) is 2N for the
     forward and 4N for the backward, half of which is the weight-gradient matmuls. A frozen weight
-    needs no weight gradient, only the activation gradient: ``2N + 2N = 4N``
-    (Narayanan et al. 2021, arXiv:2104.04473, sec. 5.1, counts the same three matmuls per weight).
+    needs no weight gradient, only the activation gradient: ``2N + 2N = 4N`` (the same split of a
+    weight's backward into an input-gradient and a weight-gradient matmul underlies the FLOP count of
+    Narayanan et al. 2021, arXiv:2104.04473).
     The attention term (no weights) is unchanged. N_frozen is the base's non-embedding parameter
     count (active ones for MoE).
     """
