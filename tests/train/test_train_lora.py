@@ -36,7 +36,7 @@ def _sft_data(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    model = tiny_model(root / "m", "llama", vocab_size=98, seed=3)
+    model = tiny_model(root / "m", "llama-tied", vocab_size=98, seed=3)  # tied: lm_head is the frozen embedding
     data = _sft_data(root / "sft.jsonl")
     return root, model, data
 

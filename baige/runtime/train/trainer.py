@@ -327,10 +327,7 @@ class Trainer:
     # ---- checkpoint state -------------------------------------------------------------------------
 
     def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(ignore_frozen_params=bool(self.lora_params))  # LoRA: only what trains
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
+        model_sd, optim_sd = lora.train_state_dict(self.model, self.optimizer, bool(self.lora_params))
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
         moe = self.moe.state_dict() if self.moe is not None else {}
