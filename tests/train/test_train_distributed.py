@@ -6,6 +6,7 @@ expensive part); the tests then compare what each run wrote to its metrics.jsonl
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,9 @@ def runs(tmp_path_factory):
             "data.eval": [str(data)], "training.eval_batches": 2})),
         # LoRA under FSDP2 (frozen base sharded, adapters trained), with the merged export gathered.
         (job_train, dict(common, output=str(root / "lora_fsdp"), **LORA, **{"training.batch_size": 2})),
+        # LoRA under tensor parallelism (TP 2, each rank the whole batch of 4): adapters follow the projections.
+        (job_train, dict(common, output=str(root / "lora_tp"), **LORA, **{"training.batch_size": 4,
+                                                                         "parallelism.tensor_parallel_degree": 2})),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     # Tensor parallel through the documented launch form: torchrun --no-python baige train (TP=2,
@@ -146,16 +150,21 @@ def test_metrics_records(runs):
     assert all(r["tokens_per_second_per_device"] > 0 and 0 < r["mfu"] for r in records)
 
 
-def test_lora_fsdp_two_ranks_match_one_process(runs):
-    fsdp, single = read_metrics(runs / "lora_fsdp"), read_metrics(runs / "lora_single")
-    assert sorted(fsdp) == [1, 2, 3]
+@pytest.mark.parametrize("run", ["lora_fsdp", "lora_tp"])
+def test_lora_fsdp_and_tp_two_ranks_match_one_process(runs, run):
+    two, single = read_metrics(runs / run), read_metrics(runs / "lora_single")
+    assert sorted(two) == [1, 2, 3]
     for step in (1, 2, 3):
-        assert abs(fsdp[step] - single[step]) < 1e-5, (step, fsdp[step], single[step])
-    a = load_file(str(runs / "lora_fsdp" / "adapter" / "adapter_model.safetensors"))
+        assert abs(two[step] - single[step]) < 1e-5, (step, two[step], single[step])
+    # Adam hides a gradient scaled by a constant; the global gradient norm does not
+    norms = [[json.loads(r)["grad_norm"] for r in (runs / d / "metrics.jsonl").read_text().splitlines()]
+             for d in (run, "lora_single")]
+    assert max(abs(x - y) for x, y in zip(*norms)) < 1e-5 * max(norms[1]), norms
+    a = load_file(str(runs / run / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(runs / "lora_single" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-4  # B moved off zero
-    merged_fsdp, merged_single = _params(runs / "lora_fsdp"), _params(runs / "lora_single")
+    merged_fsdp, merged_single = _params(runs / run), _params(runs / "lora_single")
     assert merged_fsdp.keys() == merged_single.keys() == load_file(str(runs / "tied97" / "model.safetensors")).keys()
     assert max((merged_fsdp[k] - merged_single[k]).abs().max().item() for k in merged_fsdp) < 1e-5

@@ -124,14 +124,20 @@ def _install_hook(module: nn.Module) -> None:
         module._lora_hook = module.register_forward_hook(lora_forward_hook)
 
 
+def lora_dropout(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The adapter's input dropout: only when gradients are on (not in evaluation passes)."""
+    return module.lora_dropout(x) if torch.is_grad_enabled() else x
+
+
 def lora_forward_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook of an adapted linear: ``args[0]`` (..., in) input, ``output`` (..., out) the base
     projection; returns the output with the adapter's term added (training adapter and/or the
     serving stack)."""
     x = args[0]
-    if hasattr(module, "lora_A"):  # dropout only when training with gradients (not in evaluation passes)
-        xd = module.lora_dropout(x) if torch.is_grad_enabled() else x
-        output = output + module.lora_B(module.lora_A(xd)) * module.lora_scaling
+    if hasattr(module, "lora_A"):
+        term = getattr(module, "lora_term", None)  # set by a parallelism that places the adapter itself (TP)
+        output = output + (term(x) if term is not None else module.lora_B(module.lora_A(lora_dropout(module, x)))
+                           * module.lora_scaling)
     stack = getattr(module, "lora_stack", None)
     if stack is not None and stack[3].token_lora_ids is not None:
         a, b, s, batch = stack

@@ -303,8 +303,6 @@ def _validate_lora(cfg: TrainConfig) -> None:
             raise BaigeError(f"lora.targets: unknown module {t!r} (one of {', '.join(LORA_TARGETS)})")
     if cfg.model.name is None and cfg.model.config is not None:
         raise BaigeError("lora.rank needs pretrained weights (--model), not a model trained from scratch")
-    if cfg.parallelism.tensor_parallel_degree > 1:
-        raise BaigeError("lora.rank with tensor_parallel_degree > 1 is not supported yet; use FSDP (data parallel)")
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -1,8 +1,8 @@
 """LoRA fine-tuning in the Trainer: the adapters as a transformation of the plain model, their FLOPs,
 and the two exports (the PEFT adapter directory, and with ``lora.merge`` the merged HF checkpoint).
 
-Applied after tensor parallelism is ruled out and before the other parallelisms (AC, compile,
-FSDP2), like torchtitan's model converters: FSDP2 shards the frozen base with everything else
+Applied before the other parallelisms (AC, compile, FSDP2), like torchtitan's model converters, but
+after tensor parallelism, whose layout the adapters follow: FSDP2 shards the frozen base with everything else
 (its frozen parameters get no gradient and no reduce-scatter) and the adapters train. The
 optimizer sees only the adapters; the DCP checkpoint holds only them (``ignore_frozen_params``)
 plus the optimizer state.
@@ -10,30 +10,86 @@ plus the optimizer state.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from baige.runtime.model.lora import add_lora, find_targets, lora_modules
+from baige.runtime.model.lora import add_lora, find_targets, lora_dropout, lora_modules
+from baige.runtime.train import parallel
 from baige.runtime.train.config import LoRASection
 from baige.runtime.weights.peft import adapter_config, save_peft_adapter
 
 
-def apply_lora(model: nn.Module, cfg: LoRASection, seed: int) -> int:
+def apply_lora(model: nn.Module, cfg: LoRASection, seed: int, tp_mesh=None) -> int:
     """Freeze ``model`` and add a rank-``cfg.rank`` adapter on each target (``lora_A`` drawn in module
-    order from a ``torch.Generator`` seeded with ``seed``; ``lora_B`` zero). Returns the number of
-    trainable (adapter) parameters.
+    order from a ``torch.Generator`` seeded with ``seed``; ``lora_B`` zero). With ``tp_mesh`` (tensor
+    parallel) the model is first split by :func:`parallel.apply_tp` and each adapter takes its
+    projection's layout (:func:`_shard_adapter`). Returns the number of trainable (adapter) parameters.
 
     Raises:
-        BaigeError: a target absent from the model (:func:`find_targets`).
+        BaigeError: a target absent from the model (:func:`find_targets`), TP-indivisible widths.
     """
     targets = find_targets(model, cfg.targets)
     model.requires_grad_(False)
+    if tp_mesh is not None:
+        parallel.apply_tp(model, tp_mesh)
     generator = torch.Generator().manual_seed(seed)
     for _, module in targets:
         add_lora(module, cfg.rank, cfg.alpha, cfg.dropout, cfg.use_rslora, generator)
+        if tp_mesh is not None:
+            _shard_adapter(module, tp_mesh)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _shard_adapter(module: nn.Module, tp_mesh) -> None:
+    """Place a TP projection's adapter as DTensors on ``tp_mesh``: column-parallel (weight ``Shard(0)``):
+    A replicated, B ``Shard(0)``; row-parallel (``Shard(1)``): A ``Shard(1)``, B replicated. Its
+    forward then runs on the local shards (:func:`_tp_lora_term`)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    colwise = module.weight.placements[0] == Shard(0)
+    placements = ([Replicate()], [Shard(0)]) if colwise else ([Shard(1)], [Replicate()])
+    for lin, p in zip((module.lora_A, module.lora_B), placements):
+        lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), tp_mesh, p))
+    module.lora_term = functools.partial(_tp_lora_term, module, tp_mesh.get_group(), colwise)
+
+
+class _AllReduceForward(torch.autograd.Function):
+    """Sum over ``group`` in the forward, identity in the backward (Megatron's ``g``, Shoeybi et al. 2019)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _tp_lora_term(module: nn.Module, group, colwise: bool, x) -> torch.Tensor:
+    """The adapter term of a TP projection on local shards, added to the projection's local output.
+
+    Column-parallel: ``x`` is the replicated input (a DTensor): ``dropout(x) @ A^T @ B_local^T``, the
+    local output columns; A's gradient is a partial sum per rank, summed over ``group``, and x's
+    gradient is handed back as ``Partial`` (like the projection's own). Row-parallel: ``x`` is
+    ``Shard(-1)``: ``x_local @ A_local^T`` is summed over ``group``, then ``@ B^T`` (replicated, so every
+    rank computes the same B gradient).
+    """
+    from torch.distributed.tensor import Partial
+
+    a, b = module.lora_A.weight.to_local(), module.lora_B.weight.to_local()
+    if colwise:
+        x_local = lora_dropout(module, x.to_local(grad_placements=[Partial()]))
+        t = F.linear(x_local, parallel._SumGradOverGroup.apply(a, group))  # (..., r)
+    else:
+        t = _AllReduceForward.apply(F.linear(lora_dropout(module, x.to_local()), a), group)  # (..., r)
+    return F.linear(t, b) * module.lora_scaling
 
 
 def flops_per_token(model: nn.Module, n_lora: int, seq_len: int) -> int:

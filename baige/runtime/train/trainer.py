@@ -12,6 +12,7 @@ micro-batch's loss under the same factors; the reported ``loss`` stays the cross
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import time
@@ -110,7 +111,8 @@ class Trainer:
         self._init_output()
         self._resolve_model_and_tokenizer()
         model = self._load_or_init_weights()
-        self.lora_params = lora.apply_lora(model, cfg.lora, cfg.training.seed) if cfg.lora.rank else 0
+        tp_mesh = self.mesh["tp"] if self.dims.tp > 1 else None  # LoRA applies TP first (the adapters follow it)
+        self.lora_params = lora.apply_lora(model, cfg.lora, cfg.training.seed, tp_mesh) if cfg.lora.rank else 0
         self._build_data()
         self.model = self._apply_parallelisms(model)
         self.optimizer = self._build_optimizer()
@@ -221,7 +223,8 @@ class Trainer:
         self.moe = (MoEBalancer(model, self.cfg.moe, self.cfg.training.grad_accum, self._dp_sum)
                     if model.config.moe is not None else None)
         self.compile = self._resolve_compile()
-        parallel.parallelize(model, self.dims, self.mesh, ac=self.cfg.training.activation_checkpointing,
+        dims = dataclasses.replace(self.dims, tp=1) if self.lora_params else self.dims  # TP already applied
+        parallel.parallelize(model, dims, self.mesh, ac=self.cfg.training.activation_checkpointing,
                              compile=self.compile, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype,
                              sparse_mesh=self.sparse_mesh)
         if not self.dims.fsdp_enabled:
