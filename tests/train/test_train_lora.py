@@ -220,3 +220,26 @@ def test_lora_flags_reach_the_config(monkeypatch, tmp_path):
     assert (lo.rank, lo.alpha, lo.dropout, lo.targets, lo.use_rslora, lo.merge) == (8, 32.0, 0.05, ["q_proj", "v_proj"],
                                                                                    True, True)
     assert "[lora]\nrank = 8\nalpha = 32.0" in seen[0].to_toml()
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(8, None, True), (4, 32, False)])
+def test_frozen_quantized_linear_input_gradient(bits, group, symmetric):
+    """The QLoRA base's backward (weight dequantized again) equals autograd through F.linear of the
+    dequantized weight; the integer weight gets no gradient."""
+    from baige.runtime.quant.linear import QuantizedLinear
+    from baige.runtime.quant.scheme import QuantScheme, quantize_weight
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(72, 40)
+    scheme = QuantScheme(num_bits=bits, group_size=group, symmetric=symmetric)
+    q = QuantizedLinear.from_quantized(lin, scheme, *quantize_weight(lin.weight.detach(), scheme))
+    q.requires_grad_(False)
+    x = torch.randn(3, 5, 72, requires_grad=True)
+    y = q(x)
+    assert y.requires_grad
+    (g,) = torch.autograd.grad((y * torch.linspace(-1, 1, 40)).sum(), x)
+    x2 = x.detach().requires_grad_()
+    ref = F.linear(x2, q.dequantized_weight(), lin.bias)
+    (g_ref,) = torch.autograd.grad((ref * torch.linspace(-1, 1, 40)).sum(), x2)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(g, g_ref)
