@@ -7,7 +7,8 @@ its class and its parameter names, so the base's state-dict layout does not chan
 (``model.layers.0.self_attn.q_proj.weight``); the adapter adds PEFT's names beside it
 (``...q_proj.lora_A.weight`` (r, in), ``...q_proj.lora_B.weight`` (out, r)).
 
-Two modes, one hook:
+Two modes, one hook (a parallelism that places the adapter itself, tensor parallel training, sets
+``module.lora_term(x)`` and the hook adds that instead of the plain term):
 
 - training (:func:`add_lora`): one adapter, ``y = base(x) + lora_B(lora_A(dropout(x))) * scaling``
   in PEFT's order of operations, autograd through it; only ``lora_A``/``lora_B`` train. Dropout
@@ -149,12 +150,6 @@ def lora_forward_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> t
 def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of every module with a training adapter, in module order."""
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and is_linear(m)]
-
-
-def merged_delta(module: nn.Module) -> torch.Tensor:
-    """``lora_scaling * lora_B.weight @ lora_A.weight``: the (out, in) weight change merging folds in
-    (fp32 for fp32 adapters)."""
-    return (module.lora_B.weight @ module.lora_A.weight) * module.lora_scaling
 
 
 def peft_key(module_name: str, which: str) -> str:
