@@ -46,6 +46,10 @@ def runs(tmp_path_factory):
             "data.eval": [str(data)], "training.eval_batches": 2})),
         # LoRA under FSDP2 (frozen base sharded, adapters trained), with the merged export gathered.
         (job_train, dict(common, output=str(root / "lora_fsdp"), **LORA, **{"training.batch_size": 2})),
+        # LoRA under HSDP (2 replicas x 1 shard) with activation checkpointing on every block.
+        (job_train, dict(common, output=str(root / "lora_hsdp_ac"), **LORA, **{
+            "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
+            "training.activation_checkpointing": "full"})),
         # LoRA under tensor parallelism (TP 2, each rank the whole batch of 4): adapters follow the projections.
         (job_train, dict(common, output=str(root / "lora_tp"), **LORA, **{"training.batch_size": 4,
                                                                          "parallelism.tensor_parallel_degree": 2})),
@@ -150,8 +154,8 @@ def test_metrics_records(runs):
     assert all(r["tokens_per_second_per_device"] > 0 and 0 < r["mfu"] for r in records)
 
 
-@pytest.mark.parametrize("run", ["lora_fsdp", "lora_tp"])
-def test_lora_fsdp_and_tp_two_ranks_match_one_process(runs, run):
+@pytest.mark.parametrize("run", ["lora_fsdp", "lora_hsdp_ac", "lora_tp"])
+def test_lora_two_ranks_match_one_process(runs, run):
     two, single = read_metrics(runs / run), read_metrics(runs / "lora_single")
     assert sorted(two) == [1, 2, 3]
     for step in (1, 2, 3):
