@@ -47,9 +47,9 @@ def runs(tmp_path_factory):
         # LoRA under FSDP2 (frozen base sharded, adapters trained), with the merged export gathered.
         (job_train, dict(common, output=str(root / "lora_fsdp"), **LORA, **{"training.batch_size": 2})),
         # LoRA under HSDP (2 replicas x 1 shard) with activation checkpointing on every block.
-        (job_train, dict(common, output=str(root / "lora_hsdp_ac"), **LORA, **{
+        (job_train, dict(common, output=str(root / "lora_hsdp_ac"), **{**LORA,
             "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
-            "training.activation_checkpointing": "full"})),
+            "training.activation_checkpointing": "full", "lora.merge": False})),
         # LoRA under tensor parallelism (TP 2, each rank the whole batch of 4): adapters follow the projections.
         (job_train, dict(common, output=str(root / "lora_tp"), **LORA, **{"training.batch_size": 4,
                                                                          "parallelism.tensor_parallel_degree": 2})),
@@ -169,6 +169,8 @@ def test_lora_two_ranks_match_one_process(runs, run):
     assert a.keys() == b.keys() and len(a) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-4  # B moved off zero
+    if run == "lora_hsdp_ac":
+        return  # no merged export in that run
     merged_fsdp, merged_single = _params(runs / run), _params(runs / "lora_single")
     assert merged_fsdp.keys() == merged_single.keys() == load_file(str(runs / "tied97" / "model.safetensors")).keys()
     assert max((merged_fsdp[k] - merged_single[k]).abs().max().item() for k in merged_fsdp) < 1e-5
