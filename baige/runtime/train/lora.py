@@ -111,16 +111,21 @@ def flops_per_token(model: nn.Module, n_lora: int, seq_len: int) -> int:
     return 4 * n_frozen + 6 * n_lora + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
 
 
-def train_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, lora: bool) -> tuple[dict, dict]:
-    """``get_state_dict(model, optimizer)`` for the DCP checkpoint; with ``lora`` only the trained tensors.
+def train_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, lora: bool,
+                     options=None) -> tuple[dict, dict]:
+    """``get_state_dict(model, optimizer, options)`` for the DCP checkpoint; with ``lora`` only the
+    trained tensors (``options``: a ``StateDictOptions``, default ones when None).
 
     ``ignore_frozen_params`` drops the frozen base, except the tied ``lm_head.weight``: torch finds the
     frozen parameters through ``named_parameters()``, which names a shared tensor once (as the
     embedding), so its alias stays; the model state is therefore filtered to the trained names.
     """
+    import dataclasses
+
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=lora))
+    options = dataclasses.replace(options or StateDictOptions(), ignore_frozen_params=lora)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     if lora:
         trained = {n for n, p in model.named_parameters() if p.requires_grad}
         model_sd = {k: v for k, v in model_sd.items() if k in trained}
