@@ -96,6 +96,7 @@ def test_loader_mismatches_are_one_line(dirs, tmp_path):
         (_edit(dirs["a"], tmp_path / "target", target_modules=["q_proj", "qkv_proj"]), "target module 'qkv_proj'"),
         (_edit(dirs["a"], tmp_path / "dora", use_dora=True), "use_dora=true adapters are not supported"),
         (_edit(dirs["a"], tmp_path / "kind", peft_type="PROMPT_TUNING"), "is not LORA"),
+        (_edit(dirs["a"], tmp_path / "bias", bias="lora_only"), "also train biases or whole modules"),
         (tmp_path, "not a PEFT adapter directory"),
     ]
     other = load_model(make_checkpoint(tmp_path / "wide", "llama", hidden_size=96), dtype=torch.float32)

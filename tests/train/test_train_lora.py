@@ -186,6 +186,7 @@ def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
     (["--lora-rank", "4", "--lora-alpha", "0"], "lora.alpha must be a finite number > 0"),
     (["--lora-alpha", "16"], "lora options need lora.rank"),
     (["--merge"], "lora options need lora.rank"),
+    (["--model-config", "debug", "--lora-rank", "4"], "lora.rank needs pretrained weights (--model)"),
 ])
 def test_lora_bad_flags(cli_error, tmp_path, args, needle):
     (tmp_path / "t.txt").write_text("To be, or not to be.\n")

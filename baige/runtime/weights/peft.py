@@ -92,6 +92,9 @@ def _read_config(path: Path) -> dict:
     for field, bad in (("use_dora", True), ("fan_in_fan_out", True)):
         if cfg.get(field) == bad:
             raise BaigeError(f"{path}: {field}=true adapters are not supported")
+    if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
+        raise BaigeError(f"{path}: adapters that also train biases or whole modules (bias={cfg.get('bias')!r}, "
+                         f"modules_to_save={cfg.get('modules_to_save')!r}) are not supported")
     if not (path / WEIGHTS_FILE).is_file():
         raise BaigeError(f"{path}: no {WEIGHTS_FILE} (only safetensors adapters are read)")
     return cfg
@@ -110,8 +113,8 @@ def load_peft_adapter(path: str | Path, model: nn.Module, dtype: torch.dtype = t
     """Read a PEFT LoRA adapter for ``model`` (a baige Transformer) and check it fits, tensors in ``dtype``.
 
     Raises:
-        BaigeError (one line naming the mismatch): not an adapter directory, not LoRA, DoRA or
-        ``fan_in_fan_out``, a target module the model does not have, a tensor for a module that is not
+        BaigeError (one line naming the mismatch): not an adapter directory, not LoRA, DoRA,
+        ``fan_in_fan_out``, trained biases or ``modules_to_save``, a target module the model does not have, a tensor for a module that is not
         a linear of the model, a rank that differs from the config's ``r`` / ``rank_pattern``, in/out
         features that differ from the model's (an adapter trained on another base model).
     """
