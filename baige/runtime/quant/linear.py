@@ -81,11 +81,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out): ``F.linear`` with the dequantized weight. When ``x`` needs a gradient
-        (a frozen quantized base under LoRA, QLoRA-style) the backward dequantizes the weight again
-        instead of keeping it from the forward (:class:`_FrozenQuantizedLinear`); the integer weight
-        and its scales never get gradients."""
+        and the bias does not (a frozen quantized base under LoRA, QLoRA-style), the backward
+        dequantizes the weight again instead of keeping it from the forward
+        (:class:`_FrozenQuantizedLinear`); the integer weight and its scales never get gradients."""
         qweight = self.weight if self.scheme.num_bits == 8 else self.weight_packed
-        if torch.is_grad_enabled() and x.requires_grad:
+        frozen_bias = self.bias is None or not self.bias.requires_grad
+        if torch.is_grad_enabled() and x.requires_grad and frozen_bias:
             return _FrozenQuantizedLinear.apply(x, self, qweight)
         return kernels.quantized_linear(x, qweight, self.weight_scale, self.zero_point(), self.scheme.group_size, self.bias)
 
