@@ -329,3 +329,15 @@ def test_fp16_and_fp32_weight_linears(rows, in_f, out_f):
                                            bias.data_ptr(), y.data_ptr(), out_f, 1)
     exact = torch.nn.functional.linear(x.double(), w.double(), bias.double())
     assert_close_fp64(y, torch.nn.functional.linear(x, w, bias), exact, name=f"f32 rows={rows} in={in_f}")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 129])
+def test_dense_linear_matches_torch(rows):
+    from baige import kernels
+
+    torch.manual_seed(rows)
+    w, b = torch.randn(1003, 96), torch.randn(1003)
+    x = torch.randn(rows, 96)
+    ref = (x.double() @ w.double().T + b.double()).float()
+    torch.testing.assert_close(kernels.dense_linear(x, w, b), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernels.dense_linear(x, w), ref - b, atol=1e-4, rtol=1e-4)

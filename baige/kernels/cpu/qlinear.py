@@ -91,7 +91,8 @@ def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
     Args:
         x: (rows, in) fp32, rows unit-strided.
-        weight: (out, in) fp16, contiguous.
+        weight: (out, in) fp16 or fp32, rows unit-strided (fp32 runs the fp32 kernel: a weight row is
+            read from memory once for all rows, where a BLAS sgemm at a few rows reads it per row).
         bias: (out,) fp32 contiguous, or None.
     Returns:
         (rows, out) fp32 (accumulated in fp32).
@@ -102,6 +103,7 @@ def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        library().baige_linear_f16(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), None,
-                                   None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+        fn = library().baige_linear_f32 if weight.dtype == torch.float32 else library().baige_linear_f16
+        fn(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), None,
+           None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
     return y

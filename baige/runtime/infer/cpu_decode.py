@@ -100,6 +100,14 @@ class FusedDecoder:
         self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens)
         return model.model.norm(h)[None]
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, hidden) fp32 -> (M, vocab) logits; an fp32 ``lm_head`` runs the native kernel (one read of
+        its weight for all M rows: a speculating sequence's k + 1 rows cost about one row)."""
+        head = self.model.lm_head
+        if type(head) is torch.nn.Linear and head.weight.dtype == torch.float32:
+            return kernels.dense_linear(hidden.contiguous(), head.weight, head.bias)
+        return self.model.compute_logits(hidden)
+
 
 def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
     """The kernel's description of one projection, or (None, why not)."""

@@ -169,6 +169,7 @@ class ModelRunner:
             tables = torch.cat([F.pad(t, (0, W - t.shape[1]), value=self.kv.scratch_block) for t, _ in groups])
             lens = torch.cat([n for _, n in groups]) if len(groups) > 1 else groups[0][1]
             hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens)
+            return self.fused_decode.logits(hidden[0])
         else:
             md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1], decode_groups=groups)
             hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
