@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,17 +138,21 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def export_hf(model: torch.nn.Module, config: dict, out_dir: Path, tokenizer_dir: Path | None,
-              dtype: torch.dtype, is_main: bool) -> Path | None:
+              dtype: torch.dtype, is_main: bool,
+              full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Gather the full model (collective) and write an HF directory from rank 0 (``save_hf_checkpoint``:
     safetensors, config.json, generation_config.json, tokenizer files; lm_head dropped when tied).
 
-    An existing export at ``out_dir`` is replaced. Returns ``out_dir`` on rank 0, None elsewhere.
+    ``full_state_dict`` gathers the state instead (collective; the full dict on rank 0): pipeline
+    parallel, where no rank holds every stage. An existing export at ``out_dir`` is replaced.
+    Returns ``out_dir`` on rank 0, None elsewhere.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from baige.runtime.weights.safetensors_io import save_hf_checkpoint
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = (full_state_dict() if full_state_dict is not None else
+            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     result = None
     if is_main:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}

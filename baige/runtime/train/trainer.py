@@ -51,6 +51,14 @@ def _has_cxx_compiler() -> bool:
     return any(shutil.which(c) for c in (settings().cxx or "g++", "c++", "clang++"))
 
 
+def _state_dict_options():
+    """DCP state-dict options: the optimizer state flattened to one entry per parameter name (torchtitan's
+    choice), so that pipeline stages, whose param_groups differ per rank, save and reshard by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class Trainer:
     """One training run on this rank. Collective: every rank builds one with the same config."""
 
@@ -84,7 +92,7 @@ class Trainer:
         self.dist = parallel.init_distributed(self.device.type)
         self.dims = parallel.ParallelDims.resolve(self.dist.world_size, p.data_parallel_replicate_degree,
                                                   p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                                                  p.expert_parallel_degree)
+                                                  p.expert_parallel_degree, p.pipeline_parallel_degree)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.sparse_mesh = self.dims.build_sparse_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank(self.mesh)
@@ -180,6 +188,16 @@ class Trainer:
             model.to(self.device)
         # Without FSDP's MixedPrecisionPolicy, low-precision compute comes from autocast.
         self.autocast = (not self.dims.fsdp_enabled) and self.param_dtype != torch.float32
+        self.pipeline = None
+        if self.dims.pp > 1:  # this rank's stages (pipeline.py); self.model holds them under the full names
+            from baige.runtime.train.pipeline import build_pipeline
+
+            self.pipeline = build_pipeline(
+                model, self.dims, self.mesh, self.device, schedule=p.pipeline_parallel_schedule,
+                microbatches=p.pipeline_parallel_microbatches, batch_size=self.cfg.training.batch_size,
+                param_dtype=self.param_dtype, reduce_dtype=reduce_dtype,
+                autocast_dtype=self.param_dtype if self.autocast else None)
+            return self.pipeline.model
         return model
 
     def _resolve_compile(self) -> bool:
@@ -191,7 +209,8 @@ class Trainer:
         """
         c = self.cfg.training.compile
         enabled = c if isinstance(c, bool) else (
-            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1 and self.moe is None
+            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.model_parallel_size == 1
+            and self.moe is None
             and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
         if enabled is True and self.device.type == "cpu" and not _has_cxx_compiler():
             raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
@@ -256,12 +275,12 @@ class Trainer:
         return t.tolist()
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """A fp64 tensor summed over the data-parallel ranks (the world sum / the TP degree)."""
+        """A fp64 tensor summed over the data-parallel ranks (the world sum / the TP x PP degree)."""
         if not dist.is_initialized():
             return t
         t = t.to(self.device)
         dist.all_reduce(t)
-        return t / self.dims.tp
+        return t / self.dims.model_parallel_size
 
     def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
                   normalizer: float) -> tuple[torch.Tensor, RouterLogits | None]:
@@ -281,7 +300,7 @@ class Trainer:
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_state_dict_options())
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
         moe = self.moe.state_dict() if self.moe is not None else {}
@@ -297,7 +316,8 @@ class Trainer:
 
         state = self._state()
         self.ckpt.load(path, state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=_state_dict_options())
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"], self.device)
@@ -316,12 +336,14 @@ class Trainer:
         """
         micro = self.loader.next_step()
         local_valid = sum(int((labels != -100).sum()) for _, labels in micro)
-        # Every rank of a TP group holds the same data: divide the world sum by the TP degree.
-        n_valid = self._all_reduce_sum([float(local_valid)])[0] / self.dims.tp
+        # Every rank of a TP x PP group holds the same data: divide the world sum by that degree.
+        n_valid = self._all_reduce_sum([float(local_valid)])[0] / self.dims.model_parallel_size
         if n_valid == 0:
             raise BaigeError(f"step {self.step + 1}: no target token carries loss in the whole batch")
-        local_loss = 0.0
-        for input_ids, labels in micro:
+        local_loss = 0.0  # loss on the last pipeline stage only; the world sum / TP is the step's loss
+        if self.pipeline is not None:
+            local_loss = self.pipeline.step(micro, n_valid, self.dims.dp_size)
+        for input_ids, labels in micro if self.pipeline is None else ():
             loss, router_logits = self._loss_sum(input_ids, labels, n_valid)
             total = loss if router_logits is None else loss + self.moe.micro_batch_loss(router_logits)
             (total * self.dims.dp_size).backward()
@@ -331,7 +353,8 @@ class Trainer:
         self.moe_losses = dict(zip(("aux_loss", "z_loss"), (v / self.dims.tp for v in sums[1:])))
         max_norm = self.cfg.training.max_norm
         fold_clip = self._clip_in_optimizer and max_norm > 0
-        norm = parallel.clip_grad_norm_(self.model.parameters(), 0.0 if fold_clip else max_norm)
+        norm = parallel.clip_grad_norm_(self.model.parameters(), 0.0 if fold_clip else max_norm,
+                                        self.pipeline.pp_group if self.pipeline is not None else None)
         grad_norm = norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -362,10 +385,11 @@ class Trainer:
         total, count = 0.0, 0.0
         for input_ids, labels in eval_batches(self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank,
                                               t.eval_batches):
-            total += self._loss_sum(input_ids, labels, 1.0)[0].item()
+            total += (self.pipeline.eval_loss(input_ids, labels) if self.pipeline is not None
+                      else self._loss_sum(input_ids, labels, 1.0)[0].item())
             count += float((labels != -100).sum())
         total, count = self._all_reduce_sum([total, count])
-        total, count = total / self.dims.tp, count / self.dims.tp
+        total, count = total / self.dims.tp, count / self.dims.model_parallel_size
         loss = total / count if count else float("nan")
         self.log.log({"split": "eval", "step": self.step, "loss": loss, "tokens": int(count)})
         return loss
@@ -386,7 +410,7 @@ class Trainer:
         active = f" ({mc.num_params(active=True) / 1e6:.1f}M active)" if mc.moe is not None else ""
         self.log.print(
             f"{mc.model_type} {mc.num_params() / 1e6:.1f}M params{active} | world_size "
-            f"{self.dist.world_size} (dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
+            f"{self.dist.world_size} (pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
             f"{self.dims.tp}, ep {self.dims.ep}) | {self.train_windows.num_tokens} training tokens | global batch "
             f"{self.loader.global_batch} x {t.seq_len} tokens | peak {self.peak_flops / 1e12:.2f} TFLOP/s per "
             f"device ({self.peak_source})"
@@ -411,6 +435,7 @@ class Trainer:
                     "tokens_per_second_per_device": tps, "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
                     "peak_memory_gib": peak_memory_bytes(self.device) / 2**30, "seconds": elapsed,
                     **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
+                    **(self.pipeline.metrics() if self.pipeline is not None else {}),
                 })
                 window_t0, window_steps = time.perf_counter(), 0
             evaluated = False
@@ -433,7 +458,7 @@ class Trainer:
         want = self.cfg.checkpoint.export_dtype
         dtype = DTYPES.get(self.model_config.torch_dtype.replace("torch.", ""), torch.float32) if want == "auto" else DTYPES[want]
         out = export_hf(self.model, dict(self.model_config.raw), self.output / "hf", self.tokenizer_dir, dtype,
-                        self.dist.is_main)
+                        self.dist.is_main, self.pipeline.full_state_dict if self.pipeline is not None else None)
         if out is not None:
             self.log.print(f"exported HF checkpoint to {out}")
             if self.moe is not None and self.moe.bias_mode and not self.moe.own_bias:

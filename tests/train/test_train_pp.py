@@ -1,0 +1,199 @@
+"""Pipeline parallel (``--pp``) against one process on the same global batch (tiny untied 4-layer model).
+
+Default suite: one 2-rank spawn runs 1F1B on SFT data (loss masks: the valid-token count differs per
+pipeline micro-batch) with a checkpoint at step 3 and an HF export, and resumes a 1-process
+checkpoint on 2 pipeline ranks; one process runs the same steps and resumes the PP=2 checkpoint.
+Slow: the other schedules, PP=2 x FSDP=2 and PP=2 x TP=2 (4 ranks), and a bad --pp under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_model
+
+STEPS = 5
+
+
+def _chat_data(path: Path, n: int = 60) -> Path:
+    """SFT records with replies of 1 to 5 lines: the loss-carrying tokens differ per window."""
+    lines = [ln for ln in shakespeare(40_000).splitlines() if ln.strip()]
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            k = int(rng.integers(1, 6))
+            msgs = [{"role": "user", "content": lines[i]},
+                    {"role": "assistant", "content": " ".join(lines[i + 1: i + 1 + k])}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def _flags(**extra) -> dict:
+    return {"training.steps": STEPS, "training.batch_size": 4, "optimizer.lr": 3e-3, "training.max_norm": 0.5,
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp")
+    model = tiny_model(root / "untied4", "llama", vocab_size=98, seed=2, num_hidden_layers=4)
+    data = _chat_data(root / "chat.jsonl")
+    return root, dict(model=str(model), data=str(data))
+
+
+def _single(common: dict, output: Path, **flags) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        job_train(**common, output=str(output), **flags)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    root, common = setup
+    _single(common, root / "single", **_flags(**{"checkpoint.interval": 3}))
+    step3_single = root / "single" / "checkpoints" / "step_00000003"
+    step3_pp = root / "pp_1f1b" / "checkpoints" / "step_00000003"
+    jobs = [
+        (job_train, dict(common, output=str(root / "pp_1f1b"), **_flags(**{
+            "parallelism.pipeline_parallel_degree": 2, "checkpoint.interval": 3,
+            "parallelism.pipeline_parallel_microbatches": 2, "data.eval": [common["data"]],
+            "training.eval_batches": 2}))),
+        # a 1-process checkpoint resumes on two pipeline ranks (GPipe, one window per micro-batch)
+        (job_train, dict(common, output=str(root / "pp_from_single"), copy_checkpoint=str(step3_single), **_flags(**{
+            "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "gpipe"}))),
+    ]
+    mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
+    _single(common, root / "single_from_pp", copy_checkpoint=str(step3_pp), **_flags())
+    _single(common, root / "single_eval", **_flags(**{"training.steps": 1, "data.eval": [common["data"]],
+                                                      "training.eval_batches": 2, "checkpoint.export_hf": False}))
+    return root
+
+
+def _params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "hf" / "model.safetensors"))
+
+
+def _assert_params_close(a: dict, b: dict) -> None:
+    # Adam turns rounding noise in near-zero gradients into steps of up to +-lr on a few elements:
+    # compare the mean difference (as test_train_distributed does)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().mean() < 2e-5, name
+
+
+def _assert_losses_equal(got: dict, want: dict, steps) -> None:
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])
+
+
+def test_1f1b_two_stages_match_one_process_on_sft_data(runs):
+    single = read_metrics(runs / "single")
+    _assert_losses_equal(read_metrics(runs / "pp_1f1b"), single, range(1, STEPS + 1))
+    assert single[STEPS] < single[1] - 0.3  # it trains
+    _assert_params_close(_params(runs / "pp_1f1b"), _params(runs / "single"))
+    exported = _params(runs / "pp_1f1b")
+    assert "lm_head.weight" in exported and "model.layers.3.mlp.down_proj.weight" in exported
+    assert len(exported) == len(load_file(str(runs / "untied4" / "model.safetensors")))
+
+
+def test_pipeline_eval_matches_one_process(runs):
+    pp, single = read_metrics(runs / "pp_1f1b", "eval"), read_metrics(runs / "single_eval", "eval")
+    assert abs(pp[0] - single[0]) < 1e-6
+
+
+def test_checkpoints_reshard_between_pp_degrees(runs):
+    single = read_metrics(runs / "single")
+    # PP=2 -> 1 process, and 1 process -> PP=2: the remaining steps as if uninterrupted
+    _assert_losses_equal(read_metrics(runs / "single_from_pp"), single, range(4, STEPS + 1))
+    _assert_losses_equal(read_metrics(runs / "pp_from_single"), single, range(4, STEPS + 1))
+    _assert_params_close(_params(runs / "single_from_pp"), _params(runs / "single"))
+    _assert_params_close(_params(runs / "pp_from_single"), _params(runs / "single"))
+
+
+def test_metrics_have_stage_times_and_bubble(runs):
+    records = [json.loads(line) for line in (runs / "pp_1f1b" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert len(train) == STEPS
+    for r in train:
+        assert len(r["pp_stage_compute_seconds"]) == 2 and all(s > 0 for s in r["pp_stage_compute_seconds"])
+        assert r["pp_step_seconds"] >= max(r["pp_stage_compute_seconds"])
+        assert 0 <= r["pp_bubble_fraction"] < 1
+        assert r["pp_bubble_fraction_schedule"] == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1), p = m = 2
+
+
+# ---- slow: every schedule, and PP composed with FSDP and TP ----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,microbatches", [("GPipe", 4), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 4)])
+def test_schedule_matches_one_process(setup, runs, tmp_path, schedule, microbatches):
+    root, common = setup
+    out = tmp_path / schedule
+    jobs = [(job_train, dict(common, output=str(out), **_flags(**{
+        "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": schedule,
+        "parallelism.pipeline_parallel_microbatches": microbatches})))]
+    mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
+    _assert_losses_equal(read_metrics(out), read_metrics(runs / "single"), range(1, STEPS + 1))
+    _assert_params_close(_params(out), _params(runs / "single"))
+
+
+@pytest.mark.slow
+def test_pp_with_fsdp_and_tp_on_four_ranks(setup, runs, tmp_path):
+    """PP=2 x FSDP=2 (Interleaved1F1B) and PP=2 x TP=2 (1F1B), each 4 ranks, against one process."""
+    root, common = setup
+    jobs = [
+        (job_train, dict(common, output=str(tmp_path / "pp_fsdp"), **_flags(**{
+            "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
+            "training.batch_size": 2, "parallelism.pipeline_parallel_microbatches": 2}))),
+        (job_train, dict(common, output=str(tmp_path / "pp_tp"), **_flags(**{
+            "parallelism.pipeline_parallel_degree": 2, "parallelism.tensor_parallel_degree": 2}))),
+    ]
+    mp.spawn(spawn_worker, args=(4, free_port(), jobs), nprocs=4, join=True)
+    single = read_metrics(runs / "single")
+    for name in ("pp_fsdp", "pp_tp"):
+        _assert_losses_equal(read_metrics(tmp_path / name), single, range(1, STEPS + 1))
+        _assert_params_close(_params(tmp_path / name), _params(runs / "single"))
+
+
+@pytest.mark.slow
+def test_more_stages_than_layers_under_torchrun_is_one_line(setup, tmp_path):
+    root, common = setup
+    bindir = Path(sys.executable).parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "--no-python", str(bindir / "baige"), "train", "--model", str(root / "untied4"), "--data", common["data"],
+           "--output", str(tmp_path / "run"), "--steps", "1", "--seq-len", "32", "--batch-size", "4", "--no-compile",
+           "--pp", "2", "--pp-schedule", "Interleaved1F1B", "--set", "model.name=" + str(tmp_path / "x")]
+    # a 2-layer model: Interleaved1F1B on 2 ranks wants 4 stages
+    two = tiny_model(tmp_path / "two", "llama", vocab_size=98)
+    cmd[cmd.index("model.name=" + str(tmp_path / "x"))] = f"model.name={two}"
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "error: 4 pipeline stages for 2 layers: more stages than layers" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("error:")[0][-2000:] or "BaigeError" not in proc.stderr
+
+
+def test_split_layers_puts_fewer_layers_beside_embedding_and_head():
+    from baige.errors import BaigeError
+    from baige.runtime.train.pipeline import split_layers, stage_ids
+
+    assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_layers(6, 4) == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
+    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]  # ties: the earlier stage
+    assert split_layers(30, 4) == [range(0, 7), range(7, 15), range(15, 23), range(23, 30)]
+    with pytest.raises(BaigeError, match="3 pipeline stages for 2 layers: more stages than layers"):
+        split_layers(2, 3)
+    assert stage_ids(0, 2, 4, v_shape=False) == (0, 2) and stage_ids(1, 2, 4, v_shape=False) == (1, 3)
+    assert stage_ids(0, 2, 4, v_shape=True) == (0, 3) and stage_ids(1, 2, 4, v_shape=True) == (1, 2)
