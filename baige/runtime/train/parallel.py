@@ -409,13 +409,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile:
 # ---- gradient clipping -----------------------------------------------------------------------------
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None,
+                    not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Clip gradients by their global L2 norm; correct when they are DTensors sharded by FSDP and/or TP.
 
     Norms are taken per group of gradients on the same mesh and placements, then made global with
     ``full_tensor()`` (the reduction the placements call for); plain tensors are local (identical
     across the ranks that hold them). With pipeline parallel, ``pp_group`` sums the squared norms of
-    the stages (each rank holds disjoint parameters), as torchtitan does. ``max_norm <= 0`` only measures.
+    the stages (each rank holds disjoint parameters), as torchtitan does; ``not_counted`` are clipped but
+    left out of the norm (a copy another rank counts: a tied embedding). ``max_norm <= 0`` only measures.
 
     Returns:
         () fp32 total norm before clipping (the same on every rank).
@@ -427,9 +429,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_grou
         if p.grad is not None:
             g = p.grad
             groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device].append(p)
+    skip = {id(p) for p in not_counted}
     total_sq = None
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        counted = [p.grad for p in params if id(p) not in skip]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = norm.float() ** 2

@@ -126,19 +126,30 @@ class StageModule(nn.Module):
 class PipelinedModel(nn.Module):
     """All of this rank's stages as one module under the unsplit model's names (embedding, this
     rank's layers in order, final norm, lm_head — the parts it holds): what the optimizer, gradient
-    clipping, DCP checkpoints and the export use. It has no forward; the schedule runs the stages."""
+    clipping, DCP checkpoints and the export use. It has no forward; the schedule runs the stages.
+
+    With tied embeddings the last stage's rank also holds ``model.embed_tokens``, whose weight is its
+    lm_head's (see :meth:`retie`): the tied tensor is then named ``model.embed_tokens.weight`` first,
+    as in the unsplit model (its optimizer state, weight-decay group and checkpoint names match)."""
 
     def __init__(self, model: Transformer, stages: list[StageModule]):
         super().__init__()
         self.config = model.config
         self.model = nn.Module()
-        if any(s.is_first for s in stages):
+        self.tied = model.lm_head.weight is model.model.embed_tokens.weight
+        if any(s.is_first or (self.tied and s.is_last) for s in stages):
             self.model.embed_tokens = model.model.embed_tokens
         layers = {k: v for s in stages for k, v in s.model.layers.items()}
         self.model.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
         if any(s.is_last for s in stages):
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
+
+    def retie(self) -> None:
+        """Point the embedding at lm_head's weight again (after FSDP replaced it on the last stage's
+        root, on a rank without the first stage, whose embedding is then only a name)."""
+        if self.tied and hasattr(self, "lm_head"):
+            self.model.embed_tokens.weight = self.lm_head.weight
 
     def flops_per_token(self, seq_len: int) -> int:
         """The whole model's training FLOPs per token (:meth:`Transformer.flops_per_token`)."""
@@ -219,9 +230,9 @@ class Pipeline:
     pipeline group (``step`` and ``eval_loss`` over the whole world, like the unpipelined step)."""
 
     def __init__(self, schedule, stages: list[TimedPipelineStage], loss: PipelineLoss, model: PipelinedModel,
-                 pp_group, device: torch.device, microbatches: int, ideal_bubble: float):
+                 pp_group, device: torch.device, microbatches: int, ideal_bubble: float, embedding_group=None):
         self.schedule, self.stages, self.loss, self.model = schedule, stages, loss, model
-        self.microbatches = microbatches
+        self.microbatches, self.embedding_group = microbatches, embedding_group
         self.pp_group, self.device, self.ideal_bubble = pp_group, device, ideal_bubble
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
@@ -249,7 +260,30 @@ class Pipeline:
             torch.cuda.synchronize(self.device)
         self._wall += time.perf_counter() - t0
         self._steps += 1
+        self._sync_tied_grad()
         return total
+
+    def _tied_copy(self) -> torch.Tensor | None:
+        """The tied embedding weight this rank holds when the first and last stages are on different
+        ranks (Megatron's embedding group), else None."""
+        if self.embedding_group is None or not (self.has_first or self.has_last):
+            return None
+        return self.model.model.embed_tokens.weight
+
+    def _sync_tied_grad(self) -> None:
+        """Sum the tied weight's gradient over the embedding group: the first stage holds the
+        embedding's part, the last the lm_head's, the unsplit model their sum. Both copies then take
+        the same optimizer step. (FSDP: the two ranks' shards cover the same rows.)"""
+        weight = self._tied_copy()
+        if weight is not None:
+            grad = weight.grad
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.embedding_group)
+
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
+        """:func:`parallel.clip_grad_norm_` over the stages (``pp_group``), the tied copy on the last
+        stage's rank clipped but not counted (the first stage's rank counts it)."""
+        copy = self._tied_copy() if self.has_last and not self.has_first else None
+        return parallel.clip_grad_norm_(parameters, max_norm, self.pp_group, not_counted=[copy] if copy is not None else [])
 
     @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
@@ -313,28 +347,33 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
 
     ``microbatches`` per schedule step (0 = ``batch_size``: one window each).
 
+    Tied embeddings: the first and the last stage each hold the tensor; their ranks sum its
+    gradient (:meth:`Pipeline._sync_tied_grad`) and so stay equal.
+
     Raises:
-        BaigeError: a Mixture-of-Experts model, tied embeddings (the embedding and lm_head would live
-        on different stages), or more stages than layers.
+        BaigeError: a Mixture-of-Experts model, more stages than layers, or tied embeddings under
+        FSDP with ZBVZeroBubble (one rank would hold the tensor in two FSDP units).
     """
     cfg = model.config
     if cfg.moe is not None:
         raise BaigeError("pipeline parallel (--pp) does not support Mixture-of-Experts models yet: the router "
                          "losses need every layer's router logits at the last stage")
-    if model.lm_head.weight is model.model.embed_tokens.weight:
-        raise BaigeError("pipeline parallel (--pp) needs untied embeddings (tie_word_embeddings = false): the "
-                         "input embedding and lm_head live on different stages")
+    v_shape, tied = schedule == "ZBVZeroBubble", model.lm_head.weight is model.model.embed_tokens.weight
+    if tied and v_shape and dims.fsdp_enabled:
+        raise BaigeError("ZBVZeroBubble with tied embeddings and FSDP is not supported (rank 0 would shard the "
+                         "tied tensor in two FSDP units): use Interleaved1F1B or 1F1B")
     v = STAGES_PER_RANK[schedule]
     num_stages = dims.pp * v
     ranges = split_layers(cfg.num_hidden_layers, num_stages)
     pp_rank, pp_group = mesh.get_local_rank("pp"), mesh.get_group("pp")
-    ids = stage_ids(pp_rank, dims.pp, num_stages, v_shape=schedule == "ZBVZeroBubble")
+    ids = stage_ids(pp_rank, dims.pp, num_stages, v_shape)
     modules = [StageModule(model, ranges[s], s == 0, s == num_stages - 1, autocast_dtype) for s in ids]
     parts = PipelinedModel(model, modules)
     if dims.fsdp_enabled:
         dp_mesh = parallel.data_parallel_mesh(dims, mesh)
         for m in modules:
             parallel.apply_fsdp(m, dp_mesh, param_dtype, reduce_dtype, reshard_after_forward=False)
+        parts.retie()
     timer = ComputeTimer(device)
     stages = [TimedPipelineStage(m, s, num_stages, device, group=pp_group, timer=timer) for m, s in zip(modules, ids)]
     loss = PipelineLoss(next((m for m in modules if m.is_last), None), timer)
@@ -342,4 +381,14 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
     cls = SCHEDULES[schedule]
     sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss, scale_grads=False)
     ideal = schedule_bubble_fraction(schedule, sched, dims.pp, m, pp_rank)
-    return Pipeline(sched, stages, loss, parts, pp_group, device, m, ideal)
+    group = _embedding_group(mesh) if tied and not v_shape else None
+    return Pipeline(sched, stages, loss, parts, pp_group, device, m, ideal, group)
+
+
+def _embedding_group(mesh):
+    """This rank's process group of {first stage's rank, last stage's rank} at its data/tensor
+    coordinates (None on a middle stage); every rank creates every pair (collective)."""
+    grid = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
+    pairs = [list(pair) for pair in zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist())]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group

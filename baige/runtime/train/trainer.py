@@ -353,8 +353,8 @@ class Trainer:
         self.moe_losses = dict(zip(("aux_loss", "z_loss"), (v / self.dims.tp for v in sums[1:])))
         max_norm = self.cfg.training.max_norm
         fold_clip = self._clip_in_optimizer and max_norm > 0
-        norm = parallel.clip_grad_norm_(self.model.parameters(), 0.0 if fold_clip else max_norm,
-                                        self.pipeline.pp_group if self.pipeline is not None else None)
+        clip = self.pipeline.clip_grad_norm_ if self.pipeline is not None else parallel.clip_grad_norm_
+        norm = clip(self.model.parameters(), 0.0 if fold_clip else max_norm)
         grad_norm = norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
