@@ -152,19 +152,28 @@ def _single_untied(setup) -> Path:
     return out
 
 
+EVAL = {"training.eval_batches": 2}  # + data.eval: the reference "single" run evaluates at 0 and STEPS
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,microbatches,tied", [
-    ("GPipe", 4, False), ("1F1B", 4, False), ("Interleaved1F1B", 2, True), ("ZBVZeroBubble", 4, True),
-    ("ZBVZeroBubble", 2, False)])
-def test_schedule_matches_one_process(setup, runs, tmp_path, schedule, microbatches, tied):
+@pytest.mark.parametrize("schedule,microbatches,tied,extra", [
+    ("GPipe", 4, False, {"training.activation_checkpointing": "full"}),
+    ("1F1B", 2, False, {"training.batch_size": 2, "training.grad_accum": 2}),  # the same 4 windows per step
+    ("Interleaved1F1B", 2, True, EVAL), ("ZBVZeroBubble", 4, True, EVAL), ("ZBVZeroBubble", 2, False, {})])
+def test_schedule_matches_one_process(setup, runs, tmp_path, schedule, microbatches, tied, extra):
     root, common = setup
     out, ref = tmp_path / schedule, runs / "single" if tied else _single_untied(setup)
+    if extra is EVAL:
+        extra = dict(EVAL, **{"data.eval": [common["data"]]})
     jobs = [(job_train, dict(common if tied else _untied(common, root), output=str(out), **_flags(**{
         "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": schedule,
-        "parallelism.pipeline_parallel_microbatches": microbatches})))]
+        "parallelism.pipeline_parallel_microbatches": microbatches, **extra})))]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     _assert_losses_equal(read_metrics(out), read_metrics(ref), range(1, STEPS + 1))
     _assert_params_close(_params(out), _params(ref))
+    if "data.eval" in extra:  # forward-only pipeline passes of the multi-stage schedules
+        got, want = read_metrics(out, "eval"), read_metrics(ref, "eval")
+        assert sorted(got) == [0, STEPS] and all(abs(got[k] - want[k]) < 1e-5 for k in got), (got, want)
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     print(schedule, microbatches, {k: v for k, v in record.items() if k.startswith("pp_")})
 
@@ -203,6 +212,13 @@ def test_more_stages_than_layers_under_torchrun_is_one_line(setup, tmp_path):
     assert errors == ["error: 4 pipeline stages for 2 layers: more stages than layers (lower --pp, or use "
                       "GPipe/1F1B: one stage per rank)"] * 2, proc.stderr[-3000:]
     assert "baige/runtime" not in proc.stderr  # no traceback through baige's code
+    # 1F1B needs at least as many micro-batches as stages: the schedule's check, as one line
+    cmd[cmd.index("Interleaved1F1B")], cmd[cmd.index("--pp-schedule")] = "1", "--pp-microbatches"
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]
+    assert errors[0].startswith("error: 1 pipeline micro-batches do not fit 1F1B with 2 stages on 2 ranks"), errors
+    assert "baige/runtime" not in proc.stderr
 
 
 def test_split_layers_puts_fewer_layers_beside_embedding_and_head():

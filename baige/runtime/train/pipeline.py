@@ -213,12 +213,14 @@ class PipelineLoss:
 
     def __init__(self, last: StageModule | None, timer: ComputeTimer):
         self.last, self.timer = last, timer
+        self.autocast_dtype = last.autocast_dtype if last is not None else None
         self.normalizer, self.scale = 1.0, 1.0
         self.values: list[torch.Tensor] = []
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """hidden (B_mb, T, hidden), labels (B_mb, T) int64 (-100 = no loss) -> () fp32."""
-        with self.timer():
+        with self.timer(), torch.autocast(hidden.device.type, dtype=self.autocast_dtype or torch.float32,
+                                          enabled=self.autocast_dtype is not None):  # as the unpipelined step
             loss = kernels.fused_linear_cross_entropy(hidden, self.last.lm_head.weight, labels,
                                                       normalizer=self.normalizer)
         self.values.append(loss.detach())
@@ -346,13 +348,15 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
     each with FSDP when data parallel (no resharding between micro-batches), and build the schedule.
 
     ``microbatches`` per schedule step (0 = ``batch_size``: one window each).
+    On CUDA without FSDP, ``autocast_dtype`` runs the stages and the loss under autocast.
 
     Tied embeddings: the first and the last stage each hold the tensor; their ranks sum its
     gradient (:meth:`Pipeline._sync_tied_grad`) and so stay equal.
 
     Raises:
-        BaigeError: a Mixture-of-Experts model, more stages than layers, or tied embeddings under
-        FSDP with ZBVZeroBubble (one rank would hold the tensor in two FSDP units).
+        BaigeError: a Mixture-of-Experts model, more stages than layers, a micro-batch count the
+        schedule rejects, or tied embeddings under FSDP with ZBVZeroBubble (one rank would hold the
+        tensor in two FSDP units).
     """
     cfg = model.config
     if cfg.moe is not None:
@@ -379,7 +383,11 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
     loss = PipelineLoss(next((m for m in modules if m.is_last), None), timer)
     m = microbatches or batch_size
     cls = SCHEDULES[schedule]
-    sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss, scale_grads=False)
+    try:
+        sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss, scale_grads=False)
+    except ValueError as e:  # the schedule's own constraints on m (1F1B: m >= stages; interleaved: rounds)
+        raise BaigeError(f"{m} pipeline micro-batches do not fit {schedule} with {num_stages} stages on "
+                         f"{dims.pp} ranks (parallelism.pipeline_parallel_microbatches): {' '.join(str(e).split())}") from None
     ideal = schedule_bubble_fraction(schedule, sched, dims.pp, m, pp_rank)
     group = _embedding_group(mesh) if tied and not v_shape else None
     return Pipeline(sched, stages, loss, parts, pp_group, device, m, ideal, group)
