@@ -293,6 +293,9 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
     if m and batch % m:
         raise BaigeError(f"parallelism.pipeline_parallel_microbatches {m} must divide training.batch_size {batch} "
                          "(each micro-batch of the pipeline holds batch_size / microbatches windows)")
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule == "ZBVZeroBubble" and cfg.data.eval:
+        raise BaigeError("evaluation (--eval-data) under ZBVZeroBubble is not supported: torch 2.13's ZBV schedule "
+                         "fails in forward-only passes; use another pipeline_parallel_schedule or drop --eval-data")
     if p.pipeline_parallel_degree > 1 and p.expert_parallel_degree > 1:
         raise BaigeError("pipeline parallel (--pp) does not compose with expert parallel (--ep) yet: "
                          "use one of them")

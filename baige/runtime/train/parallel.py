@@ -388,7 +388,9 @@ def data_parallel_mesh(dims: ParallelDims, mesh):
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile: bool,
                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, sparse_mesh=None) -> None:
     """Apply TP, EP, AC, compile and FSDP in that order (each only when enabled; with pipeline
-    parallel, FSDP is left to :func:`~baige.runtime.train.pipeline.build_pipeline`, per stage); without FSDP, TP and PP, route a tied embedding's gradient into the lm_head's (:func:`apply_tied_embedding_grad`).
+    parallel, FSDP is left to :func:`~baige.runtime.train.pipeline.build_pipeline`, per stage);
+    without FSDP, TP and PP, route a tied embedding's gradient into the lm_head's
+    (:func:`apply_tied_embedding_grad`).
     ``sparse_mesh``: :meth:`ParallelDims.build_sparse_mesh` (needed when ``dims.ep > 1``)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])

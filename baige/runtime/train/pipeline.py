@@ -285,13 +285,20 @@ class Pipeline:
         """:func:`parallel.clip_grad_norm_` over the stages (``pp_group``), the tied copy on the last
         stage's rank clipped but not counted (the first stage's rank counts it)."""
         copy = self._tied_copy() if self.has_last and not self.has_first else None
-        return parallel.clip_grad_norm_(parameters, max_norm, self.pp_group, not_counted=[copy] if copy is not None else [])
+        return parallel.clip_grad_norm_(parameters, max_norm, self.pp_group,
+                                        not_counted=[copy] if copy is not None else [])
 
     @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """Summed token cross-entropy of a (B, T) batch (forward only; 0 off the last stage)."""
+        """Summed token cross-entropy of a (B, T) batch (forward only; 0 off the last stage). Its
+        compute time is left out of the training metrics."""
         self.loss.normalizer, self.loss.scale = 1.0, 1.0
-        return self._run(self.schedule.eval, input_ids, labels)
+        training = self.timer.pop()
+        try:
+            return self._run(self.schedule.eval, input_ids, labels)
+        finally:
+            self.timer.pop()
+            self.timer.seconds = training
 
     def metrics(self) -> dict:
         """Per-stage timings since the last call (collective over the pipeline group): per pipeline
@@ -386,8 +393,9 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
     try:
         sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss, scale_grads=False)
     except ValueError as e:  # the schedule's own constraints on m (1F1B: m >= stages; interleaved: rounds)
+        reason = " ".join(str(e).split())
         raise BaigeError(f"{m} pipeline micro-batches do not fit {schedule} with {num_stages} stages on "
-                         f"{dims.pp} ranks (parallelism.pipeline_parallel_microbatches): {' '.join(str(e).split())}") from None
+                         f"{dims.pp} ranks (parallelism.pipeline_parallel_microbatches): {reason}") from None
     ideal = schedule_bubble_fraction(schedule, sched, dims.pp, m, pp_rank)
     group = _embedding_group(mesh) if tied and not v_shape else None
     return Pipeline(sched, stages, loss, parts, pp_group, device, m, ideal, group)
