@@ -232,7 +232,8 @@ class Pipeline:
     pipeline group (``step`` and ``eval_loss`` over the whole world, like the unpipelined step)."""
 
     def __init__(self, schedule, stages: list[TimedPipelineStage], loss: PipelineLoss, model: PipelinedModel,
-                 pp_group, device: torch.device, microbatches: int, ideal_bubble: float, embedding_group=None):
+                 pp_group, device: torch.device, microbatches: int, ideal_bubble: float, embedding_group=None,
+                 description: str = ""):
         self.schedule, self.stages, self.loss, self.model = schedule, stages, loss, model
         self.microbatches, self.embedding_group = microbatches, embedding_group
         self.pp_group, self.device, self.ideal_bubble = pp_group, device, ideal_bubble
@@ -240,6 +241,7 @@ class Pipeline:
         self.has_last = any(s.is_last for s in stages)
         self.timer = stages[0].timer
         self._wall, self._steps = 0.0, 0
+        self.description = description  # one line for the log: schedule, stages and their layers
 
     def _run(self, fn: Callable, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """One schedule pass over a (B, T) batch; returns the sum of its micro-batches' unscaled
@@ -398,7 +400,11 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
                          f"{dims.pp} ranks (parallelism.pipeline_parallel_microbatches): {reason}") from None
     ideal = schedule_bubble_fraction(schedule, sched, dims.pp, m, pp_rank)
     group = _embedding_group(mesh) if tied and not v_shape else None
-    return Pipeline(sched, stages, loss, parts, pp_group, device, m, ideal, group)
+    rank_of = {s: q for q in range(dims.pp) for s in stage_ids(q, dims.pp, num_stages, v_shape)}
+    layout = " | ".join(f"{r.start}-{r.stop - 1}@{rank_of[s]}" for s, r in enumerate(ranges))
+    text = (f"pipeline: {schedule}, {num_stages} stages (layers@pp rank: {layout}), {m} micro-batches per "
+            f"batch, ideal bubble {ideal:.3f}")
+    return Pipeline(sched, stages, loss, parts, pp_group, device, m, ideal, group, text)
 
 
 def _embedding_group(mesh):

@@ -415,6 +415,8 @@ class Trainer:
             f"{self.loader.global_batch} x {t.seq_len} tokens | peak {self.peak_flops / 1e12:.2f} TFLOP/s per "
             f"device ({self.peak_source})"
         )
+        if self.pipeline is not None:
+            self.log.print(self.pipeline.description)
         if self.eval_windows is not None and self.step == 0:
             result.eval_losses[0] = self.evaluate()
         tokens_per_step_per_device = self.loader.global_batch * t.seq_len / self.dist.world_size
