@@ -49,12 +49,14 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
     # 97 rows: FSDP shards the tied table unevenly over 2 ranks
     tied = tiny_model(root / "tied4", "llama-tied", vocab_size=97, seed=2, num_hidden_layers=4)
-    tiny_model(root / "untied4", "llama", vocab_size=98, seed=3, num_hidden_layers=4)
     data = _chat_data(root / "chat.jsonl")
     return root, dict(model=str(tied), data=str(data))
 
 
 def _untied(common: dict, root: Path) -> dict:
+    """The tied setup's data with an untied 4-layer model (written on first use: slow tests only)."""
+    if not (root / "untied4" / "config.json").is_file():
+        tiny_model(root / "untied4", "llama", vocab_size=98, seed=3, num_hidden_layers=4)
     return dict(common, model=str(root / "untied4"))
 
 
