@@ -182,18 +182,21 @@ def test_schedule_matches_one_process(setup, runs, tmp_path, schedule, microbatc
 
 @pytest.mark.slow
 def test_pp_with_fsdp_and_tp_on_four_ranks(setup, runs, tmp_path):
-    """PP=2 x FSDP=2 (Interleaved1F1B, tied, vocab 97 sharded unevenly) and PP=2 x TP=2 (1F1B,
-    untied), each on 4 ranks, against one process."""
+    """PP=2 x FSDP=2 (Interleaved1F1B, tied, vocab 97 sharded unevenly), PP=2 x HSDP (2 replicas,
+    GPipe, tied) and PP=2 x TP=2 (1F1B, untied), each on 4 ranks, against one process."""
     root, common = setup
     jobs = [
         (job_train, dict(common, output=str(tmp_path / "pp_fsdp"), **_flags(**{
             "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
             "training.batch_size": 2, "parallelism.pipeline_parallel_microbatches": 2}))),
+        (job_train, dict(common, output=str(tmp_path / "pp_hsdp"), **_flags(**{
+            "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "GPipe",
+            "parallelism.data_parallel_replicate_degree": 2, "training.batch_size": 2}))),
         (job_train, dict(_untied(common, root), output=str(tmp_path / "pp_tp"), **_flags(**{
             "parallelism.pipeline_parallel_degree": 2, "parallelism.tensor_parallel_degree": 2}))),
     ]
     mp.spawn(spawn_worker, args=(4, free_port(), jobs), nprocs=4, join=True)
-    for name, ref in (("pp_fsdp", runs / "single"), ("pp_tp", _single_untied(setup))):
+    for name, ref in (("pp_fsdp", runs / "single"), ("pp_hsdp", runs / "single"), ("pp_tp", _single_untied(setup))):
         _assert_losses_equal(read_metrics(tmp_path / name), read_metrics(ref), range(1, STEPS + 1))
         _assert_params_close(_params(tmp_path / name), _params(ref))
 
