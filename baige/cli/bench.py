@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import MODEL_HELP, Device, DeviceOpt, DType, ModelOpt, WeightsDTypeOpt, progress_bar
+from baige.cli.options import (MODEL_HELP, Device, DeviceOpt, DType, ModelOpt, SpeculativeConfigOpt, WeightsDTypeOpt,
+                               progress_bar)
 
 bench_app = typer.Typer(
     help="Benchmark baige against its peers and this machine's limits. Without a subcommand: a short "
@@ -74,13 +75,13 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
 
 
 def _engine(model: str | None, dtype: DType, device: Device, enforce_eager: bool, max_num_batched_tokens: int,
-            quantization: str | None = None, kv_cache_dtype: DType = DType.auto):
+            quantization: str | None = None, kv_cache_dtype: DType = DType.auto, speculative_config: str | None = None):
     """The benchmarks' ``EngineConfig`` from the shared engine options."""
     from baige.runtime.bench.offline import bench_engine
 
     return bench_engine(model=model, dtype=dtype.value, device=device.value, enforce_eager=enforce_eager,
                         max_num_batched_tokens=max_num_batched_tokens, quantization=quantization,
-                        kv_cache_dtype=kv_cache_dtype.value)
+                        kv_cache_dtype=kv_cache_dtype.value, speculative_config=speculative_config)
 
 
 def _numbers(text: str, option: str, kind: type, hint: str) -> list:
@@ -140,14 +141,15 @@ def latency(
     num_iters: Annotated[int, typer.Option(min=1, help="Timed iterations.")] = 5,
     quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
-    max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
+    max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0, speculative_config: SpeculativeConfigOpt = None,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Latency of one batch (vllm bench latency): percentiles (s), TTFT, TPOT, prefill/decode tokens/s."""
     from baige.runtime.bench.offline import LatencyConfig, run_latency
     from baige.runtime.bench.report import latency_rows, metric_table
 
-    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype)
+    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype,
+                     speculative_config)
     cfg = LatencyConfig(engine, input_len, output_len, batch_size, num_iters_warmup, num_iters, seed)
     _execute("latency", run_latency, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench latency (batch {batch_size}, {input_len} in, {output_len} out)",
@@ -162,14 +164,15 @@ def throughput(
     dataset_path: DatasetOpt = None,
     quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
-    max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
+    max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0, speculative_config: SpeculativeConfigOpt = None,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Offline throughput (vllm bench throughput): requests/s, total tokens/s, output tokens/s."""
     from baige.runtime.bench.offline import ThroughputConfig, run_throughput
     from baige.runtime.bench.report import metric_table, throughput_rows
 
-    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype)
+    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype,
+                     speculative_config)
     cfg = ThroughputConfig(engine, num_prompts, input_len, output_len, range_ratio,
                            str(dataset_path) if dataset_path else None, seed)
     _execute("throughput", run_throughput, cfg, output_dir, plot,
@@ -193,6 +196,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="BAIGE_API_KEY", help="Bearer token for the server.")] = None,
     server_arg: Annotated[Optional[list[str]], typer.Option(help="Extra `baige serve` option (repeatable), "
                                                             "e.g. --server-arg=--max-num-seqs=64.")] = None,
+    speculative_config: SpeculativeConfigOpt = None,
     seed: SeedOpt = 0, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Online serving load (vllm bench serve): streamed requests, TTFT/TPOT/ITL/E2EL (ms), goodput."""
@@ -202,7 +206,8 @@ def serve(
     pcts = _numbers(percentiles, "--percentiles", float, "use comma-separated numbers, e.g. 50,90,99")
     cfg = ServeBenchConfig(model, base_url, served_model_name, num_prompts, input_len, output_len, range_ratio,
                            str(dataset_path) if dataset_path else None, request_rate, burstiness, max_concurrency,
-                           seed, pcts, slo, api_key, list(server_arg or []))
+                           seed, pcts, slo, api_key, list(server_arg or []) + (
+                               ["--speculative-config", speculative_config] if speculative_config else []))
 
     def run(cfg, progress):
         done = []

@@ -31,6 +31,13 @@ WeightsDTypeOpt = Annotated[DType, typer.Option(help="Weights dtype (and the KV 
                                                      "set); auto = the checkpoint's.")]
 
 
+SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
+    "--speculative-config", help='Speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt lookup) or '
+    '{"method": "draft_model", "model": SPEC, "num_speculative_tokens": 4} (a smaller model with the same '
+    'tokenizer, e.g. a `baige quantize --method int4` copy). Default: off.')]
+
+
 @contextmanager
 def progress_bar(description: str, transient: bool = False) -> Iterator[Callable[..., None]]:
     """A rich progress bar on stderr; yields ``update(done, total, what=None)``. A run that fails

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import MODEL_HELP, Device, DType
+from baige.cli.options import MODEL_HELP, Device, DType, SpeculativeConfigOpt
 from baige.errors import BaigeError
 
 
@@ -97,6 +97,7 @@ def serve(
     exclude_tools_when_tool_choice_none: Annotated[bool, typer.Option(
         help="Leave the tools out of the prompt when tool_choice is none (by default they are rendered, as "
              "vLLM does).")] = False,
+    speculative_config: SpeculativeConfigOpt = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -109,7 +110,8 @@ def serve(
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, kv_cache_memory=kv_cache_memory,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-                       quantization=quantization, kv_cache_dtype=kv_cache_dtype.value)
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype.value,
+                       speculative_config=speculative_config)
     template = read_chat_template(chat_template) if chat_template is not None else None
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)

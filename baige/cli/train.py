@@ -23,7 +23,8 @@ SET_HELP = (
     "Override any config field: --set section.field=value (TOML value; repeatable), e.g. "
     "--set training.steps=200 --set optimizer.betas=[0.9,0.99] --set lr_scheduler.name=wsd. "
     "Sections: model, data, training, optimizer, lr_scheduler, parallelism, checkpoint, metrics, moe "
-    "(router_aux_loss_coef, router_z_loss_coef, load_balance=aux_loss|bias, bias_update_rate)."
+    "(router_aux_loss_coef, router_z_loss_coef, load_balance=aux_loss|bias, bias_update_rate), lora "
+    "(rank, alpha, dropout, targets, use_rslora, merge)."
 )
 
 
@@ -62,6 +63,17 @@ def train(
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block (default: on for single-device CPU training when a C++ compiler is on PATH).")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
     seed: Annotated[Optional[int], typer.Option(help=f"Seed for init and data order, 0 .. 2**63-1 (default {D.training.seed}).")] = None,
+    lora_rank: Annotated[Optional[int], typer.Option(
+        help="LoRA fine-tuning with adapters of this rank (>= 1): the base frozen (bf16/fp32 or a baige int8/int4 "
+             "checkpoint: QLoRA-style), the adapters written as a PEFT directory <output>/adapter.")] = None,
+    lora_alpha: Annotated[Optional[float], typer.Option(help=f"LoRA alpha: scaling alpha / rank (default {D.lora.alpha:g}).")] = None,
+    lora_dropout: Annotated[Optional[float], typer.Option(help="Dropout on the adapters' input, in [0, 1) (default 0).")] = None,
+    lora_targets: Annotated[Optional[str], typer.Option(
+        help=f"Comma-separated modules to adapt (default {','.join(D.lora.targets)}).")] = None,
+    lora_use_rslora: Annotated[Optional[bool], typer.Option(
+        "--lora-use-rslora/--no-lora-use-rslora", help="rsLoRA scaling alpha / sqrt(rank) (default off).")] = None,
+    merge: Annotated[Optional[bool], typer.Option(
+        "--merge/--no-merge", help="With LoRA, also write <output>/hf: the base with the adapter merged in.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)] = None,
 ) -> None:
     """Train or fine-tune a model; checkpoints (DCP), metrics.jsonl and an HF export go to --output."""
@@ -77,7 +89,9 @@ def train(
         "parallelism.expert_parallel_degree": ep, "parallelism.pipeline_parallel_degree": pp,
         "parallelism.pipeline_parallel_schedule": pp_schedule, "parallelism.pipeline_parallel_microbatches": pp_microbatches,
         "training.activation_checkpointing": ac, "training.compile": compile, "training.device": device,
-        "training.seed": seed,
+        "training.seed": seed, "lora.rank": lora_rank, "lora.alpha": lora_alpha, "lora.dropout": lora_dropout,
+        "lora.targets": [t.strip() for t in lora_targets.split(",")] if lora_targets is not None else None,
+        "lora.use_rslora": lora_use_rslora, "lora.merge": merge,
     }
     cfg = load_train_config(config, flags, set_)
     run_training(cfg)

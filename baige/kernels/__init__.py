@@ -16,53 +16,21 @@ The Triton modules are imported on first use, so a CPU-only process never compil
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 import torch
 
 from baige.kernels import reference
+from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend  # noqa: F401  (re-exported)
+from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
 
 # The hot ops: each has a reference twin of the same name and signature (``baige bench kernels`` times them).
 OPS = (
     "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen",
     "store_kv", "paged_decode_attention", "paged_prefill_attention",
-    "fused_linear_cross_entropy", "quantized_linear", "moe_topk", "moe_align_block_size", "fused_moe",
+    "fused_linear_cross_entropy", "quantized_linear", "moe_topk", "moe_align_block_size", "fused_moe", "lora_apply",
 )
 __all__ = [*OPS, "OPS"]
-
-BACKENDS = ("auto", "reference", "triton")
-
-
-class KernelConfigError(ValueError):
-    """``BAIGE_KERNELS`` names no backend, or one that cannot run here (the CLI prints it as one line)."""
-
-
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def backend(x: torch.Tensor) -> str:
-    """``"triton"`` or ``"reference"``: the implementation an op on ``x`` runs (see module docstring).
-
-    Raises:
-        KernelConfigError: ``BAIGE_KERNELS`` is not one of auto/reference/triton, or it asks for Triton
-        where Triton cannot run (not installed; CPU tensors without ``TRITON_INTERPRET=1``).
-    """
-    s = settings()
-    mode = s.mode
-    if mode == "reference":
-        return "reference"
-    if mode == "auto":
-        return "triton" if x.is_cuda and _triton_importable() else "reference"
-    if mode != "triton":
-        raise KernelConfigError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
-    if not _triton_importable():
-        raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
-    if not x.is_cuda and not s.triton_interpret:
-        raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    return "triton"
-
 
 _TRITON_MODULES: dict[str, object] = {}  # imported on first use; a plain dict read stays traceable by torch.compile
 

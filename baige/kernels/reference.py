@@ -418,3 +418,22 @@ def fused_moe(
     weighted = y.to(acc) * topk_weights.reshape(-1)[order].to(acc)[:, None]
     out = torch.zeros(T, x.shape[1], dtype=acc, device=x.device).index_add(0, tok, weighted)
     return out.to(x.dtype)
+
+
+# ---- batched multi-adapter LoRA (see baige.kernels.lora) ---------------------------------------------------
+
+
+def lora_apply(y, x, lora_a_stack, lora_b_stack, scalings, token_lora_ids):
+    """Tokens grouped by adapter: per adapter present, gather its rows, shrink, expand, scale, add back."""
+    ids = token_lora_ids.long()
+    present = torch.unique(ids).tolist()  # sorted; one host read per call (CPU path)
+    if present and (present[0] < -1 or present[-1] >= lora_a_stack.shape[0]):
+        raise ValueError(f"lora_apply: token_lora_ids hold {present[0] if present[0] < -1 else present[-1]}, "
+                         f"outside [-1, {lora_a_stack.shape[0]})")
+    for i in present:
+        if i < 0:
+            continue
+        rows = (ids == i).nonzero().squeeze(1)  # (n,)
+        v = x.index_select(0, rows) @ lora_a_stack[i].t()  # (n, R_max)
+        y.index_add_(0, rows, (v @ lora_b_stack[i].t()) * scalings[i].to(y.dtype))  # (n, out)
+    return y

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from baige.errors import BaigeError
@@ -101,6 +102,7 @@ class GenerateConfig:
     device: str = "auto"
     chat: bool | None = None
     system: str | None = None
+    speculative_config: str | dict | None = None  # --speculative-config (EngineConfig parses it)
 
 
 @dataclass
@@ -181,6 +183,8 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # None or "fp16-weight" (CPU fp32; see quant_dynamic.py)
     kv_cache_dtype: str = "auto"  # auto (the model's) | float32 | float16 | bfloat16; others than auto: CPU
+    # speculative decoding: a SpeculativeConfig, or its JSON text / dict (parsed in __post_init__)
+    speculative_config: "SpeculativeConfig | dict | str | None" = None
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1 or a bad ``kv_cache_memory``."""
@@ -194,3 +198,98 @@ class EngineConfig:
             parse_size(self.kv_cache_memory, "--kv-cache-memory")
         elif self.kv_cache_memory is not None:
             check_int("--kv-cache-memory", self.kv_cache_memory, 0)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+
+# ---- speculative decoding (--speculative-config) ------------------------------------------------
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 32  # proposals per sequence per step
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How sequences speculate (vLLM's ``SpeculativeConfig`` keys and meanings).
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup: proposals copied from the sequence's own prompt and
+            output) or ``"draft_model"`` (a smaller model with the same tokenizer proposes).
+        num_speculative_tokens: k, the most tokens proposed per sequence per step (1..32).
+        prompt_lookup_max, prompt_lookup_min: ngram only: the longest and shortest suffix (in tokens)
+            looked up in the sequence; the longest that matches wins. Defaults 4 and 1.
+        model: draft_model only: the draft's model spec (a directory, a hub id, a .gguf, or a
+            ``baige quantize`` output such as an int4 copy of the target).
+        draft_tensor_parallel_size: accepted for vLLM compatibility; only 1.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        def bad(msg: str):
+            raise BaigeError(f"--speculative-config: {msg}", param="speculative_config")
+
+        if self.method not in METHODS:
+            bad(f"method {self.method!r} is not one of {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not _is_plain_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            bad(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.draft_tensor_parallel_size != 1:
+            bad("draft_tensor_parallel_size: only 1 is supported")
+        if self.method == "ngram":
+            if self.model is not None:
+                bad("model is for method draft_model; ngram proposes from the sequence itself")
+            lo = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+            hi = max(4, lo) if self.prompt_lookup_max is None else self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not _is_plain_int(v) or v < 1:
+                    bad(f"{name} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                bad(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            if not isinstance(self.model, str) or not self.model:
+                bad("method draft_model needs \"model\": the draft's model spec")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                bad("prompt_lookup_max/min are for method ngram")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From a JSON object text, a dict or a config (None stays None).
+
+        ``method`` may be left out when ``model`` is given (then ``draft_model``, as vLLM infers).
+        Raises BaigeError naming the bad key or value (unknown keys are refused).
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise BaigeError(f"--speculative-config: not valid JSON ({e.msg} at character {e.pos})",
+                                 param="speculative_config") from None
+        if not isinstance(value, dict):
+            raise BaigeError("--speculative-config: a JSON object such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}', param="speculative_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise BaigeError(f"--speculative-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
+                             param="speculative_config")
+        value = dict(value)
+        if "method" not in value:
+            if "model" not in value:
+                raise BaigeError('--speculative-config: give "method" (ngram or draft_model)',
+                                 param="speculative_config")
+            value["method"] = "draft_model"
+        if "num_speculative_tokens" not in value:
+            raise BaigeError('--speculative-config: give "num_speculative_tokens"', param="speculative_config")
+        return cls(**value)
+
+
+def _is_plain_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -97,10 +97,10 @@ def test_a_detokenizer_failure_fails_its_request_alone(loaded, solo, monkeypatch
     eng = make_engine(loaded)
     real = eng._process_token
 
-    def process(seq, lp):
+    def process(seq, token, lp, last=True):
         if seq.request_id == "bad":
             raise UnicodeError("broken detokenizer")
-        return real(seq, lp)
+        return real(seq, token, lp, last)
 
     monkeypatch.setattr(eng, "_process_token", process)
     eng.add_request("ok", PROMPTS[2], SamplingParams(max_tokens=10, **GREEDY))

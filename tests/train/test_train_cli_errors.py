@@ -76,9 +76,10 @@ def test_data_that_is_not_utf8_is_one_line(cli_error, base, tmp_path, name, embe
     (["--batch-size", "4", "--pp-microbatches", "3"],
      "parallelism.pipeline_parallel_microbatches 3 must divide training.batch_size 4"),
     (["--pp", "2", "--ep", "2"], "pipeline parallel (--pp) does not compose with expert parallel (--ep) yet"),
+    (["--pp", "2", "--lora-rank", "4", "--model", "MODEL"], "pipeline parallel (--pp) does not compose with LoRA"),
     (["--pp", "2", "--pp-schedule", "zbvzerobubble", "--eval-data", "EVAL"],
      "evaluation (--eval-data) under ZBVZeroBubble is not supported"),
 ])
 def test_bad_pipeline_options(cli_error, base, args, needle):
-    args = [base[2] if a == "EVAL" else a for a in args]  # the training file as eval data
+    args = [base[2] if a in ("EVAL", "MODEL") else a for a in args]  # a file that exists (checked later)
     assert needle in cli_error(*base, *args)

@@ -6,6 +6,7 @@ expensive part); the tests then compare what each run wrote to its metrics.jsonl
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_model
 
 STEPS = 20
+LORA = {"training.steps": 3, "lora.rank": 4, "lora.merge": True, "optimizer.lr": 1e-3, "checkpoint.interval": 0}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,15 @@ def runs(tmp_path_factory):
             "training.steps": 3, "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
             "training.activation_checkpointing": "full", "checkpoint.export_hf": False,
             "data.eval": [str(data)], "training.eval_batches": 2})),
+        # LoRA under FSDP2 (frozen base sharded, adapters trained), with the merged export gathered.
+        (job_train, dict(common, output=str(root / "lora_fsdp"), **LORA, **{"training.batch_size": 2})),
+        # LoRA under HSDP (2 replicas x 1 shard) with activation checkpointing on every block.
+        (job_train, dict(common, output=str(root / "lora_hsdp_ac"), **{**LORA,
+            "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
+            "training.activation_checkpointing": "full", "lora.merge": False})),
+        # LoRA under tensor parallelism (TP 2, each rank the whole batch of 4): adapters follow the projections.
+        (job_train, dict(common, output=str(root / "lora_tp"), **LORA, **{"training.batch_size": 4,
+                                                                         "parallelism.tensor_parallel_degree": 2})),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     # Tensor parallel through the documented launch form: torchrun --no-python baige train (TP=2,
@@ -63,6 +74,7 @@ def runs(tmp_path_factory):
                   **{"training.steps": STEPS, "training.batch_size": 4})
         job_train(model=str(untied), data=str(data), output=str(root / "single_tp"),
                   **{"training.steps": 3, "training.batch_size": 4})
+        job_train(**common, output=str(root / "lora_single"), **LORA, **{"training.batch_size": 4})
     finally:
         torch.set_num_threads(threads)
     return root
@@ -140,3 +152,25 @@ def test_metrics_records(runs):
     assert {"loss", "grad_norm", "lr", "tokens_per_second_per_device", "mfu", "peak_memory_gib"} <= set(records[0])
     assert records[0]["lr"] == pytest.approx(0.5e-2)  # warmup step 1 of 2
     assert all(r["tokens_per_second_per_device"] > 0 and 0 < r["mfu"] for r in records)
+
+
+@pytest.mark.parametrize("run", ["lora_fsdp", "lora_hsdp_ac", "lora_tp"])
+def test_lora_two_ranks_match_one_process(runs, run):
+    two, single = read_metrics(runs / run), read_metrics(runs / "lora_single")
+    assert sorted(two) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert abs(two[step] - single[step]) < 1e-5, (step, two[step], single[step])
+    # Adam hides a gradient scaled by a constant; the global gradient norm does not
+    norms = [[json.loads(r)["grad_norm"] for r in (runs / d / "metrics.jsonl").read_text().splitlines()]
+             for d in (run, "lora_single")]
+    assert max(abs(x - y) for x, y in zip(*norms)) < 1e-5 * max(norms[1]), norms
+    a = load_file(str(runs / run / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(runs / "lora_single" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-4  # B moved off zero
+    if run == "lora_hsdp_ac":
+        return  # no merged export in that run
+    merged_fsdp, merged_single = _params(runs / run), _params(runs / "lora_single")
+    assert merged_fsdp.keys() == merged_single.keys() == load_file(str(runs / "tied97" / "model.safetensors")).keys()
+    assert max((merged_fsdp[k] - merged_single[k]).abs().max().item() for k in merged_fsdp) < 1e-5

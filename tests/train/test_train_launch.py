@@ -70,7 +70,9 @@ def test_sbatch_multi_node_pp_runs_torchrun_once_per_node_with_pp(tmp_path):
     """The template under stand-in srun/scontrol/torchrun (each prints its arguments): PP=2 on 2 nodes."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for tool, body in (("scontrol", "echo node1; echo node2"), ("srun", 'echo "srun $*"; shift 2; "$@"'),
+    # scontrol writes line by line: the template must read them all (a reader that stops early would
+    # SIGPIPE it, a 141 exit under pipefail)
+    for tool, body in (("scontrol", "echo node1; sleep 0.2; echo node2"), ("srun", 'echo "srun $*"; shift 2; "$@"'),
                        ("torchrun", 'echo "torchrun $*"')):
         (bindir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bindir / tool).chmod(0o755)

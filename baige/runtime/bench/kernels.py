@@ -176,6 +176,12 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
         scale = torch.rand(inter, groups, dtype=dt, device=dev) * 0.01
         return Case((_r(n, h, dt=dt, dev=dev), qweight, scale, None, 128, None),
                     n * h * e + qweight.numel() * 4 + scale.numel() * e + n * inter * e, 2 * n * h * inter)
+    if op == "lora_apply":  # 4 adapters of rank 16 on a (hidden -> hidden) projection, n tokens in 4 segments
+        L, R = 4, 16
+        ids = torch.arange(n, device=dev) * L // n
+        a, b = _r(L, R, h, dt=dt, dev=dev) * h**-0.5, _r(L, h, R, dt=dt, dev=dev)
+        return Case((_r(n, h, dt=dt, dev=dev), _r(n, h, dt=dt, dev=dev), a, b, torch.ones(L, device=dev), ids),
+                    (3 * n * h + 2 * L * R * h) * e + 8 * n, 4 * n * R * h + n * h)
     return _moe_case(op, n, dt, dev, sh)
 
 

@@ -94,6 +94,12 @@ def run_args(cfg, llm) -> dict:
     return {**asdict(cfg), "engine": asdict(llm.engine.cfg)}
 
 
+def spec_decode_result(llm) -> dict | None:
+    """The run's speculative-decoding counters (vLLM's names; warm-up iterations included), or None
+    without speculation."""
+    return llm.engine.spec_stats.as_dict() if llm.engine.proposer is not None else None
+
+
 def _model_info(llm, dtype_bytes: int) -> dict:
     model = llm.engine.model
     return {**roofline.model_counts(model), "kv_bytes_per_token": model.config.kv_bytes_per_token(dtype_bytes)}
@@ -140,6 +146,7 @@ def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
         "benchmark": "latency", "args": run_args(cfg, llm), "environment": environment(), "model": info,
         "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
         "summary": latency_summary(samples, cfg, info, limits) if samples else {},
+        "spec_decode": spec_decode_result(llm),
     }
 
 
@@ -218,6 +225,7 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
         "benchmark": "throughput", "args": run_args(cfg, llm), "environment": environment(), "model": info,
         "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
         "summary": throughput_summary(samples, elapsed, info, limits) if samples else {},
+        "spec_decode": spec_decode_result(llm),
     }
 
 

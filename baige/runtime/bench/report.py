@@ -32,6 +32,18 @@ def _limit_rows(limits: dict) -> list[tuple[str, str, str, None]]:
             (f"limit: matmul peak ({limits['dtype']})", f"{limits['matmul_peak'] / 1e12:.4g}", "TFLOP/s", None)]
 
 
+def spec_rows(r: dict) -> list[tuple[str, str, str, None]]:
+    """Speculative decoding's counters (vLLM's names), when the run speculated."""
+    sd = r.get("spec_decode")
+    if not sd:
+        return []
+    return [("spec decode: drafts", f"{sd['num_drafts']}", "steps", None),
+            ("spec decode: draft tokens", f"{sd['num_draft_tokens']}", "tokens", None),
+            ("spec decode: accepted tokens", f"{sd['num_accepted_tokens']}", "tokens", None),
+            ("spec decode: acceptance rate", f"{100 * sd['acceptance_rate']:.1f}", "%", None),
+            ("spec decode: mean acceptance length", f"{sd['mean_acceptance_length']:.2f}", "tokens/step", None)]
+
+
 def latency_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     s = r["summary"]
     if not s:
@@ -44,7 +56,7 @@ def latency_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
              ("prefill compute", f"{pre['achieved_tflop_s']:.4g}", "TFLOP/s", pre["pct_of_limit"]),
              ("decode throughput", f"{s['decode_tokens_per_s']:.1f}", "tokens/s", dec["pct_of_limit"]),
              ("decode bandwidth (weights + KV)", f"{dec['achieved_gb_s']:.2f}", "GB/s", dec["pct_of_limit"])]
-    return rows + _limit_rows(r["limits"])
+    return rows + spec_rows(r) + _limit_rows(r["limits"])
 
 
 def throughput_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
@@ -57,7 +69,8 @@ def throughput_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
             ("request throughput", f"{s['requests_per_second']:.2f}", "requests/s", None),
             ("total token throughput", f"{s['tokens_per_second']:.1f}", "tokens/s", c["pct_of_limit"]),
             ("output token throughput", f"{s['output_tokens_per_second']:.1f}", "tokens/s", None),
-            ("achieved compute", f"{c['achieved_tflop_s']:.4g}", "TFLOP/s", c["pct_of_limit"])] + _limit_rows(r["limits"])
+            ("achieved compute", f"{c['achieved_tflop_s']:.4g}", "TFLOP/s", c["pct_of_limit"])] + spec_rows(r) + \
+        _limit_rows(r["limits"])
 
 
 def serve_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
@@ -77,6 +90,7 @@ def serve_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
         keys = [k for k in r if k.endswith(f"_{name}_ms") and not k.startswith(("std", "p50_"))]  # p50 = median
         for k in keys:
             rows.append((f"{k.split('_')[0]} {label}", f"{r[k]:.2f}", "ms", None))
+    rows += spec_rows(r)
     if dec:
         rows.append(("decode bandwidth (weights + KV, est.)", f"{dec['achieved_gb_s']:.2f}", "GB/s", pct))
         rows += _limit_rows(r["roofline"]["limits"])

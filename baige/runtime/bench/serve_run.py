@@ -191,6 +191,33 @@ def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult],
                                                mc.kv_bytes_per_token(dtype_bytes), ctx, limits.bandwidth)}
 
 
+SPEC_COUNTERS = {"baige:spec_decode_num_drafts": "num_drafts", "baige:spec_decode_num_draft_tokens": "num_draft_tokens",
+                 "baige:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+
+
+def scrape_spec_decode(base_url: str, api_key: str | None = None) -> dict | None:
+    """Speculative decoding's counters from the server's /metrics (baige's names), with the
+    acceptance rate and mean acceptance length they give; None when the server does not speculate
+    or has no such metrics (another server)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10.0,
+                         headers={"Authorization": f"Bearer {api_key}"} if api_key else None).text
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in SPEC_COUNTERS:
+            found[SPEC_COUNTERS[family.name]] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    if len(found) < len(SPEC_COUNTERS):
+        return None
+    drafts, proposed, accepted = found["num_drafts"], found["num_draft_tokens"], found["num_accepted_tokens"]
+    return {**found, "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+
+
 def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | None = None) -> dict:
     """Run ``baige bench serve``; returns vLLM's result fields plus args, environment and roofline.
 
@@ -216,9 +243,10 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
 
     results: list[RequestResult] = []
     interrupted = False
+    spec: dict | None = None
 
     def load(base_url: str) -> float:
-        nonlocal results, interrupted
+        nonlocal results, interrupted, spec
         done: list[RequestResult] = []
 
         def record(r: RequestResult) -> None:
@@ -233,6 +261,7 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
                 cfg.api_key, on_done=record))
         except KeyboardInterrupt:
             interrupted, results, duration = True, done, time.perf_counter() - t0
+        spec = scrape_spec_decode(base_url, cfg.api_key)
         return duration
 
     if cfg.base_url:
@@ -255,4 +284,4 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
         args["request_rate"] = "inf"  # JSON has no infinity
     return {"benchmark": "serve", "args": args, "environment": environment(), "interrupted": interrupted,
             "model_id": name, "num_prompts": len(inputs), "request_rate": args["request_rate"],
-            "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency, **metrics}
+            "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency, **metrics, "spec_decode": spec}

@@ -174,6 +174,17 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_block())
 
+    def trim(self, seq: SequenceLike) -> None:
+        """Give back the tail blocks that hold no computed token (the slots of rejected draft
+        tokens). Such blocks were never hashed, so they go straight to the free list."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None
+            self._free.append(block_id)
+
     def cache_computed_blocks(self, seq: SequenceLike) -> None:
         """Register the hashes of ``seq``'s full blocks whose tokens are all computed now."""
         if not self.enable_prefix_caching:

@@ -27,6 +27,9 @@ from baige.runtime.infer.outputs import CompletionOutput, RequestFailed, Request
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
+from baige.runtime.infer.spec_decode.factory import build_proposer
+from baige.runtime.infer.spec_decode.proposer import DraftBudget
+from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
 from baige.runtime.infer.structured import GrammarCompiler, engine_error
 from baige.runtime.infer.text import SeqText
@@ -49,6 +52,7 @@ class _Request:
     arrival_time: float
     first_token_time: float | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
+    spec_stats: SpecDecodeStats | None = None
 
 
 class Engine:
@@ -88,8 +92,13 @@ class Engine:
                                     activation_peak=peak)
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, kv_dtype, p.device)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len, cfg.enforce_eager)
+        self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
+        self.spec_stats = SpecDecodeStats()
+        self.num_speculative_tokens = cfg.speculative_config.num_speculative_tokens if self.proposer else 0
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+                                   on_release=self.proposer.release if self.proposer else None)
+        self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len, cfg.enforce_eager,
+                                  self.num_speculative_tokens)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(tokenizer.eos_token_ids or mc.eos_token_id)
         self._eos_only = frozenset(self.eos_token_ids)
@@ -190,7 +199,8 @@ class Engine:
             self.scheduler.add(seq)
         self.requests[request_id] = _Request(request_id, text, ids, params, seqs,
                                              time.monotonic() if arrival_time is None else arrival_time,
-                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                                             spec_stats=SpecDecodeStats() if self.proposer is not None else None)
         self.num_prompt_tokens += len(ids)
         self.num_constrained_requests += so is not None
 
@@ -238,15 +248,24 @@ class Engine:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that produced a token (or finished)."""
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
         rows = [_sampler_row(s) for s in batch.seqs]
+        n_spec = [len(s.spec_token_ids) for s in batch.seqs]
         tokens, logprobs, prompt_lps = self._execute(batch, rows, self._start_masks(batch))
         for i, (first, lps) in prompt_lps.items():
             req = self.requests.get(batch.seqs[i].request_id)
             if req is not None and req.prompt_logprobs is not None and first == len(req.prompt_logprobs):
                 req.prompt_logprobs.extend(lps)  # a recompute after preemption scores nothing new
+        for seq, k, toks in zip(batch.seqs, n_spec, tokens):
+            req = self.requests.get(seq.request_id)
+            if k and toks and req is not None:
+                self.spec_stats.observe(k, len(toks) - 1)
+                req.spec_stats.observe(k, len(toks) - 1)
+                seq.spec_budget.update(k, len(toks) - 1)
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
@@ -256,16 +275,44 @@ class Engine:
             if req is None:  # failed earlier in this step
                 continue
             try:
-                self._process_token(seq, lp_of[seq.seq_id])
+                self.num_generated_tokens += self._process_tokens(seq, lp_of[seq.seq_id])
             except Exception as e:  # a detokenizer or stop-string problem of this request only
                 self._fail(seq.request_id, e)
                 touched.pop(seq.request_id, None)
                 continue
-            self.num_generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req
         return [self._output(req, now) for req in touched.values()]
+
+    def _propose(self) -> None:
+        """Ask the proposer for draft tokens for the running sequences that decode next step.
+
+        Structured-output sequences do not speculate (their masks are computed one token at a time).
+        A sequence's budget follows its acceptance (:class:`~baige.runtime.infer.spec_decode.proposer.DraftBudget`)
+        and never lets a step emit past ``max_tokens`` or the context. A proposer that raises
+        costs this step's speculation only: every sequence then decodes plainly.
+        """
+        seqs, budgets = [], []
+        for seq in self.scheduler.running:
+            if seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.payload.grammar is not None:
+                continue
+            room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
+            seqs.append(seq)
+            if seq.spec_budget is None:
+                seq.spec_budget = DraftBudget(self.num_speculative_tokens)
+            budgets.append(max(0, min(seq.spec_budget.take(), room)))
+        if not seqs:
+            return
+        try:
+            proposals = self.proposer.propose(seqs, budgets, [_sampler_row(s) for s in seqs])
+        except Exception:
+            logger.exception("the speculative proposer failed; this step decodes without speculation")
+            for seq in seqs:
+                self.proposer.release(seq)
+            return
+        for seq, p in zip(seqs, proposals):
+            seq.spec_token_ids, seq.spec_draft_probs = list(p.token_ids), p.probs
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer and vocabulary."""
@@ -289,10 +336,10 @@ class Engine:
         except Exception as e:
             if len(batch) == 1:
                 self._fail(batch.seqs[0].request_id, e)
-                return [None], [None], {}
+                return [[]], [[]], {}
             logger.exception("a step of %d sequences failed; running them one at a time", len(batch))
-        tokens: list[int | None] = [None] * len(batch)
-        logprobs: list[Logprobs | None] = [None] * len(batch)
+        tokens: list[list[int]] = [[] for _ in batch.seqs]
+        logprobs: list[list[Logprobs | None]] = [[] for _ in batch.seqs]
         prompt_lps: dict = {}
         full = masks() if masks is not None else {}
         for i, seq in enumerate(batch.seqs):
@@ -309,16 +356,33 @@ class Engine:
                 prompt_lps[i] = lps[0]
         return tokens, logprobs, prompt_lps
 
-    def _process_token(self, seq: Sequence, lp: Logprobs | None) -> None:
+    def _process_tokens(self, seq: Sequence, lps: list[Logprobs | None]) -> int:
+        """Text, stop strings and grammar for the tokens the last step appended to ``seq``, in order.
+        A stop string completed inside an accepted run of drafts ends the sequence there: the tokens
+        after it are dropped, as if they had never been generated. Returns the tokens kept."""
+        n = seq.num_new_output
+        first = len(seq.token_ids) - n
+        for j in range(n):
+            ended = self._process_token(seq, seq.token_ids[first + j], lps[j] if j < len(lps) else None, last=j == n - 1)
+            if ended and j < n - 1:
+                del seq.token_ids[first + j + 1:]
+                return j + 1
+        return n
+
+    def _process_token(self, seq: Sequence, token: int, lp: Logprobs | None, last: bool = True) -> bool:
+        """One new token's text, stop strings and grammar; ``last``: the last token the step appended
+        (only then can the sequence's finish come from the scheduler). Returns whether a stop string
+        or the grammar ended the sequence at this token."""
         st: SeqText = seq.payload
-        token = seq.token_ids[-1]
-        is_stop_token = seq.finish_reason == "stop" and seq.stop_reason == token
-        stop = st.add(token, is_stop_token, seq.is_finished, lp)
+        finished = seq.is_finished and last
+        is_stop_token = finished and seq.finish_reason == "stop" and seq.stop_reason == token
+        stop = st.add(token, is_stop_token, finished, lp)
         if stop is not None:
             if seq.is_finished:
                 seq.finish_reason, seq.stop_reason = "stop", stop
             else:
                 self.scheduler.finish(seq, "stop", stop)
+            return True
         if st.grammar is not None:
             # An error while computing this step's mask (an engine limit: then the mask allowed only
             # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).
@@ -328,6 +392,8 @@ class Engine:
                                  "the constraint allows", param="structured_outputs")
             if st.grammar.is_stopped() and not seq.is_finished:  # the language is complete: end here
                 self.scheduler.finish(seq, "stop")
+                return True
+        return False
 
     def _output(self, req: _Request, now: float) -> RequestOutput:
         outs = []
@@ -353,7 +419,9 @@ class Engine:
                             num_cached_tokens=req.seqs[0].num_cached_tokens,
                             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
                             arrival_time=req.arrival_time,
-                            first_token_time=req.first_token_time, finished_time=now if finished else None)
+                            first_token_time=req.first_token_time, finished_time=now if finished else None,
+                            spec_decode=replace(req.spec_stats, accepted_per_pos=list(req.spec_stats.accepted_per_pos))
+                            if req.spec_stats is not None else None)
         if finished:
             del self.requests[req.request_id]
             n_out = sum(len(o.token_ids) for o in outs)

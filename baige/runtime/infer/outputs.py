@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baige.runtime.infer.sampling import Logprobs
+from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 
 
 class RequestFailed(RuntimeError):
@@ -62,3 +63,5 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # speculative decoding on: this request's drafts, draft tokens and accepted tokens so far
+    spec_decode: SpecDecodeStats | None = None

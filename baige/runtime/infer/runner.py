@@ -1,9 +1,12 @@
 """ModelRunner: a scheduled batch -> flat tensors -> the model -> one sampled token per sequence.
 
-Layout of one step (B = 1, T = all scheduled tokens, no padding): the decoding sequences' single
-tokens first, then each prefill chunk's tokens. ``slot_mapping[t]`` is the cache slot of token t;
+Layout of one step (B = 1, T = all scheduled tokens, no padding): the decode rows first (each
+decoding sequence's last token, followed by its draft tokens when it speculates: row j of such a
+sequence attends to its context plus drafts ``0..j-1``, so one forward scores every draft), then
+each prefill chunk's tokens. ``slot_mapping[t]`` is the cache slot of token t;
 paged attention reads each sequence's blocks through its block table. Logits are computed only
-for the last position of each sequence that samples this step.
+for the last position of each sequence that samples this step (for every row of a speculating
+one, which :func:`~baige.runtime.infer.spec_decode.rejection.verify` then accepts or rejects).
 
 Decoding sequences are grouped by context length (each group one paged-decode call whose block
 tables are only as wide as its longest sequence): attention traffic then follows the real
@@ -24,8 +27,10 @@ import torch.nn.functional as F
 
 from baige import kernels
 from baige.runtime.infer.kv_cache import KVCache
-from baige.runtime.infer.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
+from baige.runtime.infer.sampling import (Logprobs, SamplerRow, sample_batch, target_logprobs, target_probs,
+                                          token_logprobs)
 from baige.runtime.infer.scheduler import ScheduledBatch
+from baige.runtime.infer.spec_decode.rejection import verify
 from baige.runtime.model.transformer import Transformer
 
 
@@ -95,6 +100,17 @@ def group_by_width(widths: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> 
     return ends[::-1]
 
 
+def _spans(owner: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal owners: ``(owner, first row, rows)`` for rows grouped by owner, in order."""
+    spans: list[tuple[int, int, int]] = []
+    for r, o in enumerate(owner):
+        if spans and spans[-1][0] == o:
+            spans[-1] = (o, spans[-1][1], spans[-1][2] + 1)
+        else:
+            spans.append((o, r, 1))
+    return spans
+
+
 def _buckets(limit: int) -> list[int]:
     """1, 2, 4, ... up to and including ``limit``."""
     out = [1]
@@ -112,15 +128,17 @@ class ModelRunner:
         max_num_seqs: largest decode batch (sets the batch buckets).
         max_model_len: longest sequence (sets the block-table width buckets).
         enforce_eager: never capture graphs.
+        num_speculative_tokens: the most draft tokens a sequence verifies per step (sets the row
+            buckets of captured decode graphs: up to ``max_num_seqs * (1 + k)`` rows).
     """
 
     def __init__(self, model: Transformer, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, num_speculative_tokens: int = 0):
         self.model = model
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
-        self.batch_buckets = _buckets(max_num_seqs)
+        self.batch_buckets = _buckets(max_num_seqs * (1 + num_speculative_tokens))
         self.width_buckets = _buckets(-(-max_model_len // self.block_size))
         self.enforce_eager = enforce_eager
         self._decode_fn = self._decode_forward
@@ -160,56 +178,70 @@ class ModelRunner:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _decode_groups(self, seqs: list) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Order decoding sequences by context length and group them (see :func:`group_by_width`).
+    def _decode_rows(self, seqs: list) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The rows of decoding sequences, each sequence's consecutively: its last token, then each
+        of its draft tokens (``spec_token_ids``, verified in the same step).
 
         Returns:
-            ``(order, groups)``: the row order (indices into ``seqs``) and per group its block tables
+            ``(ids, positions, slots, owner)`` per row: the token, its position and cache slot, and
+            the index into ``seqs`` of its sequence. A row's context is its position + 1 tokens.
+        """
+        bs = self.block_size
+        ids, pos, slots, owner = [], [], [], []
+        for i, s in enumerate(seqs):
+            p0 = len(s.token_ids) - 1
+            for j, t in enumerate([s.token_ids[-1], *s.spec_token_ids]):
+                p = p0 + j
+                ids.append(t)
+                pos.append(p)
+                slots.append(s.block_table[p // bs] * bs + p % bs)
+                owner.append(i)
+        return ids, pos, slots, owner
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]
+                       ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Order decode rows by context length and group them (see :func:`group_by_width`).
+
+        Args:
+            tables: per row its sequence's block table; lens: per row its context length.
+        Returns:
+            ``(order, groups)``: the row order (indices into the rows) and per group its block tables
             (rows, widest row's blocks) and context lengths, padded with the scratch block.
         """
-        lens = [len(s.token_ids) for s in seqs]  # context including the token being decoded
         bs, scratch = self.block_size, self.kv.scratch_block
-        order = sorted(range(len(seqs)), key=lens.__getitem__)
+        order = sorted(range(len(lens)), key=lens.__getitem__)
         widths = [-(-lens[i] // bs) for i in order]
         groups, start = [], 0
         for end in group_by_width(widths):
             w = widths[end - 1]
             rows = order[start:end]
-            tables = [seqs[i].block_table[:w] + [scratch] * (w - len(seqs[i].block_table[:w])) for i in rows]
-            groups.append((self._tensor(tables), self._tensor([lens[i] for i in rows])))
+            padded = [tables[i][:w] + [scratch] * (w - len(tables[i][:w])) for i in rows]
+            groups.append((self._tensor(padded), self._tensor([lens[i] for i in rows])))
             start = end
         return order, groups
 
-    def _decode_inputs(self, seqs: list) -> tuple[list[int], list[int], list[int]]:
-        """Per decoding sequence, in the given order: its last token, that token's position and cache slot."""
-        bs = self.block_size
-        ids, pos, slots = [], [], []
-        for s in seqs:
-            p = len(s.token_ids) - 1
-            ids.append(s.token_ids[-1])
-            pos.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
-        return ids, pos, slots
-
-    def _run_decode(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """A decode-only step. Returns the logits of every row ((R, vocab), each sequence's rows
+        consecutively) and per sequence ``(batch index, first row, rows)``."""
         seqs = batch.seqs
-        n = len(seqs)
+        ids, pos, slots, owner = self._decode_rows(seqs)
+        R = len(ids)
+        spans = _spans(owner)
         if not self.captures:  # eager: unpadded, grouped by length
-            order, groups = self._decode_groups(seqs)
-            ids, pos, slots = self._decode_inputs([seqs[i] for i in order])
-            logits = self._decode_fn(self._tensor([ids]), self._tensor([pos]), self._tensor(slots), groups)
-            inverse = [0] * n
+            order, groups = self._decode_groups([seqs[o].block_table for o in owner], [p + 1 for p in pos])
+            logits = self._decode_fn(self._tensor([[ids[i] for i in order]]), self._tensor([[pos[i] for i in order]]),
+                                     self._tensor([slots[i] for i in order]), groups)
+            inverse = [0] * R
             for row, i in enumerate(order):
                 inverse[i] = row
-            return logits[self._tensor(inverse)]
-        B = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
+            return logits[self._tensor(inverse)], spans
+        B = self.batch_buckets[bisect.bisect_left(self.batch_buckets, R)]
         widest = max(len(s.block_table) for s in seqs)
         W = self.width_buckets[bisect.bisect_left(self.width_buckets, widest)]
         bs, scratch = self.block_size, self.kv.scratch_block
-        ids, pos, slots = self._decode_inputs(seqs)
-        tables = [s.block_table + [scratch] * (W - len(s.block_table)) for s in seqs]
+        tables = [seqs[o].block_table + [scratch] * (W - len(seqs[o].block_table)) for o in owner]
         lens = [p + 1 for p in pos]
-        pad = B - n
+        pad = B - R
         ids += [0] * pad
         pos += [0] * pad
         slots += [scratch * bs] * pad
@@ -217,40 +249,47 @@ class ModelRunner:
         lens += [1] * pad
         logits = self._decode_fn(self._tensor([ids]), self._tensor([pos]), self._tensor(slots),
                                  [(self._tensor(tables), self._tensor(lens))])
-        return logits[:n]
+        return logits[:R], spans
 
-    def _run_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], dict[int, tuple[int, list]]]:
-        """Any mix of decodes and prefill chunks, unpadded. Returns (logits of samplers, their batch
-        indices, prompt logprobs): the last maps a batch index whose sequence asks for prompt logprobs
-        to (index of the first prompt token scored, its :class:`Logprobs` in order)."""
+    def _run_mixed(self, batch: ScheduledBatch
+                   ) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict[int, tuple[int, list]]]:
+        """Any mix of decodes (with their draft tokens) and prefill chunks, unpadded. Returns the logits
+        of the rows that sample (each sequence's consecutively), per such sequence ``(batch index,
+        first row, rows)``, and prompt logprobs: a batch index whose sequence asks for them maps to
+        (index of the first prompt token scored, its :class:`Logprobs` in order)."""
         nd = batch.num_decodes
-        order, groups = self._decode_groups(batch.seqs[:nd]) if nd else ([], [])
-        ids, pos, slots = [], [], []
-        sample_rows, sample_at = [], []  # batch index, flat position of its last token
+        ids, pos, slots, owner = self._decode_rows(batch.seqs[:nd])
+        order, groups = self._decode_groups([batch.seqs[o].block_table for o in owner],
+                                            [p + 1 for p in pos]) if nd else ([], [])
+        flat_of_row = [0] * len(order)
+        for flat, r in enumerate(order):
+            flat_of_row[r] = flat
+        sample_at = list(flat_of_row)  # every decode row samples (its rows are consecutive in `owner`)
+        spans = _spans(owner)
+        ids, pos, slots = [ids[r] for r in order], [pos[r] for r in order], [slots[r] for r in order]
         score_at, score_targets, score_spans = [], [], []  # prompt logprobs: flat positions, next tokens, (row, first, n)
         pre_tables, pre_cu, pre_lens = [], [0], []
-        for i in order + list(range(nd, len(batch))):
+        for i in range(nd, len(batch)):
             s, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             ids += s.token_ids[start:end]
             pos += range(start, end)
             slots += self._slots(s.block_table, start, end)
-            if i >= nd:
-                if s.prompt_logprobs is not None:
-                    # position p's logits score prompt token p + 1
-                    last = min(end, s.num_prompt_tokens - 1)
-                    if last > start:
-                        score_spans.append((i, start + 1, last - start))
-                        score_at += range(len(ids) - n, len(ids) - n + last - start)
-                        score_targets += s.token_ids[start + 1:last + 1]
-                pre_tables.append(s.block_table)
-                pre_cu.append(pre_cu[-1] + n)
-                pre_lens.append(end)
+            if s.prompt_logprobs is not None:
+                # position p's logits score prompt token p + 1
+                last = min(end, s.num_prompt_tokens - 1)
+                if last > start:
+                    score_spans.append((i, start + 1, last - start))
+                    score_at += range(len(ids) - n, len(ids) - n + last - start)
+                    score_targets += s.token_ids[start + 1:last + 1]
+            pre_tables.append(s.block_table)
+            pre_cu.append(pre_cu[-1] + n)
+            pre_lens.append(end)
             if end == len(s.token_ids):
-                sample_rows.append(i)
+                spans.append((i, len(sample_at), 1))
                 sample_at.append(len(ids) - 1)
 
-        md = PagedAttentionMetadata(self.kv.k, self.kv.v, self._tensor(slots), nd, decode_groups=groups)
+        md = PagedAttentionMetadata(self.kv.k, self.kv.v, self._tensor(slots), len(order), decode_groups=groups)
         if pre_lens:
             w = max(len(t) for t in pre_tables)
             md.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
@@ -267,13 +306,20 @@ class ModelRunner:
                 want = batch.seqs[i].prompt_logprobs
                 prompt_lps[i] = (first, [Logprobs(lp.token_id, lp.logprob, lp.top[:want]) for lp in lps[at:at + n]])
                 at += n
-        return logits, sample_rows, prompt_lps
+        return logits, spans, prompt_lps
+
+    @torch.inference_mode()
+    def logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict]:
+        """Run the step's forward: ``(logits, spans, prompt logprobs)`` as :meth:`_run_mixed`."""
+        if batch.num_decodes == len(batch):
+            return (*self._run_decode(batch), {})
+        return self._run_mixed(batch)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None],
                 token_masks: Callable[[], dict[int, torch.Tensor]] | None = None,
-                ) -> tuple[list[int | None], list[Logprobs | None], dict[int, tuple[int, list[Logprobs]]]]:
-        """Run the step and sample.
+                ) -> tuple[list[list[int]], list[list[Logprobs | None]], dict[int, tuple[int, list[Logprobs]]]]:
+        """Run the step, sample, and verify draft tokens.
 
         Args:
             batch: the scheduler's step.
@@ -282,24 +328,45 @@ class ModelRunner:
                 thread overlap the forward): ``{batch index: (vocab,) bool allowed tokens}`` for the
                 constrained sequences.
         Returns:
-            Per scheduled sequence: the sampled token id (None for a chunk that does not end its
-            prefill) and its logprobs (None unless asked for); and the prompt logprobs of this step's
-            prefill chunks that ask for them (see :meth:`_run_mixed`).
+            Per scheduled sequence: the tokens it emits (none for a chunk that does not end its
+            prefill, one for a plain sample, 1 .. k + 1 for a sequence verifying k drafts) and their
+            logprobs from the target's raw distribution (None entries unless asked for); and the
+            prompt logprobs of this step's prefill chunks that ask for them (see :meth:`_run_mixed`).
         """
-        prompt_lps: dict[int, tuple[int, list[Logprobs]]] = {}
-        if batch.num_decodes == len(batch):
-            logits = self._run_decode(batch)
-            sample_rows = list(range(len(batch)))
-        else:
-            logits, sample_rows, prompt_lps = self._run_mixed(batch)
-        tokens: list[int | None] = [None] * len(batch)
-        logprobs: list[Logprobs | None] = [None] * len(batch)
+        logits, spans, prompt_lps = self.logits(batch)
+        tokens: list[list[int]] = [[] for _ in batch.seqs]
+        logprobs: list[list[Logprobs | None]] = [[] for _ in batch.seqs]
         if token_masks is not None:
             rows = list(rows)
             for i, mask in token_masks().items():
                 rows[i] = replace(rows[i], token_mask=mask)
-        if sample_rows:
-            got, lps = sample_batch(logits, [rows[i] for i in sample_rows])
-            for i, t, lp in zip(sample_rows, got, lps):
-                tokens[i], logprobs[i] = t, lp
+        plain = [(i, first) for i, first, n in spans if not batch.seqs[i].spec_token_ids]
+        if plain:
+            got, lps = sample_batch(logits[self._tensor([f for _, f in plain])], [rows[i] for i, _ in plain])
+            for (i, _), t, lp in zip(plain, got, lps):
+                tokens[i], logprobs[i] = [t], [lp]
+        spec = [(i, first, n) for i, first, n in spans if batch.seqs[i].spec_token_ids]
+        if spec:
+            self._verify(batch, rows, logits, spec, tokens, logprobs)
         return tokens, logprobs, prompt_lps
+
+    def _verify(self, batch: ScheduledBatch, rows: list[SamplerRow | None], logits: torch.Tensor,
+                spec: list[tuple[int, int, int]], tokens: list[list[int]], logprobs: list[list[Logprobs | None]]) -> None:
+        """Verify the draft tokens of the speculating sequences (``spec``: batch index, first logits
+        row, rows = drafts + 1), filling ``tokens`` and ``logprobs`` in place."""
+        pos_rows, at = [], []
+        for i, first, n in spec:
+            drafts = batch.seqs[i].spec_token_ids
+            pos_rows += [rows[i].with_outputs(drafts[:j]) for j in range(n)]
+            at += range(first, first + n)
+        sub = logits[self._tensor(at)]
+        probs = target_probs(sub, pos_rows)  # (sum n, vocab)
+        off = 0
+        for i, first, n in spec:
+            seq, row = batch.seqs[i], rows[i]
+            emitted = verify(probs[off:off + n], seq.spec_token_ids, seq.spec_draft_probs, row.params.greedy,
+                             row.generator)
+            tokens[i] = emitted
+            k = row.params.logprobs
+            logprobs[i] = token_logprobs(sub[off:off + len(emitted)], emitted, [k] * len(emitted))
+            off += n

@@ -9,7 +9,7 @@ Temperature 0 is greedy whatever the filters say.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -231,6 +231,13 @@ class SamplerRow:
     stop_ids: list[int] | None = None  # masked while len(output_ids) < params.min_tokens
     token_mask: torch.Tensor | None = None  # (vocab,) bool: the structured-output grammar's allowed tokens
 
+    def with_outputs(self, extra: list[int]) -> "SamplerRow":
+        """This row as it is after ``extra`` more output tokens (what penalties and min_tokens see at
+        a later position: speculative decoding scores several positions at once)."""
+        if not extra or self.output_ids is None:
+            return self
+        return replace(self, output_ids=list(self.output_ids) + list(extra))
+
 
 @dataclass
 class Logprobs:
@@ -294,6 +301,99 @@ def _adjust_row(row: torch.Tensor, r: SamplerRow) -> torch.Tensor:
     return row
 
 
+def adjusted_logits(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    """The logit processors of :func:`sample_batch` (grammar mask, allowed ids, bias, min_tokens,
+    penalties) applied per row. ``logits``: (S, vocab) any float dtype -> (S, vocab) fp32 (a new
+    tensor when any row is adjusted)."""
+    logits = logits.float()
+    adjust = [i for i, r in enumerate(rows) if _needs_adjust(r)]
+    if adjust:
+        logits = logits.clone()
+        for i in adjust:
+            logits[i] = _adjust_row(logits[i], rows[i])
+    return logits
+
+
+def _filtered_sorted(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p and min-p of each row (each on the renormalised result of the one
+    before, as :func:`apply_filters`), in descending-logit order.
+
+    Args:
+        logits: (R, V) fp32 adjusted logits of rows that sample (temperature > 0).
+    Returns:
+        ``(probs, order)``: (R, V) the filtered distribution in sorted order and (R, V) int64 the
+        vocabulary id at each sorted position.
+    """
+    R, V = logits.shape
+    dev = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], device=dev)
+    sorted_logits, order = torch.sort(logits / temps[:, None], dim=-1, descending=True)
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else V for r in rows], device=dev)
+    kth = sorted_logits.gather(-1, (top_k - 1)[:, None])  # (R, 1) the k-th largest logit
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with it stay (vLLM)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+    if (top_p < 1).any():
+        probs = sorted_logits.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop & (top_p[:, None] < 1), float("-inf"))
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    if (min_p > 0).any():
+        probs = sorted_logits.softmax(-1)
+        sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
+    return sorted_logits.softmax(-1), order
+
+
+def target_probs(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    """The distribution :func:`sample_batch` draws each row from, in vocabulary order.
+
+    Args:
+        logits: (S, vocab) raw logits, any float dtype.
+        rows: S row descriptions.
+    Returns:
+        (S, vocab) fp32 probabilities: greedy rows one-hot at the argmax of their adjusted logits, the
+        others after the processors, temperature and filters (what speculative decoding's rejection
+        sampler verifies against).
+    """
+    logits = adjusted_logits(logits, rows)
+    S, V = logits.shape
+    probs = torch.zeros(S, V, dtype=torch.float32, device=logits.device)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        probs[idx, logits[idx].argmax(-1)] = 1.0
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sorted_probs, order = _filtered_sorted(logits[idx], [rows[i] for i in random_rows])
+        probs[idx] = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
+    return probs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]) -> list[Logprobs | None]:
+    """Logprobs of chosen tokens under the raw distribution (vLLM's: before any processor).
+
+    Args:
+        logits: (S, vocab) raw logits, any float dtype.
+        tokens: S chosen token ids.
+        ks: per row the number of top alternatives, or None for no logprobs.
+    Returns:
+        S entries: a :class:`Logprobs`, or None where ``ks`` is None.
+    """
+    if all(k is None for k in ks):
+        return [None] * len(tokens)
+    raw = torch.log_softmax(logits.float(), dim=-1)  # (S, V)
+    k = max(kk or 0 for kk in ks)
+    chosen = raw.gather(-1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(-1).tolist()
+    top_vals, top_ids = (t.tolist() for t in torch.topk(raw, k, dim=-1)) if k else (None, None)
+    out: list[Logprobs | None] = []
+    for i, kk in enumerate(ks):
+        if kk is None:
+            out.append(None)
+            continue
+        out.append(Logprobs(tokens[i], chosen[i], list(zip(top_ids[i][:kk], top_vals[i][:kk])) if kk else []))
+    return out
+
+
 def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int], list[Logprobs | None]]:
     """Sample one token per row with per-row parameters.
 
@@ -312,54 +412,16 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int
         ``(token_ids, logprobs)``: S ints, and per row a :class:`Logprobs` when
         ``params.logprobs`` is set, else None.
     """
-    logits = logits.float()
-    S, V = logits.shape
-    raw_logprobs = None
-    if any(r.params.logprobs is not None for r in rows):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # (S, V)
-    adjust = [i for i, r in enumerate(rows) if _needs_adjust(r)]
-    if adjust:
-        logits = logits.clone()
-        for i in adjust:
-            logits[i] = _adjust_row(logits[i], rows[i])
-    tokens = logits.argmax(-1)  # (S,) greedy rows keep these
+    adjusted = adjusted_logits(logits, rows)
+    tokens = adjusted.argmax(-1)  # (S,) greedy rows keep these
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        temps = torch.tensor([rows[i].params.temperature for i in random_rows], device=logits.device)
-        sub = logits[idx] / temps[:, None]  # (R, V)
-        sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
-        top_k = torch.tensor([rows[i].params.top_k if rows[i].params.top_k > 0 else V for i in random_rows],
-                             device=logits.device)
-        kth = sorted_logits.gather(-1, (top_k - 1)[:, None])  # (R, 1) the k-th largest logit
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with it stay (vLLM)
-        top_p = torch.tensor([rows[i].params.top_p for i in random_rows], device=logits.device)
-        if (top_p < 1).any():
-            probs = sorted_logits.softmax(-1)
-            drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop & (top_p[:, None] < 1), float("-inf"))
-        min_p = torch.tensor([rows[i].params.min_p for i in random_rows], device=logits.device)
-        if (min_p > 0).any():
-            probs = sorted_logits.softmax(-1)
-            sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
-        probs = sorted_logits.softmax(-1)  # (R, V) in sorted order
+        idx = torch.tensor(random_rows, device=adjusted.device)
+        probs, order = _filtered_sorted(adjusted[idx], [rows[i] for i in random_rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=rows[i].generator)
         choice = (probs / noise).argmax(-1, keepdim=True)  # (R, 1) rank of the drawn token
         tokens[idx] = order.gather(-1, choice).squeeze(-1)
     token_list = tokens.tolist()
-    logprobs: list[Logprobs | None] = [None] * S
-    if raw_logprobs is not None:
-        k = max(r.params.logprobs or 0 for r in rows)
-        top_vals, top_ids = torch.topk(raw_logprobs, k, dim=-1) if k else (None, None)
-        chosen = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-        tv = top_vals.tolist() if k else None
-        ti = top_ids.tolist() if k else None
-        for i, r in enumerate(rows):
-            if r.params.logprobs is None:
-                continue
-            kk = r.params.logprobs
-            top = list(zip(ti[i][:kk], tv[i][:kk])) if kk else []
-            logprobs[i] = Logprobs(token_list[i], chosen[i], top)
-    return token_list, logprobs
+    return token_list, token_logprobs(logits, token_list, [r.params.logprobs for r in rows])

@@ -3,7 +3,8 @@
 Policy (vLLM's, simplified):
 
 - Every running sequence is scheduled each step, in admission order: a decoding sequence for its
-  one new token, a sequence in the middle of a chunked prefill for as much of the rest of its
+  one new token plus its draft tokens when it speculates (``spec_token_ids``; the drafts are cut
+  to the token budget, and dropped before anything is preempted for their KV slots), a sequence in the middle of a chunked prefill for as much of the rest of its
   prompt as the token budget (``max_num_batched_tokens``) allows.
 - When the pool has no block for a running sequence, the most recently admitted running sequence
   is preempted by *recompute*: its blocks are freed and it goes back to the front of the waiting
@@ -23,6 +24,7 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from baige.runtime.infer.block_manager import BlockManager
@@ -63,6 +65,13 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     prompt_logprobs: int | None = None  # set: the runner returns prompt-token logprobs; no prefix-cache reuse
+    # speculative decoding: this step's draft tokens (verified with the last token in one forward; never
+    # part of token_ids, so the block manager only ever hashes verified tokens) and their draft
+    # distribution, (len, vocab) or None for deterministic proposals
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None
+    num_new_output: int = 0  # tokens the last postprocess appended (1 + accepted drafts)
+    spec_budget: Any = None  # the engine's DraftBudget of this sequence (speculative decoding on)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -110,10 +119,12 @@ class Scheduler:
             running sequence can decode each step.
         max_model_len: longest sequence (prompt + output) in tokens; a sequence reaching it finishes
             with reason "length".
+        on_release: called with a sequence whose blocks are freed (finished or preempted), so a
+            draft proposer can free its own state.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, on_release: Callable[[Sequence], None] | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
         self.block_manager = block_manager
@@ -124,6 +135,7 @@ class Scheduler:
         self._running: list[Sequence] = []  # likewise
         self._num_unfinished = 0
         self.num_preemptions = 0
+        self.on_release = on_release
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -145,6 +157,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -162,6 +175,8 @@ class Scheduler:
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids:
+                n = self._fit_drafts(seq, budget)
             while not bm.can_append(seq, n):
                 victim = self._running.pop()
                 self._preempt(victim)
@@ -170,7 +185,7 @@ class Scheduler:
                     break
             else:
                 bm.append_slots(seq, n)
-                is_decode = n == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1
+                is_decode = n == 1 + len(seq.spec_token_ids) and seq.num_computed_tokens == len(seq.token_ids) - 1
                 (decodes if is_decode else prefills).append((seq, n))
                 budget -= n
                 i += 1
@@ -194,32 +209,70 @@ class Scheduler:
         both = decodes + prefills
         return ScheduledBatch([s for s, _ in both], [n for _, n in both], len(decodes), preempted)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance the computed counts, append sampled tokens and finish sequences on id stops.
+    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
+        """Cut ``seq``'s drafts to the token budget and to the free blocks (a draft never preempts
+        anything); returns the tokens to schedule (1 + drafts kept)."""
+        keep = min(len(seq.spec_token_ids), budget - 1)
+        while keep > 0 and not self.block_manager.can_append(seq, 1 + keep):
+            keep -= 1
+        if keep < len(seq.spec_token_ids):
+            seq.spec_token_ids = seq.spec_token_ids[:keep]
+            if seq.spec_draft_probs is not None:
+                seq.spec_draft_probs = seq.spec_draft_probs[:keep] if keep else None
+        return 1 + keep
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[list[int] | int | None]) -> list[Sequence]:
+        """Advance the computed counts, append the emitted tokens and finish sequences on id stops.
+
+        A speculating sequence emits 1 .. k + 1 tokens: its computed count advances over the last
+        token and the accepted drafts only, and blocks that held only rejected drafts go back to
+        the pool. Tokens are appended one at a time with the same stop checks as single tokens, so a
+        stop id or ``max_tokens`` inside an accepted run ends the sequence exactly there.
 
         Args:
             batch: what :meth:`schedule` returned.
-            sampled: per scheduled sequence, the new token id, or None for a prefill chunk that did
-                not reach the end of the sequence.
+            sampled: per scheduled sequence the emitted tokens (a list, an int for one, or None / []
+                for a prefill chunk that did not reach the end of the sequence).
         Returns:
-            The sequences that got a new token (finished ones included, already freed).
+            The sequences that got new tokens (finished ones included, already freed); each one's
+            ``num_new_output`` says how many.
         """
         got: list[Sequence] = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
+        for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled):
+            tokens = [] if tokens is None else [tokens] if isinstance(tokens, int) else tokens
+            n_spec = len(seq.spec_token_ids)
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
             if seq.is_finished:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - n_spec + max(len(tokens) - 1, 0)
+            finish: tuple[str, int | None] | None = None
+            seq.num_new_output = 0
+            for token in tokens:
+                seq.token_ids.append(token)
+                seq.num_new_output += 1
+                n_out = seq.num_output_tokens
+                if token in seq.stop_token_ids and n_out > seq.min_tokens:  # the sampler masks them before
+                    finish = ("stop", token)
+                elif n_out >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                    finish = ("length", None)
+                if finish:
+                    break
+            if tokens:
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+            if n_spec:
+                self.block_manager.trim(seq)
             self.block_manager.cache_computed_blocks(seq)
-            if token is None:
+            if not tokens:
                 continue
-            seq.token_ids.append(token)
             got.append(seq)
-            n_out = seq.num_output_tokens
-            if token in seq.stop_token_ids and n_out > seq.min_tokens:  # the sampler masks them before
-                self.finish(seq, "stop", token)
-            elif n_out >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                self.finish(seq, "length")
+            if finish:
+                self.finish(seq, *finish)
         return got
+
+    def _release(self, seq: Sequence) -> None:
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+        if self.on_release is not None:
+            self.on_release(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence (stop, length or abort) in O(1): blocks freed now, queue entry dropped lazily."""
@@ -227,5 +280,6 @@ class Scheduler:
             return
         self._num_unfinished -= 1
         self.block_manager.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

@@ -62,7 +62,8 @@ class ChatSession:
         kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(model.config, block_size,
                                                                          next(model.parameters()).dtype)
         engine = Engine(model, tokenizer, EngineConfig(model=str(model_dir), max_num_seqs=1, block_size=block_size,
-                                                       kv_cache_memory=kv_bytes))
+                                                       kv_cache_memory=kv_bytes,
+                                                       speculative_config=cfg.speculative_config))
         defaults = generation_defaults(model_dir)
         params = SamplingParams(
             temperature=cfg.temperature if cfg.temperature is not None else defaults.get("temperature", 1.0),

@@ -141,6 +141,10 @@ class Tokenizer:
         """The backend's ``tokenizer.json`` serialisation (what grammar engines build their vocabulary from)."""
         return self._backend.to_str()
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included (HF's ``get_vocab``)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """Characters of the longest vocabulary entry (byte-level entries count one per byte, so this

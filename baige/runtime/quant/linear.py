@@ -80,12 +80,37 @@ class QuantizedLinear(nn.Module):
         return dequantize_weight(self.int_weight(), self.weight_scale, self.zero_point(), self.scheme.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., out): ``F.linear`` with the dequantized weight."""
+        """(..., in) -> (..., out): ``F.linear`` with the dequantized weight. When ``x`` needs a gradient
+        and the bias does not (a frozen quantized base under LoRA, QLoRA-style), the backward
+        dequantizes the weight again instead of keeping it from the forward
+        (:class:`_FrozenQuantizedLinear`); the integer weight and its scales never get gradients."""
         qweight = self.weight if self.scheme.num_bits == 8 else self.weight_packed
+        frozen_bias = self.bias is None or not self.bias.requires_grad
+        if torch.is_grad_enabled() and x.requires_grad and frozen_bias:
+            return _FrozenQuantizedLinear.apply(x, self, qweight)
         return kernels.quantized_linear(x, qweight, self.weight_scale, self.zero_point(), self.scheme.group_size, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
+
+
+class _FrozenQuantizedLinear(torch.autograd.Function):
+    """``y = x W^T + b`` with the quantized ``W`` dequantized inside the matmul (``kernels.quantized_linear``)
+    and ``dL/dx = dL/dy W`` from a weight dequantized again in the backward: nothing of the size of ``W``
+    is saved between the two (the memory saving QLoRA relies on, Dettmers et al. 2023). Weight, scales and bias are
+    frozen: only ``x`` gets a gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: "QuantizedLinear", qweight: torch.Tensor) -> torch.Tensor:
+        ctx.module = module
+        with torch.no_grad():
+            return kernels.quantized_linear(x, qweight, module.weight_scale, module.zero_point(),
+                                            module.scheme.group_size, module.bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w = ctx.module.dequantized_weight().to(grad.dtype)  # (out, in)
+        return grad @ w, None, None
 
 
 def target_linears(

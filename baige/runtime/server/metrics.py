@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.outputs import RequestOutput
@@ -34,6 +35,8 @@ class Metrics:
         Gauge("baige:num_preemptions", "Sequences preempted (recompute) so far.", registry=r
               ).set_function(lambda: eng.scheduler.num_preemptions)
         self._structured_gauges(eng, r)
+        if eng.proposer is not None:
+            r.register(_SpecDecodeCollector(eng))
         self.prompt_tokens = Counter("baige:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("baige:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("baige:request_success", "Finished requests by finish reason.",
@@ -76,3 +79,31 @@ class Metrics:
                 self.tpot.observe((out.finished_time - out.first_token_time) / (n - 1))
         if out.finished_time is not None:
             self.e2e.observe(out.finished_time - out.arrival_time)
+
+
+class _SpecDecodeCollector:
+    """Speculative decoding's counters under vLLM's names (``vllm:spec_decode_*`` -> ``baige:``):
+    drafts, draft tokens, accepted tokens (counters), accepted tokens per draft position, and the
+    acceptance rate and mean acceptance length they give (gauges)."""
+
+    def __init__(self, eng):
+        self.eng = eng
+
+    def collect(self):
+        st = self.eng.spec_stats
+        yield CounterMetricFamily("baige:spec_decode_num_drafts", "Verify steps with at least one draft token.",
+                                  value=st.num_drafts)
+        yield CounterMetricFamily("baige:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                                  value=st.num_draft_tokens)
+        yield CounterMetricFamily("baige:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                  value=st.num_accepted_tokens)
+        per_pos = CounterMetricFamily("baige:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position (0-based).", labels=["position"])
+        for pos, n in enumerate(st.accepted_per_pos):
+            per_pos.add_metric([str(pos)], n)
+        yield per_pos
+        yield GaugeMetricFamily("baige:spec_decode_acceptance_rate", "Accepted / draft tokens so far (0-1).",
+                                value=st.acceptance_rate)
+        yield GaugeMetricFamily("baige:spec_decode_mean_acceptance_length",
+                                "Tokens emitted per verify step, the target's own included (1 + accepted / drafts).",
+                                value=st.mean_acceptance_length)

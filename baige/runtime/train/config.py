@@ -19,6 +19,7 @@ from typing import Any
 
 from baige.errors import BaigeError
 from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int, check_output_path
+from baige.runtime.model.lora import LORA_TARGETS
 
 
 @dataclass
@@ -98,6 +99,18 @@ class MoESection:
 
 
 @dataclass
+class LoRASection:
+    """LoRA fine-tuning (``train/lora.py``): the base frozen, adapters of ``rank`` on ``targets`` trained."""
+
+    rank: int | None = None  # None = full fine-tuning; >= 1: LoRA of this rank (PEFT's r)
+    alpha: float = 8.0  # scaling = alpha / rank (PEFT's lora_alpha, default 8)
+    dropout: float = 0.0  # dropout on the adapter's input (PEFT's lora_dropout)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # module names (PEFT's target_modules)
+    use_rslora: bool = False  # rsLoRA: scaling = alpha / sqrt(rank)
+    merge: bool = False  # also write <output>/hf: the base with the adapter merged in
+
+
+@dataclass
 class CheckpointSection:
     interval: int = 500  # steps between DCP checkpoints (0 = only at the end)
     keep_latest: int = 2  # complete checkpoints kept (0 = all)
@@ -125,6 +138,7 @@ class TrainConfig:
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
     parallelism: ParallelismSection = field(default_factory=ParallelismSection)
     moe: MoESection = field(default_factory=MoESection)
+    lora: LoRASection = field(default_factory=LoRASection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
@@ -299,6 +313,30 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
     if p.pipeline_parallel_degree > 1 and p.expert_parallel_degree > 1:
         raise BaigeError("pipeline parallel (--pp) does not compose with expert parallel (--ep) yet: "
                          "use one of them")
+    if p.pipeline_parallel_degree > 1 and cfg.lora.rank is not None:
+        raise BaigeError("pipeline parallel (--pp) does not compose with LoRA (--lora-rank) yet: the adapter "
+                         "export gathers one rank's model; use FSDP or TP")
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    """The lora section. Raises BaigeError naming the field."""
+    lo = cfg.lora
+    if lo.rank is None:
+        if lo != LoRASection():
+            raise BaigeError("lora options need lora.rank: pass --lora-rank R (or set lora.rank)")
+        return
+    check_int("lora.rank", lo.rank, 1)
+    check_float("lora.alpha", lo.alpha, 0.0, low_open=True)
+    check_float("lora.dropout", lo.dropout, 0.0, 1.0)
+    if lo.dropout == 1.0:
+        raise BaigeError("lora.dropout must be < 1 (got 1.0)")
+    if not lo.targets:
+        raise BaigeError("lora.targets is empty: name at least one module (e.g. q_proj,v_proj)")
+    for t in lo.targets:
+        if t not in LORA_TARGETS:
+            raise BaigeError(f"lora.targets: unknown module {t!r} (one of {', '.join(LORA_TARGETS)})")
+    if cfg.model.name is None and cfg.model.config is not None:
+        raise BaigeError("lora.rank needs pretrained weights (--model), not a model trained from scratch")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -324,6 +362,7 @@ def validate(cfg: TrainConfig) -> None:
     check_float("metrics.peak_tflops", cfg.metrics.peak_tflops, 0.0)
     _validate_moe(cfg)
     _validate_pipeline(cfg)
+    _validate_lora(cfg)
     ac = t.activation_checkpointing
     if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):
         raise BaigeError(f"training.activation_checkpointing must be none, full or a block interval N >= 1 (got {ac!r})")

@@ -12,6 +12,7 @@ micro-batch's loss under the same factors; the reported ``loss`` stays the cross
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import time
@@ -26,7 +27,7 @@ from baige.errors import BaigeError
 from baige.runtime.model.device import DTYPES
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.settings import settings
-from baige.runtime.train import parallel
+from baige.runtime.train import lora, parallel
 from baige.runtime.train.checkpoint import CheckpointManager, export_hf, rng_state, set_rng_state
 from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
@@ -51,12 +52,13 @@ def _has_cxx_compiler() -> bool:
     return any(shutil.which(c) for c in (settings().cxx or "g++", "c++", "clang++"))
 
 
-def _state_dict_options():
-    """DCP state-dict options: the optimizer state flattened to one entry per parameter name (torchtitan's
-    choice), so that pipeline stages, whose param_groups differ per rank, save and reshard by name."""
+def _state_dict_options(**options):
+    """DCP state-dict options (``options``: more ``StateDictOptions`` fields): the optimizer state flattened
+    to one entry per parameter name (torchtitan's choice), so that pipeline stages, whose param_groups
+    differ per rank, save and reshard by name."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=True, **options)
 
 
 class Trainer:
@@ -71,6 +73,8 @@ class Trainer:
         self._init_output()
         self._resolve_model_and_tokenizer()
         model = self._load_or_init_weights()
+        tp_mesh = self.mesh["tp"] if self.dims.tp > 1 else None  # LoRA applies TP first (the adapters follow it)
+        self.lora_params = lora.apply_lora(model, cfg.lora, cfg.training.seed, tp_mesh) if cfg.lora.rank else 0
         self._build_data()
         self.model = self._apply_parallelisms(model)
         self.optimizer = self._build_optimizer()
@@ -78,7 +82,7 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.ckpt = CheckpointManager(self.output / "checkpoints", self.dist.is_main, cfg.checkpoint.keep_latest)
         self.step = 0
-        self.flops_per_token = self.model.flops_per_token(cfg.training.seq_len)
+        self.flops_per_token = lora.flops_per_token(self.model, self.lora_params, cfg.training.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.param_dtype, cfg.metrics.peak_tflops)
 
     # ---- set-up steps, in the order __init__ runs them --------------------------------------------
@@ -181,7 +185,8 @@ class Trainer:
         self.moe = (MoEBalancer(model, self.cfg.moe, self.cfg.training.grad_accum, self._dp_sum)
                     if model.config.moe is not None else None)
         self.compile = self._resolve_compile()
-        parallel.parallelize(model, self.dims, self.mesh, ac=self.cfg.training.activation_checkpointing,
+        dims = dataclasses.replace(self.dims, tp=1) if self.lora_params else self.dims  # TP already applied
+        parallel.parallelize(model, dims, self.mesh, ac=self.cfg.training.activation_checkpointing,
                              compile=self.compile, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype,
                              sparse_mesh=self.sparse_mesh)
         if not self.dims.fsdp_enabled:
@@ -224,7 +229,7 @@ class Trainer:
 
         o = self.cfg.optimizer
         groups: dict[tuple[bool, bool], list] = {}
-        for name, param in self.model.named_parameters():
+        for name, param in ((n, p) for n, p in self.model.named_parameters() if p.requires_grad):  # not a frozen base
             decay = param.ndim >= 2 and "embed_tokens" not in name
             # fused/foreach kernels take one kind per group: DTensors (FSDP/TP/EP, any mesh) apart from
             # plain tensors; the same groups on every layout, so checkpoints reshard between them
@@ -298,9 +303,8 @@ class Trainer:
     # ---- checkpoint state -------------------------------------------------------------------------
 
     def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_state_dict_options())
+        model_sd, optim_sd = lora.train_state_dict(self.model, self.optimizer, bool(self.lora_params),
+                                                   _state_dict_options())
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
         moe = self.moe.state_dict() if self.moe is not None else {}
@@ -317,7 +321,7 @@ class Trainer:
         state = self._state()
         self.ckpt.load(path, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=_state_dict_options())
+                       options=_state_dict_options(strict=not self.lora_params))
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"], self.device)
@@ -408,6 +412,7 @@ class Trainer:
         result.start_step = self.step
         mc = self.model_config
         active = f" ({mc.num_params(active=True) / 1e6:.1f}M active)" if mc.moe is not None else ""
+        active += f" (LoRA r={cfg.lora.rank}: {self.lora_params:,} trainable)" if self.lora_params else ""
         self.log.print(
             f"{mc.model_type} {mc.num_params() / 1e6:.1f}M params{active} | world_size "
             f"{self.dist.world_size} (pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
@@ -432,10 +437,10 @@ class Trainer:
                 elapsed = time.perf_counter() - window_t0
                 tps = window_steps * tokens_per_step_per_device / elapsed
                 self.log.log({
-                    "split": "train", "step": self.step, "loss": loss, "grad_norm": grad_norm,
-                    "lr": lr,
+                    "split": "train", "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                     "tokens_per_second_per_device": tps, "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
                     "peak_memory_gib": peak_memory_bytes(self.device) / 2**30, "seconds": elapsed,
+                    "trainable_params": self.lora_params or mc.num_params(),
                     **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
                     **(self.pipeline.metrics() if self.pipeline is not None else {}),
                 })
@@ -459,6 +464,8 @@ class Trainer:
         """Write ``<output>/hf`` from the current weights (collective)."""
         want = self.cfg.checkpoint.export_dtype
         dtype = DTYPES.get(self.model_config.torch_dtype.replace("torch.", ""), torch.float32) if want == "auto" else DTYPES[want]
+        if self.lora_params:  # the PEFT adapter (and the merged model with lora.merge)
+            return lora.export_lora(self, dtype)
         out = export_hf(self.model, dict(self.model_config.raw), self.output / "hf", self.tokenizer_dir, dtype,
                         self.dist.is_main, self.pipeline.full_state_dict if self.pipeline is not None else None)
         if out is not None:

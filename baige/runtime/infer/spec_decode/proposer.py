@@ -1,0 +1,88 @@
+"""The proposer interface: what verification needs from anything that guesses tokens.
+
+A proposer sees the sequences about to decode and returns per sequence up to its budget of draft
+tokens, with the distribution each was drawn from when it drew at random (None: chosen
+deterministically, which the rejection sampler treats as a one-hot draft distribution). Nothing
+else crosses the boundary, so a trained head (EAGLE, MTP) is one more subclass: it needs the
+target's hidden states, which :meth:`Proposer.propose` may take from ``hidden`` once the runner
+passes them (it does not yet).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from baige.runtime.infer.sampling import SamplerRow
+from baige.runtime.infer.scheduler import Sequence
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sequence.
+
+    Attributes:
+        token_ids: the draft tokens in order (may be empty: the sequence then simply decodes).
+        probs: (len(token_ids), vocab) fp32, the distribution each token was drawn from, or None
+            when they were chosen deterministically (n-gram lookup, greedy drafts).
+    """
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class DraftBudget:
+    """How many drafts one sequence asks for (dynamic speculation length).
+
+    Every draft token costs a row of the verify forward whether or not it is accepted, so a sequence
+    whose drafts keep failing asks for fewer: after a rejection the budget becomes the accepted run
+    plus one, after a fully accepted step it doubles (up to ``k``); when even a single draft is
+    rejected outright, the sequence stops speculating for 1, 2, 4, ... 16 steps before it probes
+    again. Copying text ramps to ``k`` within a few steps; text with nothing to copy costs one extra
+    verify row every 16 steps.
+    """
+
+    k: int
+    budget: int = -1  # -1: k
+    backoff: int = 0  # steps skipped after the last outright rejection of a single draft
+    skip: int = 0  # steps left to skip
+
+    def take(self) -> int:
+        """This step's budget (0 while backing off)."""
+        if self.skip:
+            self.skip -= 1
+            return 0
+        return self.k if self.budget < 0 else self.budget
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        """After a verify step of ``num_draft`` drafts whose first ``num_accepted`` were kept."""
+        if num_accepted >= num_draft:
+            self.budget, self.backoff = min(self.k, max(1, num_draft) * 2), 0
+        elif num_accepted == 0 and num_draft == 1:
+            self.backoff = min(16, max(1, 2 * self.backoff))
+            self.skip, self.budget = self.backoff, 1
+        else:
+            self.budget, self.backoff = num_accepted + 1, 0
+
+
+class Proposer(ABC):
+    """Guesses tokens for decoding sequences (see the module docstring)."""
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], budgets: list[int], rows: list[SamplerRow]) -> list[Proposal]:
+        """Draft tokens for each sequence.
+
+        Args:
+            seqs: sequences whose K/V is computed up to their last token (they decode next step).
+            budgets: per sequence the most tokens to propose (>= 0; never past max_tokens or the
+                context limit).
+            rows: per sequence its sampling inputs (a draft model samples under the same settings).
+        Returns:
+            One :class:`Proposal` per sequence, at most ``budgets[i]`` tokens each.
+        """
+
+    def release(self, seq: Sequence) -> None:
+        """Forget ``seq`` (finished or preempted): free whatever the proposer holds for it."""
