@@ -238,3 +238,32 @@ def test_split_layers_puts_fewer_layers_beside_embedding_and_head():
         split_layers(2, 3)
     assert stage_ids(0, 2, 4, v_shape=False) == (0, 2) and stage_ids(1, 2, 4, v_shape=False) == (1, 3)
     assert stage_ids(0, 2, 4, v_shape=True) == (0, 3) and stage_ids(1, 2, 4, v_shape=True) == (1, 2)
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_checkpoint_from_before_the_flattened_optimizer_state_resumes(setup, tmp_path, one_thread):
+    """Checkpoints written before PP hold the optimizer state nested (param groups by index): one
+    process still resumes them, exactly as an uninterrupted run."""
+    from train_utils import tiny_config
+
+    from baige.runtime.train.checkpoint import optimizer_state_is_flat
+    from baige.runtime.train.trainer import Trainer, run_training
+
+    root, common = setup
+    model, data = Path(common["model"]), Path(common["data"])
+    flags = {"training.steps": 3, "training.batch_size": 2, "checkpoint.export_hf": False}
+    full = run_training(tiny_config(model, data, tmp_path / "full", **flags))
+    old = Trainer(tiny_config(model, data, tmp_path / "old", **dict(flags, **{"training.steps": 2})))
+    for _ in range(2):
+        old.train_step()
+    path = old.ckpt.save(old.step, old._state(flat_optimizer=False), old.cfg.to_toml())  # the old layout
+    assert not optimizer_state_is_flat(path) and optimizer_state_is_flat(tmp_path / "full" / "checkpoints" / "step_00000003")
+    resumed = run_training(tiny_config(model, data, tmp_path / "old", **flags))
+    assert resumed.start_step == 2 and resumed.losses[3] == full.losses[3]

@@ -123,6 +123,15 @@ class CheckpointManager:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
+def optimizer_state_is_flat(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` stores the optimizer state flattened per parameter name
+    (``optimizer.param_groups.<name>.lr``, written since pipeline parallel) rather than nested
+    (``optimizer.param_groups.0.lr``: the param group's index), from DCP's ``.metadata``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return "optimizer.param_groups.0.lr" not in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """The torch RNG states this process uses (CPU, and the current CUDA device when on CUDA)."""
     state = {"cpu": torch.get_rng_state()}

@@ -28,7 +28,8 @@ from baige.runtime.model.device import DTYPES
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.settings import settings
 from baige.runtime.train import lora, parallel
-from baige.runtime.train.checkpoint import CheckpointManager, export_hf, rng_state, set_rng_state
+from baige.runtime.train.checkpoint import (CheckpointManager, export_hf, optimizer_state_is_flat, rng_state,
+                                            set_rng_state)
 from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
 from baige.runtime.train.lr_scheduler import build_lr_scheduler
@@ -55,10 +56,11 @@ def _has_cxx_compiler() -> bool:
 def _state_dict_options(**options):
     """DCP state-dict options (``options``: more ``StateDictOptions`` fields): the optimizer state flattened
     to one entry per parameter name (torchtitan's choice), so that pipeline stages, whose param_groups
-    differ per rank, save and reshard by name."""
+    differ per rank, save and reshard by name (checkpoints from before keep the nested layout, see
+    :func:`~baige.runtime.train.checkpoint.optimizer_state_is_flat`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True, **options)
+    return StateDictOptions(**{"flatten_optimizer_state_dict": True, **options})
 
 
 class Trainer:
@@ -302,9 +304,9 @@ class Trainer:
 
     # ---- checkpoint state -------------------------------------------------------------------------
 
-    def _state(self) -> dict:
+    def _state(self, flat_optimizer: bool = True) -> dict:
         model_sd, optim_sd = lora.train_state_dict(self.model, self.optimizer, bool(self.lora_params),
-                                                   _state_dict_options())
+                                                   _state_dict_options(flatten_optimizer_state_dict=flat_optimizer))
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
         moe = self.moe.state_dict() if self.moe is not None else {}
@@ -318,10 +320,14 @@ class Trainer:
     def resume(self, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        state = self._state()
+        flat = optimizer_state_is_flat(path)
+        if not flat and self.pipeline is not None:
+            raise BaigeError(f"{path} predates pipeline parallel (nested optimizer state): resume it once without "
+                             "--pp; its next checkpoints reshard to any PP degree")
+        state = self._state(flat)
         self.ckpt.load(path, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=_state_dict_options(strict=not self.lora_params))
+                       options=_state_dict_options(strict=not self.lora_params, flatten_optimizer_state_dict=flat))
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"], self.device)
