@@ -111,7 +111,9 @@ def test_1f1b_two_stages_match_one_process_on_sft_data(runs):
     single = read_metrics(runs / "single")
     _assert_losses_equal(read_metrics(runs / "pp_1f1b"), single, range(1, STEPS + 1))
     assert single[STEPS] < single[1] - 0.3  # it trains
-    _assert_params_close(_params(runs / "pp_1f1b"), _params(runs / "single"))
+    # the HF export of the pipelined run is the one-process export (measured: max |diff| 1.3e-6)
+    a, b = _params(runs / "pp_1f1b"), _params(runs / "single")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
     exported = _params(runs / "pp_1f1b")
     assert "lm_head.weight" not in exported and "model.layers.3.mlp.down_proj.weight" in exported  # tied: dropped
     assert exported.keys() == load_file(str(runs / "tied4" / "model.safetensors")).keys()
