@@ -303,6 +303,21 @@ def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path, monkeypatch):
     assert [x["output_len"] for x in r["samples"]] == [3] * 5 and [x["prompt_len"] for x in r["samples"]] == [7] * 5
 
 
+def test_cli_latency_with_speculation_reports_its_counters(tiny_dir, tmp_path):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    res = _cli(["bench", "latency", "--model", str(tiny_dir), "--input-len", "6", "--output-len", "24",
+                "--batch-size", "2", "--num-iters", "1", "--num-iters-warmup", "0", "--speculative-config", spec,
+                "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "latency")
+    sd = r["spec_decode"]
+    assert r["args"]["engine"]["speculative_config"]["num_speculative_tokens"] == 3
+    assert sd["num_drafts"] > 0 and 0 <= sd["num_accepted_tokens"] <= sd["num_draft_tokens"] <= 3 * sd["num_drafts"]
+    assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
+    assert "spec decode: acceptance rate" in res.output
+
+
 def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
     """`baige bench --model M --output-dir D compare ...` (group options first) and --hf-dtype /
     --kv-cache-dtype reach the run: the JSON lands in D, one HF dtype timed, an fp16 KV cache."""

@@ -206,3 +206,22 @@ def test_ngram_defaults_and_the_inferred_method():
     assert (c.method, c.model) == ("draft_model", "x")
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (1, 4)
+
+
+def test_structured_outputs_speculate_and_give_the_same_tokens(loaded):
+    import json
+
+    from baige.runtime.infer.structured import StructuredOutputsParams
+
+    tok = loaded[1]
+    schema = {"type": "array", "minItems": 8, "maxItems": 8,
+              "items": {"type": "object", "properties": {"fruit": {"enum": ["apple pie", "banana split"]}},
+                        "required": ["fruit"], "additionalProperties": False}}
+    prompt = tok.apply_chat_template([{"role": "user", "content": "List eight desserts as JSON."}])
+    work = [(prompt, SamplingParams(temperature=0, max_tokens=120,
+                                    structured_outputs=StructuredOutputsParams(json=schema)))]
+    _, (plain,) = generate(loaded, None, work)
+    eng, (spec,) = generate(loaded, NGRAM, work)
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "stop"
+    assert len(json.loads(spec.text)) == 8
+    assert eng.spec_stats.num_accepted_tokens > 10  # the repeated items were copied, and verified under the mask

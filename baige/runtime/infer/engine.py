@@ -288,14 +288,15 @@ class Engine:
     def _propose(self) -> None:
         """Ask the proposer for draft tokens for the running sequences that decode next step.
 
-        Structured-output sequences do not speculate (their masks are computed one token at a time).
-        A sequence's budget follows its acceptance (:class:`~baige.runtime.infer.spec_decode.proposer.DraftBudget`)
+        A structured-output sequence's drafts are cut before the first token its grammar refuses
+        (llguidance's ``validate_tokens``); its masks at every draft position are computed with the
+        step's other masks (:meth:`_start_masks`). A sequence's budget follows its acceptance (:class:`~baige.runtime.infer.spec_decode.proposer.DraftBudget`)
         and never lets a step emit past ``max_tokens`` or the context. A proposer that raises
         costs this step's speculation only: every sequence then decodes plainly.
         """
         seqs, budgets = [], []
         for seq in self.scheduler.running:
-            if seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.payload.grammar is not None:
+            if seq.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
             room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
             seqs.append(seq)
@@ -312,7 +313,12 @@ class Engine:
                 self.proposer.release(seq)
             return
         for seq, p in zip(seqs, proposals):
-            seq.spec_token_ids, seq.spec_draft_probs = list(p.token_ids), p.probs
+            drafts, probs = list(p.token_ids), p.probs
+            grammar = seq.payload.grammar
+            if drafts and grammar is not None:
+                keep = grammar.validate_tokens(drafts)  # proposals the constraint refuses are never verified
+                drafts, probs = drafts[:keep], (probs[:keep] if probs is not None and keep else None)
+            seq.spec_token_ids, seq.spec_draft_probs = drafts, probs
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer and vocabulary."""
@@ -325,8 +331,9 @@ class Engine:
         compiler's worker thread, overlapping the forward); returns the callable that waits for
         them, or None."""
         constrained = {i: s.payload.grammar for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                       if s.payload.grammar is not None and s.num_computed_tokens + n == len(s.token_ids)}
-        return self._grammars.start_masks(constrained).result if constrained else None
+                       if s.payload.grammar is not None and s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)}
+        drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
+        return self._grammars.start_masks(constrained, drafts).result if constrained else None
 
     def _execute(self, batch: ScheduledBatch, rows: list[SamplerRow], masks=None):
         """``runner.execute``; when the batched step raises, each sequence runs alone and the ones

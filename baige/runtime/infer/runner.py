@@ -339,7 +339,7 @@ class ModelRunner:
         if token_masks is not None:
             rows = list(rows)
             for i, mask in token_masks().items():
-                rows[i] = replace(rows[i], token_mask=mask)
+                rows[i] = replace(rows[i], token_mask=mask)  # (vocab,), or (drafts + 1, vocab) per position
         plain = [(i, first) for i, first, n in spans if not batch.seqs[i].spec_token_ids]
         if plain:
             got, lps = sample_batch(logits[self._tensor([f for _, f in plain])], [rows[i] for i, _ in plain])
@@ -356,8 +356,9 @@ class ModelRunner:
         row, rows = drafts + 1), filling ``tokens`` and ``logprobs`` in place."""
         pos_rows, at = [], []
         for i, first, n in spec:
-            drafts = batch.seqs[i].spec_token_ids
-            pos_rows += [rows[i].with_outputs(drafts[:j]) for j in range(n)]
+            drafts, mask = batch.seqs[i].spec_token_ids, rows[i].token_mask
+            pos_rows += [rows[i].with_outputs(drafts[:j]) if mask is None else
+                         replace(rows[i].with_outputs(drafts[:j]), token_mask=mask[j]) for j in range(n)]
             at += range(first, first + n)
         sub = logits[self._tensor(at)]
         probs = target_probs(sub, pos_rows)  # (sum n, vocab)

@@ -197,22 +197,33 @@ class GrammarCompiler:
         bits = torch.arange(32, dtype=torch.int32)
         return ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(bitmask), -1)[:, : self.vocab_size]
 
-    def start_masks(self, matchers: dict[int, Any]) -> Future:
+    def start_masks(self, matchers: dict[int, Any], drafts: dict[int, list[int]] | None = None) -> Future:
         """Compute the token masks of ``{row index: matcher}`` on the worker thread; the future
-        resolves to ``{row index: (vocab,) bool tensor}`` (True: allowed)."""
-        return self._pool.submit(self._masks, matchers)
+        resolves to ``{row index: (vocab,) bool tensor}`` (True: allowed). A row with draft tokens
+        (speculative decoding, ``drafts[row]``, already validated) gets ``(len + 1, vocab)``: the
+        mask at each draft position and after the last, the matcher left where it was."""
+        return self._pool.submit(self._masks, matchers, drafts or {})
 
-    def _masks(self, matchers: dict[int, Any]) -> dict[int, torch.Tensor]:
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+    def _masks(self, matchers: dict[int, Any], drafts: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        from llguidance.torch import (allocate_token_bitmask, fill_next_token_bitmask_par,
+                                      fill_next_token_bitmask_par_with_draft_tokens)
 
         start = time.perf_counter()
         rows = list(matchers)
-        bitmask = allocate_token_bitmask(len(rows), self.vocab_size)  # (R, ceil(V / 32)) int32
-        fill_next_token_bitmask_par(self._executor, [(matchers[r], j) for j, r in enumerate(rows)], bitmask)
+        spans, at = [], 0
+        for r in rows:
+            spans.append((matchers[r], at, list(drafts.get(r, ()))))
+            at += 1 + len(drafts.get(r, ()))
+        bitmask = allocate_token_bitmask(at, self.vocab_size)  # (positions, ceil(V / 32)) int32
+        plain = [(m, i) for m, i, d in spans if not d]
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if len(plain) < len(spans):  # llguidance wants a non-empty draft list there
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, [t for t in spans if t[2]], bitmask)
         allowed = self._bits(bitmask)
         self.stats["mask_seconds"] += time.perf_counter() - start
-        self.stats["masked_tokens"] += len(rows)
-        return {r: allowed[j] for j, r in enumerate(rows)}
+        self.stats["masked_tokens"] += at
+        return {r: allowed[i] if r not in drafts else allowed[i:i + 1 + len(d)] for r, (_, i, d) in zip(rows, spans)}
 
 
 def engine_error(matcher) -> str:

@@ -10,15 +10,13 @@ spec, ``ggml/docs/gguf.md``); the tokenizer from ``gguf_tokenizer``.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from baige.errors import BaigeError
+from baige.runtime.weights.safetensors_io import atomic_dir
 
 # GGUF tensor name (inside blk.N.) -> HF name (inside model.layers.N.)
 _LAYER_NAMES = {
@@ -152,18 +150,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     tok_json, tok_cfg = build_tokenizer_files(reader)
     gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir, "model directory") as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

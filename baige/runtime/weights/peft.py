@@ -11,9 +11,6 @@ names as in the HF checkpoint (``model.layers.0.self_attn.q_proj``); the config'
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from torch import nn
 
 from baige.errors import BaigeError
 from baige.runtime.model.lora import is_linear, lora_scaling, peft_key
+from baige.runtime.weights.safetensors_io import atomic_dir
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -53,20 +51,9 @@ def save_peft_adapter(weights: dict[str, tuple[torch.Tensor, torch.Tensor]], con
         tensors[peft_key(name, "A")] = a.detach().to("cpu", dtype).contiguous()
         tensors[peft_key(name, "B")] = b.detach().to("cpu", dtype).contiguous()
     out_dir = Path(out_dir)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    except OSError as e:
-        raise BaigeError(f"{out_dir}: cannot create the adapter directory ({e.strerror or e})") from None
-    try:
+    with atomic_dir(out_dir, "adapter directory") as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

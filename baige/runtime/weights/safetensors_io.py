@@ -5,6 +5,8 @@ atomically (:func:`save_hf_checkpoint`, the one writer of HF directories in baig
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 import os
 import shutil
 import tempfile
@@ -71,6 +73,29 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype | None = None) -> dict[s
     return state
 
 
+
+@contextmanager
+def atomic_dir(out_dir: Path, what: str) -> Iterator[Path]:
+    """Write a directory all at once: yields an empty temporary sibling of ``out_dir``, which replaces
+    ``out_dir`` (removed first if it exists) when the block ends, or is deleted when the block raises,
+    so a reader never sees a half-written directory.
+
+    Raises BaigeError (naming ``what``) when the temporary directory cannot be created.
+    """
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:
+        raise BaigeError(f"{out_dir}: cannot create the {what} ({e.strerror or e})") from None
+    try:
+        yield tmp
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
 def save_hf_checkpoint(
     state: dict[str, torch.Tensor],
     config: dict,
@@ -114,12 +139,7 @@ def save_hf_checkpoint(
         shards[-1][name] = state[name]
         size += nbytes
 
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    except OSError as e:
-        raise BaigeError(f"{out_dir}: cannot create the output directory ({e.strerror or e})") from None
-    try:
+    with atomic_dir(out_dir, "output directory") as tmp:
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
         else:
@@ -144,10 +164,4 @@ def save_hf_checkpoint(
             for fname in TOKENIZER_FILES + ("chat_template.jinja",):
                 if (Path(tokenizer_dir) / fname).is_file():
                     shutil.copy(Path(tokenizer_dir) / fname, tmp / fname)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
