@@ -1,4 +1,4 @@
-"""``baige train``: pre-train or fine-tune with FSDP2 / tensor parallel, one process or many.
+"""``baige train``: pre-train or fine-tune with FSDP2 / tensor / pipeline parallel, one process or many.
 
 Launch forms:
   baige train --data corpus.txt --steps 200 --output runs/a                   (one process)
@@ -53,6 +53,12 @@ def train(
     ep: Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree for MoE models (default 1): experts "
                                               "sharded over EP ranks taken from the data-parallel shard dimension "
                                               "(must divide it and the expert count); tokens move by all_to_all.")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (default 1): stages over PP ranks, the "
+                                              "outermost mesh dimension (torch.distributed.pipelining); must divide world_size.")] = None,
+    pp_schedule: Annotated[Optional[str], typer.Option(
+        "--pp-schedule", help="Pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B or ZBVZeroBubble (2 stages per rank).")] = None,
+    pp_microbatches: Annotated[Optional[int], typer.Option(
+        "--pp-microbatches", help="Pipeline micro-batches per --batch-size batch (must divide it; default: one window each).")] = None,
     ac: Annotated[Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block (default: on for single-device CPU training when a C++ compiler is on PATH).")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
@@ -80,7 +86,8 @@ def train(
         "training.steps": steps, "training.seq_len": seq_len, "training.batch_size": batch_size,
         "training.grad_accum": grad_accum, "optimizer.lr": lr, "output": output, "checkpoint.resume": resume,
         "parallelism.tensor_parallel_degree": tp, "parallelism.data_parallel_replicate_degree": dp_replicate,
-        "parallelism.expert_parallel_degree": ep,
+        "parallelism.expert_parallel_degree": ep, "parallelism.pipeline_parallel_degree": pp,
+        "parallelism.pipeline_parallel_schedule": pp_schedule, "parallelism.pipeline_parallel_microbatches": pp_microbatches,
         "training.activation_checkpointing": ac, "training.compile": compile, "training.device": device,
         "training.seed": seed, "lora.rank": lora_rank, "lora.alpha": lora_alpha, "lora.dropout": lora_dropout,
         "lora.targets": [t.strip() for t in lora_targets.split(",")] if lora_targets is not None else None,

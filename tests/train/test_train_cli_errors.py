@@ -66,3 +66,20 @@ def test_data_that_is_not_utf8_is_one_line(cli_error, base, tmp_path, name, embe
     err = cli_error(*base, "--data", data, "--model-config", "moe-tiny", "--tokenizer", embedded_dir,
                     "-o", tmp_path / "run-bad")
     assert f"{data}: not UTF-8 text (it holds the byte 0xe9)" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--pp", "2"], "pipeline_parallel_degree 2 does not divide world_size 1"),
+    (["--pp", "0"], "parallelism.pipeline_parallel_degree must be an integer >= 1 (got 0)"),
+    (["--pp-schedule", "zigzag"],
+     "parallelism.pipeline_parallel_schedule must be one of GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble (got 'zigzag')"),
+    (["--batch-size", "4", "--pp-microbatches", "3"],
+     "parallelism.pipeline_parallel_microbatches 3 must divide training.batch_size 4"),
+    (["--pp", "2", "--ep", "2"], "pipeline parallel (--pp) does not compose with expert parallel (--ep) yet"),
+    (["--pp", "2", "--lora-rank", "4", "--model", "MODEL"], "pipeline parallel (--pp) does not compose with LoRA"),
+    (["--pp", "2", "--pp-schedule", "zbvzerobubble", "--eval-data", "EVAL"],
+     "evaluation (--eval-data) under ZBVZeroBubble is not supported"),
+])
+def test_bad_pipeline_options(cli_error, base, args, needle):
+    args = [base[2] if a in ("EVAL", "MODEL") else a for a in args]  # a file that exists (checked later)
+    assert needle in cli_error(*base, *args)

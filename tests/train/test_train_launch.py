@@ -55,3 +55,32 @@ def test_parallel_dims():
         ParallelDims.resolve(6, 1, -1, 4)
     with pytest.raises(BaigeError, match="world_size 8"):
         ParallelDims.resolve(8, 1, 2, 2)
+
+
+def test_parallel_dims_with_pipeline():
+    dims = ParallelDims.resolve(8, 1, -1, 2, pp=2)
+    assert dims == ParallelDims(1, 2, 2, 1, 2) and dims.dp_size == 2 and dims.model_parallel_size == 4
+    with pytest.raises(BaigeError, match="pipeline_parallel_degree 3 does not divide world_size 8"):
+        ParallelDims.resolve(8, 1, -1, 1, pp=3)
+    with pytest.raises(BaigeError, match=r"2 \(pp\) x 1 \(replicate\) x 4 \(shard\) x 1 \(tp\) != world_size 4"):
+        ParallelDims.resolve(4, 1, 4, 1, pp=2)
+
+
+def test_sbatch_multi_node_pp_runs_torchrun_once_per_node_with_pp(tmp_path):
+    """The template under stand-in srun/scontrol/torchrun (each prints its arguments): PP=2 on 2 nodes."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    # scontrol writes line by line: the template must read them all (a reader that stops early would
+    # SIGPIPE it, a 141 exit under pipefail)
+    for tool, body in (("scontrol", "echo node1; sleep 0.2; echo node2"), ("srun", 'echo "srun $*"; shift 2; "$@"'),
+                       ("torchrun", 'echo "torchrun $*"')):
+        (bindir / tool).write_text(f"#!/bin/bash\n{body}\n")
+        (bindir / tool).chmod(0o755)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "PP": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_ID": "7", "GPUS_PER_NODE": "8"}
+    out = subprocess.run(["bash", str(SBATCH), "--config", "run.toml"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    srun, torchrun = out.stdout.splitlines()
+    assert srun.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun")
+    assert "--nnodes=2 --nproc-per-node=8" in torchrun and "--rdzv-endpoint=node1:29500" in torchrun
+    assert torchrun.endswith("--no-python baige train --pp 2 --config run.toml")

@@ -72,7 +72,8 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
     from baige.runtime.model.tokenizer import Tokenizer
     from baige.runtime.train.config import TrainConfig, validate
     from baige.runtime.train.metrics import peak_memory_bytes
-    from baige.runtime.train.trainer import PRESETS, Trainer
+    from baige.runtime.train.presets import PRESETS
+    from baige.runtime.train.trainer import Trainer
     from baige.runtime.weights.hub import resolve_model
 
     from_scratch = cfg.model in PRESETS  # a preset architecture, randomly initialised, default tokenizer

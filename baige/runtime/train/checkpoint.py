@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,15 @@ class CheckpointManager:
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
 
+def optimizer_state_is_flat(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` stores the optimizer state flattened per parameter name
+    (``optimizer.param_groups.<name>.lr``, written since pipeline parallel) rather than nested
+    (``optimizer.param_groups.0.lr``: the param group's index), from DCP's ``.metadata``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return "optimizer.param_groups.0.lr" not in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """The torch RNG states this process uses (CPU, and the current CUDA device when on CUDA)."""
     state = {"cpu": torch.get_rng_state()}
@@ -137,17 +147,21 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def export_hf(model: torch.nn.Module, config: dict, out_dir: Path, tokenizer_dir: Path | None,
-              dtype: torch.dtype, is_main: bool) -> Path | None:
+              dtype: torch.dtype, is_main: bool,
+              full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Gather the full model (collective) and write an HF directory from rank 0 (``save_hf_checkpoint``:
     safetensors, config.json, generation_config.json, tokenizer files; lm_head dropped when tied).
 
-    An existing export at ``out_dir`` is replaced. Returns ``out_dir`` on rank 0, None elsewhere.
+    ``full_state_dict`` gathers the state instead (collective; the full dict on rank 0): pipeline
+    parallel, where no rank holds every stage. An existing export at ``out_dir`` is replaced.
+    Returns ``out_dir`` on rank 0, None elsewhere.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from baige.runtime.weights.safetensors_io import save_hf_checkpoint
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = (full_state_dict() if full_state_dict is not None else
+            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     result = None
     if is_main:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}

@@ -79,6 +79,11 @@ class ParallelismSection:
     # experts sharded over this many ranks of the data-parallel shard dimension (torchtitan's name);
     # must divide data_parallel_shard_degree and the number of routed experts
     expert_parallel_degree: int = 1
+    # pipeline parallel (torch.distributed.pipelining): the outermost mesh dimension, stages split by layer count
+    pipeline_parallel_degree: int = 1
+    pipeline_parallel_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble (torchtitan's names)
+    # micro-batches each pipeline step splits training.batch_size into (must divide it); 0 = batch_size
+    pipeline_parallel_microbatches: int = 0
     mixed_precision_param: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
     mixed_precision_reduce: str = "float32"
 
@@ -284,6 +289,35 @@ def _validate_moe(cfg: TrainConfig) -> None:
     check_int("parallelism.expert_parallel_degree", cfg.parallelism.expert_parallel_degree, 1)
 
 
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+
+
+def _validate_pipeline(cfg: TrainConfig) -> None:
+    """The pipeline-parallel fields (the schedule name is matched case-insensitively and normalised).
+    Raises BaigeError naming the field."""
+    p = cfg.parallelism
+    check_int("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1)
+    names = {n.lower(): n for n in PIPELINE_SCHEDULES}
+    if p.pipeline_parallel_schedule.lower() not in names:
+        raise BaigeError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(PIPELINE_SCHEDULES)} "
+                         f"(got {p.pipeline_parallel_schedule!r})")
+    p.pipeline_parallel_schedule = names[p.pipeline_parallel_schedule.lower()]
+    m, batch = p.pipeline_parallel_microbatches, cfg.training.batch_size
+    check_int("parallelism.pipeline_parallel_microbatches", m, 0)
+    if m and batch % m:
+        raise BaigeError(f"parallelism.pipeline_parallel_microbatches {m} must divide training.batch_size {batch} "
+                         "(each micro-batch of the pipeline holds batch_size / microbatches windows)")
+    if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule == "ZBVZeroBubble" and cfg.data.eval:
+        raise BaigeError("evaluation (--eval-data) under ZBVZeroBubble is not supported: torch 2.13's ZBV schedule "
+                         "fails in forward-only passes; use another pipeline_parallel_schedule or drop --eval-data")
+    if p.pipeline_parallel_degree > 1 and p.expert_parallel_degree > 1:
+        raise BaigeError("pipeline parallel (--pp) does not compose with expert parallel (--ep) yet: "
+                         "use one of them")
+    if p.pipeline_parallel_degree > 1 and cfg.lora.rank is not None:
+        raise BaigeError("pipeline parallel (--pp) does not compose with LoRA (--lora-rank) yet: the adapter "
+                         "export gathers one rank's model; use FSDP or TP")
+
+
 def _validate_lora(cfg: TrainConfig) -> None:
     """The lora section. Raises BaigeError naming the field."""
     lo = cfg.lora
@@ -327,6 +361,7 @@ def validate(cfg: TrainConfig) -> None:
     check_float("lr_scheduler.decay_ratio", cfg.lr_scheduler.decay_ratio, 0.0, 1.0)
     check_float("metrics.peak_tflops", cfg.metrics.peak_tflops, 0.0)
     _validate_moe(cfg)
+    _validate_pipeline(cfg)
     _validate_lora(cfg)
     ac = t.activation_checkpointing
     if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):

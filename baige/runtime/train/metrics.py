@@ -71,7 +71,8 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         """One record: ``{"split": "train"|"eval", "step": int, ...numbers}``; MoE runs add ``aux_loss``,
-        ``z_loss`` and per-layer lists ``expert_load_max_mean`` / ``expert_load_cv`` (for ``moe_layers``)."""
+        ``z_loss`` and per-layer lists ``expert_load_max_mean`` / ``expert_load_cv`` (for ``moe_layers``);
+        pipeline runs add the ``pp_*`` timings of :meth:`~baige.runtime.train.pipeline.Pipeline.metrics`."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
@@ -89,10 +90,15 @@ class MetricsLogger:
             if "aux_loss" in record:  # MoE: balance loss, and the worst layer's expert load
                 moe = (f"  aux {record['aux_loss']:.3f}  expert load max/mean {max(record['expert_load_max_mean']):.2f} "
                        f"cv {max(record['expert_load_cv']):.2f}")
+            pp = ""
+            if "pp_bubble_fraction" in record:  # pipeline: measured and ideal bubble, compute per stage rank
+                stages = "/".join(f"{t:.2f}" for t in record["pp_stage_compute_seconds"])
+                pp = (f"  pp bubble {record['pp_bubble_fraction']:.2f} (ideal {record['pp_bubble_fraction_schedule']:.2f})"
+                      f" compute {stages} s")
             self.console.print(
                 f"step {record['step']:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
                 f"lr {record['lr']:.3e}  {record['tokens_per_second_per_device']:,.0f} tokens/s/device  "
-                f"MFU {100 * record['mfu']:.1f}%  peak mem {record['peak_memory_gib']:.2f} GiB{moe}",
+                f"MFU {100 * record['mfu']:.1f}%  peak mem {record['peak_memory_gib']:.2f} GiB{moe}{pp}",
                 highlight=False,
             )
         else:

@@ -135,36 +135,46 @@ def init_distributed(device_type: str) -> DistInfo:
 
 @dataclass
 class ParallelDims:
-    """Sizes of the mesh dimensions: ``dp_replicate x dp_shard x tp == world_size``; ``ep`` (expert
+    """Sizes of the mesh dimensions: ``pp x dp_replicate x dp_shard x tp == world_size``; ``ep`` (expert
     parallel) divides ``dp_shard`` (EP borrows from the data-parallel shard dimension)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     ep: int = 1
+    pp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, ep: int = 1) -> "ParallelDims":
+    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, ep: int = 1,
+                pp: int = 1) -> "ParallelDims":
         """``dp_shard = -1`` takes what the others leave. Raises BaigeError when the product is wrong
         or ``ep`` does not divide ``dp_shard``."""
-        if dp_replicate < 1 or tp < 1 or ep < 1 or dp_shard == 0 or dp_shard < -1:
+        if dp_replicate < 1 or tp < 1 or ep < 1 or pp < 1 or dp_shard == 0 or dp_shard < -1:
             raise BaigeError("parallelism degrees must be >= 1 (data_parallel_shard_degree may be -1)")
+        if world_size % pp:
+            raise BaigeError(f"pipeline_parallel_degree {pp} does not divide world_size {world_size}")
         if dp_shard == -1:
-            if world_size % (dp_replicate * tp):
+            if world_size % (dp_replicate * tp * pp):
                 raise BaigeError(
-                    f"world_size {world_size} is not divisible by data_parallel_replicate_degree x "
-                    f"tensor_parallel_degree = {dp_replicate * tp}"
+                    f"world_size {world_size} is not divisible by pipeline_parallel_degree x "
+                    f"data_parallel_replicate_degree x tensor_parallel_degree = {pp * dp_replicate * tp}"
                 )
-            dp_shard = world_size // (dp_replicate * tp)
-        if dp_replicate * dp_shard * tp != world_size:
+            dp_shard = world_size // (dp_replicate * tp * pp)
+        if pp * dp_replicate * dp_shard * tp != world_size:
             raise BaigeError(
-                f"parallelism degrees {dp_replicate} (replicate) x {dp_shard} (shard) x {tp} (tp) "
+                f"parallelism degrees {pp} (pp) x {dp_replicate} (replicate) x {dp_shard} (shard) x {tp} (tp) "
                 f"!= world_size {world_size}"
             )
         if dp_shard % ep:
             raise BaigeError(f"expert_parallel_degree {ep} must divide data_parallel_shard_degree {dp_shard} "
                              "(EP borrows ranks from the data-parallel shard dimension)")
-        return cls(dp_replicate, dp_shard, tp, ep)
+        return cls(dp_replicate, dp_shard, tp, ep, pp)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that see the same data (``tp x pp``, Megatron's model-parallel size): a sum over the
+        world of per-rank data counts is that many times the sum over data-parallel ranks."""
+        return self.tp * self.pp
 
     @property
     def dp_size(self) -> int:
@@ -175,14 +185,17 @@ class ParallelDims:
         return self.dp_size > 1
 
     def build_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
-        """The 3-D mesh ``("dp_replicate", "dp_shard", "tp")`` (None for a single process)."""
-        if self.dp_size * self.tp == 1:
+        """The 3-D mesh ``("dp_replicate", "dp_shard", "tp")``, with ``"pp"`` outermost when
+        pipelining (torchtitan's order: ranks of one pipeline are the farthest apart); None for a
+        single process."""
+        if self.dp_size * self.tp * self.pp == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
-        )
+        shape, names = (self.dp_replicate, self.dp_shard, self.tp), ("dp_replicate", "dp_shard", "tp")
+        if self.pp > 1:
+            shape, names = (self.pp, *shape), ("pp", *names)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
     def build_sparse_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
         """The experts' 4-D mesh ``("dp_replicate", "efsdp", "ep", "tp")`` over the same ranks in the
@@ -336,13 +349,15 @@ def apply_tied_embedding_grad(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh=None) -> None:
+               expert_mesh=None, reshard_after_forward: bool = True) -> None:
     """FSDP2 ``fully_shard`` on every decoder block, then on the root (embeddings, final norm, lm_head).
 
     ``dp_mesh`` is 1-D (FSDP) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: replicate across the first
     dimension, shard within the second). Gradients are averaged over the data-parallel ranks in
     ``reduce_dtype``; parameters are all-gathered in ``param_dtype`` (the MixedPrecisionPolicy).
-    The last block is not resharded after forward: backward needs it at once.
+    The last block is not resharded after forward: backward needs it at once; a pipeline stage
+    (``reshard_after_forward=False``, ``model.model.layers`` a ModuleDict) keeps every block unsharded
+    between its micro-batches' forward and backward, as torchtitan does with PP.
 
     With expert parallelism, each sparse layer's experts (already ``Shard(0)`` over ``ep``) are
     their own FSDP unit over ``expert_mesh`` (``efsdp``, or ``(dp_replicate, efsdp)``; torchtitan
@@ -355,8 +370,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     expert_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     layers = model.model.layers
+    layers = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
     for i, layer in enumerate(layers):
-        reshard = i < len(layers) - 1
+        reshard = reshard_after_forward and i < len(layers) - 1
         experts = getattr(layer.mlp, "experts", None)
         if isinstance(experts, ExpertParallelExperts):
             fully_shard(experts, mesh=expert_mesh, mp_policy=expert_policy, reshard_after_forward=reshard)
@@ -364,10 +380,17 @@ def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
+def data_parallel_mesh(dims: ParallelDims, mesh):
+    """FSDP's mesh: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+
+
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile: bool,
                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, sparse_mesh=None) -> None:
-    """Apply TP, EP, AC, compile and FSDP in that order (each only when enabled); without FSDP and
-    TP, route a tied embedding's gradient into the lm_head's (:func:`apply_tied_embedding_grad`).
+    """Apply TP, EP, AC, compile and FSDP in that order (each only when enabled; with pipeline
+    parallel, FSDP is left to :func:`~baige.runtime.train.pipeline.build_pipeline`, per stage);
+    without FSDP, TP and PP, route a tied embedding's gradient into the lm_head's
+    (:func:`apply_tied_embedding_grad`).
     ``sparse_mesh``: :meth:`ParallelDims.build_sparse_mesh` (needed when ``dims.ep > 1``)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
@@ -376,25 +399,27 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile:
     apply_ac(model, ac)
     if compile:
         apply_compile(model)
-    if dims.fsdp_enabled:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    if dims.fsdp_enabled and dims.pp == 1:  # with PP, each stage is sharded (pipeline.py)
         expert_mesh = None
         if dims.ep > 1:
             expert_mesh = sparse_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse_mesh["efsdp"]
-        apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, expert_mesh)
-    elif dims.tp == 1:
+        apply_fsdp(model, data_parallel_mesh(dims, mesh), param_dtype, reduce_dtype, expert_mesh)
+    elif dims.tp == 1 and dims.pp == 1:
         apply_tied_embedding_grad(model)
 
 
 # ---- gradient clipping -----------------------------------------------------------------------------
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None,
+                    not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Clip gradients by their global L2 norm; correct when they are DTensors sharded by FSDP and/or TP.
 
     Norms are taken per group of gradients on the same mesh and placements, then made global with
     ``full_tensor()`` (the reduction the placements call for); plain tensors are local (identical
-    across the ranks that hold them). ``max_norm <= 0`` only measures.
+    across the ranks that hold them). With pipeline parallel, ``pp_group`` sums the squared norms of
+    the stages (each rank holds disjoint parameters), as torchtitan does; ``not_counted`` are clipped but
+    left out of the norm (a copy another rank counts: a tied embedding). ``max_norm <= 0`` only measures.
 
     Returns:
         () fp32 total norm before clipping (the same on every rank).
@@ -406,13 +431,20 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
         if p.grad is not None:
             g = p.grad
             groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device].append(p)
+    skip = {id(p) for p in not_counted}
     total_sq = None
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        counted = [p.grad for p in params if id(p) not in skip]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         sq = norm.float() ** 2
         total_sq = sq if total_sq is None else total_sq + sq.to(total_sq.device)
+    if pp_group is not None:
+        total_sq = torch.zeros(()) if total_sq is None else total_sq
+        dist.all_reduce(total_sq, group=pp_group)
     if total_sq is None:
         return torch.zeros(())
     total = total_sq.sqrt()

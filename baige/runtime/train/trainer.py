@@ -24,64 +24,18 @@ import torch.distributed as dist
 
 from baige import kernels
 from baige.errors import BaigeError
-from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.device import DTYPES
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.settings import settings
 from baige.runtime.train import lora, parallel
-from baige.runtime.train.checkpoint import CheckpointManager, export_hf, rng_state, set_rng_state
+from baige.runtime.train.checkpoint import (CheckpointManager, export_hf, optimizer_state_is_flat, rng_state,
+                                            set_rng_state)
 from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
 from baige.runtime.train.lr_scheduler import build_lr_scheduler
 from baige.runtime.train.metrics import MetricsLogger, mfu, peak_flops, peak_memory_bytes
 from baige.runtime.train.moe import MoEBalancer, RouterLogits
-
-# Architectures for training from scratch (vocab_size comes from the tokenizer).
-PRESETS: dict[str, dict] = {
-    "debug": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-                         tie_word_embeddings=True),
-    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
-                        tie_word_embeddings=True),
-    # A small Qwen3-MoE: 4 sparse layers of 8 experts, top-2 (~0.2M active of 0.5M non-embedding params)
-    "moe-tiny": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
-                     intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01,
-                     max_position_embeddings=2048, rope_theta=10000.0),
-}
-
-
-def init_weights(model: Transformer, std: float) -> None:
-    """Seeded init from the current RNG: Linear/Embedding weights ~ N(0, std), biases 0, norms 1 (HF Llama)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std)
-
-
-def scratch_config(spec: str, vocab_size: int, bos: int | None, eos: list[int]) -> ModelConfig:
-    """A :class:`ModelConfig` from a config.json path or a preset name (vocab from the tokenizer)."""
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        return ModelConfig.from_file(path)
-    if spec not in PRESETS:
-        raise BaigeError(f"model.config {spec!r} is neither a config.json nor a preset ({', '.join(PRESETS)})")
-    raw = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab_size, rms_norm_eps=1e-5,
-               initializer_range=0.02, tie_word_embeddings=False, torch_dtype="bfloat16",
-               bos_token_id=bos, eos_token_id=eos[0] if len(eos) == 1 else eos)
-    raw.update(PRESETS[spec])
-    return ModelConfig.from_dict(raw)
-
+from baige.runtime.train.presets import init_weights, scratch_config
 
 @dataclass
 class TrainResult:
@@ -97,6 +51,16 @@ class TrainResult:
 def _has_cxx_compiler() -> bool:
     """A C++ compiler for torch.compile's CPU backend (Inductor): $CXX, g++, c++ or clang++ on PATH."""
     return any(shutil.which(c) for c in (settings().cxx or "g++", "c++", "clang++"))
+
+
+def _state_dict_options(**options):
+    """DCP state-dict options (``options``: more ``StateDictOptions`` fields): the optimizer state flattened
+    to one entry per parameter name (torchtitan's choice), so that pipeline stages, whose param_groups
+    differ per rank, save and reshard by name (checkpoints from before keep the nested layout, see
+    :func:`~baige.runtime.train.checkpoint.optimizer_state_is_flat`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**{"flatten_optimizer_state_dict": True, **options})
 
 
 class Trainer:
@@ -134,7 +98,7 @@ class Trainer:
         self.dist = parallel.init_distributed(self.device.type)
         self.dims = parallel.ParallelDims.resolve(self.dist.world_size, p.data_parallel_replicate_degree,
                                                   p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                                                  p.expert_parallel_degree)
+                                                  p.expert_parallel_degree, p.pipeline_parallel_degree)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.sparse_mesh = self.dims.build_sparse_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank(self.mesh)
@@ -231,6 +195,16 @@ class Trainer:
             model.to(self.device)
         # Without FSDP's MixedPrecisionPolicy, low-precision compute comes from autocast.
         self.autocast = (not self.dims.fsdp_enabled) and self.param_dtype != torch.float32
+        self.pipeline = None
+        if self.dims.pp > 1:  # this rank's stages (pipeline.py); self.model holds them under the full names
+            from baige.runtime.train.pipeline import build_pipeline
+
+            self.pipeline = build_pipeline(
+                model, self.dims, self.mesh, self.device, schedule=p.pipeline_parallel_schedule,
+                microbatches=p.pipeline_parallel_microbatches, batch_size=self.cfg.training.batch_size,
+                param_dtype=self.param_dtype, reduce_dtype=reduce_dtype,
+                autocast_dtype=self.param_dtype if self.autocast else None)
+            return self.pipeline.model
         return model
 
     def _resolve_compile(self) -> bool:
@@ -242,7 +216,8 @@ class Trainer:
         """
         c = self.cfg.training.compile
         enabled = c if isinstance(c, bool) else (
-            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.tp == 1 and self.moe is None
+            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.model_parallel_size == 1
+            and self.moe is None
             and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
         if enabled is True and self.device.type == "cpu" and not _has_cxx_compiler():
             raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
@@ -307,12 +282,12 @@ class Trainer:
         return t.tolist()
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """A fp64 tensor summed over the data-parallel ranks (the world sum / the TP degree)."""
+        """A fp64 tensor summed over the data-parallel ranks (the world sum / the TP x PP degree)."""
         if not dist.is_initialized():
             return t
         t = t.to(self.device)
         dist.all_reduce(t)
-        return t / self.dims.tp
+        return t / self.dims.model_parallel_size
 
     def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
                   normalizer: float) -> tuple[torch.Tensor, RouterLogits | None]:
@@ -329,8 +304,9 @@ class Trainer:
 
     # ---- checkpoint state -------------------------------------------------------------------------
 
-    def _state(self) -> dict:
-        model_sd, optim_sd = lora.train_state_dict(self.model, self.optimizer, bool(self.lora_params))
+    def _state(self, flat_optimizer: bool = True) -> dict:
+        model_sd, optim_sd = lora.train_state_dict(self.model, self.optimizer, bool(self.lora_params),
+                                                   _state_dict_options(flatten_optimizer_state_dict=flat_optimizer))
         state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
                  "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
         moe = self.moe.state_dict() if self.moe is not None else {}
@@ -342,12 +318,16 @@ class Trainer:
         return path
 
     def resume(self, path: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        state = self._state()
+        flat = optimizer_state_is_flat(path)
+        if not flat and self.pipeline is not None:
+            raise BaigeError(f"{path} predates pipeline parallel (nested optimizer state): resume it once without "
+                             "--pp; its next checkpoints reshard to any PP degree")
+        state = self._state(flat)
         self.ckpt.load(path, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(strict=not self.lora_params))
+                       options=_state_dict_options(strict=not self.lora_params, flatten_optimizer_state_dict=flat))
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"], self.device)
@@ -366,12 +346,14 @@ class Trainer:
         """
         micro = self.loader.next_step()
         local_valid = sum(int((labels != -100).sum()) for _, labels in micro)
-        # Every rank of a TP group holds the same data: divide the world sum by the TP degree.
-        n_valid = self._all_reduce_sum([float(local_valid)])[0] / self.dims.tp
+        # Every rank of a TP x PP group holds the same data: divide the world sum by that degree.
+        n_valid = self._all_reduce_sum([float(local_valid)])[0] / self.dims.model_parallel_size
         if n_valid == 0:
             raise BaigeError(f"step {self.step + 1}: no target token carries loss in the whole batch")
-        local_loss = 0.0
-        for input_ids, labels in micro:
+        local_loss = 0.0  # loss on the last pipeline stage only; the world sum / TP is the step's loss
+        if self.pipeline is not None:
+            local_loss = self.pipeline.step(micro, n_valid, self.dims.dp_size)
+        for input_ids, labels in micro if self.pipeline is None else ():
             loss, router_logits = self._loss_sum(input_ids, labels, n_valid)
             total = loss if router_logits is None else loss + self.moe.micro_batch_loss(router_logits)
             (total * self.dims.dp_size).backward()
@@ -381,7 +363,8 @@ class Trainer:
         self.moe_losses = dict(zip(("aux_loss", "z_loss"), (v / self.dims.tp for v in sums[1:])))
         max_norm = self.cfg.training.max_norm
         fold_clip = self._clip_in_optimizer and max_norm > 0
-        norm = parallel.clip_grad_norm_(self.model.parameters(), 0.0 if fold_clip else max_norm)
+        clip = self.pipeline.clip_grad_norm_ if self.pipeline is not None else parallel.clip_grad_norm_
+        norm = clip(self.model.parameters(), 0.0 if fold_clip else max_norm)
         grad_norm = norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -412,10 +395,11 @@ class Trainer:
         total, count = 0.0, 0.0
         for input_ids, labels in eval_batches(self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank,
                                               t.eval_batches):
-            total += self._loss_sum(input_ids, labels, 1.0)[0].item()
+            total += (self.pipeline.eval_loss(input_ids, labels) if self.pipeline is not None
+                      else self._loss_sum(input_ids, labels, 1.0)[0].item())
             count += float((labels != -100).sum())
         total, count = self._all_reduce_sum([total, count])
-        total, count = total / self.dims.tp, count / self.dims.tp
+        total, count = total / self.dims.tp, count / self.dims.model_parallel_size
         loss = total / count if count else float("nan")
         self.log.log({"split": "eval", "step": self.step, "loss": loss, "tokens": int(count)})
         return loss
@@ -437,11 +421,13 @@ class Trainer:
         active += f" (LoRA r={cfg.lora.rank}: {self.lora_params:,} trainable)" if self.lora_params else ""
         self.log.print(
             f"{mc.model_type} {mc.num_params() / 1e6:.1f}M params{active} | world_size "
-            f"{self.dist.world_size} (dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
+            f"{self.dist.world_size} (pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
             f"{self.dims.tp}, ep {self.dims.ep}) | {self.train_windows.num_tokens} training tokens | global batch "
             f"{self.loader.global_batch} x {t.seq_len} tokens | peak {self.peak_flops / 1e12:.2f} TFLOP/s per "
             f"device ({self.peak_source})"
         )
+        if self.pipeline is not None:
+            self.log.print(self.pipeline.description)
         if self.eval_windows is not None and self.step == 0:
             result.eval_losses[0] = self.evaluate()
         tokens_per_step_per_device = self.loader.global_batch * t.seq_len / self.dist.world_size
@@ -462,6 +448,7 @@ class Trainer:
                     "peak_memory_gib": peak_memory_bytes(self.device) / 2**30, "seconds": elapsed,
                     "trainable_params": self.lora_params or mc.num_params(),
                     **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
+                    **(self.pipeline.metrics() if self.pipeline is not None else {}),
                 })
                 window_t0, window_steps = time.perf_counter(), 0
             evaluated = False
@@ -486,7 +473,7 @@ class Trainer:
         if self.lora_params:  # the PEFT adapter (and the merged model with lora.merge)
             return lora.export_lora(self, dtype)
         out = export_hf(self.model, dict(self.model_config.raw), self.output / "hf", self.tokenizer_dir, dtype,
-                        self.dist.is_main)
+                        self.dist.is_main, self.pipeline.full_state_dict if self.pipeline is not None else None)
         if out is not None:
             self.log.print(f"exported HF checkpoint to {out}")
             if self.moe is not None and self.moe.bias_mode and not self.moe.own_bias:
