@@ -142,7 +142,12 @@ static void tile_m3_f32(const float *x, int64_t ldx, const float *w, int64_t ldw
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     const int64_t K8 = K & ~(int64_t)7;
+    /* the next 4-row tile streamed in while this one computes, as tile_m1/m2 do (at 3-5 rows, e.g. a
+     * sequence verifying draft tokens, this tile is the one that reads W from memory) */
+    const char *next = (const char *)(w + NR * ldw);
     for (int64_t k = 0; k < K8; k += 8) {
+        _mm_prefetch(next + 16 * k, _MM_HINT_T0);
+        _mm_prefetch(next + 16 * k + 64, _MM_HINT_T0);
         const __m256 xa_ = _mm256_loadu_ps(xa + k), xb_ = _mm256_loadu_ps(xb + k), xc_ = _mm256_loadu_ps(xc + k);
         __m256 v;
         v = _mm256_loadu_ps(w0 + k); a0 = _mm256_fmadd_ps(xa_, v, a0); b0 = _mm256_fmadd_ps(xb_, v, b0); c0 = _mm256_fmadd_ps(xc_, v, c0);
