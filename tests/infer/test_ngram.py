@@ -27,16 +27,19 @@ def test_no_match_or_below_the_minimum_proposes_nothing():
     assert lookup(a(1, 2, 1), n_max=3, n_min=1, k=0) == []
 
 
-def test_the_draft_budget_ramps_on_acceptance_and_backs_off_on_rejection():
+def test_the_draft_budget_halves_on_outright_rejection_and_backs_off():
     from baige.runtime.infer.spec_decode.proposer import DraftBudget
 
     b = DraftBudget(4)
     assert b.take() == 4
-    b.update(4, 1)  # rejected after one: ask for 2
+    b.update(4, 1)  # some accepted: the proposer was on the right text, keep asking for 4
+    assert b.take() == 4
+    b.update(4, 0)  # none accepted: halve
     assert b.take() == 2
     b.update(2, 2)  # all accepted: double
     assert b.take() == 4
     b.update(4, 0)
+    b.update(2, 0)
     assert b.take() == 1
     b.update(1, 0)  # a single draft rejected outright: skip 1 step, then probe with 1
     assert [b.take() for _ in range(2)] == [0, 1]

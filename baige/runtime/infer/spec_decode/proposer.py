@@ -38,11 +38,11 @@ class DraftBudget:
     """How many drafts one sequence asks for (dynamic speculation length).
 
     Every draft token costs a row of the verify forward whether or not it is accepted, so a sequence
-    whose drafts keep failing asks for fewer: after a rejection the budget becomes the accepted run
-    plus one, after a fully accepted step it doubles (up to ``k``); when even a single draft is
-    rejected outright, the sequence stops speculating for 1, 2, 4, ... 16 steps before it probes
-    again. Copying text ramps to ``k`` within a few steps; text with nothing to copy costs one extra
-    verify row every 16 steps.
+    whose drafts fail outright asks for fewer: a step that accepted no draft halves the budget, and
+    when even a single draft is rejected the sequence stops speculating for 1, 2, 4 .. 16 steps before
+    it probes again. A step that accepted some drafts keeps the budget (the proposer was on the right
+    text), one that accepted all doubles it (up to ``k``). Copying text stays at ``k``; text with
+    nothing to copy costs about one extra verify row every 16 steps.
     """
 
     k: int
@@ -61,11 +61,13 @@ class DraftBudget:
         """After a verify step of ``num_draft`` drafts whose first ``num_accepted`` were kept."""
         if num_accepted >= num_draft:
             self.budget, self.backoff = min(self.k, max(1, num_draft) * 2), 0
-        elif num_accepted == 0 and num_draft == 1:
+        elif num_accepted > 0:
+            self.budget, self.backoff = max(num_draft, self.budget), 0
+        elif num_draft > 1:
+            self.budget = num_draft // 2
+        else:
             self.backoff = min(16, max(1, 2 * self.backoff))
             self.skip, self.budget = self.backoff, 1
-        else:
-            self.budget, self.backoff = num_accepted + 1, 0
 
 
 class Proposer(ABC):
