@@ -181,7 +181,7 @@ class Engine:
         return text, ids, params
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+                    arrival_time: float | None = None, *, lora_request: LoRARequest | None = None) -> None:
         """Queue a request (``params.n`` sequences), with ``lora_request``'s adapter (loaded from its
         path on first use) or the base model. Raises BaigeError as :meth:`prepare`, for a request id
         already in flight, or for an adapter without ``enable_lora`` or that cannot load
