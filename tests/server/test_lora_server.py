@@ -1,9 +1,13 @@
-"""`baige serve --enable-lora` on a tiny model, through the official `openai` client: /v1/models
+"""`baige serve --enable-lora`'s app on a tiny model (uvicorn in a thread of the test, over its own
+engine: no second interpreter to start), through the official `openai` client: /v1/models
 lists the adapters under their base; a request's `model` picks its adapter (streaming and not, the
 same tokens as the offline engine with that adapter); an unknown name is a 404; adapters loaded and
 unloaded at run time while a request streams, which finishes unharmed; bad loads are 400s."""
 
 from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -11,7 +15,6 @@ import pytest
 from baige.runtime.infer.llm import LLM
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.sampling import SamplingParams
-from tests.server_utils import launched
 from tests.tiny import make_checkpoint, make_lora_adapter, write_tiny_tokenizer
 
 PROMPT = [5, 17, 33, 2, 91, 40, 12, 7, 150, 3]
@@ -32,19 +35,43 @@ def _words(ids: list[int]) -> list[str]:
     return [f"t{i}" for i in ids]
 
 
+@contextmanager
+def serving(engine, name: str):
+    """The served app of ``engine`` under ``name`` on a free port; yields its base URL."""
+    import uvicorn
+
+    from baige.runtime.infer.async_engine import AsyncEngine
+    from baige.runtime.server.app import build_app, listen
+
+    sock = listen("127.0.0.1", 0)
+    driver = AsyncEngine(engine)
+    server = uvicorn.Server(uvicorn.Config(build_app(driver, name), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+            assert thread.is_alive()
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        driver.shutdown()
+        sock.close()
+
+
 def test_adapters_through_the_openai_client(dirs):
     from openai import NotFoundError, OpenAI
 
-    llm = LLM(str(dirs["base"]), enable_lora=True, max_loras=2, dtype="float32", **ENGINE)
+    llm = LLM(str(dirs["base"]), enable_lora=True, max_loras=2, max_lora_rank=5, dtype="float32", **ENGINE)
     names = [None, "sql", "chat"]
     want = {n: llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=LONG if n == "sql" else 12,
                                                    ignore_eos=True),
                             lora_request=LoRARequest(n, 1, str(dirs[n])) if n else None)[0].outputs[0].token_ids
             for n in names}
     assert len({str(v[:12]) for v in want.values()}) == 3  # the adapters change the tokens
-    flags = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "5", "--block-size", "4", "--max-model-len",
-             "256", "--kv-cache-memory", "4000000", "--served-model-name", "tiny", "--lora-modules", f"sql={dirs['sql']}"]
-    with launched(dirs["base"], *flags) as (url, _):
+    llm.engine.unload_lora_adapter("chat")  # loaded again at run time below
+    with serving(llm.engine, "tiny") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         listed = {m.id: m for m in client.models.list().data}
         assert list(listed) == ["tiny", "sql"] and listed["sql"].parent == "tiny" and listed["tiny"].parent is None
