@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "BaigeError"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "BaigeError"]
 
 
 def __getattr__(name: str):
@@ -15,6 +15,10 @@ def __getattr__(name: str):
         from baige.runtime.infer.sampling import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from baige.runtime.infer.lora import LoRARequest
+
+        return LoRARequest
     if name == "BaigeError":
         from baige.errors import BaigeError
 

@@ -73,3 +73,45 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, **overrides) -> Pat
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
+
+
+def make_lora_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, alpha: float = 16,
+                      use_rslora: bool = False) -> Path:
+    """A random PEFT LoRA adapter of ``base`` (B random too, so it changes the outputs), saved with
+    peft's ``save_pretrained``; returns ``out``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                        LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora,
+                                   init_lora_weights=False))
+    pm.save_pretrained(out)
+    return Path(out)
+
+
+def merge_lora_adapter(base: Path, adapter: Path, out: Path) -> Path:
+    """``base`` with ``adapter`` merged into its weights by peft's ``merge_and_unload``, saved as an
+    HF checkpoint at ``out`` (the oracle of adapter serving)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    PeftModel.from_pretrained(hf, adapter).merge_and_unload().save_pretrained(out)
+    return Path(out)
+
+
+def write_tiny_tokenizer(path: Path, vocab_size: int = BASE["vocab_size"]) -> Path:
+    """A word-level ``tokenizer.json`` for a tiny checkpoint: token ``i`` is the word ``t{i}``
+    (whitespace-split, decoded with spaces), ``t0`` doubling as EOS; written into ``path``."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(Path(path) / "tokenizer.json"))
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t0"}))
+    return Path(path)

@@ -12,11 +12,35 @@ from baige.cli.app import app
 from baige.errors import BaigeError
 
 
+MULTI_VALUE_OPTIONS = ("--lora-modules",)  # vLLM's nargs="+" options: `--lora-modules a=X b=Y`
+
+
+def expand_multi_value(argv: list[str]) -> list[str]:
+    """Repeat a multi-value option before each of its values (what click parses): ``--lora-modules
+    a=X b=Y`` -> ``--lora-modules a=X --lora-modules b=Y``; the values run up to the next ``-`` word."""
+    out, multi, pending = [], None, False
+    for arg in argv:
+        if arg.startswith("-"):
+            if pending:
+                out.append(multi)  # the option without a value: click's usage error
+            multi = arg if arg in MULTI_VALUE_OPTIONS else None
+            pending = multi is not None
+            if multi:
+                continue
+        elif multi:
+            out.append(multi)
+            pending = False
+        out.append(arg)
+    if pending:
+        out.append(multi)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: every user mistake prints one line (``error: ...``) and exits
     non-zero (1 for bad values and files, 2 for bad command-line usage); Ctrl-C exits 130."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=expand_multi_value(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False)
     except TyperException as e:  # click's usage errors (unknown option, bad value, missing argument)
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()

@@ -34,6 +34,48 @@ def read_chat_template(value: str) -> str:
     raise BaigeError(f"--chat-template: {value} is not a file (nor a jinja template)")
 
 
+def parse_lora_modules(values: list[str] | None, enable_lora: bool, served_name: str) -> dict[str, str] | None:
+    """``--lora-modules NAME=DIR ...`` (vLLM's form) -> {name: dir}, checked before the model loads.
+
+    Raises:
+        BaigeError: without --enable-lora, a value not NAME=DIR, a repeated name or the base model's
+        name, a DIR that is not a directory.
+    """
+    if not values:
+        return None
+    if not enable_lora:
+        raise BaigeError("--lora-modules needs --enable-lora")
+    out: dict[str, str] = {}
+    for v in values:
+        name, eq, path = v.partition("=")
+        if not (eq and name and path):
+            raise BaigeError(f"--lora-modules: {v!r} is not NAME=DIR")
+        if name in out or name == served_name:
+            raise BaigeError(f"--lora-modules: the name {name!r} is used twice (or is the base model's name)")
+        if not Path(path).is_dir():
+            raise BaigeError(f"--lora-modules: {name}={path}: not a directory")
+        out[name] = path
+    return out
+
+
+EnableLoraOpt = Annotated[bool, typer.Option(
+    "--enable-lora/--no-enable-lora", help="Serve LoRA adapters (PEFT directories): a request's `model` picks "
+    "one; POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time.")]
+LoraModulesOpt = Annotated[Optional[list[str]], typer.Option(
+    help="Adapters loaded at start-up, NAME=DIR (several may follow one flag, as in vLLM); each is listed "
+         "in /v1/models under NAME.")]
+MaxLorasOpt = Annotated[int, typer.Option(min=1, help="Most distinct adapters in one step (requests for others "
+                                          "wait).")]
+MaxLoraRankOpt = Annotated[int, typer.Option(min=1, help="Largest adapter rank accepted.")]
+
+
+def lora_engine_args(enable_lora: bool, lora_modules: list[str] | None, max_loras: int, max_lora_rank: int,
+                     served_name: str) -> dict:
+    """The EngineConfig fields of the LoRA options. Raises BaigeError as :func:`parse_lora_modules`."""
+    return {"enable_lora": enable_lora, "lora_modules": parse_lora_modules(lora_modules, enable_lora, served_name),
+            "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+
+
 class LogLevel(str, Enum):
     critical = "critical"
     error = "error"
@@ -98,6 +140,8 @@ def serve(
         help="Leave the tools out of the prompt when tool_choice is none (by default they are rendered, as "
              "vLLM does).")] = False,
     speculative_config: SpeculativeConfigOpt = None,
+    enable_lora: EnableLoraOpt = False, lora_modules: LoraModulesOpt = None,
+    max_loras: MaxLorasOpt = 1, max_lora_rank: MaxLoraRankOpt = 16,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -106,18 +150,18 @@ def serve(
     from baige.runtime.server.app import listen, run_server
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = served_model_name or model or "smollm2-135m-instruct"
     cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, kv_cache_memory=kv_cache_memory,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-                       quantization=quantization, kv_cache_dtype=kv_cache_dtype.value,
-                       speculative_config=speculative_config)
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype.value, speculative_config=speculative_config,
+                       **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name))
     template = read_chat_template(chat_template) if chat_template is not None else None
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)
     if template is not None:
         core.tokenizer.set_chat_template(template)
-    run_server(AsyncEngine(core), served_model_name or model or "smollm2-135m-instruct", sock, api_key,
-               log_level.value, max_n=max_n, max_request_bytes=max_request_bytes,
-               read_timeout=read_timeout, tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice,
+    run_server(AsyncEngine(core), name, sock, api_key, log_level.value, max_n=max_n,
+               max_request_bytes=max_request_bytes, read_timeout=read_timeout, tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice,
                exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)

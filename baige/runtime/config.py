@@ -185,9 +185,16 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's) | float32 | float16 | bfloat16; others than auto: CPU
     # speculative decoding: a SpeculativeConfig, or its JSON text / dict (parsed in __post_init__)
     speculative_config: "SpeculativeConfig | dict | str | None" = None
+    # LoRA serving (vLLM's names): adapters loaded at start-up (name -> PEFT adapter dir), the most
+    # distinct adapters in one step, the largest rank accepted
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
-        """Raises BaigeError for a seed outside 64 bits, sizes below 1 or a bad ``kv_cache_memory``."""
+        """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``, or
+        ``lora_modules`` without ``enable_lora``."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (("--max-num-seqs", self.max_num_seqs), ("--block-size", self.block_size),
                               ("--max-num-batched-tokens", self.max_num_batched_tokens)):
@@ -199,6 +206,10 @@ class EngineConfig:
         elif self.kv_cache_memory is not None:
             check_int("--kv-cache-memory", self.kv_cache_memory, 0)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        check_int("--max-loras", self.max_loras, 1)
+        check_int("--max-lora-rank", self.max_lora_rank, 1)
+        if self.lora_modules and not self.enable_lora:
+            raise BaigeError("--lora-modules needs --enable-lora")
 
 
 # ---- speculative decoding (--speculative-config) ------------------------------------------------

@@ -113,3 +113,20 @@ def test_prefix_caching_off_never_hits():
     bm.cache_computed_blocks(a)
     b = seq([1, 2, 3, 4, 5])
     assert bm.allocate(b, 5) == 5 and not set(a.block_table) & set(b.block_table)
+
+
+def test_prefix_cache_keys_include_the_lora_adapter():
+    """The same tokens under two adapters (or an adapter and the base) never share a block; the same
+    adapter does."""
+    from baige.runtime.infer.scheduler import Sequence as Seq
+
+    bm = BlockManager(32, 4, True)
+    first = Seq(list(range(13)), max_tokens=4, lora_int_id=1)
+    bm.allocate(first, 13)
+    first.num_computed_tokens = 13
+    bm.cache_computed_blocks(first)
+    for lora_int_id, hit in ((2, 0), (0, 0), (1, 12)):
+        other = Seq(list(range(13)), max_tokens=4, lora_int_id=lora_int_id)
+        assert bm.allocate(other, 13) == 13 - hit and other.num_cached_tokens == hit
+        assert len(set(other.block_table) & set(first.block_table)) == hit // 4
+        bm.free(other)

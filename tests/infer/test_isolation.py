@@ -138,10 +138,10 @@ def test_async_loop_contains_add_and_step_errors(loaded, solo):
     eng = make_engine(loaded)
     real_add = eng.add_request
 
-    def add(rid, prompt, params, arrival=None):
+    def add(rid, prompt, params, arrival=None, **kw):
         if params.seed == 9:
             raise RuntimeError("add failed")
-        return real_add(rid, prompt, params, arrival)
+        return real_add(rid, prompt, params, arrival, **kw)
 
     eng.add_request = add
     aeng = AsyncEngine(eng)

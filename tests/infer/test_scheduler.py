@@ -101,3 +101,20 @@ def test_finish_aborts_waiting_and_running():
     sched.finish(a, "abort")
     sched.finish(b, "abort")
     assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
+
+
+def test_max_loras_limits_distinct_adapters_per_step():
+    """max_loras=2: a third adapter waits (its place kept) while base and known adapters go past it."""
+    sched = Scheduler(BlockManager(64, 4, False), 8, 64, 64, max_loras=2)
+    a, b = Sequence([1, 2, 3], max_tokens=2, lora_int_id=1), Sequence([1, 2], max_tokens=2, lora_int_id=2)
+    c, base, a2 = (Sequence([4, 5], max_tokens=2, lora_int_id=3), Sequence([6, 9], max_tokens=2),
+                   Sequence([7, 8], max_tokens=5, lora_int_id=1))
+    for s in (a, b, c, base, a2):
+        sched.add(s)
+    batch = run_step(sched)
+    assert batch.seqs == [a, b, base, a2] and sched.waiting == [c]
+    assert len({s.lora_int_id for s in batch.seqs if s.lora_int_id}) == 2
+    batch = run_step(sched)  # a and b reach max_tokens and finish after this step; c still waits
+    assert c not in batch.seqs and a.is_finished and b.is_finished
+    batch = run_step(sched)
+    assert c in batch.seqs and {s.lora_int_id for s in batch.seqs} == {1, 3}

@@ -11,6 +11,7 @@ every waiting client gets :class:`EngineDeadError`, new requests are refused wit
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from baige.errors import BaigeError
 from baige.runtime.infer.engine import Engine
+from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import SamplingParams
 
@@ -40,8 +42,9 @@ class AsyncEngine:
         self.on_dead = on_dead
         self.dead: BaseException | None = None
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, str | list[int], SamplingParams, float]] = []
+        self._adds: list[tuple[str, str | list[int], SamplingParams, float, LoRARequest | None]] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
@@ -60,9 +63,22 @@ class AsyncEngine:
         """The loop thread is running and has not died."""
         return self.dead is None and self._thread.is_alive()
 
+    async def call(self, fn: Callable[[Engine], object]) -> object:
+        """Run ``fn(engine)`` on the loop thread between two steps (what changes the model, such as
+        loading a LoRA adapter, must not overlap a forward); returns its result or raises its error."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped; restart the server")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return await asyncio.wrap_future(future)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; leaving early (or cancellation) aborts it.
+        ``lora_request``: the adapter it runs with (None: the base model).
 
         Validation happens before the first yield: bad input raises BaigeError at the first
         ``__anext__`` and nothing is queued. Raises RequestFailed when the engine fails this
@@ -78,7 +94,8 @@ class AsyncEngine:
             if self.dead is not None:
                 raise EngineDeadError("the engine loop has stopped; restart the server")
             self._streams[request_id] = (loop, queue)
-            self._adds.append((request_id, prompt if isinstance(prompt, str) else ids, params, time.monotonic()))
+            self._adds.append((request_id, prompt if isinstance(prompt, str) else ids, params, time.monotonic(),
+                               lora_request))
             self._cv.notify()
         finished = False
         try:
@@ -129,18 +146,24 @@ class AsyncEngine:
         """One round: take adds and aborts, run a step, deliver. False once shut down."""
         engine = self.engine
         with self._cv:
-            while not (self._stopped or self._adds or self._aborts or engine.has_unfinished()):
+            while not (self._stopped or self._adds or self._aborts or self._calls or engine.has_unfinished()):
                 self._cv.wait()
             if self._stopped:
                 return False
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                future.set_result(fn(engine))
+            except Exception as e:  # the caller's to handle (a BaigeError is its 4xx)
+                future.set_exception(e)
         for rid in aborts:
             engine.abort(rid)
         aborted = set(aborts)
-        for rid, prompt, params, arrival in adds:
+        for rid, prompt, params, arrival, lora in adds:
             if rid not in aborted:
-                self._add(rid, prompt, params, arrival)
+                self._add(rid, prompt, params, arrival, lora)
         if engine.has_unfinished():
             for out in self._step():
                 self._emit(out)
@@ -148,9 +171,10 @@ class AsyncEngine:
             self._deliver(rid, error)
         return True
 
-    def _add(self, rid: str, prompt: str | list[int], params: SamplingParams, arrival: float) -> None:
+    def _add(self, rid: str, prompt: str | list[int], params: SamplingParams, arrival: float,
+             lora: LoRARequest | None = None) -> None:
         try:
-            self.engine.add_request(rid, prompt, params, arrival)
+            self.engine.add_request(rid, prompt, params, arrival, lora_request=lora)
         except BaigeError as e:
             self._deliver(rid, e)
         except Exception as e:  # not the caller's mistake: log it, fail this request only
@@ -182,6 +206,9 @@ class AsyncEngine:
         with self._cv:
             self.dead = error
             streams = list(self._streams)
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(EngineDeadError(f"the engine loop stopped ({type(error).__name__})"))
         logger.critical("the engine loop stopped (%s: %s); failing %d waiting requests: %s", type(error).__name__,
                         error, len(streams), ", ".join(streams))
         for rid in streams:

@@ -12,6 +12,9 @@ lookup compares the 32-byte keys themselves (and the block's own tokens), never 
 ``hash``, whose collisions a client could craft to be served another client's cached KV (vLLM
 moved to sha256 prefix keys for the same reason). A new sequence whose
 prompt starts with cached blocks reuses them (ref count + 1) and skips computing those tokens.
+The chain of a sequence served with a LoRA adapter (``lora_int_id`` > 0) starts from the
+adapter's own root key (:func:`root_key`) instead of nothing, so the KV of two adapters (or of an
+adapter and the base) is never shared: the same tokens give different K/V under each adapter.
 Blocks nobody references stay cached until the pool runs out, then the least recently freed one is
 evicted (LRU).
 """
@@ -32,6 +35,7 @@ class SequenceLike(Protocol):
     block_table: list[int]
     num_computed_tokens: int
     num_cached_tokens: int
+    lora_int_id: int  # 0: the base model; else the engine's id of the sequence's LoRA adapter
 
 
 @dataclass
@@ -48,6 +52,12 @@ def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     h = hashlib.sha256(parent_hash or b"")
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
+
+
+def root_key(lora_int_id: int) -> bytes | None:
+    """The parent key of a sequence's first block: None for the base model (``lora_int_id`` 0),
+    else ``sha256(b"lora" + lora_int_id as little-endian int64)``, 32 bytes."""
+    return hashlib.sha256(b"lora" + struct.pack("<q", lora_int_id)).digest() if lora_int_id else None
 
 
 class BlockManager:
@@ -117,7 +127,7 @@ class BlockManager:
         if not self.enable_prefix_caching or getattr(seq, "prompt_logprobs", None) is not None:
             return []
         hits: list[int] = []
-        parent = None
+        parent = root_key(getattr(seq, "lora_int_id", 0))
         # never the whole sequence: the last token must be computed to get its logits
         for i in range((len(seq.token_ids) - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -189,7 +199,7 @@ class BlockManager:
         """Register the hashes of ``seq``'s full blocks whose tokens are all computed now."""
         if not self.enable_prefix_caching:
             return
-        parent = None
+        parent = root_key(getattr(seq, "lora_int_id", 0))
         for i in range(seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

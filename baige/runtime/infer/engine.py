@@ -22,6 +22,7 @@ from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig, parse_size
 from baige.runtime.infer.block_manager import BlockManager
+from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.kv_cache import KVCache, num_blocks_for, profile_activation_peak, resolve_kv_cache_dtype
 from baige.runtime.infer.outputs import CompletionOutput, RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
@@ -96,9 +97,15 @@ class Engine:
         self.spec_stats = SpecDecodeStats()
         self.num_speculative_tokens = cfg.speculative_config.num_speculative_tokens if self.proposer else 0
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                                   on_release=self.proposer.release if self.proposer else None)
+                                   on_release=self.proposer.release if self.proposer else None,
+                                   max_loras=cfg.max_loras if cfg.enable_lora else None)
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len, cfg.enforce_eager,
                                   self.num_speculative_tokens)
+        self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
+        if cfg.enable_lora:
+            self.lora = self.runner.lora = LoRAManager(model, cfg.max_lora_rank)
+            for name, path in (cfg.lora_modules or {}).items():
+                self.lora.load(LoRARequest(name, len(self.lora.loaded) + 1, str(path)))
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(tokenizer.eos_token_ids or mc.eos_token_id)
         self._eos_only = frozenset(self.eos_token_ids)
@@ -174,12 +181,15 @@ class Engine:
         return text, ids, params
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request (``params.n`` sequences). Raises BaigeError as :meth:`prepare`, or for a
-        request id already in flight."""
+                    arrival_time: float | None = None, *, lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (``params.n`` sequences), with ``lora_request``'s adapter (loaded from its
+        path on first use) or the base model. Raises BaigeError as :meth:`prepare`, for a request id
+        already in flight, or for an adapter without ``enable_lora`` or that cannot load
+        (``LoRANotFound`` for an unknown name without a path)."""
         if request_id in self.requests:
             raise BaigeError(f"request id {request_id!r} is already in use")
         text, ids, params = self.prepare(prompt, params)
+        lora_id = self.resolve_lora(lora_request)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         matcher = StopMatcher(params.stop) if params.stop else None
         so = params.structured_outputs
@@ -193,7 +203,8 @@ class Engine:
             seq = Sequence(list(ids), params.max_tokens, params.min_tokens, stop_ids, request_id, i,
                            payload=SeqText(self.tokenizer, params, gen, matcher,
                                            self.grammars().matcher(so) if so is not None else None),
-                           prompt_logprobs=params.prompt_logprobs if i == 0 else None)  # one scorer per request
+                           prompt_logprobs=params.prompt_logprobs if i == 0 else None,  # one scorer per request
+                           lora_int_id=lora_id)
             seqs.append(seq)
         for seq in seqs:  # queued only once all are built: a failure above leaves nothing behind
             self.scheduler.add(seq)
@@ -203,6 +214,23 @@ class Engine:
                                              spec_stats=SpecDecodeStats() if self.proposer is not None else None)
         self.num_prompt_tokens += len(ids)
         self.num_constrained_requests += so is not None
+
+    def resolve_lora(self, lora_request: LoRARequest | None) -> int:
+        """The ``lora_int_id`` of a request's adapter (0 = base), loading it on first use. Raises
+        BaigeError (LoRA not enabled, or the adapter cannot load) or LoRANotFound."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            raise BaigeError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                             "(--enable-lora / LLM(enable_lora=True))", param="model")
+        return self.lora.engine_id(lora_request)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload an adapter (between steps). Raises LoRANotFound for a name not loaded, BaigeError
+        while requests that use it are in flight (they finish unharmed; unload it afterwards)."""
+        if self.lora is None:
+            raise BaigeError("LoRA is not enabled (--enable-lora)")
+        self.lora.remove(lora_name, [r.seqs[0].lora_int_id for r in self.requests.values()])
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its KV blocks (no-op for an unknown or finished id)."""
@@ -471,7 +499,3 @@ def _check_text(text: str, field: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise BaigeError(f"{field}: not valid Unicode (a lone surrogate at character {e.start})", param=field) from None
-
-
-
-

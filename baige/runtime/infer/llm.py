@@ -9,6 +9,7 @@ import itertools
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.engine import Engine
+from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import RequestOutput
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
@@ -73,14 +74,17 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def generate(self, prompts: PromptType | list[PromptType],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order.
 
         Args:
             prompts: a string, a list of token ids, ``{"prompt_token_ids": [...]}``, or a list of these.
             sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
+            lora_request: the adapter for all prompts or one per prompt (None: the base model); needs
+                ``LLM(enable_lora=True)``; an adapter is loaded from its ``lora_path`` on first use.
         Raises:
-            BaigeError: a bad prompt or parameters (nothing is generated then).
+            BaigeError: a bad prompt, parameters or adapter (nothing is generated then).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -88,15 +92,19 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise BaigeError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise BaigeError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p, lora in zip(prompts, params_list, loras):
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-            self.engine.prepare(prompt, p)  # validate all before queueing any
-        for prompt, p in zip(prompts, params_list):
+            self.engine.prepare(prompt, p)  # validate all (and load their adapters) before queueing any
+            self.engine.resolve_lora(lora)
+        for prompt, p, lora in zip(prompts, params_list, loras):
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, lora_request=lora)
             ids.append(rid)
         return self.engine.run_to_completion(ids)

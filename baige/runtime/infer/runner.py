@@ -14,6 +14,11 @@ contexts instead of the longest one. When graphs are captured (CUDA graphs throu
 ``torch.compile``, on GPU unless ``enforce_eager``), decode-only steps instead run as one group
 with fixed shapes: the batch padded to a bucket size and the tables to a bucket width, padded rows
 writing to the pool's scratch block; one graph per bucket.
+
+LoRA (``runner.lora``, the engine's :class:`~baige.runtime.infer.lora.LoRAManager`): each step
+sets the adapter of every flattened token before the forward. A step in which any token uses an
+adapter runs the per-op path (eager, unpadded; the module hooks add the adapters' terms): neither
+the native CPU decode step, which runs every layer in C past the hooks, nor a captured graph.
 """
 
 from __future__ import annotations
@@ -150,6 +155,7 @@ class ModelRunner:
         if self.captures:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
         # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
+        self.lora = None  # the engine's LoRAManager when LoRA is enabled
         self.fused_decode, self.fused_decode_why = None, "not on the CPU"
         if self.device.type == "cpu":
             from baige.runtime.infer.cpu_decode import FusedDecoder
@@ -160,10 +166,10 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                        groups: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                        groups: list[tuple[torch.Tensor, torch.Tensor]], native: bool = True) -> torch.Tensor:
         """Decode: (1, B) ids/positions, (B,) slots, groups of ((B_g, W_g) tables, (B_g,) lengths)
-        covering the B rows in order -> (B, vocab) logits."""
-        if self.fused_decode is not None:
+        covering the B rows in order -> (B, vocab) logits. ``native`` False: never the native CPU step."""
+        if self.fused_decode is not None and native:
             # one table for every row: the native kernel reads only each row's own context
             W = max(t.shape[1] for t, _ in groups)
             tables = torch.cat([F.pad(t, (0, W - t.shape[1]), value=self.kv.scratch_block) for t, _ in groups])
@@ -174,6 +180,11 @@ class ModelRunner:
             md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1], decode_groups=groups)
             hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
         return self.model.compute_logits(hidden[0])  # (B, vocab)
+
+    def _set_lora(self, lora_ids: list[int]) -> bool:
+        """Tell the LoRA hooks each flattened token's adapter (its sequence's ``lora_int_id``, 0 =
+        base); returns whether any token uses one."""
+        return self.lora is not None and self.lora.set_batch(lora_ids)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -228,14 +239,19 @@ class ModelRunner:
         ids, pos, slots, owner = self._decode_rows(seqs)
         R = len(ids)
         spans = _spans(owner)
-        if not self.captures:  # eager: unpadded, grouped by length
+        lora = self.lora is not None and any(s.lora_int_id for s in seqs)
+        if not self.captures or lora:  # eager: unpadded, grouped by length
             order, groups = self._decode_groups([seqs[o].block_table for o in owner], [p + 1 for p in pos])
-            logits = self._decode_fn(self._tensor([[ids[i] for i in order]]), self._tensor([[pos[i] for i in order]]),
-                                     self._tensor([slots[i] for i in order]), groups)
+            # with adapters: the module path, which runs their hooks
+            self._set_lora([seqs[owner[i]].lora_int_id for i in order] if lora else [])
+            fn = self._decode_forward if lora else self._decode_fn
+            logits = fn(self._tensor([[ids[i] for i in order]]), self._tensor([[pos[i] for i in order]]),
+                        self._tensor([slots[i] for i in order]), groups, native=not lora)
             inverse = [0] * R
             for row, i in enumerate(order):
                 inverse[i] = row
             return logits[self._tensor(inverse)], spans
+        self._set_lora([])
         B = self.batch_buckets[bisect.bisect_left(self.batch_buckets, R)]
         widest = max(len(s.block_table) for s in seqs)
         W = self.width_buckets[bisect.bisect_left(self.width_buckets, widest)]
@@ -290,6 +306,9 @@ class ModelRunner:
                 spans.append((i, len(sample_at), 1))
                 sample_at.append(len(ids) - 1)
 
+        if self.lora is not None:
+            self._set_lora([batch.seqs[owner[r]].lora_int_id for r in order]
+                           + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]) for _ in range(n)])
         md = PagedAttentionMetadata(self.kv.k, self.kv.v, self._tensor(slots), len(order), decode_groups=groups)
         if pre_lens:
             w = max(len(t) for t in pre_tables)

@@ -12,6 +12,10 @@ Policy (vLLM's, simplified):
 - Waiting sequences are admitted first come, first served (a sequence that does not fit blocks the
   ones behind it), while the budget, ``max_num_seqs`` and the pool allow; a long prompt is split
   into chunks (chunked prefill). Nothing is admitted in a step that preempted.
+- LoRA (``max_loras`` set): the running sequences use at most ``max_loras`` distinct adapters
+  (``lora_int_id`` > 0; the base model does not count), so no step mixes more. A waiting sequence
+  whose adapter would be one too many is passed over (it keeps its place at the front) and the
+  ones behind it may be admitted (vLLM's policy).
 
 Finishing a sequence (stop, length, abort) is O(1): it is marked finished and its blocks freed at
 once, and the queues drop finished entries when they next pass them (the running list at the start
@@ -72,6 +76,7 @@ class Sequence:
     spec_draft_probs: Any = None
     num_new_output: int = 0  # tokens the last postprocess appended (1 + accepted drafts)
     spec_budget: Any = None  # the engine's DraftBudget of this sequence (speculative decoding on)
+    lora_int_id: int = 0  # the engine's id of the LoRA adapter it runs with; 0 = the base model
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -121,10 +126,12 @@ class Scheduler:
             with reason "length".
         on_release: called with a sequence whose blocks are freed (finished or preempted), so a
             draft proposer can free its own state.
+        max_loras: most distinct LoRA adapters among the running sequences (None: no limit).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, on_release: Callable[[Sequence], None] | None = None):
+                 max_model_len: int, on_release: Callable[[Sequence], None] | None = None,
+                 max_loras: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
         self.block_manager = block_manager
@@ -136,6 +143,7 @@ class Scheduler:
         self._num_unfinished = 0
         self.num_preemptions = 0
         self.on_release = on_release
+        self.max_loras = max_loras
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -191,10 +199,16 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted: the ones after it are gone too
+        loras = {s.lora_int_id for s in self._running if s.lora_int_id}
+        passed: list[Sequence] = []  # waiting sequences whose adapter would exceed max_loras this step
         while self._waiting and budget > 0 and not preempted and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
             if seq.is_finished:
                 self._waiting.popleft()
+                continue
+            if (self.max_loras is not None and seq.lora_int_id and seq.lora_int_id not in loras
+                    and len(loras) >= self.max_loras):
+                passed.append(self._waiting.popleft())
                 continue
             want = min(len(seq.token_ids), budget)
             if not bm.can_allocate(seq, want):
@@ -206,6 +220,9 @@ class Scheduler:
             is_decode = n == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1
             (decodes if is_decode else prefills).append((seq, n))
             budget -= n
+            if seq.lora_int_id:
+                loras.add(seq.lora_int_id)
+        self._waiting.extendleft(reversed(passed))  # back at the front, in their order
         both = decodes + prefills
         return ScheduledBatch([s for s, _ in both], [n for _, n in both], len(decodes), preempted)
 

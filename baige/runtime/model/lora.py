@@ -178,3 +178,11 @@ def attach_adapters(model: nn.Module, adapters: list[dict[str, tuple[torch.Tenso
                 ai, bi, s[i] = adapter[name]
                 a[i, : ai.shape[0]], b[i, :, : ai.shape[0]] = ai, bi
         attach_lora_stack(m, a, b, s, batch)
+
+
+def detach_adapters(model: nn.Module) -> None:
+    """Remove every serving stack from ``model`` (its projections compute the base alone again;
+    the hooks stay and cost one attribute check). Training adapters (``lora_A``) are kept."""
+    for m in model.modules():
+        if getattr(m, "lora_stack", None) is not None:
+            m.lora_stack = None

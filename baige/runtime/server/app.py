@@ -24,7 +24,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
-from baige.runtime.server import chat_routes, routes
+from baige.runtime.infer.lora import LoRANotFound
+from baige.runtime.server import chat_routes, lora_routes, routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
 from baige.runtime.server.tools import tool_config
@@ -113,6 +114,10 @@ async def _baige_error(_: Request, e: BaigeError):
     return error_response(str(e), 400)
 
 
+async def _lora_not_found(_: Request, e: LoRANotFound):
+    return error_response(str(e), 404, param=e.param, code="model_not_found")
+
+
 async def _too_large(request: Request, e: BodyTooLarge):
     return error_response(f"the request body is larger than {request.app.state.baige_max_bytes} bytes "
                           "(--max-request-bytes)", 413, code="request_too_large")
@@ -165,7 +170,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout=read_timeout)  # outermost: before auth reads anything
-    for exc, handler in ((APIError, _api_error), (BaigeError, _baige_error), (BodyTooLarge, _too_large),
+    for exc, handler in ((APIError, _api_error), (BaigeError, _baige_error), (LoRANotFound, _lora_not_found),
+                         (BodyTooLarge, _too_large),
                          (BodyTimeout, _body_timeout), (ClientDisconnect, _client_left), (HTTPException, _http_error), (RequestValidationError, _validation_error),
                          (Exception, _internal_error)):
         app.add_exception_handler(exc, handler)
@@ -174,6 +180,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_routes.chat_completions, methods=["POST"])
+    if engine.engine.lora is not None:  # --enable-lora: vLLM's runtime adapter endpoints
+        engine.engine.lora.base_name = served_model_name  # no adapter may take the base's name
+        app.add_api_route("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"])
     return app
 
 

@@ -96,8 +96,8 @@ async def chat_completions(request: Request):
     ids = await chat_prompt(st, plan)
     (ids, params), = await prepared(st, [ids], params, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": st.served_model_name}
-    gen = st.engine.generate(ids, params, rid)
+    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model or st.served_model_name}
+    gen = st.engine.generate(ids, params, rid, st.lora_request(req.model))
     if req.stream:
         return event_stream(stream_chat(st, req, base, len(ids), params.n, gen, plan))
     finals = await collect(request, [gen])

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
+from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import Logprobs, SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
@@ -55,6 +56,23 @@ class ServerState:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.engine.tokenizer
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names: None for the base model (or no name).
+
+        Raises:
+            APIError: 404 (OpenAI's ``model_not_found``) for a name that is neither the base nor a
+            loaded adapter.
+        """
+        if model is None or model == self.served_model_name:
+            return None
+        lora = self.engine.engine.lora
+        found = lora.loaded.get(model) if lora is not None else None
+        if found is None:
+            also = f" or its LoRA adapters ({', '.join(map(repr, lora.loaded))})" if lora and lora.loaded else ""
+            raise APIError(f"the model `{model}` does not exist (this server serves `{self.served_model_name}`{also})",
+                           404, param="model", code="model_not_found")
+        return found.request
 
 
 def state_of(request: Request) -> ServerState:
@@ -167,9 +185,7 @@ async def parse(request: Request, schema: type[BaseModel]) -> Any:
     except ValidationError as e:
         msg, param = validation_message(e)
         raise APIError(msg, param=param) from None
-    if req.model is not None and req.model != st.served_model_name:
-        raise APIError(f"the model `{req.model}` does not exist (this server serves `{st.served_model_name}`)",
-                       404, param="model", code="model_not_found")
+    st.lora_request(req.model)  # 404 for a model name it does not serve
     return req
 
 
@@ -235,9 +251,16 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> dict:
+    """The base model, then every loaded LoRA adapter with ``parent`` = the base (vLLM's listing)."""
     st = state_of(request)
-    return {"object": "list", "data": [{"id": st.served_model_name, "object": "model", "created": st.created,
-                                        "owned_by": "baige", "max_model_len": st.engine.engine.max_model_len}]}
+    max_len = st.engine.engine.max_model_len
+    data = [{"id": st.served_model_name, "object": "model", "created": st.created, "owned_by": "baige",
+             "root": st.served_model_name, "parent": None, "max_model_len": max_len}]
+    lora = st.engine.engine.lora
+    for name, loaded in list(lora.loaded.items()) if lora is not None else []:
+        data.append({"id": name, "object": "model", "created": st.created, "owned_by": "baige",
+                     "root": loaded.request.lora_path, "parent": st.served_model_name, "max_model_len": max_len})
+    return {"object": "list", "data": data}
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
@@ -305,12 +328,13 @@ async def completions(request: Request):
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     jobs = await prepared(st, prompts, params, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.served_model_name}
+    lora = st.lora_request(req.model)
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model or st.served_model_name}
     job = CompletionJob(req, jobs, [x if isinstance(x, str) else st.tokenizer.decode(x) for x in prompts], base,
                         score_prompt)
     if echo_only:
         return await echo_only_completion(request, st, job)
-    gens = [st.engine.generate(ids, sp, f"{rid}-{k}") for k, (ids, sp) in enumerate(jobs)]
+    gens = [st.engine.generate(ids, sp, f"{rid}-{k}", lora) for k, (ids, sp) in enumerate(jobs)]
     if not req.stream:
         return await plain_completion(request, st, job, gens)
     return event_stream(stream_completion(st, job, gens))
@@ -321,7 +345,8 @@ async def echo_only_completion(request: Request, st: ServerState, job: Completio
     (its sampled token discarded)."""
     plps: list[dict | None] = [None] * len(job.jobs)
     if job.score_prompt:
-        gens = [st.engine.generate(ids, dataclasses.replace(sp, n=1), f"{job.base['id']}-{k}")
+        gens = [st.engine.generate(ids, dataclasses.replace(sp, n=1), f"{job.base['id']}-{k}",
+                                   st.lora_request(job.req.model))
                 for k, (ids, sp) in enumerate(job.jobs)]
         finals = await collect(request, gens)
         if finals is None:

@@ -1,0 +1,153 @@
+"""Serving many LoRA adapters from one engine (vLLM's ``--enable-lora`` and ``LoRARequest``).
+
+The :class:`LoRAManager` owns the adapters an engine has loaded: each gets an engine id (the
+``lora_int_id`` of its sequences, never reused, so prefix-cache keys of an unloaded adapter can
+never match a later one's) and a slot in the stacks :func:`baige.runtime.model.lora.attach_adapters`
+puts on the model's projections. Every step the runner tells it which adapter each flattened token
+uses (:meth:`LoRAManager.set_batch`); the hooks then add ``B_i A_i x * scaling_i`` per token.
+
+Loading is split so the slow part runs off the engine thread: :meth:`LoRAManager.read` (disk,
+checks) is thread-safe, :meth:`LoRAManager.add` / :meth:`LoRAManager.remove` (rebuild the stacks)
+must run between steps, on the thread that steps the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from baige.errors import BaigeError
+from baige.runtime.model.lora import LoRABatch, attach_adapters, detach_adapters
+from baige.runtime.model.transformer import Transformer
+from baige.runtime.weights.peft import LoRAAdapter, load_peft_adapter
+
+
+class LoRANotFound(BaigeError):
+    """A request names an adapter this engine has not loaded (the server's 404)."""
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for a request (vLLM's ``LoRARequest``): its name (the ``model`` clients send),
+    the caller's integer id (> 0; informational here, the engine assigns its own ids) and the PEFT
+    adapter directory (loaded on first use offline)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class LoadedLoRA:
+    request: LoRARequest
+    adapter: LoRAAdapter
+    engine_id: int  # the sequences' lora_int_id (> 0)
+
+
+class LoRAManager:
+    """The loaded adapters of one engine and the model's stacks built from them.
+
+    Args:
+        model: the served Transformer (its projections get the stacks).
+        max_lora_rank: largest adapter rank accepted (vLLM's ``--max-lora-rank``).
+        base_name: the name the base model is served under (no adapter may take it), or None.
+    """
+
+    def __init__(self, model: Transformer, max_lora_rank: int, base_name: str | None = None):
+        self.model, self.max_lora_rank, self.base_name = model, max_lora_rank, base_name
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.batch = LoRABatch()
+        self.loaded: dict[str, LoadedLoRA] = {}  # by name, in load order (= slot order)
+        self._slot: dict[int, int] = {}  # engine id -> slot in the stacks
+        self._ids = itertools.count(1)
+        self._read_lock = threading.Lock()
+
+    def read(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter directory (any thread; the model is only read).
+
+        Raises:
+            BaigeError (one line): an empty name or the base model's name, a name already loaded, an
+            adapter that does not fit the base (targets, shapes: see ``load_peft_adapter``) or whose
+            rank exceeds ``max_lora_rank``.
+        """
+        name = request.lora_name
+        if not isinstance(name, str) or not name or name == self.base_name:
+            raise BaigeError(f"lora_name {name!r}: an adapter needs a non-empty name other than the base "
+                             "model's", param="lora_name")
+        if name in self.loaded:
+            raise BaigeError(f"the LoRA adapter {name!r} is already loaded", param="lora_name")
+        with self._read_lock:
+            adapter = load_peft_adapter(Path(request.lora_path), self.model, self.dtype)
+        if adapter.rank > self.max_lora_rank:
+            raise BaigeError(f"LoRA adapter {name!r} ({request.lora_path}): rank {adapter.rank} exceeds "
+                             f"--max-lora-rank {self.max_lora_rank}", param="lora_path")
+        return adapter
+
+    def add(self, request: LoRARequest, adapter: LoRAAdapter) -> int:
+        """Register an adapter :meth:`read` returned and rebuild the stacks (between steps).
+        Returns its engine id. Raises BaigeError when the name was loaded meanwhile."""
+        if request.lora_name in self.loaded:
+            raise BaigeError(f"the LoRA adapter {request.lora_name!r} is already loaded", param="lora_name")
+        engine_id = next(self._ids)
+        self.loaded[request.lora_name] = LoadedLoRA(request, adapter, engine_id)
+        self._rebuild()
+        return engine_id
+
+    def load(self, request: LoRARequest) -> int:
+        """:meth:`read` then :meth:`add` (on the engine's thread). Returns the engine id."""
+        return self.add(request, self.read(request))
+
+    def remove(self, name: str, in_flight: list[int]) -> None:
+        """Forget an adapter and rebuild the stacks (between steps). ``in_flight``: the
+        ``lora_int_id`` of every unfinished request.
+
+        Raises:
+            LoRANotFound: a name not loaded.
+            BaigeError: requests that use it are in flight (they go on unharmed; unload it later).
+        """
+        busy = in_flight.count(self.get(name).engine_id)
+        if busy:
+            raise BaigeError(f"the LoRA adapter {name!r} is in use by {busy} request(s) in flight; unload it "
+                             "once they finish", param="lora_name")
+        del self.loaded[name]
+        self._rebuild()
+
+    def get(self, name: str) -> LoadedLoRA:
+        """The loaded adapter called ``name``. Raises LoRANotFound."""
+        found = self.loaded.get(name)
+        if found is None:
+            raise LoRANotFound(f"the LoRA adapter {name!r} is not loaded", param="model")
+        return found
+
+    def engine_id(self, request: LoRARequest) -> int:
+        """The engine id of ``request``'s adapter, loading it from ``lora_path`` the first time its
+        name is seen (vLLM's offline behaviour). Raises BaigeError as :meth:`read`."""
+        found = self.loaded.get(request.lora_name)
+        if found is None:
+            if not request.lora_path:
+                raise LoRANotFound(f"the LoRA adapter {request.lora_name!r} is not loaded", param="model")
+            return self.load(request)
+        return found.engine_id
+
+    def _rebuild(self) -> None:
+        detach_adapters(self.model)
+        adapters = list(self.loaded.values())
+        self._slot = {a.engine_id: i for i, a in enumerate(adapters)}
+        if adapters:
+            attach_adapters(self.model, [a.adapter.modules for a in adapters], self.batch, self.dtype)
+
+    def set_batch(self, lora_ids: list[int]) -> bool:
+        """Set the adapter of each of the step's N flattened tokens (``lora_ids``: each token's
+        sequence's ``lora_int_id``, 0 = base) as slots in ``batch.token_lora_ids`` ((N,) int64, -1 =
+        base); None when no token uses an adapter. Returns whether any does."""
+        if not any(lora_ids):
+            self.batch.token_lora_ids = None
+            return False
+        slots = [self._slot[i] if i else -1 for i in lora_ids]
+        self.batch.token_lora_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return True
