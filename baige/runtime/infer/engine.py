@@ -29,7 +29,7 @@ from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
 from baige.runtime.infer.spec_decode.factory import build_proposer
-from baige.runtime.infer.spec_decode.proposer import DraftBudget
+from baige.runtime.infer.spec_decode.proposer import assign_drafts
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
 from baige.runtime.infer.structured import GrammarCompiler, engine_error
@@ -314,39 +314,9 @@ class Engine:
         return [self._output(req, now) for req in touched.values()]
 
     def _propose(self) -> None:
-        """Ask the proposer for draft tokens for the running sequences that decode next step.
-
-        A structured-output sequence's drafts are cut before the first token its grammar refuses
-        (llguidance's ``validate_tokens``); its masks at every draft position are computed with the
-        step's other masks (:meth:`_start_masks`). A sequence's budget follows its acceptance (:class:`~baige.runtime.infer.spec_decode.proposer.DraftBudget`)
-        and never lets a step emit past ``max_tokens`` or the context. A proposer that raises
-        costs this step's speculation only: every sequence then decodes plainly.
-        """
-        seqs, budgets = [], []
-        for seq in self.scheduler.running:
-            if seq.num_computed_tokens != len(seq.token_ids) - 1:
-                continue
-            room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
-            seqs.append(seq)
-            if seq.spec_budget is None:
-                seq.spec_budget = DraftBudget(self.num_speculative_tokens)
-            budgets.append(max(0, min(seq.spec_budget.take(), room)))
-        if not seqs:
-            return
-        try:
-            proposals = self.proposer.propose(seqs, budgets, [_sampler_row(s) for s in seqs])
-        except Exception:
-            logger.exception("the speculative proposer failed; this step decodes without speculation")
-            for seq in seqs:
-                self.proposer.release(seq)
-            return
-        for seq, p in zip(seqs, proposals):
-            drafts, probs = list(p.token_ids), p.probs
-            grammar = seq.payload.grammar
-            if drafts and grammar is not None:
-                keep = grammar.validate_tokens(drafts)  # proposals the constraint refuses are never verified
-                drafts, probs = drafts[:keep], (probs[:keep] if probs is not None and keep else None)
-            seq.spec_token_ids, seq.spec_draft_probs = drafts, probs
+        """Draft tokens for the running sequences that decode next step (:func:`assign_drafts`)."""
+        assign_drafts(self.proposer, self.scheduler.running, self.num_speculative_tokens, self.max_model_len,
+                      _sampler_row)
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer and vocabulary."""

@@ -10,13 +10,17 @@ passes them (it does not yet).
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from baige.runtime.infer.sampling import SamplerRow
 from baige.runtime.infer.scheduler import Sequence
+
+logger = logging.getLogger("baige.spec_decode")
 
 
 @dataclass
@@ -88,3 +92,41 @@ class Proposer(ABC):
 
     def release(self, seq: Sequence) -> None:
         """Forget ``seq`` (finished or preempted): free whatever the proposer holds for it."""
+
+
+def assign_drafts(proposer: Proposer, running: list[Sequence], k: int, max_model_len: int,
+                  sampler_row: Callable[[Sequence], SamplerRow]) -> None:
+    """Ask ``proposer`` for the drafts of the ``running`` sequences that decode next step and set
+    their ``spec_token_ids`` / ``spec_draft_probs``.
+
+    A sequence's budget follows its acceptance (:class:`DraftBudget`) and never lets a step emit past
+    ``max_tokens`` or ``max_model_len``. A structured-output sequence's drafts are cut before the
+    first token its grammar refuses (llguidance's ``validate_tokens``); the engine computes its masks
+    at every draft position with the step's other masks. A proposer that raises costs this step's
+    speculation only: every sequence then decodes plainly.
+    """
+    seqs, budgets = [], []
+    for seq in running:
+        if seq.num_computed_tokens != len(seq.token_ids) - 1:
+            continue
+        room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
+        seqs.append(seq)
+        if seq.spec_budget is None:
+            seq.spec_budget = DraftBudget(k)
+        budgets.append(max(0, min(seq.spec_budget.take(), room)))
+    if not seqs:
+        return
+    try:
+        proposals = proposer.propose(seqs, budgets, [sampler_row(s) for s in seqs])
+    except Exception:
+        logger.exception("the speculative proposer failed; this step decodes without speculation")
+        for seq in seqs:
+            proposer.release(seq)
+        return
+    for seq, p in zip(seqs, proposals):
+        drafts, probs = list(p.token_ids), p.probs
+        grammar = seq.payload.grammar
+        if drafts and grammar is not None:
+            keep = grammar.validate_tokens(drafts)  # proposals the constraint refuses are never verified
+            drafts, probs = drafts[:keep], (probs[:keep] if probs is not None and keep else None)
+        seq.spec_token_ids, seq.spec_draft_probs = drafts, probs
