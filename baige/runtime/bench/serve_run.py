@@ -203,14 +203,17 @@ def scrape_spec_decode(base_url: str, api_key: str | None = None) -> dict | None
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10.0,
-                         headers={"Authorization": f"Bearer {api_key}"} if api_key else None).text
+        r = httpx.get(f"{base_url}/metrics", timeout=10.0,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
     except httpx.HTTPError:
         return None
     found = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in SPEC_COUNTERS:
-            found[SPEC_COUNTERS[family.name]] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    try:
+        for family in text_string_to_metric_families(r.text if r.status_code == 200 else ""):
+            if family.name in SPEC_COUNTERS:
+                found[SPEC_COUNTERS[family.name]] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    except ValueError:  # not Prometheus text (another server's /metrics)
+        return None
     if len(found) < len(SPEC_COUNTERS):
         return None
     drafts, proposed, accepted = found["num_drafts"], found["num_draft_tokens"], found["num_accepted_tokens"]
