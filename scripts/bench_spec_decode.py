@@ -121,10 +121,11 @@ def main() -> None:
 
     tok = Tokenizer.from_dir(resolve_model(None))
     sets = chat_prompts(tok, args.data, args.prompts)
-    if args.sharegpt_out:
+    if args.sharegpt_out:  # prompts as text (the server tokenizes them), the passage as the completion
         args.sharegpt_out.parent.mkdir(parents=True, exist_ok=True)
-        rows = [{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": src}]}
-                for p, src in zip(sets["grounded"], passages(args.data, args.prompts))]
+        rows = [{"conversations": [{"from": "human", "value": tok.render_chat_template(
+                    [{"role": "user", "content": f"Repeat the following passage exactly, word for word:\n\n{src}"}])},
+                                   {"from": "gpt", "value": src}]} for src in passages(args.data, args.prompts)]
         args.sharegpt_out.write_text(json.dumps(rows))
         print(f"wrote {args.sharegpt_out}")
     wanted = args.rows.split(",")

@@ -239,3 +239,23 @@ def test_cli_against_fake_server_on_a_fake_clock(fake_server, embedded_dir, tmp_
     # the SLO bounds are inclusive: TTFT 125 <= 125 ms and TPOT 83.3 <= 100 ms, every request is good
     assert r["request_goodput"] == pytest.approx(1.28)
     assert "roofline" not in r  # --base-url: a server this run did not start, of unknown size
+
+
+def test_sharegpt_file_parses_and_refuses_non_text_turns(embedded_dir, tmp_path):
+    import json
+
+    from baige.errors import BaigeError
+    from baige.runtime.bench.serve import sharegpt_requests
+    from baige.runtime.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(embedded_dir)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Tell me about the sea, please."},
+                                                   {"from": "gpt", "value": "The sea is large and deep and blue."}]}]))
+    (req,) = sharegpt_requests(good, tok, 1)
+    assert (req.prompt_len, req.output_len) == (len(tok.encode("Tell me about the sea, please.", add_special_tokens=False)),
+                                                len(tok.encode("The sea is large and deep and blue.", add_special_tokens=False)))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": [1, 2, 3]}, {"from": "gpt", "value": "x"}]}]))
+    with pytest.raises(BaigeError, match=r"need a string \"value\" \(got list and str\)"):
+        sharegpt_requests(bad, tok, 1)

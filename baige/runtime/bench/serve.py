@@ -88,7 +88,10 @@ def sharegpt_requests(path: str | Path, tokenizer, num_prompts: int, seed: int =
     for conv in convs:
         if len(out) == num_prompts:
             break
-        prompt, completion = conv[0]["value"], conv[1]["value"]
+        prompt, completion = conv[0].get("value"), conv[1].get("value")
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            raise BaigeError(f"{path}: each conversation's turns need a string \"value\" (got "
+                             f"{type(prompt).__name__} and {type(completion).__name__})")
         p_len = len(tokenizer.encode(prompt, add_special_tokens=False))
         o_len = output_len or len(tokenizer.encode(completion, add_special_tokens=False))
         if p_len < 4 or o_len < 4 or p_len > 1024 or p_len + o_len > 2048:
