@@ -129,3 +129,18 @@ def job_train_dump_experts(model: str, data: str, output: str, **flags) -> None:
                          "gate_up_proj": experts.gate_up_proj.to_local().detach().clone(),
                          "down_proj": experts.down_proj.to_local().detach().clone()}
     torch.save(layers, Path(output) / f"experts_rank{os.environ['RANK']}.pt")
+
+
+def chat_data(path: Path, n: int = 60) -> Path:
+    """SFT records with replies of 1 to 5 lines of Shakespeare: the loss-carrying tokens differ per window."""
+    import numpy as np
+
+    lines = [ln for ln in shakespeare(40_000).splitlines() if ln.strip()]
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            k = int(rng.integers(1, 6))
+            msgs = [{"role": "user", "content": lines[i]},
+                    {"role": "assistant", "content": " ".join(lines[i + 1: i + 1 + k])}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from train_utils import read_metrics, shakespeare, tiny_config, tiny_model
+from train_utils import chat_data, read_metrics, shakespeare, tiny_config, tiny_model
 
 from baige import kernels
 from baige.errors import BaigeError
@@ -19,15 +19,6 @@ from baige.runtime.train.checkpoint import CheckpointManager
 from baige.runtime.train.config import load_train_config
 from baige.runtime.train.lr_scheduler import lr_lambda
 from baige.runtime.train.trainer import run_training
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny models run ~50x faster on one thread than on two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ---- loss ----------------------------------------------------------------------------------------
@@ -178,21 +169,10 @@ def test_sft_from_scratch_preset(tmp_path, embedded_dir, one_thread):
 # ---- training-step semantics ---------------------------------------------------------------------
 
 
-def _tiny_chat_data(path, n=40):
-    lines = [ln for ln in shakespeare(40_000).splitlines() if ln.strip()]
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for i in range(n):
-            k = int(rng.integers(1, 6))
-            msgs = [{"role": "user", "content": lines[i]},
-                    {"role": "assistant", "content": " ".join(lines[i + 1: i + 1 + k])}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-
-
 def test_grad_accum_equals_one_big_batch_with_unequal_valid_tokens(tmp_path, one_thread):
     model = tiny_model(tmp_path / "model")
     data = tmp_path / "chat.jsonl"
-    _tiny_chat_data(data)
+    chat_data(data, 40)
     accum = tiny_config(model, data, tmp_path / "accum", **{"training.steps": 3, "training.batch_size": 2,
                                                              "training.grad_accum": 2})
     big = tiny_config(model, data, tmp_path / "big", **{"training.steps": 3, "training.batch_size": 4})

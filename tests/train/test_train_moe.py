@@ -20,12 +20,6 @@ from baige.runtime.train.moe import MoEBalancer, RouterLogits, load_balancing_lo
 from baige.runtime.train.trainer import run_training
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _logits(n_layers: int, rows: int, experts: int, seed: int) -> list[torch.Tensor]:

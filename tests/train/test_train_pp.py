@@ -16,27 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_model
+from train_utils import chat_data, free_port, job_train, read_metrics, spawn_worker, tiny_model
 
 STEPS = 5
-
-
-def _chat_data(path: Path, n: int = 60) -> Path:
-    """SFT records with replies of 1 to 5 lines: the loss-carrying tokens differ per window."""
-    lines = [ln for ln in shakespeare(40_000).splitlines() if ln.strip()]
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for i in range(n):
-            k = int(rng.integers(1, 6))
-            msgs = [{"role": "user", "content": lines[i]},
-                    {"role": "assistant", "content": " ".join(lines[i + 1: i + 1 + k])}]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-    return path
 
 
 def _flags(**extra) -> dict:
@@ -49,7 +35,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
     # 97 rows: FSDP shards the tied table unevenly over 2 ranks
     tied = tiny_model(root / "tied4", "llama-tied", vocab_size=97, seed=2, num_hidden_layers=4)
-    data = _chat_data(root / "chat.jsonl")
+    data = chat_data(root / "chat.jsonl")
     return root, dict(model=str(tied), data=str(data))
 
 
@@ -242,12 +228,6 @@ def test_split_layers_puts_fewer_layers_beside_embedding_and_head():
     assert stage_ids(0, 2, 4, v_shape=True) == (0, 3) and stage_ids(1, 2, 4, v_shape=True) == (1, 2)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_checkpoint_from_before_the_flattened_optimizer_state_resumes(setup, tmp_path, one_thread):
