@@ -1,6 +1,7 @@
 """The native CPU decode step (baige/runtime/cpu_decode.py + kernels/cpu/decode.c) against the
 module path on the PyTorch reference kernels: same hidden states and KV writes for a batch of
-decoding sequences with scattered blocks, on every tiny architecture and on int8 / int4 copies."""
+decoding sequences with scattered blocks, on every tiny architecture and on int8 / int4 copies,
+and with multi-LoRA serving stacks (the kernel's own grouped shrink/expand against the hooks)."""
 
 import shutil
 
@@ -49,13 +50,18 @@ def _step_inputs(model, num_blocks=20, seed=0, kv_dtype=torch.float32):
     return kv, ids, pos, torch.tensor(slots), torch.tensor(tables), torch.tensor(CTX)
 
 
-def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32):
+def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32, lora=None):
+    """``lora``: (LoRABatch the model's stacks read, (len(CTX),) adapter slot per sequence)."""
     kv, ids, pos, slots, tables, lens = _step_inputs(model, kv_dtype=kv_dtype)
     ref_k, ref_v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
     fused, why = FusedDecoder.build(model, kv)
     assert fused is not None, why
     with torch.inference_mode():
-        out = fused(ids, pos, slots, tables, lens)
+        if lora is not None:
+            lora[0].token_lora_ids = None  # the kernel gets the ids as an argument, not from the hooks
+        out = fused(ids, pos, slots, tables, lens, None if lora is None else lora[1])
+        if lora is not None:
+            lora[0].token_lora_ids = lora[1]
         monkeypatch.setenv("BAIGE_KERNELS", "reference")
         reload_settings()
         md = PagedAttentionMetadata(ref_k, ref_v, slots, len(CTX), decode_groups=[(tables, lens)])
@@ -99,6 +105,51 @@ def test_fused_decode_fp16_kv_cache(tmp_path, monkeypatch):
     _check(model, monkeypatch, kv_dtype=torch.float16)
 
 
+def _stacks(model, ranks, seed=0):
+    """Serve one random adapter per rank in ``ranks`` on ``model``: adapter i on every projection but
+    adapter 0 on q/k/v/o only (the MLP's stacks hold zeros in its slot), B large enough to move the
+    outputs. Returns the LoRABatch."""
+    from baige.runtime.model.lora import LORA_TARGETS, LoRABatch, attach_adapters
+
+    g = torch.Generator().manual_seed(seed)
+    adapters = []
+    for i, r in enumerate(ranks):
+        adapter = {}
+        for name, m in model.named_modules():
+            target = name.rpartition(".")[2]
+            if target in LORA_TARGETS and (i or target in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                adapter[name] = (torch.randn(r, m.in_features, generator=g) * 0.3,
+                                 torch.randn(m.out_features, r, generator=g) * 0.3, 2.0 / r)
+        adapters.append(adapter)
+    batch = LoRABatch()
+    attach_adapters(model, adapters, batch, torch.float32)
+    return batch
+
+
+@pytest.mark.parametrize("base", ["fp32", "int4-g32"])
+def test_fused_decode_lora_stacks(tmp_path, monkeypatch, base):
+    """Three adapters of ranks 1, 7 and 16 stacked (zero-padded to 16) on an fp32 and an int4 base
+    (QLoRA-style serving); the three sequences on adapter 2, none and 0 (adapter 1 has no token):
+    the native step's hidden states and KV writes equal the module path's hooks on the reference
+    kernels, and differ from the base alone (the adapters are not a no-op)."""
+    model = load_model(make_checkpoint(tmp_path / "l", "qwen2-bias"), "float32")
+    if base != "fp32":
+        quantize_model(model, QuantScheme(4, 32), ignore=["lm_head"])
+    batch = _stacks(model, [1, 7, 16])
+    ids = torch.tensor([2, -1, 0])
+    _check(model, monkeypatch, lora=(batch, ids))
+    kv, *step = _step_inputs(model)
+    monkeypatch.delenv("BAIGE_KERNELS")
+    reload_settings()
+    fused = FusedDecoder.build(model, kv)[0]
+    with torch.inference_mode():
+        plain = fused(*[t.clone() for t in step])
+        kv2, *step2 = _step_inputs(model)
+        adapted = FusedDecoder.build(model, kv2)[0](*step2, ids)
+    assert torch.equal(adapted[0, 1], plain[0, 1])  # the base row: untouched
+    assert (adapted[0, 0] - plain[0, 0]).abs().max() > 1e-2 and (adapted[0, 2] - plain[0, 2]).abs().max() > 1e-2
+
+
 def test_ineligible_models_say_why(tmp_path, monkeypatch):
     path = make_checkpoint(tmp_path / "m", "llama")
     half = load_model(path, "float16")
@@ -108,6 +159,11 @@ def test_ineligible_models_say_why(tmp_path, monkeypatch):
     kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
     model.model.layers[1].mlp.up_proj = torch.nn.Identity()
     assert FusedDecoder.build(model, kv) == (None, "layer 1 up_proj: Identity has no native kernel")
+    from baige.runtime.model.lora import add_lora
+
+    model = load_model(path, "float32")
+    add_lora(model.model.layers[0].self_attn.v_proj, 4, 8.0)
+    assert FusedDecoder.build(model, kv) == (None, "layer 0 v_proj: it has a training LoRA adapter")
     monkeypatch.setenv("BAIGE_CPU_DECODE", "0")
     reload_settings()
     assert FusedDecoder.build(load_model(path, "float32"), kv)[0] is None

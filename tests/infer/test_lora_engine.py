@@ -1,8 +1,8 @@
 """LoRA serving through the Engine on a tiny model: one batch mixing the base and three PEFT adapters
 (ranks 2/5/8, different targets, rsLoRA) gives every request the greedy tokens of peft's merged
-model of its adapter run alone (prefill, CPU decode steps with the native step eligible, shared
-prompt prefixes that must not share KV across adapters); ``max_loras`` per step; load, unload and
-mistakes as one-line errors; the CLI refuses a bad adapter at start-up."""
+model of its adapter run alone (prefill, CPU decode steps in the native step with the adapters'
+stacks and in the per-op path, shared prompt prefixes that must not share KV across adapters);
+``max_loras`` per step; load, unload and mistakes as one-line errors; the CLI refuses a bad adapter at start-up."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from baige.errors import BaigeError
+from baige.kernels import NativeDecodeLayers
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.llm import LLM
@@ -60,20 +61,16 @@ def test_mixed_batch_matches_merged_models(dirs, tmp_path, monkeypatch):
     assert len({str(v) for v in expected.values()}) == 4  # every adapter changes the tokens
 
     llm = LLM(str(dirs[None]), enable_lora=True, max_loras=3, dtype="float32", **CFG)
-    runner = llm.engine.runner
-    assert runner.fused_decode is not None  # decode steps on this CPU model would take the native step
-    seen, native = [], []
-    set_batch, fused = llm.engine.lora.set_batch, runner.fused_decode
+    assert llm.engine.runner.fused_decode is not None  # decode steps on this CPU model take the native step
+    seen, native = [], []  # adapters of every step; per native decode step, its tokens' adapter slots
+    set_batch, call = llm.engine.lora.set_batch, NativeDecodeLayers.__call__
     monkeypatch.setattr(llm.engine.lora, "set_batch", lambda ids: seen.append(set(ids)) or set_batch(ids))
-    class Counting:  # the native step, counting its calls
-        def __call__(self, *a):
-            native.append(1)
-            return fused(*a)
 
-        def logits(self, hidden):
-            return fused.logits(hidden)
+    def counting(self, *a):
+        native.append(None if a[6] is None else set(a[6].tolist()))
+        return call(self, *a)
 
-    monkeypatch.setattr(runner, "fused_decode", Counting())
+    monkeypatch.setattr(NativeDecodeLayers, "__call__", counting)
     names = [None, *ADAPTERS]
     requests = [LoRARequest(n, k, str(dirs[n])) if n else None for k, n in enumerate(names)]
     work = [(PREFIX + tail, _params(i), lora) for i, tail in enumerate(TAILS) for lora in requests]
@@ -82,11 +79,20 @@ def test_mixed_batch_matches_merged_models(dirs, tmp_path, monkeypatch):
         name = lora.lora_name if lora else None
         assert out.outputs[0].token_ids == expected[name][k // len(names)], name
     assert {0, 1, 2, 3} in seen  # one step held the base and all three adapters
-    assert not native  # every step had an adapter: none took the native step
-    # afterwards the base alone takes the native decode step again, with the same tokens
+    assert {-1, 0, 1, 2} in native  # ... and that decode step ran natively, with the adapters' stacks
+    assert all(ids is not None for ids in native)  # every step had an adapter
+    # afterwards the base alone takes the native decode step without adapter ids, with the same tokens
+    native.clear()
     assert [o.outputs[0].token_ids for o in llm.generate([PREFIX + t for t in TAILS],
                                                          [_params(i) for i in range(2)])] == expected[None]
-    assert native
+    assert native and all(ids is None for ids in native)
+    # the per-op path (native step off) gives the same adapter tokens through the module hooks
+    monkeypatch.setattr(llm.engine.runner, "fused_decode", None)
+    native.clear()
+    outs = llm.generate([p for p, _, _ in work], [sp for _, sp, _ in work], lora_request=[r for _, _, r in work])
+    assert not native
+    for (_, _, lora), out, k in zip(work, outs, range(len(work))):
+        assert out.outputs[0].token_ids == expected[lora.lora_name if lora else None][k // len(names)]
 
 
 def test_max_loras_load_unload_and_mistakes(dirs, tmp_path):

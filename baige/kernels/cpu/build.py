@@ -85,7 +85,7 @@ def _build() -> ctypes.CDLL:
         ("baige_linear_f32", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_linear_f16", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_decode_layers", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _ptr,
-                                 _ptr, _ptr, _ptr, _i64, _ptr, _int, _int], _int),
+                                 _ptr, _ptr, _ptr, _i64, _ptr, _int, _ptr, _int], _int),
         ("baige_paged_decode_attention", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
                                           f32, _ptr, _int, _int], _int),
     ]:

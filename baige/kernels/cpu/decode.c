@@ -7,7 +7,10 @@
  *
  * Layout: baige/runtime/cpu_decode.py fills the structs below from the loaded model (pointers into
  * the model's own tensors) and calls baige_decode_layers once per decode step. Projections: fp32,
- * int8 per channel, int4 group-wise, or fp16 weights (fp32 math).
+ * int8 per channel, int4 group-wise, or fp16 weights (fp32 math), each optionally with a stack of
+ * LoRA adapters (multi-LoRA serving): y[m] += scale[i] * B_i (A_i x[m]) for token m's adapter slot i
+ * (lora_ids[m], -1 = none), rows grouped by adapter so each adapter's A and B are read once per step
+ * (the SGMV grouping of Punica, Chen et al. 2023, arXiv:2310.18547) through the same fp32 kernel.
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,7 +49,18 @@ typedef struct {
     const int32_t *zero_point;  /* int4 asymmetric (n, groups), else NULL */
     int64_t groups, group_size; /* int4 */
     const float *bias;          /* (n) or NULL */
+    const float *lora_a;        /* LoRA stack: fp32 (lora_slots, lora_r, k), or NULL without adapters */
+    const float *lora_b;        /* fp32 (lora_slots, n, lora_r) */
+    const float *lora_scale;    /* fp32 (lora_slots): alpha / r per adapter */
+    int64_t lora_slots, lora_r;
 } baige_linear;
+
+/* Scratch of the LoRA terms for M tokens of widths up to `width` and ranks up to `rank`. */
+typedef struct {
+    const int64_t *ids;  /* (M) adapter slot per token, -1 = none; NULL = no adapter this step */
+    int64_t *rows;       /* (M) */
+    float *x, *t, *y;    /* (M, width), (M, rank), (M, width) */
+} lora_scratch;
 
 typedef struct {
     baige_linear q, k, v, o, gate, up, down;
@@ -55,7 +69,31 @@ typedef struct {
     void *k_cache, *v_cache;              /* (hk, num_blocks, block_size, head_dim), fp32 or fp16 */
 } baige_layer;
 
-static void linear(const baige_linear *l, const float *x, int64_t M, float *y, int nthreads) {
+/* y += the LoRA term of every token that has an adapter (module docstring): per adapter present,
+ * gather its rows of x, shrink (rows, k) -> (rows, r), expand -> (rows, n), add scaled. */
+static void lora_add(const baige_linear *l, const float *x, int64_t M, float *y, const lora_scratch *s,
+                     int nthreads) {
+    const int64_t k = l->k, n = l->n, r = l->lora_r;
+    for (int64_t slot = 0; slot < l->lora_slots; slot++) {
+        int64_t cnt = 0;
+        for (int64_t m = 0; m < M; m++)
+            if (s->ids[m] == slot) s->rows[cnt++] = m;
+        if (!cnt) continue;
+        for (int64_t i = 0; i < cnt; i++)
+            for (int64_t j = 0; j < k; j++) s->x[i * k + j] = x[s->rows[i] * k + j];
+        baige_linear_f32(s->x, cnt, k, k, l->lora_a + slot * r * k, r, k, NULL, NULL, s->t, r, 1);
+        baige_linear_f32(s->t, cnt, r, r, l->lora_b + slot * n * r, n, r, NULL, NULL, s->y, n, nthreads);
+        const float sc = l->lora_scale[slot];
+        for (int64_t i = 0; i < cnt; i++) {
+            float *yr = y + s->rows[i] * n;
+            const float *d = s->y + i * n;
+            for (int64_t j = 0; j < n; j++) yr[j] += d[j] * sc;
+        }
+    }
+}
+
+static void linear(const baige_linear *l, const float *x, int64_t M, float *y, const lora_scratch *s,
+                   int nthreads) {
     if (l->kind == BAIGE_INT8)
         baige_qlinear_int8(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->bias, y, l->n, nthreads);
     else if (l->kind == BAIGE_INT4)
@@ -65,29 +103,54 @@ static void linear(const baige_linear *l, const float *x, int64_t M, float *y, i
         baige_linear_f16(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
     else
         baige_linear_f32(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
+    if (l->lora_a && s->ids) lora_add(l, x, M, y, s, nthreads);
 }
 
 /* h: (M, hidden) fp32, in: the token embeddings, out: the last layer's output (before the final
  * norm). cos/sin: (M, head_dim). slots: (M,) cache slot of each token. tables: (M, W) block ids,
- * lens: (M,) context lengths including the new token. kv_f16: the caches hold fp16. Returns 0, or -1 when scratch memory cannot
- * be allocated (h is then unspecified). */
+ * lens: (M,) context lengths including the new token. kv_f16: the caches hold fp16. lora_ids: (M,)
+ * adapter slot per token (-1 = none) for the projections that carry a LoRA stack, or NULL (no
+ * adapter this step). Returns 0, or -1 when scratch memory cannot be allocated (h is then unspecified). */
 int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, int64_t hidden, int64_t hq,
                         int64_t hk, int64_t d, int64_t inter, float eps, float scale, int64_t num_blocks,
                         int64_t bs, float *h, const float *cos_, const float *sin_, const int64_t *slots,
-                        const int64_t *tables, int64_t W, const int64_t *lens, int kv_f16, int nthreads)
+                        const int64_t *tables, int64_t W, const int64_t *lens, int kv_f16,
+                        const int64_t *lora_ids, int nthreads)
 {
     const int64_t nq = M * hq * d, nk = M * hk * d;
-    float *buf = malloc(sizeof(float) * (size_t)(2 * M * hidden + 3 * nq + 3 * nk + 2 * M * inter));
-    if (!buf) return -1;
+    int64_t rank = 0, width = 0;
+    for (int64_t i = 0; lora_ids && i < n_layers; i++) {
+        const baige_layer *L = layers + i;
+        const baige_linear *projections[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
+        for (int j = 0; j < 7; j++) {
+            const baige_linear *l = projections[j];
+            if (l->lora_a) {
+                rank = l->lora_r > rank ? l->lora_r : rank;
+                width = l->k > width ? l->k : width;
+                width = l->n > width ? l->n : width;
+            }
+        }
+    }
+    const int64_t lora_floats = rank ? M * (2 * width + rank) : 0;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * M * hidden + 3 * nq + 3 * nk + 2 * M * inter + lora_floats));
+    int64_t *rows = rank ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
+    if (!buf || (rank && !rows)) {
+        free(buf);
+        free(rows);
+        return -1;
+    }
+    float *lbuf = buf + 2 * M * hidden + 3 * nq + 3 * nk + 2 * M * inter;
+    const lora_scratch ls = {rank ? lora_ids : NULL, rows, lbuf, lbuf + M * width, lbuf + M * (width + rank)};
+    const lora_scratch *sp = &ls;
     float *normed = buf, *o = normed + M * hidden, *q = o + M * hidden, *qr = q + nq, *attn = qr + nq;
     float *k = attn + nq, *kr = k + nk, *v = kr + nk, *g = v + nk, *u = g + M * inter;
     int rc = 0;
     for (int64_t i = 0; i < n_layers && rc == 0; i++) {
         const baige_layer *L = layers + i;
         baige_rms_norm(h, M, hidden, L->input_norm, eps, normed);
-        linear(&L->q, normed, M, q, nthreads);
-        linear(&L->k, normed, M, k, nthreads);
-        linear(&L->v, normed, M, v, nthreads);
+        linear(&L->q, normed, M, q, sp, nthreads);
+        linear(&L->k, normed, M, k, sp, nthreads);
+        linear(&L->v, normed, M, v, sp, nthreads);
         if (L->q_norm) {  /* per-head RMSNorm (Qwen3), in place: each row is read before it is written */
             baige_rms_norm(q, M * hq, d, L->q_norm, eps, q);
             baige_rms_norm(k, M * hk, d, L->k_norm, eps, k);
@@ -96,14 +159,15 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
         baige_store_kv(kr, v, M, hk, d, L->k_cache, L->v_cache, num_blocks * bs, slots, kv_f16);
         rc = baige_paged_decode_attention(qr, L->k_cache, L->v_cache, M, hq, hk, d, num_blocks, bs, tables, W,
                                           lens, scale, attn, kv_f16, nthreads);
-        linear(&L->o, attn, M, o, nthreads);
+        linear(&L->o, attn, M, o, sp, nthreads);
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */
-        linear(&L->gate, normed, M, g, nthreads);
-        linear(&L->up, normed, M, u, nthreads);
+        linear(&L->gate, normed, M, g, sp, nthreads);
+        linear(&L->up, normed, M, u, sp, nthreads);
         baige_silu_mul(g, u, M * inter, g);
-        linear(&L->down, g, M, o, nthreads);
+        linear(&L->down, g, M, o, sp, nthreads);
         for (int64_t j = 0; j < M * hidden; j++) h[j] = h[j] + o[j];
     }
     free(buf);
+    free(rows);
     return rc;
 }

@@ -22,7 +22,8 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("w", _p), ("ldw", _i64), ("scale", _p),
-                ("zero_point", _p), ("groups", _i64), ("group_size", _i64), ("bias", _p)]
+                ("zero_point", _p), ("groups", _i64), ("group_size", _i64), ("bias", _p),
+                ("lora_a", _p), ("lora_b", _p), ("lora_scale", _p), ("lora_slots", _i64), ("lora_r", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -37,6 +38,10 @@ class LinearDesc:
     ``kind`` LINEAR_F32: fp32 ``w``; LINEAR_F16: fp16 ``w``; LINEAR_INT8: int8 ``w`` with fp32
     per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, fp32 ``scale`` (n, groups),
     optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None.
+
+    LoRA (multi-adapter serving, all three or none): ``lora_a`` fp32 (L, r, k), ``lora_b`` fp32 (L, n, r),
+    ``lora_scale`` fp32 (L,), contiguous: ``y[m] += lora_scale[i] * lora_b[i] @ (lora_a[i] @ x[m])`` for
+    the step's adapter slot ``i`` of token m (the ``lora_ids`` of :meth:`DecodeLayers.__call__`).
     """
 
     kind: int
@@ -47,6 +52,9 @@ class LinearDesc:
     zero_point: torch.Tensor | None = None
     group_size: int = 0
     bias: torch.Tensor | None = None
+    lora_a: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    lora_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -98,11 +106,22 @@ class DecodeLayers:
         lin.scale, lin.zero_point, lin.bias = _ptr(d.scale), _ptr(d.zero_point), _ptr(d.bias)
         if d.kind == LINEAR_INT4:
             lin.groups, lin.group_size = d.scale.shape[1], d.group_size
-        self._keep += [t for t in (d.w, d.scale, d.zero_point, d.bias) if t is not None]
+        if d.lora_a is not None:
+            L, r, k = d.lora_a.shape
+            ok = (k == d.k and d.lora_b.shape == (L, d.n, r) and d.lora_scale.shape == (L,)
+                  and all(t.dtype == torch.float32 and t.is_contiguous() for t in (d.lora_a, d.lora_b, d.lora_scale)))
+            if not ok:
+                raise ValueError(f"LinearDesc: LoRA A {tuple(d.lora_a.shape)}, B {tuple(d.lora_b.shape)}, scale "
+                                 f"{tuple(d.lora_scale.shape)} do not fit a {d.k} -> {d.n} projection as contiguous fp32")
+            lin.lora_a, lin.lora_b, lin.lora_scale = _ptr(d.lora_a), _ptr(d.lora_b), _ptr(d.lora_scale)
+            lin.lora_slots, lin.lora_r = L, r
+        self._keep += [t for t in (d.w, d.scale, d.zero_point, d.bias, d.lora_a, d.lora_b, d.lora_scale)
+                       if t is not None]
         return lin
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 lora_ids: torch.Tensor | None = None) -> None:
         """Run every layer on ``h`` in place.
 
         Args:
@@ -111,15 +130,19 @@ class DecodeLayers:
             slot_mapping: (M,) int64 cache slot of each new token.
             block_tables: (M, W) int64 block ids per sequence.
             context_lens: (M,) int64 tokens in the cache per sequence, the new one included.
+            lora_ids: (M,) int64 adapter slot per token (-1 = none; ids outside the stacks add nothing)
+                for the projections described with a LoRA stack, or None: no adapter this step.
         Raises:
             MemoryError: the kernel's scratch buffers could not be allocated.
         """
         n_layers, hidden, hq, hk, d, inter = self._dims
         tables = block_tables.contiguous()
+        if lora_ids is not None:
+            lora_ids = lora_ids.to(torch.int64).contiguous()
         rc = library().baige_decode_layers(
             ctypes.addressof(self._table), n_layers, h.shape[0], hidden, hq, hk, d, inter, self._eps, self._scale,
             self._num_blocks, self._block_size, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             slot_mapping.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1],
-            context_lens.contiguous().data_ptr(), self._fp16_cache, torch.get_num_threads())
+            context_lens.contiguous().data_ptr(), self._fp16_cache, _ptr(lora_ids), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native decode step: could not allocate its scratch buffers")

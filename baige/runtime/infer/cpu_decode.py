@@ -13,6 +13,12 @@ fp32 on the CPU, each layer's seven projections fp32 ``nn.Linear``, ``Fp16Weight
 (``--quantization fp16-weight``) or ``QuantizedLinear`` (int8 per channel, or int4 with
 ``in_features`` and ``group_size`` multiples of 8), contiguous fp32 or fp16 KV pools
 (``kv_cache_dtype``), and the native library built.
+
+Multi-LoRA serving: a projection carrying a serving stack (``module.lora_stack``, fp32, see
+:func:`baige.runtime.model.lora.attach_lora_stack`) is described with it, and a step passes each
+token's adapter slot (``lora_ids``): the kernel adds the adapters' terms itself, grouped by adapter.
+The table points at the stacks present when it was built; the runner rebuilds it after the loaded
+adapters change. A training adapter (``lora_A``) makes a projection ineligible.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ class FusedDecoder:
         return cls(model, table), ""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 lora_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step.
 
         Args:
@@ -89,6 +96,8 @@ class FusedDecoder:
             slot_mapping: (M,) int64 cache slot of each new token.
             block_tables: (M, W) int64 block ids per sequence (padding beyond its context is not read).
             context_lens: (M,) int64 tokens in the cache per sequence, the new one included.
+            lora_ids: (M,) int64 adapter slot of each token (-1 = none) in the LoRA stacks this decoder
+                was built with, or None (no adapter this step).
         Returns:
             (1, M, hidden) fp32 final hidden states (after the last norm), as ``Transformer.forward``.
         Raises:
@@ -97,7 +106,7 @@ class FusedDecoder:
         model = self.model
         h = model.model.embed_tokens(input_ids)[0].contiguous()  # (M, hidden), a fresh copy
         cos, sin = model.rotary_emb(positions, h.dtype)  # (1, M, head_dim)
-        self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens)
+        self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens, lora_ids)
         return model.model.norm(h)[None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -110,7 +119,9 @@ class FusedDecoder:
 
 
 def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
-    """The kernel's description of one projection, or (None, why not)."""
+    """The kernel's description of one projection (with its LoRA serving stack), or (None, why not)."""
+    if hasattr(mod, "lora_A"):
+        return None, "it has a training LoRA adapter"
     bias = getattr(mod, "bias", None)
     if type(mod) is nn.Linear:
         w = mod.weight
@@ -137,4 +148,10 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
         return None, f"{type(mod).__name__} has no native kernel"
     if bias is not None:
         desc.bias = bias.detach().float().contiguous()
+    stack = getattr(mod, "lora_stack", None)
+    if stack is not None:
+        a, b, scale = stack[:3]
+        if a.dtype != torch.float32 or b.dtype != torch.float32:
+            return None, f"its LoRA stack is {a.dtype}, not fp32"
+        desc.lora_a, desc.lora_b, desc.lora_scale = a.contiguous(), b.contiguous(), scale.float().contiguous()
     return desc, ""

@@ -66,6 +66,7 @@ class LoRAManager:
         self._slot: dict[int, int] = {}  # engine id -> slot in the stacks
         self._ids = itertools.count(1)
         self._read_lock = threading.Lock()
+        self.version = 0  # bumped whenever the stacks are rebuilt (the native decode table follows it)
 
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter directory (any thread; the model is only read).
@@ -135,6 +136,7 @@ class LoRAManager:
         return found.engine_id
 
     def _rebuild(self) -> None:
+        self.version += 1
         detach_adapters(self.model)
         adapters = list(self.loaded.values())
         self._slot = {a.engine_id: i for i, a in enumerate(adapters)}

@@ -16,9 +16,11 @@ with fixed shapes: the batch padded to a bucket size and the tables to a bucket 
 writing to the pool's scratch block; one graph per bucket.
 
 LoRA (``runner.lora``, the engine's :class:`~baige.runtime.infer.lora.LoRAManager`): each step
-sets the adapter of every flattened token before the forward. A step in which any token uses an
-adapter runs the per-op path (eager, unpadded; the module hooks add the adapters' terms): neither
-the native CPU decode step, which runs every layer in C past the hooks, nor a captured graph.
+sets the adapter of every flattened token before the forward. A decode-only step in which any
+token uses an adapter runs the native CPU decode step with the adapters' stacks when it is
+eligible (its table is rebuilt after the loaded adapters change), else the per-op path (eager,
+unpadded; the module hooks add the adapters' terms); never a captured graph. Mixed steps always
+run per-op.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ class ModelRunner:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
         # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
         self.lora = None  # the engine's LoRAManager when LoRA is enabled
+        # the LoRAManager.version the native table was last built for, and whether that build succeeded
+        self._fused_lora_version, self._fused_lora_ok = 0, False
         self.fused_decode, self.fused_decode_why = None, "not on the CPU"
         if self.device.type == "cpu":
             from baige.runtime.infer.cpu_decode import FusedDecoder
@@ -174,12 +178,29 @@ class ModelRunner:
             W = max(t.shape[1] for t, _ in groups)
             tables = torch.cat([F.pad(t, (0, W - t.shape[1]), value=self.kv.scratch_block) for t, _ in groups])
             lens = torch.cat([n for _, n in groups]) if len(groups) > 1 else groups[0][1]
-            hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens)
+            lora_ids = self.lora.batch.token_lora_ids if self.lora is not None else None
+            hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens, lora_ids)
             return self.fused_decode.logits(hidden[0])
         else:
             md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1], decode_groups=groups)
             hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
         return self.model.compute_logits(hidden[0])  # (B, vocab)
+
+    def _native_lora(self) -> bool:
+        """Whether a decode step with adapters can run natively: the native table is rebuilt (with
+        the current stacks) when the loaded adapters changed since it was built; a model whose stacks
+        are not eligible (see cpu_decode.py) keeps the per-op path for adapter steps."""
+        if self.fused_decode is None:
+            return False
+        if self._fused_lora_version != self.lora.version:
+            from baige.runtime.infer.cpu_decode import FusedDecoder
+
+            fused, why = FusedDecoder.build(self.model, self.kv)
+            self._fused_lora_version = self.lora.version
+            self._fused_lora_ok = fused is not None
+            if fused is not None:
+                self.fused_decode = fused
+        return self._fused_lora_ok
 
     def _set_lora(self, lora_ids: list[int]) -> bool:
         """Tell the LoRA hooks each flattened token's adapter (its sequence's ``lora_int_id``, 0 =
@@ -242,11 +263,11 @@ class ModelRunner:
         lora = self.lora is not None and any(s.lora_int_id for s in seqs)
         if not self.captures or lora:  # eager: unpadded, grouped by length
             order, groups = self._decode_groups([seqs[o].block_table for o in owner], [p + 1 for p in pos])
-            # with adapters: the module path, which runs their hooks
+            # with adapters: the native step with their stacks, else the module path (their hooks)
             self._set_lora([seqs[owner[i]].lora_int_id for i in order] if lora else [])
             fn = self._decode_forward if lora else self._decode_fn
             logits = fn(self._tensor([[ids[i] for i in order]]), self._tensor([[pos[i] for i in order]]),
-                        self._tensor([slots[i] for i in order]), groups, native=not lora)
+                        self._tensor([slots[i] for i in order]), groups, native=not lora or self._native_lora())
             inverse = [0] * R
             for row, i in enumerate(order):
                 inverse[i] = row
