@@ -152,6 +152,28 @@ def test_lora_resume_is_exact_with_dropout(setup, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_with_another_lora_config_is_one_line(setup, tmp_path, single):
+    """The single run's step-2 checkpoint (rank 8, all seven targets) resumed with rank 4, with fewer
+    targets, and as full fine-tuning: one line naming the tensor, before anything is loaded."""
+    from baige.errors import BaigeError
+    from baige.runtime.train.trainer import run_training
+
+    root, model_dir, data = setup
+    step2 = root / "single" / "checkpoints" / "step_00000002"
+    full = {k: v for k, v in FLAGS.items() if not k.startswith("lora.")}
+    cases = [({**FLAGS, "lora.rank": 4}, r"holds model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight of shape \(8, 64\), "
+                                r"this run's is \(4, 64\)"),
+             ({**FLAGS, "lora.targets": ["q_proj"]}, r"holds model\.layers\.0\.mlp\.down_proj\.lora_A\.weight "
+                                                   r"\(and \d+ more\) that this run does not train"),
+             (full, r"does not hold model\.embed_tokens\.weight, which this run trains")]
+    for i, (flags, match) in enumerate(cases):
+        out = tmp_path / f"r{i}" / "checkpoints"
+        shutil.copytree(step2, out / step2.name)
+        with pytest.raises(BaigeError, match=match) as e:
+            run_training(tiny_config(model_dir, data, out.parent, **flags))
+        assert "\n" not in str(e.value) and "config.toml" in str(e.value)
+
+
 def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
     """A baige int8 checkpoint as the frozen base: the adapters train through the quantized matmuls,
     and the merged export (dequantized base + adapter) gives the adapted model's logits."""

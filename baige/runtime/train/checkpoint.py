@@ -114,13 +114,48 @@ class CheckpointManager:
         return final
 
     @staticmethod
-    def load(path: Path, state: dict[str, Any]) -> None:
-        """Load ``path`` into ``state`` in place (collective), resharding as needed."""
+    def load(path: Path, state: dict[str, Any], whole_model: bool = True) -> None:
+        """Load ``path`` into ``state`` in place (collective), resharding as needed. ``whole_model``:
+        ``state["model"]`` names every model tensor (False for a pipeline stage's part).
+
+        Raises:
+            BaigeError (one line, before anything is read): the checkpoint's model tensors are not
+            this run's (see :func:`check_model_fits`).
+        """
         import torch.distributed.checkpoint as dcp
 
+        check_model_fits(path, state["model"], whole_model)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def check_model_fits(path: Path, model_state: dict[str, Any], whole_model: bool = True) -> None:
+    """Raise a one-line BaigeError when the model part of the DCP checkpoint at ``path`` is not the
+    tensors of ``model_state`` (the run's ``get_state_dict`` output: FQN -> tensor or DTensor, global
+    shapes): a name missing on either side (the checkpoint's extra names only with ``whole_model``;
+    a pipeline stage holds a part) or a different shape, e.g. a resume with another
+    ``[lora]`` rank or targets, LoRA against full fine-tuning, or another model. The checkpoint's
+    own settings are in its ``config.toml``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+    hint = f"resume with the settings in {path / 'config.toml'}, or start a new --output"
+    for name, t in model_state.items():
+        m = saved.get(name)
+        if m is None:
+            what = f" ({len(saved)} model tensors, e.g. {next(iter(saved))})" if saved else ""
+            raise BaigeError(f"{path} does not hold {name}, which this run trains{what}: it was saved with "
+                             f"another model or [lora] config; {hint}")
+        if isinstance(m, TensorStorageMetadata) and tuple(m.size) != tuple(t.shape):
+            raise BaigeError(f"{path} holds {name} of shape {tuple(m.size)}, this run's is {tuple(t.shape)}: it "
+                             f"was saved with another model or [lora] config; {hint}")
+    extra = sorted(set(saved) - set(model_state)) if whole_model else []
+    if extra:
+        raise BaigeError(f"{path} holds {extra[0]} (and {len(extra) - 1} more) that this run does not train: it "
+                         f"was saved with another model or [lora] config; {hint}")
 
 
 def optimizer_state_is_flat(path: Path) -> bool:

@@ -325,7 +325,7 @@ class Trainer:
             raise BaigeError(f"{path} predates pipeline parallel (nested optimizer state): resume it once without "
                              "--pp; its next checkpoints reshard to any PP degree")
         state = self._state(flat)
-        self.ckpt.load(path, state)
+        self.ckpt.load(path, state, whole_model=self.pipeline is None)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=_state_dict_options(strict=not self.lora_params, flatten_optimizer_state_dict=flat))
         self.scheduler.load_state_dict(state["scheduler"])
