@@ -27,28 +27,21 @@ def test_no_match_or_below_the_minimum_proposes_nothing():
     assert lookup(a(1, 2, 1), n_max=3, n_min=1, k=0) == []
 
 
-def test_the_draft_budget_halves_on_outright_rejection_and_backs_off():
+def test_the_draft_budget_follows_the_expected_tokens_per_cost():
+    """Hand-computed values (1 + p + .. + p^n) / (1 + 0.1 n) of n drafts at acceptance p."""
     from baige.runtime.infer.spec_decode.proposer import DraftBudget
 
     b = DraftBudget(4)
-    assert b.take() == 4
-    b.update(4, 1)  # some accepted: the proposer was on the right text, keep asking for 4
-    assert b.take() == 4
-    b.update(4, 0)  # none accepted: halve
+    # prior p = 1/2: n=1 1.5/1.1 = 1.364, n=2 1.75/1.2 = 1.458, n=3 1.875/1.3 = 1.442, n=4 1.9375/1.4 = 1.384
     assert b.take() == 2
-    b.update(2, 2)  # all accepted: double
-    assert b.take() == 4
-    b.update(4, 0)
-    b.update(2, 0)
-    assert b.take() == 1
-    b.update(1, 0)  # a single draft rejected outright: skip 1 step, then probe with 1
-    assert [b.take() for _ in range(2)] == [0, 1]
-    b.update(1, 0)  # again: skip 2
-    assert [b.take() for _ in range(3)] == [0, 0, 1]
-    for _ in range(6):
-        b.update(1, 0)
-        while b.take() == 0:
-            pass
-    assert b.backoff == 16  # capped
-    b.update(1, 1)
-    assert (b.take(), b.backoff) == (2, 0)
+    b.update(2, 2)  # accepted 0.85 + 2, rejected 0.85 (none this step): p = 2.85 / 3.7 = 0.770
+    assert (round(b.accepted, 4), round(b.rejected, 4)) == (2.85, 0.85)
+    assert b.take() == 4  # n=3 2.583/1.3 = 1.987 < n=4 2.935/1.4 = 2.097
+    b.update(4, 0)  # accepted 2.4225, rejected 1.7225: p = 0.5845
+    assert b.take() == 3  # n=3 2.126/1.3 = 1.635 > n=4 2.242/1.4 = 1.601 > n=2 1.926/1.2 = 1.605
+    low = DraftBudget(4, accepted=0.5, rejected=5.0)  # p = 0.0909: one draft 1.0909/1.1 = 0.992 < 1
+    assert [low.take() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # plain steps, a probe every 4th
+    low.update(1, 1)  # the probe kept: accepted 1.425, rejected 4.25, p = 0.251 -> n=1 1.137 > n=2 1.095
+    assert low.take() == 1
+    assert DraftBudget(4, row_cost=0.0).take() == 4  # free rows: always all k
+    assert DraftBudget(4, row_cost=1.0).take() == 0  # rows as dear as a step: never worth it at p = 1/2

@@ -39,39 +39,55 @@ class Proposal:
 
 @dataclass
 class DraftBudget:
-    """How many drafts one sequence asks for (dynamic speculation length).
+    """How many drafts one sequence asks for (dynamic speculation length), by expected value.
 
-    Every draft token costs a row of the verify forward whether or not it is accepted, so a sequence
-    whose drafts fail outright asks for fewer: a step that accepted no draft halves the budget, and
-    when even a single draft is rejected the sequence stops speculating for 1, 2, 4 .. 16 steps before
-    it probes again. A step that accepted some drafts keeps the budget (the proposer was on the right
-    text), one that accepted all doubles it (up to ``k``). Copying text stays at ``k``; text with
-    nothing to copy costs about one extra verify row every 16 steps.
+    Model: each draft is accepted with probability ``p`` given the ones before it were (the
+    geometric acceptance of Leviathan et al. 2023, arXiv:2211.17192, section 3.3), so a step with n
+    drafts emits ``1 + p + ... + p^n`` tokens in expectation and costs ``1 + row_cost * n`` one-token
+    steps. :meth:`take` asks for the n in 0..k with the most expected tokens per cost. ``p`` is
+    estimated per sequence from decayed counts (``decay`` per verify step) of accepted drafts and of
+    rejections (a step that kept all its drafts observed no rejection; prior: one of each, p = 0.5).
+    While the best n is 0 the sequence decodes plainly and probes with one draft every ``probe``
+    steps, so text that becomes copyable again is noticed.
+
+    ``row_cost``: a verify row's cost relative to a one-token decode step. At batch 1 on the CPU dev
+    box (AVX2, 1 thread, the embedded 135M model in fp32, the native decode step) a 5-row step costs
+    1.2-1.3x a 1-row one, i.e. 0.05-0.08 per row; 0.1 errs on the cautious side. With it, p >= 0.5
+    drafts all k = 4 and p below about 0.1 stops drafting. (Replaces a halve-and-back-off rule that,
+    replayed offline on the benchmark's greedy outputs, left 0.2-0.4x of the copy prompts' speed-up
+    unused: scripts/bench_spec_decode.py, README Performance.)
     """
 
     k: int
-    budget: int = -1  # -1: k
-    backoff: int = 0  # steps skipped after the last outright rejection of a single draft
-    skip: int = 0  # steps left to skip
+    row_cost: float = 0.1
+    decay: float = 0.85
+    probe: int = 4
+    accepted: float = 1.0  # decayed count of accepted drafts
+    rejected: float = 1.0  # decayed count of verify steps that rejected a draft
+    idle: int = 0  # plain steps since the last draft
 
     def take(self) -> int:
-        """This step's budget (0 while backing off)."""
-        if self.skip:
-            self.skip -= 1
-            return 0
-        return self.k if self.budget < 0 else self.budget
+        """This step's number of drafts (0: decode plainly)."""
+        p = self.accepted / (self.accepted + self.rejected)
+        best, n_best, expected = 1.0, 0, 1.0
+        for n in range(1, self.k + 1):
+            expected += p ** n
+            value = expected / (1.0 + self.row_cost * n)
+            if value > best:
+                best, n_best = value, n
+        if n_best:
+            return n_best
+        self.idle += 1
+        if self.idle >= self.probe:
+            self.idle = 0
+            return 1
+        return 0
 
     def update(self, num_draft: int, num_accepted: int) -> None:
-        """After a verify step of ``num_draft`` drafts whose first ``num_accepted`` were kept."""
-        if num_accepted >= num_draft:
-            self.budget, self.backoff = min(self.k, max(1, num_draft) * 2), 0
-        elif num_accepted > 0:
-            self.budget, self.backoff = max(num_draft, self.budget), 0
-        elif num_draft > 1:
-            self.budget = num_draft // 2
-        else:
-            self.backoff = min(16, max(1, 2 * self.backoff))
-            self.skip, self.budget = self.backoff, 1
+        """After a verify step of ``num_draft`` (>= 1) drafts whose first ``num_accepted`` were kept."""
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.rejected = self.rejected * self.decay + (1.0 if num_accepted < num_draft else 0.0)
+        self.idle = 0
 
 
 class Proposer(ABC):
