@@ -41,21 +41,22 @@ class Proposal:
 class DraftBudget:
     """How many drafts one sequence asks for (dynamic speculation length), by expected value.
 
-    Model: each draft is accepted with probability ``p`` given the ones before it were (the
-    geometric acceptance of Leviathan et al. 2023, arXiv:2211.17192, section 3.3), so a step with n
-    drafts emits ``1 + p + ... + p^n`` tokens in expectation and costs ``1 + row_cost * n`` one-token
-    steps. :meth:`take` asks for the n in 0..k with the most expected tokens per cost. ``p`` is
-    estimated per sequence from decayed counts (``decay`` per verify step) of accepted drafts and of
-    rejections (a step that kept all its drafts observed no rejection; prior: one of each, p = 0.5).
-    While the best n is 0 the sequence decodes plainly and probes with one draft every ``probe``
-    steps, so text that becomes copyable again is noticed.
+    Model (Leviathan et al. 2023, arXiv:2211.17192: expected tokens per step and the walltime
+    improvement (1 - a^(g+1)) / ((1 - a)(g c + 1)) used to choose g): each draft is accepted with
+    probability ``p`` given the ones before it were, so a step with n drafts emits
+    ``1 + p + ... + p^n`` tokens in expectation; it costs ``1 + row_cost * n`` one-token steps (c is
+    here a verify row's cost, not a draft model's). :meth:`take` asks for the n in 0..k with the
+    most expected tokens per cost. ``p`` is estimated per sequence from decayed counts (``decay`` per
+    verify step) of accepted drafts and of rejections (a step that kept all its drafts observed no
+    rejection; prior: one of each, p = 0.5). While the best n is 0 the sequence decodes plainly and
+    probes with one draft every ``probe`` steps, so text that becomes copyable again is noticed.
 
     ``row_cost``: a verify row's cost relative to a one-token decode step. At batch 1 on the CPU dev
     box (AVX2, 1 thread, the embedded 135M model in fp32, the native decode step) a 5-row step costs
-    1.2-1.3x a 1-row one, i.e. 0.05-0.08 per row; 0.1 errs on the cautious side. With it, p >= 0.5
-    drafts all k = 4 and p below about 0.1 stops drafting. (Replaces a halve-and-back-off rule that,
-    replayed offline on the benchmark's greedy outputs, left 0.2-0.4x of the copy prompts' speed-up
-    unused: scripts/bench_spec_decode.py, README Performance.)
+    1.2-1.3x a 1-row one, i.e. 0.05-0.08 per row; 0.1 errs on the cautious side. With it and k = 4:
+    p < 0.11 -> 0 drafts, < 0.36 -> 1, < 0.54 -> 2, < 0.66 -> 3, else 4. (It replaces a
+    halve-and-back-off rule that, replayed offline on the benchmark's greedy outputs, left 0.2-0.4x
+    of the copy prompts' speed-up unused: scripts/bench_spec_decode.py, README Performance.)
     """
 
     k: int
