@@ -149,7 +149,7 @@ def check_model_fits(path: Path, model_state: dict[str, Any], whole_model: bool 
             what = f" ({len(saved)} model tensors, e.g. {next(iter(saved))})" if saved else ""
             raise BaigeError(f"{path} does not hold {name}, which this run trains{what}: it was saved with "
                              f"another model or [lora] config; {hint}")
-        if isinstance(m, TensorStorageMetadata) and tuple(m.size) != tuple(t.shape):
+        if isinstance(m, TensorStorageMetadata) and hasattr(t, "shape") and tuple(m.size) != tuple(t.shape):
             raise BaigeError(f"{path} holds {name} of shape {tuple(m.size)}, this run's is {tuple(t.shape)}: it "
                              f"was saved with another model or [lora] config; {hint}")
     extra = sorted(set(saved) - set(model_state)) if whole_model else []
