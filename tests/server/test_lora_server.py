@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from baige.errors import BaigeError
 from baige.runtime.infer.llm import LLM
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.sampling import SamplingParams
@@ -98,3 +99,37 @@ def test_adapters_through_the_openai_client(dirs):
             client.completions.create(model="sql", prompt=PROMPT, max_tokens=2)
         assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
         assert [m.id for m in client.models.list().data] == ["tiny", "chat"]
+
+
+def test_a_request_never_loads_an_adapter_the_server_unloaded(dirs):
+    """The race a tester found: a completion checks its adapter, the adapter is unloaded before the
+    engine adds the request, and the request used to load it again from its old path (the unload
+    undone, a reload under that name refused). Now the request is a 404 and the unload stays."""
+    import asyncio
+
+    from baige.runtime.infer.async_engine import AsyncEngine
+    from baige.runtime.infer.lora import LoRANotFound
+    from baige.runtime.server.app import build_app
+
+    llm = LLM(str(dirs["base"]), enable_lora=True, max_loras=2, max_lora_rank=5, dtype="float32", **ENGINE)
+    llm.engine.lora.load(LoRARequest("sql", 1, str(dirs["sql"])))
+    driver = AsyncEngine(llm.engine)
+    try:
+        st = build_app(driver, "tiny").state.baige
+        request = st.lora_request("sql")  # the route's check, while "sql" is loaded
+        asyncio.run(driver.call(lambda engine: engine.unload_lora_adapter("sql")))  # then the unload
+
+        async def first():
+            return await anext(driver.generate(PROMPT, SamplingParams(max_tokens=2), lora_request=request))
+
+        with pytest.raises(LoRANotFound, match="'sql' is not loaded"):
+            asyncio.run(first())
+        assert "sql" not in llm.engine.lora.loaded
+        # offline, one name with another directory is an error, not the first adapter's weights
+        llm.engine.lora.load(LoRARequest("sql", 1, str(dirs["sql"])))
+        with pytest.raises(BaigeError, match=r"'sql' is loaded from .*sql, not .*chat: unload it first"):
+            llm.generate(PROMPT, SamplingParams(max_tokens=2), lora_request=LoRARequest("sql", 2, str(dirs["chat"])))
+        assert llm.generate(PROMPT, SamplingParams(max_tokens=2),  # the same directory spelled differently
+                            lora_request=LoRARequest("sql", 3, str(dirs["sql"]) + "/"))[0].outputs[0].token_ids
+    finally:
+        driver.shutdown()

@@ -127,12 +127,22 @@ class LoRAManager:
 
     def engine_id(self, request: LoRARequest) -> int:
         """The engine id of ``request``'s adapter, loading it from ``lora_path`` the first time its
-        name is seen (vLLM's offline behaviour). Raises BaigeError as :meth:`read`."""
+        name is seen (vLLM's offline behaviour); a request without a path only finds loaded ones.
+
+        Raises:
+            LoRANotFound: no adapter of that name is loaded and the request has no path.
+            BaigeError: as :meth:`read`; or the name is loaded from another directory than the
+            request's ``lora_path`` (unload it first, or use another name).
+        """
         found = self.loaded.get(request.lora_name)
         if found is None:
             if not request.lora_path:
                 raise LoRANotFound(f"the LoRA adapter {request.lora_name!r} is not loaded", param="model")
             return self.load(request)
+        if request.lora_path and not _same_path(request.lora_path, found.request.lora_path):
+            raise BaigeError(f"the LoRA adapter {request.lora_name!r} is loaded from {found.request.lora_path}, "
+                             f"not {request.lora_path}: unload it first or give this one another name",
+                             param="lora_path")
         return found.engine_id
 
     def _rebuild(self) -> None:
@@ -153,3 +163,10 @@ class LoRAManager:
         slots = [self._slot[i] if i else -1 for i in lora_ids]
         self.batch.token_lora_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
         return True
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return a == b

@@ -60,6 +60,9 @@ class ServerState:
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names: None for the base model (or no name).
 
+        The request carries no ``lora_path``, so the engine resolves it by name when it adds it: an
+        adapter unloaded meanwhile is then LoRANotFound (a 404) instead of being loaded again.
+
         Raises:
             APIError: 404 (OpenAI's ``model_not_found``) for a name that is neither the base nor a
             loaded adapter.
@@ -72,7 +75,9 @@ class ServerState:
             also = f" or its LoRA adapters ({', '.join(map(repr, lora.loaded))})" if lora and lora.loaded else ""
             raise APIError(f"the model `{model}` does not exist (this server serves `{self.served_model_name}`{also})",
                            404, param="model", code="model_not_found")
-        return found.request
+        # without its path: an adapter unloaded before the request reaches the engine is a 404 there,
+        # never loaded again from disk (the offline load-on-first-use)
+        return dataclasses.replace(found.request, lora_path="")
 
 
 def state_of(request: Request) -> ServerState:
