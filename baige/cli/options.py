@@ -35,7 +35,8 @@ SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
     "--speculative-config", help='Speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
     '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt lookup) or '
     '{"method": "draft_model", "model": SPEC, "num_speculative_tokens": 4} (a smaller model with the same '
-    'tokenizer, e.g. a `baige quantize --method int4` copy). Default: off.')]
+    'tokenizer, e.g. a `baige quantize --method int4` copy); "disable_by_batch_size": N stops speculating '
+    'in steps with more than N decoding sequences. Default: off.')]
 
 
 @contextmanager

@@ -230,6 +230,10 @@ class SpeculativeConfig:
         model: draft_model only: the draft's model spec (a directory, a hub id, a .gguf, or a
             ``baige quantize`` output such as an int4 copy of the target).
         draft_tensor_parallel_size: accepted for vLLM compatibility; only 1.
+        disable_by_batch_size: a step with more decoding sequences than this speculates none of them
+            (vLLM's key; vLLM decides per incoming request from the queue, baige per step from the
+            running batch). None: always speculate. Under load a verify row is no longer nearly
+            free (README Performance, speculative decoding under load).
     """
 
     method: str
@@ -238,6 +242,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None
     draft_tensor_parallel_size: int = 1
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str):
@@ -250,6 +255,9 @@ class SpeculativeConfig:
             bad(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.draft_tensor_parallel_size != 1:
             bad("draft_tensor_parallel_size: only 1 is supported")
+        d = self.disable_by_batch_size
+        if d is not None and (not _is_plain_int(d) or d < 1):
+            bad(f"disable_by_batch_size must be an integer >= 1 or null, got {d!r}")
         if self.method == "ngram":
             if self.model is not None:
                 bad("model is for method draft_model; ngram proposes from the sequence itself")

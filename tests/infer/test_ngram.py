@@ -1,7 +1,10 @@
-"""Prompt lookup: the longest suffix that occurs earlier, its most recent occurrence, what followed."""
+"""Prompt lookup (the longest suffix that occurs earlier, its most recent occurrence, what followed),
+the draft budget, and assign_drafts' disable_by_batch_size."""
 
 import numpy as np
+import pytest
 
+from baige.errors import BaigeError
 from baige.runtime.infer.spec_decode.ngram import lookup
 
 
@@ -45,3 +48,35 @@ def test_the_draft_budget_follows_the_expected_tokens_per_cost():
     assert low.take() == 1
     assert DraftBudget(4, row_cost=0.0).take() == 4  # free rows: always all k
     assert DraftBudget(4, row_cost=1.0).take() == 0  # rows as dear as a step: never worth it at p = 1/2
+
+
+def test_disable_by_batch_size_stops_proposing_above_it():
+    """assign_drafts with a recording proposer over decoding sequences (stand-ins with the fields it
+    reads): 3 decoding (+1 mid-prefill, not counted) with disable_by_batch_size 2 -> no proposal and
+    no budget consumed; with 3 -> every decoding sequence gets its drafts."""
+    from types import SimpleNamespace
+
+    from baige.runtime.config import SpeculativeConfig
+    from baige.runtime.infer.spec_decode.proposer import Proposal, Proposer, assign_drafts
+
+    class Recording(Proposer):
+        calls = 0
+
+        def propose(self, seqs, budgets, rows):
+            Recording.calls += 1
+            return [Proposal([7] * b) for b in budgets]
+
+    def seq(computed):
+        return SimpleNamespace(token_ids=[1, 2, 3, 4], num_computed_tokens=computed, max_tokens=50,
+                               num_output_tokens=1, spec_budget=None, payload=SimpleNamespace(grammar=None),
+                               spec_token_ids=[], spec_draft_probs=None)
+
+    running = [seq(3), seq(3), seq(3), seq(1)]
+    assign_drafts(Recording(), running, 4, 64, lambda s: None, disable_by_batch_size=2)
+    assert Recording.calls == 0 and all(s.spec_budget is None and s.spec_token_ids == [] for s in running)
+    assign_drafts(Recording(), running, 4, 64, lambda s: None, disable_by_batch_size=3)
+    assert Recording.calls == 1 and [s.spec_token_ids for s in running] == [[7, 7]] * 3 + [[]]  # prior budget 2
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
+                                   '"disable_by_batch_size": 8}').disable_by_batch_size == 8
+    with pytest.raises(BaigeError, match=r"disable_by_batch_size must be an integer >= 1 or null, got 0"):
+        SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}')

@@ -316,7 +316,7 @@ class Engine:
     def _propose(self) -> None:
         """Draft tokens for the running sequences that decode next step (:func:`assign_drafts`)."""
         assign_drafts(self.proposer, self.scheduler.running, self.num_speculative_tokens, self.max_model_len,
-                      _sampler_row)
+                      _sampler_row, self.cfg.speculative_config.disable_by_batch_size)
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer and vocabulary."""

@@ -112,7 +112,7 @@ class Proposer(ABC):
 
 
 def assign_drafts(proposer: Proposer, running: list[Sequence], k: int, max_model_len: int,
-                  sampler_row: Callable[[Sequence], SamplerRow]) -> None:
+                  sampler_row: Callable[[Sequence], SamplerRow], disable_by_batch_size: int | None = None) -> None:
     """Ask ``proposer`` for the drafts of the ``running`` sequences that decode next step and set
     their ``spec_token_ids`` / ``spec_draft_probs``.
 
@@ -120,19 +120,18 @@ def assign_drafts(proposer: Proposer, running: list[Sequence], k: int, max_model
     ``max_tokens`` or ``max_model_len``. A structured-output sequence's drafts are cut before the
     first token its grammar refuses (llguidance's ``validate_tokens``); the engine computes its masks
     at every draft position with the step's other masks. A proposer that raises costs this step's
-    speculation only: every sequence then decodes plainly.
+    speculation only: every sequence then decodes plainly. With more decoding sequences than
+    ``disable_by_batch_size`` (not None), nothing is proposed this step.
     """
-    seqs, budgets = [], []
-    for seq in running:
-        if seq.num_computed_tokens != len(seq.token_ids) - 1:
-            continue
+    seqs = [seq for seq in running if seq.num_computed_tokens == len(seq.token_ids) - 1]
+    if not seqs or (disable_by_batch_size is not None and len(seqs) > disable_by_batch_size):
+        return
+    budgets = []
+    for seq in seqs:
         room = min(seq.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
-        seqs.append(seq)
         if seq.spec_budget is None:
             seq.spec_budget = DraftBudget(k)
         budgets.append(max(0, min(seq.spec_budget.take(), room)))
-    if not seqs:
-        return
     try:
         proposals = proposer.propose(seqs, budgets, [sampler_row(s) for s in seqs])
     except Exception:
