@@ -10,9 +10,8 @@ import importlib.util
 
 import torch
 
-from baige.kernels.settings import settings
+from baige.kernels.settings import BACKENDS, settings
 
-BACKENDS = ("auto", "reference", "triton")
 
 
 class KernelConfigError(ValueError):
@@ -43,3 +42,20 @@ def backend(x: torch.Tensor) -> str:
     if not x.is_cuda and not s.triton_interpret:
         raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return "triton"
+
+
+def check_startup() -> None:
+    """What :func:`backend` would refuse at the first op, checked before any model loads (the CLI
+    calls it first): an unknown ``BAIGE_KERNELS``, ``triton`` without Triton installed, or ``triton``
+    on a machine without CUDA and without ``TRITON_INTERPRET=1`` (every tensor is then a CPU tensor).
+
+    Raises:
+        KernelConfigError: one line, as :func:`backend` would raise it.
+    """
+    s = settings()
+    if s.mode not in BACKENDS:
+        raise KernelConfigError(f"BAIGE_KERNELS={s.mode!r} is not one of {', '.join(BACKENDS)}")
+    if s.mode == "triton" and not _triton_importable():
+        raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
+    if s.mode == "triton" and not s.triton_interpret and not torch.cuda.is_available():
+        raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+BACKENDS = ("auto", "reference", "triton")  # the values BAIGE_KERNELS takes
+
+
 @dataclass(frozen=True)
 class KernelSettings:
     mode: str  # BAIGE_KERNELS, "auto" when unset or empty (validated by baige.kernels.backend)
