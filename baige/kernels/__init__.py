@@ -20,7 +20,7 @@ import importlib
 import torch
 
 from baige.kernels import reference
-from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend  # noqa: F401  (re-exported)
+from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
 from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
 
