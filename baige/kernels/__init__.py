@@ -465,5 +465,5 @@ __all__ += [
     "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc",
     "dequantize_weight", "expand_groups", "unpack_int4",
-    "backend", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",
+    "backend", "check_startup", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",
 ]
