@@ -22,6 +22,19 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _refuse(mode: str, on_cuda: bool) -> None:
+    """Raise the KernelConfigError for a ``BAIGE_KERNELS`` that cannot run on tensors on CUDA
+    (``on_cuda``) or on the CPU; nothing when it can."""
+    if mode not in BACKENDS:
+        raise KernelConfigError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
+    if mode != "triton":
+        return
+    if not _triton_importable():
+        raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
+    if not on_cuda and not settings().triton_interpret:
+        raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+
+
 def backend(x: torch.Tensor) -> str:
     """``"triton"`` or ``"reference"``: the implementation an op on ``x`` runs (see module docstring).
 
@@ -29,33 +42,20 @@ def backend(x: torch.Tensor) -> str:
         KernelConfigError: ``BAIGE_KERNELS`` is not one of auto/reference/triton, or it asks for Triton
         where Triton cannot run (not installed; CPU tensors without ``TRITON_INTERPRET=1``).
     """
-    s = settings()
-    mode = s.mode
+    mode = settings().mode
     if mode == "reference":
         return "reference"
     if mode == "auto":
         return "triton" if x.is_cuda and _triton_importable() else "reference"
-    if mode != "triton":
-        raise KernelConfigError(f"BAIGE_KERNELS={mode!r} is not one of {', '.join(BACKENDS)}")
-    if not _triton_importable():
-        raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
-    if not x.is_cuda and not s.triton_interpret:
-        raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    _refuse(mode, x.is_cuda)
     return "triton"
 
 
 def check_startup() -> None:
     """What :func:`backend` would refuse at the first op, checked before any model loads (the CLI
-    calls it first): an unknown ``BAIGE_KERNELS``, ``triton`` without Triton installed, or ``triton``
-    on a machine without CUDA and without ``TRITON_INTERPRET=1`` (every tensor is then a CPU tensor).
+    calls it first); a machine without CUDA has only CPU tensors.
 
     Raises:
         KernelConfigError: one line, as :func:`backend` would raise it.
     """
-    s = settings()
-    if s.mode not in BACKENDS:
-        raise KernelConfigError(f"BAIGE_KERNELS={s.mode!r} is not one of {', '.join(BACKENDS)}")
-    if s.mode == "triton" and not _triton_importable():
-        raise KernelConfigError("BAIGE_KERNELS=triton but triton is not installed")
-    if s.mode == "triton" and not s.triton_interpret and not torch.cuda.is_available():
-        raise KernelConfigError("BAIGE_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    _refuse(settings().mode, torch.cuda.is_available())

@@ -195,7 +195,7 @@ class ModelRunner:
         if self._fused_lora_version != self.lora.version:
             from baige.runtime.infer.cpu_decode import FusedDecoder
 
-            fused, why = FusedDecoder.build(self.model, self.kv)
+            fused, _ = FusedDecoder.build(self.model, self.kv)
             self._fused_lora_version = self.lora.version
             self._fused_lora_ok = fused is not None
             if fused is not None:
