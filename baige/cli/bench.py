@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import (MODEL_HELP, Device, DeviceOpt, DType, ModelOpt, SpeculativeConfigOpt, WeightsDTypeOpt,
+from baige.cli.options import (MODEL_HELP, Device, DeviceOpt, DType, ExpertParallelOpt, ModelOpt, SpeculativeConfigOpt,
+                               TensorParallelOpt, WeightsDTypeOpt,
                                progress_bar)
 
 bench_app = typer.Typer(
@@ -75,13 +76,15 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
 
 
 def _engine(model: str | None, dtype: DType, device: Device, enforce_eager: bool, max_num_batched_tokens: int,
-            quantization: str | None = None, kv_cache_dtype: DType = DType.auto, speculative_config: str | None = None):
+            quantization: str | None = None, kv_cache_dtype: DType = DType.auto, speculative_config: str | None = None,
+            tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
     """The benchmarks' ``EngineConfig`` from the shared engine options."""
     from baige.runtime.bench.offline import bench_engine
 
     return bench_engine(model=model, dtype=dtype.value, device=device.value, enforce_eager=enforce_eager,
                         max_num_batched_tokens=max_num_batched_tokens, quantization=quantization,
-                        kv_cache_dtype=kv_cache_dtype.value, speculative_config=speculative_config)
+                        kv_cache_dtype=kv_cache_dtype.value, speculative_config=speculative_config,
+                        tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
 
 
 def _numbers(text: str, option: str, kind: type, hint: str) -> list:
@@ -142,6 +145,7 @@ def latency(
     quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0, speculative_config: SpeculativeConfigOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1, enable_expert_parallel: ExpertParallelOpt = False,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Latency of one batch (vllm bench latency): percentiles (s), TTFT, TPOT, prefill/decode tokens/s."""
@@ -149,7 +153,7 @@ def latency(
     from baige.runtime.bench.report import latency_rows, metric_table
 
     engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype,
-                     speculative_config)
+                     speculative_config, tensor_parallel_size, enable_expert_parallel)
     cfg = LatencyConfig(engine, input_len, output_len, batch_size, num_iters_warmup, num_iters, seed)
     _execute("latency", run_latency, cfg, output_dir, plot,
              lambda r: metric_table(f"baige bench latency (batch {batch_size}, {input_len} in, {output_len} out)",
@@ -165,6 +169,7 @@ def throughput(
     quantization: QuantizationOpt = None, kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0, speculative_config: SpeculativeConfigOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1, enable_expert_parallel: ExpertParallelOpt = False,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """Offline throughput (vllm bench throughput): requests/s, total tokens/s, output tokens/s."""
@@ -172,7 +177,7 @@ def throughput(
     from baige.runtime.bench.report import metric_table, throughput_rows
 
     engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, quantization, kv_cache_dtype,
-                     speculative_config)
+                     speculative_config, tensor_parallel_size, enable_expert_parallel)
     cfg = ThroughputConfig(engine, num_prompts, input_len, output_len, range_ratio,
                            str(dataset_path) if dataset_path else None, seed)
     _execute("throughput", run_throughput, cfg, output_dir, plot,
@@ -293,13 +298,15 @@ def compare(
              "static-batch throughput times each in round 1, then only the fastest. Default: float32 and bfloat16.")] = None,
     dtype: WeightsDTypeOpt = DType.auto, device: DeviceOpt = Device.auto, enforce_eager: EagerOpt = False,
     max_num_batched_tokens: MNBTOpt = 2048, seed: SeedOpt = 0,
+    tensor_parallel_size: TensorParallelOpt = 1, enable_expert_parallel: ExpertParallelOpt = False,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
     """baige vs HF transformers (and llama.cpp when installed): batch-1 decode and offline throughput ratios."""
     from baige.runtime.bench.compare import CompareConfig, run_compare
     from baige.runtime.bench.report import compare_table
 
-    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, None, kv_cache_dtype)
+    engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, None, kv_cache_dtype,
+                     tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
     cfg = CompareConfig(engine, input_len, output_len, num_prompts, tp_input_len, tp_output_len, range_ratio,
                         hf_batch_size, repeats, quantized=CompareConfig.quantized if quantized else (), seed=seed,
                         hf_dtypes=tuple(d.value for d in hf_dtype) if hf_dtype else CompareConfig.hf_dtypes)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import Device, DeviceOpt, DType, ModelOpt, SpeculativeConfigOpt
+from baige.cli.options import Device, DeviceOpt, DType, ModelOpt, SpeculativeConfigOpt, TensorParallelOpt
 from baige.runtime.config import GenerateConfig
 
 MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier at EOS or where the "
@@ -43,13 +43,15 @@ def generate(
     ] = None,
     system: SystemOpt = None,
     speculative_config: SpeculativeConfigOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1,
 ) -> None:
     """Generate a completion for one prompt, streamed to stdout as it is produced."""
     from baige.runtime.infer.session import ChatSession
 
     cfg = GenerateConfig(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                          top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, dtype=dtype.value,
-                         device=device.value, chat=chat, system=system, speculative_config=speculative_config)
+                         device=device.value, chat=chat, system=system, speculative_config=speculative_config,
+                         tensor_parallel_size=tensor_parallel_size)
     session = ChatSession.load(cfg)
     t0 = time.perf_counter()
     n = 0
@@ -74,6 +76,7 @@ def chat(
     device: DeviceOpt = Device.auto,
     system: SystemOpt = None,
     speculative_config: SpeculativeConfigOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1,
 ) -> None:
     """Talk to a model turn by turn with its chat template. Exit with Ctrl-D or /exit; /reset clears the history."""
     from rich.console import Console
@@ -83,7 +86,8 @@ def chat(
 
     cfg = GenerateConfig(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, min_p=min_p, seed=seed, dtype=dtype.value, device=device.value,
-                         chat=True, system=system, speculative_config=speculative_config)
+                         chat=True, system=system, speculative_config=speculative_config,
+                         tensor_parallel_size=tensor_parallel_size)
     session = ChatSession.load(cfg)
     err = Console(stderr=True)
     err.print(f"[dim]{session.name} — Ctrl-D or /exit to quit, /reset to clear the conversation[/dim]")

@@ -30,6 +30,13 @@ DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, els
 WeightsDTypeOpt = Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is "
                                                      "set); auto = the checkpoint's.")]
 
+TensorParallelOpt = Annotated[int, typer.Option(
+    "--tensor-parallel-size", min=1, help="Ranks the model is split over (Megatron-style tensor parallelism: "
+    "attention heads, MLP, vocabulary and KV cache sharded). One machine: baige starts the worker processes "
+    "(gloo on CPU, NCCL on GPU); several: run the same command under torchrun --nnodes, rank 0 serving.")]
+ExpertParallelOpt = Annotated[bool, typer.Option(
+    "--enable-expert-parallel/--no-enable-expert-parallel",
+    help="MoE under --tensor-parallel-size: place whole experts on the ranks instead of splitting each one.")]
 
 SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
     "--speculative-config", help='Speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import MODEL_HELP, Device, DType, SpeculativeConfigOpt
+from baige.cli.options import MODEL_HELP, Device, DType, ExpertParallelOpt, SpeculativeConfigOpt, TensorParallelOpt
 from baige.errors import BaigeError
 
 
@@ -140,6 +140,7 @@ def serve(
         help="Leave the tools out of the prompt when tool_choice is none (by default they are rendered, as "
              "vLLM does).")] = False,
     speculative_config: SpeculativeConfigOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1, enable_expert_parallel: ExpertParallelOpt = False,
     enable_lora: EnableLoraOpt = False, lora_modules: LoraModulesOpt = None,
     max_loras: MaxLorasOpt = 1, max_lora_rank: MaxLoraRankOpt = 16,
 ) -> None:
@@ -151,17 +152,16 @@ def serve(
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_model_name or model or "smollm2-135m-instruct"
-    cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       block_size=block_size, kv_cache_memory=kv_cache_memory,
+    cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype.value, speculative_config=speculative_config,
+                       tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
                        **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name))
     template = read_chat_template(chat_template) if chat_template is not None else None
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)
     if template is not None:
         core.tokenizer.set_chat_template(template)
-    run_server(AsyncEngine(core), name, sock, api_key, log_level.value, max_n=max_n,
-               max_request_bytes=max_request_bytes, read_timeout=read_timeout, tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice,
-               exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+    run_server(AsyncEngine(core), name, sock, api_key, log_level.value, max_n=max_n, max_request_bytes=max_request_bytes,
+               read_timeout=read_timeout, tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice, exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)

@@ -103,6 +103,7 @@ class GenerateConfig:
     chat: bool | None = None
     system: str | None = None
     speculative_config: str | dict | None = None  # --speculative-config (EngineConfig parses it)
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -191,10 +192,14 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
+    # serving across processes (vLLM's names): Megatron-style shards of the model and KV cache on
+    # this many ranks (infer/tensor_parallel.py); MoE experts placed whole on ranks instead of split
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``, or
-        ``lora_modules`` without ``enable_lora``."""
+        """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
+        ``lora_modules`` without ``enable_lora``, or LoRA with tensor parallelism."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (("--max-num-seqs", self.max_num_seqs), ("--block-size", self.block_size),
                               ("--max-num-batched-tokens", self.max_num_batched_tokens)):
@@ -210,6 +215,9 @@ class EngineConfig:
         check_int("--max-lora-rank", self.max_lora_rank, 1)
         if self.lora_modules and not self.enable_lora:
             raise BaigeError("--lora-modules needs --enable-lora")
+        check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise BaigeError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
 
 
 # ---- speculative decoding (--speculative-config) ------------------------------------------------

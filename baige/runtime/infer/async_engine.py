@@ -48,6 +48,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self._fatal: BaseException | None = None  # set from another thread: the loop raises it
+        if engine.tp is not None:  # a worker that dies while the loop waits stops it at once
+            engine.tp.on_death.append(self._group_died)
         self._thread = threading.Thread(target=self._loop, name="baige-engine", daemon=True)
         self._thread.start()
 
@@ -124,6 +127,8 @@ class AsyncEngine:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -146,10 +151,13 @@ class AsyncEngine:
         """One round: take adds and aborts, run a step, deliver. False once shut down."""
         engine = self.engine
         with self._cv:
-            while not (self._stopped or self._adds or self._aborts or self._calls or engine.has_unfinished()):
+            while not (self._stopped or self._fatal or self._adds or self._aborts or self._calls
+                       or engine.has_unfinished()):
                 self._cv.wait()
             if self._stopped:
                 return False
+            if self._fatal is not None:
+                raise self._fatal
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             calls, self._calls = self._calls, []
@@ -186,6 +194,8 @@ class AsyncEngine:
         engine = self.engine
         try:
             return engine.step()
+        except EngineDeadError:  # a tensor-parallel rank is gone: the loop stops (the server exits)
+            raise
         except Exception as e:  # not attributable to one request: fail the ones in flight, keep serving
             rids = list(engine.requests)
             logger.exception("engine step failed; failing requests %s", ", ".join(rids))
@@ -201,6 +211,11 @@ class AsyncEngine:
             except Exception:
                 logger.exception("on_output failed for request %s", out.request_id)
         self._deliver(out.request_id, out)
+
+    def _group_died(self, why: str) -> None:
+        with self._cv:
+            self._fatal = EngineDeadError(why)
+            self._cv.notify()
 
     def _die(self, error: BaseException) -> None:
         with self._cv:

@@ -24,7 +24,7 @@ from baige.runtime.config import EngineConfig, parse_size
 from baige.runtime.infer.block_manager import BlockManager
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.kv_cache import KVCache, num_blocks_for, profile_activation_peak, resolve_kv_cache_dtype
-from baige.runtime.infer.outputs import CompletionOutput, RequestFailed, RequestOutput
+from baige.runtime.infer.outputs import CompletionOutput, EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -34,11 +34,10 @@ from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
 from baige.runtime.infer.structured import GrammarCompiler, engine_error
 from baige.runtime.infer.text import SeqText
-from baige.runtime.model.device import resolve_device
+from baige.runtime.infer.tp_worker import TensorParallelGroup, kv_config, load_engine_model, start_tensor_parallel
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.weights.hub import resolve_model
-from baige.runtime.weights.loader import load_model
 
 logger = logging.getLogger("baige.engine")
 
@@ -60,17 +59,20 @@ class Engine:
     """Continuous-batching engine over one model.
 
     Args:
-        model: the decoder (eval mode).
+        model: the decoder (eval mode); rank 0's shard under tensor parallelism.
         tokenizer: its tokenizer.
         cfg: engine settings.
+        tp: the tensor-parallel group (``tp_worker.TensorParallelGroup``) when ``model`` is a shard;
+            the engine sizes the KV cache, tells the workers, and closes the group in :meth:`close`.
     Raises:
         BaigeError: settings that cannot work (a KV budget below one max-length sequence,
         max_num_batched_tokens < max_num_seqs, ...).
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, cfg: EngineConfig):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, cfg: EngineConfig,
+                 tp: TensorParallelGroup | None = None):
         mc = model.config
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model, self.tokenizer, self.cfg, self.tp = model, tokenizer, cfg, tp
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise BaigeError(f"--max-model-len {self.max_model_len} exceeds the model's "
@@ -85,13 +87,16 @@ class Engine:
         p = next(model.parameters())
         kernels.backend(p)  # a bad BAIGE_KERNELS fails here, at start-up, not inside the first request
         peak = 0
-        if cfg.kv_cache_memory is None:  # size the cache from what is free after a warm-up step
+        kv_cfg = kv_config(model)  # this rank's KV heads
+        if cfg.kv_cache_memory is None and tp is None:  # size the cache from what is free after a warm-up step
             peak = profile_activation_peak(model, min(cfg.max_num_batched_tokens, self.max_model_len),
                                            min(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len))
         kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, p.dtype, p.device)
-        num_blocks = num_blocks_for(mc, cfg.block_size, kv_dtype, p.device, cfg.kv_cache_memory, self.max_model_len,
+        num_blocks = num_blocks_for(kv_cfg, cfg.block_size, kv_dtype, p.device, cfg.kv_cache_memory, self.max_model_len,
                                     activation_peak=peak)
-        self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, kv_dtype, p.device)
+        self.kv_cache = KVCache(kv_cfg, num_blocks, cfg.block_size, kv_dtype, p.device)
+        if tp is not None:
+            tp.send_kv_cache(num_blocks, cfg.block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
         self.spec_stats = SpecDecodeStats()
@@ -100,7 +105,7 @@ class Engine:
                                    on_release=self.proposer.release if self.proposer else None,
                                    max_loras=cfg.max_loras if cfg.enable_lora else None)
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len, cfg.enforce_eager,
-                                  self.num_speculative_tokens)
+                                  self.num_speculative_tokens, tp)
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
         if cfg.enable_lora:
             self.lora = self.runner.lora = LoRAManager(model, cfg.max_lora_rank)
@@ -118,20 +123,29 @@ class Engine:
         self.num_constrained_requests = 0
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)", num_blocks, cfg.block_size,
                     num_blocks * cfg.block_size,
-                    num_blocks * KVCache.bytes_per_block(mc, cfg.block_size, kv_dtype) / 1e6,
+                    num_blocks * KVCache.bytes_per_block(kv_cfg, cfg.block_size, kv_dtype) / 1e6,
                     str(kv_dtype).removeprefix("torch."))
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "Engine":
-        """Resolve and load the model and tokenizer named by ``cfg.model``. Raises BaigeError."""
+        """Resolve and load the model and tokenizer named by ``cfg.model``; with
+        ``tensor_parallel_size`` > 1 start the workers first (``tp_worker.start_tensor_parallel``) and
+        load rank 0's shard. Raises BaigeError."""
         model_dir = resolve_model(cfg.model)
         tokenizer = Tokenizer.from_dir(model_dir)
-        model = load_model(model_dir, cfg.dtype, resolve_device(cfg.device))
-        if cfg.quantization:
-            from baige.runtime.quant.fp16_weight import apply_quantization
+        tp = start_tensor_parallel(cfg, model_dir) if cfg.tensor_parallel_size > 1 else None
+        try:
+            model = load_engine_model(cfg, model_dir, 0, cfg.tensor_parallel_size)
+            return cls(model, tokenizer, cfg, tp)
+        except BaseException:
+            if tp is not None:
+                tp.close()
+            raise
 
-            apply_quantization(model, cfg.quantization)
-        return cls(model, tokenizer, cfg)
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (no-op on one rank). The engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- requests --------------------------------------------------------------------------
     @property
@@ -338,6 +352,8 @@ class Engine:
         that still raise fail their requests (K/V slots of a failed step are rewritten on retry)."""
         try:
             return self.runner.execute(batch, rows, masks)
+        except EngineDeadError:  # a tensor-parallel rank is gone: nothing can run
+            raise
         except Exception as e:
             if len(batch) == 1:
                 self._fail(batch.seqs[0].request_id, e)
@@ -354,6 +370,8 @@ class Engine:
             one_mask = (lambda m=full[i]: {0: m}) if i in full else None
             try:
                 (tokens[i],), (logprobs[i],), lps = self.runner.execute(one, [rows[i]], one_mask)
+            except EngineDeadError:
+                raise
             except Exception as e:
                 self._fail(seq.request_id, e)
                 continue

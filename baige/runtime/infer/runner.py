@@ -77,6 +77,33 @@ class PagedAttentionMetadata:
         return out[None]  # (1, T, H, D)
 
 
+@dataclass
+class StepInputs:
+    """One forward's inputs without the cache tensors: what rank 0 sends every tensor-parallel
+    worker each step (``tp_worker.py``), and what :func:`forward_step` runs on any rank."""
+
+    input_ids: torch.Tensor  # (1, T) int64
+    positions: torch.Tensor  # (1, T) int64
+    slot_mapping: torch.Tensor  # (T,) int64
+    num_decodes: int
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor]]  # as PagedAttentionMetadata's
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    # per logits set the flattened token rows to project through lm_head (None: every row)
+    logit_rows: list[torch.Tensor | None] = field(default_factory=lambda: [None])
+
+
+def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.Tensor]:
+    """Run the model on one step's flat tokens over the paged cache ``kv`` (writing their K/V);
+    returns per ``s.logit_rows`` entry the logits ``(rows, vocab)`` in the model dtype (on a
+    tensor-parallel worker: its vocabulary slice, discarded)."""
+    md = PagedAttentionMetadata(kv.k, kv.v, s.slot_mapping, s.num_decodes, s.decode_groups, s.prefill_block_tables,
+                                s.prefill_cu_seqlens, s.prefill_context_lens)
+    hidden = model(s.input_ids, s.positions, md)[0]  # (T, hidden)
+    return [model.compute_logits(hidden if rows is None else hidden[rows]) for rows in s.logit_rows]
+
+
 # Cost of one extra decode group relative to one padded (sequence, block) of attention work, in
 # (sequence, block) units: ~10 small ops per layer against ~25 KB of fp32 K/V per block read
 # twice (gather + matmul). Measured on the 2-core dev box; only shapes the grouping, not results.
@@ -137,11 +164,15 @@ class ModelRunner:
         enforce_eager: never capture graphs.
         num_speculative_tokens: the most draft tokens a sequence verifies per step (sets the row
             buckets of captured decode graphs: up to ``max_num_seqs * (1 + k)`` rows).
+        tp: rank 0's :class:`~baige.runtime.infer.tp_worker.TensorParallelGroup` when the model is a
+            tensor-parallel shard: every forward is sent to the workers first; steps run eager and
+            per-op (no captured graph, no native one-call decode: both lack the all-reduces).
     """
 
     def __init__(self, model: Transformer, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, num_speculative_tokens: int = 0):
+                 enforce_eager: bool = False, num_speculative_tokens: int = 0, tp=None):
         self.model = model
+        self.tp = tp
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
@@ -153,7 +184,7 @@ class ModelRunner:
         # decode. On CPU the step is bound by fp32 GEMV memory traffic, and a compiled graph measured
         # no faster (8.2 vs 9.0 tokens/s at batch 1 on the 2-core dev box) for ~30 s of compile per
         # bucket, so the CPU decode runs eager; the shapes are fixed either way.
-        self.captures = not enforce_eager and self.device.type == "cuda"
+        self.captures = not enforce_eager and self.device.type == "cuda" and tp is None
         if self.captures:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
         # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
@@ -161,7 +192,9 @@ class ModelRunner:
         # the LoRAManager.version the native table was last built for, and whether that build succeeded
         self._fused_lora_version, self._fused_lora_ok = 0, False
         self.fused_decode, self.fused_decode_why = None, "not on the CPU"
-        if self.device.type == "cpu":
+        if tp is not None:
+            self.fused_decode_why = "tensor parallel (the native step has no all-reduce)"
+        elif self.device.type == "cpu":
             from baige.runtime.infer.cpu_decode import FusedDecoder
 
             self.fused_decode, self.fused_decode_why = FusedDecoder.build(model, kv_cache)
@@ -181,10 +214,15 @@ class ModelRunner:
             lora_ids = self.lora.batch.token_lora_ids if self.lora is not None else None
             hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens, lora_ids)
             return self.fused_decode.logits(hidden[0])
-        else:
-            md = PagedAttentionMetadata(self.kv.k, self.kv.v, slot_mapping, input_ids.shape[1], decode_groups=groups)
-            hidden = self.model(input_ids, positions, md)  # (1, B, hidden)
-        return self.model.compute_logits(hidden[0])  # (B, vocab)
+        return self._forward(StepInputs(input_ids, positions, slot_mapping, input_ids.shape[1], groups))[0]
+
+    def _forward(self, s: StepInputs) -> list[torch.Tensor]:
+        """:func:`forward_step` on this rank; under tensor parallelism the inputs go to every worker
+        first, and the broadcast and the forward's collectives hold the group's lock together."""
+        if self.tp is None:
+            return forward_step(self.model, self.kv, s)
+        with self.tp.step(s):
+            return forward_step(self.model, self.kv, s)
 
     def _native_lora(self) -> bool:
         """Whether a decode step with adapters can run natively: the native table is rebuilt (with
@@ -330,18 +368,17 @@ class ModelRunner:
         if self.lora is not None:
             self._set_lora([batch.seqs[owner[r]].lora_int_id for r in order]
                            + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]) for _ in range(n)])
-        md = PagedAttentionMetadata(self.kv.k, self.kv.v, self._tensor(slots), len(order), decode_groups=groups)
+        step = StepInputs(self._tensor([ids]), self._tensor([pos]), self._tensor(slots), len(order), groups,
+                          logit_rows=[self._tensor(sample_at)] + ([self._tensor(score_at)] if score_at else []))
         if pre_lens:
             w = max(len(t) for t in pre_tables)
-            md.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
-            md.prefill_cu_seqlens, md.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
-        hidden = self.model(self._tensor([ids]), self._tensor([pos]), md)  # (1, T, hidden)
-        logits = self.model.compute_logits(hidden[0, self._tensor(sample_at)])  # (n_sample, vocab)
+            step.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
+            step.prefill_cu_seqlens, step.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
+        logits, *scored = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring
         prompt_lps: dict[int, tuple[int, list]] = {}
         if score_at:
             k = max(batch.seqs[i].prompt_logprobs for i, _, _ in score_spans)
-            lps = target_logprobs(self.model.compute_logits(hidden[0, self._tensor(score_at)]),
-                                  self._tensor(score_targets), k)
+            lps = target_logprobs(scored[0], self._tensor(score_targets), k)
             at = 0
             for i, first, n in score_spans:
                 want = batch.seqs[i].prompt_logprobs

@@ -15,10 +15,10 @@ from baige.runtime.config import EngineConfig, GenerateConfig
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.sampling import SamplingParams
-from baige.runtime.model.device import resolve_device
+from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.device import resolve_dtype
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.hub import DEFAULT_MODEL, resolve_model
-from baige.runtime.weights.loader import load_model
 
 
 def generation_defaults(model_dir: Path) -> dict:
@@ -56,14 +56,15 @@ class ChatSession:
         tokens): generation is one request at a time.
         """
         model_dir = resolve_model(cfg.model)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        model = load_model(model_dir, cfg.dtype, resolve_device(cfg.device))
-        block_size, max_len = 16, model.config.max_position_embeddings
-        kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(model.config, block_size,
-                                                                         next(model.parameters()).dtype)
-        engine = Engine(model, tokenizer, EngineConfig(model=str(model_dir), max_num_seqs=1, block_size=block_size,
-                                                       kv_cache_memory=kv_bytes,
-                                                       speculative_config=cfg.speculative_config))
+        mc = ModelConfig.from_file(model_dir / "config.json")
+        block_size, max_len = 16, mc.max_position_embeddings
+        # the whole model's KV bytes: under tensor parallelism a rank's share holds more than one sequence
+        kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(mc, block_size, resolve_dtype(cfg.dtype, mc))
+        engine = Engine.from_config(EngineConfig(
+            model=str(model_dir), dtype=cfg.dtype, device=cfg.device, max_num_seqs=1, block_size=block_size,
+            kv_cache_memory=kv_bytes, speculative_config=cfg.speculative_config,
+            tensor_parallel_size=cfg.tensor_parallel_size))
+        tokenizer = engine.tokenizer
         defaults = generation_defaults(model_dir)
         params = SamplingParams(
             temperature=cfg.temperature if cfg.temperature is not None else defaults.get("temperature", 1.0),

@@ -12,6 +12,7 @@ from torch import nn
 
 from baige import kernels
 from baige.kernels import dequantize_weight, unpack_int4
+from baige.errors import BaigeError
 from baige.runtime.quant.scheme import QuantScheme, pack_int4
 
 
@@ -74,6 +75,45 @@ class QuantizedLinear(nn.Module):
         if self.scheme.symmetric:
             return None
         return unpack_int4(self.weight_zero_point.t(), self.out_features).t()
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedLinear":
+        """A new module holding rows (``dim`` 0: output features) or columns (``dim`` 1: input
+        features) ``[start, start + length)`` of this one, with their scales and zero points (the
+        shard a tensor-parallel rank keeps). The bias follows the output rows; a column slice keeps
+        it whole.
+
+        Raises:
+            BaigeError: a column slice of a group-wise scheme that does not start and end on group
+                boundaries (a group's scale would be split across two modules).
+        """
+        q, scale, zp, g = self.int_weight(), self.weight_scale, self.zero_point(), self.scheme.group_size
+        bias = self.bias
+        if dim == 0:
+            q, scale = q[start:start + length], scale[start:start + length]
+            zp = None if zp is None else zp[start:start + length]
+            bias = None if bias is None else bias[start:start + length]
+        else:
+            end = start + length
+            if g is not None:
+                if start % g or (end % g and end != self.in_features):
+                    raise BaigeError(f"cannot split in_features={self.in_features} at [{start}, {end}): "
+                                     f"int4 groups of {g} columns must stay whole on one rank")
+                groups = slice(start // g, -(-end // g))
+                scale = scale[:, groups]
+                zp = None if zp is None else zp[:, groups]
+            q = q[:, start:end]
+        out_f, in_f = q.shape
+        m = QuantizedLinear(in_f, out_f, False, self.scheme, scale.dtype, device=q.device)
+        if self.scheme.num_bits == 8:
+            m.weight = q.contiguous()
+        else:
+            m.weight_packed = pack_int4(q)
+        m.weight_scale = scale.contiguous()
+        if zp is not None:
+            m.weight_zero_point = pack_int4(zp.t()).t().contiguous()
+        if bias is not None:
+            m.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return m
 
     def dequantized_weight(self) -> torch.Tensor:
         """(out, in) float weight in the scale's dtype."""

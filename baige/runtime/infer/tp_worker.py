@@ -1,0 +1,318 @@
+"""Tensor-parallel serving processes: rank 0 runs the engine (scheduler, sampler, HTTP), ranks
+1..N-1 run :func:`worker_loop`, and every rank holds its shard of the model
+(:mod:`~baige.runtime.infer.tensor_parallel`) and of the paged KV cache.
+
+Launch (:func:`start_tensor_parallel`):
+
+- one machine: rank 0 starts N-1 worker processes (``python -m baige.runtime.infer.tp_worker``; a
+  child process, not ``multiprocessing`` spawn, so a user's script need no ``__main__`` guard), which
+  meet it through a ``file://`` rendezvous in a private temp directory;
+- several machines: every rank runs the same ``baige ...`` command under ``torchrun --nnodes`` (or
+  ``srun``, whose variables map as in training); ``WORLD_SIZE`` must equal
+  ``--tensor-parallel-size``; rank 0 serves, the others run the worker loop and exit with it.
+
+Each step rank 0 sends the step's flat inputs (:class:`~baige.runtime.infer.runner.StepInputs`:
+token ids, positions, slots, block tables -- a few KB) with ``broadcast_object_list`` over a gloo
+group, then every rank runs the same forward. A tensor broadcast, not a shared-memory ring, because it
+is the one transport that also spans machines, and on the 2-core dev box it costs ~0.3 ms a step
+(measured in tests/infer/test_tensor_parallel.py's set-up), against 30+ ms for a decode step of the
+smallest model here. On GPU the metadata stays on that CPU group (vLLM's ``cpu_group``); the model's
+collectives use NCCL.
+
+Liveness: a step that raises on any rank is fatal for the group (the ranks' collectives could be out of
+step), so a worker exits non-zero on any error, and rank 0 raises :class:`WorkerDied`: the serving
+loop stops, /health answers 503 and the server exits non-zero. Rank 0 watches its child processes
+(a worker that dies between steps is noticed at once) and pings the workers every
+:data:`HEARTBEAT_S` seconds while idle (the gloo timeout, :data:`TIMEOUT`, would otherwise end an idle
+worker's wait); workers die with rank 0 (``PR_SET_PDEATHSIG``, and a closed connection ends any wait).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from baige.errors import BaigeError
+from baige.runtime.config import EngineConfig
+from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.infer.outputs import EngineDeadError
+from baige.runtime.infer.runner import StepInputs, forward_step
+from baige.runtime.infer.tensor_parallel import shard_model
+from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.device import resolve_device
+from baige.runtime.model.transformer import Transformer
+from baige.runtime.weights.loader import load_model
+
+logger = logging.getLogger("baige.engine")
+
+HEARTBEAT_S = 30.0  # idle ping period, well inside TIMEOUT
+TIMEOUT = timedelta(minutes=10)  # the gloo group's per-operation timeout
+_STOP, _PING = "stop", "ping"
+
+
+class WorkerDied(EngineDeadError):
+    """A tensor-parallel rank died or a step failed on one: the group cannot go on."""
+
+
+def load_engine_model(cfg: EngineConfig, model_dir: Path, rank: int = 0, world_size: int = 1, group=None) -> Transformer:
+    """The serving model of one rank: loaded, sharded for tensor parallelism when ``world_size`` > 1
+    (every rank reads the whole checkpoint, then keeps its shard), then ``cfg.quantization``
+    applied. Raises BaigeError (load, shard or quantization errors)."""
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and world_size > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    model = load_model(model_dir, cfg.dtype, device)
+    if world_size > 1:
+        shard_model(model, rank, world_size, group, cfg.enable_expert_parallel)
+    if cfg.quantization:
+        from baige.runtime.quant.fp16_weight import apply_quantization
+
+        apply_quantization(model, cfg.quantization)
+    return model
+
+
+def kv_config(model: Transformer) -> ModelConfig:
+    """The config that sizes this rank's KV cache: the model's, with its own KV heads per layer."""
+    kv_heads = model.model.layers[0].self_attn.n_kv_heads
+    cfg = model.config
+    return cfg if kv_heads == cfg.num_key_value_heads else dataclasses.replace(cfg, num_key_value_heads=kv_heads)
+
+
+def _to(s: StepInputs, device: torch.device) -> StepInputs:
+    """The step's tensors moved to ``device`` (CPU for the broadcast, the model's after it)."""
+    mv = (lambda t: None if t is None else t.to(device))
+    return dataclasses.replace(
+        s, input_ids=mv(s.input_ids), positions=mv(s.positions), slot_mapping=mv(s.slot_mapping),
+        decode_groups=[(mv(t), mv(n)) for t, n in s.decode_groups], prefill_block_tables=mv(s.prefill_block_tables),
+        prefill_cu_seqlens=mv(s.prefill_cu_seqlens), prefill_context_lens=mv(s.prefill_context_lens),
+        logit_rows=[mv(r) for r in s.logit_rows])
+
+
+def _broadcast(obj, group) -> object:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the group: sends steps, watches the workers, stops them.
+
+    Args:
+        world_size: ranks, rank 0 included.
+        cpu_group: the gloo group steps travel on (the default group on CPU).
+        processes: the worker processes rank 0 started (none under torchrun).
+    """
+
+    def __init__(self, world_size: int, cpu_group, processes: list[subprocess.Popen]):
+        self.world_size, self.cpu_group, self.processes = world_size, cpu_group, processes
+        self.lock = threading.Lock()
+        self.dead: str | None = None
+        self.on_death: list[Callable[[str], None]] = []
+        self._closing = False
+        self._last = time.monotonic()
+        for r, p in enumerate(processes, start=1):
+            threading.Thread(target=self._watch, args=(r, p), name=f"baige-tp-watch-{r}", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="baige-tp-heartbeat", daemon=True).start()
+        atexit.register(self.close)
+
+    def _watch(self, rank: int, p: subprocess.Popen) -> None:
+        code = p.wait()
+        if not self._closing:
+            self._died(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {code}")
+
+    def _died(self, why: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = why
+        logger.critical("%s; the engine cannot go on", why)
+        for fn in list(self.on_death):
+            fn(why)
+
+    def _heartbeat(self) -> None:
+        while not self._closing and self.dead is None:
+            time.sleep(1.0)
+            if time.monotonic() - self._last < HEARTBEAT_S or not self.lock.acquire(blocking=False):
+                continue
+            try:
+                self._send(_PING)
+            except Exception as e:
+                self._died(f"tensor-parallel heartbeat failed: {type(e).__name__}: {e}")
+            finally:
+                self.lock.release()
+
+    def _send(self, obj) -> None:
+        _broadcast(obj, self.cpu_group)
+        self._last = time.monotonic()
+
+    def send_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        """Tell the workers the KV pool rank 0 sized (each allocates its shard of it). Raises WorkerDied."""
+        with self.step((num_blocks, block_size, dtype)):
+            pass
+
+    @contextlib.contextmanager
+    def step(self, s: StepInputs | tuple) -> Iterator[None]:
+        """Send ``s`` (a step's inputs, or the KV pool's size) to the workers and hold the group
+        while rank 0 runs the same forward. Raises WorkerDied when the group is dead or anything
+        fails inside (module docstring)."""
+        if self.dead is not None:
+            raise WorkerDied(self.dead)
+        if isinstance(s, StepInputs) and s.input_ids.device.type != "cpu":
+            s = _to(s, torch.device("cpu"))
+        with self.lock:
+            try:
+                self._send(s)
+                yield
+            except Exception as e:
+                self._died(f"a tensor-parallel step failed ({type(e).__name__}: {e})")
+                raise WorkerDied(self.dead) from e
+
+    def close(self) -> None:
+        """Stop the workers (a stop message, then a bounded wait, then SIGKILL) and leave the group."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.dead is None and self.lock.acquire(timeout=5):
+            try:
+                self._send(_STOP)
+            except Exception:  # a worker already gone: it is killed below either way
+                pass
+            finally:
+                self.lock.release()
+        for p in self.processes:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads each rank uses: this process's torch thread count split over the ranks on the machine."""
+    return max(1, torch.get_num_threads() // world_size)
+
+
+def _torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when launched by torchrun or a multi-task srun step, else None."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_ADDR" not in os.environ:
+            raise BaigeError("srun launch of tensor-parallel serving: set MASTER_ADDR (the first node)")
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _init_group(device_type: str, **kw) -> object:
+    """Join the process group; returns the gloo group steps travel on."""
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=TIMEOUT, **kw)
+    return dist.new_group(backend="gloo", timeout=TIMEOUT) if device_type == "cuda" else dist.group.WORLD
+
+
+def start_tensor_parallel(cfg: EngineConfig, model_dir: Path) -> TensorParallelGroup:
+    """Form the group of ``cfg.tensor_parallel_size`` ranks with this process as rank 0 (module
+    docstring). Under torchrun a rank other than 0 runs :func:`worker_loop` here and then exits the
+    process. Raises BaigeError for a torchrun world of another size."""
+    n = cfg.tensor_parallel_size
+    device_type = resolve_device(cfg.device).type
+    launched = _torchrun_env()
+    if launched is not None:
+        rank, world = launched
+        if world != n:
+            raise BaigeError(f"--tensor-parallel-size {n} but the launcher started {world} processes (WORLD_SIZE)")
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        cpu_group = _init_group(device_type)
+        if rank:
+            code = worker_loop(cfg, model_dir, rank, n, cpu_group)
+            raise SystemExit(code)
+        return TensorParallelGroup(n, cpu_group, [])
+    threads = threads_per_rank(n)
+    torch.set_num_threads(threads)
+    rendezvous = Path(tempfile.mkdtemp(prefix="baige-tp-"))
+    spec = rendezvous / "spec.pkl"
+    spec.write_bytes(pickle.dumps({"cfg": cfg, "model_dir": str(model_dir), "world_size": n, "threads": threads,
+                                   "init_method": f"file://{rendezvous / 'store'}"}))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    procs = [subprocess.Popen([sys.executable, "-m", "baige.runtime.infer.tp_worker", str(spec), str(r)], env=env,
+                              preexec_fn=_die_with_parent) for r in range(1, n)]
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(0)
+        cpu_group = _init_group(device_type, init_method=f"file://{rendezvous / 'store'}", rank=0, world_size=n)
+    except Exception as e:
+        for p in procs:
+            p.kill()
+        raise BaigeError(f"tensor-parallel workers did not join ({type(e).__name__}: {e})") from None
+    return TensorParallelGroup(n, cpu_group, procs)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def worker_loop(cfg: EngineConfig, model_dir: Path, rank: int, world_size: int, cpu_group) -> int:
+    """A worker rank: load and shard the model, allocate the KV shard rank 0 sizes, then run every
+    step rank 0 sends until it says stop. Returns the process exit code: 0 after stop, 1 when
+    loading fails (rank 0 meets the same error and reports it)."""
+    try:
+        model = load_engine_model(cfg, model_dir, rank, world_size)
+    except BaigeError as e:
+        logger.info("tensor-parallel rank %d: %s", rank, e)
+        return 1
+    model.eval()
+    device = next(model.parameters()).device
+    msg = _broadcast(None, cpu_group)
+    if msg == _STOP:
+        return 0
+    num_blocks, block_size, dtype = msg
+    kv = KVCache(kv_config(model), num_blocks, block_size, dtype, device)
+    with torch.inference_mode():
+        while True:
+            msg = _broadcast(None, cpu_group)
+            if msg == _STOP:
+                return 0
+            if msg == _PING:
+                continue
+            forward_step(model, kv, _to(msg, device) if device.type != "cpu" else msg)
+
+
+def _main(spec_path: str, rank: str) -> int:
+    spec = pickle.loads(Path(spec_path).read_bytes())
+    torch.set_num_threads(spec["threads"])
+    logging.basicConfig(level=logging.WARNING, format=f"tp rank {rank}: %(message)s")
+    cfg: EngineConfig = spec["cfg"]
+    r, n = int(rank), spec["world_size"]
+    device_type = resolve_device(cfg.device).type
+    if device_type == "cuda":
+        torch.cuda.set_device(r)
+    cpu_group = _init_group(device_type, init_method=spec["init_method"], rank=r, world_size=n)
+    code = worker_loop(cfg, Path(spec["model_dir"]), r, n, cpu_group)
+    dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_main(*sys.argv[1:]))
