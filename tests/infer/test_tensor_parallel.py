@@ -1,0 +1,123 @@
+"""Tensor-parallel serving on CPU (2 ranks, gloo): token-identical greedy outputs to one process for
+an int4 checkpoint with biases, MoE experts split or placed whole, speculative decoding, logprobs and
+prompt logprobs (the server test covers fewer KV heads than ranks, q/k/v biases, int8), and the
+sharding's pieces against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from baige.errors import BaigeError
+from baige.runtime.config import EngineConfig
+from baige.runtime.infer.llm import LLM
+from baige.runtime.infer.sampling import SamplingParams
+from baige.runtime.infer.tensor_parallel import check_shardable, shard_model, vocab_ranges
+from baige.runtime.quant.apply import quantize_model
+from baige.runtime.quant.linear import QuantizedLinear
+from baige.runtime.quant.scheme import QuantScheme, quantize_weight
+from baige.runtime.quantize import save_quantized
+from baige.runtime.weights.loader import load_model
+from tiny import make_checkpoint, write_tiny_tokenizer
+
+# mixed lengths: the step mixes decodes with prefill chunks (max_num_batched_tokens below the prompts)
+PROMPTS = [[(11 * i + 3 * j) % 150 + 1 for j in range(2 + 5 * i)] for i in range(10)]
+ENGINE = dict(max_num_batched_tokens=32, max_num_seqs=6, kv_cache_memory="8MB")
+
+
+def _params(**kw) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=4 + 3 * (i % 4), temperature=0, ignore_eos=True, **kw) for i in range(len(PROMPTS))]
+
+
+def _checkpoint(root, variant: str, quant: QuantScheme | None = None, **overrides):
+    src = write_tiny_tokenizer(make_checkpoint(root / "src", variant, **overrides))
+    if quant is None:
+        return src
+    model = load_model(src)
+    return save_quantized(model, quant, quantize_model(model, quant), root / "q", src)
+
+
+def _generate(model_dir, tp: int, params, **engine):
+    llm = LLM(str(model_dir), tensor_parallel_size=tp, **ENGINE, **engine)
+    try:
+        return llm.generate(PROMPTS, params)
+    finally:
+        llm.engine.close()
+
+
+# fewer KV heads than ranks, Qwen2 q/k/v biases and int8 run through the server (tests/server/test_tp_serving.py)
+CASES = {
+    "int4-g32-asym-bias": dict(variant="qwen2-bias", quant=QuantScheme(4, 32, symmetric=False),
+                               overrides=dict(intermediate_size=128)),
+    "qwen3-moe-split-experts": dict(variant="qwen3-moe"),
+    "qwen2-moe-expert-parallel-uneven": dict(variant="qwen2-moe-shared", engine=dict(enable_expert_parallel=True)),
+    "ngram-speculation": dict(variant="llama-tied", engine=dict(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_greedy_is_token_identical_to_one_process(tmp_path, case):
+    c = CASES[case]
+    model_dir = _checkpoint(tmp_path, c["variant"], c.get("quant"), **c.get("overrides", {}))
+    engine = c.get("engine", {})
+    one = _generate(model_dir, 1, _params(), **engine)
+    two = _generate(model_dir, 2, _params(), **engine)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(two, _params()))
+
+
+def test_tp2_logprobs_and_prompt_logprobs_match_one_process(tmp_path):
+    model_dir = _checkpoint(tmp_path, "llama")
+    params = _params(logprobs=3, prompt_logprobs=2)
+    one, two = _generate(model_dir, 1, params), _generate(model_dir, 2, params)
+    for a, b in zip(one, two):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        lp1 = [lp.logprob for lp in a.outputs[0].logprobs] + [lp.logprob for lp in a.prompt_logprobs[1:]]
+        lp2 = [lp.logprob for lp in b.outputs[0].logprobs] + [lp.logprob for lp in b.prompt_logprobs[1:]]
+        assert torch.allclose(torch.tensor(lp2), torch.tensor(lp1), atol=1e-4)
+        assert [lp.top for lp in b.prompt_logprobs[1:]] and \
+            [[t for t, _ in lp.top] for lp in b.prompt_logprobs[1:]] == [[t for t, _ in lp.top] for lp in a.prompt_logprobs[1:]]
+
+
+def test_vocab_ranges_hand_computed():
+    assert vocab_ranges(160, 2) == [(0, 80), (80, 80)]
+    assert vocab_ranges(10, 3) == [(0, 4), (4, 4), (8, 2)]
+    assert vocab_ranges(5, 4) == [(0, 2), (2, 2), (4, 1), (5, 0)]
+
+
+def test_quantized_linear_narrow_equals_slices_of_the_dequantized_weight():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 24, bias=True)
+    for scheme in (QuantScheme(8, None), QuantScheme(4, 32, symmetric=False), QuantScheme(4, 32)):
+        q = QuantizedLinear.from_quantized(lin, scheme, *quantize_weight(lin.weight.detach(), scheme))
+        full = q.dequantized_weight()
+        rows, cols = q.narrow(0, 8, 16), q.narrow(1, 32, 64)
+        assert torch.equal(rows.dequantized_weight(), full[8:24]) and torch.equal(rows.bias, lin.bias[8:24])
+        assert torch.equal(cols.dequantized_weight(), full[:, 32:96]) and torch.equal(cols.bias, lin.bias)
+    with pytest.raises(BaigeError, match=r"in_features=96 at \[0, 48\).*groups of 32"):
+        q.narrow(1, 0, 48)
+
+
+def test_unshardable_models_are_one_line_errors(tmp_path):
+    model = load_model(make_checkpoint(tmp_path / "a", "llama"))  # 4 heads
+    with pytest.raises(BaigeError, match=r"^--tensor-parallel-size 3 does not divide num_attention_heads \(4\)$"):
+        check_shardable(model, 3)
+    model = load_model(make_checkpoint(tmp_path / "b", "llama", hidden_size=96, num_attention_heads=12,
+                                       num_key_value_heads=3, intermediate_size=100))
+    with pytest.raises(BaigeError, match=r"num_key_value_heads \(3\) must be a multiple or a divisor"):
+        check_shardable(model, 2)
+    with pytest.raises(BaigeError, match=r"^--tensor-parallel-size 3 does not divide intermediate_size \(100\)$"):
+        check_shardable(model, 3)
+    with pytest.raises(BaigeError, match="--enable-lora with --tensor-parallel-size"):
+        EngineConfig(enable_lora=True, tensor_parallel_size=2)
+
+
+def test_int4_groups_split_across_ranks_are_one_line_errors(tmp_path):
+    # intermediate 96 over 2 ranks = 48 columns of down_proj each: not whole groups of 32 (found while
+    # sharding, before any collective: no process group needed)
+    model = load_model(_checkpoint(tmp_path, "llama", QuantScheme(4, 32)))
+    with pytest.raises(BaigeError, match=r"^this checkpoint cannot be tensor-parallel: cannot split in_features=96 "
+                                         r"at \[0, 48\): int4 groups of 32 columns must stay whole on one rank$"):
+        shard_model(model, 0, 2)
