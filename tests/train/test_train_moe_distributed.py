@@ -85,7 +85,9 @@ def _assert_same_run(a_dir, b_dir, steps, tol=1e-5):
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(steps)
     for ra, rb in zip(a, b):
         for key in ("loss", "aux_loss", "z_loss", "grad_norm"):
-            assert abs(ra[key] - rb[key]) < tol, (ra["step"], key, ra[key], rb[key])
+            # relative above 1: z_loss is ~7 here, where fp32 spacing is 4.8e-7 and 5 steps of sharded sums
+            # drifted 1.2e-5 once (26 ulp)
+            assert abs(ra[key] - rb[key]) < tol * max(1.0, abs(rb[key])), (ra["step"], key, ra[key], rb[key])
         # the same experts chose the same tokens: the load statistics agree
         assert ra["expert_load_cv"] == pytest.approx(rb["expert_load_cv"], abs=1e-9)
 
