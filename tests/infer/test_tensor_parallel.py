@@ -101,15 +101,15 @@ def test_quantized_linear_narrow_equals_slices_of_the_dequantized_weight():
 
 
 def test_unshardable_models_are_one_line_errors(tmp_path):
-    model = load_model(make_checkpoint(tmp_path / "a", "llama"))  # 4 heads
+    cfg = load_model(make_checkpoint(tmp_path / "a", "llama")).config  # 4 heads
     with pytest.raises(BaigeError, match=r"^--tensor-parallel-size 3 does not divide num_attention_heads \(4\)$"):
-        check_shardable(model, 3)
-    model = load_model(make_checkpoint(tmp_path / "b", "llama", hidden_size=96, num_attention_heads=12,
-                                       num_key_value_heads=3, intermediate_size=100))
+        check_shardable(cfg, 3)
+    cfg = load_model(make_checkpoint(tmp_path / "b", "llama", hidden_size=96, num_attention_heads=12,
+                                     num_key_value_heads=3, intermediate_size=100)).config
     with pytest.raises(BaigeError, match=r"num_key_value_heads \(3\) must be a multiple or a divisor"):
-        check_shardable(model, 2)
+        check_shardable(cfg, 2)
     with pytest.raises(BaigeError, match=r"^--tensor-parallel-size 3 does not divide intermediate_size \(100\)$"):
-        check_shardable(model, 3)
+        check_shardable(cfg, 3)
     with pytest.raises(BaigeError, match="--enable-lora with --tensor-parallel-size"):
         EngineConfig(enable_lora=True, tensor_parallel_size=2)
 
@@ -121,3 +121,14 @@ def test_int4_groups_split_across_ranks_are_one_line_errors(tmp_path):
     with pytest.raises(BaigeError, match=r"^this checkpoint cannot be tensor-parallel: cannot split in_features=96 "
                                          r"at \[0, 48\): int4 groups of 32 columns must stay whole on one rank$"):
         shard_model(model, 0, 2)
+
+
+def test_cli_refuses_an_unshardable_model_before_starting_workers(tmp_path):
+    import subprocess
+    import sys
+
+    model_dir = write_tiny_tokenizer(make_checkpoint(tmp_path / "m", "llama"))  # 4 heads
+    r = subprocess.run([sys.executable, "-m", "baige", "generate", "--model", str(model_dir), "-p", "t5",
+                        "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip() == "error: --tensor-parallel-size 3 does not divide num_attention_heads (4)"

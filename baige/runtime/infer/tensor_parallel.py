@@ -33,6 +33,7 @@ from torch import nn
 
 from baige import kernels
 from baige.errors import BaigeError
+from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.moe import Experts, SparseMoeBlock, SwiGLU
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.linear import QuantizedLinear
@@ -44,29 +45,24 @@ def _split(total: int, world_size: int, what: str) -> int:
     return total // world_size
 
 
-def check_shardable(model: Transformer, world_size: int, expert_parallel: bool = False) -> None:
-    """Raise BaigeError (one line naming the dimension) when ``model`` cannot split over ``world_size``
-    ranks: query heads, KV heads (a multiple of the ranks or a divisor of them), intermediate sizes
-    (dense, routed unless ``expert_parallel``, shared), quantized experts (not supported)."""
-    cfg = model.config
+def check_shardable(cfg: ModelConfig, world_size: int, expert_parallel: bool = False) -> None:
+    """Raise BaigeError (one line naming the dimension) when a model of ``cfg`` cannot split over
+    ``world_size`` ranks: query heads, KV heads (a multiple of the ranks or a divisor of them), the
+    dense, routed (unless ``expert_parallel``) and shared intermediate sizes. Reads only the config,
+    so it runs before any worker starts."""
     _split(cfg.num_attention_heads, world_size, "num_attention_heads")
     k = cfg.num_key_value_heads
     if k % world_size and world_size % k:
         raise BaigeError(f"--tensor-parallel-size {world_size}: num_key_value_heads ({k}) must be a multiple or a "
                          "divisor of it")
-    for layer in model.model.layers:
-        mlp = layer.mlp
-        if isinstance(mlp, SwiGLU):
-            _split(mlp.gate_proj.out_features, world_size, "intermediate_size")
-        elif isinstance(mlp, SparseMoeBlock):
-            if not isinstance(mlp.experts, Experts):
-                raise BaigeError("tensor-parallel serving of quantized MoE experts is not supported; serve the "
-                                 "float checkpoint or use --tensor-parallel-size 1")
-            if not expert_parallel:
-                _split(mlp.experts.intermediate_size, world_size, "moe_intermediate_size")
-            shared = mlp.shared_expert or mlp.shared_experts
-            if shared is not None:
-                _split(shared.gate_proj.out_features, world_size, "shared_expert_intermediate_size")
+    sparse = [cfg.moe is not None and cfg.moe.is_sparse(i) for i in range(cfg.num_hidden_layers)]
+    if not all(sparse):
+        _split(cfg.intermediate_size, world_size, "intermediate_size")
+    if any(sparse):
+        if not expert_parallel:
+            _split(cfg.moe.intermediate_size, world_size, "moe_intermediate_size")
+        if cfg.moe.shared_intermediate_size:
+            _split(cfg.moe.shared_intermediate_size, world_size, "shared_expert_intermediate_size")
 
 
 def _narrow(m: nn.Module, dim: int, start: int, length: int) -> nn.Module:
@@ -213,9 +209,14 @@ def vocab_ranges(vocab_size: int, world_size: int) -> list[tuple[int, int]]:
 def shard_model(model: Transformer, rank: int, world_size: int, group=None, expert_parallel: bool = False) -> None:
     """Turn ``model`` (every rank holding the full weights) into rank ``rank``'s shard, in place
     (module docstring). ``model.config`` keeps the full model's sizes; the attention modules'
-    ``n_heads`` / ``n_kv_heads`` become the rank's own. Raises BaigeError as :func:`check_shardable`."""
-    check_shardable(model, world_size, expert_parallel)
+    ``n_heads`` / ``n_kv_heads`` become the rank's own. Raises BaigeError as :func:`check_shardable`,
+    for quantized MoE experts, and for int4 groups a rank would split."""
     cfg = model.config
+    check_shardable(cfg, world_size, expert_parallel)
+    if any(isinstance(layer.mlp, SparseMoeBlock) and not isinstance(layer.mlp.experts, Experts)
+           for layer in model.model.layers):
+        raise BaigeError("tensor-parallel serving of quantized MoE experts is not supported; serve the float "
+                         "checkpoint or use --tensor-parallel-size 1")
     for layer in model.model.layers:
         attn = layer.self_attn
         H, K, D = attn.n_heads, attn.n_kv_heads, attn.head_dim

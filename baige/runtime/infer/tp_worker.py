@@ -54,7 +54,7 @@ from baige.runtime.config import EngineConfig
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.outputs import EngineDeadError
 from baige.runtime.infer.runner import StepInputs, forward_step
-from baige.runtime.infer.tensor_parallel import shard_model
+from baige.runtime.infer.tensor_parallel import check_shardable, shard_model
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.device import resolve_device
 from baige.runtime.model.transformer import Transformer
@@ -232,8 +232,10 @@ def _init_group(device_type: str, **kw) -> object:
 def start_tensor_parallel(cfg: EngineConfig, model_dir: Path) -> TensorParallelGroup:
     """Form the group of ``cfg.tensor_parallel_size`` ranks with this process as rank 0 (module
     docstring). Under torchrun a rank other than 0 runs :func:`worker_loop` here and then exits the
-    process. Raises BaigeError for a torchrun world of another size."""
+    process. Raises BaigeError for a model that cannot split (before any worker starts) or a torchrun
+    world of another size."""
     n = cfg.tensor_parallel_size
+    check_shardable(ModelConfig.from_file(model_dir / "config.json"), n, cfg.enable_expert_parallel)
     device_type = resolve_device(cfg.device).type
     launched = _torchrun_env()
     if launched is not None:
