@@ -13,7 +13,7 @@ from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.llm import LLM
 from baige.runtime.infer.sampling import SamplingParams
-from baige.runtime.infer.tensor_parallel import check_shardable, shard_model, vocab_ranges
+from baige.runtime.infer.tensor_parallel import Comm, check_shardable, shard_model, vocab_ranges
 from baige.runtime.quant.apply import quantize_model
 from baige.runtime.quant.linear import QuantizedLinear
 from baige.runtime.quant.scheme import QuantScheme, quantize_weight
@@ -71,7 +71,15 @@ def test_tp2_greedy_is_token_identical_to_one_process(tmp_path, case):
 def test_tp2_logprobs_and_prompt_logprobs_match_one_process(tmp_path):
     model_dir = _checkpoint(tmp_path, "llama")
     params = _params(logprobs=3, prompt_logprobs=2)
-    one, two = _generate(model_dir, 1, params), _generate(model_dir, 2, params)
+    one = _generate(model_dir, 1, params)
+    # two tensor-parallel engines alive in one process (bench compare's case): each has its own groups
+    first = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        two = _generate(model_dir, 2, params)
+        again = first.generate(PROMPTS, params)
+    finally:
+        first.engine.close()
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in one]
     for a, b in zip(one, two):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         lp1 = [lp.logprob for lp in a.outputs[0].logprobs] + [lp.logprob for lp in a.prompt_logprobs[1:]]
@@ -120,7 +128,7 @@ def test_int4_groups_split_across_ranks_are_one_line_errors(tmp_path):
     model = load_model(_checkpoint(tmp_path, "llama", QuantScheme(4, 32)))
     with pytest.raises(BaigeError, match=r"^this checkpoint cannot be tensor-parallel: cannot split in_features=96 "
                                          r"at \[0, 48\): int4 groups of 32 columns must stay whole on one rank$"):
-        shard_model(model, 0, 2)
+        shard_model(model, Comm(None, 0, 2))
 
 
 def test_cli_refuses_an_unshardable_model_before_starting_workers(tmp_path):

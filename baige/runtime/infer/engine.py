@@ -135,7 +135,7 @@ class Engine:
         tokenizer = Tokenizer.from_dir(model_dir)
         tp = start_tensor_parallel(cfg, model_dir) if cfg.tensor_parallel_size > 1 else None
         try:
-            model = load_engine_model(cfg, model_dir, 0, cfg.tensor_parallel_size)
+            model = load_engine_model(cfg, model_dir, tp.comm if tp is not None else None)
             return cls(model, tokenizer, cfg, tp)
         except BaseException:
             if tp is not None:

@@ -20,8 +20,10 @@ its shard, in place (Shoeybi et al. 2019, "Megatron-LM", section 3; vLLM's ``Col
 Norms, rotary tables, routers and biases of row-parallel layers stay whole (a row-parallel bias is
 added once, on rank 0). Parameter names do not change, so a rank's ``state_dict`` is its slice of
 the checkpoint. Linears may be ``nn.Linear`` or :class:`~baige.runtime.quant.linear.QuantizedLinear`
-(int8 per channel, int4 with whole groups per rank). Collectives run on ``group`` (the default
-process group when None): gloo on CPU, NCCL on GPU.
+(int8 per channel, int4 with whole groups per rank). Collectives run on a :class:`Comm`: one
+engine's own process group (gloo on CPU, NCCL on GPU), never torch.distributed's default group, so
+several tensor-parallel engines can live in one process (``baige bench compare``) and baige can run
+inside a user's own distributed job.
 """
 
 from __future__ import annotations
@@ -80,15 +82,43 @@ def _narrow(m: nn.Module, dim: int, start: int, length: int) -> nn.Module:
     return out
 
 
-class _AllReduce:
-    """Forward hook: sum a module's output over the group (after a row-parallel layer)."""
+class Comm:
+    """The collectives a shard needs, on one process group ``pg`` (a ``torch.distributed``
+    ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built for this engine) of which this process is
+    ``rank`` of ``world_size``."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, pg, rank: int, world_size: int):
+        self.pg, self.rank, self.world_size = pg, rank, world_size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place; returns it."""
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``t`` (same shape on all), in rank order, on rank 0; None elsewhere."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None
+        self.pg.gather([parts] if parts is not None else [], [t], opts).wait()
+        return parts
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype), in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+        return t
+
+
+class _AllReduce:
+    """Forward hook: sum a module's output over the ranks (after a row-parallel layer)."""
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
 
     def __call__(self, module, inputs, output: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(output, group=self.group)
-        return output
+        return self.comm.all_reduce(output)
 
 
 def _row_parallel(m: nn.Module, start: int, length: int, rank: int) -> nn.Module:
@@ -101,13 +131,14 @@ def _row_parallel(m: nn.Module, start: int, length: int, rank: int) -> nn.Module
     return out
 
 
-def _shard_swiglu(mlp: SwiGLU, rank: int, world_size: int, group, reduce: bool) -> None:
+def _shard_swiglu(mlp: SwiGLU, rank: int, world_size: int, comm: Comm | None) -> None:
+    """Split a SwiGLU over the ranks; with ``comm``, its down_proj's output is all-reduced."""
     n = mlp.gate_proj.out_features // world_size
     mlp.gate_proj = _narrow(mlp.gate_proj, 0, rank * n, n)
     mlp.up_proj = _narrow(mlp.up_proj, 0, rank * n, n)
     mlp.down_proj = _row_parallel(mlp.down_proj, rank * n, n, rank)
-    if reduce:
-        mlp.down_proj.register_forward_hook(_AllReduce(group))
+    if comm is not None:
+        mlp.down_proj.register_forward_hook(_AllReduce(comm))
 
 
 class LocalExperts(nn.Module):
@@ -137,7 +168,8 @@ class LocalExperts(nn.Module):
         return out
 
 
-def _shard_moe(mlp: SparseMoeBlock, rank: int, world_size: int, group, expert_parallel: bool) -> None:
+def _shard_moe(mlp: SparseMoeBlock, comm: Comm, expert_parallel: bool) -> None:
+    rank, world_size = comm.rank, comm.world_size
     ex = mlp.experts
     if expert_parallel:  # E // N each, the first E % N ranks one more
         per, extra = divmod(ex.num_experts, world_size)
@@ -152,26 +184,24 @@ def _shard_moe(mlp: SparseMoeBlock, rank: int, world_size: int, group, expert_pa
         ex.intermediate_size = n
     for shared in (mlp.shared_expert, mlp.shared_experts):
         if shared is not None:  # partial sums (the gate scales each rank's share), reduced with the block
-            _shard_swiglu(shared, rank, world_size, group, reduce=False)
-    mlp.register_forward_hook(_AllReduce(group))
+            _shard_swiglu(shared, rank, world_size, None)
+    mlp.register_forward_hook(_AllReduce(comm))
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows ``[start, end)`` of the embedding table: ids elsewhere look up zeros, and the all-reduce
     adds the one rank that holds each id. ``weight``: (end - start, hidden)."""
 
-    def __init__(self, weight: torch.Tensor, start: int, group):
+    def __init__(self, weight: torch.Tensor, start: int, comm: Comm):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.start, self.end, self.group = start, start + weight.shape[0], group
+        self.start, self.end, self.comm = start, start + weight.shape[0], comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (B, T) int64 -> (B, T, hidden)."""
         here = (ids >= self.start) & (ids < self.end)
         out = F.embedding(torch.where(here, ids - self.start, 0), self.weight)  # (B, T, hidden)
-        out = out * here[..., None].to(out.dtype)
-        dist.all_reduce(out, group=self.group)
-        return out
+        return self.comm.all_reduce(out * here[..., None].to(out.dtype))
 
 
 class VocabParallelHead(nn.Module):
@@ -183,18 +213,16 @@ class VocabParallelHead(nn.Module):
         proj: this rank's shard; sizes: every rank's row count, in rank order.
     """
 
-    def __init__(self, proj: nn.Module, sizes: list[int], rank: int, group):
+    def __init__(self, proj: nn.Module, sizes: list[int], comm: Comm):
         super().__init__()
-        self.proj, self.sizes, self.rank, self.group = proj, sizes, rank, group
+        self.proj, self.sizes, self.comm = proj, sizes, comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., vocab) on rank 0 (this rank's (..., n) slice elsewhere)."""
         local = self.proj(hidden)
         width = max(self.sizes)
-        padded = F.pad(local, (0, width - local.shape[-1])).contiguous()  # equal sizes for the gather
-        parts = [torch.empty_like(padded) for _ in self.sizes] if self.rank == 0 else None
-        dist.gather(padded, parts, dst=0, group=self.group)
-        if self.rank:
+        parts = self.comm.gather(F.pad(local, (0, width - local.shape[-1])).contiguous())  # equal sizes
+        if parts is None:
             return local
         return torch.cat([p[..., :n] for p, n in zip(parts, self.sizes)], dim=-1)
 
@@ -206,12 +234,12 @@ def vocab_ranges(vocab_size: int, world_size: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def shard_model(model: Transformer, rank: int, world_size: int, group=None, expert_parallel: bool = False) -> None:
-    """Turn ``model`` (every rank holding the full weights) into rank ``rank``'s shard, in place
+def shard_model(model: Transformer, comm: Comm, expert_parallel: bool = False) -> None:
+    """Turn ``model`` (every rank holding the full weights) into rank ``comm.rank``'s shard, in place
     (module docstring). ``model.config`` keeps the full model's sizes; the attention modules'
     ``n_heads`` / ``n_kv_heads`` become the rank's own. Raises BaigeError as :func:`check_shardable`,
     for quantized MoE experts, and for int4 groups a rank would split."""
-    cfg = model.config
+    cfg, rank, world_size = model.config, comm.rank, comm.world_size
     check_shardable(cfg, world_size, expert_parallel)
     if any(isinstance(layer.mlp, SparseMoeBlock) and not isinstance(layer.mlp.experts, Experts)
            for layer in model.model.layers):
@@ -226,19 +254,19 @@ def shard_model(model: Transformer, rank: int, world_size: int, group=None, expe
         attn.k_proj = _narrow(attn.k_proj, 0, k0 * D, kh * D)
         attn.v_proj = _narrow(attn.v_proj, 0, k0 * D, kh * D)
         attn.o_proj = _row_parallel(attn.o_proj, rank * h * D, h * D, rank)
-        attn.o_proj.register_forward_hook(_AllReduce(group))
+        attn.o_proj.register_forward_hook(_AllReduce(comm))
         attn.n_heads, attn.n_kv_heads = h, kh
         if isinstance(layer.mlp, SwiGLU):
-            _shard_swiglu(layer.mlp, rank, world_size, group, reduce=True)
+            _shard_swiglu(layer.mlp, rank, world_size, comm)
         else:
-            _shard_moe(layer.mlp, rank, world_size, group, expert_parallel)
+            _shard_moe(layer.mlp, comm, expert_parallel)
     ranges = vocab_ranges(cfg.vocab_size, world_size)
     start, n = ranges[rank]
     emb = model.model.embed_tokens
-    model.model.embed_tokens = VocabParallelEmbedding(emb.weight.detach()[start:start + n].clone(), start, group)
+    model.model.embed_tokens = VocabParallelEmbedding(emb.weight.detach()[start:start + n].clone(), start, comm)
     if cfg.tie_word_embeddings:
         proj = nn.Linear(cfg.hidden_size, n, bias=False, device="meta")
         proj.weight = model.model.embed_tokens.weight
     else:
         proj = _narrow(model.lm_head, 0, start, n)
-    model.lm_head = VocabParallelHead(proj, [c for _, c in ranges], rank, group)
+    model.lm_head = VocabParallelHead(proj, [c for _, c in ranges], comm)

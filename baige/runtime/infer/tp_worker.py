@@ -11,13 +11,15 @@ Launch (:func:`start_tensor_parallel`):
   ``srun``, whose variables map as in training); ``WORLD_SIZE`` must equal
   ``--tensor-parallel-size``; rank 0 serves, the others run the worker loop and exit with it.
 
-Each step rank 0 sends the step's flat inputs (:class:`~baige.runtime.infer.runner.StepInputs`:
-token ids, positions, slots, block tables -- a few KB) with ``broadcast_object_list`` over a gloo
-group, then every rank runs the same forward. A tensor broadcast, not a shared-memory ring, because it
-is the one transport that also spans machines, and on the 2-core dev box it costs ~0.3 ms a step
-(measured in tests/infer/test_tensor_parallel.py's set-up), against 30+ ms for a decode step of the
-smallest model here. On GPU the metadata stays on that CPU group (vLLM's ``cpu_group``); the model's
-collectives use NCCL.
+Each engine has its own process groups (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a
+``FileStore`` or torchrun's store; torch.distributed's default group is never initialised). Each step
+rank 0 sends the step's flat inputs (:class:`~baige.runtime.infer.runner.StepInputs`: token ids,
+positions, slots, block tables -- a few KB, pickled) as one gloo broadcast of a
+:data:`STEP_BYTES`-byte tensor (a second one only for a larger step), then every rank runs the same
+forward. A tensor broadcast, not a shared-memory ring, because it is the one transport that also
+spans machines; on the 2-core dev box one costs ~0.3 ms (README Performance), against ~20-130 ms for a
+decode step of a 135M model. On GPU the metadata stays on the gloo group (vLLM's ``cpu_group``); the
+model's collectives use NCCL.
 
 Liveness: a step that raises on any rank is fatal for the group (the ranks' collectives could be out of
 step), so a worker exits non-zero on any error, and rank 0 raises :class:`WorkerDied`: the serving
@@ -36,6 +38,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +57,7 @@ from baige.runtime.config import EngineConfig
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.outputs import EngineDeadError
 from baige.runtime.infer.runner import StepInputs, forward_step
-from baige.runtime.infer.tensor_parallel import check_shardable, shard_model
+from baige.runtime.infer.tensor_parallel import Comm, check_shardable, shard_model
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.device import resolve_device
 from baige.runtime.model.transformer import Transformer
@@ -63,7 +66,8 @@ from baige.runtime.weights.loader import load_model
 logger = logging.getLogger("baige.engine")
 
 HEARTBEAT_S = 30.0  # idle ping period, well inside TIMEOUT
-TIMEOUT = timedelta(minutes=10)  # the gloo group's per-operation timeout
+TIMEOUT = timedelta(minutes=10)  # the groups' per-operation timeout
+STEP_BYTES = 16384  # the step broadcast's fixed size: an 8-byte length, then the pickled step
 _STOP, _PING = "stop", "ping"
 
 
@@ -71,16 +75,16 @@ class WorkerDied(EngineDeadError):
     """A tensor-parallel rank died or a step failed on one: the group cannot go on."""
 
 
-def load_engine_model(cfg: EngineConfig, model_dir: Path, rank: int = 0, world_size: int = 1, group=None) -> Transformer:
-    """The serving model of one rank: loaded, sharded for tensor parallelism when ``world_size`` > 1
-    (every rank reads the whole checkpoint, then keeps its shard), then ``cfg.quantization``
-    applied. Raises BaigeError (load, shard or quantization errors)."""
+def load_engine_model(cfg: EngineConfig, model_dir: Path, comm: Comm | None = None) -> Transformer:
+    """The serving model of one rank: loaded, sharded for tensor parallelism with ``comm`` (every
+    rank reads the whole checkpoint, then keeps its shard), then ``cfg.quantization`` applied.
+    Raises BaigeError (load, shard or quantization errors)."""
     device = resolve_device(cfg.device)
-    if device.type == "cuda" and world_size > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda" and comm is not None:
+        device = torch.device("cuda", torch.cuda.current_device())
     model = load_model(model_dir, cfg.dtype, device)
-    if world_size > 1:
-        shard_model(model, rank, world_size, group, cfg.enable_expert_parallel)
+    if comm is not None:
+        shard_model(model, comm, cfg.enable_expert_parallel)
     if cfg.quantization:
         from baige.runtime.quant.fp16_weight import apply_quantization
 
@@ -105,23 +109,38 @@ def _to(s: StepInputs, device: torch.device) -> StepInputs:
         logit_rows=[mv(r) for r in s.logit_rows])
 
 
-def _broadcast(obj, group) -> object:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+def _broadcast(obj, comm: Comm) -> object:
+    """Rank 0's ``obj`` on every rank (pickled; one broadcast of STEP_BYTES, a second for the rest)."""
+    buf = torch.zeros(STEP_BYTES, dtype=torch.uint8)
+    if comm.rank == 0:
+        data = pickle.dumps(obj)
+        head = len(data).to_bytes(8, "little") + data[:STEP_BYTES - 8]
+        buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    comm.broadcast(buf)
+    n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    rest = torch.zeros(max(0, n - (STEP_BYTES - 8)), dtype=torch.uint8)
+    if rest.numel():
+        if comm.rank == 0:
+            rest[:] = torch.frombuffer(bytearray(data[STEP_BYTES - 8:]), dtype=torch.uint8)
+        comm.broadcast(rest)
+    if comm.rank == 0:
+        return obj
+    return pickle.loads(buf[8:8 + n].numpy().tobytes() + rest.numpy().tobytes())
 
 
 class TensorParallelGroup:
     """Rank 0's handle on the group: sends steps, watches the workers, stops them.
 
     Args:
-        world_size: ranks, rank 0 included.
-        cpu_group: the gloo group steps travel on (the default group on CPU).
+        comm: the model's collectives (rank 0's shard is built on it).
+        cpu_comm: the gloo group steps travel on (``comm`` itself on CPU).
         processes: the worker processes rank 0 started (none under torchrun).
+        rendezvous: their private temp directory (the store and the workers' spec), removed on close.
     """
 
-    def __init__(self, world_size: int, cpu_group, processes: list[subprocess.Popen]):
-        self.world_size, self.cpu_group, self.processes = world_size, cpu_group, processes
+    def __init__(self, comm: Comm, cpu_comm: Comm, processes: list[subprocess.Popen], rendezvous: Path | None = None):
+        self.comm, self.cpu_comm, self.processes, self.rendezvous = comm, cpu_comm, processes, rendezvous
+        self.world_size = comm.world_size
         self.lock = threading.Lock()
         self.dead: str | None = None
         self.on_death: list[Callable[[str], None]] = []
@@ -158,7 +177,7 @@ class TensorParallelGroup:
                 self.lock.release()
 
     def _send(self, obj) -> None:
-        _broadcast(obj, self.cpu_group)
+        _broadcast(obj, self.cpu_comm)
         self._last = time.monotonic()
 
     def send_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
@@ -200,8 +219,8 @@ class TensorParallelGroup:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.rendezvous is not None:
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -223,10 +242,17 @@ def _torchrun_env() -> tuple[int, int] | None:
     return None
 
 
-def _init_group(device_type: str, **kw) -> object:
-    """Join the process group; returns the gloo group steps travel on."""
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=TIMEOUT, **kw)
-    return dist.new_group(backend="gloo", timeout=TIMEOUT) if device_type == "cuda" else dist.group.WORLD
+def _groups(store, rank: int, world_size: int, device_type: str) -> tuple[Comm, Comm]:
+    """This engine's process groups over ``store``: (the model's: NCCL on CUDA, else gloo; the gloo
+    group steps travel on, the same one on CPU)."""
+    gloo = Comm(dist.ProcessGroupGloo(dist.PrefixStore("baige-tp-gloo", store), rank, world_size, TIMEOUT),
+                rank, world_size)
+    if device_type != "cuda":
+        return gloo, gloo
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = TIMEOUT
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("baige-tp-nccl", store), rank, world_size, opts)
+    return Comm(nccl, rank, world_size), gloo
 
 
 def start_tensor_parallel(cfg: EngineConfig, model_dir: Path) -> TensorParallelGroup:
@@ -244,29 +270,30 @@ def start_tensor_parallel(cfg: EngineConfig, model_dir: Path) -> TensorParallelG
             raise BaigeError(f"--tensor-parallel-size {n} but the launcher started {world} processes (WORLD_SIZE)")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        cpu_group = _init_group(device_type)
+        store, _, _ = next(dist.rendezvous("env://", timeout=TIMEOUT))
+        comm, cpu_comm = _groups(store, rank, n, device_type)
         if rank:
-            code = worker_loop(cfg, model_dir, rank, n, cpu_group)
-            raise SystemExit(code)
-        return TensorParallelGroup(n, cpu_group, [])
+            raise SystemExit(worker_loop(cfg, model_dir, comm, cpu_comm))
+        return TensorParallelGroup(comm, cpu_comm, [])
     threads = threads_per_rank(n)
     torch.set_num_threads(threads)
     rendezvous = Path(tempfile.mkdtemp(prefix="baige-tp-"))
     spec = rendezvous / "spec.pkl"
     spec.write_bytes(pickle.dumps({"cfg": cfg, "model_dir": str(model_dir), "world_size": n, "threads": threads,
-                                   "init_method": f"file://{rendezvous / 'store'}"}))
+                                   "store": str(rendezvous / "store")}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     procs = [subprocess.Popen([sys.executable, "-m", "baige.runtime.infer.tp_worker", str(spec), str(r)], env=env,
                               preexec_fn=_die_with_parent) for r in range(1, n)]
     try:
         if device_type == "cuda":
             torch.cuda.set_device(0)
-        cpu_group = _init_group(device_type, init_method=f"file://{rendezvous / 'store'}", rank=0, world_size=n)
+        comm, cpu_comm = _groups(dist.FileStore(str(rendezvous / "store"), n), 0, n, device_type)
     except Exception as e:
         for p in procs:
             p.kill()
+        shutil.rmtree(rendezvous, ignore_errors=True)
         raise BaigeError(f"tensor-parallel workers did not join ({type(e).__name__}: {e})") from None
-    return TensorParallelGroup(n, cpu_group, procs)
+    return TensorParallelGroup(comm, cpu_comm, procs, rendezvous)
 
 
 def _die_with_parent() -> None:
@@ -275,25 +302,25 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-def worker_loop(cfg: EngineConfig, model_dir: Path, rank: int, world_size: int, cpu_group) -> int:
+def worker_loop(cfg: EngineConfig, model_dir: Path, comm: Comm, cpu_comm: Comm) -> int:
     """A worker rank: load and shard the model, allocate the KV shard rank 0 sizes, then run every
     step rank 0 sends until it says stop. Returns the process exit code: 0 after stop, 1 when
     loading fails (rank 0 meets the same error and reports it)."""
     try:
-        model = load_engine_model(cfg, model_dir, rank, world_size)
+        model = load_engine_model(cfg, model_dir, comm)
     except BaigeError as e:
-        logger.info("tensor-parallel rank %d: %s", rank, e)
+        logger.info("tensor-parallel rank %d: %s", comm.rank, e)
         return 1
     model.eval()
     device = next(model.parameters()).device
-    msg = _broadcast(None, cpu_group)
+    msg = _broadcast(None, cpu_comm)
     if msg == _STOP:
         return 0
     num_blocks, block_size, dtype = msg
     kv = KVCache(kv_config(model), num_blocks, block_size, dtype, device)
     with torch.inference_mode():
         while True:
-            msg = _broadcast(None, cpu_group)
+            msg = _broadcast(None, cpu_comm)
             if msg == _STOP:
                 return 0
             if msg == _PING:
@@ -310,10 +337,8 @@ def _main(spec_path: str, rank: str) -> int:
     device_type = resolve_device(cfg.device).type
     if device_type == "cuda":
         torch.cuda.set_device(r)
-    cpu_group = _init_group(device_type, init_method=spec["init_method"], rank=r, world_size=n)
-    code = worker_loop(cfg, Path(spec["model_dir"]), r, n, cpu_group)
-    dist.destroy_process_group()
-    return code
+    comm, cpu_comm = _groups(dist.FileStore(spec["store"], n), r, n, device_type)
+    return worker_loop(cfg, Path(spec["model_dir"]), comm, cpu_comm)
 
 
 if __name__ == "__main__":
