@@ -62,15 +62,15 @@ def test_greedy_32_tokens_and_logits_match_transformers(prompt, baige_model, hf_
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     with torch.no_grad():
         ref = hf_greedy(hf, ids, 32)
-    ours = list(generate_tokens(model, ids, params))  # the plain oracle loop
-    assert ours == ref
+    if prompt == CHAT_PROMPTS[0]:  # the plain oracle loop, once (~3 s a prompt)
+        assert list(generate_tokens(model, ids, params)) == ref
     # what `baige generate` / `chat` / `serve` run: the Engine (paged KV, native CPU decode step)
     engine = Engine(model, tok, EngineConfig(max_num_seqs=4, max_model_len=512, kv_cache_memory="64MiB"))
     engine.add_request("r", ids, params)
     (out,) = engine.run_to_completion(["r"])
     assert out.outputs[0].token_ids == ref
 
-    full = torch.tensor([ids + ours])
+    full = torch.tensor([ids + ref])
     with torch.no_grad():
         ref_logits = hf(full).logits
         our_logits = model.compute_logits(model(full, torch.arange(full.shape[1])[None]))
