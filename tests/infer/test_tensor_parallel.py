@@ -7,19 +7,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import make_checkpoint, write_tiny_tokenizer
 from torch import nn
 
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.llm import LLM
 from baige.runtime.infer.sampling import SamplingParams
-from baige.runtime.infer.tensor_parallel import Comm, check_shardable, shard_model, vocab_ranges
+from baige.runtime.infer.tensor_parallel import (
+    Comm,
+    check_shardable,
+    shard_model,
+    vocab_ranges,
+)
 from baige.runtime.quant.apply import quantize_model
 from baige.runtime.quant.linear import QuantizedLinear
 from baige.runtime.quant.scheme import QuantScheme, quantize_weight
 from baige.runtime.quantize import save_quantized
 from baige.runtime.weights.loader import load_model
-from tiny import make_checkpoint, write_tiny_tokenizer
 
 # mixed lengths: the step mixes decodes with prefill chunks (max_num_batched_tokens below the prompts)
 PROMPTS = [[(11 * i + 3 * j) % 150 + 1 for j in range(2 + 5 * i)] for i in range(10)]

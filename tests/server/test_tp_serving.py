@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
+from server_utils import launched
+from tiny import make_checkpoint, write_tiny_tokenizer
 
 from baige.runtime.infer.llm import LLM
 from baige.runtime.infer.sampling import SamplingParams
@@ -21,8 +23,6 @@ from baige.runtime.quant.apply import quantize_model
 from baige.runtime.quant.scheme import QuantScheme
 from baige.runtime.quantize import save_quantized
 from baige.runtime.weights.loader import load_model
-from server_utils import launched
-from tiny import make_checkpoint, write_tiny_tokenizer
 
 # word-level tiny tokenizer: token i is the word "t{i}", so equal text is equal tokens
 PROMPTS = [" ".join(f"t{(11 * i + 3 * j) % 150 + 1}" for j in range(2 + 5 * i)) for i in range(16)]

@@ -210,8 +210,8 @@ class TensorParallelGroup:
         if self.dead is None and self.lock.acquire(timeout=5):
             try:
                 self._send(_STOP)
-            except Exception:  # a worker already gone: it is killed below either way
-                pass
+            except Exception as e:  # noqa: BLE001 - a worker already gone: it is killed below either way
+                logger.debug("tensor-parallel stop message not delivered: %s", e)
             finally:
                 self.lock.release()
         for p in self.processes:
@@ -280,10 +280,10 @@ def start_tensor_parallel(cfg: EngineConfig, model_dir: Path) -> TensorParallelG
     rendezvous = Path(tempfile.mkdtemp(prefix="baige-tp-"))
     spec = rendezvous / "spec.pkl"
     spec.write_bytes(pickle.dumps({"cfg": cfg, "model_dir": str(model_dir), "world_size": n, "threads": threads,
-                                   "store": str(rendezvous / "store")}))
+                                   "store": str(rendezvous / "store"), "parent": os.getpid()}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    procs = [subprocess.Popen([sys.executable, "-m", "baige.runtime.infer.tp_worker", str(spec), str(r)], env=env,
-                              preexec_fn=_die_with_parent) for r in range(1, n)]
+    procs = [subprocess.Popen([sys.executable, "-m", "baige.runtime.infer.tp_worker", str(spec), str(r)], env=env)
+             for r in range(1, n)]
     try:
         if device_type == "cuda":
             torch.cuda.set_device(0)
@@ -296,10 +296,14 @@ def start_tensor_parallel(cfg: EngineConfig, model_dir: Path) -> TensorParallelG
     return TensorParallelGroup(comm, cpu_comm, procs, rendezvous)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this worker when rank 0's process dies (Linux ``prctl(PR_SET_PDEATHSIG)``, set here at
+    start-up rather than in a ``preexec_fn``, which is unsafe in a threaded parent); exit now if it
+    already has."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:
+        sys.exit(1)
 
 
 def worker_loop(cfg: EngineConfig, model_dir: Path, comm: Comm, cpu_comm: Comm) -> int:
@@ -330,6 +334,7 @@ def worker_loop(cfg: EngineConfig, model_dir: Path, comm: Comm, cpu_comm: Comm) 
 
 def _main(spec_path: str, rank: str) -> int:
     spec = pickle.loads(Path(spec_path).read_bytes())
+    _die_with_parent(spec["parent"])
     torch.set_num_threads(spec["threads"])
     logging.basicConfig(level=logging.WARNING, format=f"tp rank {rank}: %(message)s")
     cfg: EngineConfig = spec["cfg"]
