@@ -145,3 +145,35 @@ def test_cli_refuses_an_unshardable_model_before_starting_workers(tmp_path):
                         "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip() == "error: --tensor-parallel-size 3 does not divide num_attention_heads (4)"
+
+
+def _broadcast_rank(rank: int, store_path: str, out_path: str) -> None:
+    import pickle
+
+    from torch import distributed as dist
+
+    from baige.runtime.infer.tp_worker import STEP_BYTES, TIMEOUT, _broadcast
+
+    pg = dist.ProcessGroupGloo(dist.FileStore(store_path, 2), rank, 2, TIMEOUT)
+    comm = Comm(pg, rank, 2)
+    small = {"ids": torch.arange(5)}
+    large = {"tables": torch.arange(3 * STEP_BYTES // 8).view(3, -1), "text": "x" * 100}  # > STEP_BYTES pickled
+    got = [_broadcast(small if rank == 0 else None, comm), _broadcast(large if rank == 0 else None, comm),
+           _broadcast("stop" if rank == 0 else None, comm)]
+    if rank == 1:
+        with open(out_path, "wb") as f:
+            pickle.dump(got, f)
+
+
+def test_step_broadcast_carries_small_and_larger_than_one_buffer_objects(tmp_path):
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    from baige.runtime.infer.tp_worker import STEP_BYTES
+
+    mp.spawn(_broadcast_rank, args=(str(tmp_path / "store"), str(tmp_path / "got.pkl")), nprocs=2)
+    small, large, stop = pickle.loads((tmp_path / "got.pkl").read_bytes())
+    assert torch.equal(small["ids"], torch.arange(5))
+    assert torch.equal(large["tables"], torch.arange(3 * STEP_BYTES // 8).view(3, -1)) and large["text"] == "x" * 100
+    assert stop == "stop"
