@@ -84,3 +84,23 @@ def test_sbatch_multi_node_pp_runs_torchrun_once_per_node_with_pp(tmp_path):
     assert srun.startswith("srun --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun")
     assert "--nnodes=2 --nproc-per-node=8" in torchrun and "--rdzv-endpoint=node1:29500" in torchrun
     assert torchrun.endswith("--no-python baige train --pp 2 --config run.toml")
+
+
+def test_serve_sbatch_runs_one_torchrun_per_node_with_tp_over_every_gpu(tmp_path):
+    """scripts/slurm/serve.sbatch under stand-in srun/scontrol/torchrun: 2 nodes x 4 GPUs -> TP=8, a
+    static rendezvous whose node rank is the task's SLURM_NODEID, the user's flags passed through."""
+    sbatch = SBATCH.with_name("serve.sbatch")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool, body in (("scontrol", "echo node1; echo node2"),
+                       ("srun", 'shift 2; SLURM_NODEID=1 "$@"'), ("torchrun", 'echo "torchrun $*"')):
+        (bindir / tool).write_text(f"#!/bin/bash\n{body}\n")
+        (bindir / tool).chmod(0o755)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_ID": "7", "GPUS_PER_NODE": "4"}
+    out = subprocess.run(["bash", str(sbatch), "--model", "m dir", "--max-num-seqs", "8"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("torchrun --nnodes=2 --node-rank=1 --nproc-per-node=4 --master-addr=node1 "
+                                  "--master-port=29500 --no-python baige serve --host 0.0.0.0 --port 8000 "
+                                  "--tensor-parallel-size 8 --model m dir --max-num-seqs 8")
