@@ -435,6 +435,23 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def cpu_isa() -> str | None:
+    """The instruction-set variant of the native CPU library ops use (``avx2``, ``avx512_vnni``, ...;
+    see :mod:`baige.kernels.cpu.isa`), or None where the library cannot run (no AVX2, no compiler).
+    Builds the library on first call."""
+    from baige.kernels.cpu import build
+
+    return build.current_isa() if build.library() is not None else None
+
+
+def cpu_isa_flags() -> list[str]:
+    """This CPU's instruction-set flags worth recording beside a benchmark number (``avx2``,
+    ``avx512_vnni``, ``amx_tile``, ...), as /proc/cpuinfo names them."""
+    from baige.kernels.cpu import isa
+
+    return isa.reported_flags()
+
+
 def native_cpu_available() -> bool:
     """Whether the native CPU library is built and loadable here (builds it on first call)."""
     from baige.kernels.cpu import library
@@ -461,7 +478,7 @@ from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed",
+    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags",
     "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc",
     "dequantize_weight", "expand_groups", "unpack_int4",

@@ -53,9 +53,16 @@ def backend(x: torch.Tensor) -> str:
 
 def check_startup() -> None:
     """What :func:`backend` would refuse at the first op, checked before any model loads (the CLI
-    calls it first); a machine without CUDA has only CPU tensors.
+    calls it first); a machine without CUDA has only CPU tensors. Also a ``BAIGE_CPU_ISA`` that is
+    unknown or names a variant this CPU lacks (ops would otherwise quietly use the best one).
 
     Raises:
-        KernelConfigError: one line, as :func:`backend` would raise it.
+        KernelConfigError: one line, as :func:`backend` would raise it, or naming the missing CPU flags.
     """
     _refuse(settings().mode, torch.cuda.is_available())
+    from baige.kernels.cpu import isa
+
+    try:
+        isa.resolve(settings().cpu_isa)
+    except ValueError as e:
+        raise KernelConfigError(str(e)) from None

@@ -5,6 +5,8 @@
 - ``BAIGE_CACHE``: the cache root (default ``~/.cache/baige``); the native CPU library is built
   under ``$BAIGE_CACHE/cpu_kernels``, models and token files under the same root.
 - ``CC``: the C compiler for the native CPU kernels (default: ``cc``, else ``gcc`` on PATH).
+- ``BAIGE_CPU_ISA``: the native CPU library's instruction-set variant (``auto``, the default: the best
+  this CPU supports; see :mod:`baige.kernels.cpu.isa`).
 
 Code that changes these variables at run time (tests, ``scripts/gpu_smoke.py``) calls
 :func:`reload_settings` afterwards.
@@ -26,6 +28,7 @@ class KernelSettings:
     triton_interpret: bool
     cache_dir: Path
     cc: str | None  # None: look on PATH
+    cpu_isa: str  # BAIGE_CPU_ISA, "auto" when unset or empty (validated by baige.kernels.check_startup)
 
 
 def _read() -> KernelSettings:
@@ -35,6 +38,7 @@ def _read() -> KernelSettings:
         triton_interpret=env.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes"),
         cache_dir=Path(env.get("BAIGE_CACHE") or Path.home() / ".cache" / "baige").expanduser(),
         cc=env.get("CC") or None,
+        cpu_isa=env.get("BAIGE_CPU_ISA") or "auto",
     )
 
 

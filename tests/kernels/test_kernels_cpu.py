@@ -108,8 +108,7 @@ def test_dispatch(monkeypatch):
 
 def test_build_failure_falls_back(monkeypatch, tmp_path):
     """No usable compiler: one warning, library() is None, and the public op still answers (reference)."""
-    monkeypatch.setattr(cpu_library, "_lib", None)
-    monkeypatch.setattr(cpu_library, "_tried", False)
+    monkeypatch.setattr(cpu_library, "_libs", {})
     monkeypatch.setenv("BAIGE_CACHE", str(tmp_path))
     reload_settings()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -125,15 +124,14 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
 
 def test_build_is_cached(monkeypatch, tmp_path):
     """The first build writes one .so under $BAIGE_CACHE/cpu_kernels; a second load reuses it."""
-    monkeypatch.setattr(cpu_library, "_lib", None)
-    monkeypatch.setattr(cpu_library, "_tried", False)
+    monkeypatch.setattr(cpu_library, "_libs", {})
     monkeypatch.setenv("BAIGE_CACHE", str(tmp_path))
     reload_settings()
     assert cpu_library.library() is not None
-    built = list((tmp_path / "cpu_kernels").glob("baige_cpu-*.so"))
+    built = list((tmp_path / "cpu_kernels").glob(f"baige_cpu-{cpu_library.current_isa()}-*.so"))
     assert len(built) == 1
     mtime = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(cpu_library, "_tried", False)
+    monkeypatch.setattr(cpu_library, "_libs", {})
     assert cpu_library.library() is not None
     assert built[0].stat().st_mtime_ns == mtime and len(list((tmp_path / "cpu_kernels").iterdir())) == 1
 

@@ -1,10 +1,12 @@
-"""Build and load the native CPU kernels (``*.c`` in this package) as one shared library.
+"""Build and load the native CPU kernels (``*.c`` in this package) as one shared library per
+instruction-set variant (:mod:`baige.kernels.cpu.isa`), the one in force picked at run time.
 
-Build: ``cc -O3 -mavx2 -mfma -mf16c -fopenmp -shared`` (:data:`CFLAGS`), cached under
+Build: ``cc -O3 <variant flags> -fopenmp -shared`` (:data:`CFLAGS` + ``isa.VARIANTS``), cached under
 ``$BAIGE_CACHE/cpu_kernels`` (default ``~/.cache/baige``, the model cache's root) by a hash of the
 sources, flags and compiler version; written to a temporary name and renamed, so concurrent first
-uses are safe. No compiler, a CPU without AVX2 or a failed build:
-one warning, then the PyTorch reference everywhere (never an error).
+uses are safe. Only the variant in use is built (``BAIGE_CPU_ISA``, else the best the CPU supports).
+No compiler, a CPU without AVX2 or a failed build: one warning, then the PyTorch reference everywhere
+(never an error; a ``BAIGE_CPU_ISA`` the CPU lacks is refused at start-up by ``kernels.check_startup``).
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ from pathlib import Path
 
 import torch
 
+from baige.kernels.cpu import isa
 from baige.kernels.settings import settings
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # -ffp-contract=off: no FMA merges two roundings of the plain-C code (ops.c follows the reference
-# op by op); the intrinsics' explicit FMAs are unaffected.
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+# op by op); the intrinsics' explicit FMAs are unaffected. The instruction-set flags are the variant's.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
-_lib: ctypes.CDLL | None = None
-_tried = False
+_libs: dict[str, ctypes.CDLL | None] = {}  # variant -> its library (None: it could not be built)
+_resolved: dict[str, str | None] = {}  # BAIGE_CPU_ISA value -> the variant it selects
 _lock = threading.Lock()
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -46,31 +49,51 @@ def native_allowed() -> bool:
 
 
 def cpu_has_avx2() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return isa.best() is not None
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (or find in the cache) and load ``qlinear.c``. Raises OSError/RuntimeError on failure."""
+def current_isa() -> str | None:
+    """The variant ops use now: ``BAIGE_CPU_ISA`` when it names one this CPU supports, else the best
+    supported one (a bad value is refused at start-up, see ``kernels.check_startup``); None without AVX2."""
+    requested = settings().cpu_isa
+    if requested not in _resolved:  # once per setting: library() runs on every op call
+        try:
+            _resolved[requested] = isa.resolve(requested)
+        except ValueError:
+            _resolved[requested] = isa.best()
+    return _resolved[requested]
+
+
+def compile_variant(variant: str) -> Path:
+    """Compile (or find in the cache) the library for ``variant``; any variant compiles on any x86-64
+    machine whose compiler knows its flags. Returns the .so path. Raises OSError/RuntimeError."""
     cc = settings().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     src = b"".join(p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + version.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"baige_cpu-{key}.so"
+    flags = [*CFLAGS, *isa.VARIANTS[variant][1]]
+    key = hashlib.sha256(src + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"baige_cpu-{variant}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+            r = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    return out
+
+
+def _build(variant: str) -> ctypes.CDLL:
+    """Compile (or find) and load ``variant``'s library, its functions typed. Raises OSError/RuntimeError."""
+    lib = ctypes.CDLL(str(compile_variant(variant)))
+    lib.baige_isa.argtypes, lib.baige_isa.restype = [], ctypes.c_char_p
     lib.baige_qlinear_int8.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]
     lib.baige_qlinear_int8.restype = None
     lib.baige_qlinear_int4.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
@@ -95,18 +118,18 @@ def _build() -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first call; None where it cannot run (warned once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
+    """The loaded library of :func:`current_isa`, built on first use; None where it cannot run
+    (warned once per variant)."""
+    variant = current_isa()
+    if variant in _libs:
+        return _libs[variant]
     with _lock:
-        if not _tried:
+        if variant not in _libs:
             try:
-                if not cpu_has_avx2():
+                if variant is None:
                     raise RuntimeError("the CPU has no AVX2")
-                _lib = _build()
+                _libs[variant] = _build(variant)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 warnings.warn(f"baige: native CPU kernels unavailable ({e}); using PyTorch", stacklevel=2)
-                _lib = None
-            _tried = True
-    return _lib
+                _libs[variant] = None
+    return _libs[variant]

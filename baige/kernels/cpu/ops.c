@@ -8,6 +8,22 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* The instruction-set variant this copy was compiled for (baige/kernels/cpu/isa.py's names), from the
+ * compiler's own feature macros: what the library really targets, whatever its file is called. */
+const char *baige_isa(void) {
+#if defined(__AVX512BF16__)
+    return "avx512_bf16";
+#elif defined(__AVX512VNNI__)
+    return "avx512_vnni";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return "avx512";
+#elif defined(__AVXVNNI__)
+    return "avx2_vnni";
+#else
+    return "avx2";
+#endif
+}
+
 /* sum of a[i] * b[i], 8 fp32 lanes then a scalar tail */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
