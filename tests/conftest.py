@@ -75,6 +75,15 @@ def embedded_dir(_baige_cache) -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
+@pytest.fixture
+def exact_quant_kernels(monkeypatch):
+    """int8/int4 linears on CPU through the exact dequantizing kernels (``BAIGE_CPU_INT_DOT=0``), for
+    tests whose point is that a quantized model computes exactly its dequantized weights' product
+    (the default integer-dot kernels also round the activations to int8 blocks)."""
+    monkeypatch.setenv("BAIGE_CPU_INT_DOT", "0")
+    reload_settings()
+
+
 @pytest.fixture(scope="session")
 def hf_embedded():
     """transformers' own load of the embedded GGUF (fp32): the reference for the real-model tests."""

@@ -297,6 +297,8 @@ def quantized_linear(
     zero_point: torch.Tensor | None,
     group_size: int | None,
     bias: torch.Tensor | None = None,
+    *,
+    int_dot: bool | None = None,
 ) -> torch.Tensor:
     """Weight-only quantized ``x @ W.T + bias`` with ``W = (q - zero_point) * scale`` dequantized
     inside the matmul (compressed-tensors layouts, see ``baige.runtime.quant.scheme``).
@@ -310,19 +312,22 @@ def quantized_linear(
         zero_point: None (symmetric) or (out, n_groups) int8/int32 signed zero points, unpacked.
         group_size: columns per scale group; None = one group per output channel.
         bias: (out,) or None.
+        int_dot: the native CPU kernel may round ``x`` to int8 blocks for integer dot products
+            (None: ``BAIGE_CPU_INT_DOT``, on by default; False: the exact dequantizing kernel, as a
+            training forward whose backward uses the dequantized weight wants).
     Returns:
         (..., out) in the dtype of ``x``; accumulation in fp32 on the Triton path, which is forward
         only (inference: its output does not require grad).
 
-    On CPU with ``BAIGE_KERNELS`` auto, small fp32 batches that need no gradient (decode steps) run
-    the native AVX2 kernel of :mod:`baige.kernels.cpu.qlinear`; everything else dequantizes and
-    calls ``F.linear`` (the reference).
+    On CPU with ``BAIGE_KERNELS`` auto, fp32 batches of up to 512 rows that need no gradient run the
+    native kernels of :mod:`baige.kernels.cpu.qlinear` (integer dot products unless ``int_dot`` is
+    off); everything else dequantizes and calls ``F.linear`` (the reference).
     """
     if _native_cpu(x) is not None:
         from baige.kernels.cpu import qlinear
 
         if qlinear.supports(x, qweight, group_size, bias):
-            return qlinear.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+            return qlinear.quantized_linear(x, qweight, scale, zero_point, group_size, bias, int_dot=int_dot)
     return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
 
 

@@ -354,6 +354,49 @@ def quantized_linear(
     return F.linear(x, dequantize_weight(q, scale, zero_point, group_size).to(x.dtype), bias)
 
 
+ACT_BLOCK = 32  # columns per activation block of the integer-dot linears (llama.cpp's QK8_0)
+
+
+def quantize_activation_blocks(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-block symmetric int8 quantization of activations, as ``baige/kernels/cpu/qdot.c``
+    does it (bit-identical: the same fp32 operations in the same order).
+
+    Args:
+        x: (..., K) any float dtype; quantized from its fp32 values.
+    Returns:
+        q: (..., nb * block) fp32 holding integers in [-127, 127] (zero past K), nb = ceil(K / block);
+        d: (..., nb) fp32 block scales, ``d = max|x| / 127`` (fp32 division), ``q = rint(x * (1 / d))``
+        rounded half to even, ``q = 0`` where ``d = 0``. Source: llama.cpp's ``quantize_row_q8_0``.
+    """
+    xf = x.float()
+    k = xf.shape[-1]
+    nb = -(-k // block)
+    xf = F.pad(xf, (0, nb * block - k)).unflatten(-1, (nb, block))
+    d = xf.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+    q = torch.round(xf * inv.unsqueeze(-1))
+    return q.flatten(-2), d
+
+
+def quantized_linear_int_dot(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    group_size: int | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The math of the native integer-dot linears (``BAIGE_CPU_INT_DOT``): ``x`` replaced by its
+    block-quantized value ``q * d`` (:func:`quantize_activation_blocks`, always from fp32), then
+    ``F.linear`` with the dequantized weight, both in ``x.dtype`` (pass fp64 for an exact oracle).
+    Returns (..., out) in x's dtype."""
+    q, d = quantize_activation_blocks(x)
+    k = x.shape[-1]
+    xd = (q.to(x.dtype).unflatten(-1, (d.shape[-1], -1)) * d.to(x.dtype).unsqueeze(-1)).flatten(-2)[..., :k]
+    w = qweight if qweight.dtype == torch.int8 else unpack_int4(qweight, k)
+    return F.linear(xd, dequantize_weight(w, scale.to(x.dtype), zero_point, group_size), bias)
+
+
 # ---- Mixture-of-Experts (routing, block alignment, grouped expert MLPs) -----------------------------------
 
 

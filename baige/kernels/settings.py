@@ -7,6 +7,9 @@
 - ``CC``: the C compiler for the native CPU kernels (default: ``cc``, else ``gcc`` on PATH).
 - ``BAIGE_CPU_ISA``: the native CPU library's instruction-set variant (``auto``, the default: the best
   this CPU supports; see :mod:`baige.kernels.cpu.isa`).
+- ``BAIGE_CPU_INT_DOT``: ``1`` (default) runs int8/int4 weight-only linears on CPU as integer dot
+  products over int8-quantized activations (``baige/kernels/cpu/qdot.c``, llama.cpp's scheme);
+  ``0`` keeps the exact dequantize-to-fp32 kernels (``qlinear.c``).
 
 Code that changes these variables at run time (tests, ``scripts/gpu_smoke.py``) calls
 :func:`reload_settings` afterwards.
@@ -29,6 +32,7 @@ class KernelSettings:
     cache_dir: Path
     cc: str | None  # None: look on PATH
     cpu_isa: str  # BAIGE_CPU_ISA, "auto" when unset or empty (validated by baige.kernels.check_startup)
+    cpu_int_dot: bool  # BAIGE_CPU_INT_DOT, on unless 0/false/off/no
 
 
 def _read() -> KernelSettings:
@@ -39,6 +43,7 @@ def _read() -> KernelSettings:
         cache_dir=Path(env.get("BAIGE_CACHE") or Path.home() / ".cache" / "baige").expanduser(),
         cc=env.get("CC") or None,
         cpu_isa=env.get("BAIGE_CPU_ISA") or "auto",
+        cpu_int_dot=env.get("BAIGE_CPU_INT_DOT", "1").strip().lower() not in ("0", "false", "off", "no"),
     )
 
 

@@ -50,8 +50,10 @@ def _step_inputs(model, num_blocks=20, seed=0, kv_dtype=torch.float32):
     return kv, ids, pos, torch.tensor(slots), torch.tensor(tables), torch.tensor(CTX)
 
 
-def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32, lora=None):
-    """``lora``: (LoRABatch the model's stacks read, (len(CTX),) adapter slot per sequence)."""
+def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32, lora=None, against="reference"):
+    """``lora``: (LoRABatch the model's stacks read, (len(CTX),) adapter slot per sequence).
+    ``against``: the module path on the PyTorch reference kernels, or ``"native"``: on the per-op
+    native kernels (the same quantized-linear kernels as the fused step)."""
     kv, ids, pos, slots, tables, lens = _step_inputs(model, kv_dtype=kv_dtype)
     ref_k, ref_v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
     fused, why = FusedDecoder.build(model, kv)
@@ -62,7 +64,10 @@ def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32, lora=None):
         out = fused(ids, pos, slots, tables, lens, None if lora is None else lora[1])
         if lora is not None:
             lora[0].token_lora_ids = lora[1]
-        monkeypatch.setenv("BAIGE_KERNELS", "reference")
+        if against == "reference":
+            monkeypatch.setenv("BAIGE_KERNELS", "reference")
+        else:
+            monkeypatch.delenv("BAIGE_KERNELS", raising=False)
         reload_settings()
         md = PagedAttentionMetadata(ref_k, ref_v, slots, len(CTX), decode_groups=[(tables, lens)])
         ref = model(ids, pos, md)
@@ -82,11 +87,26 @@ def test_fused_decode_matches_module_path(tmp_path, monkeypatch, variant):
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 64, symmetric=False)],
                          ids=["int8", "int4-g32", "int4-g64-asym"])
-def test_fused_decode_quantized(tmp_path, monkeypatch, scheme):
-    """int8 and int4 projections (g64 on in_features 96: a partial last group), q/k/v biases kept fp32."""
+@pytest.mark.parametrize("int_dot", [False, True], ids=["exact", "int-dot"])
+def test_fused_decode_quantized(tmp_path, monkeypatch, scheme, int_dot):
+    """int8 and int4 projections (g64 on in_features 96: a partial last group), q/k/v biases kept fp32.
+    Exact kernels (BAIGE_CPU_INT_DOT=0) against the PyTorch reference; the integer-dot kernels
+    (qdot.c, checked against their reference in test_kernels_cpu) against the per-op path calling them,
+    and visibly not the exact kernels' result."""
+    monkeypatch.setenv("BAIGE_CPU_INT_DOT", "1" if int_dot else "0")
+    reload_settings()
     model = load_model(make_checkpoint(tmp_path / "q", "qwen2-bias"), "float32")
     quantize_model(model, scheme, ignore=["lm_head"])
-    _check(model, monkeypatch)
+    _check(model, monkeypatch, against="native" if int_dot else "reference")
+    if int_dot:
+        kv, *step = _step_inputs(model)
+        with torch.inference_mode():
+            dot = FusedDecoder.build(model, kv)[0](*step)
+            monkeypatch.setenv("BAIGE_CPU_INT_DOT", "0")
+            reload_settings()
+            kv, *step = _step_inputs(model)
+            exact = FusedDecoder.build(model, kv)[0](*step)
+        assert (dot - exact).abs().max() > 1e-5
 
 
 def test_fused_decode_fp16_weight(tmp_path, monkeypatch):
@@ -127,6 +147,7 @@ def _stacks(model, ranks, seed=0):
 
 
 @pytest.mark.parametrize("base", ["fp32", "int4-g32"])
+@pytest.mark.usefixtures("exact_quant_kernels")
 def test_fused_decode_lora_stacks(tmp_path, monkeypatch, base):
     """Three adapters of ranks 1, 7 and 16 stacked (zero-padded to 16) on an fp32 and an int4 base
     (QLoRA-style serving); the three sequences on adapter 2, none and 0 (adapter 1 has no token):

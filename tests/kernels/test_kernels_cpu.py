@@ -1,5 +1,6 @@
-"""The native CPU quantized-linear kernel (baige/kernels/cpu): values against the reference and
-fp64, the dispatch rules, and the fallback when it cannot be built."""
+"""The native CPU kernels (baige/kernels/cpu): the exact quantized linears (qlinear.c) and the
+integer-dot ones (qdot.c) against the reference and fp64 on every instruction-set variant this CPU
+runs, the dispatch rules, the small per-layer ops, and the fallback when nothing can be built."""
 
 import shutil
 
@@ -41,6 +42,7 @@ def _randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.usefixtures("exact_quant_kernels")
 @pytest.mark.parametrize("name", list(SCHEMES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 17])
 @pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
@@ -60,6 +62,7 @@ def test_native_matches_reference(name, rows, in_f, out_f):
     assert_close_fp64(out, ref, exact, name=f"{name} rows={rows} in={in_f}")
 
 
+@pytest.mark.usefixtures("exact_quant_kernels")
 def test_native_strided_input_and_leading_dims():
     """A (B, T, in) input whose rows are strided views, and an fp16 scale: same values as contiguous."""
     scheme = SCHEMES["int4-g128-asym"]
@@ -70,6 +73,109 @@ def test_native_strided_input_and_leading_dims():
     ref = reference.quantized_linear(x.contiguous(), qweight, scale.half().float(), zp, 128)
     assert out.shape == (2, 3, 40)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- integer dot products over int8 block-quantized activations (qdot.c) -------------------------
+
+from baige.kernels.cpu import isa  # noqa: E402
+
+DOT_SCHEMES = {**SCHEMES, "int4-g32-asym": QuantScheme(4, 32, symmetric=False),
+               "int4-g96-asym": QuantScheme(4, 96, symmetric=False)}  # g96: a pair of blocks spans two groups
+
+
+@pytest.fixture
+def use_isa(monkeypatch):
+    """``use_isa(variant)``: force BAIGE_CPU_ISA and check the loaded library is that variant."""
+    def use(variant):
+        monkeypatch.setenv("BAIGE_CPU_ISA", variant)
+        reload_settings()
+        assert cpu_library.library().baige_isa().decode() == variant
+    return use
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("name", list(DOT_SCHEMES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+@pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
+def test_int_dot_matches_reference(use_isa, variant, name, rows, in_f, out_f):
+    """The integer-dot kernels on every variant: against the same math in fp32 and fp64 (2x rule), and
+    against the fp64 product of the dequantized weight within the activation rounding bound
+    sum_k d_b(k) / 2 * |W[n, k]| (d_b the block scale of column k's block: |x - q d| <= d / 2)."""
+    use_isa(variant)
+    scheme = DOT_SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, out_f, in_f)
+    x = _randn(rows, in_f, seed=1) * 3
+    bias = _randn(out_f, seed=2) if "asym" in name or name == "int8" else None
+    out = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    ref = reference.quantized_linear_int_dot(x, qweight, scale, zp, scheme.group_size, bias)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    exact = reference.quantized_linear_int_dot(d(x), qweight, d(scale), zp, scheme.group_size, d(bias))
+    assert out.dtype == torch.float32 and out.shape == (rows, out_f)
+    assert_close_fp64(out, ref, exact, name=f"{variant} {name} rows={rows} in={in_f}")
+    w = reference.dequantize_weight(qweight if scheme.num_bits == 8 else reference.unpack_int4(qweight, in_f),
+                                    scale.double(), zp, scheme.group_size)
+    product = reference.quantized_linear(d(x), qweight, d(scale), zp, scheme.group_size, d(bias))
+    _, blocks = reference.quantize_activation_blocks(x)
+    d_col = blocks.double().repeat_interleave(reference.ACT_BLOCK, dim=-1)[:, :in_f]  # (rows, in)
+    bound = (d_col / 2) @ w.abs().T * (1 + 1e-3) + 1e-5 * max(1.0, product.abs().max().item())
+    assert ((out.double() - product).abs() <= bound).all(), f"{variant} {name}: outside the rounding bound"
+    assert not torch.equal(out, reference.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias))
+
+
+def test_int_dot_known_values():
+    """Hand-computed: x = [1, 2, ..., 32] (d = 32/127, q = rint(k * 127/32)) against int8 rows of
+    ones and of (-1)^k, scale 0.5; int4 g32 rows of nibble 9 (q_w = 1) and 7 (q_w = -1), scale 0.25."""
+    x = torch.arange(1, 33, dtype=torch.float32).unsqueeze(0)
+    d = 32 / 127
+    q = [round(k * 127 / 32) for k in range(1, 33)]  # no exact .5 here: Python's round is half-even anyway
+    alt = torch.tensor([(-1) ** k for k in range(32)], dtype=torch.int8)
+    w8 = torch.stack([torch.ones(32, dtype=torch.int8), alt])
+    y8 = cpu.quantized_linear(x, w8, torch.tensor([0.5, 0.5]), None, None)
+    exp = [0.5 * d * sum(q), 0.5 * d * sum(v * (-1) ** k for k, v in enumerate(q))]
+    torch.testing.assert_close(y8, torch.tensor([exp]), rtol=1e-6, atol=1e-6)
+    w4 = pack_int4(torch.tensor([[1] * 32, [-1] * 32], dtype=torch.int8))
+    y4 = cpu.quantized_linear(x, w4, torch.full((2, 1), 0.25), None, 32)
+    torch.testing.assert_close(y4, torch.tensor([[0.25 * d * sum(q), -0.25 * d * sum(q)]]), rtol=1e-6, atol=1e-6)
+
+
+def test_int_dot_dispatch(monkeypatch):
+    """int8 always takes qdot; int4 only with a group size that is a multiple of 32 and at most
+    INT4_DOT_MAX_ROWS rows; BAIGE_CPU_INT_DOT=0 never."""
+    lib = cpu_library.library()
+    calls = []
+    for fn in ("baige_qdot_int8", "baige_qdot_int4", "baige_qlinear_int8", "baige_qlinear_int4"):
+        real = getattr(lib, fn)
+        monkeypatch.setattr(lib, fn, lambda *a, _f=fn, _r=real: calls.append(_f) or _r(*a))
+
+    def kinds(scheme, rows):
+        calls.clear()
+        qweight, scale, zp = _weights(scheme, 8, 128)
+        cpu.quantized_linear(_randn(rows, 128, seed=0), qweight, scale, zp, scheme.group_size)
+        return calls[:]
+
+    assert kinds(SCHEMES["int8"], 1) == ["baige_qdot_int8"] and kinds(SCHEMES["int8"], 300) == ["baige_qdot_int8"]
+    assert kinds(SCHEMES["int4-g32-sym"], cpu.INT4_DOT_MAX_ROWS) == ["baige_qdot_int4"]
+    assert kinds(SCHEMES["int4-g32-sym"], cpu.INT4_DOT_MAX_ROWS + 1) == ["baige_qlinear_int4"]
+    assert kinds(QuantScheme(4, 16), 1) == ["baige_qlinear_int4"]
+    monkeypatch.setenv("BAIGE_CPU_INT_DOT", "0")
+    reload_settings()
+    assert kinds(SCHEMES["int8"], 1) == ["baige_qlinear_int8"]
+    assert kinds(SCHEMES["int4-g128-sym"], 1) == ["baige_qlinear_int4"]
+
+
+@pytest.mark.usefixtures("exact_quant_kernels")
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("name", ["int8", "int4-g128-asym", "int4-g32-sym"])
+def test_exact_kernels_on_every_variant(use_isa, variant, name):
+    """The exact dequantizing kernels (qlinear.c) compiled for each variant against the reference."""
+    use_isa(variant)
+    scheme = SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, 9, 1000)
+    x, bias = _randn(17, 1000, seed=4), _randn(9, seed=5)
+    out = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    ref = reference.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    exact = reference.quantized_linear(x.double(), qweight, scale.double(), zp, scheme.group_size, bias.double())
+    assert_close_fp64(out, ref, exact, name=f"{variant} {name}")
 
 
 def test_native_zero_rows():

@@ -202,6 +202,7 @@ def test_ignore_patterns(tmp_path):
 @pytest.mark.parametrize(
     "scheme,fmt", [(QuantScheme(4, 32), "pack-quantized"), (QuantScheme(8, None), "int-quantized")], ids=["int4", "int8"]
 )
+@pytest.mark.usefixtures("exact_quant_kernels")
 def test_on_disk_format_and_transformers_load(tmp_path, scheme, fmt):
     """Config fields and tensors per the compressed-tensors spec; transformers' integration loads it."""
     from safetensors import safe_open

@@ -104,6 +104,7 @@ def _fake_quant(w, scheme):
     return out
 
 
+@pytest.mark.usefixtures("exact_quant_kernels")
 @pytest.mark.parametrize("scheme_name", sorted(SCHEMES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rtn_per_expert_layout_cosine_and_exact_reload(ckpts, tmp_path, family, scheme_name):
@@ -174,6 +175,7 @@ def test_rtn_per_expert_layout_cosine_and_exact_reload(ckpts, tmp_path, family, 
     assert torch.equal(_logits(_own_storage(loaded), ids, pos), _logits(_own_storage(model), ids, pos))
 
 
+@pytest.mark.usefixtures("exact_quant_kernels")
 @pytest.mark.parametrize("scheme_name", sorted(SCHEMES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_reads_the_moe_directories(ckpts, tmp_path, family, scheme_name):

@@ -44,6 +44,7 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
+@pytest.mark.usefixtures("exact_quant_kernels")
 @pytest.mark.parametrize("case", ["fewer-kv-heads-than-ranks", "qwen2-qkv-bias", "int8"])
 def test_tp2_server_greedy_equals_one_process_through_the_openai_client(tmp_path, case):
     model_dir = _model(tmp_path / case, case)

@@ -174,6 +174,7 @@ def test_resume_with_another_lora_config_is_one_line(setup, tmp_path, single):
         assert "\n" not in str(e.value) and "config.toml" in str(e.value)
 
 
+@pytest.mark.usefixtures("exact_quant_kernels")
 def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
     """A baige int8 checkpoint as the frozen base: the adapters train through the quantized matmuls,
     and the merged export (dequantized base + adapter) gives the adapted model's logits."""

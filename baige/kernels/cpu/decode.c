@@ -1,7 +1,7 @@
 /* One whole decode step of a Llama-family decoder in C: every layer's RMSNorm, q/k/v projections,
  * optional per-head q/k RMSNorm, RoPE, KV store, paged attention, o projection, residual add +
  * RMSNorm, gate/up projections, SiLU * up, down projection and residual add, for M decoding tokens.
- * It calls the same kernels the per-op path calls (qlinear.c, ops.c), in the model's order, so the
+ * It calls the same kernels the per-op path calls (qlinear.c or qdot.c, ops.c), in the model's order, so the
  * results match the module path up to SiLU's exp; what it removes is Python: the module path spends
  * ~0.4 ms per layer dispatching ~40 small ops, this is one call per step.
  *
@@ -25,6 +25,11 @@ void baige_linear_f16(const float *x, int64_t M, int64_t K, int64_t ldx, const u
 void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const int32_t *wp, int64_t N, int64_t ldw,
                         const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
                         int64_t ldy, int nthreads);
+void baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, int64_t N, int64_t ldw,
+                     const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
+int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const int32_t *wp, int64_t N, int64_t ldw,
+                    const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
+                    int64_t ldy, int nthreads);
 void baige_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out);
 void baige_add_rms_norm(const float *x, const float *res, int64_t rows, int64_t n, const float *w, float eps,
                         float *out, float *sum);
@@ -38,10 +43,13 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
                                  float *out, int kv_f16, int nthreads);
 void baige_silu_mul(const float *g, const float *u, int64_t n, float *out);
 
-enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3 };
+/* int4 integer dot products pay up to about this many rows (baige/kernels/cpu/qlinear.py: INT4_DOT_MAX_ROWS) */
+#define BAIGE_INT4_DOT_MAX_ROWS 32
+/* *_DOT: the same weights through the integer-dot kernels of qdot.c (int8-quantized activations) */
+enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3, BAIGE_INT8_DOT = 4, BAIGE_INT4_DOT = 5 };
 
 typedef struct {
-    int64_t kind;               /* BAIGE_F32 | BAIGE_INT8 | BAIGE_INT4 | BAIGE_F16 */
+    int64_t kind;               /* BAIGE_F32 | BAIGE_INT8 | BAIGE_INT4 | BAIGE_F16 | BAIGE_INT8_DOT | BAIGE_INT4_DOT */
     int64_t n, k;               /* out_features, in_features (int4: k % 8 == 0) */
     const void *w;              /* fp32 / int8 / fp16 (n, ldw), or int32 (n, ldw) words of 8 nibbles */
     int64_t ldw;                /* row stride in elements */
@@ -94,12 +102,17 @@ static void lora_add(const baige_linear *l, const float *x, int64_t M, float *y,
 
 static void linear(const baige_linear *l, const float *x, int64_t M, float *y, const lora_scratch *s,
                    int nthreads) {
-    if (l->kind == BAIGE_INT8)
+    const int64_t kind = l->kind == BAIGE_INT4_DOT && M > BAIGE_INT4_DOT_MAX_ROWS ? BAIGE_INT4 : l->kind;
+    if (kind == BAIGE_INT8)
         baige_qlinear_int8(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->bias, y, l->n, nthreads);
-    else if (l->kind == BAIGE_INT4)
-        baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups, l->group_size,
-                           l->bias, y, l->n, nthreads);
-    else if (l->kind == BAIGE_F16)
+    else if (kind == BAIGE_INT8_DOT)
+        baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->bias, y, l->n, nthreads);
+    else if (kind == BAIGE_INT4 || kind == BAIGE_INT4_DOT) {
+        if (kind == BAIGE_INT4 || baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point,
+                                                  l->groups, l->group_size, l->bias, y, l->n, nthreads) != 0)
+            baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups,
+                               l->group_size, l->bias, y, l->n, nthreads);
+    } else if (kind == BAIGE_F16)
         baige_linear_f16(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
     else
         baige_linear_f32(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);

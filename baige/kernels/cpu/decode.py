@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from baige.kernels.cpu.build import library
+from baige.kernels.settings import settings
 
 # projection kinds understood by decode.c
 LINEAR_F32, LINEAR_INT8, LINEAR_INT4, LINEAR_F16 = 0, 1, 2, 3
+_INT8_DOT, _INT4_DOT = 4, 5  # the int8/int4 kinds through qdot.c's integer dot products (BAIGE_CPU_INT_DOT)
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -37,7 +39,9 @@ class LinearDesc:
 
     ``kind`` LINEAR_F32: fp32 ``w``; LINEAR_F16: fp16 ``w``; LINEAR_INT8: int8 ``w`` with fp32
     per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, fp32 ``scale`` (n, groups),
-    optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None.
+    optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None. With ``BAIGE_CPU_INT_DOT``
+    on (read when :class:`DecodeLayers` is built) int8 and int4 (group size a multiple of 32, at most
+    ``INT4_DOT_MAX_ROWS`` tokens) run as integer dot products, as the per-op path does.
 
     LoRA (multi-adapter serving, all three or none): ``lora_a`` fp32 (L, r, k), ``lora_b`` fp32 (L, n, r),
     ``lora_scale`` fp32 (L,), contiguous: ``y[m] += lora_scale[i] * lora_b[i] @ (lora_a[i] @ x[m])`` for
@@ -103,6 +107,8 @@ class DecodeLayers:
     def _linear(self, d: LinearDesc) -> _Linear:
         lin = _Linear()
         lin.kind, lin.n, lin.k, lin.w, lin.ldw = d.kind, d.n, d.k, d.w.data_ptr(), d.w.stride(0)
+        if settings().cpu_int_dot and (d.kind == LINEAR_INT8 or (d.kind == LINEAR_INT4 and d.group_size % 32 == 0)):
+            lin.kind = _INT8_DOT if d.kind == LINEAR_INT8 else _INT4_DOT  # the per-op path's choice too
         lin.scale, lin.zero_point, lin.bias = _ptr(d.scale), _ptr(d.zero_point), _ptr(d.bias)
         if d.kind == LINEAR_INT4:
             lin.groups, lin.group_size = d.scale.shape[1], d.group_size

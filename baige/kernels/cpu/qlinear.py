@@ -1,4 +1,7 @@
-"""Weight-only int8/int4 linear on the native CPU kernel (``qlinear.c``).
+"""Weight-only int8/int4 linear on the native CPU kernels: integer dot products over int8 block-quantized
+activations (``qdot.c``, the default; ``BAIGE_CPU_INT_DOT=0`` turns it off, and int4 with a group
+size that is not a multiple of 32 or more than :data:`INT4_DOT_MAX_ROWS` rows never takes it) or the
+exact dequantize-in-registers kernels (``qlinear.c``).
 
 On CPU, PyTorch has no fast int8/int4 weight-only matmul for fp32 activations
 (``torch._weight_int8pack_mm`` measured 5-20x slower than fp32 ``F.linear`` on the AVX2 dev box), so
@@ -13,11 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from baige.kernels.cpu.build import library, native_allowed
+from baige.kernels.settings import settings
 
 # Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
 # core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
 # at 256, 556 vs 574 at 512; int4 g128 18 vs 88 at 6 rows, 281 vs 364 at 256, 518 vs 562 at 512).
 MAX_ROWS = 512
+# int4 integer dot products (qdot.c) beat the dequantizing kernel up to about this many rows; above,
+# qlinear.c's fp32 tiles reuse each unpacked weight over more rows (1 thread, SmolLM2-135M shapes, Xeon
+# AVX-512 VNNI: g32 2.1x faster at 16 rows, 0.84x at 64). decode.c uses the same limit.
+INT4_DOT_MAX_ROWS = 32
 
 
 def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None, bias: torch.Tensor | None) -> bool:
@@ -45,9 +53,12 @@ def quantized_linear(
     zero_point: torch.Tensor | None,
     group_size: int | None,
     bias: torch.Tensor | None = None,
+    *,
+    int_dot: bool | None = None,
 ) -> torch.Tensor:
     """:func:`baige.kernels.quantized_linear` on the native kernel (same arguments and layouts; call
-    only where :func:`supports` is true). Returns (..., out) fp32; no autograd."""
+    only where :func:`supports` is true). ``int_dot``: None follows ``BAIGE_CPU_INT_DOT``; False
+    forces the exact kernels. Returns (..., out) fp32; no autograd."""
     lib = library()
     shape = x.shape
     k = shape[-1]
@@ -66,16 +77,20 @@ def quantized_linear(
         qweight = qweight.contiguous()
     b_ptr = None if bias is None else bias.data_ptr()
     nthreads = torch.get_num_threads()
+    int_dot = settings().cpu_int_dot if int_dot is None else int_dot
     if qweight.dtype == torch.int8:
-        lib.baige_qlinear_int8(x2.data_ptr(), m, k, x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
-                               s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
+        fn = lib.baige_qdot_int8 if int_dot else lib.baige_qlinear_int8
+        fn(x2.data_ptr(), m, k, x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
+           s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
     else:
         if k % 8:
             x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded nibbles multiply 0
         z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
-        lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
-                               s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1], group_size,
-                               b_ptr, y.data_ptr(), n, nthreads)
+        args = (x2.data_ptr(), m, x2.shape[1], x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
+                s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1], group_size, b_ptr, y.data_ptr(), n,
+                nthreads)
+        if not (int_dot and group_size % 32 == 0 and m <= INT4_DOT_MAX_ROWS and lib.baige_qdot_int4(*args) == 0):
+            lib.baige_qlinear_int4(*args)
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
 
 

@@ -136,7 +136,8 @@ class QuantizedLinear(nn.Module):
 
 class _FrozenQuantizedLinear(torch.autograd.Function):
     """``y = x W^T + b`` with the quantized ``W`` dequantized inside the matmul (``kernels.quantized_linear``)
-    and ``dL/dx = dL/dy W`` from a weight dequantized again in the backward: nothing of the size of ``W``
+    (the exact kernel: the forward is the product the backward differentiates) and
+    ``dL/dx = dL/dy W`` from a weight dequantized again in the backward: nothing of the size of ``W``
     is saved between the two (the memory saving QLoRA relies on, Dettmers et al. 2023). Weight, scales and bias are
     frozen: only ``x`` gets a gradient."""
 
@@ -145,7 +146,7 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
         ctx.module = module
         with torch.no_grad():
             return kernels.quantized_linear(x, qweight, module.weight_scale, module.zero_point(),
-                                            module.scheme.group_size, module.bias)
+                                            module.scheme.group_size, module.bias, int_dot=False)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
