@@ -60,6 +60,9 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
         result = fn(cfg, update)
     Console().print(render(result))
     env = result.get("environment", {})
+    if env.get("device") == "cpu":
+        err.print(f"cpu: {env.get('cpu_model')}; flags {' '.join(env.get('cpu_flags') or []) or 'none'}; native "
+                  f"kernels {env.get('cpu_isa') or 'off'}, int8/int4 integer dot {'on' if env.get('cpu_int_dot') else 'off'}")
     load, cpus = (env.get("load_average") or [0.0])[0], env.get("cpu_count") or 1
     if load > cpus:
         err.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cpus} CPUs while measuring: other work "

@@ -457,6 +457,12 @@ def cpu_isa_flags() -> list[str]:
     return isa.reported_flags()
 
 
+def cpu_int_dot() -> bool:
+    """Whether int8/int4 linears on CPU run as integer dot products over int8-rounded activations
+    (``BAIGE_CPU_INT_DOT``, on by default; :mod:`baige.kernels.cpu.qlinear`)."""
+    return settings().cpu_int_dot
+
+
 def native_cpu_available() -> bool:
     """Whether the native CPU library is built and loadable here (builds it on first call)."""
     from baige.kernels.cpu import library
@@ -483,7 +489,7 @@ from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags",
+    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot",
     "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc",
     "dequantize_weight", "expand_groups", "unpack_int4",

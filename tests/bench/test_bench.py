@@ -279,6 +279,15 @@ def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "latency")
     assert len(r["samples"]) == 2 and r["args"]["batch_size"] == 2 and r["environment"]["cpu_count"] == os.cpu_count()
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).partition(":")[2].split())
+    env = r["environment"]  # the flags named as /proc/cpuinfo has them, and the variant the kernels loaded
+    assert ("avx2" in env["cpu_flags"]) == ("avx2" in flags) and set(env["cpu_flags"]) <= flags
+    assert ("avx512_vnni" in env["cpu_flags"]) == ("avx512_vnni" in flags) and env["cpu_int_dot"] is True
+    want_isa = ("avx512_bf16" if {"avx512_bf16", "avx512_vnni", "avx512vl"} <= flags else "avx512_vnni"
+                if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags else "avx512" if {"avx512vl", "avx512bw"} <= flags
+                else "avx2_vnni" if "avx_vnni" in flags else "avx2")
+    assert env["cpu_isa"] == want_isa and f"native kernels {want_isa}" in res.output
     engine = r["args"]["engine"]  # as built: sized to the batch, prefix caching off
     assert (engine["max_num_seqs"], engine["max_model_len"], engine["enable_prefix_caching"]) == (2, 6 + 4, False)
     assert "decode throughput" in res.output and "tokens/s" in res.output and "% of limit" in res.output

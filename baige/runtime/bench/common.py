@@ -53,10 +53,13 @@ def cpu_model() -> str:
 
 
 def environment() -> dict[str, Any]:
-    """Versions and hardware a result was measured on: baige/torch/triton versions, device, CPU, threads."""
+    """Versions and hardware a result was measured on: baige/torch/triton versions, device, CPU, its
+    instruction-set flags and the native kernel variant used, threads."""
     from importlib.metadata import version
 
     import torch
+
+    from baige import kernels
 
     try:
         import triton
@@ -73,6 +76,9 @@ def environment() -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_flags": kernels.cpu_isa_flags(),  # the instruction-set flags a number depends on
+        "cpu_isa": kernels.cpu_isa(),  # the native library variant loaded (None: PyTorch only)
+        "cpu_int_dot": kernels.cpu_int_dot(),  # int8/int4 linears as integer dot products
         "torch_num_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()),  # 1/5/15-minute run-queue averages: > cpu_count = noisy timings
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
