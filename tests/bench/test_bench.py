@@ -175,6 +175,13 @@ def test_compare_ratios_by_hand():
     assert r == {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-bfloat16": 2.0,
                  "decode_baige_over_hf_best": 2.0, "decode_baige-int8_over_hf_best": 50.0 / 15.0,
                  "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf_best": 4.0}
+    s = {"decode": {"baige": {"tokens_per_s": 30.0}, "baige-int8": {"tokens_per_s": 60.0},
+                    "baige-int4-g32": {"tokens_per_s": 90.0}, "llama.cpp": {"tokens_per_s": 75.0},
+                    "llama.cpp-Q8_0": {"tokens_per_s": 40.0}, "llama.cpp-Q4_0": {"tokens_per_s": 72.0}}}
+    r = ratios(s)
+    assert r == {"decode_baige_over_llama.cpp": 0.4, "decode_baige_over_llama.cpp-Q8_0": 0.75,
+                 "decode_baige_over_llama.cpp-Q4_0": 30.0 / 72.0, "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
+                 "decode_baige-int4-g32_over_llama.cpp-Q4_0": 1.25, "decode_baige-int4-g32_over_llama.cpp": 1.2}
 
 
 def test_compare_times_rows_in_turn_and_keeps_the_fastest_hf_dtype(monkeypatch):

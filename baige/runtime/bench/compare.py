@@ -13,8 +13,8 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
   box bf16 decoded fastest but ran static batches at 41 total tokens/s).
 
 Peers: HF transformers (``generate``) in float32 and bfloat16 always; llama-cpp-python on the same
-GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128)
-copies of the model quantized into a temporary directory, baige with ``--quantization fp16-weight``
+GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128) /
+int4-g32 (group 32, the group of llama.cpp's Q4_0) copies of the model quantized into a temporary directory, baige with ``--quantization fp16-weight``
 (fp16-stored weights, fp32 math; CPU fp32 only), and ``int8+fp16-weight`` (the int8 copy with its
 remaining fp32 Linear, the tied lm_head, stored fp16); decode and throughput for each. Every repeat runs each system once in turn
 and the report keeps the median per system. Ratios are baige / peer.
@@ -22,6 +22,7 @@ and the report keeps the median per system. Ratios are baige / peer.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import statistics
 import tempfile
@@ -54,8 +55,9 @@ class CompareConfig:
     hf_batch_size: int = 32
     repeats: int = 1
     hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    # baige variants: a quantized copy (int8, int4 RTN g128), --quantization fp16-weight, or both ("+")
-    quantized: tuple[str, ...] = ("int8", "int4", "fp16-weight", "int8+fp16-weight")
+    # baige variants: a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0),
+    # --quantization fp16-weight, or both ("+")
+    quantized: tuple[str, ...] = ("int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight")
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -153,13 +155,14 @@ def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, p
     checkpoints: dict[str, Path] = {}
     for variant in cfg.quantized:
         # "<checkpoint>+<runtime>": a quantized copy (int8 / int4) and/or a serving-time rewrite (fp16-weight)
-        checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4")), None)
+        checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4", "int4-g32")), None)
         runtime = next((p for p in variant.split("+") if p == "fp16-weight"), None)
         engine = cfg.engine
         if checkpoint is not None:
             if checkpoint not in checkpoints:
                 checkpoints[checkpoint] = tmp / checkpoint
-                quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=checkpoint,
+                method, _, group = checkpoint.partition("-g")
+                quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=method, group_size=int(group or 128),
                                                    output=str(checkpoints[checkpoint]), device=cfg.engine.device))
             engine = replace(engine, model=str(checkpoints[checkpoint]))
         if runtime is not None:
@@ -194,8 +197,26 @@ def _gguf_of(spec: str | None) -> Path | None:
     return Path(spec) if spec.endswith(".gguf") and Path(spec).is_file() else None
 
 
-def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str]) -> None:
-    """Row ``llama.cpp`` (decode only) on the model's GGUF when llama-cpp-python is installed, else a note."""
+# llama.cpp's file types at baige's bit widths (llama.h: LLAMA_FTYPE_MOSTLY_Q8_0 = 7, MOSTLY_Q4_0 = 2)
+LLAMA_REQUANT = {"Q8_0": 7, "Q4_0": 2}
+
+
+def _llama_requantize(src: Path, dst: Path, ftype: int) -> None:
+    """``src`` GGUF re-quantized by llama.cpp itself (``llama_model_quantize``, requantizing allowed).
+    Raises RuntimeError when it fails."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, torch.get_num_threads()
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not dst.is_file():
+        raise RuntimeError(f"llama_model_quantize returned {rc}")
+
+
+def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str], tmp: Path) -> None:
+    """Rows ``llama.cpp`` (decode only) on the model's GGUF when llama-cpp-python is installed, else a
+    note; with the quantized rows on, also ``llama.cpp-Q8_0`` and ``llama.cpp-Q4_0``: the GGUF
+    re-quantized by llama.cpp to baige's int8 and int4-g32 bit widths."""
     gguf = _gguf_of(cfg.engine.model)
     if importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
@@ -203,6 +224,14 @@ def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: lis
         notes.append("the model is not a GGUF file: llama.cpp skipped")
     else:
         rows.add("llama.cpp", _llama_cpp_decode(gguf, prompt, cfg.output_len), None, gguf.stat().st_size, 2)
+        for name, ftype in LLAMA_REQUANT.items() if cfg.quantized else ():
+            out = tmp / f"llama-{name}.gguf"
+            try:
+                _llama_requantize(gguf, out, ftype)
+            except (RuntimeError, OSError, AttributeError) as e:
+                notes.append(f"llama.cpp-{name} skipped: {e}")
+                continue
+            rows.add(f"llama.cpp-{name}", _llama_cpp_decode(out, prompt, cfg.output_len), None, out.stat().st_size, 2)
 
 
 def _context_len(cfg: CompareConfig) -> int:
@@ -292,7 +321,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     _add_hf(rows, auto_model, cfg, model_dir, decode_prompt, reqs, pad_id=baige.engine.eos_token_ids[0])
     with tempfile.TemporaryDirectory(prefix="baige-bench-quant-") as tmp:
         _add_quantized(rows, cfg, model_dir, Path(tmp), decode_prompt, reqs, notes)
-        _add_llama_cpp(rows, cfg, decode_prompt, notes)
+        _add_llama_cpp(rows, cfg, decode_prompt, notes, Path(tmp))
         limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)  # before the load, once
         samples, interrupted = time_rows(rows, cfg.repeats, progress)
     counts = roofline.model_counts(baige.engine.model)
@@ -301,8 +330,14 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
             "model": counts, "interrupted": interrupted, "notes": notes, "samples": samples, "summary": summary}
 
 
+# (baige row, llama.cpp row) at about the same bits per weight: int8 per channel vs Q8_0 (8.5 bits),
+# int4 g32 vs Q4_0 (4.5) and vs the embedded GGUF's own Q4_1 (5.0; the row "llama.cpp")
+EQUAL_BITS = (("baige-int8", "llama.cpp-Q8_0"), ("baige-int4-g32", "llama.cpp-Q4_0"), ("baige-int4-g32", "llama.cpp"))
+
+
 def ratios(summary: dict) -> dict[str, float]:
-    """baige / peer tokens/s for every peer row, plus ``vs_hf_best`` against the fastest HF dtype."""
+    """baige / peer tokens/s for every peer row, ``vs_hf_best`` against the fastest HF dtype, and the
+    :data:`EQUAL_BITS` pairs present."""
     out = {}
     for kind in ("decode", "throughput"):
         rows = summary.get(kind, {})
@@ -318,4 +353,7 @@ def ratios(summary: dict) -> dict[str, float]:
             for k, v in rows.items():  # every baige variant (quantized, fp16-weight) against the best HF
                 if k.startswith("baige-"):
                     out[f"{kind}_{k}_over_hf_best"] = v["tokens_per_s"] / max(hf)
+        for ours_k, peer_k in EQUAL_BITS:
+            if ours_k in rows and peer_k in rows:
+                out[f"{kind}_{ours_k}_over_{peer_k}"] = rows[ours_k]["tokens_per_s"] / rows[peer_k]["tokens_per_s"]
     return out
