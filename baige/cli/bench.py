@@ -27,7 +27,8 @@ MNBTOpt = Annotated[int, typer.Option(min=1, help="Most tokens computed in one e
 SeedOpt = Annotated[int, typer.Option(help="Seed of the random prompts, 0 .. 2**63-1.")]
 QuantizationOpt = Annotated[Optional[str], typer.Option(
     help="fp16-weight: the engine's fbgemm fp16-weight linears (CPU fp32 only; on an int8/int4 checkpoint, "
-         "its remaining fp32 linears, i.e. the tied lm_head). Default: none.")]
+         "its remaining fp32 linears, i.e. the tied lm_head); int8-weight: int8 per-channel weights rounded at "
+         "load. Default: none.")]
 KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype of every baige row; auto = the model's. On CPU "
                                                      "float16 under an fp32 model halves the attention's reads (the "
                                                      "native kernels read fp32 or fp16 caches; bfloat16 takes the "

@@ -111,7 +111,8 @@ def serve(
     quantization: Annotated[Optional[str], typer.Option(
         help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fbgemm fp16 "
              "weights, fp32 math; half the weight bytes, near-lossless). On an int8/int4 checkpoint it "
-             "rewrites the remaining fp32 linears (the tied lm_head): the fastest CPU decode. Default: none.")] = None,
+             "rewrites the remaining fp32 linears (the tied lm_head): the fastest CPU decode. int8-weight: "
+             "int8 per-channel weights rounded at load (a quarter of the fp32 bytes). Default: none.")] = None,
     kv_cache_dtype: Annotated[DType, typer.Option(
         help="KV-cache dtype; auto = the model's. On CPU float16 under an fp32 model halves the cache's "
              "memory and the attention's reads (K/V rounded to fp16; bfloat16 works but takes the slower "

@@ -182,7 +182,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
-    quantization: str | None = None  # None or "fp16-weight" (CPU fp32; see quant_dynamic.py)
+    quantization: str | None = None  # None, "fp16-weight" or "int8-weight" (CPU fp32; see quant/fp16_weight.py)
     kv_cache_dtype: str = "auto"  # auto (the model's) | float32 | float16 | bfloat16; others than auto: CPU
     # speculative decoding: a SpeculativeConfig, or its JSON text / dict (parsed in __post_init__)
     speculative_config: "SpeculativeConfig | dict | str | None" = None

@@ -57,7 +57,8 @@ class CompareConfig:
     hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     # baige variants: a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0),
     # --quantization fp16-weight, or both ("+")
-    quantized: tuple[str, ...] = ("int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight")
+    quantized: tuple[str, ...] = ("int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight",
+                                  "int8+int8-weight", "int4-g32+int8-weight")
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -156,7 +157,7 @@ def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, p
     for variant in cfg.quantized:
         # "<checkpoint>+<runtime>": a quantized copy (int8 / int4) and/or a serving-time rewrite (fp16-weight)
         checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4", "int4-g32")), None)
-        runtime = next((p for p in variant.split("+") if p == "fp16-weight"), None)
+        runtime = next((p for p in variant.split("+") if p in ("fp16-weight", "int8-weight")), None)
         engine = cfg.engine
         if checkpoint is not None:
             if checkpoint not in checkpoints:

@@ -12,6 +12,12 @@ faster at batch 1 but took perplexity from 40.0 to 119.6 (top-1 agreement 42%): 
 outliers do not survive a per-tensor 7-bit activation scale. ``torch._weight_int8pack_mm``
 (weight-only int8) measured 5-20x slower than fp32 on the AVX2 dev box.
 
+``int8-weight``: weights rounded to int8 per output channel at load (RTN, symmetric, max-based
+scale: :func:`baige.runtime.quant.scheme.quantize_weight`), run by the int8 kernels of
+``baige.kernels.quantized_linear`` (on CPU the integer-dot ones): a quarter of the fp32 bytes. On an
+int8/int4 checkpoint this is the tied fp32 ``lm_head``, which otherwise is most of a decode step's
+reads on a small model (113 MB of SmolLM2-135M's 166 MB at int4).
+
 Only the serving engine uses this (``EngineConfig.quantization``); the model is rewritten in memory,
 so state dicts and checkpoints are unchanged.
 """
@@ -27,7 +33,8 @@ from baige import kernels
 from baige.errors import BaigeError
 
 FP16_WEIGHT = "fp16-weight"
-QUANTIZATION_METHODS = (FP16_WEIGHT,)
+INT8_WEIGHT = "int8-weight"
+QUANTIZATION_METHODS = (FP16_WEIGHT, INT8_WEIGHT)
 
 
 class Fp16WeightLinear(nn.Module):
@@ -68,9 +75,20 @@ class Fp16WeightLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16 weight"
 
 
+def _int8_weight(linear: nn.Linear) -> nn.Module:
+    """``linear`` as a :class:`QuantizedLinear` of int8 per-channel weights (its bias kept)."""
+    from baige.runtime.quant.linear import QuantizedLinear
+    from baige.runtime.quant.scheme import QuantScheme, quantize_weight
+
+    scheme = QuantScheme(8, None)
+    with torch.no_grad():
+        q = QuantizedLinear.from_quantized(linear, scheme, *quantize_weight(linear.weight.detach().float(), scheme))
+    return q.requires_grad_(False)
+
+
 def apply_quantization(model: nn.Module, method: str, ignore: tuple[str, ...] = ()) -> int:
     """Swap every fp32 ``nn.Linear`` whose name matches none of ``ignore`` (fnmatch globs) for the
-    ``method``'s module (:class:`Fp16WeightLinear`), in place. A tied
+    ``method``'s module (:class:`Fp16WeightLinear`, or an int8 ``QuantizedLinear``), in place. A tied
     ``lm_head`` may be swapped: the embedding keeps its fp32 table.
 
     Returns:
@@ -85,9 +103,9 @@ def apply_quantization(model: nn.Module, method: str, ignore: tuple[str, ...] = 
     if p.device.type != "cpu" or p.dtype != torch.float32:
         raise BaigeError(f"--quantization {method} needs a float32 model on the CPU "
                          f"(got {p.dtype} on {p.device.type}); pass --dtype float32 --device cpu")
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
+    if method == FP16_WEIGHT and "fbgemm" not in torch.backends.quantized.supported_engines:
         raise BaigeError(f"--quantization {method} needs PyTorch's fbgemm engine, absent on this CPU/build")
-    make = Fp16WeightLinear
+    make = Fp16WeightLinear if method == FP16_WEIGHT else _int8_weight
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)]
     for name, m in targets:
