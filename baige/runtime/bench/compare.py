@@ -22,7 +22,6 @@ and the report keeps the median per system. Ratios are baige / peer.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import statistics
 import tempfile
@@ -198,26 +197,10 @@ def _gguf_of(spec: str | None) -> Path | None:
     return Path(spec) if spec.endswith(".gguf") and Path(spec).is_file() else None
 
 
-# llama.cpp's file types at baige's bit widths (llama.h: LLAMA_FTYPE_MOSTLY_Q8_0 = 7, MOSTLY_Q4_0 = 2)
-LLAMA_REQUANT = {"Q8_0": 7, "Q4_0": 2}
-
-
-def _llama_requantize(src: Path, dst: Path, ftype: int) -> None:
-    """``src`` GGUF re-quantized by llama.cpp itself (``llama_model_quantize``, requantizing allowed).
-    Raises RuntimeError when it fails."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = ftype, True, torch.get_num_threads()
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0 or not dst.is_file():
-        raise RuntimeError(f"llama_model_quantize returned {rc}")
-
-
-def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str], tmp: Path) -> None:
-    """Rows ``llama.cpp`` (decode only) on the model's GGUF when llama-cpp-python is installed, else a
-    note; with the quantized rows on, also ``llama.cpp-Q8_0`` and ``llama.cpp-Q4_0``: the GGUF
-    re-quantized by llama.cpp to baige's int8 and int4-g32 bit widths."""
+def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str]) -> None:
+    """Row ``llama.cpp`` (decode only) on the model's GGUF when llama-cpp-python is installed, else a note.
+    (Re-quantizing the GGUF to Q8_0 / Q4_0 through ``llama_cpp.llama_model_quantize`` was tried and
+    crashed the process after writing Q4_0 with llama-cpp-python 0.3.36; not offered.)"""
     gguf = _gguf_of(cfg.engine.model)
     if importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
@@ -225,14 +208,6 @@ def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: lis
         notes.append("the model is not a GGUF file: llama.cpp skipped")
     else:
         rows.add("llama.cpp", _llama_cpp_decode(gguf, prompt, cfg.output_len), None, gguf.stat().st_size, 2)
-        for name, ftype in LLAMA_REQUANT.items() if cfg.quantized else ():
-            out = tmp / f"llama-{name}.gguf"
-            try:
-                _llama_requantize(gguf, out, ftype)
-            except (RuntimeError, OSError, AttributeError) as e:
-                notes.append(f"llama.cpp-{name} skipped: {e}")
-                continue
-            rows.add(f"llama.cpp-{name}", _llama_cpp_decode(out, prompt, cfg.output_len), None, out.stat().st_size, 2)
 
 
 def _context_len(cfg: CompareConfig) -> int:
@@ -322,7 +297,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     _add_hf(rows, auto_model, cfg, model_dir, decode_prompt, reqs, pad_id=baige.engine.eos_token_ids[0])
     with tempfile.TemporaryDirectory(prefix="baige-bench-quant-") as tmp:
         _add_quantized(rows, cfg, model_dir, Path(tmp), decode_prompt, reqs, notes)
-        _add_llama_cpp(rows, cfg, decode_prompt, notes, Path(tmp))
+        _add_llama_cpp(rows, cfg, decode_prompt, notes)
         limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)  # before the load, once
         samples, interrupted = time_rows(rows, cfg.repeats, progress)
     counts = roofline.model_counts(baige.engine.model)
