@@ -109,10 +109,9 @@ def serve(
                                                         help="Reuse the KV blocks of shared prompt prefixes.")] = True,
     enforce_eager: Annotated[bool, typer.Option(help="GPU: never capture the decode step as CUDA graphs (torch.compile reduce-overhead). No effect on CPU, where decode steps are never captured.")] = False,
     quantization: Annotated[Optional[str], typer.Option(
-        help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fbgemm fp16 "
-             "weights, fp32 math; half the weight bytes, near-lossless). On an int8/int4 checkpoint it "
-             "rewrites the remaining fp32 linears (the tied lm_head): the fastest CPU decode. int8-weight: "
-             "int8 per-channel weights rounded at load (a quarter of the fp32 bytes). Default: none.")] = None,
+        help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fp16 weights, fp32 math: "
+             "half the bytes, near-lossless) or int8-weight (int8 per channel, rounded at load: a quarter). On an "
+             "int8/int4 checkpoint: its remaining fp32 linears (the tied lm_head). Default: none.")] = None,
     kv_cache_dtype: Annotated[DType, typer.Option(
         help="KV-cache dtype; auto = the model's. On CPU float16 under an fp32 model halves the cache's "
              "memory and the attention's reads (K/V rounded to fp16; bfloat16 works but takes the slower "
