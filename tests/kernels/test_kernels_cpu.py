@@ -190,7 +190,7 @@ def test_dispatch(monkeypatch):
     qweight, scale, zp = _weights(scheme, 16, 64)
     calls = []
     real = cpu.quantized_linear
-    monkeypatch.setattr(cpu, "quantized_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(cpu, "quantized_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.delenv("BAIGE_KERNELS", raising=False)
     reload_settings()
     small = _randn(2, 64, seed=0)

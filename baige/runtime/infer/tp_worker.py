@@ -199,8 +199,21 @@ class TensorParallelGroup:
                 self._send(s)
                 yield
             except Exception as e:
-                self._died(f"a tensor-parallel step failed ({type(e).__name__}: {e})")
+                exited = self._exited_worker(1.0)  # a killed worker often shows first as a gloo error
+                failed = f"a tensor-parallel step failed ({type(e).__name__}: {e})"
+                self._died(f"{exited}; {failed}" if exited else failed)
                 raise WorkerDied(self.dead) from e
+
+    def _exited_worker(self, wait_s: float) -> str | None:
+        """Which started worker has exited, waiting up to ``wait_s`` seconds for one; None if none has."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, p in enumerate(self.processes, start=1):
+                if p.poll() is not None:
+                    return f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.returncode}"
+            if not self.processes or time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Stop the workers (a stop message, then a bounded wait, then SIGKILL) and leave the group."""
