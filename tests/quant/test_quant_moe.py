@@ -45,18 +45,20 @@ ROWS = {
     # 2 layers x 4 attention projections; both layers sparse: 6 experts x 3 each
     "mixtral": 2 * 4 + 2 * 6 * 3,
 }
-# cosine similarity of the logits to fp32 on the fixed batch below (measured: int8 0.99997 / 0.99888,
-# int4 g32 0.9952 / 0.9508). int4's ~9% relative weight error (g32 on Gaussian weights) compounds
-# through the tiny random Mixtral's layers -- the dense tiny llama at int4 g32 gives 0.966 -- so
-# Mixtral int4 is held to 0.94 here, and both int4 models to their fake-quantized fp32 twin at 1e-4.
-MIN_COSINE = {("qwen2-moe-shared", "int8"): 0.99, ("mixtral", "int8"): 0.99,
-              ("qwen2-moe-shared", "int4"): 0.99, ("mixtral", "int4"): 0.94}
+# cosine similarity of the logits to fp32 on the fixed batch below, on checkpoints whose embeddings
+# have std 1 (tiny.make_checkpoint's embed_std; measured qwen2-moe-shared / mixtral: int8 0.99998 /
+# 0.99965, int4 g32 0.99597 / 0.99369). With the parity tests' std 0.1 embeddings the tiny Mixtral at
+# int4 g32 gave 0.95215 and the dense tiny Llama 0.9535: int4 g32 leaves ~9.4% relative error on
+# Gaussian weights, and each attention output (RMS ~0.4) swamps the RMS-0.1 embedding, so the error
+# compounds through a random deep function, mostly from the attention projections (int4 on the
+# Mixtral's experts alone, attention fp32: 0.99342). The routers are never quantized (asserted below).
+MIN_COSINE = 0.99
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return {f: make_checkpoint(root / f, f) for f in FAMILIES}
+    return {f: make_checkpoint(root / f, f, embed_std=1.0) for f in FAMILIES}
 
 
 def _batch():
@@ -138,7 +140,7 @@ def test_rtn_per_expert_layout_cosine_and_exact_reload(ckpts, tmp_path, family, 
 
     got = _logits(model, ids, pos)
     cosine = F.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
-    assert cosine > MIN_COSINE[family, scheme_name], cosine
+    assert cosine > MIN_COSINE, cosine
     with torch.no_grad():  # the fp32 model with every quantized weight replaced by its fake-quantized value
         for name, m in fp32.named_modules():
             if isinstance(m, nn.Linear) and name != "lm_head" and not name.endswith("shared_expert_gate"):
