@@ -427,17 +427,20 @@ def fp16_weight_linear(x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.T
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for inference: fp32 rows on the CPU (at most 128, no gradient) with an
-    fp32 row-major weight run the native kernel, which reads each weight row once for all rows (what
-    a decode step verifying draft tokens needs; measured against torch's sgemm on a 49152 x 576
+    fp32 or bf16 row-major weight run the native kernel, which reads each weight row once for all rows
+    (what a decode step verifying draft tokens needs; measured against torch's sgemm on a 49152 x 576
     lm_head, 1 thread, AVX2: 12 vs 16 ms at 1 row, 26 vs 50 ms at 5, 185 vs 234 ms at 128, slower
-    from 256 rows); anything else is ``F.linear``. x: (M, in); weight:
-    (out, in); bias: (out,) or None -> (M, out) in x's dtype."""
+    from 256 rows; a bf16 weight runs bf16.c, see :mod:`baige.kernels.cpu.qlinear`); anything else is
+    ``F.linear`` in the weight's dtype. x: (M, in); weight: (out, in); bias: (out,) fp32 or None ->
+    (M, out) in x's dtype."""
     from baige.kernels.cpu import qlinear
 
-    if (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.stride(-1) == 1 and x.dim() == 2
-            and x.shape[0] <= 128 and qlinear.supports_f16(x) and (bias is None or bias.is_contiguous())):
+    if (weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu" and weight.stride(-1) == 1
+            and x.dim() == 2 and x.shape[0] <= 128 and qlinear.supports_f16(x)
+            and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))):
         return qlinear.linear_f16(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+    bias = None if bias is None else bias.to(weight.dtype)
+    return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
 
 def cpu_isa() -> str | None:
@@ -479,7 +482,7 @@ def native_allowed() -> bool:
 
 
 # The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
-from baige.kernels.cpu.decode import LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
+from baige.kernels.cpu.decode import LINEAR_BF16, LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
 from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS
 from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers
 from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc
@@ -490,7 +493,7 @@ from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int
 
 __all__ += [
     "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot",
-    "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
+    "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc",
     "dequantize_weight", "expand_groups", "unpack_int4",
     "backend", "check_startup", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",

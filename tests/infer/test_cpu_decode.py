@@ -125,6 +125,72 @@ def test_fused_decode_fp16_kv_cache(tmp_path, monkeypatch):
     _check(model, monkeypatch, kv_dtype=torch.float16)
 
 
+def _bf16_step(model, kv_dtype, monkeypatch, path: str):
+    """(1, M, hidden) fp32 hidden states of one decode step of ``model`` on the scattered-block inputs:
+    ``path`` "fused" (the native step), "per-op" (the module path, reference kernels) or "logits" (the
+    fused step's logits)."""
+    kv, ids, pos, slots, tables, lens = _step_inputs(model, kv_dtype=kv_dtype)
+    with torch.inference_mode():
+        if path != "per-op":
+            fused, why = FusedDecoder.build(model, kv)
+            assert fused is not None, why
+            out = fused(ids, pos, slots, tables, lens)
+            return fused.logits(out[0]) if path == "logits" else out
+        monkeypatch.setenv("BAIGE_KERNELS", "reference")
+        reload_settings()
+        try:
+            md = PagedAttentionMetadata(kv.k, kv.v, slots, len(CTX), decode_groups=[(tables, lens)])
+            out = model(ids, pos, md)
+            return out.float()
+        finally:
+            monkeypatch.delenv("BAIGE_KERNELS")
+            reload_settings()
+
+
+@pytest.mark.parametrize("variant", ["qwen3-qk-norm", "qwen2-bias", "llama-tied"])
+def test_fused_decode_bf16_model(tmp_path, monkeypatch, variant):
+    """A bf16 model on every native variant (vdpbf16ps on AVX-512 BF16, exact widening elsewhere): the
+    fused step keeps activations in fp32, so against an fp64 oracle (the same bf16 weights and bf16
+    K/V pools, computed in fp64 on the reference path) it is at least as close as torch's per-op bf16
+    path, which rounds every activation to bf16 (the 2x rule of the kernel tests); without the bf16
+    dot (widening kernels) it equals the fp32 native step on the upcast weights. Logits too
+    (bf16 lm_head through the same kernel; tied or not)."""
+    from baige.kernels.cpu import isa
+
+    path = make_checkpoint(tmp_path / variant, variant)
+    bf16 = load_model(path, "bfloat16")
+    f64 = load_model(path, "bfloat16").double()  # the same rounded weights
+    oracle = _bf16_step(f64, torch.bfloat16, monkeypatch, "per-op").double()
+    per_op = _bf16_step(bf16, torch.bfloat16, monkeypatch, "per-op")
+    ref_err = (per_op.double() - oracle).abs().max().item()
+    for isa_name in isa.supported():
+        monkeypatch.setenv("BAIGE_CPU_ISA", isa_name)
+        reload_settings()
+        fused = _bf16_step(bf16, torch.bfloat16, monkeypatch, "fused")
+        assert fused.dtype == torch.float32
+        err = (fused.double() - oracle).abs().max().item()
+        assert err <= 2 * ref_err + 1e-6, f"{isa_name}: fused error {err:.3g} vs per-op bf16 {ref_err:.3g}"
+        if not cpu_build.library().baige_bf16_dot():
+            f32 = load_model(path, "bfloat16").float()
+            torch.testing.assert_close(fused, _bf16_step(f32, torch.bfloat16, monkeypatch, "fused"), rtol=1e-4, atol=1e-4)
+    logits = _bf16_step(bf16, torch.bfloat16, monkeypatch, "logits")
+    oracle_logits = f64.compute_logits(oracle[0])
+    per_op_logits = bf16.compute_logits(per_op[0].bfloat16()).double()
+    assert logits.dtype == torch.float32 and logits.shape == (len(CTX), bf16.config.vocab_size)
+    assert (logits.double() - oracle_logits).abs().max() <= 2 * (per_op_logits - oracle_logits).abs().max() + 1e-6
+
+
+def test_fused_decode_int4_under_bf16_model(tmp_path, monkeypatch):
+    """int4 projections in a bf16 model (the remaining parameters bf16): the fused step runs and agrees
+    with the per-op bf16 path to bf16 precision."""
+    model = load_model(make_checkpoint(tmp_path / "q", "qwen2-bias"), "bfloat16")
+    quantize_model(model, QuantScheme(4, 32), ignore=["lm_head"])
+    fused = _bf16_step(model, torch.bfloat16, monkeypatch, "fused")
+    per_op = _bf16_step(model, torch.bfloat16, monkeypatch, "per-op")
+    scale = per_op.abs().max()
+    assert (fused - per_op).abs().max() <= 0.03 * scale
+
+
 def _stacks(model, ranks, seed=0):
     """Serve one random adapter per rank in ``ranks`` on ``model``: adapter i on every projection but
     adapter 0 on q/k/v/o only (the MLP's stacks hold zeros in its slot), B large enough to move the
@@ -175,7 +241,7 @@ def test_ineligible_models_say_why(tmp_path, monkeypatch):
     path = make_checkpoint(tmp_path / "m", "llama")
     half = load_model(path, "float16")
     kv = KVCache(half.config, 4, BS, torch.float16, torch.device("cpu"))
-    assert FusedDecoder.build(half, kv) == (None, "model.embed_tokens.weight is torch.float16 on cpu, not fp32 on the CPU")
+    assert FusedDecoder.build(half, kv) == (None, "the model is torch.float16, not fp32 or bf16")
     model = load_model(path, "float32")
     kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
     model.model.layers[1].mlp.up_proj = torch.nn.Identity()

@@ -317,9 +317,9 @@ def test_store_kv_matches_reference_and_skips_negative_slots():
 
 @pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (4, 4, 80), (8, 2, 20), (9, 3, 24)],
                          ids=["gqa3-d64", "mha-d80", "gqa4-d20", "gqa3-d24"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv-fp32", "kv-fp16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["kv-fp32", "kv-fp16", "kv-bf16"])
 def test_paged_decode_attention_head_layouts_and_fp16_cache(H, Hkv, D, kv_dtype):
-    """Every column path of the V sum (64-wide, 8-wide, scalar tail), group sizes 1-4, an fp16 cache
+    """Every column path of the V sum (64-wide, 8-wide, scalar tail), group sizes 1-4, an fp16 or bf16 cache
     read converted (against the reference on the same fp16 values, and fp64), and the result
     independent of the thread count (each (sequence, KV head) is one thread's work)."""
     q, kc, vc, tables, lens = _paged_case(1, S=4, H=H, Hkv=Hkv, D=D)
@@ -352,6 +352,46 @@ def test_store_kv_into_an_fp16_cache_rounds_like_torch():
     cpu_ops.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, rk) and torch.equal(vc, rv)
     assert kc.view(Hkv, -1, D)[0, 17, 0] == 1.0 and kc.view(Hkv, -1, D)[0, 17, 2] == float("inf")
+
+
+def test_store_kv_into_a_bf16_cache_rounds_like_torch():
+    """fp32 K/V into a bf16 cache: round to nearest even, bitwise what ``.to(torch.bfloat16)`` gives
+    (ties both ways, a value rounding up to inf, NaN, a subnormal); head_dim 20."""
+    Hkv, nb, bs, D = 2, 5, 4, 20
+    k, v = _randn(3, Hkv, D, seed=0) * 3, _randn(3, Hkv, D, seed=1)
+    k[0, 0, :6] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.397e38, float("nan"), 1e-40, -(1 + 2 ** -8)])
+    kc, vc = torch.zeros(Hkv, nb, bs, D, dtype=torch.bfloat16), torch.zeros(Hkv, nb, bs, D, dtype=torch.bfloat16)
+    rk, rv = kc.clone(), vc.clone()
+    slots = torch.tensor([17, 2, 9])
+    reference.store_kv(k, v, rk, rv, slots)
+    cpu_ops.store_kv(k, v, kc, vc, slots)
+    got = kc.view(Hkv, -1, D)[0, 17, :6].float()
+    assert got[0] == 1.0 and got[1] == 1 + 2 ** -6 and got[2] == float("inf") and got[5] == -1.0  # hand-rounded
+    assert torch.isnan(got[3])
+    k_ok = torch.equal(kc.view(torch.int16), rk.view(torch.int16)) or torch.equal(  # NaN payloads may differ
+        torch.nan_to_num(kc.float(), nan=7.0), torch.nan_to_num(rk.float(), nan=7.0))
+    assert k_ok and torch.equal(vc, rv)
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
+def test_bf16_weight_linear_on_every_variant(use_isa, variant, rows, in_f, out_f):
+    """bf16 weights (bf16.c): on AVX-512 BF16 vdpbf16ps over x rounded to bf16, so the reference is
+    F.linear on the bf16-rounded x (and fp64 of the same); elsewhere the exact widening kernel against
+    F.linear on fp32 x. Odd shapes: K tails under 32 and 8, output tails under 4 rows; bias fp32."""
+    use_isa(variant)
+    dot = bool(cpu_library.library().baige_bf16_dot())
+    assert dot == (variant == "avx512_bf16")
+    x = _randn(rows, in_f, seed=1)
+    w = (_randn(out_f, in_f, seed=2) * 0.05).bfloat16()
+    bias = _randn(out_f, seed=3)
+    xr = x.bfloat16().float() if dot else x
+    ref = torch.nn.functional.linear(xr, w.float(), bias)
+    exact = torch.nn.functional.linear(xr.double(), w.double(), bias.double())
+    out = cpu.linear_f16(x, w, bias)
+    assert out.dtype == torch.float32
+    assert_close_fp64(out, ref, exact, name=f"bf16 {variant} rows={rows} in={in_f}")
 
 
 def test_silu_mul_against_reference():

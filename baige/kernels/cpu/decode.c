@@ -6,8 +6,9 @@
  * ~0.4 ms per layer dispatching ~40 small ops, this is one call per step.
  *
  * Layout: baige/runtime/cpu_decode.py fills the structs below from the loaded model (pointers into
- * the model's own tensors) and calls baige_decode_layers once per decode step. Projections: fp32,
- * int8 per channel, int4 group-wise, or fp16 weights (fp32 math), each optionally with a stack of
+ * the model's own tensors) and calls baige_decode_layers once per decode step. Activations and the
+ * residual stream are fp32 whatever the model's dtype. Projections: fp32, int8 per channel, int4
+ * group-wise, fp16 weights (fp32 math) or bf16 weights (bf16.c), each optionally with a stack of
  * LoRA adapters (multi-LoRA serving): y[m] += scale[i] * B_i (A_i x[m]) for token m's adapter slot i
  * (lora_ids[m], -1 = none), rows grouped by adapter so each adapter's A and B are read once per step
  * (the SGMV grouping of Punica, Chen et al. 2023, arXiv:2310.18547) through the same fp32 kernel.
@@ -22,6 +23,8 @@ void baige_linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const f
                       const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
 void baige_linear_f16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
                       const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
+void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N, int64_t ldw,
+                       const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
 void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const int32_t *wp, int64_t N, int64_t ldw,
                         const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
                         int64_t ldy, int nthreads);
@@ -36,22 +39,23 @@ void baige_add_rms_norm(const float *x, const float *res, int64_t rows, int64_t 
 void baige_rope(const float *q, const float *k, int64_t tokens, int64_t hq, int64_t hk, int64_t d,
                 const float *cos_, const float *sin_, float *q_out, float *k_out);
 void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, int64_t d, void *k_cache,
-                    void *v_cache, int64_t slots, const int64_t *slot_mapping, int kv_f16);
+                    void *v_cache, int64_t slots, const int64_t *slot_mapping, int kv_dtype);
 int baige_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
-                                 float *out, int kv_f16, int nthreads);
+                                 float *out, int kv_dtype, int nthreads);
 void baige_silu_mul(const float *g, const float *u, int64_t n, float *out);
 
 /* int4 integer dot products pay up to about this many rows (baige/kernels/cpu/qlinear.py: INT4_DOT_MAX_ROWS) */
 #define BAIGE_INT4_DOT_MAX_ROWS 32
 /* *_DOT: the same weights through the integer-dot kernels of qdot.c (int8-quantized activations) */
-enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3, BAIGE_INT8_DOT = 4, BAIGE_INT4_DOT = 5 };
+enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3, BAIGE_INT8_DOT = 4, BAIGE_INT4_DOT = 5,
+       BAIGE_BF16 = 6 };
 
 typedef struct {
-    int64_t kind;               /* BAIGE_F32 | BAIGE_INT8 | BAIGE_INT4 | BAIGE_F16 | BAIGE_INT8_DOT | BAIGE_INT4_DOT */
+    int64_t kind;               /* BAIGE_F32 | BAIGE_INT8 | BAIGE_INT4 | BAIGE_F16 | BAIGE_INT8_DOT | BAIGE_INT4_DOT | BAIGE_BF16 */
     int64_t n, k;               /* out_features, in_features (int4: k % 8 == 0) */
-    const void *w;              /* fp32 / int8 / fp16 (n, ldw), or int32 (n, ldw) words of 8 nibbles */
+    const void *w;              /* fp32 / int8 / fp16 / bf16 (n, ldw), or int32 (n, ldw) words of 8 nibbles */
     int64_t ldw;                /* row stride in elements */
     const float *scale;         /* int8 (n); int4 (n, groups); fp32: NULL */
     const int32_t *zero_point;  /* int4 asymmetric (n, groups), else NULL */
@@ -74,7 +78,7 @@ typedef struct {
     baige_linear q, k, v, o, gate, up, down;
     const float *input_norm, *post_norm;  /* (hidden) */
     const float *q_norm, *k_norm;         /* (head_dim), or NULL without per-head q/k norm */
-    void *k_cache, *v_cache;              /* (hk, num_blocks, block_size, head_dim), fp32 or fp16 */
+    void *k_cache, *v_cache;              /* (hk, num_blocks, block_size, head_dim), fp32, fp16 or bf16 */
 } baige_layer;
 
 /* y += the LoRA term of every token that has an adapter (module docstring): per adapter present,
@@ -112,7 +116,9 @@ static void linear(const baige_linear *l, const float *x, int64_t M, float *y, c
                                                   l->groups, l->group_size, l->bias, y, l->n, nthreads) != 0)
             baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups,
                                l->group_size, l->bias, y, l->n, nthreads);
-    } else if (kind == BAIGE_F16)
+    } else if (kind == BAIGE_BF16)
+        baige_linear_bf16(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
+    else if (kind == BAIGE_F16)
         baige_linear_f16(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
     else
         baige_linear_f32(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
@@ -121,13 +127,14 @@ static void linear(const baige_linear *l, const float *x, int64_t M, float *y, c
 
 /* h: (M, hidden) fp32, in: the token embeddings, out: the last layer's output (before the final
  * norm). cos/sin: (M, head_dim). slots: (M,) cache slot of each token. tables: (M, W) block ids,
- * lens: (M,) context lengths including the new token. kv_f16: the caches hold fp16. lora_ids: (M,)
+ * lens: (M,) context lengths including the new token. kv_dtype: the caches' element type (ops.c's
+ * KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2). lora_ids: (M,)
  * adapter slot per token (-1 = none) for the projections that carry a LoRA stack, or NULL (no
  * adapter this step). Returns 0, or -1 when scratch memory cannot be allocated (h is then unspecified). */
 int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, int64_t hidden, int64_t hq,
                         int64_t hk, int64_t d, int64_t inter, float eps, float scale, int64_t num_blocks,
                         int64_t bs, float *h, const float *cos_, const float *sin_, const int64_t *slots,
-                        const int64_t *tables, int64_t W, const int64_t *lens, int kv_f16,
+                        const int64_t *tables, int64_t W, const int64_t *lens, int kv_dtype,
                         const int64_t *lora_ids, int nthreads)
 {
     const int64_t nq = M * hq * d, nk = M * hk * d;
@@ -169,9 +176,9 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
             baige_rms_norm(k, M * hk, d, L->k_norm, eps, k);
         }
         baige_rope(q, k, M, hq, hk, d, cos_, sin_, qr, kr);
-        baige_store_kv(kr, v, M, hk, d, L->k_cache, L->v_cache, num_blocks * bs, slots, kv_f16);
+        baige_store_kv(kr, v, M, hk, d, L->k_cache, L->v_cache, num_blocks * bs, slots, kv_dtype);
         rc = baige_paged_decode_attention(qr, L->k_cache, L->v_cache, M, hq, hk, d, num_blocks, bs, tables, W,
-                                          lens, scale, attn, kv_f16, nthreads);
+                                          lens, scale, attn, kv_dtype, nthreads);
         linear(&L->o, attn, M, o, sp, nthreads);
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */
         linear(&L->gate, normed, M, g, sp, nthreads);

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from baige.kernels.cpu.build import library
+from baige.kernels.cpu.ops import kv_dtype_code
 from baige.kernels.settings import settings
 
 # projection kinds understood by decode.c
-LINEAR_F32, LINEAR_INT8, LINEAR_INT4, LINEAR_F16 = 0, 1, 2, 3
+LINEAR_F32, LINEAR_INT8, LINEAR_INT4, LINEAR_F16, LINEAR_BF16 = 0, 1, 2, 3, 6
 _INT8_DOT, _INT4_DOT = 4, 5  # the int8/int4 kinds through qdot.c's integer dot products (BAIGE_CPU_INT_DOT)
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -37,7 +38,8 @@ class _Layer(ctypes.Structure):
 class LinearDesc:
     """One projection ``y = x W^T + b`` with ``W`` (n, k) in row-major storage of row stride ``ldw``.
 
-    ``kind`` LINEAR_F32: fp32 ``w``; LINEAR_F16: fp16 ``w``; LINEAR_INT8: int8 ``w`` with fp32
+    ``kind`` LINEAR_F32: fp32 ``w``; LINEAR_F16: fp16 ``w``; LINEAR_BF16: bf16 ``w`` (``bf16.c``:
+    vdpbf16ps over bf16-rounded activations on AVX-512 BF16, exact widening elsewhere); LINEAR_INT8: int8 ``w`` with fp32
     per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, fp32 ``scale`` (n, groups),
     optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None. With ``BAIGE_CPU_INT_DOT``
     on (read when :class:`DecodeLayers` is built) int8 and int4 (group size a multiple of 32, at most
@@ -64,7 +66,8 @@ class LinearDesc:
 @dataclass
 class LayerDesc:
     """One decoder layer: seven projections (``PROJECTIONS`` order), fp32 norm weights (hidden,)
-    or (head_dim,) for q/k norms, and this layer's K/V pools (n_kv_heads, num_blocks, block_size, head_dim)."""
+    or (head_dim,) for q/k norms, and this layer's K/V pools (n_kv_heads, num_blocks, block_size, head_dim),
+    fp32, fp16 or bf16 (every layer's the same dtype)."""
 
     linears: list[LinearDesc]
     input_norm: torch.Tensor
@@ -101,7 +104,7 @@ class DecodeLayers:
             self._keep += [t for t in (desc.input_norm, desc.post_norm, desc.q_norm, desc.k_norm,
                                        desc.k_cache, desc.v_cache) if t is not None]
         self._dims, self._eps, self._scale = dims, eps, scale
-        self._fp16_cache = layers[0].k_cache.dtype == torch.float16
+        self._kv_dtype = kv_dtype_code(layers[0].k_cache.dtype)
         self._num_blocks, self._block_size = layers[0].k_cache.shape[1], layers[0].k_cache.shape[2]
 
     def _linear(self, d: LinearDesc) -> _Linear:
@@ -149,6 +152,6 @@ class DecodeLayers:
             ctypes.addressof(self._table), n_layers, h.shape[0], hidden, hq, hk, d, inter, self._eps, self._scale,
             self._num_blocks, self._block_size, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             slot_mapping.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1],
-            context_lens.contiguous().data_ptr(), self._fp16_cache, _ptr(lora_ids), torch.get_num_threads())
+            context_lens.contiguous().data_ptr(), self._kv_dtype, _ptr(lora_ids), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native decode step: could not allocate its scratch buffers")

@@ -7,6 +7,26 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+/* KV cache element types (baige/kernels/cpu/ops.py passes them) */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* bf16 <-> fp32: bf16 is the upper 16 bits of an fp32; rounding to nearest even as torch does
+ * (c10::BFloat16's round_to_nearest_even), NaN kept a quiet NaN. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 /* The instruction-set variant this copy was compiled for (baige/kernels/cpu/isa.py's names), from the
  * compiler's own feature macros: what the library really targets, whatever its file is called. */
@@ -85,17 +105,21 @@ void baige_rope(const float *q, const float *k, int64_t tokens, int64_t hq, int6
 }
 
 /* k, v: (tokens, hk, d) contiguous fp32; caches (hk, slots, d) with slots = num_blocks * block_size,
- * fp32 (kv_f16 = 0) or IEEE fp16 (kv_f16 = 1, rounded to nearest even as torch's .to(float16));
- * token t goes to slot slot_mapping[t] (negative: skipped, the padding convention). */
+ * fp32 (kv_dtype KV_F32), IEEE fp16 (KV_F16) or bf16 (KV_BF16), both rounded to nearest even as
+ * torch's .to(float16 / bfloat16); token t goes to slot slot_mapping[t] (negative: skipped, the
+ * padding convention). */
 void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, int64_t d, void *k_cache,
-                    void *v_cache, int64_t slots, const int64_t *slot_mapping, int kv_f16) {
+                    void *v_cache, int64_t slots, const int64_t *slot_mapping, int kv_dtype) {
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         for (int64_t j = 0; j < hk; j++) {
             const float *ks = k + (t * hk + j) * d, *vs = v + (t * hk + j) * d;
             const int64_t at = (j * slots + slot) * d;
-            if (kv_f16) {
+            if (kv_dtype == KV_BF16) {
+                uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
+                for (int64_t i = 0; i < d; i++) { kd[i] = f32_to_bf16(ks[i]); vd[i] = f32_to_bf16(vs[i]); }
+            } else if (kv_dtype == KV_F16) {
                 uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
                 int64_t i = 0;
                 for (; i + 8 <= d; i += 8) {
@@ -169,21 +193,26 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* 8 K/V values from element i of an fp32 (f16 = 0) or fp16 (f16 = 1) cache, as fp32; and one. The
- * readers below are always inlined and every call site passes a constant f16, so each gets its own
- * loop: fp16 is converted in registers, never through a buffer. */
-static inline __attribute__((always_inline)) __m256 load8(const void *base, int f16, int64_t i) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
-               : _mm256_loadu_ps((const float *)base + i);
+/* 8 K/V values from element i of an fp32 (KV_F32), fp16 (KV_F16) or bf16 (KV_BF16) cache, as fp32;
+ * and one. The readers below are always inlined and every call site passes a constant kv, so each
+ * gets its own loop: 16-bit values are converted in registers, never through a buffer. */
+static inline __attribute__((always_inline)) __m256 load8(const void *base, int kv, int64_t i) {
+    if (kv == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+    if (kv == KV_BF16)  /* bf16 is the top half of an fp32: widen and shift, exact */
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))), 16));
+    return _mm256_loadu_ps((const float *)base + i);
 }
 
-static inline __attribute__((always_inline)) float load1(const void *base, int f16, int64_t i) {
-    return f16 ? _cvtsh_ss(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+static inline __attribute__((always_inline)) float load1(const void *base, int kv, int64_t i) {
+    if (kv == KV_F16) return _cvtsh_ss(((const uint16_t *)base)[i]);
+    if (kv == KV_BF16) return bf16_to_f32(((const uint16_t *)base)[i]);
+    return ((const float *)base)[i];
 }
 
 /* sc[i] = scale * q . kb[i] for the rows i < rows of one block (rows contiguous, d apart). Head dims
  * that are a multiple of 8: four rows at a time, each q vector loaded once for the four. */
-static inline __attribute__((always_inline)) void qk_rows(const float *q, const void *kb, int f16, int64_t rows,
+static inline __attribute__((always_inline)) void qk_rows(const float *q, const void *kb, int kv, int64_t rows,
                                                           int64_t d, float scale, float *sc) {
     int64_t i = 0;
     if ((d & 7) == 0) {
@@ -191,17 +220,17 @@ static inline __attribute__((always_inline)) void qk_rows(const float *q, const 
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t c = 0; c < d; c += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + c);
-                a0 = _mm256_fmadd_ps(qv, load8(kb, f16, i * d + c), a0);
-                a1 = _mm256_fmadd_ps(qv, load8(kb, f16, (i + 1) * d + c), a1);
-                a2 = _mm256_fmadd_ps(qv, load8(kb, f16, (i + 2) * d + c), a2);
-                a3 = _mm256_fmadd_ps(qv, load8(kb, f16, (i + 3) * d + c), a3);
+                a0 = _mm256_fmadd_ps(qv, load8(kb, kv, i * d + c), a0);
+                a1 = _mm256_fmadd_ps(qv, load8(kb, kv, (i + 1) * d + c), a1);
+                a2 = _mm256_fmadd_ps(qv, load8(kb, kv, (i + 2) * d + c), a2);
+                a3 = _mm256_fmadd_ps(qv, load8(kb, kv, (i + 3) * d + c), a3);
             }
             _mm_storeu_ps(sc + i, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
         }
     }
     for (; i < rows; i++) {
         float acc = 0.0f;
-        for (int64_t c = 0; c < d; c++) acc += q[c] * load1(kb, f16, i * d + c);
+        for (int64_t c = 0; c < d; c++) acc += q[c] * load1(kb, kv, i * d + c);
         sc[i] = acc * scale;
     }
 }
@@ -210,14 +239,14 @@ static inline __attribute__((always_inline)) void qk_rows(const float *q, const 
  * or fp16 (converted in registers, once for the three heads): two rows x three heads per step, so
  * each K vector is loaded once for the three (5 loads per 6 FMAs instead of 5 per 4). Always
  * inlined like the readers above. */
-static inline __attribute__((always_inline)) void qk_rows3(const float *const q[3], const void *kb, int f16,
+static inline __attribute__((always_inline)) void qk_rows3(const float *const q[3], const void *kb, int kv,
                                                            int64_t rows, int64_t d, float scale, float *const sc[3]) {
     const __m128 sv = _mm_set1_ps(scale);
     int64_t i = 0;
     for (; i + 2 <= rows; i += 2) {
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
         for (int64_t c = 0; c < d; c += 8) {
-            const __m256 x0 = load8(kb, f16, i * d + c), x1 = load8(kb, f16, (i + 1) * d + c);
+            const __m256 x0 = load8(kb, kv, i * d + c), x1 = load8(kb, kv, (i + 1) * d + c);
             __m256 qv = _mm256_loadu_ps(q[0] + c);
             a00 = _mm256_fmadd_ps(qv, x0, a00);
             a01 = _mm256_fmadd_ps(qv, x1, a01);
@@ -237,7 +266,7 @@ static inline __attribute__((always_inline)) void qk_rows3(const float *const q[
     for (; i < rows; i++)
         for (int j = 0; j < 3; j++) {
             float acc = 0.0f;
-            for (int64_t c = 0; c < d; c++) acc += q[j][c] * load1(kb, f16, i * d + c);
+            for (int64_t c = 0; c < d; c++) acc += q[j][c] * load1(kb, kv, i * d + c);
             sc[j][i] = acc * scale;
         }
 }
@@ -245,7 +274,7 @@ static inline __attribute__((always_inline)) void qk_rows3(const float *const q[
 /* out[0..d) = sum_pos w[pos] * V[pos] for pos < L, V's rows found block by block through table.
  * Accumulators stay in registers across all blocks: 64 columns at a time in eight 8-lane registers,
  * then 8 at a time, then a scalar tail. */
-static inline __attribute__((always_inline)) void pv_sum(const float *w, const void *vh, int f16,
+static inline __attribute__((always_inline)) void pv_sum(const float *w, const void *vh, int kv,
                                                          const int64_t *table, int64_t bs, int64_t d, int64_t L,
                                                          float *out) {
     int64_t c0 = 0;
@@ -257,14 +286,14 @@ static inline __attribute__((always_inline)) void pv_sum(const float *w, const v
             for (int64_t i = 0; i < rows; i++) {
                 const int64_t r = at + i * d;
                 const __m256 wb = _mm256_set1_ps(w[b0 + i]);
-                o0 = _mm256_fmadd_ps(wb, load8(vh, f16, r), o0);
-                o1 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 8), o1);
-                o2 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 16), o2);
-                o3 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 24), o3);
-                o4 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 32), o4);
-                o5 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 40), o5);
-                o6 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 48), o6);
-                o7 = _mm256_fmadd_ps(wb, load8(vh, f16, r + 56), o7);
+                o0 = _mm256_fmadd_ps(wb, load8(vh, kv, r), o0);
+                o1 = _mm256_fmadd_ps(wb, load8(vh, kv, r + 8), o1);
+                o2 = _mm256_fmadd_ps(wb, load8(vh, kv, r + 16), o2);
+                o3 = _mm256_fmadd_ps(wb, load8(vh, kv, r + 24), o3);
+                o4 = _mm256_fmadd_ps(wb, load8(vh, kv, r + 32), o4);
+                o5 = _mm256_fmadd_ps(wb, load8(vh, kv, r + 40), o5);
+                o6 = _mm256_fmadd_ps(wb, load8(vh, kv, r + 48), o6);
+                o7 = _mm256_fmadd_ps(wb, load8(vh, kv, r + 56), o7);
             }
         }
         _mm256_storeu_ps(out + c0, o0); _mm256_storeu_ps(out + c0 + 8, o1);
@@ -278,13 +307,13 @@ static inline __attribute__((always_inline)) void pv_sum(const float *w, const v
             const int64_t at = table[b0 / bs] * bs * d + c0;
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
             for (int64_t i = 0; i < rows; i++)
-                o0 = _mm256_fmadd_ps(_mm256_set1_ps(w[b0 + i]), load8(vh, f16, at + i * d), o0);
+                o0 = _mm256_fmadd_ps(_mm256_set1_ps(w[b0 + i]), load8(vh, kv, at + i * d), o0);
         }
         _mm256_storeu_ps(out + c0, o0);
     }
     for (; c0 < d; c0++) {
         float acc = 0.0f;
-        for (int64_t pos = 0; pos < L; pos++) acc += w[pos] * load1(vh, f16, (table[pos / bs] * bs + pos % bs) * d + c0);
+        for (int64_t pos = 0; pos < L; pos++) acc += w[pos] * load1(vh, kv, (table[pos / bs] * bs + pos % bs) * d + c0);
         out[c0] = acc;
     }
 }
@@ -292,7 +321,7 @@ static inline __attribute__((always_inline)) void pv_sum(const float *w, const v
 /* pv_sum for three query heads sharing one V (a GQA group), V fp32 or fp16 (converted in registers,
  * once for the three heads): 16 columns x three heads per pass over the rows, so each V vector is
  * loaded once for the three; remaining columns one at a time. */
-static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3], const void *vh, int f16,
+static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3], const void *vh, int kv,
                                                           const int64_t *table, int64_t bs, int64_t d, int64_t L,
                                                           float *const out[3]) {
     int64_t c0 = 0;
@@ -302,7 +331,7 @@ static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3
             const int64_t at = table[b0 / bs] * bs * d + c0;  /* this block's first row */
             const int64_t rows = L - b0 < bs ? L - b0 : bs;
             for (int64_t i = 0; i < rows; i++) {
-                const __m256 v0 = load8(vh, f16, at + i * d), v1 = load8(vh, f16, at + i * d + 8);
+                const __m256 v0 = load8(vh, kv, at + i * d), v1 = load8(vh, kv, at + i * d + 8);
                 __m256 x = _mm256_set1_ps(w[0][b0 + i]);
                 a00 = _mm256_fmadd_ps(x, v0, a00);
                 a01 = _mm256_fmadd_ps(x, v1, a01);
@@ -322,21 +351,21 @@ static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3
         for (int j = 0; j < 3; j++) {
             float acc = 0.0f;
             for (int64_t pos = 0; pos < L; pos++)
-                acc += w[j][pos] * load1(vh, f16, (table[pos / bs] * bs + pos % bs) * d + c0);
+                acc += w[j][pos] * load1(vh, kv, (table[pos / bs] * bs + pos % bs) * d + c0);
             out[j][c0] = acc;
         }
 }
 
 /* Ask for the n values of a cache block at offset to be brought into cache (one prefetch per 64-byte
  * line): blocks are scattered pages, where the hardware prefetcher has to start over each time. */
-static inline void prefetch_block(const void *cache, int kv_f16, int64_t offset, int64_t n) {
-    const char *p = (const char *)cache + offset * (kv_f16 ? 2 : 4);
-    const int64_t bytes = n * (kv_f16 ? 2 : 4);
+static inline void prefetch_block(const void *cache, int kv_dtype, int64_t offset, int64_t n) {
+    const char *p = (const char *)cache + offset * (kv_dtype ? 2 : 4);
+    const int64_t bytes = n * (kv_dtype ? 2 : 4);
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 /* Decode attention over paged K/V read in place (no gather). q, out: (S, hq, d) fp32; caches
- * (hk, num_blocks, bs, d), fp32 or fp16 (kv_f16); block_tables (S, W) int64; context_lens (S,) int64.
+ * (hk, num_blocks, bs, d), fp32, fp16 or bf16 (kv_dtype: KV_F32 | KV_F16 | KV_BF16); block_tables (S, W) int64; context_lens (S,) int64.
  * Query head j uses KV head j / (hq / hk). Work item = (sequence, KV head), spread over nthreads
  * OpenMP threads: every block of that head's K is read (and converted from fp16) once for each
  * three query heads of its group (scores by qk_rows3 / qk_rows), softmax per query head with the max
@@ -348,7 +377,7 @@ static inline void prefetch_block(const void *cache, int kv_f16, int64_t offset,
 int baige_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
                                  const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
-                                 float *out, int kv_f16, int nthreads) {
+                                 float *out, int kv_dtype, int nthreads) {
     const int64_t group = hq / hk;
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
@@ -367,23 +396,27 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
             const int64_t *table = block_tables + s * W;
             const int64_t head0 = s * hq + g * group;  /* first query row of this group */
             const int64_t base = g * num_blocks * bs * d;  /* this KV head's pool, in elements */
-            const void *kh = kv_f16 ? (const void *)((const uint16_t *)k_cache + base) : (const float *)k_cache + base;
-            const void *vh = kv_f16 ? (const void *)((const uint16_t *)v_cache + base) : (const float *)v_cache + base;
+            const void *kh = kv_dtype ? (const void *)((const uint16_t *)k_cache + base) : (const float *)k_cache + base;
+            const void *vh = kv_dtype ? (const void *)((const uint16_t *)v_cache + base) : (const float *)v_cache + base;
             for (int64_t b0 = 0; b0 < L; b0 += bs) {
                 const int64_t rows = L - b0 < bs ? L - b0 : bs;
-                if (b0 + bs < L) prefetch_block(k_cache, kv_f16, base + table[b0 / bs + 1] * bs * d, bs * d);
-                else prefetch_block(v_cache, kv_f16, base + table[0] * bs * d, (L < bs ? L : bs) * d);
+                if (b0 + bs < L) prefetch_block(k_cache, kv_dtype, base + table[b0 / bs + 1] * bs * d, bs * d);
+                else prefetch_block(v_cache, kv_dtype, base + table[0] * bs * d, (L < bs ? L : bs) * d);
                 const int64_t at = table[b0 / bs] * bs * d;
                 int64_t j = 0;
                 for (; (d & 7) == 0 && j + 3 <= group; j += 3) {
                     const float *qs[3] = {q + (head0 + j) * d, q + (head0 + j + 1) * d, q + (head0 + j + 2) * d};
                     float *const sc[3] = {p + j * L + b0, p + (j + 1) * L + b0, p + (j + 2) * L + b0};
-                    if (kv_f16) qk_rows3(qs, (const uint16_t *)kh + at, 1, rows, d, scale, sc);
-                    else qk_rows3(qs, (const float *)kh + at, 0, rows, d, scale, sc);
+                    if (kv_dtype == KV_F16) qk_rows3(qs, (const uint16_t *)kh + at, KV_F16, rows, d, scale, sc);
+                    else if (kv_dtype == KV_BF16) qk_rows3(qs, (const uint16_t *)kh + at, KV_BF16, rows, d, scale, sc);
+                    else qk_rows3(qs, (const float *)kh + at, KV_F32, rows, d, scale, sc);
                 }
                 for (; j < group; j++) {
-                    if (kv_f16) qk_rows(q + (head0 + j) * d, (const uint16_t *)kh + at, 1, rows, d, scale, p + j * L + b0);
-                    else qk_rows(q + (head0 + j) * d, (const float *)kh + at, 0, rows, d, scale, p + j * L + b0);
+                    const float *qj = q + (head0 + j) * d;
+                    float *sj = p + j * L + b0;
+                    if (kv_dtype == KV_F16) qk_rows(qj, (const uint16_t *)kh + at, KV_F16, rows, d, scale, sj);
+                    else if (kv_dtype == KV_BF16) qk_rows(qj, (const uint16_t *)kh + at, KV_BF16, rows, d, scale, sj);
+                    else qk_rows(qj, (const float *)kh + at, KV_F32, rows, d, scale, sj);
                 }
             }
             for (int64_t j = 0; j < group; j++) softmax_inplace(p + j * L, L);
@@ -391,12 +424,15 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
             for (; j + 3 <= group; j += 3) {
                 const float *ws[3] = {p + j * L, p + (j + 1) * L, p + (j + 2) * L};
                 float *const os[3] = {out + (head0 + j) * d, out + (head0 + j + 1) * d, out + (head0 + j + 2) * d};
-                if (kv_f16) pv_sum3(ws, vh, 1, table, bs, d, L, os);
-                else pv_sum3(ws, vh, 0, table, bs, d, L, os);
+                if (kv_dtype == KV_F16) pv_sum3(ws, vh, KV_F16, table, bs, d, L, os);
+                else if (kv_dtype == KV_BF16) pv_sum3(ws, vh, KV_BF16, table, bs, d, L, os);
+                else pv_sum3(ws, vh, KV_F32, table, bs, d, L, os);
             }
             for (; j < group; j++) {
-                if (kv_f16) pv_sum(p + j * L, vh, 1, table, bs, d, L, out + (head0 + j) * d);
-                else pv_sum(p + j * L, vh, 0, table, bs, d, L, out + (head0 + j) * d);
+                float *oj = out + (head0 + j) * d;
+                if (kv_dtype == KV_F16) pv_sum(p + j * L, vh, KV_F16, table, bs, d, L, oj);
+                else if (kv_dtype == KV_BF16) pv_sum(p + j * L, vh, KV_BF16, table, bs, d, L, oj);
+                else pv_sum(p + j * L, vh, KV_F32, table, bs, d, L, oj);
             }
         }
         free(p);

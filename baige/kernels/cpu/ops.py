@@ -1,6 +1,6 @@
 """The small per-layer ops of CPU inference on the native library (``ops.c``): same arguments and
 results as their twins in :mod:`baige.kernels.reference` (see :mod:`baige.kernels` for shapes),
-fp32 CPU tensors only (the KV cache may also be fp16), no autograd. Call them only where
+fp32 CPU tensors only (the KV cache may also be fp16 or bf16), no autograd. Call them only where
 :func:`usable` is true."""
 
 from __future__ import annotations
@@ -9,16 +9,24 @@ import torch
 
 from baige.kernels.cpu.build import library
 
+# KV cache element types as ops.c numbers them (KV_F32, KV_F16, KV_BF16)
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def kv_dtype_code(dtype: torch.dtype) -> int:
+    """ops.c's code of a KV cache dtype (fp32 0, fp16 1, bf16 2). Raises KeyError for any other."""
+    return KV_DTYPES[dtype]
+
 
 def usable(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()) -> bool:
     """True when every tensor is fp32 on the CPU, none needs a gradient, the KV ``caches`` (if any)
-    are fp32 or fp16 CPU tensors of one dtype, and the library builds."""
+    are fp32, fp16 or bf16 CPU tensors of one dtype, and the library builds."""
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32 or (grad and t.requires_grad):
             return False
     for c in caches:
-        if c.device.type != "cpu" or c.dtype not in (torch.float32, torch.float16) or c.dtype != caches[0].dtype:
+        if c.device.type != "cpu" or c.dtype not in KV_DTYPES or c.dtype != caches[0].dtype:
             return False
     return library() is not None
 
@@ -70,7 +78,7 @@ def store_kv(
     k, v = k.contiguous(), v.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     library().baige_store_kv(k.data_ptr(), v.data_ptr(), k.shape[0], hk, d, k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_cache.numel() // (hk * d), slots.data_ptr(), k_cache.dtype == torch.float16)
+                             k_cache.numel() // (hk * d), slots.data_ptr(), kv_dtype_code(k_cache.dtype))
 
 
 def paged_decode_attention(
@@ -92,7 +100,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     rc = library().baige_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D, nb,
                                                 bs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
-                                                out.data_ptr(), k_cache.dtype == torch.float16,
+                                                out.data_ptr(), kv_dtype_code(k_cache.dtype),
                                                 torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate the score buffer")

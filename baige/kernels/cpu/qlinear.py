@@ -106,8 +106,9 @@ def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
     Args:
         x: (rows, in) fp32, rows unit-strided.
-        weight: (out, in) fp16 or fp32, rows unit-strided (fp32 runs the fp32 kernel: a weight row is
-            read from memory once for all rows, where a BLAS sgemm at a few rows reads it per row).
+        weight: (out, in) fp16, bf16 or fp32, rows unit-strided (fp32 runs the fp32 kernel: a weight row is
+            read from memory once for all rows, where a BLAS sgemm at a few rows reads it per row;
+            bf16 runs bf16.c: vdpbf16ps over x rounded to bf16 on AVX-512 BF16, else exact widening).
         bias: (out,) fp32 contiguous, or None.
     Returns:
         (rows, out) fp32 (accumulated in fp32).
@@ -118,7 +119,9 @@ def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        fn = library().baige_linear_f32 if weight.dtype == torch.float32 else library().baige_linear_f16
+        lib = library()
+        fn = {torch.float32: lib.baige_linear_f32, torch.bfloat16: lib.baige_linear_bf16}.get(weight.dtype,
+                                                                                              lib.baige_linear_f16)
         fn(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), None,
            None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
     return y

@@ -1,6 +1,6 @@
 """A decode step in one native call on CPU (``baige/kernels/cpu/decode.c``).
 
-For decode-only steps of an fp32 model on CPU the engine's runner hands the whole layer stack to
+For decode-only steps of an fp32 or bf16 model on CPU the engine's runner hands the whole layer stack to
 ``baige_decode_layers`` (:class:`baige.kernels.NativeDecodeLayers`): each layer's norms, projections (fp32 ``nn.Linear``, or int8 / int4
 ``QuantizedLinear`` through the native weight-only kernels), RoPE, KV store, paged attention and MLP
 run in C, the tensors read in place through the pointers gathered here. Only the embedding lookup,
@@ -8,11 +8,18 @@ the rotary tables, the final norm and ``lm_head`` stay in PyTorch. The per-op pa
 remains the reference (``BAIGE_KERNELS=reference`` or ``BAIGE_CPU_DECODE=0`` select it); the
 results agree up to accumulation order and SiLU's ``exp`` (tests/infer/test_cpu_decode.py).
 
-What makes a model eligible (:meth:`FusedDecoder.build` says which check failed): every parameter
-fp32 on the CPU, each layer's seven projections fp32 ``nn.Linear``, ``Fp16WeightLinear``
-(``--quantization fp16-weight``) or ``QuantizedLinear`` (int8 per channel, or int4 with
-``in_features`` and ``group_size`` multiples of 8), contiguous fp32 or fp16 KV pools
-(``kv_cache_dtype``), and the native library built.
+What makes a model eligible (:meth:`FusedDecoder.build` says which check failed): every floating
+parameter on the CPU in one dtype, fp32 or bf16; each layer's seven projections an ``nn.Linear`` of
+that dtype, ``Fp16WeightLinear`` (``--quantization fp16-weight``) or ``QuantizedLinear`` (int8 per
+channel, or int4 with ``in_features`` and ``group_size`` multiples of 8); contiguous fp32, fp16 or
+bf16 KV pools (``kv_cache_dtype``); and the native library built.
+
+Under a bf16 model the step keeps activations and the residual stream in fp32 (the kernel's only
+activation dtype): bf16 weights are read as they are (vdpbf16ps over bf16-rounded activations on
+AVX-512 BF16, exact widening elsewhere; ``bf16.c``), norm weights and biases are fp32 copies, the
+K/V pools stay bf16 (rounded to nearest even on store, as torch rounds), and ``lm_head`` runs the
+same bf16 kernel into fp32 logits. The per-op bf16 path rounds every activation to bf16, so the two
+agree to bf16 precision, not bit for bit (tests/infer/test_cpu_decode.py).
 
 Multi-LoRA serving: a projection carrying a serving stack (``module.lora_stack``, fp32, see
 :func:`baige.runtime.model.lora.attach_lora_stack`) is described with it, and a step passes each
@@ -52,11 +59,14 @@ class FusedDecoder:
         """``(decoder, "")`` when the model is eligible (module docstring), else ``(None, why)``."""
         if not settings().cpu_decode or not kernels.native_allowed():
             return None, "disabled (BAIGE_CPU_DECODE=0 or BAIGE_KERNELS set)"
+        dtype = model.model.embed_tokens.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None, f"the model is {dtype}, not fp32 or bf16"
         for name, t in model.named_parameters():
-            if t.device.type != "cpu" or t.dtype != torch.float32:
-                return None, f"{name} is {t.dtype} on {t.device.type}, not fp32 on the CPU"
-        if kv.k[0].device.type != "cpu" or kv.k[0].dtype not in (torch.float32, torch.float16):
-            return None, "the KV cache is not fp32 or fp16 on the CPU"
+            if t.device.type != "cpu" or t.dtype != dtype:
+                return None, f"{name} is {t.dtype} on {t.device.type}, not {dtype} on the CPU"
+        if kv.k[0].device.type != "cpu" or kv.k[0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return None, "the KV cache is not fp32, fp16 or bf16 on the CPU"
         if not kernels.native_cpu_available():
             return None, "the native CPU library is not available"
         descs = []
@@ -76,9 +86,9 @@ class FusedDecoder:
             if not (kv.k[i].is_contiguous() and kv.v[i].is_contiguous()):
                 return None, "a KV pool is not contiguous"
             descs.append(kernels.DecodeLayerDesc(
-                linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                a.q_norm.weight if a.q_norm is not None else None, a.k_norm.weight if a.k_norm is not None else None,
-                kv.k[i], kv.v[i]))
+                linears, _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
+                _f32(a.q_norm.weight) if a.q_norm is not None else None,
+                _f32(a.k_norm.weight) if a.k_norm is not None else None, kv.k[i], kv.v[i]))
         c = model.config
         dims = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                 c.intermediate_size)
@@ -99,22 +109,25 @@ class FusedDecoder:
             lora_ids: (M,) int64 adapter slot of each token (-1 = none) in the LoRA stacks this decoder
                 was built with, or None (no adapter this step).
         Returns:
-            (1, M, hidden) fp32 final hidden states (after the last norm), as ``Transformer.forward``.
+            (1, M, hidden) fp32 final hidden states (after the last norm), as ``Transformer.forward``
+            (whose result is in the model's dtype).
         Raises:
             MemoryError: the kernel's scratch buffers could not be allocated.
         """
         model = self.model
-        h = model.model.embed_tokens(input_ids)[0].contiguous()  # (M, hidden), a fresh copy
-        cos, sin = model.rotary_emb(positions, h.dtype)  # (1, M, head_dim)
+        h = model.model.embed_tokens(input_ids)[0].float().contiguous()  # (M, hidden) fp32, a fresh copy
+        cos, sin = model.rotary_emb(positions, torch.float32)  # (1, M, head_dim)
         self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens, lora_ids)
         return model.model.norm(h)[None]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(M, hidden) fp32 -> (M, vocab) logits; an fp32 ``lm_head`` runs the native kernel (one read of
-        its weight for all M rows: a speculating sequence's k + 1 rows cost about one row)."""
+        """(M, hidden) fp32 -> (M, vocab) logits; an fp32 or bf16 ``lm_head`` runs the native kernel (one
+        read of its weight for all M rows: a speculating sequence's k + 1 rows cost about one row), into
+        fp32 logits."""
         head = self.model.lm_head
-        if type(head) is torch.nn.Linear and head.weight.dtype == torch.float32:
-            return kernels.dense_linear(hidden.contiguous(), head.weight, head.bias)
+        if type(head) is torch.nn.Linear and head.weight.dtype in (torch.float32, torch.bfloat16):
+            bias = None if head.bias is None else head.bias.float()
+            return kernels.dense_linear(hidden.contiguous(), head.weight, bias)
         return self.model.compute_logits(hidden)
 
 
@@ -125,9 +138,10 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
     bias = getattr(mod, "bias", None)
     if type(mod) is nn.Linear:
         w = mod.weight
-        if w.dtype != torch.float32 or w.stride(-1) != 1:
-            return None, "an fp32 nn.Linear with a row-major weight is needed"
-        desc = kernels.DecodeLinearDesc(kernels.LINEAR_F32, mod.out_features, mod.in_features, w)
+        if w.dtype not in (torch.float32, torch.bfloat16) or w.stride(-1) != 1:
+            return None, "an fp32 or bf16 nn.Linear with a row-major weight is needed"
+        kind = kernels.LINEAR_F32 if w.dtype == torch.float32 else kernels.LINEAR_BF16
+        desc = kernels.DecodeLinearDesc(kind, mod.out_features, mod.in_features, w)
     elif isinstance(mod, Fp16WeightLinear):
         desc = kernels.DecodeLinearDesc(kernels.LINEAR_F16, mod.out_features, mod.in_features, mod.weight_fp16)
         bias = mod.bias_fp32
@@ -155,3 +169,9 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
             return None, f"its LoRA stack is {a.dtype}, not fp32"
         desc.lora_a, desc.lora_b, desc.lora_scale = a.contiguous(), b.contiguous(), scale.float().contiguous()
     return desc, ""
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when fp32 and contiguous (the table then reads the parameter in place), else an fp32
+    contiguous copy (the norm weights of a bf16 model)."""
+    return t.detach().float().contiguous()

@@ -1,0 +1,114 @@
+/* bf16-weight linear layers: y = x @ W^T + bias with W bf16 (N, K) row-major (row stride ldw), x fp32
+ * (M, K) (row stride ldx), y fp32 (M, N) (row stride ldy), bias fp32 (N) or NULL; fp32 accumulation.
+ *
+ * With AVX-512 BF16 (the avx512_bf16 variant, Zen 4 / Sapphire Rapids) the rows of x are first rounded
+ * to bf16 (nearest even, vcvtne2ps2bf16) and each 32 weights of a row take one vdpbf16ps, which
+ * multiplies bf16 pairs exactly and adds them into 16 fp32 lanes (Intel SDM, VDPBF16PS; the same
+ * activation rounding a bf16 PyTorch model applies before every matmul). A 64-byte load and one
+ * instruction per 32 weights, against a widening load, a shift and two FMAs per 16 on the other
+ * variants, where baige_linear_bf16_widen (qlinear.c) keeps x in fp32 and widens the weights exactly.
+ *
+ * Tiling (AVX-512 BF16): NR = 4 output rows x up to MR = 4 input rows share each loaded vector (16
+ * zmm accumulators), so a weight row is read from memory once per call; the next tile (rows
+ * contiguous) is prefetched in address order while this one computes (measured, 1 thread, Zen 4: 14
+ * to 24 GB/s at one row, against 5-12 GB/s with the hardware prefetcher alone or per-row prefetches). K is covered in steps of 32 with a masked load for the tail (x is padded
+ * with zeros to a multiple of 32). Output tiles are split over `nthreads` OpenMP threads.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+void baige_linear_bf16_widen(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                             int64_t ldw, const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
+
+#if defined(__AVX512BF16__)
+
+#define NR 4
+#define MR 4
+
+/* Rows 0..mr-1 of xb (bf16, row stride K32) against output rows 0..nr-1 of w (bf16, row stride ldw):
+ * y[m, n] = sum_k xb[m, k] w[n, k] + bias[n]. Inlined with constant mr/nr at each call site. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *xb, int64_t K32, int mr, const uint16_t *w,
+                                                       int64_t ldw, int nr, int64_t K, const float *bias, float *y,
+                                                       int64_t ldy) {
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NR; n++) acc[m][n] = _mm512_setzero_ps();
+    const char *next = (const char *)(w + NR * ldw);
+    for (int64_t k = 0; k < K32; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+        __m512bh wv[NR];
+        for (int n = 0; n < NR; n++) {
+            if (n < nr) {
+                _mm_prefetch(next + 8 * k + 64 * n, _MM_HINT_T0);  /* the next tile, in address order */
+                wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * ldw + k);
+            }
+        }
+        for (int m = 0; m < MR; m++) {
+            if (m < mr) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * K32 + k);
+                for (int n = 0; n < NR; n++)
+                    if (n < nr) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m][n]) + (bias ? bias[n] : 0.0f);
+}
+
+/* x rows (M, K) fp32 -> (M, K32) bf16 rounded to nearest even, zero padded to K32 = K rounded up to 32 */
+static void round_rows(const float *x, int64_t M, int64_t K, int64_t ldx, uint16_t *xb, int64_t K32) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        uint16_t *o = xb + m * K32;
+        for (int64_t k = 0; k < K32; k += 32) {
+            const int64_t left = K - k;
+            const __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+            const __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0;
+            const __m512 a = _mm512_maskz_loadu_ps(lo, xr + k), b = _mm512_maskz_loadu_ps(hi, xr + k + 16);
+            _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+}
+
+void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                       int64_t ldw, const float *scale, const float *bias, float *y, int64_t ldy, int nthreads) {
+    (void)scale;
+    const int64_t K32 = (K + 31) & ~(int64_t)31, tiles = (N + NR - 1) / NR;
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(M * K32) + 64);
+    if (!xb) {  /* no scratch: the exact fp32 path needs none */
+        baige_linear_bf16_widen(x, M, K, ldx, w, N, ldw, scale, bias, y, ldy, nthreads);
+        return;
+    }
+    round_rows(x, M, K, ldx, xb, K32);
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const uint16_t *wn = w + n0 * ldw;
+        const float *b = bias ? bias + n0 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            const uint16_t *xm = xb + m0 * K32;
+            float *yo = y + m0 * ldy + n0;
+            if (nr == NR && mr == 4) tile(xm, K32, 4, wn, ldw, NR, K, b, yo, ldy);
+            else if (nr == NR && mr == 1) tile(xm, K32, 1, wn, ldw, NR, K, b, yo, ldy);
+            else if (nr == NR && mr == 2) tile(xm, K32, 2, wn, ldw, NR, K, b, yo, ldy);
+            else tile(xm, K32, mr, wn, ldw, nr, K, b, yo, ldy);
+        }
+    }
+    free(xb);
+}
+
+int baige_bf16_dot(void) { return 1; }
+
+#else
+
+void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                       int64_t ldw, const float *scale, const float *bias, float *y, int64_t ldy, int nthreads) {
+    baige_linear_bf16_widen(x, M, K, ldx, w, N, ldw, scale, bias, y, ldy, nthreads);
+}
+
+int baige_bf16_dot(void) { return 0; }
+
+#endif
