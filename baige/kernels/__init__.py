@@ -443,42 +443,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
 
 
-def cpu_isa() -> str | None:
-    """The instruction-set variant of the native CPU library ops use (``avx2``, ``avx512_vnni``, ...;
-    see :mod:`baige.kernels.cpu.isa`), or None where the library cannot run (no AVX2, no compiler).
-    Builds the library on first call."""
-    from baige.kernels.cpu import build
-
-    return build.current_isa() if build.library() is not None else None
-
-
-def cpu_isa_flags() -> list[str]:
-    """This CPU's instruction-set flags worth recording beside a benchmark number (``avx2``,
-    ``avx512_vnni``, ``amx_tile``, ...), as /proc/cpuinfo names them."""
-    from baige.kernels.cpu import isa
-
-    return isa.reported_flags()
-
-
-def cpu_int_dot() -> bool:
-    """Whether int8/int4 linears on CPU run as integer dot products over int8-rounded activations
-    (``BAIGE_CPU_INT_DOT``, on by default; :mod:`baige.kernels.cpu.qlinear`)."""
-    return settings().cpu_int_dot
-
-
-def native_cpu_available() -> bool:
-    """Whether the native CPU library is built and loadable here (builds it on first call)."""
-    from baige.kernels.cpu import library
-
-    return library() is not None
-
-
-def native_allowed() -> bool:
-    """Whether the settings let ops use the native CPU kernels (``BAIGE_KERNELS`` auto, and not
-    inside a ``torch.compile`` trace)."""
-    from baige.kernels.cpu import native_allowed as allowed
-
-    return allowed()
+from baige.kernels.cpu.info import (  # noqa: E402  (what the native CPU library runs on here)
+    cpu_has_native_bf16, cpu_int_dot, cpu_isa, cpu_isa_flags, native_allowed, native_cpu_available)
 
 
 # The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
@@ -492,7 +458,7 @@ from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot",
+    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc",
     "dequantize_weight", "expand_groups", "unpack_int4",

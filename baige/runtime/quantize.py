@@ -10,7 +10,8 @@ from torch import nn
 
 from baige.errors import BaigeError
 from baige.runtime.config import QuantizeConfig
-from baige.runtime.model.device import resolve_device
+from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.device import checkpoint_dtype, resolve_device
 from baige.runtime.model.tokenizer import Tokenizer, read_tokens
 from baige.runtime.quant.apply import quantize_model
 from baige.runtime.quant.format import quantized_checkpoint
@@ -93,7 +94,9 @@ def quantize_checkpoint(cfg: QuantizeConfig, progress: ProgressFn | None = None)
     scheme = scheme_for(cfg)
     clip = clip_search_on(cfg)
     model_dir = resolve_model(cfg.model)
-    model = load_model(model_dir, "auto", resolve_device(cfg.device))
+    # the checkpoint's own dtype (not the CPU's inference choice): what the output keeps unquantized
+    model = load_model(model_dir, checkpoint_dtype(ModelConfig.from_file(model_dir / "config.json")),
+                       resolve_device(cfg.device))
     if model.config.raw.get("quantization_config"):
         raise BaigeError(f"{model_dir}: the model is already quantized")
     calib = None

@@ -4,6 +4,8 @@
   read by :mod:`baige.kernels.settings`, the one reader of that variable.
 - ``BAIGE_CPU_DECODE=0``: keep CPU decode steps on the per-op path instead of the one-call native
   decode step (:mod:`baige.runtime.infer.cpu_decode`).
+- ``BAIGE_CPU_AUTO_DTYPE=auto|float32|bfloat16``: what ``--dtype auto`` runs on the CPU (auto: bf16
+  where the CPU has native bf16, else fp32; :func:`baige.runtime.model.device.cpu_auto_dtype`).
 - ``CXX``: the C++ compiler Inductor would use; ``training.compile = auto`` stays eager without one.
 
 Torch.distributed's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, SLURM's) are read where
@@ -24,13 +26,15 @@ from baige import kernels
 class RuntimeSettings:
     cache_dir: Path
     cpu_decode: bool
+    cpu_auto_dtype: str
     cxx: str | None
 
 
 def _read() -> RuntimeSettings:
+    auto_dtype = os.environ.get("BAIGE_CPU_AUTO_DTYPE", "auto") or "auto"  # checked where it is used
     return RuntimeSettings(cache_dir=kernels.settings().cache_dir,
                            cpu_decode=os.environ.get("BAIGE_CPU_DECODE", "1") != "0",
-                           cxx=os.environ.get("CXX") or None)
+                           cpu_auto_dtype=auto_dtype, cxx=os.environ.get("CXX") or None)
 
 
 _current: list[RuntimeSettings] = [_read()]

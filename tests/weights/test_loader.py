@@ -137,7 +137,14 @@ def test_bf16_checkpoint_stays_bf16(ckpt, tmp_path):
     proc = run_cli("convert", str(ckpt), str(tmp_path / "bf16"), "--dtype", "bfloat16")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    model = load_model(tmp_path / "bf16")
+    from baige.runtime.model.config import ModelConfig
+    from baige.runtime.model.device import resolve_dtype
+
+    # auto without a device (convert, quantize) keeps the checkpoint's dtype; on the CPU it is the CPU's
+    # choice (tests/model/test_dtype_auto.py), which the suite pins to fp32
+    assert resolve_dtype("auto", ModelConfig.from_file(tmp_path / "bf16" / "config.json")) == torch.bfloat16
+    assert load_model(tmp_path / "bf16").lm_head.weight.dtype == torch.float32
+    model = load_model(tmp_path / "bf16", "bfloat16")
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert load_model(tmp_path / "bf16", "float32").lm_head.weight.dtype == torch.float32
 

@@ -16,7 +16,7 @@ from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.config import ModelConfig
-from baige.runtime.model.device import resolve_dtype
+from baige.runtime.model.device import resolve_device, resolve_dtype
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.hub import DEFAULT_MODEL, resolve_model
 
@@ -59,7 +59,7 @@ class ChatSession:
         mc = ModelConfig.from_file(model_dir / "config.json")
         block_size, max_len = 16, mc.max_position_embeddings
         # the whole model's KV bytes: under tensor parallelism a rank's share holds more than one sequence
-        kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(mc, block_size, resolve_dtype(cfg.dtype, mc))
+        kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(mc, block_size, resolve_dtype(cfg.dtype, mc, resolve_device(cfg.device)))
         engine = Engine.from_config(EngineConfig(
             model=str(model_dir), dtype=cfg.dtype, device=cfg.device, max_num_seqs=1, block_size=block_size,
             kv_cache_memory=kv_bytes, speculative_config=cfg.speculative_config,

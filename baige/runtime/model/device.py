@@ -4,18 +4,49 @@ from __future__ import annotations
 
 import torch
 
+from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.model.config import ModelConfig
+from baige.runtime.settings import settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str | torch.dtype | None, cfg: ModelConfig) -> torch.dtype:
-    """``auto``/None -> the checkpoint's ``torch_dtype`` (fp32 if unknown); else the named dtype."""
+def checkpoint_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The checkpoint's ``torch_dtype`` from config.json (fp32 when absent or not a float type)."""
+    return DTYPES.get(cfg.torch_dtype.replace("torch.", ""), torch.float32)
+
+
+def cpu_auto_dtype() -> torch.dtype:
+    """What ``--dtype auto`` runs on the CPU (raises BaigeError for a bad ``BAIGE_CPU_AUTO_DTYPE``): bf16 where the CPU computes it natively (AVX-512 BF16 or
+    AMX-BF16: :func:`baige.kernels.cpu_has_native_bf16`), else fp32 (bf16 without those instructions
+    is converted op by op and runs slower than fp32; fp16 has no CPU matmul path worth taking). vLLM's
+    CPU backend makes the same choice. ``BAIGE_CPU_AUTO_DTYPE=float32|bfloat16`` overrides it
+    (the test suite pins float32, so its assertions hold on every CPU)."""
+    forced = settings().cpu_auto_dtype
+    if forced not in ("auto", "float32", "bfloat16"):
+        raise BaigeError(f"BAIGE_CPU_AUTO_DTYPE={forced!r}: choose auto, float32 or bfloat16")
+    if forced != "auto":
+        return DTYPES[forced]
+    return torch.bfloat16 if kernels.cpu_has_native_bf16() else torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype | None, cfg: ModelConfig, device: torch.device | None = None) -> torch.dtype:
+    """The dtype to run ``cfg``'s model in.
+
+    ``auto``/None: on a CPU ``device``, :func:`cpu_auto_dtype` for every 16/32-bit checkpoint; on
+    CUDA or with no device given (convert, quantize), the checkpoint's own dtype
+    (:func:`checkpoint_dtype`). A name: that dtype. A ``torch.dtype``: itself.
+
+    Raises:
+        BaigeError: an unknown name.
+    """
     if isinstance(name, torch.dtype):
         return name
     if name in (None, "auto"):
-        return DTYPES.get(cfg.torch_dtype.replace("torch.", ""), torch.float32)
+        if device is not None and torch.device(device).type == "cpu":
+            return cpu_auto_dtype()
+        return checkpoint_dtype(cfg)
     if name not in DTYPES:
         raise BaigeError(f"unknown dtype {name!r} (choose auto, {', '.join(DTYPES)})")
     return DTYPES[name]

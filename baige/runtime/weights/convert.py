@@ -7,6 +7,8 @@ from pathlib import Path
 
 from baige.errors import BaigeError
 from baige.runtime.config import check_output_path, parse_size
+from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.device import checkpoint_dtype
 from baige.runtime.weights.hub import resolve_model
 from baige.runtime.weights.loader import load_model
 from baige.runtime.weights.safetensors_io import save_hf_checkpoint
@@ -33,5 +35,6 @@ def convert_checkpoint(src: str, out: str | Path, dtype: str = "auto", max_shard
             src_dir = import_gguf(src, Path(tmp) / "imported")
         else:
             src_dir = resolve_model(src)
-        model = load_model(src_dir, dtype)
+        keep = checkpoint_dtype(ModelConfig.from_file(Path(src_dir) / "config.json"))
+        model = load_model(src_dir, keep if dtype in (None, "auto") else dtype)  # auto: the checkpoint's own
         return save_hf_checkpoint(model.state_dict(), model.config.raw, out, src_dir, shard_bytes)

@@ -22,6 +22,9 @@ def load_model(
 ) -> Transformer:
     """Build a :class:`Transformer` on the meta device and assign the checkpoint's tensors (strict).
 
+    ``dtype`` auto: on the CPU bf16 where the CPU has native bf16, else fp32; on CUDA the checkpoint's
+    (:func:`baige.runtime.model.device.resolve_dtype`).
+
     Every checkpoint tensor must be consumed and every parameter loaded. A config.json with a
     compressed-tensors ``quantization_config`` loads its Linears as ``QuantizedLinear``
     (see :func:`baige.runtime.quant.format.prepare_quantized_model`); integer tensors keep their dtype.
@@ -32,8 +35,8 @@ def load_model(
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    torch_dtype = resolve_dtype(dtype, cfg)
     device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
     state = moe_layout.to_internal(load_state_dict(model_dir, torch_dtype), cfg, str(model_dir))
     with torch.device("meta"):
         model = Transformer(cfg)
