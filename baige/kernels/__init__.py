@@ -319,15 +319,20 @@ def quantized_linear(
         (..., out) in the dtype of ``x``; accumulation in fp32 on the Triton path, which is forward
         only (inference: its output does not require grad).
 
-    On CPU with ``BAIGE_KERNELS`` auto, fp32 batches of up to 512 rows that need no gradient run the
-    native kernels of :mod:`baige.kernels.cpu.qlinear` (integer dot products unless ``int_dot`` is
-    off); everything else dequantizes and calls ``F.linear`` (the reference).
+    On CPU with ``BAIGE_KERNELS`` auto, fp32 or bf16 batches of up to 512 rows that need no gradient
+    run the native kernels of :mod:`baige.kernels.cpu.qlinear` (integer dot products unless ``int_dot``
+    is off; bf16 ``x`` widened to fp32 and the result rounded back, as a bf16 model's int8/int4
+    layers then run at the fp32 kernels' speed instead of dequantizing the weight per call);
+    everything else dequantizes and calls ``F.linear`` (the reference).
     """
-    if _native_cpu(x) is not None:
+    xf = x.float() if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad else x
+    if _native_cpu(xf) is not None:
         from baige.kernels.cpu import qlinear
 
-        if qlinear.supports(x, qweight, group_size, bias):
-            return qlinear.quantized_linear(x, qweight, scale, zero_point, group_size, bias, int_dot=int_dot)
+        if qlinear.supports(xf, qweight, group_size, bias):
+            bias_f = None if bias is None else bias.float()
+            y = qlinear.quantized_linear(xf, qweight, scale.float(), zero_point, group_size, bias_f, int_dot=int_dot)
+            return y.to(x.dtype)
     return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
 
 

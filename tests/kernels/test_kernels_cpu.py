@@ -178,6 +178,21 @@ def test_exact_kernels_on_every_variant(use_isa, variant, name):
     assert_close_fp64(out, ref, exact, name=f"{variant} {name}")
 
 
+@pytest.mark.parametrize("name", ["int8", "int4-g32-sym"])
+def test_bf16_activations_take_the_native_quantized_kernels(name, monkeypatch):
+    """A bf16 model's int8/int4 layers: bf16 x (and bias) widened to fp32, the native kernel, the result
+    rounded back to bf16, bitwise; the kernel really ran (not the dequantizing reference)."""
+    scheme = SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, 75, 1000)
+    x, bias = _randn(5, 1000, seed=4).bfloat16(), _randn(75, seed=5).bfloat16()
+    want = cpu.quantized_linear(x.float(), qweight, scale, zp, scheme.group_size, bias.float()).bfloat16()
+    calls = []
+    real = cpu.quantized_linear
+    monkeypatch.setattr(cpu, "quantized_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = kernels.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want) and calls == [1]
+
+
 def test_native_zero_rows():
     qweight, scale, zp = _weights(SCHEMES["int8"], 8, 64)
     assert cpu.quantized_linear(torch.empty(0, 64), qweight, scale, zp, None).shape == (0, 8)
