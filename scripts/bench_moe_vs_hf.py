@@ -6,10 +6,14 @@ and one sparse ... see --layers) is written with transformers, loaded by both, a
 
 - the sparse block alone (router + experts + combine): baige's ``SparseMoeBlock`` (``kernels.moe_topk``
   + ``kernels.fused_moe``, the grouped reference on CPU: tokens sorted by expert, one matmul chain
-  per expert) against ``Qwen3MoeSparseMoeBlock`` with ``experts_implementation="eager"``;
+  per expert on its contiguous slice) against ``Qwen3MoeSparseMoeBlock`` with
+  ``experts_implementation="eager"`` (transformers' per-expert loop; its default on CPU with torch
+  >= 2.9 is ``grouped_mm``, timed too as ``block_hf_grouped_mm``);
 - the whole model's forward to the final hidden states, no lm_head on either side (tokens/s).
 
-Median of ``--repeats`` timed runs after one warm-up. Prints a table and writes JSON.
+Both sides fp32, under ``torch.inference_mode``, the same ``torch.set_num_threads``; the best of
+``--repeats`` timed runs after two warm-ups (the median is written too). The load average and the
+CPU's AVX flags go into the JSON: the host may be shared. Prints a table and writes JSON.
 
     .venv/bin/python scripts/bench_moe_vs_hf.py --threads 1 2 --out bench-results/moe_vs_hf.json
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -27,14 +32,24 @@ from pathlib import Path
 import torch
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(best, median) seconds of ``repeats`` calls of ``fn`` after two warm-up calls."""
+    fn(), fn()
     samples = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    return min(samples), statistics.median(samples)
+
+
+def cpu_flags() -> list[str]:
+    """The ``avx*`` flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return sorted({w for w in text.split() if w.startswith("avx")})
 
 
 def make(path: Path, args) -> None:
@@ -91,7 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make(Path(tmp), args)
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, experts_implementation="eager").eval()
-        ours = load_model(tmp)
+        ours = load_model(tmp, dtype=torch.float32)  # fp32 on both sides (auto would pick bf16 on some CPUs)
         if args.save:
             save(Path(tmp), args.save)
     layer = next(i for i, layer in enumerate(ours.model.layers) if isinstance(layer.mlp, SparseMoeBlock))
@@ -100,26 +115,34 @@ def main() -> None:
     positions = torch.arange(args.tokens)[None]
     with torch.inference_mode():
         diff = (hf.model.layers[layer].mlp(x) - ours.model.layers[layer].mlp(x)).abs().max().item()
+    hf_block = hf.model.layers[layer].mlp
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
+        load = os.getloadavg()[0]
         with torch.inference_mode():
-            hf_block = timed(lambda: hf.model.layers[layer].mlp(x), args.repeats)
-            our_block = timed(lambda: ours.model.layers[layer].mlp(x), args.repeats)
-            hf_model = timed(lambda: hf.model(ids), args.repeats)  # hidden states, as ours: no lm_head
-            our_model = timed(lambda: ours(ids, positions), args.repeats)
-        rows.append({"threads": threads,
-                     "block_tokens_per_s": {"baige": args.tokens / our_block, "hf_eager": args.tokens / hf_block},
-                     "model_tokens_per_s": {"baige": args.tokens / our_model, "hf_eager": args.tokens / hf_model},
-                     "block_speedup": hf_block / our_block, "model_speedup": hf_model / our_model})
+            t = {"block_hf_eager": timed(lambda: hf_block(x), args.repeats),
+                 "block_baige": timed(lambda: ours.model.layers[layer].mlp(x), args.repeats),
+                 "model_hf_eager": timed(lambda: hf.model(ids), args.repeats),  # hidden states, as ours
+                 "model_baige": timed(lambda: ours(ids, positions), args.repeats)}
+            hf.set_experts_implementation("grouped_mm")
+            t["block_hf_grouped_mm"] = timed(lambda: hf_block(x), args.repeats)
+            hf.set_experts_implementation("eager")
+        rows.append({"threads": threads, "load_1min_before": load,
+                     "tokens_per_s_best": {n: args.tokens / v[0] for n, v in t.items()},
+                     "tokens_per_s_median": {n: args.tokens / v[1] for n, v in t.items()},
+                     "block_speedup": t["block_hf_eager"][0] / t["block_baige"][0],
+                     "model_speedup": t["model_hf_eager"][0] / t["model_baige"][0]})
     result = {"args": vars(args) | {"out": str(args.out)}, "max_abs_diff_block": diff, "rows": rows,
-              "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    print(f"{'threads':>7} {'block baige':>12} {'block HF':>10} {'x':>6} {'model baige':>12} {'model HF':>10} {'x':>6}"
-          "   (tokens/s)")
+              "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "cpu_flags": cpu_flags()}
+    print(f"{'threads':>7} {'block baige':>12} {'HF eager':>9} {'x':>5} {'HF grouped_mm':>14}"
+          f" {'model baige':>12} {'HF eager':>9} {'x':>5} {'load':>5}   (tokens/s, best of {args.repeats})")
     for r in rows:
-        b, m = r["block_tokens_per_s"], r["model_tokens_per_s"]
-        print(f"{r['threads']:>7} {b['baige']:>12.0f} {b['hf_eager']:>10.0f} {r['block_speedup']:>6.2f}"
-              f" {m['baige']:>12.0f} {m['hf_eager']:>10.0f} {r['model_speedup']:>6.2f}")
+        b = r["tokens_per_s_best"]
+        print(f"{r['threads']:>7} {b['block_baige']:>12.0f} {b['block_hf_eager']:>9.0f} {r['block_speedup']:>5.2f}"
+              f" {b['block_hf_grouped_mm']:>14.0f} {b['model_baige']:>12.0f} {b['model_hf_eager']:>9.0f}"
+              f" {r['model_speedup']:>5.2f} {r['load_1min_before']:>5.2f}")
     print(f"max |block difference| = {diff:.2e}", file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -440,8 +440,9 @@ def moe_align_block_size(
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    # Grouped: pairs sorted by expert, one batched matmul chain per expert that has pairs, then the
-    # weighted combine as one index_add (Megablocks' "dropless" formulation, Gale et al. 2022, arXiv:2211.15841).
+    # Grouped: pairs sorted by expert, one matmul chain per expert that has pairs on its contiguous
+    # slice, then the weighted combine as one index_add (Megablocks' "dropless" formulation, Gale et
+    # al. 2022, arXiv:2211.15841). Without autograd the chain writes in place into one buffer.
     T, k = topk_ids.shape
     inter = w2.shape[-1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -449,18 +450,29 @@ def fused_moe(
     order = torch.argsort(flat, stable=True)  # (T * k,) pair indices grouped by expert
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     tok = order // k  # (T * k,) token of each sorted pair
-    xs = x[tok]  # (T * k, H)
-    pieces, start = [], 0
-    # unbind: one backward stack for all experts instead of a full-size zero gradient per indexed expert
-    for c, w13_e, w2_e in zip(counts, w13.unbind(0), w2.unbind(0)):
-        if c:
-            gate_up = xs[start:start + c] @ w13_e.t()  # (c, 2 * I)
-            pieces.append(silu_mul(gate_up[:, :inter], gate_up[:, inter:]) @ w2_e.t())  # (c, H)
-            start += c
-    y = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])  # (T * k, H) in sorted order
-    weighted = y.to(acc) * topk_weights.reshape(-1)[order].to(acc)[:, None]
-    out = torch.zeros(T, x.shape[1], dtype=acc, device=x.device).index_add(0, tok, weighted)
-    return out.to(x.dtype)
+    xs = x.index_select(0, tok)  # (T * k, H)
+    w_sorted = topk_weights.reshape(-1).index_select(0, order).to(acc)[:, None]  # (T * k, 1)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+        pieces, start = [], 0
+        # unbind: one backward stack for all experts instead of a full-size zero gradient per indexed expert
+        for c, w13_e, w2_e in zip(counts, w13.unbind(0), w2.unbind(0)):
+            if c:
+                gate_up = xs[start:start + c] @ w13_e.t()  # (c, 2 * I)
+                pieces.append(silu_mul(gate_up[:, :inter], gate_up[:, inter:]) @ w2_e.t())  # (c, H)
+                start += c
+        y = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])  # (T * k, H) in sorted order
+        weighted = y.to(acc) * w_sorted
+    else:
+        weighted = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)  # (T * k, H) sorted
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                gate_up = torch.mm(xs[start:start + c], w13[e].t())  # (c, 2 * I)
+                act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])  # (c, I)
+                torch.mm(act, w2[e].t(), out=weighted[start:start + c])
+                start += c
+        weighted = weighted.to(acc).mul_(w_sorted)
+    return torch.zeros(T, x.shape[1], dtype=acc, device=x.device).index_add_(0, tok, weighted).to(x.dtype)
 
 
 # ---- batched multi-adapter LoRA (see baige.kernels.lora) ---------------------------------------------------
