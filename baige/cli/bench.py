@@ -37,6 +37,9 @@ InputLenOpt = Annotated[int, typer.Option(min=1, help="Random dataset: prompt le
 OutputLenOpt = Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")]
 RangeRatioOpt = Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")]
 DatasetOpt = Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON instead of random prompts.")]
+PeersOpt = Annotated[str, typer.Option(
+    help="Comparison: the peers to time, comma-separated: hf (HF transformers) and/or llama.cpp "
+         "(llama-cpp-python), or none (baige rows only). On a big model HF's rows take minutes: --peers llama.cpp.")]
 DEFAULT_OUT = Path("bench-results")
 
 
@@ -91,6 +94,12 @@ def _engine(model: str | None, dtype: DType, device: Device, enforce_eager: bool
                         tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """Comma-separated names (blanks dropped; ``none`` = no name at all)."""
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    return () if names == ("none",) else names
+
+
 def _numbers(text: str, option: str, kind: type, hint: str) -> list:
     """Comma-separated ``kind`` values of ``option`` (empty items skipped). Raises BaigeError with ``hint``."""
     from baige.errors import BaigeError
@@ -106,7 +115,7 @@ def bench(
     ctx: typer.Context, model: ModelOpt = None, output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
     threads: Annotated[Optional[int], typer.Option(min=1, help="CPU threads for torch here and in a launched "
                                                    "`baige serve` (its OMP_NUM_THREADS). Default: torch's choice.")] = None,
-    kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
+    kv_cache_dtype: KVCacheDTypeOpt = DType.auto, peers: PeersOpt = "hf,llama.cpp",
 ) -> None:
     """Benchmark baige against its peers and this machine's limits (memory bandwidth, matmul peak)."""
     if threads:
@@ -116,14 +125,16 @@ def bench(
     if ctx.invoked_subcommand is not None:
         # --model / --output-dir / --plot / --kv-cache-dtype given before the subcommand become its
         # defaults (compared by name: typer vendors its own click, whose ParameterSource is another enum)
-        given = {name: ctx.params[name] for name in ("model", "output_dir", "plot", "kv_cache_dtype")
+        given = {name: ctx.params[name] for name in ("model", "output_dir", "plot", "kv_cache_dtype", "peers")
                  if ctx.get_parameter_source(name).name != "DEFAULT"}
         sub = ctx.command.commands[ctx.invoked_subcommand]
-        if "kv_cache_dtype" in given and not any(p.name == "kv_cache_dtype" for p in sub.params):
-            from baige.errors import BaigeError
+        for name in ("kv_cache_dtype", "peers"):
+            if name in given and not any(p.name == name for p in sub.params):
+                from baige.errors import BaigeError
 
-            hint = " (pass it to the server: --server-arg=--kv-cache-dtype=...)" if ctx.invoked_subcommand == "serve" else ""
-            raise BaigeError(f"--kv-cache-dtype does not apply to `bench {ctx.invoked_subcommand}`{hint}")
+                hint = (" (pass it to the server: --server-arg=--kv-cache-dtype=...)"
+                        if ctx.invoked_subcommand == "serve" and name == "kv_cache_dtype" else "")
+                raise BaigeError(f"--{name.replace('_', '-')} does not apply to `bench {ctx.invoked_subcommand}`{hint}")
         if given:
             ctx.default_map = {name: {k: v for k, v in given.items() if any(p.name == k for p in cmd.params)}
                                for name, cmd in ctx.command.commands.items()}
@@ -132,7 +143,7 @@ def bench(
 
     from baige.runtime.bench.suite import run_suite, suite_table
 
-    result = run_suite(model, output_dir, plot, kv_cache_dtype.value)
+    result = run_suite(model, output_dir, plot, kv_cache_dtype.value, _names(peers))
     Console().print(suite_table(result))
     if result.get("interrupted"):
         raise typer.Exit(130)
@@ -293,9 +304,13 @@ def compare(
     range_ratio: Annotated[float, typer.Option(help="Throughput: lengths uniform in len*[1-r, 1+r].")] = 0.5,
     hf_batch_size: Annotated[int, typer.Option(min=1, help="HF static batch size.")] = 32,
     repeats: Annotated[int, typer.Option(min=1, help="Interleaved rounds (median kept).")] = 1,
-    quantized: Annotated[bool, typer.Option(help="Also time baige on int8 and int4 copies, with "
-                                                 "--quantization fp16-weight, and on the int8 copy with "
-                                                 "fp16-weight (CPU fp32).")] = True,
+    quantized: Annotated[bool, typer.Option(help="Also time the baige variants (--variants); --no-quantized: "
+                                                 "baige's own row only.")] = True,
+    variants: Annotated[Optional[str], typer.Option(
+        help="Comma-separated baige variants to time: int8, int4 (group 128), int4-g32 (group 32), fp16-weight, "
+             "int8+fp16-weight, int8+int8-weight, int4-g32+int8-weight (quantized copies and/or load-time "
+             "rewrites). int8 and int4-g32 also bring llama.cpp re-quantized to Q8_0 / Q4_0. Default: all.")] = None,
+    peers: PeersOpt = "hf,llama.cpp",
     kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     hf_dtype: Annotated[Optional[list[HFDType]], typer.Option(
         help="HF transformers dtypes to time (repeat the option; no auto). Decode times each in every round; "
@@ -305,19 +320,23 @@ def compare(
     tensor_parallel_size: TensorParallelOpt = 1, enable_expert_parallel: ExpertParallelOpt = False,
     output_dir: OutDirOpt = DEFAULT_OUT, plot: PlotOpt = False,
 ) -> None:
-    """baige vs HF transformers (and llama.cpp when installed): batch-1 decode and offline throughput ratios."""
+    """baige vs HF transformers and llama.cpp (when installed): batch-1 decode tokens/s, offline throughput
+    total tokens/s, their ratios, and llama.cpp at baige's bits per weight."""
     from baige.runtime.bench.compare import CompareConfig, run_compare
-    from baige.runtime.bench.report import compare_table
+    from baige.runtime.bench.report import compare_ratios_table, compare_table
 
     engine = _engine(model, dtype, device, enforce_eager, max_num_batched_tokens, None, kv_cache_dtype,
                      tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
     cfg = CompareConfig(engine, input_len, output_len, num_prompts, tp_input_len, tp_output_len, range_ratio,
-                        hf_batch_size, repeats, quantized=CompareConfig.quantized if quantized else (), seed=seed,
-                        hf_dtypes=tuple(d.value for d in hf_dtype) if hf_dtype else CompareConfig.hf_dtypes)
+                        hf_batch_size, repeats, seed=seed,
+                        quantized=() if not quantized else _names(variants) if variants else CompareConfig.quantized,
+                        hf_dtypes=tuple(d.value for d in hf_dtype) if hf_dtype else CompareConfig.hf_dtypes,
+                        peers=_names(peers))
 
     def render(r):
         from rich.console import Group
 
-        return Group(compare_table(r), *[f"note: {n}" for n in r["notes"]])
+        tables = [t for t in (compare_table(r), compare_ratios_table(r)) if t is not None]
+        return Group(*tables, *[f"note: {n}" for n in r["notes"]])
 
     _execute("compare", run_compare, cfg, output_dir, plot, render)

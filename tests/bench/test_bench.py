@@ -173,15 +173,20 @@ def test_compare_ratios_by_hand():
          "throughput": {"baige": {"tokens_per_s": 400.0}, "hf-float32": {"tokens_per_s": 100.0}}}
     r = ratios(s)
     assert r == {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-bfloat16": 2.0,
-                 "decode_baige_over_hf_best": 2.0, "decode_baige-int8_over_hf_best": 50.0 / 15.0,
-                 "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf_best": 4.0}
+                 "decode_baige_over_hf-best": 2.0, "decode_baige-int8_over_hf-best": 50.0 / 15.0,
+                 "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf-best": 4.0}
     s = {"decode": {"baige": {"tokens_per_s": 30.0}, "baige-int8": {"tokens_per_s": 60.0},
-                    "baige-int4-g32": {"tokens_per_s": 90.0}, "llama.cpp": {"tokens_per_s": 75.0},
+                    "baige-int4-g32": {"tokens_per_s": 90.0}, "llama.cpp-Q4_1": {"tokens_per_s": 75.0},
                     "llama.cpp-Q8_0": {"tokens_per_s": 40.0}, "llama.cpp-Q4_0": {"tokens_per_s": 72.0}}}
     r = ratios(s)
-    assert r == {"decode_baige_over_llama.cpp": 0.4, "decode_baige_over_llama.cpp-Q8_0": 0.75,
+    assert r == {"decode_baige_over_llama.cpp-Q4_1": 0.4, "decode_baige_over_llama.cpp-Q8_0": 0.75,
                  "decode_baige_over_llama.cpp-Q4_0": 30.0 / 72.0, "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
-                 "decode_baige-int4-g32_over_llama.cpp-Q4_0": 1.25, "decode_baige-int4-g32_over_llama.cpp": 1.2}
+                 "decode_baige-int4-g32_over_llama.cpp-Q4_0": 1.25, "decode_baige-int4-g32_over_llama.cpp-Q4_1": 1.2}
+    # Qwen2.5-Coder's GGUF ships as Q4_K_M: both int4 rows are timed against it
+    s = {"decode": {"baige": {"tokens_per_s": 2.0}, "baige-int4": {"tokens_per_s": 11.0},
+                    "baige-int4-g32": {"tokens_per_s": 10.0}, "llama.cpp-Q4_K_M": {"tokens_per_s": 8.0}}}
+    assert ratios(s) == {"decode_baige_over_llama.cpp-Q4_K_M": 0.25, "decode_baige-int4_over_llama.cpp-Q4_K_M": 1.375,
+                         "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25}
 
 
 def test_compare_times_rows_in_turn_and_keeps_the_fastest_hf_dtype(monkeypatch):
@@ -352,6 +357,23 @@ def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
     assert _result(tmp_path, "latency")["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
 
 
+def test_cli_compare_peers_none_and_one_variant(tiny_dir, tmp_path, monkeypatch):
+    """`bench --peers none compare --variants int8`: baige and baige-int8 only; HF transformers is never
+    imported, llama.cpp never tried (no note)."""
+    from baige.runtime.bench import compare
+
+    monkeypatch.setattr(compare, "_transformers", lambda: pytest.fail("HF loaded under --peers none"))
+    res = _cli(["bench", "--peers", "none", "--output-dir", str(tmp_path), "compare", "--model", str(tiny_dir),
+                "--input-len", "4", "--output-len", "3", "--num-prompts", "2", "--tp-input-len", "4",
+                "--tp-output-len", "2", "--variants", "int8"])
+    assert res.exit_code == 0, res.output
+    r = _result(tmp_path, "compare")
+    assert list(r["samples"]["decode"]) == ["baige", "baige-int8"] and r["notes"] == []
+    assert r["args"]["peers"] == [] and r["args"]["quantized"] == ["int8"]
+    assert set(r["summary"]["ratios"]) == set()  # no peer row, no ratio
+    assert "baige-int8" in res.output and "variants and equal bits" not in res.output  # no ratio: no second table
+
+
 def test_cli_group_kv_cache_dtype_refused_where_it_does_not_apply():
     res = _cli(["bench", "--kv-cache-dtype", "float16", "serve"])  # `baige` prints it as one line (main.py)
     assert res.exit_code != 0 and "does not apply to `bench serve`" in str(res.exception)
@@ -403,18 +425,20 @@ def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
         {"baige": 512.0, "hf-float32": 128.0, "hf-bfloat16": 192 / 0.6875})
     assert r["summary"]["ratios"] == pytest.approx({
         "decode_baige_over_hf-float32": 2.5, "decode_baige_over_hf-bfloat16": 1.75 / 0.375,
-        "decode_baige_over_hf_best": 2.5,  # float32 decodes faster
+        "decode_baige_over_hf-best": 2.5,  # float32 decodes faster
         "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf-bfloat16": 0.6875 / 0.375,
-        "throughput_baige_over_hf_best": 0.6875 / 0.375})  # bfloat16 batches faster
+        "throughput_baige_over_hf-best": 0.6875 / 0.375})  # bfloat16 batches faster
     # decode bytes per step: the fp32 weights (tied: 2 layers x (q, o 64x64 + k, v 64x32 + mlp 3 x 64x96 + 2
     # norms) + final norm + the 160 x 64 head) + 1 sequence x mean context (4 + 3/2) x K+V bytes per token
     weights = 4 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 96 + 2 * 64) + 64 + 160 * 64)
     assert r["model"]["weight_bytes"] == weights
     assert d["baige"]["roofline"]["bytes_per_step"] == weights + 5.5 * (2 * 2 * 2 * 16 * 4)
     assert "baige / row" in res.output and "offline throughput (32 prompts)" in res.output
+    ratios_line = next(ln for ln in res.output.splitlines() if "throughput" in ln and "baige / hf-best" in ln)
+    assert f"{0.6875 / 0.375:.2f}x" in ratios_line  # the second table: vs the best HF dtype
     # the model is a directory: llama.cpp is skipped with a note, whether or not llama-cpp-python is installed
     note = ("the model is not a GGUF file: llama.cpp skipped" if importlib.util.find_spec("llama_cpp")
-            else "llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
+            else "llama-cpp-python is not installed: llama.cpp skipped (scripts/setup.sh --with-llama-cpp)")
     assert r["notes"] == [note] and "llama.cpp" not in d
     assert list(tmp_path.glob("compare-*-decode.png"))
 
@@ -550,18 +574,39 @@ def test_suite_headlines_and_table():
     cfgs = suite_configs(None)
     assert list(cfgs) == ["latency", "throughput", "serve", "compare"] and cfgs["serve"].request_rate == 4.0
     assert cfgs["latency"].engine.kv_cache_dtype == "auto" and cfgs["serve"].server_args == []
+    assert cfgs["compare"].peers == ("hf", "llama.cpp") and suite_configs(None, peers=())["compare"].peers == ()
     half = suite_configs(None, "float16")
     assert {half[k].engine.kv_cache_dtype for k in ("latency", "throughput", "compare")} == {"float16"}
     assert half["serve"].server_args == ["--kv-cache-dtype", "float16"]
     lat = {"summary": {"decode_tokens_per_s": 20.0, "ttft_s": 0.05, "tpot_s": 0.05,
                        "decode_roofline": {"pct_of_limit": 40.0}}}
-    cmp_ = {"summary": {"ratios": {"decode_baige_over_hf_best": 2.5}}}
+    # every ratio compare reports on Qwen2.5-Coder's GGUF; the suite keeps baige / hf-best and those vs llama.cpp
+    cmp_ = {"summary": {"ratios": {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-best": 2.5,
+                                   "decode_baige-int4-g32+int8-weight_over_hf-best": 9.0,
+                                   "decode_baige_over_llama.cpp-Q4_K_M": 0.125,
+                                   "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25,
+                                   "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
+                                   "throughput_baige_over_hf-best": 0.75}}}
     rows = {"latency": headline("latency", lat), "compare": headline("compare", cmp_)}
     assert rows["latency"][0] == ("batch-1 decode", 20.0, "tokens/s", 40.0)
     assert rows["latency"][1] == ("TTFT", 50.0, "ms", None)
-    assert rows["compare"] == [("decode: baige / hf_best", 2.5, "x", None)]
+    assert rows["compare"] == [("decode: baige / hf-best", 2.5, "x", None),
+                               ("decode: baige / llama.cpp-Q4_K_M", 0.125, "x", None),
+                               ("decode: baige-int4-g32 / llama.cpp-Q4_K_M", 1.25, "x", None),
+                               ("decode: baige-int8 / llama.cpp-Q8_0", 1.5, "x", None),
+                               ("throughput: baige / hf-best", 0.75, "x", None)]
+    serve = {"output_throughput": 123.456, "median_ttft_ms": 1234.5, "median_tpot_ms": 50.0, "failed": 0,
+             "roofline": {"decode": {"pct_of_limit": 12.5}}}
+    rows = {"latency": rows["latency"], "serve": headline("serve", serve), "compare": rows["compare"]}
     result = {"summary": {k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), r)) for r in v] for k, v in rows.items()}}
-    console = Console(width=200, record=True)
+    console = Console(width=80, record=True)
     console.print(suite_table(result))
-    text = console.export_text()
-    assert "batch-1 decode" in text and "20.00" in text and "40.0%" in text and "2.50" in text
+    lines = console.export_text().splitlines()
+    assert max(len(ln) for ln in lines) <= 80 and not any("…" in ln for ln in lines)  # fits, nothing cut
+    # one section per part, compare's split by workload, every metric whole on one line
+    for title in ("latency", "serve", "compare: decode", "compare: throughput"):
+        assert sum(ln.strip("│ ").startswith(title) for ln in lines) == 1, title
+    row = next(ln for ln in lines if "baige-int4-g32 / llama.cpp-Q4_K_M" in ln)
+    assert [c.strip() for c in row.split("│")[1:5]] == ["baige-int4-g32 / llama.cpp-Q4_K_M", "1.25", "x", ""]
+    assert any("batch-1 decode" in ln and "20.00" in ln and "40.0%" in ln for ln in lines)
+    assert any("output tokens" in ln and "123.46" in ln and "tokens/s" in ln and "12.5%" in ln for ln in lines)

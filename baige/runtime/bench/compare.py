@@ -12,12 +12,15 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
   this workload (the "best dtype"; decode speed does not predict it: with 2 threads on the AVX2 dev
   box bf16 decoded fastest but ran static batches at 41 total tokens/s).
 
-Peers: HF transformers (``generate``) in float32 and bfloat16 always; llama-cpp-python on the same
-GGUF when installed (decode only). The quantized rows are baige on int8 / int4 (RTN, group 128) /
+Peers (``peers``, vLLM-style names ``hf`` and ``llama.cpp``; both by default): HF transformers
+(``generate``) in float32 and bfloat16; llama-cpp-python on the same GGUF when installed (decode only,
+the same thread count), as shipped and re-quantized by llama.cpp to baige's bit widths
+(:mod:`baige.runtime.bench.llama_peer`). The quantized rows are baige on int8 / int4 (RTN, group 128) /
 int4-g32 (group 32, the group of llama.cpp's Q4_0) copies of the model quantized into a temporary directory, baige with ``--quantization fp16-weight``
 (fp16-stored weights, fp32 math; CPU fp32 only), and ``int8+fp16-weight`` (the int8 copy with its
 remaining fp32 Linear, the tied lm_head, stored fp16); decode and throughput for each. Every repeat runs each system once in turn
-and the report keeps the median per system. Ratios are baige / peer.
+and the report keeps the median per system. Ratios are baige / peer, keyed
+``<workload>_<baige row>_over_<peer row>`` (``hf-best``: the fastest HF dtype).
 """
 
 from __future__ import annotations
@@ -33,11 +36,18 @@ from pathlib import Path
 import torch
 
 from baige.runtime import roofline
+from baige.runtime.bench import llama_peer
 from baige.runtime.bench.common import environment, random_token_prompts
 from baige.runtime.bench.offline import Progress, build_llm, run_args
 from baige.runtime.config import DATA_SEED_RANGE, EngineConfig, check_int
 
 Requests = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
+PEERS = ("hf", "llama.cpp")
+# baige variants: a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0),
+# a serving-time rewrite (--quantization fp16-weight / int8-weight), or both ("+")
+VARIANTS = ("int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight", "int8+int8-weight", "int4-g32+int8-weight")
+# baige checkpoint -> the llama.cpp type it is timed against at about the same bits per weight
+REQUANT_FOR = {"int8": "Q8_0", "int4-g32": "Q4_0"}
 
 
 @dataclass
@@ -54,15 +64,27 @@ class CompareConfig:
     hf_batch_size: int = 32
     repeats: int = 1
     hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    # baige variants: a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0),
-    # --quantization fp16-weight, or both ("+")
-    quantized: tuple[str, ...] = ("int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight",
-                                  "int8+int8-weight", "int4-g32+int8-weight")
+    quantized: tuple[str, ...] = VARIANTS
     seed: int = 0
+    peers: tuple[str, ...] = PEERS  # which peers run: "hf", "llama.cpp"
 
     def __post_init__(self) -> None:
+        """Raises BaigeError for an unknown peer or variant."""
         self.hf_dtypes = tuple(dict.fromkeys(self.hf_dtypes))
+        self.peers = tuple(dict.fromkeys(self.peers))
+        self.quantized = tuple(dict.fromkeys(self.quantized))
         check_int("--seed", self.seed, *DATA_SEED_RANGE)
+        check_names("--peers", self.peers, PEERS)
+        check_names("--variants", self.quantized, VARIANTS)
+
+
+def check_names(option: str, given: tuple[str, ...], known: tuple[str, ...]) -> None:
+    """Raises BaigeError naming ``option`` when ``given`` holds a name not in ``known``."""
+    from baige.errors import BaigeError
+
+    bad = [g for g in given if g not in known]
+    if bad:
+        raise BaigeError(f"{option}: unknown {', '.join(map(repr, bad))} (known: {', '.join(known)})")
 
 
 @dataclass
@@ -175,19 +197,6 @@ def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, p
         _add_baige(rows, f"baige-{variant}", q, prompt, reqs, cfg.output_len)
 
 
-def _llama_cpp_decode(gguf: Path, prompt: list[int], n: int) -> Callable[[], None]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n + 8, n_threads=torch.get_num_threads(), verbose=False)
-    bias = {llm.token_eos(): -1e9}
-
-    def run() -> None:
-        llm.reset()
-        llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias=bias)
-
-    return run
-
-
 def _gguf_of(spec: str | None) -> Path | None:
     from baige.runtime.weights.hub import ALIASES, DEFAULT_MODEL, alias_gguf_path
 
@@ -198,16 +207,30 @@ def _gguf_of(spec: str | None) -> Path | None:
 
 
 def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str]) -> None:
-    """Row ``llama.cpp`` (decode only) on the model's GGUF when llama-cpp-python is installed, else a note.
-    (Re-quantizing the GGUF to Q8_0 / Q4_0 through ``llama_cpp.llama_model_quantize`` was tried and
-    crashed the process after writing Q4_0 with llama-cpp-python 0.3.36; not offered.)"""
+    """Rows ``llama.cpp-<type>`` (decode only, ``torch.get_num_threads()`` threads): the model's GGUF as
+    shipped and, for the int8 / int4-g32 variants being timed, the GGUF re-quantized by llama.cpp to Q8_0 /
+    Q4_0 (cached, in a child process). Without llama-cpp-python or a GGUF, or when a re-quantization
+    fails, one note and no row."""
+    from baige.runtime.weights.hub import cache_dir
+
     gguf = _gguf_of(cfg.engine.model)
     if importlib.util.find_spec("llama_cpp") is None:
-        notes.append("llama-cpp-python is not installed: llama.cpp skipped (pip install llama-cpp-python)")
-    elif gguf is None:
+        notes.append("llama-cpp-python is not installed: llama.cpp skipped (scripts/setup.sh --with-llama-cpp)")
+        return
+    if gguf is None:
         notes.append("the model is not a GGUF file: llama.cpp skipped")
-    else:
-        rows.add("llama.cpp", _llama_cpp_decode(gguf, prompt, cfg.output_len), None, gguf.stat().st_size, 2)
+        return
+    threads = torch.get_num_threads()
+    files = {llama_peer.gguf_file_type(gguf): gguf}
+    checkpoints = {p for v in cfg.quantized for p in v.split("+")}
+    for qtype in (q for c, q in REQUANT_FOR.items() if c in checkpoints and q not in files):
+        try:
+            files[qtype] = llama_peer.requantize(gguf, qtype, threads, cache_dir())
+        except (RuntimeError, OSError) as e:
+            notes.append(f"llama.cpp-{qtype} skipped: {e}")
+    for qtype, path in files.items():
+        rows.add(f"llama.cpp-{qtype}", llama_peer.llama_cpp_decode(path, prompt, cfg.output_len, threads), None,
+                 path.stat().st_size, 2)
 
 
 def _context_len(cfg: CompareConfig) -> int:
@@ -285,7 +308,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     summary of tokens/s, ratios and roofline per system. Raises BaigeError without HF transformers."""
     from baige.runtime.weights.hub import resolve_model
 
-    auto_model = _transformers()
+    auto_model = _transformers() if "hf" in cfg.peers and cfg.hf_dtypes else None
     model_dir = resolve_model(cfg.engine.model)
     notes: list[str] = []
     baige = build_llm(cfg.engine, _context_len(cfg), cfg.num_prompts)
@@ -294,10 +317,12 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.tp_input_len, cfg.tp_output_len, cfg.range_ratio, cfg.seed)
     rows = Rows()
     _add_baige(rows, "baige", baige, decode_prompt, reqs, cfg.output_len)
-    _add_hf(rows, auto_model, cfg, model_dir, decode_prompt, reqs, pad_id=baige.engine.eos_token_ids[0])
+    if auto_model is not None:
+        _add_hf(rows, auto_model, cfg, model_dir, decode_prompt, reqs, pad_id=baige.engine.eos_token_ids[0])
     with tempfile.TemporaryDirectory(prefix="baige-bench-quant-") as tmp:
         _add_quantized(rows, cfg, model_dir, Path(tmp), decode_prompt, reqs, notes)
-        _add_llama_cpp(rows, cfg, decode_prompt, notes)
+        if "llama.cpp" in cfg.peers:
+            _add_llama_cpp(rows, cfg, decode_prompt, notes)
         limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)  # before the load, once
         samples, interrupted = time_rows(rows, cfg.repeats, progress)
     counts = roofline.model_counts(baige.engine.model)
@@ -307,29 +332,35 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
 
 
 # (baige row, llama.cpp row) at about the same bits per weight: int8 per channel vs Q8_0 (8.5 bits),
-# int4 g32 vs Q4_0 (4.5) and vs the embedded GGUF's own Q4_1 (5.0; the row "llama.cpp")
-EQUAL_BITS = (("baige-int8", "llama.cpp-Q8_0"), ("baige-int4-g32", "llama.cpp-Q4_0"), ("baige-int4-g32", "llama.cpp"))
+# int4 g32 vs Q4_0 (4.5) and Q4_1 (5.0; the embedded GGUF as shipped), int4 vs Q4_K_M (about 4.9;
+# Qwen2.5-Coder-1.5B's GGUF as shipped)
+EQUAL_BITS = (("baige-int8", "llama.cpp-Q8_0"), ("baige-int4-g32", "llama.cpp-Q4_0"),
+              ("baige-int4-g32", "llama.cpp-Q4_1"), ("baige-int4", "llama.cpp-Q4_K_M"),
+              ("baige-int4-g32", "llama.cpp-Q4_K_M"))
+
+
+def ratio_key(kind: str, ours: str, peer: str) -> str:
+    """The ratios' key: ``<workload>_<baige row>_over_<peer row>``, e.g. ``decode_baige-int8_over_llama.cpp-Q8_0``."""
+    return f"{kind}_{ours}_over_{peer}"
 
 
 def ratios(summary: dict) -> dict[str, float]:
-    """baige / peer tokens/s for every peer row, ``vs_hf_best`` against the fastest HF dtype, and the
-    :data:`EQUAL_BITS` pairs present."""
+    """baige / peer tokens/s for every peer row, baige and each baige variant against ``hf-best`` (the
+    fastest HF dtype), and the :data:`EQUAL_BITS` pairs present. Keys: :func:`ratio_key`."""
     out = {}
     for kind in ("decode", "throughput"):
-        rows = summary.get(kind, {})
+        rows = {k: v["tokens_per_s"] for k, v in summary.get(kind, {}).items()}
         if "baige" not in rows:
             continue
-        ours = rows["baige"]["tokens_per_s"]
-        peers = {k: v["tokens_per_s"] for k, v in rows.items() if not k.startswith("baige")}
+        peers = {k: v for k, v in rows.items() if not k.startswith("baige")}
         for k, v in peers.items():
-            out[f"{kind}_baige_over_{k}"] = ours / v
+            out[ratio_key(kind, "baige", k)] = rows["baige"] / v
         hf = [v for k, v in peers.items() if k.startswith("hf-")]
         if hf:
-            out[f"{kind}_baige_over_hf_best"] = ours / max(hf)
-            for k, v in rows.items():  # every baige variant (quantized, fp16-weight) against the best HF
-                if k.startswith("baige-"):
-                    out[f"{kind}_{k}_over_hf_best"] = v["tokens_per_s"] / max(hf)
+            for k, v in rows.items():  # baige and every variant (quantized, fp16-weight) against the best HF
+                if k.startswith("baige"):
+                    out[ratio_key(kind, k, "hf-best")] = v / max(hf)
         for ours_k, peer_k in EQUAL_BITS:
             if ours_k in rows and peer_k in rows:
-                out[f"{kind}_{ours_k}_over_{peer_k}"] = rows[ours_k]["tokens_per_s"] / rows[peer_k]["tokens_per_s"]
+                out[ratio_key(kind, ours_k, peer_k)] = rows[ours_k] / rows[peer_k]
     return out

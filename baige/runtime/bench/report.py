@@ -143,6 +143,28 @@ def compare_table(r: dict) -> Table:
     return table
 
 
+def ratio_label(key: str) -> tuple[str, str]:
+    """A ratio key of ``bench compare`` (``<workload>_<baige row>_over_<peer row>``) as (workload,
+    ``"<baige row> / <peer row>"``), the row names as the compare table prints them."""
+    kind, _, rest = key.partition("_")
+    ours, _, peer = rest.partition("_over_")
+    return kind, f"{ours} / {peer}"
+
+
+def compare_ratios_table(r: dict) -> Table | None:
+    """The ratios the compare table's "baige / row" column does not show: each baige variant against
+    the fastest HF dtype, and baige against llama.cpp at equal bits per weight; None when there is none."""
+    table = Table(title="baige bench compare: variants and equal bits (ratio of tokens/s)")
+    table.add_column("workload")
+    table.add_column("baige row / peer row")
+    table.add_column("ratio", justify="right")
+    for key, value in r["summary"].get("ratios", {}).items():
+        kind, label = ratio_label(key)
+        if not label.startswith("baige /") or label.endswith("/ hf-best"):
+            table.add_row(kind, label, f"{value:.2f}x")
+    return table if table.row_count else None
+
+
 def write_plots(r: dict, output_dir: str | Path, stem: str) -> list[Path]:
     """PNG charts of a result into ``output_dir``; returns the paths written."""
     import matplotlib

@@ -11,13 +11,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from baige.runtime.bench.common import environment, write_result
-from baige.runtime.bench.report import write_plots
+from baige.runtime.bench.report import ratio_label, write_plots
 
 
-def suite_configs(model: str | None, kv_cache_dtype: str = "auto") -> dict:
+def suite_configs(model: str | None, kv_cache_dtype: str = "auto", peers: tuple[str, ...] | None = None) -> dict:
     """The four parts and their (small) sizes; ``kv_cache_dtype`` goes to every baige engine, the
-    launched server included."""
-    from baige.runtime.bench.compare import CompareConfig
+    launched server included; ``peers`` (default: all) to compare. Raises BaigeError for an unknown peer."""
+    from baige.runtime.bench.compare import PEERS, CompareConfig
     from baige.runtime.bench.offline import LatencyConfig, ThroughputConfig, bench_engine
     from baige.runtime.bench.serve_run import ServeBenchConfig
 
@@ -28,7 +28,8 @@ def suite_configs(model: str | None, kv_cache_dtype: str = "auto") -> dict:
         "throughput": ThroughputConfig(eng, num_prompts=16, input_len=64, output_len=32, range_ratio=0.5),
         "serve": ServeBenchConfig(model, num_prompts=16, input_len=64, output_len=32, request_rate=4.0,
                                   server_args=server_args),
-        "compare": CompareConfig(eng, input_len=32, output_len=32, num_prompts=32, tp_input_len=64, tp_output_len=32),
+        "compare": CompareConfig(eng, input_len=32, output_len=32, num_prompts=32, tp_input_len=64, tp_output_len=32,
+                                 peers=PEERS if peers is None else peers),
     }
 
 
@@ -46,15 +47,18 @@ def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
         return [("output tokens", r["output_throughput"], "tokens/s", dec.get("pct_of_limit")),
                 ("median TTFT", r["median_ttft_ms"], "ms", None), ("median TPOT", r["median_tpot_ms"], "ms", None),
                 ("failed", r["failed"], "requests", None)]
-    if name == "compare" and s:
-        return [(k.replace("_baige_over_", ": baige / "), v, "x", None) for k, v in s.get("ratios", {}).items()]
+    if name == "compare" and s:  # "<workload>: <baige row> / <peer row>": vs the best HF dtype and vs llama.cpp
+        labels = {k: ratio_label(k) for k in s.get("ratios", {})}
+        return [(f"{kind}: {label}", s["ratios"][k], "x", None) for k, (kind, label) in labels.items()
+                if label == "baige / hf-best" or "/ llama.cpp" in label]
     return []
 
 
-def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_cache_dtype: str = "auto") -> dict:
+def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_cache_dtype: str = "auto",
+              peers: tuple[str, ...] | None = None) -> dict:
     """Run the parts in order; stops after an interrupted part (its JSON is still written).
 
-    Raises BaigeError at once for an ``output_dir`` that cannot be a writable directory."""
+    Raises BaigeError at once for an ``output_dir`` that cannot be a writable directory or an unknown peer."""
     from baige.runtime.bench.compare import run_compare
     from baige.runtime.bench.offline import run_latency, run_throughput
     from baige.runtime.bench.serve_run import run_serve
@@ -65,7 +69,7 @@ def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_
     err = Console(stderr=True)
     runners = {"latency": run_latency, "throughput": run_throughput, "compare": run_compare,
                "serve": lambda cfg, progress: run_serve(cfg, None)}
-    cfgs = suite_configs(model, kv_cache_dtype)
+    cfgs = suite_configs(model, kv_cache_dtype, peers)
     rows: dict[str, list] = {}
     files: dict[str, str] = {}
     interrupted = False
@@ -96,17 +100,26 @@ def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_
 
 
 def suite_table(result: dict) -> Table:
-    """The one summary table of the default suite."""
+    """The one summary table of the default suite: a section per part (compare: one per workload, its
+    metrics "<baige row> / <peer row>" as in the compare table), 80 columns wide for every metric the
+    parts report on the embedded model and on Qwen2.5-Coder-1.5B's GGUF."""
     table = Table(title="baige bench (default suite)")
-    table.add_column("benchmark")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("unit")
     table.add_column("% of limit", justify="right")
+    sections: dict[str, list[tuple[str, dict]]] = {}
     for name, rows in result["summary"].items():
         for row in rows:
-            v = row["value"]
-            pct = row["pct_of_limit"]
-            table.add_row(name, row["metric"], f"{v:.2f}" if isinstance(v, float) else str(v), row["unit"],
+            kind, sep, label = row["metric"].partition(": ")
+            title, metric = (f"{name}: {kind}", label) if name == "compare" and sep else (name, row["metric"])
+            sections.setdefault(title, []).append((metric, row))
+    for title, rows in sections.items():
+        if table.row_count:
+            table.add_section()
+        table.add_row(f"[bold]{title}[/bold]", "", "", "")
+        for metric, row in rows:
+            v, pct = row["value"], row["pct_of_limit"]
+            table.add_row(f"  {metric}", f"{v:.2f}" if isinstance(v, float) else str(v), row["unit"],
                           "" if pct is None else f"{pct:.1f}%")
     return table

@@ -1,0 +1,164 @@
+"""llama.cpp (through llama-cpp-python) as a peer of ``baige bench compare``: the model's GGUF as shipped,
+and the same GGUF re-quantized by llama.cpp itself to the bit widths of baige's quantized rows.
+
+Rows are named ``llama.cpp-<type>`` by the file's llama.cpp file type (GGUF ``general.file_type``,
+llama.h's ``LLAMA_FTYPE_MOSTLY_*``): the embedded SmolLM2 GGUF is ``llama.cpp-Q4_1``, Qwen2.5-Coder's
+``llama.cpp-Q4_K_M``, and the re-quantized copies ``llama.cpp-Q8_0`` (8.5 bits per weight, baige int8's
+peer) and ``llama.cpp-Q4_0`` (4.5 bits, baige int4-g32's).
+
+Re-quantization (``llama_model_quantize`` with ``allow_requantize``) runs in a child process,
+``python -m baige.runtime.bench.llama_peer SRC DST TYPE THREADS``: with llama-cpp-python 0.3.36 an
+in-process call once crashed the benchmark (SIGSEGV right after writing Q4_0). The result is cached as
+``$BAIGE_CACHE/llama_cpp/<stem>-<key>-<TYPE>.gguf`` (key: the source's path, size and mtime), written
+under a temporary name and renamed only after the child exited 0 and the file starts with the GGUF magic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import signal
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+# llama.cpp file types baige re-quantizes to (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2, Q4_1 = 3, Q8_0 = 7)
+LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
+REQUANT_TIMEOUT_S = 1800  # seconds; Q8_0 of a 1.5B model takes well under a minute on one core
+
+
+# GGUF metadata value types (ggml/docs/gguf.md: gguf_metadata_value_type) -> struct format of a scalar
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_value(f: BinaryIO, vtype: int):
+    """One metadata value of type ``vtype`` read from ``f`` (little-endian GGUF v2/v3); arrays are skipped."""
+    if vtype == _GGUF_STRING:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n).decode("utf-8", "replace")
+    if vtype == _GGUF_ARRAY:
+        etype, n = struct.unpack("<IQ", f.read(12))
+        if etype in _GGUF_SCALARS:
+            f.seek(n * struct.calcsize(_GGUF_SCALARS[etype]), 1)
+        else:
+            for _ in range(n):
+                _gguf_value(f, etype)
+        return None
+    fmt = "<" + _GGUF_SCALARS[vtype]
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def gguf_file_type(path: Path) -> str:
+    """llama.cpp's name for the GGUF's file type (``general.file_type``, llama.h's ``LLAMA_FTYPE_*``):
+    ``Q4_1``, ``Q4_K_M``, ``F16``, ...; ``GGUF`` when the file does not say. Reads the metadata up to that
+    key only (the tokenizer's arrays usually come after it). Raises ValueError for a file that is not GGUF."""
+    from gguf import LlamaFileType
+
+    with open(path, "rb") as f:
+        magic, _version, _n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
+        if magic != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        for _ in range(n_kv):
+            (n,) = struct.unpack("<Q", f.read(8))
+            key = f.read(n)
+            (vtype,) = struct.unpack("<I", f.read(4))
+            value = _gguf_value(f, vtype)
+            if key == b"general.file_type":
+                try:
+                    return LlamaFileType(int(value)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+                except ValueError:
+                    return f"ftype{value}"
+    return "GGUF"
+
+
+def cached_path(src: Path, qtype: str, cache: Path) -> Path:
+    """Where the ``qtype`` re-quantization of ``src`` is cached under ``cache`` (the baige cache root)."""
+    st = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache / "llama_cpp" / f"{src.stem}-{key}-{qtype}.gguf"
+
+
+def child_argv(src: Path, dst: Path, qtype: str, threads: int) -> list[str]:
+    """The command line of the re-quantizing child process."""
+    return [sys.executable, "-m", __name__, str(src), str(dst), qtype, str(threads)]
+
+
+def _exit_reason(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"died of {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"died of signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def requantize(src: Path, qtype: str, threads: int, cache: Path) -> Path:
+    """``src`` re-quantized by llama.cpp to ``qtype`` (a key of :data:`LLAMA_FTYPES`) with ``threads``
+    threads, in a child process; a cached result is reused. Returns the GGUF's path.
+
+    Raises RuntimeError (one line: the exit status or signal and the child's last stderr line) when
+    the child fails, times out, or leaves no GGUF; OSError when the cache cannot be written. Nothing
+    is left under the final name on failure."""
+    out = cached_path(src, qtype, cache)
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        try:
+            proc = subprocess.run(child_argv(src, tmp, qtype, threads), capture_output=True, text=True,
+                                  timeout=REQUANT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"llama_model_quantize to {qtype} took over {REQUANT_TIMEOUT_S} s") from None
+        last = next((ln.strip() for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
+        if proc.returncode != 0:
+            raise RuntimeError(f"the llama_model_quantize process (to {qtype}) {_exit_reason(proc.returncode)}"
+                               + (f": {last[:200]}" if last else ""))
+        with open(tmp, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise RuntimeError(f"llama_model_quantize (to {qtype}) wrote no GGUF file")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def llama_cpp_decode(gguf: Path, prompt: list[int], n: int, threads: int) -> Callable[[], None]:
+    """A call that greedily decodes ``n`` tokens after ``prompt`` with llama.cpp on ``gguf`` (EOS
+    banned), prompt processing and generation both on ``threads`` threads."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+    bias = {llm.token_eos(): -1e9}
+
+    def run() -> None:
+        llm.reset()
+        llm.create_completion(prompt, max_tokens=n, temperature=0.0, logit_bias=bias)
+
+    return run
+
+
+def _quantize_main(argv: list[str]) -> int:
+    """The child: ``SRC DST TYPE THREADS`` -> ``llama_model_quantize``'s return code."""
+    import llama_cpp
+
+    src, dst, qtype, threads = argv
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = LLAMA_FTYPES[qtype], True, int(threads)
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        print(f"llama_model_quantize returned {rc}", file=sys.stderr)
+    return 1 if rc else 0
+
+
+if __name__ == "__main__":
+    code = _quantize_main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (the file is closed by now): llama.cpp's destructors stay out of it
