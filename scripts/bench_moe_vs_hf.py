@@ -9,7 +9,9 @@ and one sparse ... see --layers) is written with transformers, loaded by both, a
   per expert on its contiguous slice) against ``Qwen3MoeSparseMoeBlock`` with
   ``experts_implementation="eager"`` (transformers' per-expert loop; its default on CPU with torch
   >= 2.9 is ``grouped_mm``, timed too as ``block_hf_grouped_mm``);
-- the whole model's forward to the final hidden states, no lm_head on either side (tokens/s).
+- the whole model's forward to the final hidden states, no lm_head on either side (tokens/s);
+- the block's expert matmuls alone (:func:`gemm_only`): the floor of an fp32 ``torch.mm`` path, so
+  ``block_speedup_bound`` is the most any such path could gain over HF eager on this machine.
 
 Both sides fp32, under ``torch.inference_mode``, the same ``torch.set_num_threads``; the best of
 ``--repeats`` timed runs after two warm-ups (the median is written too). The load average and the
@@ -41,6 +43,24 @@ def timed(fn, repeats: int) -> tuple[float, float]:
         fn()
         samples.append(time.perf_counter() - t)
     return min(samples), statistics.median(samples)
+
+
+def gemm_only(block, x: torch.Tensor):
+    """A zero-argument function running only the block's expert matmuls on ``x`` (B, T, H): per expert
+    with tokens, ``rows @ gate_up.T`` then ``act @ down.T`` on rows gathered and sorted beforehand --
+    a floor for any fp32 implementation built on ``torch.mm`` (no routing, activation or combine)."""
+    x2 = x.reshape(-1, x.shape[-1])  # (N, H)
+    _, _, ids = block.route(x2)
+    flat = ids.reshape(-1)
+    xs = x2[torch.argsort(flat, stable=True) // ids.shape[1]]  # (N * k, H) sorted by expert
+    bounds = torch.bincount(flat, minlength=block.experts.num_experts).cumsum(0).tolist()
+    w13, w2, inter = block.experts.gate_up_proj, block.experts.down_proj, block.experts.intermediate_size
+    segments = [(e, s, t) for e, (s, t) in enumerate(zip([0] + bounds[:-1], bounds)) if t > s]
+
+    def run():
+        for e, s, t in segments:
+            torch.mm(torch.mm(xs[s:t], w13[e].t())[:, :inter], w2[e].t())
+    return run
 
 
 def cpu_flags() -> list[str]:
@@ -124,7 +144,8 @@ def main() -> None:
             t = {"block_hf_eager": timed(lambda: hf_block(x), args.repeats),
                  "block_baige": timed(lambda: ours.model.layers[layer].mlp(x), args.repeats),
                  "model_hf_eager": timed(lambda: hf.model(ids), args.repeats),  # hidden states, as ours
-                 "model_baige": timed(lambda: ours(ids, positions), args.repeats)}
+                 "model_baige": timed(lambda: ours(ids, positions), args.repeats),
+                 "block_gemm_only": timed(gemm_only(ours.model.layers[layer].mlp, x), args.repeats)}
             hf.set_experts_implementation("grouped_mm")
             t["block_hf_grouped_mm"] = timed(lambda: hf_block(x), args.repeats)
             hf.set_experts_implementation("eager")
@@ -132,17 +153,19 @@ def main() -> None:
                      "tokens_per_s_best": {n: args.tokens / v[0] for n, v in t.items()},
                      "tokens_per_s_median": {n: args.tokens / v[1] for n, v in t.items()},
                      "block_speedup": t["block_hf_eager"][0] / t["block_baige"][0],
-                     "model_speedup": t["model_hf_eager"][0] / t["model_baige"][0]})
+                     "model_speedup": t["model_hf_eager"][0] / t["model_baige"][0],
+                     "block_speedup_bound": t["block_hf_eager"][0] / t["block_gemm_only"][0]})
     result = {"args": vars(args) | {"out": str(args.out)}, "max_abs_diff_block": diff, "rows": rows,
               "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "cpu_flags": cpu_flags()}
-    print(f"{'threads':>7} {'block baige':>12} {'HF eager':>9} {'x':>5} {'HF grouped_mm':>14}"
-          f" {'model baige':>12} {'HF eager':>9} {'x':>5} {'load':>5}   (tokens/s, best of {args.repeats})")
+    print(f"{'threads':>7} {'block baige':>12} {'HF eager':>9} {'x':>5} {'HF grouped_mm':>14} {'GEMMs only':>11}"
+          f" {'x max':>6} {'model baige':>12} {'HF eager':>9} {'x':>5} {'load':>5}   (tokens/s, best of {args.repeats})")
     for r in rows:
         b = r["tokens_per_s_best"]
         print(f"{r['threads']:>7} {b['block_baige']:>12.0f} {b['block_hf_eager']:>9.0f} {r['block_speedup']:>5.2f}"
-              f" {b['block_hf_grouped_mm']:>14.0f} {b['model_baige']:>12.0f} {b['model_hf_eager']:>9.0f}"
-              f" {r['model_speedup']:>5.2f} {r['load_1min_before']:>5.2f}")
+              f" {b['block_hf_grouped_mm']:>14.0f} {b['block_gemm_only']:>11.0f} {r['block_speedup_bound']:>6.2f}"
+              f" {b['model_baige']:>12.0f} {b['model_hf_eager']:>9.0f} {r['model_speedup']:>5.2f}"
+              f" {r['load_1min_before']:>5.2f}")
     print(f"max |block difference| = {diff:.2e}", file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
