@@ -14,8 +14,9 @@ and one sparse ... see --layers) is written with transformers, loaded by both, a
   ``block_speedup_bound`` is the most any such path could gain over HF eager on this machine.
 
 Both sides fp32, under ``torch.inference_mode``, the same ``torch.set_num_threads``; the best of
-``--repeats`` timed runs after two warm-ups (the median is written too). The load average and the
-CPU's AVX flags go into the JSON: the host may be shared. Prints a table and writes JSON.
+``--repeats`` rounds after two warm-ups (the median is written too), each round timing every
+variant once in turn. The load average and the CPU's AVX flags go into the JSON: the host may be
+shared. Prints a table and writes JSON.
 
     .venv/bin/python scripts/bench_moe_vs_hf.py --threads 1 2 --out bench-results/moe_vs_hf.json
 """
@@ -34,15 +35,18 @@ from pathlib import Path
 import torch
 
 
-def timed(fn, repeats: int) -> tuple[float, float]:
-    """(best, median) seconds of ``repeats`` calls of ``fn`` after two warm-up calls."""
-    fn(), fn()
-    samples = []
+def timed(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """{name: (best, median) seconds} over ``repeats`` rounds, each round calling every function once
+    in turn (so drift in the host's speed falls on all of them alike), after two warm-up calls each."""
+    for fn in fns.values():
+        fn(), fn()
+    samples = {name: [] for name in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return min(samples), statistics.median(samples)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t)
+    return {name: (min(v), statistics.median(v)) for name, v in samples.items()}
 
 
 def gemm_only(block, x: torch.Tensor):
@@ -109,7 +113,7 @@ def main() -> None:
     ap.add_argument("--expert-width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--save", type=Path, default=None,
@@ -135,19 +139,18 @@ def main() -> None:
     positions = torch.arange(args.tokens)[None]
     with torch.inference_mode():
         diff = (hf.model.layers[layer].mlp(x) - ours.model.layers[layer].mlp(x)).abs().max().item()
-    hf_block = hf.model.layers[layer].mlp
+    hf_block, ours_block = hf.model.layers[layer].mlp, ours.model.layers[layer].mlp
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         load = os.getloadavg()[0]
         with torch.inference_mode():
-            t = {"block_hf_eager": timed(lambda: hf_block(x), args.repeats),
-                 "block_baige": timed(lambda: ours.model.layers[layer].mlp(x), args.repeats),
-                 "model_hf_eager": timed(lambda: hf.model(ids), args.repeats),  # hidden states, as ours
-                 "model_baige": timed(lambda: ours(ids, positions), args.repeats),
-                 "block_gemm_only": timed(gemm_only(ours.model.layers[layer].mlp, x), args.repeats)}
+            t = timed({"block_hf_eager": lambda: hf_block(x), "block_baige": lambda: ours_block(x),
+                       "block_gemm_only": gemm_only(ours_block, x),
+                       "model_hf_eager": lambda: hf.model(ids),  # hidden states, as ours: no lm_head
+                       "model_baige": lambda: ours(ids, positions)}, args.repeats)
             hf.set_experts_implementation("grouped_mm")
-            t["block_hf_grouped_mm"] = timed(lambda: hf_block(x), args.repeats)
+            t |= timed({"block_hf_grouped_mm": lambda: hf_block(x)}, args.repeats)
             hf.set_experts_implementation("eager")
         rows.append({"threads": threads, "load_1min_before": load,
                      "tokens_per_s_best": {n: args.tokens / v[0] for n, v in t.items()},
