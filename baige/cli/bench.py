@@ -66,7 +66,8 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
     env = result.get("environment", {})
     if env.get("device") == "cpu":
         err.print(f"cpu: {env.get('cpu_model')}; flags {' '.join(env.get('cpu_flags') or []) or 'none'}; native "
-                  f"kernels {env.get('cpu_isa') or 'off'}, int8/int4 integer dot {'on' if env.get('cpu_int_dot') else 'off'}")
+                  f"kernels {env.get('cpu_isa') or 'off'}, int8/int4 integer dot {'on' if env.get('cpu_int_dot') else 'off'}"
+                  + (f"; baige ran in {result['limits']['dtype']}" if result.get("limits", {}).get("dtype") else ""))
     load, cpus = (env.get("load_average") or [0.0])[0], env.get("cpu_count") or 1
     if load > cpus:
         err.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cpus} CPUs while measuring: other work "
@@ -307,9 +308,10 @@ def compare(
     quantized: Annotated[bool, typer.Option(help="Also time the baige variants (--variants); --no-quantized: "
                                                  "baige's own row only.")] = True,
     variants: Annotated[Optional[str], typer.Option(
-        help="Comma-separated baige variants to time: int8, int4 (group 128), int4-g32 (group 32), fp16-weight, "
-             "int8+fp16-weight, int8+int8-weight, int4-g32+int8-weight (quantized copies and/or load-time "
-             "rewrites). int8 and int4-g32 also bring llama.cpp re-quantized to Q8_0 / Q4_0. Default: all.")] = None,
+        help="Comma-separated baige variants to time: fp32, bf16 (the model in that dtype; the 'baige' row is "
+             "--dtype's), int8, int4 (group 128), int4-g32 (group 32), fp16-weight, int8+fp16-weight, "
+             "int8+int8-weight, int4-g32+int8-weight (quantized copies and/or load-time rewrites). int8 and "
+             "int4-g32 also bring llama.cpp re-quantized to Q8_0 / Q4_0. Default: all.")] = None,
     peers: PeersOpt = "hf,llama.cpp",
     kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     hf_dtype: Annotated[Optional[list[HFDType]], typer.Option(

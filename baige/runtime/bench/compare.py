@@ -43,9 +43,12 @@ from baige.runtime.config import DATA_SEED_RANGE, EngineConfig, check_int
 
 Requests = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
 PEERS = ("hf", "llama.cpp")
-# baige variants: a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0),
-# a serving-time rewrite (--quantization fp16-weight / int8-weight), or both ("+")
-VARIANTS = ("int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight", "int8+int8-weight", "int4-g32+int8-weight")
+# baige variants: a dtype (fp32 / bf16: the model's other floats, whatever --dtype auto picked for the
+# "baige" row), a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0), a
+# serving-time rewrite (--quantization fp16-weight / int8-weight), or a combination ("+")
+VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight", "int8+int8-weight",
+            "int4-g32+int8-weight")
+DTYPE_VARIANTS = {"fp32": "float32", "bf16": "bfloat16"}
 # baige checkpoint -> the llama.cpp type it is timed against at about the same bits per weight
 REQUANT_FOR = {"int8": "Q8_0", "int4-g32": "Q4_0"}
 
@@ -179,7 +182,8 @@ def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, p
         # "<checkpoint>+<runtime>": a quantized copy (int8 / int4) and/or a serving-time rewrite (fp16-weight)
         checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4", "int4-g32")), None)
         runtime = next((p for p in variant.split("+") if p in ("fp16-weight", "int8-weight")), None)
-        engine = cfg.engine
+        dtype = next((DTYPE_VARIANTS[p] for p in variant.split("+") if p in DTYPE_VARIANTS), None)
+        engine = cfg.engine if dtype is None else replace(cfg.engine, dtype=dtype)
         if checkpoint is not None:
             if checkpoint not in checkpoints:
                 checkpoints[checkpoint] = tmp / checkpoint
@@ -312,6 +316,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     model_dir = resolve_model(cfg.engine.model)
     notes: list[str] = []
     baige = build_llm(cfg.engine, _context_len(cfg), cfg.num_prompts)
+    dtype = next(baige.engine.model.parameters()).dtype  # --dtype auto's pick: limits.dtype in the result
     vocab = baige.engine.vocab_size
     decode_prompt = random_token_prompts(vocab, 1, cfg.input_len, 1, 0.0, cfg.seed)[0][0]
     reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.tp_input_len, cfg.tp_output_len, cfg.range_ratio, cfg.seed)
@@ -323,7 +328,8 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
         _add_quantized(rows, cfg, model_dir, Path(tmp), decode_prompt, reqs, notes)
         if "llama.cpp" in cfg.peers:
             _add_llama_cpp(rows, cfg, decode_prompt, notes)
-        limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device)  # before the load, once
+        # before the load, once; the matmul peak in the dtype baige runs (bf16 where --dtype auto picks it)
+        limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device, dtype)
         samples, interrupted = time_rows(rows, cfg.repeats, progress)
     counts = roofline.model_counts(baige.engine.model)
     summary = _summary(cfg, rows, samples, reqs, counts, baige.engine.model.config, limits)
