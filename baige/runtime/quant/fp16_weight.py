@@ -87,21 +87,24 @@ def _int8_weight(linear: nn.Linear) -> nn.Module:
 
 
 def apply_quantization(model: nn.Module, method: str, ignore: tuple[str, ...] = ()) -> int:
-    """Swap every fp32 ``nn.Linear`` whose name matches none of ``ignore`` (fnmatch globs) for the
+    """Swap every ``nn.Linear`` whose name matches none of ``ignore`` (fnmatch globs) for the
     ``method``'s module (:class:`Fp16WeightLinear`, or an int8 ``QuantizedLinear``), in place. A tied
-    ``lm_head`` may be swapped: the embedding keeps its fp32 table.
+    ``lm_head`` may be swapped: the embedding keeps its table. fp16-weight needs an fp32 model;
+    int8-weight takes fp32 or bf16 (what ``--dtype auto`` picks on a CPU with native bf16).
 
     Returns:
         Number of layers swapped.
     Raises:
-        BaigeError: an unknown method, a model that is not fp32 on CPU (fbgemm's kernels are CPU
-        fp32 only), or a PyTorch build without fbgemm.
+        BaigeError: an unknown method, a model not in one of those dtypes on the CPU (fbgemm's kernels
+        are CPU fp32 only), or a PyTorch build without fbgemm.
     """
     if method not in QUANTIZATION_METHODS:
         raise BaigeError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATION_METHODS)}")
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype != torch.float32:
-        raise BaigeError(f"--quantization {method} needs a float32 model on the CPU "
+    dtypes = (torch.float32,) if method == FP16_WEIGHT else (torch.float32, torch.bfloat16)
+    if p.device.type != "cpu" or p.dtype not in dtypes:
+        need = "a float32" if method == FP16_WEIGHT else "a float32 or bfloat16"
+        raise BaigeError(f"--quantization {method} needs {need} model on the CPU "
                          f"(got {p.dtype} on {p.device.type}); pass --dtype float32 --device cpu")
     if method == FP16_WEIGHT and "fbgemm" not in torch.backends.quantized.supported_engines:
         raise BaigeError(f"--quantization {method} needs PyTorch's fbgemm engine, absent on this CPU/build")
