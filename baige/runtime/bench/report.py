@@ -154,7 +154,7 @@ def ratio_label(key: str) -> tuple[str, str]:
 def compare_ratios_table(r: dict) -> Table | None:
     """The ratios the compare table's "baige / row" column does not show: each baige variant against
     the fastest HF dtype, and baige against llama.cpp at equal bits per weight; None when there is none."""
-    table = Table(title="baige bench compare: variants and equal bits (ratio of tokens/s)")
+    table = Table(title="baige bench compare: ratios of tokens/s")
     table.add_column("workload")
     table.add_column("baige row / peer row")
     table.add_column("ratio", justify="right")
