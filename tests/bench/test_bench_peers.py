@@ -148,14 +148,16 @@ def test_peers_and_variants_parsing():
     assert compare.CompareConfig(bench_engine()).quantized == compare.VARIANTS
     with pytest.raises(BaigeError, match=r"^--peers: unknown 'vllm', 'sglang' \(known: hf, llama.cpp\)$"):
         compare.CompareConfig(bench_engine(), peers=("hf", "vllm", "sglang"))
-    with pytest.raises(BaigeError, match=r"^--variants: unknown 'int3' \(known: int8, int4, int4-g32, "):
-        compare.CompareConfig(bench_engine(), quantized=("int3",))
+    with pytest.raises(BaigeError) as e:
+        compare.CompareConfig(bench_engine(), quantized=("int8", "int3"))
+    assert str(e.value) == f"--variants: unknown 'int3' (known: {', '.join(compare.VARIANTS)})"
+    assert {"int8", "int4", "int4-g32"} <= set(compare.VARIANTS)
 
 
 @pytest.mark.parametrize("args,needle", [
     (["compare", "--peers", "vllm"], "--peers: unknown 'vllm' (known: hf, llama.cpp)"),
     (["--peers", "hf,tgi", "compare"], "--peers: unknown 'tgi' (known: hf, llama.cpp)"),
-    (["compare", "--variants", "int8,int2"], "--variants: unknown 'int2' (known: int8, int4, int4-g32,"),
+    (["compare", "--variants", "int8,int2"], "--variants: unknown 'int2' (known: "),
     (["--peers", "hf", "latency"], "--peers does not apply to `bench latency`"),
 ])
 def test_bad_peers_and_variants(cli_error, tmp_path, args, needle):
