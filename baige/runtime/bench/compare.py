@@ -183,6 +183,8 @@ def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, p
         checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4", "int4-g32")), None)
         runtime = next((p for p in variant.split("+") if p in ("fp16-weight", "int8-weight")), None)
         dtype = next((DTYPE_VARIANTS[p] for p in variant.split("+") if p in DTYPE_VARIANTS), None)
+        if runtime == "fp16-weight":
+            dtype = "float32"  # fbgemm's fp16-weight rewrite is of an fp32 model's linears
         engine = cfg.engine if dtype is None else replace(cfg.engine, dtype=dtype)
         if checkpoint is not None:
             if checkpoint not in checkpoints:
