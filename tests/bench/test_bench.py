@@ -187,6 +187,13 @@ def test_compare_ratios_by_hand():
                     "baige-int4-g32": {"tokens_per_s": 10.0}, "llama.cpp-Q4_K_M": {"tokens_per_s": 8.0}}}
     assert ratios(s) == {"decode_baige_over_llama.cpp-Q4_K_M": 0.25, "decode_baige-int4_over_llama.cpp-Q4_K_M": 1.375,
                          "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25}
+    # the rows whose tied lm_head is int8 too (llama.cpp quantizes its output matrix)
+    s = {"decode": {"baige": {"tokens_per_s": 30.0}, "baige-int8+int8-weight": {"tokens_per_s": 88.0},
+                    "baige-int4-g32+int8-weight": {"tokens_per_s": 100.0}, "llama.cpp-Q8_0": {"tokens_per_s": 66.0},
+                    "llama.cpp-Q4_0": {"tokens_per_s": 80.0}}}
+    assert {k: v for k, v in ratios(s).items() if not k.startswith("decode_baige_")} == pytest.approx(
+        {"decode_baige-int8+int8-weight_over_llama.cpp-Q8_0": 88.0 / 66.0,
+         "decode_baige-int4-g32+int8-weight_over_llama.cpp-Q4_0": 1.25})
 
 
 def test_compare_times_rows_in_turn_and_keeps_the_fastest_hf_dtype(monkeypatch):
@@ -580,12 +587,14 @@ def test_suite_headlines_and_table():
     assert half["serve"].server_args == ["--kv-cache-dtype", "float16"]
     lat = {"summary": {"decode_tokens_per_s": 20.0, "ttft_s": 0.05, "tpot_s": 0.05,
                        "decode_roofline": {"pct_of_limit": 40.0}}}
-    # every ratio compare reports on Qwen2.5-Coder's GGUF; the suite keeps baige / hf-best and those vs llama.cpp
+    # ratios compare reports on Qwen2.5-Coder's GGUF; the suite keeps baige / hf-best and those vs llama.cpp but
+    # the "+" combinations' (they stay in compare's own tables)
     cmp_ = {"summary": {"ratios": {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-best": 2.5,
                                    "decode_baige-int4-g32+int8-weight_over_hf-best": 9.0,
                                    "decode_baige_over_llama.cpp-Q4_K_M": 0.125,
                                    "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25,
                                    "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
+                                   "decode_baige-int4-g32+int8-weight_over_llama.cpp-Q4_K_M": 1.75,
                                    "throughput_baige_over_hf-best": 0.75}}}
     rows = {"latency": headline("latency", lat), "compare": headline("compare", cmp_)}
     assert rows["latency"][0] == ("batch-1 decode", 20.0, "tokens/s", 40.0)

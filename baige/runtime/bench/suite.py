@@ -47,10 +47,11 @@ def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
         return [("output tokens", r["output_throughput"], "tokens/s", dec.get("pct_of_limit")),
                 ("median TTFT", r["median_ttft_ms"], "ms", None), ("median TPOT", r["median_tpot_ms"], "ms", None),
                 ("failed", r["failed"], "requests", None)]
-    if name == "compare" and s:  # "<workload>: <baige row> / <peer row>": vs the best HF dtype and vs llama.cpp
+    if name == "compare" and s:  # "<workload>: <baige row> / <peer row>": baige vs the best HF dtype, baige and
+        # its plain checkpoints vs llama.cpp (the "+" combinations are in compare's own tables: too wide here)
         labels = {k: ratio_label(k) for k in s.get("ratios", {})}
         return [(f"{kind}: {label}", s["ratios"][k], "x", None) for k, (kind, label) in labels.items()
-                if label == "baige / hf-best" or "/ llama.cpp" in label]
+                if label == "baige / hf-best" or ("/ llama.cpp" in label and "+" not in label)]
     return []
 
 
