@@ -325,7 +325,8 @@ def quantized_linear(
     layers then run at the fp32 kernels' speed instead of dequantizing the weight per call);
     everything else dequantizes and calls ``F.linear`` (the reference).
     """
-    xf = x.float() if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad else x
+    widen = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad and backend(x) == "reference"
+    xf = x.float() if widen else x
     if _native_cpu(xf) is not None:
         from baige.kernels.cpu import qlinear
 
