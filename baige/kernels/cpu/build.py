@@ -27,6 +27,7 @@ from baige.kernels.cpu import isa
 from baige.kernels.settings import settings
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 # -ffp-contract=off: no FMA merges two roundings of the plain-C code (ops.c follows the reference
 # op by op); the intrinsics' explicit FMAs are unaffected. The instruction-set flags are the variant's.
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
@@ -71,7 +72,7 @@ def compile_variant(variant: str) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     flags = [*CFLAGS, *isa.VARIANTS[variant][1]]
     key = hashlib.sha256(src + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     out = _cache_dir() / f"baige_cpu-{variant}-{key}.so"

@@ -7,26 +7,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "bf16_convert.h"
 
 /* KV cache element types (baige/kernels/cpu/ops.py passes them) */
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
-
-/* bf16 <-> fp32: bf16 is the upper 16 bits of an fp32; rounding to nearest even as torch does
- * (c10::BFloat16's round_to_nearest_even), NaN kept a quiet NaN. */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* The instruction-set variant this copy was compiled for (baige/kernels/cpu/isa.py's names), from the
  * compiler's own feature macros: what the library really targets, whatever its file is called. */
@@ -198,9 +183,7 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
  * gets its own loop: 16-bit values are converted in registers, never through a buffer. */
 static inline __attribute__((always_inline)) __m256 load8(const void *base, int kv, int64_t i) {
     if (kv == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
-    if (kv == KV_BF16)  /* bf16 is the top half of an fp32: widen and shift, exact */
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))), 16));
+    if (kv == KV_BF16) return bf16x8_to_f32((const uint16_t *)base + i);
     return _mm256_loadu_ps((const float *)base + i);
 }
 

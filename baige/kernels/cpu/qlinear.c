@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <stdlib.h>
 
+#include "bf16_convert.h"
+
 #define NR 4
 
 static inline float hsum256(__m256 v) {
@@ -40,14 +42,7 @@ static inline __m256 cvt_i8(const int8_t *p) {
 static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
 /* 8 IEEE fp16 -> 8 fp32 (F16C) */
 static inline __m256 cvt_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-/* 8 bf16 -> 8 fp32: widen to 32 bits and shift into the upper half (exact) */
-static inline __m256 cvt_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline float bf16_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
+
 
 /* The same register tiles for int8 weights (converted in registers, per-row scale applied to the
  * dot product) and fp32 weights (scale NULL): W is any row-major (N, K) matrix with row stride ldw.
@@ -138,7 +133,7 @@ static void tile_m2_##SUF(const float *x, int64_t ldx, const T *w, int64_t ldw, 
 BAIGE_DEFINE_TILES(i8, int8_t, cvt_i8, (float))
 BAIGE_DEFINE_TILES(f32, float, ld_f32, (float))
 BAIGE_DEFINE_TILES(f16, uint16_t, cvt_f16, _cvtsh_ss)
-BAIGE_DEFINE_TILES(bf16, uint16_t, cvt_bf16, bf16_f32)
+BAIGE_DEFINE_TILES(bf16, uint16_t, bf16x8_to_f32, bf16_to_f32)
 
 /* NR = 4 fp32 output rows (row stride ldw) against three x rows: 12 accumulators + 3 x vectors + 1
  * weight vector fill the 16 registers (batches of 3+ rows; int8/int4 weights are first converted to
@@ -229,7 +224,7 @@ BAIGE_DEFINE_LINEAR(baige_linear_f32, f32, float, ld_f32, (float), 1 << 30)
 BAIGE_DEFINE_LINEAR(baige_linear_f16, f16, uint16_t, cvt_f16, _cvtsh_ss, 6)
 /* bf16 weights widened in registers, fp32 math and activations: the bf16 linear of variants without
  * AVX-512 BF16 (bf16.c's baige_linear_bf16 calls it there); scale NULL. */
-BAIGE_DEFINE_LINEAR(baige_linear_bf16_widen, bf16, uint16_t, cvt_bf16, bf16_f32, 6)
+BAIGE_DEFINE_LINEAR(baige_linear_bf16_widen, bf16, uint16_t, bf16x8_to_f32, bf16_to_f32, 6)
 
 /* ---------------------------------------------------------------- int4, group-wise */
 
