@@ -18,11 +18,15 @@ def checkpoint_dtype(cfg: ModelConfig) -> torch.dtype:
 
 
 def cpu_auto_dtype() -> torch.dtype:
-    """What ``--dtype auto`` runs on the CPU (raises BaigeError for a bad ``BAIGE_CPU_AUTO_DTYPE``): bf16 where the CPU computes it natively (AVX-512 BF16 or
+    """What ``--dtype auto`` runs on the CPU: bf16 where the CPU computes it natively (AVX-512 BF16 or
     AMX-BF16: :func:`baige.kernels.cpu_has_native_bf16`), else fp32 (bf16 without those instructions
     is converted op by op and runs slower than fp32; fp16 has no CPU matmul path worth taking). vLLM's
     CPU backend makes the same choice. ``BAIGE_CPU_AUTO_DTYPE=float32|bfloat16`` overrides it
-    (the test suite pins float32, so its assertions hold on every CPU)."""
+    (the test suite pins float32, so its assertions hold on every CPU).
+
+    Raises:
+        BaigeError: ``BAIGE_CPU_AUTO_DTYPE`` is none of auto, float32, bfloat16.
+    """
     forced = settings().cpu_auto_dtype
     if forced not in ("auto", "float32", "bfloat16"):
         raise BaigeError(f"BAIGE_CPU_AUTO_DTYPE={forced!r}: choose auto, float32 or bfloat16")
