@@ -19,61 +19,34 @@ import ctypes
 import hashlib
 import os
 import signal
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 # llama.cpp file types baige re-quantizes to (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2, Q4_1 = 3, Q8_0 = 7)
 LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
 REQUANT_TIMEOUT_S = 1800  # seconds; Q8_0 of a 1.5B model takes well under a minute on one core
 
 
-# GGUF metadata value types (ggml/docs/gguf.md: gguf_metadata_value_type) -> struct format of a scalar
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _gguf_value(f: BinaryIO, vtype: int):
-    """One metadata value of type ``vtype`` read from ``f`` (little-endian GGUF v2/v3); arrays are skipped."""
-    if vtype == _GGUF_STRING:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return f.read(n).decode("utf-8", "replace")
-    if vtype == _GGUF_ARRAY:
-        etype, n = struct.unpack("<IQ", f.read(12))
-        if etype in _GGUF_SCALARS:
-            f.seek(n * struct.calcsize(_GGUF_SCALARS[etype]), 1)
-        else:
-            for _ in range(n):
-                _gguf_value(f, etype)
-        return None
-    fmt = "<" + _GGUF_SCALARS[vtype]
-    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-
 def gguf_file_type(path: Path) -> str:
     """llama.cpp's name for the GGUF's file type (``general.file_type``, llama.h's ``LLAMA_FTYPE_*``):
-    ``Q4_1``, ``Q4_K_M``, ``F16``, ...; ``GGUF`` when the file does not say. Reads the metadata up to that
-    key only (the tokenizer's arrays usually come after it). Raises ValueError for a file that is not GGUF."""
-    from gguf import LlamaFileType
+    ``Q4_1``, ``Q4_K_M``, ``F16``, ...; ``GGUF`` when the file does not say. Read with gguf's
+    ``GGUFReader`` (memory-mapped; what the GGUF importer uses). Raises ValueError for a file that is
+    not GGUF."""
+    from gguf import GGUFReader, LlamaFileType
 
     with open(path, "rb") as f:
-        magic, _version, _n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
-        if magic != b"GGUF":
+        if f.read(4) != b"GGUF":
             raise ValueError(f"{path}: not a GGUF file")
-        for _ in range(n_kv):
-            (n,) = struct.unpack("<Q", f.read(8))
-            key = f.read(n)
-            (vtype,) = struct.unpack("<I", f.read(4))
-            value = _gguf_value(f, vtype)
-            if key == b"general.file_type":
-                try:
-                    return LlamaFileType(int(value)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-                except ValueError:
-                    return f"ftype{value}"
-    return "GGUF"
+    field = GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return "GGUF"
+    value = int(field.contents())
+    try:
+        return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return f"ftype{value}"
 
 
 def cached_path(src: Path, qtype: str, cache: Path) -> Path:
