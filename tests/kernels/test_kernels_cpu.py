@@ -139,8 +139,8 @@ def test_int_dot_known_values():
 
 
 def test_int_dot_dispatch(monkeypatch):
-    """int8 always takes qdot; int4 only with a group size that is a multiple of 32 and at most
-    INT4_DOT_MAX_ROWS rows; BAIGE_CPU_INT_DOT=0 never."""
+    """int8 always takes qdot; int4 only with a group size that is a multiple of 32 (any row count);
+    BAIGE_CPU_INT_DOT=0 never."""
     lib = cpu_library.library()
     calls = []
     for fn in ("baige_qdot_int8", "baige_qdot_int4", "baige_qlinear_int8", "baige_qlinear_int4"):
@@ -154,8 +154,8 @@ def test_int_dot_dispatch(monkeypatch):
         return calls[:]
 
     assert kinds(SCHEMES["int8"], 1) == ["baige_qdot_int8"] and kinds(SCHEMES["int8"], 300) == ["baige_qdot_int8"]
-    assert kinds(SCHEMES["int4-g32-sym"], cpu.INT4_DOT_MAX_ROWS) == ["baige_qdot_int4"]
-    assert kinds(SCHEMES["int4-g32-sym"], cpu.INT4_DOT_MAX_ROWS + 1) == ["baige_qlinear_int4"]
+    assert kinds(SCHEMES["int4-g32-sym"], 1) == ["baige_qdot_int4"]
+    assert kinds(SCHEMES["int4-g32-sym"], cpu.MAX_ROWS) == ["baige_qdot_int4"]
     assert kinds(QuantScheme(4, 16), 1) == ["baige_qlinear_int4"]
     monkeypatch.setenv("BAIGE_CPU_INT_DOT", "0")
     reload_settings()

@@ -28,10 +28,10 @@ void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const int32_t *wp, int64_t N, int64_t ldw,
                         const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
                         int64_t ldy, int nthreads);
-void baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, int64_t N, int64_t ldw,
+void baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
                      const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
-int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const int32_t *wp, int64_t N, int64_t ldw,
-                    const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
+int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
+                    const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias, float *y,
                     int64_t ldy, int nthreads);
 void baige_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out);
 void baige_add_rms_norm(const float *x, const float *res, int64_t rows, int64_t n, const float *w, float eps,
@@ -46,8 +46,6 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
                                  float *out, int kv_dtype, int nthreads);
 void baige_silu_mul(const float *g, const float *u, int64_t n, float *out);
 
-/* int4 integer dot products pay up to about this many rows (baige/kernels/cpu/qlinear.py: INT4_DOT_MAX_ROWS) */
-#define BAIGE_INT4_DOT_MAX_ROWS 32
 /* *_DOT: the same weights through the integer-dot kernels of qdot.c (int8-quantized activations) */
 enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3, BAIGE_INT8_DOT = 4, BAIGE_INT4_DOT = 5,
        BAIGE_BF16 = 6 };
@@ -55,9 +53,10 @@ enum { BAIGE_F32 = 0, BAIGE_INT8 = 1, BAIGE_INT4 = 2, BAIGE_F16 = 3, BAIGE_INT8_
 typedef struct {
     int64_t kind;               /* BAIGE_F32 | BAIGE_INT8 | BAIGE_INT4 | BAIGE_F16 | BAIGE_INT8_DOT | BAIGE_INT4_DOT | BAIGE_BF16 */
     int64_t n, k;               /* out_features, in_features (int4: k % 8 == 0) */
-    const void *w;              /* fp32 / int8 / fp16 / bf16 (n, ldw), or int32 (n, ldw) words of 8 nibbles */
+    const void *w;              /* fp32 / int8 / fp16 / bf16 (n, ldw), or int32 (n, ldw) words of 8 nibbles;
+                                   *_DOT: the repacked tiles of qdot.c */
     int64_t ldw;                /* row stride in elements */
-    const float *scale;         /* int8 (n); int4 (n, groups); fp32: NULL */
+    const float *scale;         /* int8 (n); int4 (n, groups), INT4_DOT: repacked (tiles, groups, 16); fp32: NULL */
     const int32_t *zero_point;  /* int4 asymmetric (n, groups), else NULL */
     int64_t groups, group_size; /* int4 */
     const float *bias;          /* (n) or NULL */
@@ -65,6 +64,7 @@ typedef struct {
     const float *lora_b;        /* fp32 (lora_slots, n, lora_r) */
     const float *lora_scale;    /* fp32 (lora_slots): alpha / r per adapter */
     int64_t lora_slots, lora_r;
+    const float *scaled_zero;   /* INT4_DOT asymmetric: repacked scale * zero point (tiles, groups, 16), else NULL */
 } baige_linear;
 
 /* Scratch of the LoRA terms for M tokens of widths up to `width` and ranks up to `rank`. */
@@ -106,17 +106,18 @@ static void lora_add(const baige_linear *l, const float *x, int64_t M, float *y,
 
 static void linear(const baige_linear *l, const float *x, int64_t M, float *y, const lora_scratch *s,
                    int nthreads) {
-    const int64_t kind = l->kind == BAIGE_INT4_DOT && M > BAIGE_INT4_DOT_MAX_ROWS ? BAIGE_INT4 : l->kind;
+    const int64_t kind = l->kind;
     if (kind == BAIGE_INT8)
         baige_qlinear_int8(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->bias, y, l->n, nthreads);
     else if (kind == BAIGE_INT8_DOT)
-        baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->bias, y, l->n, nthreads);
-    else if (kind == BAIGE_INT4 || kind == BAIGE_INT4_DOT) {
-        if (kind == BAIGE_INT4 || baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point,
-                                                  l->groups, l->group_size, l->bias, y, l->n, nthreads) != 0)
-            baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups,
-                               l->group_size, l->bias, y, l->n, nthreads);
-    } else if (kind == BAIGE_BF16)
+        baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->scale, l->bias, y, l->n, nthreads);
+    else if (kind == BAIGE_INT4_DOT)  /* group size a multiple of 32 (decode.py); out of memory: NaN */
+        baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->scale, l->scaled_zero, l->groups, l->group_size, l->bias,
+                        y, l->n, nthreads);
+    else if (kind == BAIGE_INT4)
+        baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups,
+                           l->group_size, l->bias, y, l->n, nthreads);
+    else if (kind == BAIGE_BF16)
         baige_linear_bf16(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
     else if (kind == BAIGE_F16)
         baige_linear_f16(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);

@@ -14,6 +14,7 @@ import torch
 
 from baige.kernels.cpu.build import library
 from baige.kernels.cpu.ops import kv_dtype_code
+from baige.kernels.cpu.qlinear import repacked
 from baige.kernels.settings import settings
 
 # projection kinds understood by decode.c
@@ -26,7 +27,8 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("w", _p), ("ldw", _i64), ("scale", _p),
                 ("zero_point", _p), ("groups", _i64), ("group_size", _i64), ("bias", _p),
-                ("lora_a", _p), ("lora_b", _p), ("lora_scale", _p), ("lora_slots", _i64), ("lora_r", _i64)]
+                ("lora_a", _p), ("lora_b", _p), ("lora_scale", _p), ("lora_slots", _i64), ("lora_r", _i64),
+                ("scaled_zero", _p)]
 
 
 class _Layer(ctypes.Structure):
@@ -42,8 +44,9 @@ class LinearDesc:
     vdpbf16ps over bf16-rounded activations on AVX-512 BF16, exact widening elsewhere); LINEAR_INT8: int8 ``w`` with fp32
     per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, fp32 ``scale`` (n, groups),
     optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None. With ``BAIGE_CPU_INT_DOT``
-    on (read when :class:`DecodeLayers` is built) int8 and int4 (group size a multiple of 32, at most
-    ``INT4_DOT_MAX_ROWS`` tokens) run as integer dot products, as the per-op path does.
+    on (read when :class:`DecodeLayers` is built) int8 and int4 (group size a multiple of 32) run as
+    integer dot products on the weights' repacked tiles (:func:`baige.kernels.cpu.qlinear.repacked`,
+    shared with the per-op path), as the per-op path does.
 
     LoRA (multi-adapter serving, all three or none): ``lora_a`` fp32 (L, r, k), ``lora_b`` fp32 (L, n, r),
     ``lora_scale`` fp32 (L,), contiguous: ``y[m] += lora_scale[i] * lora_b[i] @ (lora_a[i] @ x[m])`` for
@@ -110,11 +113,16 @@ class DecodeLayers:
     def _linear(self, d: LinearDesc) -> _Linear:
         lin = _Linear()
         lin.kind, lin.n, lin.k, lin.w, lin.ldw = d.kind, d.n, d.k, d.w.data_ptr(), d.w.stride(0)
-        if settings().cpu_int_dot and (d.kind == LINEAR_INT8 or (d.kind == LINEAR_INT4 and d.group_size % 32 == 0)):
-            lin.kind = _INT8_DOT if d.kind == LINEAR_INT8 else _INT4_DOT  # the per-op path's choice too
         lin.scale, lin.zero_point, lin.bias = _ptr(d.scale), _ptr(d.zero_point), _ptr(d.bias)
         if d.kind == LINEAR_INT4:
             lin.groups, lin.group_size = d.scale.shape[1], d.group_size
+        if settings().cpu_int_dot and (d.kind == LINEAR_INT8 or (d.kind == LINEAR_INT4 and d.group_size % 32 == 0)):
+            # the per-op path's choice too, on the same repacked tiles
+            tiles = repacked(d.w, d.scale, d.zero_point)
+            self._keep += [t for t in tiles if t is not None]
+            lin.kind, lin.w, lin.ldw = (_INT8_DOT if d.kind == LINEAR_INT8 else _INT4_DOT), tiles[0].data_ptr(), 0
+            if d.kind == LINEAR_INT4:
+                lin.scale, lin.zero_point, lin.scaled_zero = tiles[1].data_ptr(), None, _ptr(tiles[2])
         if d.lora_a is not None:
             L, r, k = d.lora_a.shape
             ok = (k == d.k and d.lora_b.shape == (L, d.n, r) and d.lora_scale.shape == (L,)

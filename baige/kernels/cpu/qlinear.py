@@ -1,7 +1,11 @@
 """Weight-only int8/int4 linear on the native CPU kernels: integer dot products over int8 block-quantized
 activations (``qdot.c``, the default; ``BAIGE_CPU_INT_DOT=0`` turns it off, and int4 with a group
-size that is not a multiple of 32 or more than :data:`INT4_DOT_MAX_ROWS` rows never takes it) or the
-exact dequantize-in-registers kernels (``qlinear.c``).
+size that is not a multiple of 32 never takes it) or the exact dequantize-in-registers kernels
+(``qlinear.c``).
+
+The integer-dot kernels read the weights repacked into 16-row interleaved tiles (:func:`repacked`,
+built on first use and kept beside the compressed-tensors weights: one more copy of the packed
+bytes and scales per quantized weight; the checkpoint layout is unchanged).
 
 On CPU, PyTorch has no fast int8/int4 weight-only matmul for fp32 activations
 (``torch._weight_int8pack_mm`` measured 5-20x slower than fp32 ``F.linear`` on the AVX2 dev box), so
@@ -11,6 +15,9 @@ fast there (compute-bound).
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +29,66 @@ from baige.kernels.settings import settings
 # core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
 # at 256, 556 vs 574 at 512; int4 g128 18 vs 88 at 6 rows, 281 vs 364 at 256, 518 vs 562 at 512).
 MAX_ROWS = 512
-# int4 integer dot products (qdot.c) beat the dequantizing kernel up to about this many rows; above,
-# qlinear.c's fp32 tiles reuse each unpacked weight over more rows (1 thread, SmolLM2-135M shapes, Xeon
-# AVX-512 VNNI: g32 2.1x faster at 16 rows, 0.84x at 64). decode.c uses the same limit.
-INT4_DOT_MAX_ROWS = 32
+TILE_ROWS = 16  # weight rows per repacked tile (qdot.c's RT)
+ACT_BLOCK = 32  # columns per activation block (qdot.c's QB)
+_EMPTY_WORD = -0x77777778  # 0x88888888 as int32: eight nibbles of stored value 8 (weight 0)
+
+
+def repack_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 (N, K) -> uint8 (T, nb, 8, 16, 4) tiles of ``qdot.c``: byte [t][b][j][r][i] = w[16t + r][32b + 4j + i]
+    + 128, T = ceil(N / 16), nb = ceil(K / 32), padding 128 (weight 0)."""
+    n, k = qweight.shape
+    t, nb = -(-n // TILE_ROWS), -(-k // ACT_BLOCK)
+    u = torch.full((t * TILE_ROWS, nb * ACT_BLOCK), 128, dtype=torch.uint8)
+    u[:n, :k] = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    return u.view(t, TILE_ROWS, nb * 8, 4).transpose(1, 2).contiguous()
+
+
+def repack_int4(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """compressed-tensors int4 -> ``qdot.c``'s tiles.
+
+    Args:
+        qweight: int32 (N, W) words of 8 nibbles; scale: fp32 (N, G); zero_point: int (N, G) or None.
+    Returns:
+        words int32 (T, nb * 4, 16) (word [t][4b + j][r] = qweight[16t + r][4b + j], padding 0x88888888),
+        scales fp32 (T, G, 16) (padding 0), and ``scale * zero_point`` in the same layout or None.
+    """
+    n, words = qweight.shape
+    t, nw = -(-n // TILE_ROWS), -(-words // 4) * 4
+    w = torch.full((t * TILE_ROWS, nw), _EMPTY_WORD, dtype=torch.int32)
+    w[:n, :words] = qweight
+
+    def tiles(v: torch.Tensor) -> torch.Tensor:  # (N, G) -> (T, G, 16)
+        p = torch.zeros(t * TILE_ROWS, v.shape[1], dtype=torch.float32)
+        p[:n] = v
+        return p.view(t, TILE_ROWS, -1).transpose(1, 2).contiguous()
+
+    s = scale.float()
+    return (w.view(t, TILE_ROWS, nw).transpose(1, 2).contiguous(), tiles(s),
+            None if zero_point is None else tiles(s * zero_point.float()))
+
+
+_repacks: dict[int, tuple] = {}  # id(qweight) -> (versions, repacked tensors)
+_repack_lock = threading.Lock()
+
+
+def repacked(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple:
+    """The repacked tensors of a quantized weight (:func:`repack_int8`: ``(tiles,)``; :func:`repack_int4`:
+    ``(words, scales, scaled_zeros)``), built once per weight tensor and rebuilt when that tensor is
+    written in place (its version: loading a checkpoint writes weight and scales together); dropped
+    with the weight. The scales are read only when building, so callers may pass converted copies."""
+    key = id(qweight)
+    versions = (qweight.data_ptr(), qweight._version)
+    hit = _repacks.get(key)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    value = (repack_int8(qweight),) if qweight.dtype == torch.int8 else repack_int4(qweight, scale, zero_point)
+    with _repack_lock:
+        if key not in _repacks:
+            weakref.finalize(qweight, _repacks.pop, key, None)
+        _repacks[key] = (versions, value)
+    return value
 
 
 def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None, bias: torch.Tensor | None) -> bool:
@@ -79,18 +142,26 @@ def quantized_linear(
     nthreads = torch.get_num_threads()
     int_dot = settings().cpu_int_dot if int_dot is None else int_dot
     if qweight.dtype == torch.int8:
-        fn = lib.baige_qdot_int8 if int_dot else lib.baige_qlinear_int8
-        fn(x2.data_ptr(), m, k, x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
-           s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
+        if int_dot:
+            (wr,) = repacked(qweight, scale, None)
+            lib.baige_qdot_int8(x2.data_ptr(), m, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr,
+                                y.data_ptr(), n, nthreads)
+        else:
+            lib.baige_qlinear_int8(x2.data_ptr(), m, k, x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
+                                   s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
     else:
         if k % 8:
             x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded nibbles multiply 0
-        z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
-        args = (x2.data_ptr(), m, x2.shape[1], x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
-                s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1], group_size, b_ptr, y.data_ptr(), n,
-                nthreads)
-        if not (int_dot and group_size % 32 == 0 and m <= INT4_DOT_MAX_ROWS and lib.baige_qdot_int4(*args) == 0):
-            lib.baige_qlinear_int4(*args)
+        if int_dot and group_size % 32 == 0:
+            wr, sr, zr = repacked(qweight, scale, zero_point)
+            lib.baige_qdot_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
+                                None if zr is None else zr.data_ptr(), sr.shape[1], group_size, b_ptr,
+                                y.data_ptr(), n, nthreads)
+        else:
+            z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
+            lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qweight.data_ptr(), n,
+                                   qweight.stride(0), s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1],
+                                   group_size, b_ptr, y.data_ptr(), n, nthreads)
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
 
 
