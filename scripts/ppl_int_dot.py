@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     ids = read_tokens(Tokenizer.from_dir(model_dir), data, args.max_tokens)
     base = load_model(model_dir, "float32").eval()
-    qlinear.MAX_ROWS = qlinear.INT4_DOT_MAX_ROWS = args.seq_len  # every window's projections on the native kernels
+    qlinear.MAX_ROWS = args.seq_len  # every window's projections on the native kernels
     rows = []
     fp32 = perplexity(base, ids, args.seq_len).perplexity
     for name, scheme in [("int8", QuantScheme(8, None)), ("int4 g32", QuantScheme(4, 32)),

@@ -138,6 +138,78 @@ def test_int_dot_known_values():
     torch.testing.assert_close(y4, torch.tensor([[0.25 * d * sum(q), -0.25 * d * sum(q)]]), rtol=1e-6, atol=1e-6)
 
 
+def test_repack_layouts_hand_indexed():
+    """qdot.c's tiles, element by element from the documented formulas: int8 byte [t][b][j][r][i] =
+    w[16t + r][32b + 4j + i] + 128 (128 padding); int4 word [t][4b + j][r] = word 4b + j of row 16t + r
+    (0x88888888 padding), scales [t][g][r] (0 padding), scaled zeros = scale * zero point."""
+    n, k = 19, 40  # one full tile and a partial one; a partial 32-column block
+    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    r8 = cpu.repack_int8(w8)
+    assert r8.shape == (2, 2, 8, 16, 4) and r8.dtype == torch.uint8
+    for t, b, j, r, i in [(0, 0, 0, 0, 0), (0, 1, 1, 5, 3), (1, 0, 7, 2, 1), (1, 1, 0, 2, 3), (0, 0, 3, 15, 2)]:
+        row, col = 16 * t + r, 32 * b + 4 * j + i
+        want = int(w8[row, col]) + 128 if row < n and col < k else 128
+        assert int(r8[t, b, j, r, i]) == want, (t, b, j, r, i)
+    assert int(r8[1, 0, 0, 3, 0]) == 128 and int(r8[0, 1, 2, 0, 0]) == 128  # row 19, column 40: padding
+    words = torch.randint(-2**31, 2**31 - 1, (n, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    scale, zp = torch.rand(n, 2) + 0.5, torch.randint(-8, 8, (n, 2), dtype=torch.int8)
+    wr, sr, zr = cpu.repack_int4(words, scale, zp)
+    assert wr.shape == (2, 8, 16) and sr.shape == (2, 2, 16) and zr.shape == (2, 2, 16)
+    assert int(wr[0, 4, 7]) == int(words[7, 4]) and int(wr[1, 2, 2]) == int(words[18, 2])
+    assert int(wr[1, 2, 3]) == -0x77777778 and int(wr[0, 5, 0]) == -0x77777778  # row 19; word 5 of 5
+    assert float(sr[1, 1, 2]) == float(scale[18, 1]) and float(sr[1, 0, 3]) == 0.0
+    assert float(zr[0, 1, 4]) == float(scale[4, 1]) * int(zp[4, 1])
+    assert cpu.repack_int4(words, scale, None)[2] is None
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("name", ["int8", "int4-g32-asym", "int4-g128-sym"])
+def test_int_dot_rows_independent_of_the_batch(use_isa, variant, name):
+    """A row's output is bitwise the same alone or in a batch of any size (the kernels take 2 or 4
+    activation rows per pass), on every variant."""
+    use_isa(variant)
+    scheme = DOT_SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, 37, 200)
+    x = _randn(11, 200, seed=3)
+    batch = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size)
+    for m in range(11):
+        assert torch.equal(batch[m], cpu.quantized_linear(x[m:m + 1], qweight, scale, zp, scheme.group_size)[0]), m
+    assert torch.equal(batch[5:9], cpu.quantized_linear(x[5:9], qweight, scale, zp, scheme.group_size))
+
+
+def test_repacked_cache_follows_in_place_writes():
+    """The repacked tiles are built once per weight tensor (same objects on the next call) and rebuilt
+    when the weight is written in place, as loading a checkpoint does."""
+    qweight, scale, zp = _weights(SCHEMES["int4-g32-sym"], 24, 64)
+    first = cpu.repacked(qweight, scale, zp)
+    assert cpu.repacked(qweight, scale, zp)[0] is first[0]
+    x = _randn(2, 64, seed=1)
+    before = cpu.quantized_linear(x, qweight, scale, zp, 32)
+    new_q, new_scale, _ = _weights(SCHEMES["int4-g32-sym"], 24, 64, seed=9)
+    qweight.copy_(new_q)
+    scale.copy_(new_scale)
+    after = cpu.quantized_linear(x, qweight, scale, zp, 32)
+    assert cpu.repacked(qweight, scale, zp)[0] is not first[0]
+    assert not torch.equal(before, after)
+    assert torch.equal(after, cpu.quantized_linear(x, new_q, new_scale, None, 32))
+
+
+def test_arena_places_copies_back_to_back():
+    """Arena.place: equal copies, 64-byte aligned, in placement order inside one chunk; a tensor
+    larger than the chunk gets a chunk of its own."""
+    from baige.kernels.cpu.arena import Arena
+    a = Arena(chunk=1 << 16)
+    ts = [torch.arange(10, dtype=torch.int32), torch.randn(3, 5), torch.ones(100, dtype=torch.uint8)]
+    placed = [a.place(t) for t in ts]
+    for t, p in zip(ts, placed):
+        assert torch.equal(t, p) and p.dtype == t.dtype and p.is_contiguous() and p.data_ptr() % 64 == 0
+    assert placed[1].data_ptr() - placed[0].data_ptr() == 64 and placed[2].data_ptr() - placed[1].data_ptr() == 64
+    big = a.place(torch.zeros(1 << 17, dtype=torch.uint8))
+    assert big.numel() == 1 << 17 and not big.any()
+    placed[0].zero_()
+    assert ts[0][3] == 3  # a copy, not a view of the input
+
+
 def test_int_dot_dispatch(monkeypatch):
     """int8 always takes qdot; int4 only with a group size that is a multiple of 32 (any row count);
     BAIGE_CPU_INT_DOT=0 never."""

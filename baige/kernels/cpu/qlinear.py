@@ -4,8 +4,9 @@ size that is not a multiple of 32 never takes it) or the exact dequantize-in-reg
 (``qlinear.c``).
 
 The integer-dot kernels read the weights repacked into 16-row interleaved tiles (:func:`repacked`,
-built on first use and kept beside the compressed-tensors weights: one more copy of the packed
-bytes and scales per quantized weight; the checkpoint layout is unchanged).
+built on first use and kept beside the compressed-tensors weights, in first-use order in the
+huge-page arena of :mod:`baige.kernels.cpu.arena`: one more copy of the packed bytes and scales per
+quantized weight; the checkpoint layout is unchanged).
 
 On CPU, PyTorch has no fast int8/int4 weight-only matmul for fp32 activations
 (``torch._weight_int8pack_mm`` measured 5-20x slower than fp32 ``F.linear`` on the AVX2 dev box), so
@@ -22,6 +23,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from baige.kernels.cpu import arena
 from baige.kernels.cpu.build import library, native_allowed
 from baige.kernels.settings import settings
 
@@ -41,7 +43,7 @@ def repack_int8(qweight: torch.Tensor) -> torch.Tensor:
     t, nb = -(-n // TILE_ROWS), -(-k // ACT_BLOCK)
     u = torch.full((t * TILE_ROWS, nb * ACT_BLOCK), 128, dtype=torch.uint8)
     u[:n, :k] = (qweight.to(torch.int16) + 128).to(torch.uint8)
-    return u.view(t, TILE_ROWS, nb * 8, 4).transpose(1, 2).contiguous()
+    return u.view(t, TILE_ROWS, nb * 8, 4).transpose(1, 2).contiguous().view(t, nb, 8, TILE_ROWS, 4)
 
 
 def repack_int4(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
@@ -84,6 +86,7 @@ def repacked(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     if hit is not None and hit[0] == versions:
         return hit[1]
     value = (repack_int8(qweight),) if qweight.dtype == torch.int8 else repack_int4(qweight, scale, zero_point)
+    value = tuple(None if v is None else arena.weights.place(v) for v in value)  # back to back, huge pages
     with _repack_lock:
         if key not in _repacks:
             weakref.finalize(qweight, _repacks.pop, key, None)
