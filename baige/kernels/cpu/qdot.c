@@ -41,10 +41,17 @@
 
 #define QB 32
 #define RT 16
-/* software prefetch distance in bytes along the tile stream (past a tile's end it reads the next tile or
- * the next matrix's neighbour: a prefetch never faults) */
+/* int4's software prefetch distance in bytes along the tile stream (past a tile's end it reads the next
+ * tile or the next matrix's neighbour: a prefetch never faults). On the Zen 4 dev VM, one 212 MB int4
+ * matrix at one row streamed 19.2 GB/s without and 23.6 with it at 4096 bytes; int8 23 without and
+ * 15 with it (so int8 has none). */
 #ifndef PF_AHEAD
-#define PF_AHEAD 2048
+#define PF_AHEAD 4096
+#endif
+#ifdef PF_NONE
+#define PREFETCH(p, n) ((void)0)
+#else
+#define PREFETCH(p, n) for (int i_ = 0; i_ < (n); i_ += 64) _mm_prefetch((const char *)((p) + PF_AHEAD + i_), _MM_HINT_T0)
 #endif
 
 static inline int32_t ld32(const int8_t *p) {
@@ -109,7 +116,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * step;
         const int8_t *xb = xq + b * QB;
-        for (int i = 0; i < step; i += 64) _mm_prefetch((const char *)(wb + PF_AHEAD + i), _MM_HINT_T0);
+        if (bits == 4) PREFETCH(wb, step);  /* int8 streamed faster without (more loads in flight already) */
         __m512i t[MR];
         for (int m = 0; m < mr; m++) t[m] = _mm512_set1_epi32(-off * qs[m * nb + b]);
         if (bits == 8) {
@@ -183,7 +190,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * step;
         const int8_t *xb = xq + b * QB;
-        for (int i = 0; i < step; i += 64) _mm_prefetch((const char *)(wb + PF_AHEAD + i), _MM_HINT_T0);
+        if (bits == 4) PREFETCH(wb, step);  /* int8 streamed faster without (more loads in flight already) */
         __m256i t[MR][2];
         for (int m = 0; m < mr; m++) t[m][0] = t[m][1] = _mm256_set1_epi32(-off * qs[m * nb + b]);
         if (bits == 8) {
