@@ -237,6 +237,30 @@ def test_fused_decode_lora_stacks(tmp_path, monkeypatch, base):
     assert (adapted[0, 0] - plain[0, 0]).abs().max() > 1e-2 and (adapted[0, 2] - plain[0, 2]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_build_moves_streamed_weights_into_the_arena_in_read_order(tmp_path, dtype, monkeypatch):
+    """Building the step moves each projection weight and a (tied) lm_head into the huge-page arena:
+    same Parameter objects and values, the storages back to back in the order the step reads them
+    (layer by layer q, k, v, o, gate, up, down, then the lm_head); a second build moves nothing."""
+    from baige.kernels.cpu import arena
+    monkeypatch.setattr(arena, "weights", arena.Arena())  # a fresh chunk: no boundary from earlier tests
+    model = load_model(make_checkpoint(tmp_path / "m", "llama-tied"), dtype)
+    params = [p for layer in model.model.layers for p in (
+        layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+        layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
+        layer.mlp.down_proj.weight)] + [model.lm_head.weight]
+    before = [p.detach().clone() for p in params]
+    kv = _step_inputs(model)[0]
+    assert FusedDecoder.build(model, kv)[0] is not None
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    ptrs = [p.data_ptr() for p in params]
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert ptrs == sorted(ptrs) and len(set(ptrs)) == len(ptrs)
+    assert all(b - a < p.numel() * p.element_size() + 64 for a, b, p in zip(ptrs, ptrs[1:], params))
+    assert FusedDecoder.build(model, kv)[0] is not None
+    assert [p.data_ptr() for p in params] == ptrs
+
+
 def test_ineligible_models_say_why(tmp_path, monkeypatch):
     path = make_checkpoint(tmp_path / "m", "llama")
     half = load_model(path, "float16")

@@ -37,6 +37,7 @@ from baige import kernels
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.model.transformer import Transformer
+from baige.kernels.cpu import arena
 from baige.runtime.quant.fp16_weight import Fp16WeightLinear
 from baige.runtime.quant.linear import QuantizedLinear
 from baige.runtime.settings import settings
@@ -89,6 +90,9 @@ class FusedDecoder:
                 linears, _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
                 _f32(a.q_norm.weight) if a.q_norm is not None else None,
                 _f32(a.k_norm.weight) if a.k_norm is not None else None, kv.k[i], kv.v[i]))
+        head = model.lm_head
+        if type(head) is nn.Linear and head.weight.dtype in (torch.float32, torch.bfloat16):
+            _to_arena(head.weight)  # read right after the last layer (logits)
         c = model.config
         dims = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                 c.intermediate_size)
@@ -140,6 +144,7 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
         w = mod.weight
         if w.dtype not in (torch.float32, torch.bfloat16) or w.stride(-1) != 1:
             return None, "an fp32 or bf16 nn.Linear with a row-major weight is needed"
+        w = _to_arena(w)
         kind = kernels.LINEAR_F32 if w.dtype == torch.float32 else kernels.LINEAR_BF16
         desc = kernels.DecodeLinearDesc(kind, mod.out_features, mod.in_features, w)
     elif isinstance(mod, Fp16WeightLinear):
@@ -169,6 +174,17 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
             return None, f"its LoRA stack is {a.dtype}, not fp32"
         desc.lora_a, desc.lora_b, desc.lora_scale = a.contiguous(), b.contiguous(), scale.float().contiguous()
     return desc, ""
+
+
+def _to_arena(p: torch.Tensor) -> torch.Tensor:
+    """Move a weight the step streams into the huge-page arena (:mod:`baige.kernels.cpu.arena`), in the
+    order the step reads them: the parameter keeps its identity and values, its storage is replaced
+    (the old one is freed), once per parameter."""
+    if not getattr(p, "_baige_arena", False) and p.is_contiguous():
+        with torch.no_grad():
+            p.data = arena.weights.place(p.data)
+        p._baige_arena = True
+    return p
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
