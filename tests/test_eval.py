@@ -99,6 +99,7 @@ def _cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+@pytest.mark.usefixtures("exact_quant_kernels")  # parity with HF's dequantized int4, not the int-dot rounding
 def test_cli_quantize_eval_and_compare(tiny_with_tokenizer, tmp_path):
     out = tmp_path / "int4"
     r = _cli("quantize", "--model", tiny_with_tokenizer, "--method", "int4", "--group-size", "32", "--output", out)

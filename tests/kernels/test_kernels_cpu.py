@@ -158,7 +158,7 @@ def test_repack_layouts_hand_indexed():
     assert int(wr[0, 4, 7]) == int(words[7, 4]) and int(wr[1, 2, 2]) == int(words[18, 2])
     assert int(wr[1, 2, 3]) == -0x77777778 and int(wr[0, 5, 0]) == -0x77777778  # row 19; word 5 of 5
     assert float(sr[1, 1, 2]) == float(scale[18, 1]) and float(sr[1, 0, 3]) == 0.0
-    assert float(zr[0, 1, 4]) == float(scale[4, 1]) * int(zp[4, 1])
+    assert float(zr[0, 1, 4]) == float(scale[4, 1] * zp[4, 1].float())  # the fp32 product
     assert cpu.repack_int4(words, scale, None)[2] is None
 
 

@@ -7,9 +7,11 @@ unloaded at run time while a request streams, which finishes unharmed; bad loads
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import httpx
+
 import pytest
 
 from baige.errors import BaigeError
@@ -61,7 +63,7 @@ def serving(engine, name: str):
         sock.close()
 
 
-def test_adapters_through_the_openai_client(dirs):
+def test_adapters_through_the_openai_client(dirs, monkeypatch):
     from openai import NotFoundError, OpenAI
 
     llm = LLM(str(dirs["base"]), enable_lora=True, max_loras=2, max_lora_rank=5, dtype="float32", **ENGINE)
@@ -72,6 +74,10 @@ def test_adapters_through_the_openai_client(dirs):
             for n in names}
     assert len({str(v[:12]) for v in want.values()}) == 3  # the adapters change the tokens
     llm.engine.unload_lora_adapter("chat")  # loaded again at run time below
+    # 10 ms per engine step while serving: the streamed request stays in flight for >= 2.4 s however
+    # fast the host decodes, so the unload below meets it running (the admin calls take milliseconds)
+    real_step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda *a, **k: time.sleep(0.01) or real_step(*a, **k))
     with serving(llm.engine, "tiny") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         listed = {m.id: m for m in client.models.list().data}

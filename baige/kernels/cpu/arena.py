@@ -68,3 +68,9 @@ class Arena:
 
 
 weights = Arena()  # the process-wide arena of streamed weights
+
+
+def to_weight_arena(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` placed in the process-wide arena (:data:`weights`): the next one placed lands
+    right after it."""
+    return weights.place(t)

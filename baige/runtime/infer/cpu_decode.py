@@ -37,7 +37,6 @@ from baige import kernels
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.model.transformer import Transformer
-from baige.kernels.cpu import arena
 from baige.runtime.quant.fp16_weight import Fp16WeightLinear
 from baige.runtime.quant.linear import QuantizedLinear
 from baige.runtime.settings import settings
@@ -177,12 +176,12 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
 
 
 def _to_arena(p: torch.Tensor) -> torch.Tensor:
-    """Move a weight the step streams into the huge-page arena (:mod:`baige.kernels.cpu.arena`), in the
+    """Move a weight the step streams into the huge-page arena (``kernels.to_weight_arena``), in the
     order the step reads them: the parameter keeps its identity and values, its storage is replaced
     (the old one is freed), once per parameter."""
     if not getattr(p, "_baige_arena", False) and p.is_contiguous():
         with torch.no_grad():
-            p.data = arena.weights.place(p.data)
+            p.data = kernels.to_weight_arena(p.data)
         p._baige_arena = True
     return p
 
