@@ -15,7 +15,7 @@ without this a quantized checkpoint dequantizes every weight on every call. Inpu
 exact kernels that is as fast there (compute-bound); the integer-dot ones would be ~3x faster at
 1024-2048 rows (1 thread, SmolLM2-135M MLP shapes, AMD EPYC AVX-512 VNNI), but they also round the
 activations, which costs perplexity (int8 on the embedded model, one 1024-token window: +0.76% over
-fp32 against +0.3% exact), so long prefill chunks keep the exact product.
+fp32 against +0.33% exact), so long prefill chunks keep the exact product.
 """
 
 from __future__ import annotations
