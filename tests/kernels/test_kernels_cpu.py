@@ -211,7 +211,7 @@ def test_arena_places_copies_back_to_back():
 
 
 def test_int_dot_dispatch(monkeypatch):
-    """int8 always takes qdot; int4 only with a group size that is a multiple of 32 (any row count);
+    """int8 always takes qdot; int4 only with a group size that is a multiple of 32 (up to MAX_ROWS rows, as int8);
     BAIGE_CPU_INT_DOT=0 never."""
     lib = cpu_library.library()
     calls = []
