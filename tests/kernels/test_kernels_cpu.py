@@ -194,6 +194,22 @@ def test_repacked_cache_follows_in_place_writes():
     assert torch.equal(after, cpu.quantized_linear(x, new_q, new_scale, None, 32))
 
 
+@pytest.mark.parametrize("name", ["int8", "int4-g32-sym", "int4-g16"])
+def test_column_strided_weights(name):
+    """A weight whose rows are not unit-strided (a transposed copy's view): the integer-dot kernels
+    repack it once (no per-call copy, so the cache hits), the exact int4 g16 kernel reads a contiguous
+    copy; results equal those of the contiguous weight."""
+    scheme = QuantScheme(4, 16) if name == "int4-g16" else SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, 24, 128)
+    strided = qweight.t().contiguous().t()
+    assert strided.stride(-1) != 1
+    x = _randn(3, 128, seed=2)
+    want = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size)
+    assert torch.equal(cpu.quantized_linear(x, strided, scale, zp, scheme.group_size), want)
+    if name != "int4-g16":
+        assert cpu.repacked(strided, scale, zp)[0] is cpu.repacked(strided, scale, zp)[0]
+
+
 def test_arena_places_copies_back_to_back():
     """Arena.place: equal copies, 64-byte aligned, in placement order inside one chunk; a tensor
     larger than the chunk gets a chunk of its own."""

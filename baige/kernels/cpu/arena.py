@@ -5,8 +5,9 @@ Why: a batch-1 decode step reads every weight once, as ~200 separate matrices of
 separate allocations on 4 KiB pages the stream pays a TLB miss per page and a prefetcher restart per
 matrix; placed back to back, in the order of first use (= execution order), in chunks advised as
 transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux; works where THP is ``always`` or
-``madvise``), the same step read 30-25% faster on the dev box (1 thread, 210 int4 g32 matrices of
-SmolLM2-135M's shapes: 5.09 -> 3.99 ms; int8 7.27 -> 6.10 ms; AMD EPYC Zen 4, THP ``madvise``).
+``madvise``), the same reads took 22% less time on the dev box (1 thread, 210 int4 g32 matrices of
+SmolLM2-135M's shapes at one row: 5.09 -> 3.99 ms; int8 16%, 7.27 -> 6.10 ms; AMD EPYC Zen 4, THP
+``madvise``).
 
 Each placed tensor is a view into a chunk; a chunk is freed when its last view is. Chunks are
 reserved with ``torch.empty`` (untouched pages cost no memory), so the unused tail of the last chunk

@@ -28,8 +28,8 @@ void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const 
 void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const int32_t *wp, int64_t N, int64_t ldw,
                         const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
                         int64_t ldy, int nthreads);
-void baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
-                     const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
+int baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
+                    const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
 int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
                     const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias, float *y,
                     int64_t ldy, int nthreads);
@@ -104,16 +104,19 @@ static void lora_add(const baige_linear *l, const float *x, int64_t M, float *y,
     }
 }
 
-static void linear(const baige_linear *l, const float *x, int64_t M, float *y, const lora_scratch *s,
-                   int nthreads) {
+/* y = the projection of x (+ its LoRA term). Returns 0, or -1 when an integer-dot kernel could not
+ * allocate its scratch (y is then NaN). */
+static int linear(const baige_linear *l, const float *x, int64_t M, float *y, const lora_scratch *s,
+                  int nthreads) {
     const int64_t kind = l->kind;
+    int rc = 0;
     if (kind == BAIGE_INT8)
         baige_qlinear_int8(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->bias, y, l->n, nthreads);
     else if (kind == BAIGE_INT8_DOT)
-        baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->scale, l->bias, y, l->n, nthreads);
-    else if (kind == BAIGE_INT4_DOT)  /* group size a multiple of 32 (decode.py); out of memory: NaN */
-        baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->scale, l->scaled_zero, l->groups, l->group_size, l->bias,
-                        y, l->n, nthreads);
+        rc = baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->scale, l->bias, y, l->n, nthreads);
+    else if (kind == BAIGE_INT4_DOT)  /* group size a multiple of 32 (decode.py) */
+        rc = baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->scale, l->scaled_zero, l->groups, l->group_size,
+                             l->bias, y, l->n, nthreads);
     else if (kind == BAIGE_INT4)
         baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups,
                            l->group_size, l->bias, y, l->n, nthreads);
@@ -124,6 +127,7 @@ static void linear(const baige_linear *l, const float *x, int64_t M, float *y, c
     else
         baige_linear_f32(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
     if (l->lora_a && s->ids) lora_add(l, x, M, y, s, nthreads);
+    return rc;
 }
 
 /* h: (M, hidden) fp32, in: the token embeddings, out: the last layer's output (before the final
@@ -166,12 +170,12 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
     float *normed = buf, *o = normed + M * hidden, *q = o + M * hidden, *qr = q + nq, *attn = qr + nq;
     float *k = attn + nq, *kr = k + nk, *v = kr + nk, *g = v + nk, *u = g + M * inter;
     int rc = 0;
-    for (int64_t i = 0; i < n_layers && rc == 0; i++) {
+    for (int64_t i = 0; i < n_layers && rc == 0; i++) {  /* a failure stops before anything reaches the cache */
         const baige_layer *L = layers + i;
         baige_rms_norm(h, M, hidden, L->input_norm, eps, normed);
-        linear(&L->q, normed, M, q, sp, nthreads);
-        linear(&L->k, normed, M, k, sp, nthreads);
-        linear(&L->v, normed, M, v, sp, nthreads);
+        rc = linear(&L->q, normed, M, q, sp, nthreads) | linear(&L->k, normed, M, k, sp, nthreads)
+             | linear(&L->v, normed, M, v, sp, nthreads);
+        if (rc) break;
         if (L->q_norm) {  /* per-head RMSNorm (Qwen3), in place: each row is read before it is written */
             baige_rms_norm(q, M * hq, d, L->q_norm, eps, q);
             baige_rms_norm(k, M * hk, d, L->k_norm, eps, k);
@@ -180,12 +184,12 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
         baige_store_kv(kr, v, M, hk, d, L->k_cache, L->v_cache, num_blocks * bs, slots, kv_dtype);
         rc = baige_paged_decode_attention(qr, L->k_cache, L->v_cache, M, hq, hk, d, num_blocks, bs, tables, W,
                                           lens, scale, attn, kv_dtype, nthreads);
-        linear(&L->o, attn, M, o, sp, nthreads);
+        if (rc || (rc = linear(&L->o, attn, M, o, sp, nthreads))) break;
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */
-        linear(&L->gate, normed, M, g, sp, nthreads);
-        linear(&L->up, normed, M, u, sp, nthreads);
+        rc = linear(&L->gate, normed, M, g, sp, nthreads) | linear(&L->up, normed, M, u, sp, nthreads);
+        if (rc) break;
         baige_silu_mul(g, u, M * inter, g);
-        linear(&L->down, g, M, o, sp, nthreads);
+        if ((rc = linear(&L->down, g, M, o, sp, nthreads))) break;
         for (int64_t j = 0; j < M * hidden; j++) h[j] = h[j] + o[j];
     }
     free(buf);

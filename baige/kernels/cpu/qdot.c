@@ -301,11 +301,12 @@ static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
     return 0;
 }
 
-/* int8 per channel: wr repacked (see top), scale fp32 (N), bias fp32 (N) or NULL; y (M, ldy). */
-void baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
-                     const float *scale, const float *bias, float *y, int64_t ldy, int nthreads)
+/* int8 per channel: wr repacked (see top), scale fp32 (N), bias fp32 (N) or NULL; y (M, ldy). Returns 0,
+ * or -1 when scratch memory cannot be allocated (y filled with NaN). */
+int baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
+                    const float *scale, const float *bias, float *y, int64_t ldy, int nthreads)
 {
-    qdot(8, x, M, K, ldx, wr, N, scale, NULL, NULL, 0, 0, bias, y, ldy, nthreads);
+    return qdot(8, x, M, K, ldx, wr, N, scale, NULL, NULL, 0, 0, bias, y, ldy, nthreads);
 }
 
 /* int4 group-wise: wr, sr, zr repacked (see top), G groups of gs columns (a multiple of 32), K a

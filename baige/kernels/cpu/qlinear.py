@@ -127,7 +127,11 @@ def quantized_linear(
 ) -> torch.Tensor:
     """:func:`baige.kernels.quantized_linear` on the native kernel (same arguments and layouts; call
     only where :func:`supports` is true). ``int_dot``: None follows ``BAIGE_CPU_INT_DOT``; False
-    forces the exact kernels. Returns (..., out) fp32; no autograd."""
+    forces the exact kernels. Returns (..., out) fp32; no autograd.
+
+    Raises:
+        MemoryError: an integer-dot kernel could not allocate its scratch (activation blocks).
+    """
     lib = library()
     shape = x.shape
     k = shape[-1]
@@ -141,33 +145,39 @@ def quantized_linear(
     # per-call work is a handful of pointer reads: decode calls this ~200 times per token
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    s = scale if scale.dtype == torch.float32 and scale.is_contiguous() else scale.float().contiguous()
-    if qweight.stride(-1) != 1:
-        qweight = qweight.contiguous()
     b_ptr = None if bias is None else bias.data_ptr()
     nthreads = torch.get_num_threads()
     int_dot = settings().cpu_int_dot if int_dot is None else int_dot
+    dot = int_dot and (qweight.dtype == torch.int8 or group_size % 32 == 0)  # the integer-dot kernel runs
+    # the int4 integer-dot kernel reads the repacked fp32 scales, the others these; repacked() is keyed by
+    # the weight tensor itself, so only the exact kernels get a contiguous copy
+    fp32_scale = scale.dtype == torch.float32 and scale.is_contiguous()
+    s = scale if fp32_scale or (dot and qweight.dtype == torch.int32) else scale.float().contiguous()
+    qc = qweight if dot or qweight.stride(-1) == 1 else qweight.contiguous()
+    rc = 0
     if qweight.dtype == torch.int8:
-        if int_dot:
+        if dot:
             (wr,) = repacked(qweight, scale, None)
-            lib.baige_qdot_int8(x2.data_ptr(), m, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr,
-                                y.data_ptr(), n, nthreads)
+            rc = lib.baige_qdot_int8(x2.data_ptr(), m, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr,
+                                     y.data_ptr(), n, nthreads)
         else:
-            lib.baige_qlinear_int8(x2.data_ptr(), m, k, x2.stride(0), qweight.data_ptr(), n, qweight.stride(0),
+            lib.baige_qlinear_int8(x2.data_ptr(), m, k, x2.stride(0), qc.data_ptr(), n, qc.stride(0),
                                    s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
     else:
         if k % 8:
             x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded nibbles multiply 0
-        if int_dot and group_size % 32 == 0:
+        if dot:
             wr, sr, zr = repacked(qweight, scale, zero_point)
-            lib.baige_qdot_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
-                                None if zr is None else zr.data_ptr(), sr.shape[1], group_size, b_ptr,
-                                y.data_ptr(), n, nthreads)
+            rc = lib.baige_qdot_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
+                                     None if zr is None else zr.data_ptr(), sr.shape[1], group_size, b_ptr,
+                                     y.data_ptr(), n, nthreads)
         else:
             z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
-            lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qweight.data_ptr(), n,
-                                   qweight.stride(0), s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1],
+            lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qc.data_ptr(), n,
+                                   qc.stride(0), s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1],
                                    group_size, b_ptr, y.data_ptr(), n, nthreads)
+    if rc != 0:
+        raise MemoryError("native integer-dot linear: could not allocate its scratch buffers")
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
 
 
