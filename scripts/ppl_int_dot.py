@@ -7,8 +7,9 @@ tokens in ``--seq-len`` windows, twice per scheme:
 - exact: ``BAIGE_CPU_INT_DOT=0`` (the dequantizing kernels; what ``F.linear`` of the dequantized
   weight gives, up to fp32 summation order);
 - int-dot: ``BAIGE_CPU_INT_DOT=1`` with the kernels' row limits lifted, so every projection of every
-  window runs through ``qdot.c`` (activations rounded to int8 blocks of 32), the numerics a decode
-  step sees.
+  window runs through ``qdot.c``, the numerics a decode step sees, with one activation pass
+  (``BAIGE_CPU_INT_DOT_PASSES=1``: int8 blocks of 32, llama.cpp's Q8_0 rounding) and with two (the
+  default: + the residual's int8 blocks).
 
 Prints a table (perplexity, and int-dot's change in %) and writes JSON.
 
@@ -60,14 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         model = copy.deepcopy(base)
         quantize_model(model, scheme, ignore=["lm_head"])
         got = {}
-        for mode in ("0", "1"):
-            os.environ["BAIGE_CPU_INT_DOT"] = mode
+        for mode, passes in (("0", "2"), ("1", "1"), ("1", "2")):
+            os.environ["BAIGE_CPU_INT_DOT"], os.environ["BAIGE_CPU_INT_DOT_PASSES"] = mode, passes
             reload_settings()
             with torch.inference_mode():
-                got[mode] = perplexity(model, ids, args.seq_len).perplexity
-        rows.append({"scheme": name, "exact": got["0"], "int_dot": got["1"],
-                     "change_pct": 100 * (got["1"] / got["0"] - 1)})
-        print(f"{name:10s} exact {got['0']:.4f}  int-dot {got['1']:.4f}  ({rows[-1]['change_pct']:+.3f}%)", flush=True)
+                got[mode + passes] = perplexity(model, ids, args.seq_len).perplexity
+        exact, one, two = got["02"], got["11"], got["12"]
+        rows.append({"scheme": name, "exact": exact, "int_dot_1_pass": one, "int_dot_2_passes": two,
+                     "change_pct_1_pass": 100 * (one / exact - 1), "change_pct_2_passes": 100 * (two / exact - 1)})
+        print(f"{name:10s} exact {exact:.4f}  int-dot, 1 pass {one:.4f} ({rows[-1]['change_pct_1_pass']:+.3f}%)  "
+              f"2 passes {two:.4f} ({rows[-1]['change_pct_2_passes']:+.3f}%)", flush=True)
     print(f"fp32 (unquantized) {fp32:.4f}; {len(ids)} tokens of {data.name}, windows of {args.seq_len}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,8 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
     env = result.get("environment", {})
     if env.get("device") == "cpu":
         err.print(f"cpu: {env.get('cpu_model')}; flags {' '.join(env.get('cpu_flags') or []) or 'none'}; native "
-                  f"kernels {env.get('cpu_isa') or 'off'}, int8/int4 integer dot {'on' if env.get('cpu_int_dot') else 'off'}"
+                  f"kernels {env.get('cpu_isa') or 'off'}, int8/int4 integer dot "
+                  f"{_int_dot_words(env)}"
                   + (f"; baige ran in {result['limits']['dtype']}" if result.get("limits", {}).get("dtype") else ""))
     load, cpus = (env.get("load_average") or [0.0])[0], env.get("cpu_count") or 1
     if load > cpus:
@@ -342,3 +343,11 @@ def compare(
         return Group(*tables, *[f"note: {n}" for n in r["notes"]])
 
     _execute("compare", run_compare, cfg, output_dir, plot, render)
+
+
+def _int_dot_words(env: dict) -> str:
+    """'off', or 'on' with its activation passes (older result files have no passes: just 'on')."""
+    if not env.get("cpu_int_dot"):
+        return "off"
+    passes = env.get("cpu_int_dot_passes")
+    return "on" if passes is None else f"on ({passes} activation pass{'es' if passes == 2 else ''})"

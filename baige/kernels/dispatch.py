@@ -10,7 +10,7 @@ import importlib.util
 
 import torch
 
-from baige.kernels.settings import BACKENDS, settings
+from baige.kernels.settings import BACKENDS, int_dot_passes, settings
 
 
 
@@ -54,7 +54,8 @@ def backend(x: torch.Tensor) -> str:
 def check_startup() -> None:
     """What :func:`backend` would refuse at the first op, checked before any model loads (the CLI
     calls it first); a machine without CUDA has only CPU tensors. Also a ``BAIGE_CPU_ISA`` that is
-    unknown or names a variant this CPU lacks (ops would otherwise quietly use the best one).
+    unknown or names a variant this CPU lacks (ops would otherwise quietly use the best one), and a
+    ``BAIGE_CPU_INT_DOT_PASSES`` other than 1 or 2.
 
     Raises:
         KernelConfigError: one line, as :func:`backend` would raise it, or naming the missing CPU flags.
@@ -64,5 +65,6 @@ def check_startup() -> None:
 
     try:
         isa.resolve(settings().cpu_isa)
+        int_dot_passes()
     except ValueError as e:
         raise KernelConfigError(str(e)) from None

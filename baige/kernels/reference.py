@@ -378,6 +378,28 @@ def quantize_activation_blocks(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple
     return q.flatten(-2), d
 
 
+def quantize_activation_residual(
+    x: torch.Tensor, block: int = ACT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two-pass activations of ``qdot.c`` (``BAIGE_CPU_INT_DOT_PASSES=2``): x rounded to int8 blocks
+    (:func:`quantize_activation_blocks`), then the residual ``r = x - q * d`` (fp32 product, then fp32
+    difference: no FMA, as the C code) rounded to its own int8 blocks the same way.
+
+    Args:
+        x: (..., K) any float dtype; quantized from its fp32 values.
+    Returns:
+        ``(q, d, q2, d2)``: the first pass and the residual's, each as :func:`quantize_activation_blocks`
+        returns them (bit-identical to the kernel's). ``|x - q d - q2 d2| <= d2 / 2 <= amax / 64516`` per block.
+    """
+    q, d = quantize_activation_blocks(x, block)
+    k = x.shape[-1]
+    nb = d.shape[-1]
+    xb = F.pad(x.float(), (0, nb * block - k)).unflatten(-1, (nb, block))
+    resid = xb - q.unflatten(-1, (nb, block)) * d.unsqueeze(-1)  # fp32 product, then fp32 difference
+    q2, d2 = quantize_activation_blocks(resid.flatten(-2), block)
+    return q, d, q2, d2
+
+
 def quantized_linear_int_dot(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -385,14 +407,27 @@ def quantized_linear_int_dot(
     zero_point: torch.Tensor | None,
     group_size: int | None,
     bias: torch.Tensor | None = None,
+    passes: int = 2,
 ) -> torch.Tensor:
     """The math of the native integer-dot linears (``BAIGE_CPU_INT_DOT``): ``x`` replaced by its
-    block-quantized value ``q * d`` (:func:`quantize_activation_blocks`, always from fp32), then
-    ``F.linear`` with the dequantized weight, both in ``x.dtype`` (pass fp64 for an exact oracle).
-    Returns (..., out) in x's dtype."""
-    q, d = quantize_activation_blocks(x)
+    block-quantized value ``q * d`` (``passes=1``, :func:`quantize_activation_blocks`, always from fp32)
+    or ``q * d + q2 * d2`` (``passes=2``, the default: :func:`quantize_activation_residual`), then
+    ``F.linear`` with the dequantized weight, both in ``x.dtype`` (pass fp64 for an exact oracle; the
+    two passes' products are summed in ``x.dtype``). Returns (..., out) in x's dtype.
+
+    Raises:
+        ValueError: ``passes`` is not 1 or 2.
+    """
+    if passes not in (1, 2):
+        raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
     k = x.shape[-1]
-    xd = (q.to(x.dtype).unflatten(-1, (d.shape[-1], -1)) * d.to(x.dtype).unsqueeze(-1)).flatten(-2)[..., :k]
+    if passes == 1:
+        parts = [quantize_activation_blocks(x)]
+    else:
+        q, d, q2, d2 = quantize_activation_residual(x)
+        parts = [(q, d), (q2, d2)]
+    xd = sum((q.to(x.dtype).unflatten(-1, (d.shape[-1], -1)) * d.to(x.dtype).unsqueeze(-1)).flatten(-2)[..., :k]
+             for q, d in parts)
     w = qweight if qweight.dtype == torch.int8 else unpack_int4(qweight, k)
     return F.linear(xd, dequantize_weight(w, scale.to(x.dtype), zero_point, group_size), bias)
 

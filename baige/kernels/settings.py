@@ -10,6 +10,10 @@
 - ``BAIGE_CPU_INT_DOT``: ``1`` (default) runs int8/int4 weight-only linears on CPU as integer dot
   products over int8-quantized activations (``baige/kernels/cpu/qdot.c``, llama.cpp's scheme);
   ``0`` keeps the exact dequantize-to-fp32 kernels (``qlinear.c``).
+- ``BAIGE_CPU_INT_DOT_PASSES``: ``2`` (default) rounds each activation block to int8 and then its
+  residual to a second int8 block, both dotted with the weights (about 16-bit activations; the
+  perplexity of the exact kernels at twice the dot products); ``1``: one int8 block, llama.cpp's Q8_0
+  activations (faster where compute-bound, less accurate). Validated by ``check_startup``.
 
 Code that changes these variables at run time (tests, ``scripts/gpu_smoke.py``) calls
 :func:`reload_settings` afterwards.
@@ -33,6 +37,7 @@ class KernelSettings:
     cc: str | None  # None: look on PATH
     cpu_isa: str  # BAIGE_CPU_ISA, "auto" when unset or empty (validated by baige.kernels.check_startup)
     cpu_int_dot: bool  # BAIGE_CPU_INT_DOT, on unless 0/false/off/no
+    cpu_int_dot_passes: str  # BAIGE_CPU_INT_DOT_PASSES, "2" when unset or empty; see int_dot_passes()
 
 
 def _read() -> KernelSettings:
@@ -44,6 +49,7 @@ def _read() -> KernelSettings:
         cc=env.get("CC") or None,
         cpu_isa=env.get("BAIGE_CPU_ISA") or "auto",
         cpu_int_dot=env.get("BAIGE_CPU_INT_DOT", "1").strip().lower() not in ("0", "false", "off", "no"),
+        cpu_int_dot_passes=env.get("BAIGE_CPU_INT_DOT_PASSES", "").strip() or "2",
     )
 
 
@@ -53,6 +59,18 @@ _current: list[KernelSettings] = [_read()]
 def settings() -> KernelSettings:
     """The settings in force (a list read: cheap, and traceable by torch.compile)."""
     return _current[0]
+
+
+def int_dot_passes() -> int:
+    """The integer-dot kernels' activation passes (``BAIGE_CPU_INT_DOT_PASSES``: 1 or 2).
+
+    Raises:
+        ValueError: one line, when the variable holds anything else.
+    """
+    value = settings().cpu_int_dot_passes
+    if value not in ("1", "2"):
+        raise ValueError(f"BAIGE_CPU_INT_DOT_PASSES={value!r}: choose 1 (int8 activations) or 2 (int8 + residual)")
+    return int(value)
 
 
 def reload_settings() -> KernelSettings:

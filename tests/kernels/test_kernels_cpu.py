@@ -4,6 +4,7 @@ runs, the dispatch rules, the small per-layer ops, and the fallback when nothing
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,25 +98,28 @@ def use_isa(monkeypatch):
 @pytest.mark.parametrize("name", list(DOT_SCHEMES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 17])
 @pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
-def test_int_dot_matches_reference(use_isa, variant, name, rows, in_f, out_f):
-    """The integer-dot kernels on every variant: against the same math in fp32 and fp64 (2x rule), and
-    against the fp64 product of the dequantized weight within the activation rounding bound
-    sum_k d_b(k) / 2 * |W[n, k]| (d_b the block scale of column k's block: |x - q d| <= d / 2)."""
+@pytest.mark.parametrize("passes", [1, 2])
+def test_int_dot_matches_reference(use_isa, variant, name, rows, in_f, out_f, passes):
+    """The integer-dot kernels on every variant, one activation pass and two: against the same math in
+    fp32 and fp64 (2x rule), and against the fp64 product of the dequantized weight within the
+    activation rounding bound sum_k e_b(k) / 2 * |W[n, k]|, e_b the last pass's block scale of column
+    k's block (|x - q d| <= d / 2; with the residual pass |x - q d - q2 d2| <= d2 / 2, ~254x tighter)."""
     use_isa(variant)
     scheme = DOT_SCHEMES[name]
     qweight, scale, zp = _weights(scheme, out_f, in_f)
     x = _randn(rows, in_f, seed=1) * 3
+    x[:, in_f // 3] = 900.0  # an outlier channel (this model class has them): its block's scale is ~7
     bias = _randn(out_f, seed=2) if "asym" in name or name == "int8" else None
-    out = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
-    ref = reference.quantized_linear_int_dot(x, qweight, scale, zp, scheme.group_size, bias)
+    out = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias, passes=passes)
+    ref = reference.quantized_linear_int_dot(x, qweight, scale, zp, scheme.group_size, bias, passes=passes)
     d = lambda t: None if t is None else t.double()  # noqa: E731
-    exact = reference.quantized_linear_int_dot(d(x), qweight, d(scale), zp, scheme.group_size, d(bias))
+    exact = reference.quantized_linear_int_dot(d(x), qweight, d(scale), zp, scheme.group_size, d(bias), passes=passes)
     assert out.dtype == torch.float32 and out.shape == (rows, out_f)
-    assert_close_fp64(out, ref, exact, name=f"{variant} {name} rows={rows} in={in_f}")
+    assert_close_fp64(out, ref, exact, name=f"{variant} {name} rows={rows} in={in_f} passes={passes}")
     w = reference.dequantize_weight(qweight if scheme.num_bits == 8 else reference.unpack_int4(qweight, in_f),
                                     scale.double(), zp, scheme.group_size)
     product = reference.quantized_linear(d(x), qweight, d(scale), zp, scheme.group_size, d(bias))
-    _, blocks = reference.quantize_activation_blocks(x)
+    blocks = reference.quantize_activation_residual(x)[3 if passes == 2 else 1]
     d_col = blocks.double().repeat_interleave(reference.ACT_BLOCK, dim=-1)[:, :in_f]  # (rows, in)
     bound = (d_col / 2) @ w.abs().T * (1 + 1e-3) + 1e-5 * max(1.0, product.abs().max().item())
     assert ((out.double() - product).abs() <= bound).all(), f"{variant} {name}: outside the rounding bound"
@@ -124,18 +128,30 @@ def test_int_dot_matches_reference(use_isa, variant, name, rows, in_f, out_f):
 
 def test_int_dot_known_values():
     """Hand-computed: x = [1, 2, ..., 32] (d = 32/127, q = rint(k * 127/32)) against int8 rows of
-    ones and of (-1)^k, scale 0.5; int4 g32 rows of nibble 9 (q_w = 1) and 7 (q_w = -1), scale 0.25."""
+    ones and of (-1)^k, scale 0.5; int4 g32 rows of nibble 9 (q_w = 1) and 7 (q_w = -1), scale 0.25.
+    One activation pass, then two: the residual r_k = k - q_k d (fp32) as its own block, d2 =
+    max|r| / 127, q2 = rint(r * (1 / d2)), all in numpy float32."""
     x = torch.arange(1, 33, dtype=torch.float32).unsqueeze(0)
-    d = 32 / 127
-    q = [round(k * 127 / 32) for k in range(1, 33)]  # no exact .5 here: Python's round is half-even anyway
+    f = np.float32
+    d = f(32) / f(127)
+    q = [float(np.rint(f(k) * (f(1) / d))) for k in range(1, 33)]  # half to even, as the kernel
+    r = [f(k) - f(qk) * d for k, qk in zip(range(1, 33), q)]
+    d2 = max(abs(v) for v in r) / f(127)
+    q2 = [float(np.rint(v * (f(1) / d2))) for v in r]
     alt = torch.tensor([(-1) ** k for k in range(32)], dtype=torch.int8)
     w8 = torch.stack([torch.ones(32, dtype=torch.int8), alt])
-    y8 = cpu.quantized_linear(x, w8, torch.tensor([0.5, 0.5]), None, None)
-    exp = [0.5 * d * sum(q), 0.5 * d * sum(v * (-1) ** k for k, v in enumerate(q))]
-    torch.testing.assert_close(y8, torch.tensor([exp]), rtol=1e-6, atol=1e-6)
     w4 = pack_int4(torch.tensor([[1] * 32, [-1] * 32], dtype=torch.int8))
-    y4 = cpu.quantized_linear(x, w4, torch.full((2, 1), 0.25), None, 32)
-    torch.testing.assert_close(y4, torch.tensor([[0.25 * d * sum(q), -0.25 * d * sum(q)]]), rtol=1e-6, atol=1e-6)
+    for passes, parts in [(1, [(d, q)]), (2, [(d, q), (d2, q2)])]:
+        y8 = cpu.quantized_linear(x, w8, torch.tensor([0.5, 0.5]), None, None, passes=passes)
+        exp = [sum(0.5 * float(s) * sum(v) for s, v in parts),
+               sum(0.5 * float(s) * sum(v * (-1) ** k for k, v in enumerate(qs)) for s, qs in parts)]
+        torch.testing.assert_close(y8, torch.tensor([exp]), rtol=1e-6, atol=1e-6)
+        y4 = cpu.quantized_linear(x, w4, torch.full((2, 1), 0.25), None, 32, passes=passes)
+        total = sum(0.25 * float(s) * sum(v) for s, v in parts)
+        torch.testing.assert_close(y4, torch.tensor([[total, -total]]), rtol=1e-6, atol=1e-6)
+    # the residual pass recovers what one int8 pass rounds away: sum(k) = 528 exactly
+    assert abs(float(cpu.quantized_linear(x, w8, torch.tensor([1.0, 1.0]), None, None, passes=2)[0, 0]) - 528) < 1e-3
+    assert abs(float(cpu.quantized_linear(x, w8, torch.tensor([1.0, 1.0]), None, None, passes=1)[0, 0]) - 528) > 1e-2
 
 
 def test_repack_layouts_hand_indexed():

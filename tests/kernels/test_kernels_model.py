@@ -61,7 +61,8 @@ def test_engine_greedy_tokens_same_on_triton_paged_kernels(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("env, needle", [({"BAIGE_KERNELS": "bogus"}, "BAIGE_KERNELS='bogus'"),
-                                         ({"BAIGE_KERNELS": "triton", "TRITON_INTERPRET": "0"}, "TRITON_INTERPRET=1")])
+                                         ({"BAIGE_KERNELS": "triton", "TRITON_INTERPRET": "0"}, "TRITON_INTERPRET=1"),
+                                         ({"BAIGE_CPU_INT_DOT_PASSES": "3"}, "BAIGE_CPU_INT_DOT_PASSES='3'")])
 def test_cli_bad_kernel_setting_is_one_line(env, needle):
     import os
     import subprocess

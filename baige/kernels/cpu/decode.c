@@ -29,10 +29,10 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const
                         const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y,
                         int64_t ldy, int nthreads);
 int baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
-                    const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
+                    const float *scale, const float *bias, float *y, int64_t ldy, int passes, int nthreads);
 int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
                     const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias, float *y,
-                    int64_t ldy, int nthreads);
+                    int64_t ldy, int passes, int nthreads);
 void baige_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out);
 void baige_add_rms_norm(const float *x, const float *res, int64_t rows, int64_t n, const float *w, float eps,
                         float *out, float *sum);
@@ -65,6 +65,7 @@ typedef struct {
     const float *lora_scale;    /* fp32 (lora_slots): alpha / r per adapter */
     int64_t lora_slots, lora_r;
     const float *scaled_zero;   /* INT4_DOT asymmetric: repacked scale * zero point (tiles, groups, 16), else NULL */
+    int64_t act_passes;         /* *_DOT: activation passes of qdot.c (1: int8 blocks, 2: + their residual) */
 } baige_linear;
 
 /* Scratch of the LoRA terms for M tokens of widths up to `width` and ranks up to `rank`. */
@@ -113,10 +114,10 @@ static int linear(const baige_linear *l, const float *x, int64_t M, float *y, co
     if (kind == BAIGE_INT8)
         baige_qlinear_int8(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->bias, y, l->n, nthreads);
     else if (kind == BAIGE_INT8_DOT)
-        rc = baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->scale, l->bias, y, l->n, nthreads);
+        rc = baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->scale, l->bias, y, l->n, (int)l->act_passes, nthreads);
     else if (kind == BAIGE_INT4_DOT)  /* group size a multiple of 32 (decode.py) */
         rc = baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->scale, l->scaled_zero, l->groups, l->group_size,
-                             l->bias, y, l->n, nthreads);
+                             l->bias, y, l->n, (int)l->act_passes, nthreads);
     else if (kind == BAIGE_INT4)
         baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups,
                            l->group_size, l->bias, y, l->n, nthreads);

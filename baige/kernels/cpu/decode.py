@@ -15,7 +15,7 @@ import torch
 from baige.kernels.cpu.build import library
 from baige.kernels.cpu.ops import kv_dtype_code
 from baige.kernels.cpu.qlinear import repacked
-from baige.kernels.settings import settings
+from baige.kernels.settings import int_dot_passes, settings
 
 # projection kinds understood by decode.c
 LINEAR_F32, LINEAR_INT8, LINEAR_INT4, LINEAR_F16, LINEAR_BF16 = 0, 1, 2, 3, 6
@@ -28,7 +28,7 @@ class _Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("w", _p), ("ldw", _i64), ("scale", _p),
                 ("zero_point", _p), ("groups", _i64), ("group_size", _i64), ("bias", _p),
                 ("lora_a", _p), ("lora_b", _p), ("lora_scale", _p), ("lora_slots", _i64), ("lora_r", _i64),
-                ("scaled_zero", _p)]
+                ("scaled_zero", _p), ("act_passes", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -44,8 +44,8 @@ class LinearDesc:
     vdpbf16ps over bf16-rounded activations on AVX-512 BF16, exact widening elsewhere); LINEAR_INT8: int8 ``w`` with fp32
     per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, fp32 ``scale`` (n, groups),
     optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None. With ``BAIGE_CPU_INT_DOT``
-    on (read when :class:`DecodeLayers` is built) int8 and int4 (group size a multiple of 32) run as
-    integer dot products on the weights' repacked tiles (:func:`baige.kernels.cpu.qlinear.repacked`,
+    on (read when :class:`DecodeLayers` is built, with ``BAIGE_CPU_INT_DOT_PASSES``) int8 and int4 (group
+    size a multiple of 32) run as integer dot products on the weights' repacked tiles (:func:`baige.kernels.cpu.qlinear.repacked`,
     shared with the per-op path), as the per-op path does.
 
     LoRA (multi-adapter serving, all three or none): ``lora_a`` fp32 (L, r, k), ``lora_b`` fp32 (L, n, r),
@@ -121,6 +121,7 @@ class DecodeLayers:
             tiles = repacked(d.w, d.scale, d.zero_point)
             self._keep += [t for t in tiles if t is not None]
             lin.kind, lin.w, lin.ldw = (_INT8_DOT if d.kind == LINEAR_INT8 else _INT4_DOT), tiles[0].data_ptr(), 0
+            lin.act_passes = int_dot_passes()
             if d.kind == LINEAR_INT4:
                 lin.scale, lin.zero_point, lin.scaled_zero = tiles[1].data_ptr(), None, _ptr(tiles[2])
         if d.lora_a is not None:

@@ -18,8 +18,13 @@
  *
  * Activation quantization (per x row m and block b = columns 32b..32b+31, zero-padded past K):
  *   amax = max |x|, d = amax / 127, q = rint(x * (d ? 1 / d : 0)) (round half to even), all fp32,
- * so |q| <= 127. kernels/reference.py (quantized_linear_int_dot) does the same fp32 ops, so q and d
- * are bit-identical there and the tests compare the rest of the math against fp64. For int4 each
+ * so |q| <= 127. With two passes (the default, BAIGE_CPU_INT_DOT_PASSES=2) the residual r = x - q * d
+ * (fp32 product, fp32 difference) is quantized the same way to (q2, d2) and becomes the next activation
+ * row, dotted with the same weight tiles (x ~ q d + q2 d2: |error| <= d2 / 2 <= amax / 64516, about
+ * 16-bit activations for twice the dot products; one pass is llama.cpp's Q8_0 rounding, whose
+ * perplexity cost on the embedded model was +0.2-0.5%, measured in the README).
+ * kernels/reference.py (quantize_activation_residual, quantized_linear_int_dot) does the same fp32 ops,
+ * so q and d are bit-identical there and the tests compare the rest of the math against fp64. For int4 each
  * group of 8 columns is stored as its 4 even columns then its 4 odd ones, the order of a word's low
  * and high nibbles.
  *
@@ -65,35 +70,47 @@ static inline int nib_pos(int i) {
     return (i & ~7) + (i & 1) * 4 + (i & 7) / 2;
 }
 
-/* One x row (K fp32) -> nb blocks: xq (nb * 32 int8, zero past K; int4 order when perm), d (nb), and
- * qsum (nb, the sum of each block's q). */
-static void quantize_row(const float *x, int64_t K, int64_t nb, int perm, int8_t *xq, float *d, int32_t *qsum) {
+/* One block of 32 fp32 values t -> o (32 int8; int4 order when perm), *d and *qsum (the sum of the q);
+ * resid (32 fp32, or NULL): t - q * d, each product and difference rounded to fp32 (no FMA). */
+static void quantize_block(const float *t, int perm, int8_t *o, float *d, int32_t *qsum, float *resid) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(t + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4), db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    int32_t qi[QB];
+    for (int i = 0; i < 4; i++) {  /* cvtps rounds to nearest even (the default MXCSR mode) */
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        _mm256_storeu_si256((__m256i *)(qi + 8 * i), q);
+        if (resid)
+            _mm256_storeu_ps(resid + 8 * i, _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(db))));
+    }
+    int32_t s = 0;
+    for (int i = 0; i < QB; i++) {
+        o[perm ? nib_pos(i) : i] = (int8_t)qi[i];
+        s += qi[i];
+    }
+    *d = db;
+    *qsum = s;
+}
+
+/* One x row (K fp32) -> nb blocks per pass: xq (nb * 32 int8, zero past K; int4 order when perm), d (nb)
+ * and qsum (nb, the sum of each block's q), for pass 0 at offset 0 and, when passes == 2, the
+ * quantized residual x - q * d at offset `next` (xq + next * nb * 32, d + next * nb, qsum + next * nb). */
+static void quantize_row(const float *x, int64_t K, int64_t nb, int perm, int passes, int64_t next, int8_t *xq,
+                         float *d, int32_t *qsum) {
     for (int64_t b = 0; b < nb; b++) {
-        float t[QB];
+        float t[QB], r[QB];
         const int64_t k0 = b * QB, n = K - k0 < QB ? (K > k0 ? K - k0 : 0) : QB;
         memcpy(t, x + k0, sizeof(float) * (size_t)n);
         for (int64_t i = n; i < QB; i++) t[i] = 0.0f;
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(t + 8 * i);
-            mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4), db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        int32_t qi[QB];
-        for (int i = 0; i < 4; i++)  /* cvtps rounds to nearest even (the default MXCSR mode) */
-            _mm256_storeu_si256((__m256i *)(qi + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id))));
-        int8_t *o = xq + k0;
-        int32_t s = 0;
-        for (int i = 0; i < QB; i++) {
-            o[perm ? nib_pos(i) : i] = (int8_t)qi[i];
-            s += qi[i];
-        }
-        d[b] = db;
-        qsum[b] = s;
+        quantize_block(t, perm, xq + k0, d + b, qsum + b, passes == 2 ? r : NULL);
+        if (passes == 2) quantize_block(r, perm, xq + next * nb * QB + k0, d + next * nb + b, qsum + next * nb + b, NULL);
     }
 }
 
@@ -233,10 +250,11 @@ static inline __attribute__((always_inline)) void tile(
 }
 #endif
 
-/* All N rows against all M activation rows, MR rows at a time, tiles split over the threads. */
-static void run(int bits, const int8_t *xq, const float *d, const int32_t *qs, const float *cg, int64_t M,
-                int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const float *sr, const float *zr,
-                int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy, int nthreads)
+/* All N rows against all M activation rows (passes * the x rows, a row's passes adjacent), MR rows at a
+ * time, tiles split over the threads; y row m / passes gets the sum of its passes. */
+static void run(int bits, int passes, const int8_t *xq, const float *d, const int32_t *qs, const float *cg,
+                int64_t M, int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const float *sr,
+                const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy, int nthreads)
 {
     const int64_t T = (N + RT - 1) / RT, step = (bits == 8 ? 8 : 4) * 64 * nb;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
@@ -258,28 +276,33 @@ static void run(int bits, const int8_t *xq, const float *d, const int32_t *qs, c
             } else {
                 tile(4, w, nb, xm, dm, qm, mr, st, zt, cm, G, bpg, out);
             }
-            for (int i = 0; i < mr; i++)
+            for (int i = 0; i < mr; i += passes)  /* passes == 2: a row's two passes sit side by side */
                 for (int64_t r = 0; r < nr; r++) {
-                    const float v = bits == 8 ? out[i * RT + r] * scale[n0 + r] : out[i * RT + r];
-                    y[(m + i) * ldy + n0 + r] = v + (bias ? bias[n0 + r] : 0.0f);
+                    float v = out[i * RT + r];
+                    if (passes == 2) v += out[(i + 1) * RT + r];
+                    if (bits == 8) v *= scale[n0 + r];
+                    y[(m + i) / passes * ldy + n0 + r] = v + (bias ? bias[n0 + r] : 0.0f);
                 }
         }
     }
 }
 
-/* Quantize x, then run. bits 8: scale (N); bits 4: sr, zr (see top), G groups of gs columns. Returns
- * 0, or -1 when gs is not a multiple of 32 (y untouched) or scratch memory cannot be allocated (y
- * filled with NaN). */
+/* Quantize x, then run. bits 8: scale (N); bits 4: sr, zr (see top), G groups of gs columns. passes 1:
+ * x rounded to int8 blocks (llama.cpp's Q8_0 activations); 2: also the residual x - q d rounded to its
+ * own int8 blocks and dotted with the same weights (x ~ q d + q2 d2, |x - q d - q2 d2| <= amax / 64516
+ * per block: about 16-bit activations for twice the dot products). Returns 0, or -1 when gs is not a
+ * multiple of 32 or passes is not 1 or 2 (y untouched) or scratch memory cannot be allocated (y filled
+ * with NaN). */
 static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
                 const float *scale, const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias,
-                float *y, int64_t ldy, int nthreads)
+                float *y, int64_t ldy, int passes, int nthreads)
 {
-    if (bits == 4 && (gs % QB || gs <= 0)) return -1;
-    const int64_t nb = (K + QB - 1) / QB, bpg = bits == 4 ? gs / QB : 1;
-    int8_t *xq = malloc((size_t)(M * nb * QB));
-    float *d = malloc(sizeof(float) * (size_t)(M * nb));
-    int32_t *qs = malloc(sizeof(int32_t) * (size_t)(M * nb));
-    float *cg = zr ? malloc(sizeof(float) * (size_t)(M * G)) : NULL;
+    if ((bits == 4 && (gs % QB || gs <= 0)) || (passes != 1 && passes != 2)) return -1;
+    const int64_t nb = (K + QB - 1) / QB, bpg = bits == 4 ? gs / QB : 1, R = passes * M;
+    int8_t *xq = malloc((size_t)(R * nb * QB));
+    float *d = malloc(sizeof(float) * (size_t)(R * nb));
+    int32_t *qs = malloc(sizeof(int32_t) * (size_t)(R * nb));
+    float *cg = zr ? malloc(sizeof(float) * (size_t)(R * G)) : NULL;
     if (!xq || !d || !qs || (zr && !cg)) {
         free(xq); free(d); free(qs); free(cg);
         for (int64_t m = 0; m < M; m++)
@@ -288,32 +311,33 @@ static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M > 8)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * ldx, K, nb, bits == 4, xq + m * nb * QB, d + m * nb, qs + m * nb);
-    for (int64_t m = 0; cg && m < M; m++)
+        quantize_row(x + m * ldx, K, nb, bits == 4, passes, 1, xq + passes * m * nb * QB, d + passes * m * nb,
+                     qs + passes * m * nb);
+    for (int64_t m = 0; cg && m < R; m++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t b1 = (g + 1) * bpg < nb ? (g + 1) * bpg : nb;
             float c = 0.0f;
             for (int64_t b = g * bpg; b < b1; b++) c += d[m * nb + b] * (float)qs[m * nb + b];
             cg[m * G + g] = c;
         }
-    run(bits, xq, d, qs, cg, M, nb, wr, N, scale, sr, zr, G, bpg, bias, y, ldy, nthreads);
+    run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, zr, G, bpg, bias, y, ldy, nthreads);
     free(xq); free(d); free(qs); free(cg);
     return 0;
 }
 
-/* int8 per channel: wr repacked (see top), scale fp32 (N), bias fp32 (N) or NULL; y (M, ldy). Returns 0,
- * or -1 when scratch memory cannot be allocated (y filled with NaN). */
+/* int8 per channel: wr repacked (see top), scale fp32 (N), bias fp32 (N) or NULL; y (M, ldy); passes 1 or
+ * 2 (see qdot). Returns 0, or -1 (see qdot). */
 int baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
-                    const float *scale, const float *bias, float *y, int64_t ldy, int nthreads)
+                    const float *scale, const float *bias, float *y, int64_t ldy, int passes, int nthreads)
 {
-    return qdot(8, x, M, K, ldx, wr, N, scale, NULL, NULL, 0, 0, bias, y, ldy, nthreads);
+    return qdot(8, x, M, K, ldx, wr, N, scale, NULL, NULL, 0, 0, bias, y, ldy, passes, nthreads);
 }
 
 /* int4 group-wise: wr, sr, zr repacked (see top), G groups of gs columns (a multiple of 32), K a
- * multiple of 8. Returns 0, or -1 (see qdot). */
+ * multiple of 8; passes 1 or 2 (see qdot). Returns 0, or -1 (see qdot). */
 int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
                     const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias, float *y,
-                    int64_t ldy, int nthreads)
+                    int64_t ldy, int passes, int nthreads)
 {
-    return qdot(4, x, M, K, ldx, wr, N, NULL, sr, zr, G, gs, bias, y, ldy, nthreads);
+    return qdot(4, x, M, K, ldx, wr, N, NULL, sr, zr, G, gs, bias, y, ldy, passes, nthreads);
 }

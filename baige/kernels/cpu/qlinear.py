@@ -1,7 +1,8 @@
 """Weight-only int8/int4 linear on the native CPU kernels: integer dot products over int8 block-quantized
-activations (``qdot.c``, the default; ``BAIGE_CPU_INT_DOT=0`` turns it off, and int4 with a group
-size that is not a multiple of 32 never takes it) or the exact dequantize-in-registers kernels
-(``qlinear.c``).
+activations and, by default, their int8-quantized residual (``qdot.c``, the default;
+``BAIGE_CPU_INT_DOT=0`` turns it off, ``BAIGE_CPU_INT_DOT_PASSES=1`` drops the residual pass, and int4
+with a group size that is not a multiple of 32 never takes it) or the exact dequantize-in-registers
+kernels (``qlinear.c``).
 
 The integer-dot kernels read the weights repacked into 16-row interleaved tiles (:func:`repacked`,
 built on first use and kept beside the compressed-tensors weights, in first-use order in the
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from baige.kernels.cpu import arena
 from baige.kernels.cpu.build import library, native_allowed
-from baige.kernels.settings import settings
+from baige.kernels.settings import int_dot_passes, settings
 
 # Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
 # core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
@@ -124,13 +125,16 @@ def quantized_linear(
     bias: torch.Tensor | None = None,
     *,
     int_dot: bool | None = None,
+    passes: int | None = None,
 ) -> torch.Tensor:
     """:func:`baige.kernels.quantized_linear` on the native kernel (same arguments and layouts; call
     only where :func:`supports` is true). ``int_dot``: None follows ``BAIGE_CPU_INT_DOT``; False
-    forces the exact kernels. Returns (..., out) fp32; no autograd.
+    forces the exact kernels. ``passes``: the integer-dot kernels' activation passes (1: int8 blocks;
+    2: + their residual; None: ``BAIGE_CPU_INT_DOT_PASSES``, default 2). Returns (..., out) fp32; no autograd.
 
     Raises:
         MemoryError: an integer-dot kernel could not allocate its scratch (activation blocks).
+        ValueError: ``passes`` (or ``BAIGE_CPU_INT_DOT_PASSES``) is not 1 or 2.
     """
     lib = library()
     shape = x.shape
@@ -149,6 +153,9 @@ def quantized_linear(
     nthreads = torch.get_num_threads()
     int_dot = settings().cpu_int_dot if int_dot is None else int_dot
     dot = int_dot and (qweight.dtype == torch.int8 or group_size % 32 == 0)  # the integer-dot kernel runs
+    passes = int_dot_passes() if passes is None else passes
+    if passes not in (1, 2):
+        raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
     # the int4 integer-dot kernel reads the repacked fp32 scales, the others these; repacked() is keyed by
     # the weight tensor itself, so only the exact kernels get a contiguous copy
     fp32_scale = scale.dtype == torch.float32 and scale.is_contiguous()
@@ -159,7 +166,7 @@ def quantized_linear(
         if dot:
             (wr,) = repacked(qweight, scale, None)
             rc = lib.baige_qdot_int8(x2.data_ptr(), m, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr,
-                                     y.data_ptr(), n, nthreads)
+                                     y.data_ptr(), n, passes, nthreads)
         else:
             lib.baige_qlinear_int8(x2.data_ptr(), m, k, x2.stride(0), qc.data_ptr(), n, qc.stride(0),
                                    s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
@@ -170,7 +177,7 @@ def quantized_linear(
             wr, sr, zr = repacked(qweight, scale, zero_point)
             rc = lib.baige_qdot_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
                                      None if zr is None else zr.data_ptr(), sr.shape[1], group_size, b_ptr,
-                                     y.data_ptr(), n, nthreads)
+                                     y.data_ptr(), n, passes, nthreads)
         else:
             z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
             lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qc.data_ptr(), n,
