@@ -319,10 +319,10 @@ def quantized_linear(
         (..., out) in the dtype of ``x``; accumulation in fp32 on the Triton path, which is forward
         only (inference: its output does not require grad).
 
-    On CPU with ``BAIGE_KERNELS`` auto, fp32 or bf16 batches of up to 512 rows that need no gradient
-    run the native kernels of :mod:`baige.kernels.cpu.qlinear` (integer dot products unless ``int_dot``
-    is off; bf16 ``x`` widened to fp32 and the result rounded back, as a bf16 model's int8/int4
-    layers then run at the fp32 kernels' speed instead of dequantizing the weight per call);
+    On CPU with ``BAIGE_KERNELS`` auto, fp32 or bf16 batches that need no gradient run the native
+    kernels of :mod:`baige.kernels.cpu.qlinear` (integer dot products, any number of rows, unless
+    ``int_dot`` is off or the int4 group is not a multiple of 32; the exact kernels up to 512 rows;
+    bf16 ``x`` widened to fp32 and the result rounded back, as a bf16 model's int8/int4 layers then run at the fp32 kernels' speed instead of dequantizing the weight per call);
     everything else dequantizes and calls ``F.linear`` (the reference).
     """
     widen = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad and backend(x) == "reference"
@@ -330,7 +330,7 @@ def quantized_linear(
     if _native_cpu(xf) is not None:
         from baige.kernels.cpu import qlinear
 
-        if qlinear.supports(xf, qweight, group_size, bias):
+        if qlinear.supports(xf, qweight, group_size, bias, int_dot):
             bias_f = None if bias is None else bias.float()
             y = qlinear.quantized_linear(xf, qweight, scale.float(), zero_point, group_size, bias_f, int_dot=int_dot)
             return y.to(x.dtype)

@@ -126,6 +126,23 @@ def test_int_dot_matches_reference(use_isa, variant, name, rows, in_f, out_f, pa
     assert not torch.equal(out, reference.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias))
 
 
+@pytest.mark.parametrize("name", ["int8", "int4-g32-asym"])
+def test_int_dot_many_rows_in_chunks(name):
+    """1100 rows (three kernel calls of at most DOT_CHUNK_ROWS): against the reference math (2x rule), and
+    each row bitwise what it gives alone, across the chunk boundaries."""
+    scheme = DOT_SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, 40, 200)
+    x = _randn(1100, 200, seed=6)
+    bias = _randn(40, seed=7)
+    out = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    ref = reference.quantized_linear_int_dot(x, qweight, scale, zp, scheme.group_size, bias)
+    exact = reference.quantized_linear_int_dot(x.double(), qweight, scale.double(), zp, scheme.group_size, bias.double())
+    assert_close_fp64(out, ref, exact, name=f"{name} 1100 rows")
+    for m in (0, 511, 512, 1023, 1024, 1099):
+        alone = cpu.quantized_linear(x[m:m + 1], qweight, scale, zp, scheme.group_size, bias)[0]
+        assert torch.equal(out[m], alone), m
+
+
 def test_int_dot_known_values():
     """Hand-computed: x = [1, 2, ..., 32] (d = 32/127, q = rint(k * 127/32)) against int8 rows of
     ones and of (-1)^k, scale 0.5; int4 g32 rows of nibble 9 (q_w = 1) and 7 (q_w = -1), scale 0.25.
@@ -243,8 +260,8 @@ def test_arena_places_copies_back_to_back():
 
 
 def test_int_dot_dispatch(monkeypatch):
-    """int8 always takes qdot; int4 only with a group size that is a multiple of 32 (up to MAX_ROWS rows, as int8);
-    BAIGE_CPU_INT_DOT=0 never."""
+    """int8 always takes qdot; int4 only with a group size that is a multiple of 32 (any number of rows, as
+    int8); BAIGE_CPU_INT_DOT=0 never."""
     lib = cpu_library.library()
     calls = []
     for fn in ("baige_qdot_int8", "baige_qdot_int4", "baige_qlinear_int8", "baige_qlinear_int4"):
@@ -260,6 +277,9 @@ def test_int_dot_dispatch(monkeypatch):
     assert kinds(SCHEMES["int8"], 1) == ["baige_qdot_int8"] and kinds(SCHEMES["int8"], 300) == ["baige_qdot_int8"]
     assert kinds(SCHEMES["int4-g32-sym"], 1) == ["baige_qdot_int4"]
     assert kinds(SCHEMES["int4-g32-sym"], cpu.MAX_ROWS) == ["baige_qdot_int4"]
+    # any number of rows, in chunks of DOT_CHUNK_ROWS (1100 = 512 + 512 + 76)
+    assert kinds(SCHEMES["int4-g32-sym"], 1100) == ["baige_qdot_int4"] * 3
+    assert kinds(SCHEMES["int8"], 1100) == ["baige_qdot_int8"] * 3
     assert kinds(QuantScheme(4, 16), 1) == ["baige_qlinear_int4"]
     monkeypatch.setenv("BAIGE_CPU_INT_DOT", "0")
     reload_settings()
@@ -303,8 +323,8 @@ def test_native_zero_rows():
 
 
 def test_dispatch(monkeypatch):
-    """auto: small CPU fp32 batches go native; BAIGE_KERNELS=reference, too many rows, a gradient to
-    compute or fp16 activations go to the reference."""
+    """auto: CPU fp32 batches go native (the exact kernels up to MAX_ROWS rows, the integer-dot ones at
+    any count); BAIGE_KERNELS=reference, a gradient to compute or fp16 activations go to the reference."""
     scheme = SCHEMES["int8"]
     qweight, scale, zp = _weights(scheme, 16, 64)
     calls = []
@@ -316,18 +336,23 @@ def test_dispatch(monkeypatch):
     kernels.quantized_linear(small, qweight, scale, zp, None)
     assert calls == [(2, 64)]
     big = _randn(cpu.MAX_ROWS + 1, 64, seed=0)
-    kernels.quantized_linear(big, qweight, scale, zp, None)
+    kernels.quantized_linear(big, qweight, scale, zp, None, int_dot=False)  # the exact kernels: up to MAX_ROWS
     kernels.quantized_linear(small.half(), qweight, scale.half(), zp, None)
     grad_x = small.clone().requires_grad_()
     y = kernels.quantized_linear(grad_x, qweight, scale, zp, None)
     y.sum().backward()  # the reference path keeps autograd
     assert grad_x.grad is not None
+    assert calls == [(2, 64)]
+    kernels.quantized_linear(big, qweight, scale, zp, None)  # integer dot: native at any row count
+    assert calls == [(2, 64), (cpu.MAX_ROWS + 1, 64)]
     monkeypatch.setenv("BAIGE_KERNELS", "reference")
     reload_settings()
     kernels.quantized_linear(small, qweight, scale, zp, None)
-    assert calls == [(2, 64)]
+    assert len(calls) == 2
     q4, s4, _ = _weights(SCHEMES["int4-g128-sym"], 16, 64)
-    assert not cpu.supports(_randn(cpu.MAX_ROWS + 1, 64, seed=0), q4, 128, None)
+    assert not cpu.supports(_randn(cpu.MAX_ROWS + 1, 64, seed=0), q4, 128, None, int_dot=False)
+    assert cpu.supports(_randn(cpu.MAX_ROWS + 1, 64, seed=0), q4, 128, None)  # integer dot: any rows
+    assert not cpu.supports(_randn(cpu.MAX_ROWS + 1, 64, seed=0), q4, 32, None, int_dot=False)
     assert not cpu.supports(small, q4, 12, None)  # group not a multiple of 8: reference
 
 

@@ -11,12 +11,12 @@ quantized weight; the checkpoint layout is unchanged).
 
 On CPU, PyTorch has no fast int8/int4 weight-only matmul for fp32 activations
 (``torch._weight_int8pack_mm`` measured 5-20x slower than fp32 ``F.linear`` on the AVX2 dev box), so
-without this a quantized checkpoint dequantizes every weight on every call. Inputs with at most
-:data:`MAX_ROWS` rows use it; larger batches dequantize once and run PyTorch's sgemm. For the
-exact kernels that is as fast there (compute-bound); the integer-dot ones would be ~3x faster at
-1024-2048 rows (1 thread, SmolLM2-135M MLP shapes, AMD EPYC AVX-512 VNNI), but they also round the
-activations, which costs perplexity (int8 on the embedded model, one 1024-token window: +0.76% over
-fp32 against +0.33% exact), so long prefill chunks keep the exact product.
+without this a quantized checkpoint dequantizes every weight on every call. The integer-dot kernels
+take any number of rows (in chunks of :data:`DOT_CHUNK_ROWS`, so a chunk's activation blocks stay in
+cache): with the residual pass they round nothing a perplexity sees, and they ran 1.3-1.9x faster
+than dequantize + sgemm at 512-2048 rows (1 thread, SmolLM2-135M shapes, AMD EPYC AVX-512 VNNI). The
+exact kernels take at most :data:`MAX_ROWS` rows; above that, dequantize + PyTorch's sgemm is as fast
+(compute-bound).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from baige.kernels.settings import int_dot_passes, settings
 # core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
 # at 256, 556 vs 574 at 512; int4 g128 18 vs 88 at 6 rows, 281 vs 364 at 256, 518 vs 562 at 512).
 MAX_ROWS = 512
+DOT_CHUNK_ROWS = 512  # rows per integer-dot kernel call: 2 x 512 x 1536 activation bytes stay in L2/L3
 TILE_ROWS = 16  # weight rows per repacked tile (qdot.c's RT)
 ACT_BLOCK = 32  # columns per activation block (qdot.c's QB)
 _EMPTY_WORD = -0x77777778  # 0x88888888 as int32: eight nibbles of stored value 8 (weight 0)
@@ -98,13 +99,21 @@ def repacked(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     return value
 
 
-def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`quantized_linear` takes these arguments: CPU fp32 ``x`` with at most
-    :data:`MAX_ROWS` rows and no gradient needed, an int8 per-channel or int4
-    weight whose group size is a multiple of 8, and a buildable kernel."""
+def takes_int_dot(qweight: torch.Tensor, group_size: int | None, int_dot: bool | None = None) -> bool:
+    """Whether :func:`quantized_linear` runs this weight through the integer-dot kernels: ``int_dot`` (None:
+    ``BAIGE_CPU_INT_DOT``) and int8, or int4 with a group size that is a multiple of 32."""
+    on = settings().cpu_int_dot if int_dot is None else int_dot
+    return bool(on) and (qweight.dtype == torch.int8 or (group_size or 0) % 32 == 0)
+
+
+def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None, bias: torch.Tensor | None,
+             int_dot: bool | None = None) -> bool:
+    """Whether :func:`quantized_linear` takes these arguments: CPU fp32 ``x`` with no gradient needed
+    (and at most :data:`MAX_ROWS` rows unless the integer-dot kernels run it: :func:`takes_int_dot`),
+    an int8 per-channel or int4 weight whose group size is a multiple of 8, and a buildable kernel."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return False
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS:
+    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS and not takes_int_dot(qweight, group_size, int_dot):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return False
@@ -151,8 +160,7 @@ def quantized_linear(
         bias = bias.float().contiguous()
     b_ptr = None if bias is None else bias.data_ptr()
     nthreads = torch.get_num_threads()
-    int_dot = settings().cpu_int_dot if int_dot is None else int_dot
-    dot = int_dot and (qweight.dtype == torch.int8 or group_size % 32 == 0)  # the integer-dot kernel runs
+    dot = takes_int_dot(qweight, group_size, int_dot)
     passes = int_dot_passes() if passes is None else passes
     if passes not in (1, 2):
         raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
@@ -161,23 +169,28 @@ def quantized_linear(
     fp32_scale = scale.dtype == torch.float32 and scale.is_contiguous()
     s = scale if fp32_scale or (dot and qweight.dtype == torch.int32) else scale.float().contiguous()
     qc = qweight if dot or qweight.stride(-1) == 1 else qweight.contiguous()
+    if qweight.dtype == torch.int32 and k % 8:
+        x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded int4 nibbles multiply 0
     rc = 0
+    # the integer-dot kernels in chunks of DOT_CHUNK_ROWS rows: (x pointer, y pointer, rows) per call
+    chunks = [(x2.data_ptr() + 4 * i * x2.stride(0), y.data_ptr() + 4 * i * n, min(DOT_CHUNK_ROWS, m - i))
+              for i in range(0, m, DOT_CHUNK_ROWS)] if dot else []
     if qweight.dtype == torch.int8:
         if dot:
             (wr,) = repacked(qweight, scale, None)
-            rc = lib.baige_qdot_int8(x2.data_ptr(), m, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr,
-                                     y.data_ptr(), n, passes, nthreads)
+            for xp, yp, rows in chunks:
+                rc |= lib.baige_qdot_int8(xp, rows, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr,
+                                          yp, n, passes, nthreads)
         else:
             lib.baige_qlinear_int8(x2.data_ptr(), m, k, x2.stride(0), qc.data_ptr(), n, qc.stride(0),
                                    s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
     else:
-        if k % 8:
-            x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded nibbles multiply 0
         if dot:
             wr, sr, zr = repacked(qweight, scale, zero_point)
-            rc = lib.baige_qdot_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
-                                     None if zr is None else zr.data_ptr(), sr.shape[1], group_size, b_ptr,
-                                     y.data_ptr(), n, passes, nthreads)
+            for xp, yp, rows in chunks:
+                rc |= lib.baige_qdot_int4(xp, rows, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
+                                          None if zr is None else zr.data_ptr(), sr.shape[1], group_size, b_ptr,
+                                          yp, n, passes, nthreads)
         else:
             z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
             lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qc.data_ptr(), n,
