@@ -450,7 +450,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 from baige.kernels.cpu.info import (  # noqa: E402  (what the native CPU library runs on here)
-    cpu_has_native_bf16, cpu_int_dot, cpu_isa, cpu_isa_flags, native_allowed, native_cpu_available)
+    cpu_has_native_bf16, cpu_int_dot, cpu_int_dot_passes, cpu_isa, cpu_isa_flags, native_allowed, native_cpu_available)
 
 
 # The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
@@ -465,7 +465,7 @@ from baige.kernels.cpu.arena import to_weight_arena  # noqa: E402  (where the st
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_has_native_bf16",
+    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "to_weight_arena",
     "dequantize_weight", "expand_groups", "unpack_int4",

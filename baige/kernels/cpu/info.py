@@ -37,6 +37,17 @@ def cpu_int_dot() -> bool:
     return settings().cpu_int_dot
 
 
+def cpu_int_dot_passes() -> int:
+    """The integer-dot linears' activation passes (``BAIGE_CPU_INT_DOT_PASSES``: 1 or 2, default 2).
+
+    Raises:
+        ValueError: one line, for any other value.
+    """
+    from baige.kernels.settings import int_dot_passes  # noqa: PLC0415 (beside settings)
+
+    return int_dot_passes()
+
+
 def native_cpu_available() -> bool:
     """Whether the native CPU library is built and loadable here (builds it on first call)."""
     from baige.kernels.cpu import library

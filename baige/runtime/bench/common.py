@@ -60,7 +60,6 @@ def environment() -> dict[str, Any]:
     import torch
 
     from baige import kernels
-    from baige.kernels.settings import int_dot_passes
 
     try:
         import triton
@@ -80,7 +79,7 @@ def environment() -> dict[str, Any]:
         "cpu_flags": kernels.cpu_isa_flags(),  # the instruction-set flags a number depends on
         "cpu_isa": kernels.cpu_isa(),  # the native library variant loaded (None: PyTorch only)
         "cpu_int_dot": kernels.cpu_int_dot(),  # int8/int4 linears as integer dot products
-        "cpu_int_dot_passes": int_dot_passes(),  # their activation passes: 1 int8 block, 2 + the residual's
+        "cpu_int_dot_passes": kernels.cpu_int_dot_passes(),  # their activation passes: 1 int8 block, 2 + the residual's
         "torch_num_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()),  # 1/5/15-minute run-queue averages: > cpu_count = noisy timings
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
