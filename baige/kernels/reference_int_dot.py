@@ -1,4 +1,4 @@
-"""Reference math of the integer-dot CPU linears (``baige/kernels/cpu/qdot.c``): activation blocks, their
+"""Reference math of the integer-dot CPU linears (``baige/kernels/cpu/qdot.c``): activation blocks
 and their residual pass. Re-exported by :mod:`baige.kernels.reference`."""
 
 from __future__ import annotations
