@@ -322,7 +322,8 @@ def quantized_linear(
     On CPU with ``BAIGE_KERNELS`` auto, fp32 or bf16 batches that need no gradient run the native
     kernels of :mod:`baige.kernels.cpu.qlinear` (integer dot products, any number of rows, unless
     ``int_dot`` is off or the int4 group is not a multiple of 32; the exact kernels up to 512 rows;
-    bf16 ``x`` widened to fp32 and the result rounded back, as a bf16 model's int8/int4 layers then run at the fp32 kernels' speed instead of dequantizing the weight per call);
+    bf16 ``x`` widened to fp32 and the result rounded back, as a bf16 model's int8/int4 layers then run
+    at the fp32 kernels' speed instead of dequantizing the weight per call);
     everything else dequantizes and calls ``F.linear`` (the reference).
     """
     widen = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad and backend(x) == "reference"

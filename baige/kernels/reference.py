@@ -484,4 +484,3 @@ def lora_apply(y, x, lora_a_stack, lora_b_stack, scalings, token_lora_ids):
         v = x.index_select(0, rows) @ lora_a_stack[i].t()  # (n, R_max)
         y.index_add_(0, rows, (v @ lora_b_stack[i].t()) * scalings[i].to(y.dtype))  # (n, out)
     return y
-

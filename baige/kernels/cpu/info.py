@@ -3,7 +3,7 @@ re-exported by :mod:`baige.kernels` as part of its public API."""
 
 from __future__ import annotations
 
-from baige.kernels.settings import settings
+from baige.kernels.settings import int_dot_passes, settings
 
 
 def cpu_isa() -> str | None:
@@ -43,8 +43,6 @@ def cpu_int_dot_passes() -> int:
     Raises:
         ValueError: one line, for any other value.
     """
-    from baige.kernels.settings import int_dot_passes  # noqa: PLC0415 (beside settings)
-
     return int_dot_passes()
 
 

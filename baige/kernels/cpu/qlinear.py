@@ -143,7 +143,7 @@ def quantized_linear(
 
     Raises:
         MemoryError: an integer-dot kernel could not allocate its scratch (activation blocks).
-        ValueError: ``passes`` (or ``BAIGE_CPU_INT_DOT_PASSES``) is not 1 or 2.
+        ValueError: on the integer-dot path, ``passes`` (or ``BAIGE_CPU_INT_DOT_PASSES``) is not 1 or 2.
     """
     lib = library()
     shape = x.shape
@@ -161,7 +161,7 @@ def quantized_linear(
     b_ptr = None if bias is None else bias.data_ptr()
     nthreads = torch.get_num_threads()
     dot = takes_int_dot(qweight, group_size, int_dot)
-    passes = int_dot_passes() if passes is None else passes
+    passes = (int_dot_passes() if passes is None else passes) if dot else 1  # read only where it matters
     if passes not in (1, 2):
         raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
     # the int4 integer-dot kernel reads the repacked fp32 scales, the others these; repacked() is keyed by
