@@ -460,7 +460,7 @@ from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS
 from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers
 from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc
 from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
-from baige.kernels.cpu.arena import to_weight_arena  # noqa: E402  (where the step's streamed weights live)
+from baige.kernels.cpu.arena import to_weight_arena, zeroed_pages  # noqa: E402  (where the step's streamed weights live)
 
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
@@ -468,7 +468,7 @@ from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int
 __all__ += [
     "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
-    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "to_weight_arena",
+    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "to_weight_arena", "zeroed_pages",
     "dequantize_weight", "expand_groups", "unpack_int4",
     "backend", "check_startup", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",
 ]

@@ -38,6 +38,20 @@ def test_allocate_append_free_counts_blocks():
     assert s.block_table == [] and bm.num_used_blocks == 0 and bm.num_free_blocks == 10
 
 
+def test_freed_blocks_are_reused_most_recent_first():
+    """Without prefix caching a freed sequence's blocks are handed out again before blocks never used
+    (LIFO: warm, and on the CPU the pool's untouched pages stay unallocated)."""
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    a, b = seq(range(8)), seq(range(4))
+    bm.allocate(a, 8)
+    bm.allocate(b, 4)
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    bm.free(a)  # released last-first: 1, then 0
+    c = seq(range(12))
+    bm.allocate(c, 12)
+    assert c.block_table == [0, 1, 3]
+
+
 def test_out_of_blocks():
     bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     s = seq(range(9))  # needs 3 blocks

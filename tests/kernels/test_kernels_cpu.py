@@ -259,6 +259,22 @@ def test_arena_places_copies_back_to_back():
     assert ts[0][3] == 3  # a copy, not a view of the input
 
 
+def test_zeroed_pages_are_zero_writable_and_outlive_their_buffer():
+    """zeroed_pages: zeros of the shape and dtype, contiguous, page aligned; writes read back; the
+    memory stays valid with no other reference (the tensor holds the mapping); zero elements work."""
+    import gc
+    from baige.kernels import zeroed_pages
+    for shape, dtype in (((3, 5, 16, 64), torch.bfloat16), ((2, 1 << 20), torch.float32), ((7,), torch.float16)):
+        t = zeroed_pages(shape, dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 4096 == 0
+        assert not t.any()
+        gc.collect()
+        t.view(-1)[-1] = 3.0
+        t[0].fill_(1.5)
+        assert t.view(-1)[-1].item() == 3.0 and t[0].sum().item() == 1.5 * t[0].numel()
+    assert zeroed_pages((0, 4), torch.float32).shape == (0, 4)
+
+
 def test_int_dot_dispatch(monkeypatch):
     """int8 always takes qdot; int4 only with a group size that is a multiple of 32 (any number of rows, as
     int8); BAIGE_CPU_INT_DOT=0 never."""

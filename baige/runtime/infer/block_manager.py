@@ -76,7 +76,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, not cached
+        # unreferenced, not cached; handed out from the left, given back to the left (the most recently
+        # used first: warm in the caches, and on the CPU the pool's untouched pages stay unallocated)
+        self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; oldest first
         self._cached: dict[bytes, int] = {}  # chained sha256 key -> block id
         # prefix-cache statistics, in tokens
@@ -193,7 +195,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count == 0 and block.hash is None
-            self._free.append(block_id)
+            self._free.appendleft(block_id)
 
     def cache_computed_blocks(self, seq: SequenceLike) -> None:
         """Register the hashes of ``seq``'s full blocks whose tokens are all computed now."""
@@ -225,6 +227,6 @@ class BlockManager:
                 if block.hash is not None:
                     self._evictable[block_id] = None
                 else:
-                    self._free.append(block_id)
+                    self._free.appendleft(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0  # num_cached_tokens keeps its value: the last admission's (reported)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.model.config import ModelConfig
 
@@ -26,7 +27,9 @@ class KVCache:
 
     Block ``num_blocks`` (the last) is a scratch block the block manager never hands out: padded
     rows of a fixed-shape decode batch write their K/V there. Pools are zero-filled so padded,
-    masked reads never meet NaNs.
+    masked reads never meet NaNs; on the CPU with fresh zero pages from the OS
+    (:func:`baige.kernels.zeroed_pages`), allocated as blocks are first written, so start-up does not
+    touch the whole pool.
 
     Args:
         cfg: the model's config.
@@ -41,8 +44,13 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        def pool() -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return kernels.zeroed_pages(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.k = [pool() for _ in range(cfg.num_hidden_layers)]
+        self.v = [pool() for _ in range(cfg.num_hidden_layers)]
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
