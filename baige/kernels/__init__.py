@@ -48,10 +48,10 @@ def _impl(x: torch.Tensor, module: str):
 _CPU_OPS: list = []  # [baige.kernels.cpu.ops] once imported
 
 
-def _native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()):
+def _native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = (), bf16: bool = False):
     """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
-    mode, fp32 CPU tensors needing no gradient, KV ``caches`` fp32 or fp16, not inside a
-    ``torch.compile`` trace, the library built), else None (see :mod:`baige.kernels.cpu`). Called once
+    mode, fp32 CPU tensors -- or all bf16 with ``bf16`` -- needing no gradient, KV ``caches`` fp32,
+    fp16 or bf16, not inside a ``torch.compile`` trace, the library built), else None (see :mod:`baige.kernels.cpu`). Called once
     per op: kept to a few attribute reads."""
     if tensors[0].device.type != "cpu":
         return None
@@ -60,7 +60,7 @@ def _native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()):
 
         _CPU_OPS.extend((ops, native_allowed))
     ops, native_allowed = _CPU_OPS
-    return ops if native_allowed() and ops.usable(*tensors, caches=caches) else None
+    return ops if native_allowed() and ops.usable(*tensors, caches=caches, bf16=bf16) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         (..., hidden) in the promoted dtype of ``weight`` and ``x``.
     """
-    impl = _native_cpu(x, weight) or _impl(x, "norm")
+    impl = _native_cpu(x, weight, bf16=True) or _impl(x, "norm")
     return impl.rms_norm(x, weight, eps)
 
 
@@ -91,7 +91,7 @@ def add_rms_norm(
     Returns:
         ``(rms_norm(x + residual), x + residual)``, both (..., hidden).
     """
-    impl = _native_cpu(x, residual, weight) or _impl(x, "norm")
+    impl = _native_cpu(x, residual, weight, bf16=True) or _impl(x, "norm")
     return impl.add_rms_norm(x, residual, weight, eps)
 
 
@@ -119,7 +119,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., intermediate).
     """
-    impl = _native_cpu(gate, up) or _impl(gate, "swiglu")
+    impl = _native_cpu(gate, up, bf16=True) or _impl(gate, "swiglu")
     return impl.silu_mul(gate, up)
 
 
@@ -460,7 +460,7 @@ from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS
 from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers
 from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc
 from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
-from baige.kernels.cpu.arena import to_weight_arena, zeroed_pages  # noqa: E402  (where the step's streamed weights live)
+from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402  (where the step's streamed weights live)
 
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
@@ -468,7 +468,7 @@ from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int
 __all__ += [
     "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
-    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "to_weight_arena", "zeroed_pages",
+    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "to_weight_arena", "zeroed_pages", "keep_freed_heap",
     "dequantize_weight", "expand_groups", "unpack_int4",
     "backend", "check_startup", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",
 ]

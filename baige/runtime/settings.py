@@ -6,6 +6,9 @@
   decode step (:mod:`baige.runtime.infer.cpu_decode`).
 - ``BAIGE_CPU_AUTO_DTYPE=auto|float32|bfloat16``: what ``--dtype auto`` runs on the CPU (auto: bf16
   where the CPU has native bf16, else fp32; :func:`baige.runtime.model.device.cpu_auto_dtype`).
+- ``BAIGE_CPU_KEEP_HEAP=0``: leave glibc's malloc as it is; by default an engine on the CPU makes it
+  keep freed memory for reuse (:func:`baige.kernels.keep_freed_heap`: no page faults per prefill
+  temporary).
 - ``CXX``: the C++ compiler Inductor would use; ``training.compile = auto`` stays eager without one.
 
 Torch.distributed's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, SLURM's) are read where
@@ -27,6 +30,7 @@ class RuntimeSettings:
     cache_dir: Path
     cpu_decode: bool
     cpu_auto_dtype: str
+    cpu_keep_heap: bool
     cxx: str | None
 
 
@@ -34,7 +38,8 @@ def _read() -> RuntimeSettings:
     auto_dtype = os.environ.get("BAIGE_CPU_AUTO_DTYPE", "auto") or "auto"  # checked where it is used
     return RuntimeSettings(cache_dir=kernels.settings().cache_dir,
                            cpu_decode=os.environ.get("BAIGE_CPU_DECODE", "1") != "0",
-                           cpu_auto_dtype=auto_dtype, cxx=os.environ.get("CXX") or None)
+                           cpu_auto_dtype=auto_dtype, cpu_keep_heap=os.environ.get("BAIGE_CPU_KEEP_HEAP", "1") != "0",
+                           cxx=os.environ.get("CXX") or None)
 
 
 _current: list[RuntimeSettings] = [_read()]

@@ -421,6 +421,54 @@ def test_rms_norm_and_add_rms_norm(shape):
     assert_close_fp64(out, ref_out, reference.rms_norm((x + res).double(), w.double(), eps), name=f"add_rms {shape}")
 
 
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("shape", [(3, 5, 576), (2, 1023), (1, 1, 7)])
+def test_bf16_silu_mul_and_norms_on_every_variant(use_isa, variant, shape):
+    """act_bf16.c on bf16 tensors: the reference's roundings (silu rounded before the multiply, the
+    normalised x before the weight, the residual sum before its statistics), so equal to the reference
+    bit for bit but for rare last-bit ties of a differently ordered fp32 sum (<= 1 bf16 step, < 0.5% of
+    elements), and within the 2x rule of fp64; tails under 8 (1023, 7)."""
+    use_isa(variant)
+    x, res = (_randn(*shape, seed=0) * 3).bfloat16(), _randn(*shape, seed=1).bfloat16()
+    w, eps = (_randn(shape[-1], seed=2) + 1).bfloat16(), 1e-5
+
+    def close_to_reference(out, ref, exact, name):
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        diff = (out.float() - ref.float()).abs()
+        step = ref.float().abs().clamp_min(1e-30) * 2.0 ** -7  # one bf16 rounding step, generously
+        assert (diff <= step).all() and (diff > 0).float().mean().item() < 0.005, name
+        assert_close_fp64(out, ref, exact, name=name)
+
+    g, u = x, res
+    close_to_reference(cpu_ops.silu_mul(g, u), reference.silu_mul(g, u),
+                       reference.silu_mul(g.double(), u.double()), f"silu_mul {variant} {shape}")
+    close_to_reference(cpu_ops.rms_norm(x, w, eps), reference.rms_norm(x, w, eps),
+                       reference.rms_norm(x.double(), w.double(), eps), f"rms {variant} {shape}")
+    out, summed = cpu_ops.add_rms_norm(x, res, w, eps)
+    ref_out, ref_sum = reference.add_rms_norm(x, res, w, eps)
+    assert torch.equal(summed, ref_sum)  # one fp32 add, one rounding: bitwise
+    close_to_reference(out, ref_out, reference.rms_norm(ref_sum.double(), w.double(), eps), f"add_rms {variant} {shape}")
+
+
+def test_bf16_ops_dispatch(monkeypatch):
+    """kernels.silu_mul / rms_norm / add_rms_norm send all-bf16 CPU tensors to the native ops; a bf16 x
+    with an fp32 weight, or fp16, stays on the reference."""
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    reload_settings()
+    calls = []
+    for name in ("silu_mul", "rms_norm", "add_rms_norm"):
+        real = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    x, w = _randn(2, 8, seed=0).bfloat16(), torch.ones(8, dtype=torch.bfloat16)
+    kernels.silu_mul(x, x)
+    kernels.rms_norm(x, w, 1e-6)
+    kernels.add_rms_norm(x, x, w, 1e-6)
+    assert calls == ["silu_mul", "rms_norm", "add_rms_norm"]
+    kernels.rms_norm(x, w.float(), 1e-6)
+    kernels.silu_mul(x.half(), x.half())
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("head_dim", [64, 110])
 def test_apply_rope_is_bitwise_the_reference(head_dim):
     """Same products and sums in the same order as the reference (no FMA contraction): bitwise equal;
@@ -552,6 +600,8 @@ def test_bf16_weight_linear_on_every_variant(use_isa, variant, rows, in_f, out_f
     out = cpu.linear_f16(x, w, bias)
     assert out.dtype == torch.float32
     assert_close_fp64(out, ref, exact, name=f"bf16 {variant} rows={rows} in={in_f}")
+    nob = cpu.linear_f16(x, w, None)  # full 4 x 4 tiles store their 16 sums at once: without a bias too
+    assert_close_fp64(nob, ref - bias, exact - bias.double(), name=f"bf16 {variant} rows={rows} no bias")
 
 
 def test_silu_mul_against_reference():

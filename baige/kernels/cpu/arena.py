@@ -1,6 +1,7 @@
 """Host memory for the native CPU kernels: a bump allocator for weights they stream at every decode
 step (the repacked integer-dot tiles of :mod:`baige.kernels.cpu.qlinear`), and lazily zeroed pages for
-the KV pools (:func:`zeroed_pages`).
+the KV pools (:func:`zeroed_pages`); and :func:`keep_freed_heap`, which stops glibc handing freed
+temporaries back to the OS.
 
 Why: a batch-1 decode step reads every weight once, as ~200 separate matrices of 0.1-1 MB. In
 separate allocations on 4 KiB pages the stream pays a TLB miss per page and a prefetcher restart per
@@ -97,3 +98,29 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes >= HUGE:
         _advise_huge(t.data_ptr(), nbytes // HUGE * HUGE)
     return t.view(dtype).view(shape)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
+
+
+def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Make glibc's malloc keep freed memory for reuse: blocks under ``mmap_threshold`` bytes come from
+    the heap instead of a fresh ``mmap`` each, and up to ``trim_threshold`` free bytes stay mapped.
+
+    Why: a prefill step allocates and frees tens of activation tensors of 1-30 MB; by default each is a
+    fresh mapping whose every 4 KiB page faults on first write (measured: ~300,000 page faults per
+    offline-throughput run of SmolLM2-135M in bf16, 1 thread, ~2.4 us each on the dev VM; ~600 with
+    this). vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``. 32 MiB is glibc's largest
+    mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit). Process-wide; call once.
+
+    Returns:
+        True when both settings took (glibc on Linux), False elsewhere (nothing changed).
+    """
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
+                                                                                          trim_threshold))
+    except (OSError, AttributeError):
+        return False

@@ -1,6 +1,7 @@
 """The small per-layer ops of CPU inference on the native library (``ops.c``): same arguments and
 results as their twins in :mod:`baige.kernels.reference` (see :mod:`baige.kernels` for shapes),
-fp32 CPU tensors only (the KV cache may also be fp16 or bf16), no autograd. Call them only where
+fp32 CPU tensors (the KV cache may also be fp16 or bf16; ``silu_mul``, ``rms_norm`` and
+``add_rms_norm`` also take all-bf16 tensors: ``act_bf16.c``), no autograd. Call them only where
 :func:`usable` is true."""
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ def kv_dtype_code(dtype: torch.dtype) -> int:
     return KV_DTYPES[dtype]
 
 
-def usable(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()) -> bool:
-    """True when every tensor is fp32 on the CPU, none needs a gradient, the KV ``caches`` (if any)
-    are fp32, fp16 or bf16 CPU tensors of one dtype, and the library builds."""
+def usable(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = (), bf16: bool = False) -> bool:
+    """True when every tensor is fp32 on the CPU (or, with ``bf16``, every one bf16), none needs a
+    gradient, the KV ``caches`` (if any) are fp32, fp16 or bf16 CPU tensors of one dtype, and the
+    library builds."""
     grad = torch.is_grad_enabled()
+    dtype = tensors[0].dtype if bf16 and tensors[0].dtype == torch.bfloat16 else torch.float32
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or (grad and t.requires_grad):
+        if t.device.type != "cpu" or t.dtype != dtype or (grad and t.requires_grad):
             return False
     for c in caches:
         if c.device.type != "cpu" or c.dtype not in KV_DTYPES or c.dtype != caches[0].dtype:
@@ -34,7 +37,9 @@ def usable(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = ()) -> boo
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
-    library().baige_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
+    lib = library()
+    fn = lib.baige_silu_mul_bf16 if gate.dtype == torch.bfloat16 else lib.baige_silu_mul
+    fn(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
     return out
 
 
@@ -42,7 +47,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
-    library().baige_rms_norm(x.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr())
+    lib = library()
+    fn = lib.baige_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.baige_rms_norm
+    fn(x.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr())
     return out
 
 
@@ -52,7 +59,9 @@ def add_rms_norm(
     n = x.shape[-1]
     x, residual = x.contiguous(), residual.contiguous()
     out, summed = torch.empty_like(x), torch.empty_like(x)
-    library().baige_add_rms_norm(x.data_ptr(), residual.data_ptr(), x.numel() // n, n,
+    lib = library()
+    fn = lib.baige_add_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.baige_add_rms_norm
+    fn(x.data_ptr(), residual.data_ptr(), x.numel() // n, n,
                                  weight.contiguous().data_ptr(), eps, out.data_ptr(), summed.data_ptr())
     return out, summed
 

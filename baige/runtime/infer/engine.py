@@ -37,6 +37,7 @@ from baige.runtime.infer.text import SeqText
 from baige.runtime.infer.tp_worker import TensorParallelGroup, kv_config, load_engine_model, start_tensor_parallel
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.model.transformer import Transformer
+from baige.runtime.settings import settings
 from baige.runtime.weights.hub import resolve_model
 
 logger = logging.getLogger("baige.engine")
@@ -86,6 +87,8 @@ class Engine:
             cfg = self.cfg = replace(cfg, kv_cache_memory=parse_size(cfg.kv_cache_memory))
         p = next(model.parameters())
         kernels.backend(p)  # a bad BAIGE_KERNELS fails here, at start-up, not inside the first request
+        if p.device.type == "cpu" and settings().cpu_keep_heap:
+            kernels.keep_freed_heap()  # prefill temporaries reuse freed memory instead of faulting in new pages
         peak = 0
         kv_cfg = kv_config(model)  # this rank's KV heads
         if cfg.kv_cache_memory is None and tp is None:  # size the cache from what is free after a warm-up step
