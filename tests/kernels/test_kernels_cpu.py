@@ -3,8 +3,10 @@ integer-dot ones (qdot.c) against the reference and fp64 on every instruction-se
 runs, the dispatch rules, the small per-layer ops, and the fallback when nothing can be built."""
 
 import shutil
+import sys
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -273,6 +275,20 @@ def test_zeroed_pages_are_zero_writable_and_outlive_their_buffer():
         t[0].fill_(1.5)
         assert t.view(-1)[-1].item() == 3.0 and t[0].sum().item() == 1.5 * t[0].numel()
     assert zeroed_pages((0, 4), torch.float32).shape == (0, 4)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
+def test_keep_freed_heap_takes_on_glibc():
+    """keep_freed_heap: glibc's mallopt accepts both settings (True), and a 16 MB buffer freed and
+    allocated again then faults in no new pages."""
+    import resource
+    from baige.kernels import keep_freed_heap
+    assert keep_freed_heap() is True
+    for _ in range(3):  # 16 MB, freed at once (glibc settles its heap within two rounds)
+        torch.ones(4 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(4 << 20)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 100  # 4096 pages when mapped afresh
 
 
 def test_int_dot_dispatch(monkeypatch):

@@ -110,8 +110,8 @@ def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 <<
     Why: a prefill step allocates and frees tens of activation tensors of 1-30 MB; by default each is a
     fresh mapping whose every 4 KiB page faults on first write (measured: ~300,000 page faults per
     offline-throughput run of SmolLM2-135M in bf16, 1 thread, ~2.4 us each on the dev VM; ~600 with
-    this). vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``. 32 MiB is glibc's largest
-    mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit). Process-wide; call once.
+    this). vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``. 32 MiB is the ceiling of
+    glibc's own dynamic threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit). Process-wide; call once.
 
     Returns:
         True when both settings took (glibc on Linux), False elsewhere (nothing changed).
