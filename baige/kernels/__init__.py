@@ -51,8 +51,8 @@ _CPU_OPS: list = []  # [baige.kernels.cpu.ops] once imported
 def _native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = (), bf16: bool = False):
     """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
     mode, fp32 CPU tensors -- or all bf16 with ``bf16`` -- needing no gradient, KV ``caches`` fp32,
-    fp16 or bf16, not inside a ``torch.compile`` trace, the library built), else None (see :mod:`baige.kernels.cpu`). Called once
-    per op: kept to a few attribute reads."""
+    fp16 or bf16, not inside a ``torch.compile`` trace, the library built), else None (see
+    :mod:`baige.kernels.cpu`). Called once per op: kept to a few attribute reads."""
     if tensors[0].device.type != "cpu":
         return None
     if not _CPU_OPS:
@@ -460,7 +460,8 @@ from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS
 from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers
 from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc
 from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
-from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402  (where the step's streamed weights live)
+# Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
+from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402
 
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402

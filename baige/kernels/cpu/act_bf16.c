@@ -14,25 +14,7 @@
 #include <stdint.h>
 
 #include "bf16_convert.h"
-#include "vec_exp.h"
-
-/* 8 fp32 rounded to bf16 (nearest even; NaN -> quiet NaN, as f32_to_bf16), still as fp32 bit patterns */
-static inline __m256i bf16_bits(__m256 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
-                                       _mm256_set1_epi32((int)0xffff0000u));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-}
-
-/* x rounded to bf16 and back, in 8 lanes */
-static inline __m256 round_bf16x8(__m256 x) { return _mm256_castsi256_ps(bf16_bits(x)); }
-
-/* 8 fp32 -> 8 bf16 at p, rounded as above */
-static inline void store_bf16x8(uint16_t *p, __m256 x) {
-    const __m256i r = _mm256_srli_epi32(bf16_bits(x), 16);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
+#include "vec_math.h"
 
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -59,10 +41,7 @@ static void norm_row(const uint16_t *x, int64_t n, const uint16_t *w, float eps,
         const __m256 v = bf16x8_to_f32(x + i);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
     }
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-    float ss = _mm_cvtss_f32(s4);
+    float ss = hsum256(acc);
     for (int64_t t = i; t < n; t++) ss += bf16_to_f32(x[t]) * bf16_to_f32(x[t]);
     const float inv = 1.0f / sqrtf(ss / (float)n + eps);
     const __m256 iv = _mm256_set1_ps(inv);

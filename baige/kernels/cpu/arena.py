@@ -93,8 +93,9 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         a contiguous CPU tensor of zeros; its memory is released when the last view of it is.
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(nbytes, 1))  # anonymous, private, read-write, page aligned
-    t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    t = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # anonymous, private, page aligned
     if nbytes >= HUGE:
         _advise_huge(t.data_ptr(), nbytes // HUGE * HUGE)
     return t.view(dtype).view(shape)
@@ -111,7 +112,8 @@ def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 <<
     fresh mapping whose every 4 KiB page faults on first write (measured: ~300,000 page faults per
     offline-throughput run of SmolLM2-135M in bf16, 1 thread, ~2.4 us each on the dev VM; ~600 with
     this). vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``. 32 MiB is the ceiling of
-    glibc's own dynamic threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit). Process-wide; call once.
+    glibc's own dynamic threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit). Process-wide and
+    idempotent (every CPU engine calls it).
 
     Returns:
         True when both settings took (glibc on Linux), False elsewhere (nothing changed).

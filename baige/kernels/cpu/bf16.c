@@ -9,11 +9,12 @@
  * variants, where baige_linear_bf16_widen (qlinear.c) keeps x in fp32 and widens the weights exactly.
  *
  * Tiling (AVX-512 BF16): NR = 4 output rows x up to MR = 4 input rows share each loaded vector (16
- * zmm accumulators; a full tile's 16 sums leave in one tree of shuffles, reduce16: 148 -> 184 GFLOP/s at
- * 32 rows x 1536 x 576, 120 -> 150 at 4 rows, 1 thread, Zen 4), so a weight row is read from memory once per call; the next tile (rows
+ * zmm accumulators), so a weight row is read from memory once per call; the next tile (rows
  * contiguous) is prefetched in address order while this one computes (measured, 1 thread, Zen 4: 14
- * to 24 GB/s at one row, against 5-12 GB/s with the hardware prefetcher alone or per-row prefetches). K is covered in steps of 32 with a masked load for the tail (x is padded
- * with zeros to a multiple of 32). Output tiles are split over `nthreads` OpenMP threads.
+ * to 24 GB/s at one row, against 5-12 GB/s with the hardware prefetcher alone or per-row prefetches).
+ * A full tile's 16 sums leave through one tree of shuffles (reduce16; 1536 x 576, 1 thread, Zen 4: 148 ->
+ * 184 GFLOP/s at 32 rows, 120 -> 150 at 4). K is covered in steps of 32 with a masked load for the tail
+ * (x is padded with zeros to a multiple of 32). Output tiles are split over `nthreads` OpenMP threads.
  */
 #include <immintrin.h>
 #include <stdint.h>

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 
 #include "bf16_convert.h"
-#include "vec_exp.h"
+#include "vec_math.h"
 
 /* KV cache element types (baige/kernels/cpu/ops.py passes them) */
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
@@ -35,10 +35,7 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float r = _mm_cvtss_f32(s);
+    float r = hsum256(acc);
     for (; i < n; i++) r += a[i] * b[i];
     return r;
 }
@@ -126,10 +123,7 @@ static void softmax_inplace(float *p, int64_t n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    float m = _mm_cvtss_f32(m4);
+    float m = hmax256(mv);
     for (; i < n; i++) m = p[i] > m ? p[i] : m;
     const __m256 mb = _mm256_set1_ps(m);
     __m256 sv = _mm256_setzero_ps();
@@ -138,10 +132,7 @@ static void softmax_inplace(float *p, int64_t n) {
         _mm256_storeu_ps(p + i, e);
         sv = _mm256_add_ps(sv, e);
     }
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-    float sum = _mm_cvtss_f32(s4);
+    float sum = hsum256(sv);
     for (; i < n; i++) {
         const __m256 e = exp256(_mm256_set1_ps(p[i] - m));
         p[i] = _mm256_cvtss_f32(e);

@@ -61,8 +61,8 @@ def add_rms_norm(
     out, summed = torch.empty_like(x), torch.empty_like(x)
     lib = library()
     fn = lib.baige_add_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.baige_add_rms_norm
-    fn(x.data_ptr(), residual.data_ptr(), x.numel() // n, n,
-                                 weight.contiguous().data_ptr(), eps, out.data_ptr(), summed.data_ptr())
+    fn(x.data_ptr(), residual.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr(),
+       summed.data_ptr())
     return out, summed
 
 

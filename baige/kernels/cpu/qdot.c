@@ -44,6 +44,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #define QB 32
 #define RT 16
 /* int4's software prefetch distance in bytes along the tile stream (past a tile's end it reads the next
@@ -79,10 +81,7 @@ static void quantize_block(const float *t, int perm, int8_t *o, float *d, int32_
         v[i] = _mm256_loadu_ps(t + 8 * i);
         mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4), db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+    const float amax = hmax256(mx), db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
     int32_t qi[QB];
     for (int i = 0; i < 4; i++) {  /* cvtps rounds to nearest even (the default MXCSR mode) */
         const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));

@@ -22,15 +22,9 @@
 #include <stdlib.h>
 
 #include "bf16_convert.h"
+#include "vec_math.h"
 
 #define NR 4
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 8 int8 -> 8 fp32 */
 static inline __m256 cvt_i8(const int8_t *p) {

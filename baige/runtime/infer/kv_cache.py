@@ -44,10 +44,10 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
+        on_cpu = torch.device(device).type == "cpu"
+
         def pool() -> torch.Tensor:
-            if torch.device(device).type == "cpu":
-                return kernels.zeroed_pages(shape, dtype)
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return kernels.zeroed_pages(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
 
         self.k = [pool() for _ in range(cfg.num_hidden_layers)]
         self.v = [pool() for _ in range(cfg.num_hidden_layers)]

@@ -1,6 +1,7 @@
-/* A vector exp for the native kernels (ops.c, act_bf16.c). */
-#ifndef BAIGE_VEC_EXP_H
-#define BAIGE_VEC_EXP_H
+/* Small vector math shared by the native kernels (ops.c, qlinear.c, qdot.c, act_bf16.c): exp, and the
+ * horizontal sum and max of 8 fp32 lanes. */
+#ifndef BAIGE_VEC_MATH_H
+#define BAIGE_VEC_MATH_H
 
 #include <immintrin.h>
 
@@ -23,6 +24,22 @@ static inline __m256 exp256(__m256 x) {
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* the sum of the 8 lanes of v (pairwise: halves, then pairs, then the last two) */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* the largest of the 8 lanes of v */
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
 }
 
 #endif
