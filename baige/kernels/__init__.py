@@ -194,7 +194,7 @@ def paged_decode_attention(
     Returns:
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
-    impl = _native_cpu(q, caches=(k_cache, v_cache)) or _impl(q, "paged_attention")
+    impl = _native_cpu(q, caches=(k_cache, v_cache), bf16=True) or _impl(q, "paged_attention")
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -225,7 +225,7 @@ def paged_prefill_attention(
     Returns:
         (N, n_heads, head_dim) in the dtype of ``q``.
     """
-    impl = _impl(q, "paged_attention")
+    impl = _native_cpu(q, caches=(k_cache, v_cache), bf16=True) or _impl(q, "paged_attention")
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 

@@ -98,19 +98,41 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Runs on ``torch.get_num_threads()`` OpenMP threads over (sequence, KV head) pairs. Raises
-    MemoryError when a thread's score buffer (n_heads / n_kv_heads x longest context floats) cannot
-    be allocated."""
+    """Runs ``attention.c`` on ``torch.get_num_threads()`` OpenMP threads over (sequence, KV head)
+    pairs, in fp32 (a bf16 ``q`` is widened, the result rounded back to bf16). Raises MemoryError
+    when a thread's score buffer (n_heads / n_kv_heads x longest context floats) cannot be
+    allocated."""
     S, H, D = q.shape
     hk, nb, bs, _ = k_cache.shape
-    q = q.contiguous()
+    q32 = q.float().contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
-    rc = library().baige_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D, nb,
-                                                bs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+    out = torch.empty_like(q32)
+    rc = library().baige_paged_decode_attention(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D,
+                                                nb, bs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
                                                 out.data_ptr(), kv_dtype_code(k_cache.dtype),
                                                 torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate the score buffer")
-    return out
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill chunks through the decode kernel, one query row per token: token ``j`` of sequence
+    ``i``'s chunk of ``T_i`` gets sequence ``i``'s block table and a context of
+    ``context_lens[i] - T_i + j + 1`` keys, which is the causal mask. Same dtypes and errors as
+    :func:`paged_decode_attention`; tables cost N x W int64 (N query tokens)."""
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
+    seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)  # (N,) sequence of each token
+    pos = torch.arange(q.shape[0]) - cu_seqlens_q.to(torch.int64)[seq]  # (N,) index within its chunk
+    lens = context_lens.to(torch.int64)[seq] - counts[seq] + pos + 1
+    tables = block_tables.to(torch.int64).index_select(0, seq)
+    return paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
