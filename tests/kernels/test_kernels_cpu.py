@@ -2,7 +2,6 @@
 integer-dot ones (qdot.c) against the reference and fp64 on every instruction-set variant this CPU
 runs, the dispatch rules, the small per-layer ops, and the fallback when nothing can be built."""
 
-import shutil
 import sys
 
 import numpy as np
@@ -18,12 +17,7 @@ from baige.runtime.quant.scheme import QuantScheme, pack_int4, quantize_weight
 from tests.kernel_checks import assert_close_fp64
 
 
-@pytest.fixture(autouse=True)
-def _native_kernel():
-    """Skip only where the kernel is not meant to build (no C compiler, no AVX2); elsewhere it must."""
-    if not (shutil.which("cc") or shutil.which("gcc")) or not cpu_library.cpu_has_avx2():
-        pytest.skip("no C compiler or no AVX2: the native kernel is not built here")
-    assert cpu_library.library() is not None, "the native CPU kernels failed to build (see the warning)"
+pytestmark = pytest.mark.usefixtures("native_kernel")  # tests/kernels/conftest.py
 
 SCHEMES = {
     "int8": QuantScheme(8, None),
@@ -85,15 +79,6 @@ from baige.kernels.cpu import isa  # noqa: E402
 DOT_SCHEMES = {**SCHEMES, "int4-g32-asym": QuantScheme(4, 32, symmetric=False),
                "int4-g96-asym": QuantScheme(4, 96, symmetric=False)}  # g96: a pair of blocks spans two groups
 
-
-@pytest.fixture
-def use_isa(monkeypatch):
-    """``use_isa(variant)``: force BAIGE_CPU_ISA and check the loaded library is that variant."""
-    def use(variant):
-        monkeypatch.setenv("BAIGE_CPU_ISA", variant)
-        reload_settings()
-        assert cpu_library.library().baige_isa().decode() == variant
-    return use
 
 
 @pytest.mark.parametrize("variant", isa.supported())

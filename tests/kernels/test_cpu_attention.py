@@ -1,0 +1,110 @@
+"""The native CPU paged attention (attention.c) on every instruction-set variant the machine runs:
+its 8-lane path (every variant, any head size) and its 16-lane AVX-512 path (head sizes that are a
+multiple of 16: four keys x up to four query heads per K load, V in 64- and 16-column pieces), against
+the reference and fp64 with the kernels' 2x rule; prefill chunks through it, one query row per token."""
+
+import pytest
+import torch
+
+import baige.kernels as kernels
+from baige.kernels import reference
+from baige.kernels.cpu import isa
+from baige.kernels.cpu import ops as cpu_ops
+from tests.kernel_checks import assert_close_fp64
+
+pytestmark = pytest.mark.usefixtures("native_kernel")  # tests/kernels/conftest.py
+
+
+def _case(lens, H, Hkv, D, bs, kv_dtype, seed):
+    """Scattered blocks (a random permutation of the pool), one table row per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    W = max(-(-n // bs) for n in lens)
+    nb = len(lens) * W + 3
+    kc = torch.randn(Hkv, nb, bs, D, generator=g).to(kv_dtype)
+    vc = torch.randn(Hkv, nb, bs, D, generator=g).to(kv_dtype)
+    tables = torch.randperm(nb, generator=g)[: len(lens) * W].view(len(lens), W)
+    return kc, vc, tables, torch.tensor(lens)
+
+
+# head sizes: 64 and 128 (whole 64-column pieces), 80 (64 + 16), 48 (three 16s), 24 and 59 (8-lane path
+# everywhere); groups of 1-8 query heads per KV head (the 16-lane path takes four at a time)
+SHAPES = [(9, 3, 64), (8, 1, 128), (10, 2, 80), (7, 1, 48), (16, 2, 24), (6, 6, 59), (20, 4, 64)]
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("H,Hkv,D", SHAPES, ids=[f"{h}-{k}-{d}" for h, k, d in SHAPES])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["kv32", "kv16", "kvbf16"])
+def test_decode_on_every_variant(use_isa, variant, H, Hkv, D, kv_dtype):
+    """Contexts of 1, 2, 3 and 5 keys (short 4-key groups), one and several blocks of 5 (a partial last
+    group in each block), 203 keys."""
+    use_isa(variant)
+    kc, vc, tables, lens = _case([1, 2, 3, 5, 17, 203], H, Hkv, D, 5, kv_dtype, seed=D + H)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1))
+    scale = D ** -0.5
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    ref = reference.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens, scale)
+    assert out.dtype == torch.float32
+    assert_close_fp64(out, ref, exact, name=f"decode {variant} {H}/{Hkv}/{D} {kv_dtype}")
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+def test_results_do_not_depend_on_threads_or_neighbours(use_isa, variant):
+    """Each (sequence, KV head) is one thread's work: bitwise the same with 1 or 2 threads, and a
+    sequence's rows are the same alone as in a batch."""
+    use_isa(variant)
+    kc, vc, tables, lens = _case([9, 40, 3, 77], 12, 3, 64, 16, torch.bfloat16, seed=5)
+    q = torch.randn(4, 12, 64, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    alone = cpu_ops.paged_decode_attention(q[1:2], kc, vc, tables[1:2], lens[1:2], 0.125)
+    assert torch.equal(alone, one[1:2])
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["q32", "qbf16"])
+def test_prefill_chunks_after_cached_prefixes(use_isa, variant, q_dtype):
+    """Chunks of 1, 40, 33 and 2 tokens after cached prefixes of 0, 57, 0 and 14 tokens: causal inside
+    the chunk, the whole prefix before it. A bf16 query is widened and the result rounded to bf16."""
+    use_isa(variant)
+    chunks, lens = [1, 40, 33, 2], [1, 97, 33, 16]
+    kc, vc, tables, ctx = _case(lens, 9, 3, 64, 16, torch.bfloat16, seed=8)
+    q = torch.randn(sum(chunks), 9, 64, generator=torch.Generator().manual_seed(3)).to(q_dtype)
+    cu = torch.tensor([0, 1, 41, 74, 76])
+    out = cpu_ops.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.125)
+    ref = reference.paged_prefill_attention(q.float(), kc, vc, tables, cu, ctx, 0.125).to(q_dtype)
+    exact = reference.paged_prefill_attention(q.double(), kc.double(), vc.double(), tables, cu, ctx, 0.125)
+    assert out.dtype == q_dtype
+    assert_close_fp64(out, ref, exact, name=f"prefill {variant} {q_dtype}")
+    # token 5 of the second chunk (position 62) sees keys 0..62 and nothing after them
+    row = 1 + 5
+    kc2, vc2 = kc.clone(), vc.clone()
+    for pos in range(63, 97):
+        blk = int(tables[1, pos // 16])
+        kc2[:, blk, pos % 16] = float("nan")
+        vc2[:, blk, pos % 16] = float("nan")
+    again = cpu_ops.paged_prefill_attention(q, kc2, vc2, tables, cu, ctx, 0.125)
+    assert torch.equal(again[row], out[row])
+
+
+def test_bf16_queries_and_prefill_dispatch_to_the_native_kernel(monkeypatch):
+    """On the CPU, without autograd: decode and prefill with fp32 or bf16 queries run attention.c."""
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    from baige.runtime.settings import reload_settings
+    reload_settings()
+    calls = []
+    real = cpu_ops.paged_decode_attention
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    kc, vc, tables, lens = _case([5, 9], 4, 2, 16, 4, torch.bfloat16, seed=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(2, 4, 16).to(dtype)
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
+        kernels.paged_prefill_attention(q, kc, vc, tables, torch.tensor([0, 1, 2]), lens, 0.25)
+    assert calls == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
