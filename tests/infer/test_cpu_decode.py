@@ -317,3 +317,40 @@ def test_engine_fp16_kv_cache(embedded_dir, monkeypatch):
     assert outs["auto"] == outs["reference"] and all(len(t) == 12 for t in outs["auto"])
     fp32 = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory="64MiB")
     assert blocks["auto"] == 2 * fp32.engine.kv_cache.num_blocks
+
+
+def test_whole_step_in_c_matches_the_layers_call(tmp_path):
+    """The one-call step (embedding, rotary rows from the position tables, layers, final norm in C)
+    gives the hidden states of the layers-only call with the lookups in PyTorch (bitwise on an fp32
+    model, within an ulp of the final norm on a bf16 one) and the same KV writes; a position past the tables grows them; a token id outside the vocabulary is one
+    ValueError and leaves the KV cache untouched."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(make_checkpoint(tmp_path / str(dtype), "llama"), dtype)
+        kv, ids, pos, slots, tables, lens = _step_inputs(model)
+        kv2 = KVCache(model.config, 20, BS, torch.float32, torch.device("cpu"))
+        for a, b in zip(kv2.k + kv2.v, kv.k + kv.v):
+            a.copy_(b)
+        whole, _ = FusedDecoder.build(model, kv)
+        parts, _ = FusedDecoder.build(model, kv2)
+        assert whole._whole
+        parts._whole = False
+        with torch.inference_mode():
+            a = whole(ids, pos, slots, tables, lens)
+            b = parts(ids, pos, slots, tables, lens)
+            assert a.dtype == torch.float32
+            if dtype == torch.float32:
+                assert torch.equal(a, b)
+            else:  # the final norm of a bf16 weight: PyTorch's promoted ops vs the C norm on its fp32 copy
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            assert all(torch.equal(x, y) for x, y in zip(kv.k + kv.v, kv2.k + kv2.v))
+            assert whole._cos.shape[0] == 1024
+            far = torch.tensor([[1500, 3, 1]])  # past the first table: it grows to 2048 rows
+            whole(ids, far, slots, tables, lens)
+            assert whole._cos.shape[0] == 2048
+            torch.testing.assert_close(whole._cos[1500], model.rotary_emb(far, torch.float32)[0][0, 0])
+            before = [t.clone() for t in kv.k]
+            bad = ids.clone()
+            bad[0, 1] = model.config.vocab_size
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                whole(bad, pos, slots, tables, lens)
+            assert all(torch.equal(x, y) for x, y in zip(kv.k, before))

@@ -63,14 +63,19 @@ def test_mixed_batch_matches_merged_models(dirs, tmp_path, monkeypatch):
     llm = LLM(str(dirs[None]), enable_lora=True, max_loras=3, dtype="float32", **CFG)
     assert llm.engine.runner.fused_decode is not None  # decode steps on this CPU model take the native step
     seen, native = [], []  # adapters of every step; per native decode step, its tokens' adapter slots
-    set_batch, call = llm.engine.lora.set_batch, NativeDecodeLayers.__call__
+    set_batch, call, step = llm.engine.lora.set_batch, NativeDecodeLayers.__call__, NativeDecodeLayers.step
     monkeypatch.setattr(llm.engine.lora, "set_batch", lambda ids: seen.append(set(ids)) or set_batch(ids))
 
-    def counting(self, *a):
+    def counting(self, *a):  # the layers-only call: lora_ids is its 7th argument
         native.append(None if a[6] is None else set(a[6].tolist()))
         return call(self, *a)
 
+    def counting_step(self, *a):  # the whole step in C: its 10th
+        native.append(None if a[9] is None else set(a[9].tolist()))
+        return step(self, *a)
+
     monkeypatch.setattr(NativeDecodeLayers, "__call__", counting)
+    monkeypatch.setattr(NativeDecodeLayers, "step", counting_step)
     names = [None, *ADAPTERS]
     requests = [LoRARequest(n, k, str(dirs[n])) if n else None for k, n in enumerate(names)]
     work = [(PREFIX + tail, _params(i), lora) for i, tail in enumerate(TAILS) for lora in requests]

@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 void baige_qlinear_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, int64_t N, int64_t ldw,
                         const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
@@ -195,5 +196,43 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
     }
     free(buf);
     free(rows);
+    return rc;
+}
+
+/* The whole decode step around baige_decode_layers: token m's embedding row (ids[m] of `embed`, fp32,
+ * or bf16 with embed_bf16, `vocab` rows of `hidden`) widened into h, its rotary row (positions[m] of
+ * the (max_pos, d) fp32 cos/sin tables) copied, every layer, then the final RMSNorm (fp32 weight) of
+ * h into out. h, out: (M, hidden) fp32 caller scratch. Returns 0; -1 when scratch memory cannot be
+ * allocated; -2 when a token id is outside [0, vocab) or a position outside [0, max_pos) (nothing
+ * is then written to the KV cache). */
+int baige_decode_step(const baige_layer *layers, int64_t n_layers, int64_t M, int64_t hidden, int64_t hq,
+                      int64_t hk, int64_t d, int64_t inter, float eps, float scale, int64_t num_blocks,
+                      int64_t bs, const void *embed, int embed_bf16, int64_t vocab, const int64_t *ids,
+                      const int64_t *positions, const float *cos_table, const float *sin_table, int64_t max_pos,
+                      const float *final_norm, float *h, float *out, const int64_t *slots, const int64_t *tables,
+                      int64_t W, const int64_t *lens, int kv_dtype, const int64_t *lora_ids, int nthreads)
+{
+    for (int64_t m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= vocab || positions[m] < 0 || positions[m] >= max_pos) return -2;
+    float *rope = malloc(sizeof(float) * (size_t)(2 * M * d));
+    if (!rope) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        float *hm = h + m * hidden;
+        if (embed_bf16) {
+            const uint16_t *e = (const uint16_t *)embed + ids[m] * hidden;
+            for (int64_t j = 0; j < hidden; j++) {
+                const uint32_t u = (uint32_t)e[j] << 16;
+                memcpy(hm + j, &u, 4);
+            }
+        } else {
+            memcpy(hm, (const float *)embed + ids[m] * hidden, sizeof(float) * (size_t)hidden);
+        }
+        memcpy(rope + m * d, cos_table + positions[m] * d, sizeof(float) * (size_t)d);
+        memcpy(rope + (M + m) * d, sin_table + positions[m] * d, sizeof(float) * (size_t)d);
+    }
+    const int rc = baige_decode_layers(layers, n_layers, M, hidden, hq, hk, d, inter, eps, scale, num_blocks, bs, h,
+                                       rope, rope + M * d, slots, tables, W, lens, kv_dtype, lora_ids, nthreads);
+    free(rope);
+    if (rc == 0) baige_rms_norm(h, M, hidden, final_norm, eps, out);
     return rc;
 }

@@ -164,3 +164,43 @@ class DecodeLayers:
             context_lens.contiguous().data_ptr(), self._kv_dtype, _ptr(lora_ids), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native decode step: could not allocate its scratch buffers")
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos_table: torch.Tensor,
+             sin_table: torch.Tensor, final_norm: torch.Tensor, slot_mapping: torch.Tensor,
+             block_tables: torch.Tensor, context_lens: torch.Tensor,
+             lora_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The whole step in one call (``baige_decode_step``): embedding rows, rotary rows, every layer,
+        the final norm.
+
+        Args:
+            input_ids, positions: (M,) int64 the new tokens and their positions.
+            embed: (vocab, hidden) fp32 or bf16 contiguous embedding table.
+            cos_table, sin_table: (max_pos, head_dim) fp32 contiguous rotary rows by position.
+            final_norm: (hidden,) fp32 weight of the last RMSNorm (the layers' epsilon).
+            slot_mapping, block_tables, context_lens, lora_ids: as :meth:`__call__`.
+        Returns:
+            (M, hidden) fp32 normed final hidden states; None when a position is past the tables (grow
+            them and call again: nothing was written). Raises ValueError for a token id outside the
+            vocabulary, MemoryError when scratch memory cannot be allocated.
+        """
+        n_layers, hidden, hq, hk, d, inter = self._dims
+        M = input_ids.shape[0]
+        ids, pos = input_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        h, out = torch.empty(M, hidden), torch.empty(M, hidden)
+        tables = block_tables.contiguous()
+        if lora_ids is not None:
+            lora_ids = lora_ids.to(torch.int64).contiguous()
+        rc = library().baige_decode_step(
+            ctypes.addressof(self._table), n_layers, M, hidden, hq, hk, d, inter, self._eps, self._scale,
+            self._num_blocks, self._block_size, embed.data_ptr(), int(embed.dtype == torch.bfloat16), embed.shape[0],
+            ids.data_ptr(), pos.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), cos_table.shape[0],
+            final_norm.data_ptr(), h.data_ptr(), out.data_ptr(), slot_mapping.contiguous().data_ptr(), tables.data_ptr(),
+            tables.shape[1], context_lens.contiguous().data_ptr(), self._kv_dtype, _ptr(lora_ids),
+            torch.get_num_threads())
+        if rc == -2:
+            if bool(((ids < 0) | (ids >= embed.shape[0])).any()):
+                raise ValueError(f"native decode step: a token id is outside the vocabulary of {embed.shape[0]}")
+            return None
+        if rc != 0:
+            raise MemoryError("native decode step: could not allocate its scratch buffers")
+        return out

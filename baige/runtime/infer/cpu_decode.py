@@ -3,8 +3,9 @@
 For decode-only steps of an fp32 or bf16 model on CPU the engine's runner hands the whole layer stack to
 ``baige_decode_layers`` (:class:`baige.kernels.NativeDecodeLayers`): each layer's norms, projections (fp32 ``nn.Linear``, or int8 / int4
 ``QuantizedLinear`` through the native weight-only kernels), RoPE, KV store, paged attention and MLP
-run in C, the tensors read in place through the pointers gathered here. Only the embedding lookup,
-the rotary tables, the final norm and ``lm_head`` stay in PyTorch. The per-op path is unchanged and
+run in C, the tensors read in place through the pointers gathered here; so do the embedding lookup,
+the rotary rows (from tables by position) and the final norm where the model allows
+(:class:`FusedDecoder`). ``lm_head`` is a second native call. The per-op path is unchanged and
 remains the reference (``BAIGE_KERNELS=reference`` or ``BAIGE_CPU_DECODE=0`` select it); the
 results agree up to accumulation order and SiLU's ``exp`` (tests/infer/test_cpu_decode.py).
 
@@ -53,6 +54,21 @@ class FusedDecoder:
 
     def __init__(self, model: Transformer, layers: kernels.NativeDecodeLayers):
         self.model, self._layers = model, layers
+        # The whole step in C (kernels.NativeDecodeLayers.step) when the embedding is a plain table and
+        # the rotary rows do not depend on the sequence length (not "dynamic" NTK): the embedding rows,
+        # the rotary rows (a table by position, computed here by the model's own rotary module so its
+        # values are the per-op path's) and the final norm then cost no PyTorch ops per step.
+        emb, norm = model.model.embed_tokens, model.model.norm
+        self._whole = (type(emb) is nn.Embedding and emb.weight.is_contiguous() and not model.rotary_emb.dynamic
+                       and norm.eps == model.model.layers[0].input_layernorm.eps)
+        self._final_norm = _f32(norm.weight) if self._whole else None
+        self._cos = self._sin = torch.empty(0, model.config.head_dim)
+
+    def _grow_rope(self, positions: torch.Tensor) -> None:
+        """Rotary tables covering ``positions`` (next power of two, at least 1024 rows)."""
+        n = max(1024, 1 << int(positions.max()).bit_length())
+        cos, sin = self.model.rotary_emb(torch.arange(n), torch.float32)
+        self._cos, self._sin = cos.contiguous(), sin.contiguous()
 
     @classmethod
     def build(cls, model: Transformer, kv: KVCache) -> tuple["FusedDecoder | None", str]:
@@ -118,6 +134,14 @@ class FusedDecoder:
             MemoryError: the kernel's scratch buffers could not be allocated.
         """
         model = self.model
+        if self._whole:
+            args = (model.model.embed_tokens.weight, self._cos, self._sin, self._final_norm, slot_mapping,
+                    block_tables, context_lens, lora_ids)
+            out = self._layers.step(input_ids[0], positions[0], *args)
+            if out is None:  # a position past the rotary tables
+                self._grow_rope(positions)
+                out = self._layers.step(input_ids[0], positions[0], *args[:1], self._cos, self._sin, *args[3:])
+            return out[None]
         h = model.model.embed_tokens(input_ids)[0].float().contiguous()  # (M, hidden) fp32, a fresh copy
         cos, sin = model.rotary_emb(positions, torch.float32)  # (1, M, head_dim)
         self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens, lora_ids)
