@@ -1,11 +1,12 @@
-"""Native CPU kernels: C with AVX2/FMA intrinsics (``qlinear.c``, ``ops.c``), compiled on first use
+"""Native CPU kernels: C with AVX2 / AVX-512 intrinsics (``qlinear.c``, ``qdot.c``, ``bf16.c``, ``ops.c``,
+``act_bf16.c``, ``attention.c``, ``decode.c``), one build per instruction-set variant, compiled on first use
 by the system C compiler and called through ctypes (no PyTorch headers: the build takes a second or
 two, see :mod:`.build`).
 
 Why: on CPU a decode step is either bound by weight bytes (PyTorch has no fast int8/int4 weight-only
 matmul for fp32 activations) or by the dispatch cost of dozens of tiny eager ops per layer (a few
 microseconds each). :mod:`.qlinear` answers the first, :mod:`.ops` the second (RMSNorm, residual add
-+ RMSNorm, RoPE, KV store and paged decode attention read in place, one call each).
++ RMSNorm, RoPE, KV store; ``attention.c``: paged attention read in place, one call each).
 
 Dispatch (:mod:`baige.kernels`): with ``BAIGE_KERNELS`` unset or ``auto``, CPU fp32 tensors that need
 no gradient use these kernels when the library builds; ``BAIGE_KERNELS=reference`` never does, and
