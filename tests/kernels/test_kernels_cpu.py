@@ -445,6 +445,24 @@ def test_bf16_silu_mul_and_norms_on_every_variant(use_isa, variant, shape):
     close_to_reference(out, ref_out, reference.rms_norm(ref_sum.double(), w.double(), eps), f"add_rms {variant} {shape}")
 
 
+def test_bf16_silu_mul_and_norms_split_over_threads_give_the_one_thread_result():
+    """Above 65,536 elements act_bf16.c splits silu_mul into 8192-element chunks and the norms by rows
+    over the torch threads: bitwise the one-thread result, tail (n % 8 = 5) included."""
+    x, res = (_randn(97, 1541, seed=0) * 3).bfloat16(), _randn(97, 1541, seed=1).bfloat16()
+    w = (_randn(1541, seed=2) + 1).bfloat16()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append((cpu_ops.silu_mul(x, res), cpu_ops.rms_norm(x, w, 1e-5), *cpu_ops.add_rms_norm(x, res, w, 1e-5)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+    assert torch.equal(outs[0][0], cpu_ops.silu_mul(x.view(-1), res.view(-1)).view(97, 1541))
+
+
 def test_bf16_ops_dispatch(monkeypatch):
     """kernels.silu_mul / rms_norm / add_rms_norm send all-bf16 CPU tensors to the native ops; a bf16 x
     with an fp32 weight, or fp16, stays on the reference."""

@@ -8,7 +8,8 @@
  * the weight multiply; the residual sum is rounded before its statistics. A product of two bf16 values
  * is exact in fp32, so those multiplies round exactly as torch's do; silu's exp and the mean square's
  * summation order differ from torch's in the last fp32 bits, below one bf16 rounding step.
- * Single-threaded; contiguous rows. */
+ * Large tensors are split over OpenMP threads (elements of silu_mul, rows of the norms) with results
+ * independent of the thread count; contiguous rows. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -19,7 +20,7 @@
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 /* out[j] = bf16(bf16(silu(g[j])) * u[j]) for j < n; silu(x) = x / (1 + exp(-x)). */
-void baige_silu_mul_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out) {
+static void silu_mul_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out) {
     int64_t j = 0;
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; j + 8 <= n; j += 8) {
@@ -30,6 +31,22 @@ void baige_silu_mul_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16
     for (; j < n; j++) {
         const float x = bf16_to_f32(g[j]);
         out[j] = f32_to_bf16(round_bf16(x / (1.0f + expf(-x))) * bf16_to_f32(u[j]));
+    }
+}
+
+/* Work below this many elements stays on one thread (an OpenMP fork costs more than it saves). */
+#define PAR_MIN 65536
+/* Elements per thread chunk of silu_mul: a multiple of 8, so only the last n % 8 elements take the
+ * scalar tail, as on one thread: the result does not depend on the thread count. */
+#define SPAN 8192
+
+/* silu_mul_span over n elements, in SPAN chunks on up to nthreads OpenMP threads. */
+void baige_silu_mul_bf16(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out, int nthreads) {
+    const int64_t chunks = (n + SPAN - 1) / SPAN;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && n >= PAR_MIN) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t j0 = c * SPAN, len = n - j0 < SPAN ? n - j0 : SPAN;
+        silu_mul_span(g + j0, u + j0, len, out + j0);
     }
 }
 
@@ -50,14 +67,19 @@ static void norm_row(const uint16_t *x, int64_t n, const uint16_t *w, float eps,
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * inv));
 }
 
-/* RMSNorm of rows x[r] of n bf16 values (row stride n), weight w bf16 (n), into out. */
-void baige_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t n, const uint16_t *w, float eps, uint16_t *out) {
+/* RMSNorm of rows x[r] of n bf16 values (row stride n), weight w bf16 (n), into out; rows spread over up to
+ * nthreads OpenMP threads. */
+void baige_rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t n, const uint16_t *w, float eps, uint16_t *out,
+                         int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && rows > 1 && rows * n >= PAR_MIN) schedule(static)
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * n, n, w, eps, out + r * n);
 }
 
-/* sum = bf16(x + res); out = RMSNorm(sum), row by row (the sum still in cache for its statistics). */
+/* sum = bf16(x + res); out = RMSNorm(sum), row by row (the sum still in cache for its statistics); rows
+ * spread over up to nthreads OpenMP threads. */
 void baige_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, int64_t rows, int64_t n, const uint16_t *w,
-                             float eps, uint16_t *out, uint16_t *sum) {
+                             float eps, uint16_t *out, uint16_t *sum, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && rows > 1 && rows * n >= PAR_MIN) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *a = x + r * n, *b = res + r * n;
         uint16_t *s = sum + r * n;

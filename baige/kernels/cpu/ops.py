@@ -1,7 +1,8 @@
 """The small per-layer ops of CPU inference on the native library (``ops.c``): same arguments and
 results as their twins in :mod:`baige.kernels.reference` (see :mod:`baige.kernels` for shapes),
 fp32 CPU tensors (the KV cache may also be fp16 or bf16; ``silu_mul``, ``rms_norm`` and
-``add_rms_norm`` also take all-bf16 tensors: ``act_bf16.c``), no autograd. Call them only where
+``add_rms_norm`` also take all-bf16 tensors: ``act_bf16.c``, on ``torch.get_num_threads()``
+threads for large tensors), no autograd. Call them only where
 :func:`usable` is true."""
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     lib = library()
-    fn = lib.baige_silu_mul_bf16 if gate.dtype == torch.bfloat16 else lib.baige_silu_mul
-    fn(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
+    if gate.dtype == torch.bfloat16:
+        lib.baige_silu_mul_bf16(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr(), torch.get_num_threads())
+    else:
+        lib.baige_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
     return out
 
 
@@ -48,8 +51,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     lib = library()
-    fn = lib.baige_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.baige_rms_norm
-    fn(x.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr())
+    args = (x.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr())
+    if x.dtype == torch.bfloat16:
+        lib.baige_rms_norm_bf16(*args, torch.get_num_threads())
+    else:
+        lib.baige_rms_norm(*args)
     return out
 
 
@@ -60,9 +66,12 @@ def add_rms_norm(
     x, residual = x.contiguous(), residual.contiguous()
     out, summed = torch.empty_like(x), torch.empty_like(x)
     lib = library()
-    fn = lib.baige_add_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.baige_add_rms_norm
-    fn(x.data_ptr(), residual.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr(),
-       summed.data_ptr())
+    args = (x.data_ptr(), residual.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr(),
+            summed.data_ptr())
+    if x.dtype == torch.bfloat16:
+        lib.baige_add_rms_norm_bf16(*args, torch.get_num_threads())
+    else:
+        lib.baige_add_rms_norm(*args)
     return out, summed
 
 
