@@ -26,9 +26,9 @@ def _case(lens, H, Hkv, D, bs, kv_dtype, seed):
     return kc, vc, tables, torch.tensor(lens)
 
 
-# head sizes: 64 and 128 (whole 64-column pieces), 80 (64 + 16), 48 (three 16s), 24 and 59 (8-lane path
-# everywhere); groups of 1-8 query heads per KV head (the 16-lane path takes four at a time)
-SHAPES = [(9, 3, 64), (8, 1, 128), (10, 2, 80), (7, 1, 48), (16, 2, 24), (6, 6, 59), (20, 4, 64)]
+# head sizes: 64 and 128 (whole 64-column pieces), 80 (64 + 16), 48 (three 16s), 24, 59 and 20 (8-lane
+# path everywhere; 59 and 20 with scalar tails); groups of 1-8 query heads per KV head (the 16-lane path takes four at a time)
+SHAPES = [(9, 3, 64), (8, 1, 128), (10, 2, 80), (7, 1, 48), (16, 2, 24), (6, 6, 59), (20, 4, 64), (8, 2, 20)]
 
 
 @pytest.mark.parametrize("variant", isa.supported())

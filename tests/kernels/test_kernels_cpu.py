@@ -536,29 +536,6 @@ def test_store_kv_matches_reference_and_skips_negative_slots():
     assert torch.equal(kc.view(Hkv, -1, D)[:, 3], k[2]) and torch.equal(kc.view(Hkv, -1, D)[:, 17], rk.view(Hkv, -1, D)[:, 17])
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (4, 4, 80), (8, 2, 20), (9, 3, 24)],
-                         ids=["gqa3-d64", "mha-d80", "gqa4-d20", "gqa3-d24"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["kv-fp32", "kv-fp16", "kv-bf16"])
-def test_paged_decode_attention_head_layouts_and_fp16_cache(H, Hkv, D, kv_dtype):
-    """Every column path of the V sum (64-wide, 8-wide, scalar tail), group sizes 1-4, an fp16 or bf16 cache
-    read converted (against the reference on the same fp16 values, and fp64), and the result
-    independent of the thread count (each (sequence, KV head) is one thread's work)."""
-    q, kc, vc, tables, lens = _paged_case(1, S=4, H=H, Hkv=Hkv, D=D)
-    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
-    scale = D ** -0.5
-    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
-    ref = reference.paged_decode_attention(q, kc, vc, tables, lens, scale)
-    exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens, scale)
-    assert out.dtype == torch.float32
-    assert_close_fp64(out, ref, exact, name=f"paged decode {H}/{Hkv}/{D} {kv_dtype}")
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1 if threads > 1 else 2)
-        assert torch.equal(cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale), out)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_store_kv_into_an_fp16_cache_rounds_like_torch():
     """fp32 K/V into an fp16 cache: round to nearest even, bitwise what ``.to(torch.float16)`` gives
     (values at fp16 rounding ties and beyond its range included); head_dim 20: the scalar tail too."""
