@@ -99,7 +99,12 @@ void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, 
             const int64_t at = (j * slots + slot) * d;
             if (kv_dtype == KV_BF16) {
                 uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
-                for (int64_t i = 0; i < d; i++) { kd[i] = f32_to_bf16(ks[i]); vd[i] = f32_to_bf16(vs[i]); }
+                int64_t i = 0;
+                for (; i + 8 <= d; i += 8) {
+                    store_bf16x8(kd + i, _mm256_loadu_ps(ks + i));
+                    store_bf16x8(vd + i, _mm256_loadu_ps(vs + i));
+                }
+                for (; i < d; i++) { kd[i] = f32_to_bf16(ks[i]); vd[i] = f32_to_bf16(vs[i]); }
             } else if (kv_dtype == KV_F16) {
                 uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
                 int64_t i = 0;
