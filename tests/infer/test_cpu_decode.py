@@ -343,14 +343,16 @@ def test_whole_step_in_c_matches_the_layers_call(tmp_path):
             else:  # the final norm of a bf16 weight: PyTorch's promoted ops vs the C norm on its fp32 copy
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
             assert all(torch.equal(x, y) for x, y in zip(kv.k + kv.v, kv2.k + kv2.v))
-            assert whole._cos.shape[0] == 1024
+            assert whole._cos.shape[0] == 1024  # built with the decoder
             far = torch.tensor([[1500, 3, 1]])  # past the first table: it grows to 2048 rows
             whole(ids, far, slots, tables, lens)
             assert whole._cos.shape[0] == 2048
             torch.testing.assert_close(whole._cos[1500], model.rotary_emb(far, torch.float32)[0][0, 0])
-            before = [t.clone() for t in kv.k]
+            before = [t.clone() for t in kv.k + kv.v]
             bad = ids.clone()
             bad[0, 1] = model.config.vocab_size
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 whole(bad, pos, slots, tables, lens)
-            assert all(torch.equal(x, y) for x, y in zip(kv.k, before))
+            with pytest.raises(ValueError, match="position"):
+                whole(ids, torch.tensor([[4, -1, 1]]), slots, tables, lens)
+            assert all(torch.equal(x, y) for x, y in zip(kv.k + kv.v, before))

@@ -27,18 +27,20 @@ def _case(lens, H, Hkv, D, bs, kv_dtype, seed):
 
 
 # head sizes: 64 and 128 (whole 64-column pieces), 80 (64 + 16), 48 (three 16s), 24, 59 and 20 (8-lane
-# path everywhere; 59 and 20 with scalar tails); groups of 1-8 query heads per KV head (the 16-lane path takes four at a time)
-SHAPES = [(9, 3, 64), (8, 1, 128), (10, 2, 80), (7, 1, 48), (16, 2, 24), (6, 6, 59), (20, 4, 64), (8, 2, 20)]
+# path everywhere; 59 and 20 with scalar tails), 16, 32, 96, 256; groups of 1-8 query heads per KV head (the 16-lane path takes four at a time)
+SHAPES = [(9, 3, 64), (8, 1, 128), (10, 2, 80), (7, 1, 48), (16, 2, 24), (6, 6, 59), (20, 4, 64), (8, 2, 20),
+          (4, 2, 16), (12, 2, 32), (6, 1, 96), (8, 1, 256)]
 
 
 @pytest.mark.parametrize("variant", isa.supported())
 @pytest.mark.parametrize("H,Hkv,D", SHAPES, ids=[f"{h}-{k}-{d}" for h, k, d in SHAPES])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["kv32", "kv16", "kvbf16"])
-def test_decode_on_every_variant(use_isa, variant, H, Hkv, D, kv_dtype):
+@pytest.mark.parametrize("bs", [5, 8])
+def test_decode_on_every_variant(use_isa, variant, H, Hkv, D, kv_dtype, bs):
     """Contexts of 1, 2, 3 and 5 keys (short 4-key groups), one and several blocks of 5 (a partial last
-    group in each block), 203 keys."""
+    group in each block) or 8, 203 keys."""
     use_isa(variant)
-    kc, vc, tables, lens = _case([1, 2, 3, 5, 17, 203], H, Hkv, D, 5, kv_dtype, seed=D + H)
+    kc, vc, tables, lens = _case([1, 2, 3, 5, 17, 203], H, Hkv, D, bs, kv_dtype, seed=D + H)
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1))
     scale = D ** -0.5
     out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
@@ -101,10 +103,27 @@ def test_bf16_queries_and_prefill_dispatch_to_the_native_kernel(monkeypatch):
     reload_settings()
     calls = []
     real = cpu_ops.paged_decode_attention
-    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
     kc, vc, tables, lens = _case([5, 9], 4, 2, 16, 4, torch.bfloat16, seed=0)
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(2, 4, 16).to(dtype)
         kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
         kernels.paged_prefill_attention(q, kc, vc, tables, torch.tensor([0, 1, 2]), lens, 0.25)
     assert calls == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+
+
+def test_prefill_of_a_long_context_goes_to_the_reference(monkeypatch):
+    """Past PREFILL_NATIVE_MAX_BYTES of K + V per KV head the chunk runs the reference (torch's SDPA),
+    not the one-row-per-token kernel; under it, the kernel."""
+    calls = []
+    real = cpu_ops.paged_decode_attention
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_ops, "PREFILL_NATIVE_MAX_BYTES", 40 * 16 * 2 * 2)  # 40 cached bf16 tokens of 16 dims
+    kc, vc, tables, ctx = _case([41], 2, 1, 16, 8, torch.bfloat16, seed=4)
+    q = torch.randn(3, 2, 16)
+    cu = torch.tensor([0, 3])
+    out = cpu_ops.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.25)
+    assert calls == []
+    torch.testing.assert_close(out, reference.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.25))
+    cpu_ops.paged_prefill_attention(q, kc, vc, tables, cu, torch.tensor([40]), 0.25)
+    assert calls == [1]

@@ -353,7 +353,8 @@ static inline __attribute__((always_inline)) void attend512(const float *q, cons
 #endif
 
 /* Decode attention over paged K/V read in place (no gather). q, out: (S, hq, d) fp32; caches
- * (hk, num_blocks, bs, d), fp32, fp16 or bf16 (kv_dtype: KV_F32 | KV_F16 | KV_BF16); block_tables (S, W) int64; context_lens (S,) int64.
+ * (hk, num_blocks, bs, d), fp32, fp16 or bf16 (kv_dtype: KV_F32 | KV_F16 | KV_BF16); block_tables (P, W) int64,
+ * row s reading table row table_of_row[s] (NULL: row s; P = S); context_lens (S,) int64.
  * Query head j uses KV head j / (hq / hk). Work item = (sequence, KV head), spread over nthreads
  * OpenMP threads: every block of that head's K is read (and converted from fp16) once for each
  * three query heads of its group (scores by qk_rows3 / qk_rows), softmax per query head with the max
@@ -364,8 +365,8 @@ static inline __attribute__((always_inline)) void attend512(const float *q, cons
  * unspecified). */
 int baige_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
-                                 const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
-                                 float *out, int kv_dtype, int nthreads) {
+                                 const int64_t *block_tables, int64_t W, const int64_t *table_of_row,
+                                 const int64_t *context_lens, float scale, float *out, int kv_dtype, int nthreads) {
     const int64_t group = hq / hk;
     int64_t max_len = 1;
     for (int64_t s = 0; s < S; s++) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
@@ -381,7 +382,7 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
                 continue;
             }
             const int64_t s = item / hk, g = item % hk, L = context_lens[s];
-            const int64_t *table = block_tables + s * W;
+            const int64_t *table = block_tables + (table_of_row ? table_of_row[s] : s) * W;
             const int64_t head0 = s * hq + g * group;  /* first query row of this group */
             const int64_t base = g * num_blocks * bs * d;  /* this KV head's pool, in elements */
             const void *kh = kv_dtype ? (const void *)((const uint16_t *)k_cache + base) : (const float *)k_cache + base;

@@ -43,8 +43,8 @@ void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, 
                     void *v_cache, int64_t slots, const int64_t *slot_mapping, int kv_dtype);
 int baige_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int64_t S,
                                  int64_t hq, int64_t hk, int64_t d, int64_t num_blocks, int64_t bs,
-                                 const int64_t *block_tables, int64_t W, const int64_t *context_lens, float scale,
-                                 float *out, int kv_dtype, int nthreads);
+                                 const int64_t *block_tables, int64_t W, const int64_t *table_of_row,
+                                 const int64_t *context_lens, float scale, float *out, int kv_dtype, int nthreads);
 void baige_silu_mul(const float *g, const float *u, int64_t n, float *out);
 
 /* *_DOT: the same weights through the integer-dot kernels of qdot.c (int8-quantized activations) */
@@ -184,7 +184,7 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
         }
         baige_rope(q, k, M, hq, hk, d, cos_, sin_, qr, kr);
         baige_store_kv(kr, v, M, hk, d, L->k_cache, L->v_cache, num_blocks * bs, slots, kv_dtype);
-        rc = baige_paged_decode_attention(qr, L->k_cache, L->v_cache, M, hq, hk, d, num_blocks, bs, tables, W,
+        rc = baige_paged_decode_attention(qr, L->k_cache, L->v_cache, M, hq, hk, d, num_blocks, bs, tables, W, NULL,
                                           lens, scale, attn, kv_dtype, nthreads);
         if (rc || (rc = linear(&L->o, attn, M, o, sp, nthreads))) break;
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */

@@ -62,7 +62,8 @@ class FusedDecoder:
         self._whole = (type(emb) is nn.Embedding and emb.weight.is_contiguous() and not model.rotary_emb.dynamic
                        and norm.eps == model.model.layers[0].input_layernorm.eps)
         self._final_norm = _f32(norm.weight) if self._whole else None
-        self._cos = self._sin = torch.empty(0, model.config.head_dim)
+        if self._whole:
+            self._grow_rope(torch.zeros(1, dtype=torch.int64))
 
     def _grow_rope(self, positions: torch.Tensor) -> None:
         """Rotary tables covering ``positions`` (next power of two, at least 1024 rows)."""
@@ -139,6 +140,8 @@ class FusedDecoder:
                     block_tables, context_lens, lora_ids)
             out = self._layers.step(input_ids[0], positions[0], *args)
             if out is None:  # a position past the rotary tables
+                if int(positions.min()) < 0:
+                    raise ValueError(f"native decode step: negative position {int(positions.min())}")
                 self._grow_rope(positions)
                 out = self._layers.step(input_ids[0], positions[0], *args[:1], self._cos, self._sin, *args[3:])
             return out[None]
