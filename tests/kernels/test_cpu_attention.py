@@ -12,7 +12,9 @@ from baige.kernels.cpu import isa
 from baige.kernels.cpu import ops as cpu_ops
 from tests.kernel_checks import assert_close_fp64
 
-pytestmark = pytest.mark.usefixtures("native_kernel")  # tests/kernels/conftest.py
+from tests.kernels.native_fixtures import native_kernel, use_isa  # noqa: E402,F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("native_kernel")
 
 
 def _case(lens, H, Hkv, D, bs, kv_dtype, seed):

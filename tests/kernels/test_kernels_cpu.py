@@ -17,7 +17,9 @@ from baige.runtime.quant.scheme import QuantScheme, pack_int4, quantize_weight
 from tests.kernel_checks import assert_close_fp64
 
 
-pytestmark = pytest.mark.usefixtures("native_kernel")  # tests/kernels/conftest.py
+from tests.kernels.native_fixtures import native_kernel, use_isa  # noqa: E402,F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("native_kernel")
 
 SCHEMES = {
     "int8": QuantScheme(8, None),

@@ -1,4 +1,6 @@
-"""Fixtures of the native CPU kernel tests (test_kernels_cpu.py, test_cpu_attention.py)."""
+"""Fixtures of the native CPU kernel tests (test_kernels_cpu.py, test_cpu_attention.py), imported by
+them (not a conftest.py: the tests import the top-level ``conftest`` module by name, which a second
+conftest.py would shadow)."""
 
 import shutil
 
