@@ -208,9 +208,12 @@ class ModelRunner:
         covering the B rows in order -> (B, vocab) logits. ``native`` False: never the native CPU step."""
         if self.fused_decode is not None and native:
             # one table for every row: the native kernel reads only each row's own context
-            W = max(t.shape[1] for t, _ in groups)
-            tables = torch.cat([F.pad(t, (0, W - t.shape[1]), value=self.kv.scratch_block) for t, _ in groups])
-            lens = torch.cat([n for _, n in groups]) if len(groups) > 1 else groups[0][1]
+            if len(groups) == 1:
+                tables, lens = groups[0]
+            else:
+                W = max(t.shape[1] for t, _ in groups)
+                tables = torch.cat([F.pad(t, (0, W - t.shape[1]), value=self.kv.scratch_block) for t, _ in groups])
+                lens = torch.cat([n for _, n in groups])
             lora_ids = self.lora.batch.token_lora_ids if self.lora is not None else None
             hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens, lora_ids)
             return self.fused_decode.logits(hidden[0])
@@ -306,6 +309,8 @@ class ModelRunner:
             fn = self._decode_forward if lora else self._decode_fn
             logits = fn(self._tensor([[ids[i] for i in order]]), self._tensor([[pos[i] for i in order]]),
                         self._tensor([slots[i] for i in order]), groups, native=not lora or self._native_lora())
+            if order == sorted(order):  # already in row order (one row, or lengths ascending): no gather
+                return logits, spans
             inverse = [0] * R
             for row, i in enumerate(order):
                 inverse[i] = row
