@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_convert.h"
+
 void baige_qlinear_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, int64_t N, int64_t ldw,
                         const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
 void baige_linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
@@ -220,10 +222,7 @@ int baige_decode_step(const baige_layer *layers, int64_t n_layers, int64_t M, in
         float *hm = h + m * hidden;
         if (embed_bf16) {
             const uint16_t *e = (const uint16_t *)embed + ids[m] * hidden;
-            for (int64_t j = 0; j < hidden; j++) {
-                const uint32_t u = (uint32_t)e[j] << 16;
-                memcpy(hm + j, &u, 4);
-            }
+            for (int64_t j = 0; j < hidden; j++) hm[j] = bf16_to_f32(e[j]);
         } else {
             memcpy(hm, (const float *)embed + ids[m] * hidden, sizeof(float) * (size_t)hidden);
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from baige.kernels import reference
 from baige.kernels.cpu.build import library
 
 # KV cache element types as ops.c numbers them (KV_F32, KV_F16, KV_BF16)
@@ -154,7 +155,6 @@ def paged_prefill_attention(
     D = k_cache.shape[-1]
     lens_all = context_lens.to(torch.int64)
     if lens_all.numel() and int(lens_all.max()) * D * 2 * k_cache.element_size() > PREFILL_NATIVE_MAX_BYTES:
-        from baige.kernels import reference
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
     seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)  # (N,) sequence of each token

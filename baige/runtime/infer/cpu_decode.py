@@ -136,14 +136,16 @@ class FusedDecoder:
         """
         model = self.model
         if self._whole:
-            args = (model.model.embed_tokens.weight, self._cos, self._sin, self._final_norm, slot_mapping,
-                    block_tables, context_lens, lora_ids)
-            out = self._layers.step(input_ids[0], positions[0], *args)
+            def step():
+                return self._layers.step(input_ids[0], positions[0], model.model.embed_tokens.weight, self._cos,
+                                         self._sin, self._final_norm, slot_mapping, block_tables, context_lens,
+                                         lora_ids)
+            out = step()
             if out is None:  # a position past the rotary tables
                 if int(positions.min()) < 0:
                     raise ValueError(f"native decode step: negative position {int(positions.min())}")
                 self._grow_rope(positions)
-                out = self._layers.step(input_ids[0], positions[0], *args[:1], self._cos, self._sin, *args[3:])
+                out = step()
             return out[None]
         h = model.model.embed_tokens(input_ids)[0].float().contiguous()  # (M, hidden) fp32, a fresh copy
         cos, sin = model.rotary_emb(positions, torch.float32)  # (1, M, head_dim)
