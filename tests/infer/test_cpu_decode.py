@@ -356,3 +356,65 @@ def test_whole_step_in_c_matches_the_layers_call(tmp_path):
             with pytest.raises(ValueError, match="position"):
                 whole(ids, torch.tensor([[4, -1, 1]]), slots, tables, lens)
             assert all(torch.equal(x, y) for x, y in zip(kv.k + kv.v, before))
+
+
+@pytest.mark.parametrize("dtype, scheme", [
+    ("float32", None), ("bfloat16", None), ("float32", QuantScheme(8, None)), ("float32", QuantScheme(4, 32)),
+    ("float32", QuantScheme(4, 64, symmetric=False))], ids=["fp32", "bf16", "int8", "int4-g32", "int4-g64-asym"])
+def test_joined_projections_match_separate_ones(tmp_path, monkeypatch, dtype, scheme):
+    """q/k/v, and gate/up, read as one weight each (one kernel call: one activation quantization, one
+    run of tiles) give the same hidden states and KV writes, bit for bit, as seven separate projections
+    on a second copy of the model (q/k/v biases included); the table says which layers are joined."""
+    from baige.kernels.cpu import decode as native_decode
+    path = make_checkpoint(tmp_path / "m", "qwen2-bias")
+    cfg = load_model(path, "float32").config
+    results = []
+    for join in (True, False):
+        if not join:
+            monkeypatch.setattr(native_decode, "JOINED", {})
+        model = load_model(path, dtype)
+        if scheme is not None:
+            quantize_model(model, scheme, ignore=["lm_head"])
+        kv, *step = _step_inputs(model)
+        fused, why = FusedDecoder.build(model, kv)
+        assert fused is not None, why
+        rows = fused._layers._table
+        qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        assert [r.qkv.n for r in rows] == [qkv if join else 0] * cfg.num_hidden_layers
+        assert [r.gate_up.n for r in rows] == [2 * cfg.intermediate_size if join else 0] * cfg.num_hidden_layers
+        with torch.inference_mode():
+            results.append((fused(*step), [t.clone() for t in kv.k + kv.v]))
+    (a, kv_a), (b, kv_b) = results
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(kv_a, kv_b))
+
+
+def test_repacked_together_refuses_what_it_cannot_join():
+    """Joining needs every member but the last on whole 16-row tiles, one bit width, one in_features and
+    (int4) one group count and zero-point form; a joined member's own tiles are views of the joined ones."""
+    from baige.kernels.cpu.qlinear import repacked, repacked_together
+    g = torch.Generator().manual_seed(0)
+
+    def int4(n, k=64, groups=2, asym=False):
+        return (torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32),
+                torch.rand(n, groups, generator=g), torch.randint(0, 15, (n, groups), generator=g) if asym else None)
+
+    def int8(n, k=64):
+        return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g), None
+
+    assert repacked_together([int4(24), int4(16)]) is None  # 24 rows: half a tile inside the output
+    assert repacked_together([int4(16), int4(16, k=32, groups=1)]) is None
+    assert repacked_together([int4(16), int4(16, groups=1)]) is None
+    assert repacked_together([int4(16), int4(16, asym=True)]) is None
+    assert repacked_together([int8(16), int4(16)]) is None
+    assert repacked_together([int8(16)]) is None
+    parts = [int8(32), int8(16), int8(8)]  # the last member may end on a partial tile
+    joined = repacked_together(parts)
+    assert joined[0].shape[0] == 2 + 1 + 1
+    for (q, s, z), lo, hi in zip(parts, (0, 2, 3), (2, 3, 4)):
+        own = repacked(q, s, z)[0]
+        assert own.data_ptr() == joined[0][lo:hi].data_ptr() and torch.equal(own, joined[0][lo:hi])
+    parts = [int4(16, asym=True), int4(40, asym=True)]
+    words, scales, zeros = repacked_together(parts)
+    assert words.shape[0] == scales.shape[0] == zeros.shape[0] == 1 + 3
+    assert torch.equal(repacked(*parts[1])[2], zeros[1:])

@@ -83,6 +83,8 @@ typedef struct {
     const float *input_norm, *post_norm;  /* (hidden) */
     const float *q_norm, *k_norm;         /* (head_dim), or NULL without per-head q/k norm */
     void *k_cache, *v_cache;              /* (hk, num_blocks, block_size, head_dim), fp32, fp16 or bf16 */
+    baige_linear qkv, gate_up;            /* q|k|v and gate|up read as one weight each (output columns in that
+                                             order), or n == 0: the members one by one (decode.py's _joined) */
 } baige_layer;
 
 /* y += the LoRA term of every token that has an adapter (module docstring): per adapter present,
@@ -161,7 +163,8 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
         }
     }
     const int64_t lora_floats = rank ? M * (2 * width + rank) : 0;
-    float *buf = malloc(sizeof(float) * (size_t)(2 * M * hidden + 3 * nq + 3 * nk + 2 * M * inter + lora_floats));
+    const int64_t nqkv = nq + 2 * nk, njoin = nqkv > 2 * M * inter ? nqkv : 2 * M * inter;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * M * hidden + 3 * nq + 3 * nk + 2 * M * inter + lora_floats + njoin));
     int64_t *rows = rank ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
     if (!buf || (rank && !rows)) {
         free(buf);
@@ -172,14 +175,25 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
     const lora_scratch ls = {rank ? lora_ids : NULL, rows, lbuf, lbuf + M * width, lbuf + M * (width + rank)};
     const lora_scratch *sp = &ls;
     float *normed = buf, *o = normed + M * hidden, *q = o + M * hidden, *qr = q + nq, *attn = qr + nq;
-    float *k = attn + nq, *kr = k + nk, *v = kr + nk, *g = v + nk, *u = g + M * inter;
+    float *k = attn + nq, *kr = k + nk, *v = kr + nk, *g = v + nk, *u = g + M * inter, *joined = lbuf + lora_floats;
+    const int64_t qw = hq * d, kw = hk * d;  /* a token's q and k (= v) widths */
     int rc = 0;
     for (int64_t i = 0; i < n_layers && rc == 0; i++) {  /* a failure stops before anything reaches the cache */
         const baige_layer *L = layers + i;
         baige_rms_norm(h, M, hidden, L->input_norm, eps, normed);
-        rc = linear(&L->q, normed, M, q, sp, nthreads) | linear(&L->k, normed, M, k, sp, nthreads)
-             | linear(&L->v, normed, M, v, sp, nthreads);
-        if (rc) break;
+        if (L->qkv.n) {  /* one read of the three weights, then each token's columns to q, k, v */
+            if ((rc = linear(&L->qkv, normed, M, joined, sp, nthreads))) break;
+            for (int64_t m = 0; m < M; m++) {
+                const float *row = joined + m * (qw + 2 * kw);
+                memcpy(q + m * qw, row, sizeof(float) * (size_t)qw);
+                memcpy(k + m * kw, row + qw, sizeof(float) * (size_t)kw);
+                memcpy(v + m * kw, row + qw + kw, sizeof(float) * (size_t)kw);
+            }
+        } else {
+            rc = linear(&L->q, normed, M, q, sp, nthreads) | linear(&L->k, normed, M, k, sp, nthreads)
+                 | linear(&L->v, normed, M, v, sp, nthreads);
+            if (rc) break;
+        }
         if (L->q_norm) {  /* per-head RMSNorm (Qwen3), in place: each row is read before it is written */
             baige_rms_norm(q, M * hq, d, L->q_norm, eps, q);
             baige_rms_norm(k, M * hk, d, L->k_norm, eps, k);
@@ -190,9 +204,15 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
                                           lens, scale, attn, kv_dtype, nthreads);
         if (rc || (rc = linear(&L->o, attn, M, o, sp, nthreads))) break;
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */
-        rc = linear(&L->gate, normed, M, g, sp, nthreads) | linear(&L->up, normed, M, u, sp, nthreads);
-        if (rc) break;
-        baige_silu_mul(g, u, M * inter, g);
+        if (L->gate_up.n) {  /* one read of both weights; token m's gate and up are row m's two halves */
+            if ((rc = linear(&L->gate_up, normed, M, joined, sp, nthreads))) break;
+            for (int64_t m = 0; m < M; m++)
+                baige_silu_mul(joined + 2 * m * inter, joined + (2 * m + 1) * inter, inter, g + m * inter);
+        } else {
+            rc = linear(&L->gate, normed, M, g, sp, nthreads) | linear(&L->up, normed, M, u, sp, nthreads);
+            if (rc) break;
+            baige_silu_mul(g, u, M * inter, g);
+        }
         if ((rc = linear(&L->down, g, M, o, sp, nthreads))) break;
         for (int64_t j = 0; j < M * hidden; j++) h[j] = h[j] + o[j];
     }

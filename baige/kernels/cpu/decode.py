@@ -14,13 +14,14 @@ import torch
 
 from baige.kernels.cpu.build import library
 from baige.kernels.cpu.ops import kv_dtype_code
-from baige.kernels.cpu.qlinear import repacked
+from baige.kernels.cpu.qlinear import repacked, repacked_together
 from baige.kernels.settings import int_dot_passes, settings
 
 # projection kinds understood by decode.c
 LINEAR_F32, LINEAR_INT8, LINEAR_INT4, LINEAR_F16, LINEAR_BF16 = 0, 1, 2, 3, 6
 _INT8_DOT, _INT4_DOT = 4, 5  # the int8/int4 kinds through qdot.c's integer dot products (BAIGE_CPU_INT_DOT)
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+JOINED = {"qkv": (0, 1, 2), "gate_up": (4, 5)}  # projections of one input read as one weight when they can be
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -33,7 +34,8 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _Linear) for name in PROJECTIONS] + [
-        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p), ("v_cache", _p)]
+        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p), ("v_cache", _p)] + [
+        (name, _Linear) for name in JOINED]
 
 
 @dataclass
@@ -92,13 +94,19 @@ class DecodeLayers:
         layers: the layers' descriptions (tensors contiguous, on the CPU; see :class:`LayerDesc`).
         dims: (n_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate).
         eps: the RMSNorm epsilon; scale: the attention softmax scale.
+        join: read q/k/v, and gate/up, as one weight each where :meth:`_joined` can (the default; the
+            results are the same bit for bit: every kernel's output row is independent of the others).
     """
 
-    def __init__(self, layers: list[LayerDesc], dims: tuple[int, ...], eps: float, scale: float):
+    def __init__(self, layers: list[LayerDesc], dims: tuple[int, ...], eps: float, scale: float, join: bool = True):
         self._keep: list[torch.Tensor] = []
         self._table = (_Layer * len(layers))()
         for i, desc in enumerate(layers):
             row = self._table[i]
+            for name, members in JOINED.items():  # before the members: their repacked tiles become views
+                joined = self._joined([desc.linears[j] for j in members]) if join else None
+                if joined is not None:
+                    setattr(row, name, joined)
             for name, lin in zip(PROJECTIONS, desc.linears):
                 setattr(row, name, self._linear(lin))
             row.input_norm, row.post_norm = _ptr(desc.input_norm), _ptr(desc.post_norm)
@@ -109,6 +117,47 @@ class DecodeLayers:
         self._dims, self._eps, self._scale = dims, eps, scale
         self._kv_dtype = kv_dtype_code(layers[0].k_cache.dtype)
         self._num_blocks, self._block_size = layers[0].k_cache.shape[1], layers[0].k_cache.shape[2]
+
+    def _joined(self, ds: list[LinearDesc]) -> _Linear | None:
+        """One projection computing every member of ``ds`` (same input) into consecutive output columns,
+        or None. Joined: integer-dot int8, or int4 of one group size and zero-point form, through
+        :func:`repacked_together`; fp32 / bf16 / fp16 weights that already lie back to back in memory
+        (the runtime places a layer's weights in read order) with row stride ``k``. Never with LoRA."""
+        d0 = ds[0]
+        if any(d.lora_a is not None or d.kind != d0.kind or d.k != d0.k for d in ds):
+            return None
+        lin = _Linear()
+        lin.kind, lin.n, lin.k = d0.kind, sum(d.n for d in ds), d0.k
+        if d0.kind in (LINEAR_INT8, LINEAR_INT4):
+            if not settings().cpu_int_dot or (d0.kind == LINEAR_INT4 and any(
+                    d.group_size != d0.group_size or d.group_size % 32 for d in ds)):
+                return None
+            tiles = repacked_together([(d.w, d.scale, d.zero_point) for d in ds])
+            if tiles is None:
+                return None
+            lin.kind, lin.w, lin.ldw, lin.act_passes = (_INT8_DOT if d0.kind == LINEAR_INT8 else _INT4_DOT,
+                                                         tiles[0].data_ptr(), 0, int_dot_passes())
+            if d0.kind == LINEAR_INT8:
+                scale = torch.cat([d.scale for d in ds])
+                self._keep.append(scale)
+                lin.scale = scale.data_ptr()
+            else:
+                lin.scale, lin.scaled_zero = tiles[1].data_ptr(), _ptr(tiles[2])
+                lin.groups, lin.group_size = d0.scale.shape[1], d0.group_size
+            self._keep += [t for t in tiles if t is not None]
+        else:
+            nxt = d0.w.data_ptr()
+            for d in ds:  # back to back, rows of k elements
+                if d.w.dtype != d0.w.dtype or not d.w.is_contiguous() or d.w.data_ptr() != nxt:
+                    return None
+                nxt += d.w.numel() * d.w.element_size()
+            lin.w, lin.ldw = d0.w.data_ptr(), d0.k
+            self._keep += [d.w for d in ds]
+        if any(d.bias is not None for d in ds):
+            bias = torch.cat([d.bias if d.bias is not None else torch.zeros(d.n) for d in ds])
+            self._keep.append(bias)
+            lin.bias = bias.data_ptr()
+        return lin
 
     def _linear(self, d: LinearDesc) -> _Linear:
         lin = _Linear()

@@ -99,6 +99,56 @@ def repacked(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     return value
 
 
+_groups: dict[tuple[int, ...], tuple] = {}  # member ids -> (member versions, joined tiles)
+
+
+def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> tuple | None:
+    """The repacked tiles of weights that read the same input (a layer's q/k/v, or its gate/up), joined
+    so one kernel call reads them as one weight of ``sum(N)`` rows: one call quantizes the activations
+    once and streams one run of tiles instead of restarting per matrix (SmolLM2-135M's 210 int4 g32
+    projections at one row as 120 joined ones, one process alternating, AMD EPYC: 4.49 -> 3.49 ms).
+
+    Args:
+        parts: ``(qweight, scale, zero_point)`` per member in output order, as :func:`repacked` takes them.
+    Returns:
+        The joined tensors in :func:`repacked`'s form (int8: ``(tiles,)``; int4: ``(words, scales,
+        scaled_zeros)``), tile rows in member order; each member's :func:`repacked` entry becomes a view
+        into them (no second copy). None when they cannot be joined: fewer than two members, mixed bits or
+        ``in_features``, int4 group counts or zero points that differ, or a member other than the last
+        whose rows are not a multiple of 16 (its padding rows would land inside the joined output).
+    """
+    q0, s0, z0 = parts[0] if parts else (None, None, None)
+    if len(parts) < 2 or any(q.dtype != q0.dtype or q.shape[1] != q0.shape[1] for q, _, _ in parts):
+        return None
+    if any(q.shape[0] % TILE_ROWS for q, _, _ in parts[:-1]):
+        return None
+    int8 = q0.dtype == torch.int8
+    if not int8 and any(s.shape[1] != s0.shape[1] or (z is None) != (z0 is None) for _, s, z in parts):
+        return None
+    key = tuple(id(q) for q, _, _ in parts)
+    versions = tuple((q.data_ptr(), q._version) for q, _, _ in parts)
+    hit = _groups.get(key)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    raw = [(repack_int8(q),) if int8 else repack_int4(q, s, z) for q, s, z in parts]
+    joined = tuple(None if raw[0][i] is None else arena.weights.place(torch.cat([r[i] for r in raw]))
+                   for i in range(len(raw[0])))
+    with _repack_lock:
+        row = 0
+        for (q, _, _), r in zip(parts, raw):
+            tiles = r[0].shape[0]
+            if id(q) not in _repacks:
+                weakref.finalize(q, _repacks.pop, id(q), None)
+            _repacks[id(q)] = ((q.data_ptr(), q._version), tuple(None if j is None else j[row:row + tiles]
+                                                                   for j in joined))
+            row += tiles
+        if key not in _groups:
+            for q, _, _ in parts:
+                weakref.finalize(q, _groups.pop, key, None)
+        _groups[key] = (versions, joined)
+    return joined
+
+
 def takes_int_dot(qweight: torch.Tensor, group_size: int | None, int_dot: bool | None = None) -> bool:
     """Whether :func:`quantized_linear` runs this weight through the integer-dot kernels: ``int_dot`` (None:
     ``BAIGE_CPU_INT_DOT``) and int8, or int4 with a group size that is a multiple of 32."""
