@@ -67,11 +67,6 @@ static inline int32_t ld32(const int8_t *p) {
     return v;
 }
 
-/* Offset of column i of a block in the int4 activation order (per 8 columns: even ones, then odd). */
-static inline int nib_pos(int i) {
-    return (i & ~7) + (i & 1) * 4 + (i & 7) / 2;
-}
-
 /* One block of 32 fp32 values t -> o (32 int8; int4 order when perm), *d and *qsum (the sum of the q);
  * resid (32 fp32, or NULL): t - q * d, each product and difference rounded to fp32 (no FMA). */
 static void quantize_block(const float *t, int perm, int8_t *o, float *d, int32_t *qsum, float *resid) {
@@ -102,20 +97,26 @@ static void quantize_block(const float *t, int perm, int8_t *o, float *d, int32_
         mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
     }
     const float amax = hmax256(mx), db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-    int32_t qi[QB];
+    __m256i q[4];
     for (int i = 0; i < 4; i++) {  /* cvtps rounds to nearest even (the default MXCSR mode) */
-        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-        _mm256_storeu_si256((__m256i *)(qi + 8 * i), q);
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
         if (resid)
-            _mm256_storeu_ps(resid + 8 * i, _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(db))));
+            _mm256_storeu_ps(resid + 8 * i, _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(db))));
     }
-    int32_t s = 0;
-    for (int i = 0; i < QB; i++) {
-        o[perm ? nib_pos(i) : i] = (int8_t)qi[i];
-        s += qi[i];
-    }
+    /* int32 -> int8 (exact: |q| <= 127): the two packs leave 4-byte runs in the 128-bit lane order
+     * q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] q1[4:8] q2[4:8] q3[4:8]; one dword permute restores columns */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (perm)
+        b = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                                    0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    _mm256_storeu_si256((__m256i *)o, b);
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     *d = db;
-    *qsum = s;
+    *qsum = _mm_cvtsi128_si32(s4);
 #endif
 }
 
