@@ -418,3 +418,36 @@ def test_repacked_together_refuses_what_it_cannot_join():
     words, scales, zeros = repacked_together(parts)
     assert words.shape[0] == scales.shape[0] == zeros.shape[0] == 1 + 3
     assert torch.equal(repacked(*parts[1])[2], zeros[1:])
+
+
+def test_prefill_chunks_and_mixed_steps_run_natively(embedded_dir, monkeypatch):
+    """Steps of prefill chunks (16-token chunks here) mixed with decodes run through the native step as
+    token rows of their own contexts when small enough (FusedDecoder.takes_rows): greedy tokens equal to
+    the per-op path's and prompt logprobs within 1e-4 (fp32 model), and the native step saw the chunks."""
+    from baige import LLM, SamplingParams
+    from baige.runtime.infer import cpu_decode
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    prompts = ["The capital of France is", "Once upon a time there was a story about a dragon who lived", "1, 2,"]
+    llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20,
+              max_num_batched_tokens=16, max_num_seqs=3, enable_prefix_caching=False)
+    rows = []
+    call = cpu_decode.FusedDecoder.__call__
+    monkeypatch.setattr(cpu_decode.FusedDecoder, "__call__", lambda self, ids, *a: rows.append(ids.shape[1]) or
+                        call(self, ids, *a))
+    native = llm.generate(prompts, params)
+    # every prompt token and every decode (5 steps after each prompt's first token) went native, 16 at most
+    assert max(rows) == 16 and sum(rows) == sum(len(o.prompt_token_ids) for o in native) + 5 * len(prompts)
+    rows.clear()
+    monkeypatch.setattr(cpu_decode, "MAX_STEP_ROWS_FP32", 0)
+    per_op = llm.generate(prompts, params)
+    assert max(rows) <= 3  # decodes only
+    for a, b in zip(native, per_op):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lps_a = [lp for lp in a.prompt_logprobs if lp is not None]
+        lps_b = [lp for lp in b.prompt_logprobs if lp is not None]
+        assert len(lps_a) == len(lps_b) == len(a.prompt_token_ids) - 1
+        for x, y in zip(lps_a, lps_b):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top] and len(x.top) == 2
+            assert all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(x.top, y.top))

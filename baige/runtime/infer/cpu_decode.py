@@ -43,6 +43,16 @@ from baige.runtime.quant.linear import QuantizedLinear
 from baige.runtime.settings import settings
 
 
+# Prefill chunks and mixed steps of at most this many token rows run through the native step too (each
+# row a decode row of its own context; the runner's _run_mixed); larger ones keep the per-op path, whose
+# GEMMs (oneDNN, MKL) block for many rows. Measured on the dev VM (AMD EPYC Zen 4, 1 thread, SmolLM2-135M,
+# prefill of one prompt without prefix caching, native / per-op, ms): int4 g32 integer dots 51 / 76 at 32
+# tokens, 206 / 293 at 128, 686 / 812 at 384; bf16 48 / 84, 170 / 201, 570 / 588 (717 / 736 at 448);
+# fp32 weights 128 / 157 at 32 but 612 / 475 at 128 (MKL's sgemm wins there).
+MAX_STEP_ROWS = 256  # integer-dot and bf16 projections
+MAX_STEP_ROWS_FP32 = 32  # fp32 / fp16 weights, or the exact int8/int4 kernels
+
+
 class FusedDecoder:
     """The native decode step for one model and KV cache (build with :meth:`build`).
 
@@ -52,8 +62,10 @@ class FusedDecoder:
     never a dangling pointer; build a new decoder after changing the model.
     """
 
-    def __init__(self, model: Transformer, layers: kernels.NativeDecodeLayers):
-        self.model, self._layers = model, layers
+    def __init__(self, model: Transformer, layers: kernels.NativeDecodeLayers, kv_k: torch.Tensor,
+                 blocked: bool = False):
+        self.model, self._layers, self._kv_k = model, layers, kv_k
+        self._blocked = blocked  # every projection integer-dot or bf16 (see MAX_STEP_ROWS)
         # The whole step in C (kernels.NativeDecodeLayers.step) when the embedding is a plain table and
         # the rotary rows do not depend on the sequence length (not "dynamic" NTK): the embedding rows,
         # the rotary rows (a table by position, computed here by the model's own rotary module so its
@@ -114,7 +126,10 @@ class FusedDecoder:
                 c.intermediate_size)
         layer0 = model.model.layers[0]
         table = kernels.NativeDecodeLayers(descs, dims, float(layer0.input_layernorm.eps), float(layer0.self_attn.scale))
-        return cls(model, table), ""
+        int_dot = kernels.cpu_int_dot()
+        blocked = all(lin.kind == kernels.LINEAR_BF16 or (int_dot and (lin.kind == kernels.LINEAR_INT8 or (
+            lin.kind == kernels.LINEAR_INT4 and lin.group_size % 32 == 0))) for d in descs for lin in d.linears)
+        return cls(model, table, kv.k[0], blocked), ""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -151,6 +166,15 @@ class FusedDecoder:
         cos, sin = model.rotary_emb(positions, torch.float32)  # (1, M, head_dim)
         self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens, lora_ids)
         return model.model.norm(h)[None]
+
+    def takes_rows(self, rows: int, longest_context: int) -> bool:
+        """Whether a step of ``rows`` token rows (decodes and prefill chunks, each row with its own
+        context) should run natively: at most :data:`MAX_STEP_ROWS` rows (:data:`MAX_STEP_ROWS_FP32` unless
+        every projection is integer-dot or bf16), and no row whose context's K + V per KV head exceed
+        ``kernels.NATIVE_ATTENTION_MAX_BYTES`` (each row streams its whole context)."""
+        k = self._kv_k
+        return rows <= (MAX_STEP_ROWS if self._blocked else MAX_STEP_ROWS_FP32) and longest_context * k.shape[-1] * 2 * k.element_size() <= \
+            kernels.NATIVE_ATTENTION_MAX_BYTES
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) fp32 -> (M, vocab) logits; an fp32 or bf16 ``lm_head`` runs the native kernel (one

@@ -370,9 +370,25 @@ class ModelRunner:
                 spans.append((i, len(sample_at), 1))
                 sample_at.append(len(ids) - 1)
 
+        lora = False
         if self.lora is not None:
-            self._set_lora([batch.seqs[owner[r]].lora_int_id for r in order]
-                           + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]) for _ in range(n)])
+            lora = self._set_lora([batch.seqs[owner[r]].lora_int_id for r in order]
+                                  + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:])
+                                     for _ in range(n)])
+        if (self.fused_decode is not None and self.fused_decode.takes_rows(len(ids), max(pos) + 1)
+                and (not lora or self._native_lora())):
+            # every row a decode row of its own context: the causal mask of a prefill chunk is each
+            # row's context length, its K/V stored before the layer's attention reads it
+            row_tables = [batch.seqs[owner[r]].block_table for r in order] + [
+                batch.seqs[i].block_table for i in range(nd, len(batch)) for _ in range(batch.num_new_tokens[i])]
+            w, scratch = max(len(t) for t in row_tables), self.kv.scratch_block
+            hidden = self.fused_decode(self._tensor([ids]), self._tensor([pos]), self._tensor(slots),
+                                       self._tensor([t + [scratch] * (w - len(t)) for t in row_tables]),
+                                       self._tensor([p + 1 for p in pos]),
+                                       self.lora.batch.token_lora_ids if lora else None)[0]
+            out = self.fused_decode.logits(hidden[self._tensor(sample_at + score_at)])
+            logits, scored = out[:len(sample_at)], [out[len(sample_at):]]
+            return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
         step = StepInputs(self._tensor([ids]), self._tensor([pos]), self._tensor(slots), len(order), groups,
                           logit_rows=[self._tensor(sample_at)] + ([self._tensor(score_at)] if score_at else []))
         if pre_lens:
@@ -380,6 +396,11 @@ class ModelRunner:
             step.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
             step.prefill_cu_seqlens, step.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
         logits, *scored = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring
+        return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, scored: list[torch.Tensor], score_at: list[int],
+                         score_targets: list[int], score_spans: list) -> dict[int, tuple[int, list]]:
+        """:meth:`_run_mixed`'s prompt logprobs from the scored rows' logits (``scored[0]``)."""
         prompt_lps: dict[int, tuple[int, list]] = {}
         if score_at:
             k = max(batch.seqs[i].prompt_logprobs for i, _, _ in score_spans)
@@ -389,7 +410,7 @@ class ModelRunner:
                 want = batch.seqs[i].prompt_logprobs
                 prompt_lps[i] = (first, [Logprobs(lp.token_id, lp.logprob, lp.top[:want]) for lp in lps[at:at + n]])
                 at += n
-        return logits, spans, prompt_lps
+        return prompt_lps
 
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict]:
