@@ -1,6 +1,8 @@
 """A decode step in one native call on CPU (``baige/kernels/cpu/decode.c``).
 
-For decode-only steps of an fp32 or bf16 model on CPU the engine's runner hands the whole layer stack to
+For decode steps of an fp32 or bf16 model on CPU, and prefill chunks and mixed steps of up to
+:data:`MAX_STEP_ROWS` token rows (:meth:`FusedDecoder.takes_rows`; each row a decode row of its own
+context, so a chunk's causal mask is each row's context length), the engine's runner hands the whole layer stack to
 ``baige_decode_layers`` (:class:`baige.kernels.NativeDecodeLayers`): each layer's norms, projections (fp32 ``nn.Linear``, or int8 / int4
 ``QuantizedLinear`` through the native weight-only kernels), RoPE, KV store, paged attention and MLP
 run in C, the tensors read in place through the pointers gathered here; so do the embedding lookup,
