@@ -115,6 +115,25 @@ def test_int_dot_matches_reference(use_isa, variant, name, rows, in_f, out_f, pa
     assert not torch.equal(out, reference.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias))
 
 
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("name", ["int4-g32-sym", "int4-g96-asym"])
+def test_int_dot_reads_bf16_scales_as_they_are(use_isa, variant, name):
+    """A bf16 model's int4 scales stay bf16 in the repacked tiles (half the bytes streamed) and give,
+    bit for bit, what the same values in fp32 give (bf16 widens to fp32 exactly), rows 1 and 5."""
+    from baige.kernels.cpu.qlinear import repacked
+    use_isa(variant)
+    scheme = DOT_SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, 40, 1000)
+    s16 = scale.bfloat16()
+    q16, q32 = qweight.clone(), qweight.clone()  # repacked() keeps one entry per weight tensor
+    assert repacked(q16, s16, zp)[1].dtype == torch.bfloat16 and repacked(q32, s16.float(), zp)[1].dtype == torch.float32
+    for rows in (1, 5):
+        x = _randn(rows, 1000, seed=rows) * 3
+        a = cpu.quantized_linear(x, q16, s16, zp, scheme.group_size)
+        assert torch.equal(a, cpu.quantized_linear(x, q32, s16.float(), zp, scheme.group_size))
+        assert not torch.equal(a, cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size))  # scales did round
+
+
 @pytest.mark.parametrize("name", ["int8", "int4-g32-asym"])
 def test_int_dot_many_rows_in_chunks(name):
     """1100 rows (three kernel calls of at most DOT_CHUNK_ROWS): against the reference math (2x rule), and

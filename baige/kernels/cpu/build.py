@@ -101,7 +101,8 @@ def _build(variant: str) -> ctypes.CDLL:
     lib.baige_qlinear_int4.restype = None
     lib.baige_qdot_int8.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int]
     lib.baige_qdot_int8.restype = _int
-    lib.baige_qdot_int4.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int, _int]
+    lib.baige_qdot_int4.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _i64, _i64, _ptr, _ptr, _i64,
+                                    _int, _int]
     lib.baige_qdot_int4.restype = _int
     f32 = ctypes.c_float
     for name, args, res in [

@@ -34,8 +34,8 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const
 int baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
                     const float *scale, const float *bias, float *y, int64_t ldy, int passes, int nthreads);
 int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wr, int64_t N,
-                    const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias, float *y,
-                    int64_t ldy, int passes, int nthreads);
+                    const void *sr, int scale_bf16, const float *zr, int64_t G, int64_t gs, const float *bias,
+                    float *y, int64_t ldy, int passes, int nthreads);
 void baige_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out);
 void baige_add_rms_norm(const float *x, const float *res, int64_t rows, int64_t n, const float *w, float eps,
                         float *out, float *sum);
@@ -59,7 +59,8 @@ typedef struct {
     const void *w;              /* fp32 / int8 / fp16 / bf16 (n, ldw), or int32 (n, ldw) words of 8 nibbles;
                                    *_DOT: the repacked tiles of qdot.c */
     int64_t ldw;                /* row stride in elements */
-    const float *scale;         /* int8 (n); int4 (n, groups), INT4_DOT: repacked (tiles, groups, 16); fp32: NULL */
+    const float *scale;         /* int8 (n); int4 (n, groups), INT4_DOT: repacked (tiles, groups, 16), fp32 or bf16
+                                   (scale_bf16); fp32: NULL */
     const int32_t *zero_point;  /* int4 asymmetric (n, groups), else NULL */
     int64_t groups, group_size; /* int4 */
     const float *bias;          /* (n) or NULL */
@@ -69,6 +70,7 @@ typedef struct {
     int64_t lora_slots, lora_r;
     const float *scaled_zero;   /* INT4_DOT asymmetric: repacked scale * zero point (tiles, groups, 16), else NULL */
     int64_t act_passes;         /* *_DOT: activation passes of qdot.c (1: int8 blocks, 2: + their residual) */
+    int64_t scale_bf16;         /* INT4_DOT: the repacked scales are bf16 (else fp32) */
 } baige_linear;
 
 /* Scratch of the LoRA terms for M tokens of widths up to `width` and ranks up to `rank`. */
@@ -121,7 +123,8 @@ static int linear(const baige_linear *l, const float *x, int64_t M, float *y, co
     else if (kind == BAIGE_INT8_DOT)
         rc = baige_qdot_int8(x, M, l->k, l->k, l->w, l->n, l->scale, l->bias, y, l->n, (int)l->act_passes, nthreads);
     else if (kind == BAIGE_INT4_DOT)  /* group size a multiple of 32 (decode.py) */
-        rc = baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->scale, l->scaled_zero, l->groups, l->group_size,
+        rc = baige_qdot_int4(x, M, l->k, l->k, l->w, l->n, l->scale, (int)l->scale_bf16, l->scaled_zero, l->groups,
+                             l->group_size,
                              l->bias, y, l->n, (int)l->act_passes, nthreads);
     else if (kind == BAIGE_INT4)
         baige_qlinear_int4(x, M, l->k, l->k, l->w, l->n, l->ldw, l->scale, l->zero_point, l->groups,

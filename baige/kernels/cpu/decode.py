@@ -29,7 +29,7 @@ class _Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("w", _p), ("ldw", _i64), ("scale", _p),
                 ("zero_point", _p), ("groups", _i64), ("group_size", _i64), ("bias", _p),
                 ("lora_a", _p), ("lora_b", _p), ("lora_scale", _p), ("lora_slots", _i64), ("lora_r", _i64),
-                ("scaled_zero", _p), ("act_passes", _i64)]
+                ("scaled_zero", _p), ("act_passes", _i64), ("scale_bf16", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -43,8 +43,9 @@ class LinearDesc:
     """One projection ``y = x W^T + b`` with ``W`` (n, k) in row-major storage of row stride ``ldw``.
 
     ``kind`` LINEAR_F32: fp32 ``w``; LINEAR_F16: fp16 ``w``; LINEAR_BF16: bf16 ``w`` (``bf16.c``:
-    vdpbf16ps over bf16-rounded activations on AVX-512 BF16, exact widening elsewhere); LINEAR_INT8: int8 ``w`` with fp32
-    per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, fp32 ``scale`` (n, groups),
+    vdpbf16ps over bf16-rounded activations on AVX-512 BF16, exact widening elsewhere); LINEAR_INT8: int8 ``w`` with
+    per-row ``scale`` (n,); LINEAR_INT4: int32 ``w`` of 8 packed nibbles, ``scale`` (n, groups) (scales fp32 or
+    bf16: the module's own, so the repacked int4 tiles keep a bf16 model's bf16 scales),
     optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None. With ``BAIGE_CPU_INT_DOT``
     on (read when :class:`DecodeLayers` is built, with ``BAIGE_CPU_INT_DOT_PASSES``) int8 and int4 (group
     size a multiple of 32) run as integer dot products on the weights' repacked tiles (:func:`baige.kernels.cpu.qlinear.repacked`,
@@ -138,11 +139,12 @@ class DecodeLayers:
             lin.kind, lin.w, lin.ldw, lin.act_passes = (_INT8_DOT if d0.kind == LINEAR_INT8 else _INT4_DOT,
                                                          tiles[0].data_ptr(), 0, int_dot_passes())
             if d0.kind == LINEAR_INT8:
-                scale = torch.cat([d.scale for d in ds])
+                scale = torch.cat([d.scale.float() for d in ds])
                 self._keep.append(scale)
                 lin.scale = scale.data_ptr()
             else:
                 lin.scale, lin.scaled_zero = tiles[1].data_ptr(), _ptr(tiles[2])
+                lin.scale_bf16 = int(tiles[1].dtype == torch.bfloat16)
                 lin.groups, lin.group_size = d0.scale.shape[1], d0.group_size
             self._keep += [t for t in tiles if t is not None]
         else:
@@ -162,7 +164,9 @@ class DecodeLayers:
     def _linear(self, d: LinearDesc) -> _Linear:
         lin = _Linear()
         lin.kind, lin.n, lin.k, lin.w, lin.ldw = d.kind, d.n, d.k, d.w.data_ptr(), d.w.stride(0)
-        lin.scale, lin.zero_point, lin.bias = _ptr(d.scale), _ptr(d.zero_point), _ptr(d.bias)
+        scale = None if d.scale is None else d.scale.float().contiguous()  # the exact and int8 kernels read fp32
+        self._keep += [t for t in (scale,) if t is not None]
+        lin.scale, lin.zero_point, lin.bias = _ptr(scale), _ptr(d.zero_point), _ptr(d.bias)
         if d.kind == LINEAR_INT4:
             lin.groups, lin.group_size = d.scale.shape[1], d.group_size
         if settings().cpu_int_dot and (d.kind == LINEAR_INT8 or (d.kind == LINEAR_INT4 and d.group_size % 32 == 0)):
@@ -173,6 +177,7 @@ class DecodeLayers:
             lin.act_passes = int_dot_passes()
             if d.kind == LINEAR_INT4:
                 lin.scale, lin.zero_point, lin.scaled_zero = tiles[1].data_ptr(), None, _ptr(tiles[2])
+                lin.scale_bf16 = int(tiles[1].dtype == torch.bfloat16)
         if d.lora_a is not None:
             L, r, k = d.lora_a.shape
             ok = (k == d.k and d.lora_b.shape == (L, d.n, r) and d.lora_scale.shape == (L,)

@@ -12,8 +12,8 @@
  *   int8: wr uint8 (T, nb, 8, RT, 4), T = ceil(N / 16), nb = ceil(K / 32):
  *         byte [t][b][j][r][i] = w[16t + r][32b + 4j + i] + 128 (128 = 0 past N or K); scale fp32 (N).
  *   int4: wr int32 words (T, nb, 4, RT): word [t][b][j][r] = compressed-tensors word 4b + j of row 16t + r
- *         (8 nibbles, element e in bits 4e, stored q + 8; 0x88888888 past N or K); sr fp32 (T, G, RT)
- *         group scales (0 past N); zr fp32 (T, G, RT) scale * zero point, or NULL (symmetric).
+ *         (8 nibbles, element e in bits 4e, stored q + 8; 0x88888888 past N or K); sr fp32, or bf16 when
+ *         the scales are bf16 (a bf16 model's: read as they are, half the bytes), (T, G, RT) group scales (0 past N); zr fp32 (T, G, RT) scale * zero point, or NULL (symmetric).
  *         K a multiple of 8, group size gs a multiple of 32.
  *
  * Activation quantization (per x row m and block b = columns 32b..32b+31, zero-padded past K):
@@ -135,6 +135,23 @@ static void quantize_row(const float *x, int64_t K, int64_t nb, int perm, int pa
     }
 }
 
+/* 16 (AVX-512) or 8 (AVX2) group scales from sr (fp32, or bf16 when sbf: widened exactly, bf16 being fp32's
+ * top half) starting at element i. */
+#if defined(__AVX512F__)
+static inline __m512 scales16(const void *sr, int sbf, int64_t i) {
+    if (sbf)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sr + i))), 16));
+    return _mm512_loadu_ps((const float *)sr + i);
+}
+#endif
+static inline __m256 scales8(const void *sr, int sbf, int64_t i) {
+    if (sbf)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)sr + i))), 16));
+    return _mm256_loadu_ps((const float *)sr + i);
+}
+
 /* The tile kernels: rows 16t..16t+15 of W against mr activation rows (xq row stride nb * 32, d and qs
  * row stride nb), for bits 8 or 4; out (mr, RT) gets sum_b d_b * s_g(b) * (block dot) per lane (int8:
  * s = 1), minus the zero points' share when zr. bpg: blocks per group; cg (mr, G): C_g. */
@@ -143,7 +160,7 @@ static void quantize_row(const float *x, int64_t K, int64_t nb, int perm, int pa
 #define MR 4
 static inline __attribute__((always_inline)) void tile(
     int bits, const uint8_t *w, int64_t nb, const int8_t *xq, const float *d, const int32_t *qs, int mr,
-    const float *sr, const float *zr, const float *cg, int64_t G, int64_t bpg, float *out)
+    const void *sr, int sbf, const float *zr, const float *cg, int64_t G, int64_t bpg, float *out)
 {
     __m512 acc[MR];
     for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
@@ -174,7 +191,7 @@ static inline __attribute__((always_inline)) void tile(
                     t[m] = _mm512_dpbusd_epi32(t[m], hi, _mm512_set1_epi32(ld32(xb + m * ldq + 8 * j + 4)));
                 }
             }
-            const __m512 sv = _mm512_loadu_ps(sr + g * RT);
+            const __m512 sv = scales16(sr, sbf, g * RT);
             for (int m = 0; m < mr; m++)
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_mul_ps(sv, _mm512_set1_ps(d[m * nb + b])), acc[m]);
             if (--left == 0) { g++; left = bpg; }
@@ -213,7 +230,7 @@ static inline __m256i dp(__m256i t, __m256i u, __m256i s, int bits) {
 
 static inline __attribute__((always_inline)) void tile(
     int bits, const uint8_t *w, int64_t nb, const int8_t *xq, const float *d, const int32_t *qs, int mr,
-    const float *sr, const float *zr, const float *cg, int64_t G, int64_t bpg, float *out)
+    const void *sr, int sbf, const float *zr, const float *cg, int64_t G, int64_t bpg, float *out)
 {
     __m256 acc[MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -252,7 +269,7 @@ static inline __attribute__((always_inline)) void tile(
                     }
                 }
             for (int h = 0; h < 2; h++) {
-                const __m256 sv = _mm256_loadu_ps(sr + g * RT + 8 * h);
+                const __m256 sv = scales8(sr, sbf, g * RT + 8 * h);
                 for (int m = 0; m < mr; m++)
                     acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m][h]), _mm256_mul_ps(sv, _mm256_set1_ps(d[m * nb + b])),
                                                 acc[m][h]);
@@ -274,7 +291,7 @@ static inline __attribute__((always_inline)) void tile(
 /* All N rows against all M activation rows (passes * the x rows, a row's passes adjacent), MR rows at a
  * time, tiles split over the threads; y row m / passes gets the sum of its passes. */
 static void run(int bits, int passes, const int8_t *xq, const float *d, const int32_t *qs, const float *cg,
-                int64_t M, int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const float *sr,
+                int64_t M, int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const void *sr, int sbf,
                 const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy, int nthreads)
 {
     const int64_t T = (N + RT - 1) / RT, step = (bits == 8 ? 8 : 4) * 64 * nb;
@@ -282,7 +299,8 @@ static void run(int bits, int passes, const int8_t *xq, const float *d, const in
     for (int64_t t = 0; t < T; t++) {
         float out[MR * RT];
         const uint8_t *w = wr + t * step;
-        const float *st = bits == 4 ? sr + t * G * RT : NULL, *zt = zr ? zr + t * G * RT : NULL;
+        const void *st = bits == 4 ? (const char *)sr + (sbf ? 2 : 4) * t * G * RT : NULL;
+        const float *zt = zr ? zr + t * G * RT : NULL;
         const int64_t n0 = t * RT, nr = N - n0 < RT ? N - n0 : RT;
         for (int64_t m = 0; m < M; m += MR) {
             const int mr = M - m >= MR ? MR : (int)(M - m);
@@ -290,12 +308,15 @@ static void run(int bits, int passes, const int8_t *xq, const float *d, const in
             const float *dm = d + m * nb, *cm = cg ? cg + m * G : NULL;
             const int32_t *qm = qs + m * nb;
             if (bits == 8) {
-                if (mr == MR) tile(8, w, nb, xm, dm, qm, MR, NULL, NULL, NULL, 0, 1, out);
-                else tile(8, w, nb, xm, dm, qm, mr, NULL, NULL, NULL, 0, 1, out);
+                if (mr == MR) tile(8, w, nb, xm, dm, qm, MR, NULL, 0, NULL, NULL, 0, 1, out);
+                else tile(8, w, nb, xm, dm, qm, mr, NULL, 0, NULL, NULL, 0, 1, out);
+            } else if (sbf) {  /* each call site inlined with its constants */
+                if (mr == MR) tile(4, w, nb, xm, dm, qm, MR, st, 1, zt, cm, G, bpg, out);
+                else tile(4, w, nb, xm, dm, qm, mr, st, 1, zt, cm, G, bpg, out);
             } else if (mr == MR) {
-                tile(4, w, nb, xm, dm, qm, MR, st, zt, cm, G, bpg, out);
+                tile(4, w, nb, xm, dm, qm, MR, st, 0, zt, cm, G, bpg, out);
             } else {
-                tile(4, w, nb, xm, dm, qm, mr, st, zt, cm, G, bpg, out);
+                tile(4, w, nb, xm, dm, qm, mr, st, 0, zt, cm, G, bpg, out);
             }
             for (int i = 0; i < mr; i += passes)  /* passes == 2: a row's two passes sit side by side */
                 for (int64_t r = 0; r < nr; r++) {
@@ -315,8 +336,8 @@ static void run(int bits, int passes, const int8_t *xq, const float *d, const in
  * multiple of 32 or passes is not 1 or 2 (y untouched) or scratch memory cannot be allocated (y filled
  * with NaN). */
 static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
-                const float *scale, const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias,
-                float *y, int64_t ldy, int passes, int nthreads)
+                const float *scale, const void *sr, int sbf, const float *zr, int64_t G, int64_t gs,
+                const float *bias, float *y, int64_t ldy, int passes, int nthreads)
 {
     if ((bits == 4 && (gs % QB || gs <= 0)) || (passes != 1 && passes != 2)) return -1;
     const int64_t nb = (K + QB - 1) / QB, bpg = bits == 4 ? gs / QB : 1, R = passes * M;
@@ -341,7 +362,7 @@ static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
             for (int64_t b = g * bpg; b < b1; b++) c += d[m * nb + b] * (float)qs[m * nb + b];
             cg[m * G + g] = c;
         }
-    run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, zr, G, bpg, bias, y, ldy, nthreads);
+    run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, sbf, zr, G, bpg, bias, y, ldy, nthreads);
     free(xq); free(d); free(qs); free(cg);
     return 0;
 }
@@ -351,14 +372,14 @@ static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
 int baige_qdot_int8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
                     const float *scale, const float *bias, float *y, int64_t ldy, int passes, int nthreads)
 {
-    return qdot(8, x, M, K, ldx, wr, N, scale, NULL, NULL, 0, 0, bias, y, ldy, passes, nthreads);
+    return qdot(8, x, M, K, ldx, wr, N, scale, NULL, 0, NULL, 0, 0, bias, y, ldy, passes, nthreads);
 }
 
-/* int4 group-wise: wr, sr, zr repacked (see top), G groups of gs columns (a multiple of 32), K a
- * multiple of 8; passes 1 or 2 (see qdot). Returns 0, or -1 (see qdot). */
+/* int4 group-wise: wr, sr, zr repacked (see top; sr bf16 when scale_bf16, else fp32), G groups of gs columns
+ * (a multiple of 32), K a multiple of 8; passes 1 or 2 (see qdot). Returns 0, or -1 (see qdot). */
 int baige_qdot_int4(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *wr, int64_t N,
-                    const float *sr, const float *zr, int64_t G, int64_t gs, const float *bias, float *y,
-                    int64_t ldy, int passes, int nthreads)
+                    const void *sr, int scale_bf16, const float *zr, int64_t G, int64_t gs, const float *bias,
+                    float *y, int64_t ldy, int passes, int nthreads)
 {
-    return qdot(4, x, M, K, ldx, wr, N, NULL, sr, zr, G, gs, bias, y, ldy, passes, nthreads);
+    return qdot(4, x, M, K, ldx, wr, N, NULL, sr, scale_bf16 != 0, zr, G, gs, bias, y, ldy, passes, nthreads);
 }

@@ -59,7 +59,8 @@ def repack_int4(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
         qweight: int32 (N, W) words of 8 nibbles; scale: fp32 (N, G); zero_point: int (N, G) or None.
     Returns:
         words int32 (T, nb * 4, 16) (word [t][4b + j][r] = qweight[16t + r][4b + j], padding 0x88888888),
-        scales fp32 (T, G, 16) (padding 0), and ``scale * zero_point`` in the same layout or None.
+        scales (T, G, 16) (padding 0) in bf16 when ``scale`` is bf16 (a bf16 model's: the same values in half
+        the bytes the kernel streams), else fp32, and fp32 ``scale * zero_point`` in that layout or None.
     """
     n, words = qweight.shape
     t, nw = -(-n // TILE_ROWS), -(-words // 4) * 4
@@ -67,12 +68,12 @@ def repack_int4(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     w[:n, :words] = qweight
 
     def tiles(v: torch.Tensor) -> torch.Tensor:  # (N, G) -> (T, G, 16)
-        p = torch.zeros(t * TILE_ROWS, v.shape[1], dtype=torch.float32)
+        p = torch.zeros(t * TILE_ROWS, v.shape[1], dtype=v.dtype)
         p[:n] = v
         return p.view(t, TILE_ROWS, -1).transpose(1, 2).contiguous()
 
     s = scale.float()
-    return (w.view(t, TILE_ROWS, nw).transpose(1, 2).contiguous(), tiles(s),
+    return (w.view(t, TILE_ROWS, nw).transpose(1, 2).contiguous(), tiles(scale if scale.dtype == torch.bfloat16 else s),
             None if zero_point is None else tiles(s * zero_point.float()))
 
 
@@ -114,7 +115,7 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
         The joined tensors in :func:`repacked`'s form (int8: ``(tiles,)``; int4: ``(words, scales,
         scaled_zeros)``), tile rows in member order; each member's :func:`repacked` entry becomes a view
         into them (no second copy). None when they cannot be joined: fewer than two members, mixed bits or
-        ``in_features``, int4 group counts or zero points that differ, or a member other than the last
+        ``in_features``, int4 group counts, scale dtypes (bf16 or not) or zero points that differ, or a member other than the last
         whose rows are not a multiple of 16 (its padding rows would land inside the joined output).
     """
     q0, s0, z0 = parts[0] if parts else (None, None, None)
@@ -123,7 +124,8 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if any(q.shape[0] % TILE_ROWS for q, _, _ in parts[:-1]):
         return None
     int8 = q0.dtype == torch.int8
-    if not int8 and any(s.shape[1] != s0.shape[1] or (z is None) != (z0 is None) for _, s, z in parts):
+    if not int8 and any(s.shape[1] != s0.shape[1] or (s.dtype == torch.bfloat16) != (s0.dtype == torch.bfloat16)
+                        or (z is None) != (z0 is None) for _, s, z in parts):
         return None
     key = tuple(id(q) for q, _, _ in parts)
     versions = tuple((q.data_ptr(), q._version) for q, _, _ in parts)
@@ -239,8 +241,8 @@ def quantized_linear(
             wr, sr, zr = repacked(qweight, scale, zero_point)
             for xp, yp, rows in chunks:
                 rc |= lib.baige_qdot_int4(xp, rows, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
-                                          None if zr is None else zr.data_ptr(), sr.shape[1], group_size, b_ptr,
-                                          yp, n, passes, nthreads)
+                                          int(sr.dtype == torch.bfloat16), None if zr is None else zr.data_ptr(),
+                                          sr.shape[1], group_size, b_ptr, yp, n, passes, nthreads)
         else:
             z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
             lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qc.data_ptr(), n,

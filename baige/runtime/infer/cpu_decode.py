@@ -206,7 +206,7 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
         bias = mod.bias_fp32
     elif isinstance(mod, QuantizedLinear):
         scheme = mod.scheme
-        scale = mod.weight_scale.float().contiguous()
+        scale = mod.weight_scale.contiguous()  # fp32 or bf16 (the model's), as the per-op path passes it
         if scheme.num_bits == 8:
             desc = kernels.DecodeLinearDesc(kernels.LINEAR_INT8, mod.out_features, mod.in_features, mod.weight,
                                             scale)
