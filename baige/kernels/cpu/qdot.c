@@ -120,19 +120,17 @@ static void quantize_block(const float *t, int perm, int8_t *o, float *d, int32_
 #endif
 }
 
-/* One x row (K fp32) -> nb blocks per pass: xq (nb * 32 int8, zero past K; int4 order when perm), d (nb)
- * and qsum (nb, the sum of each block's q), for pass 0 at offset 0 and, when passes == 2, the
- * quantized residual x - q * d at offset `next` (xq + next * nb * 32, d + next * nb, qsum + next * nb). */
-static void quantize_row(const float *x, int64_t K, int64_t nb, int perm, int passes, int64_t next, int8_t *xq,
-                         float *d, int32_t *qsum) {
-    for (int64_t b = 0; b < nb; b++) {
-        float t[QB], r[QB];
-        const int64_t k0 = b * QB, n = K - k0 < QB ? (K > k0 ? K - k0 : 0) : QB;
-        memcpy(t, x + k0, sizeof(float) * (size_t)n);
-        for (int64_t i = n; i < QB; i++) t[i] = 0.0f;
-        quantize_block(t, perm, xq + k0, d + b, qsum + b, passes == 2 ? r : NULL);
-        if (passes == 2) quantize_block(r, perm, xq + next * nb * QB + k0, d + next * nb + b, qsum + next * nb + b, NULL);
-    }
+/* Block b of one x row (K fp32) -> per pass its xq bytes (32 int8, zero past K; int4 order when perm), d and
+ * qsum (the sum of the q): pass 0 at xq + 32 b, d + b, qsum + b and, when passes == 2, the quantized
+ * residual x - q * d at offset `next` rows further (xq + (next * nb + b) * 32, d + next * nb + b, ...). */
+static void quantize_at(const float *x, int64_t K, int64_t nb, int64_t b, int perm, int passes, int64_t next,
+                        int8_t *xq, float *d, int32_t *qsum) {
+    float t[QB], r[QB];
+    const int64_t k0 = b * QB, n = K - k0 < QB ? (K > k0 ? K - k0 : 0) : QB;
+    memcpy(t, x + k0, sizeof(float) * (size_t)n);
+    for (int64_t i = n; i < QB; i++) t[i] = 0.0f;
+    quantize_block(t, perm, xq + k0, d + b, qsum + b, passes == 2 ? r : NULL);
+    if (passes == 2) quantize_block(r, perm, xq + next * nb * QB + k0, d + next * nb + b, qsum + next * nb + b, NULL);
 }
 
 /* 16 (AVX-512) or 8 (AVX2) group scales from sr (fp32, or bf16 when sbf: widened exactly, bf16 being fp32's
@@ -289,13 +287,14 @@ static inline __attribute__((always_inline)) void tile(
 #endif
 
 /* All N rows against all M activation rows (passes * the x rows, a row's passes adjacent), MR rows at a
- * time, tiles split over the threads; y row m / passes gets the sum of its passes. */
+ * time, tiles split over the threads of the enclosing parallel region (an orphaned `omp for`); y row
+ * m / passes gets the sum of its passes. */
 static void run(int bits, int passes, const int8_t *xq, const float *d, const int32_t *qs, const float *cg,
                 int64_t M, int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const void *sr, int sbf,
-                const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy, int nthreads)
+                const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy)
 {
     const int64_t T = (N + RT - 1) / RT, step = (bits == 8 ? 8 : 4) * 64 * nb;
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float out[MR * RT];
         const uint8_t *w = wr + t * step;
@@ -351,18 +350,28 @@ static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
             for (int64_t n = 0; n < N; n++) y[m * ldy + n] = __builtin_nanf("");
         return -1;
     }
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M > 8)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * ldx, K, nb, bits == 4, passes, 1, xq + passes * m * nb * QB, d + passes * m * nb,
-                     qs + passes * m * nb);
-    for (int64_t m = 0; cg && m < R; m++)
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t b1 = (g + 1) * bpg < nb ? (g + 1) * bpg : nb;
-            float c = 0.0f;
-            for (int64_t b = g * bpg; b < b1; b++) c += d[m * nb + b] * (float)qs[m * nb + b];
-            cg[m * G + g] = c;
+    /* one parallel region: the activation blocks split over the threads (a one-row decode's too), then
+     * the zero-point sums, then the tiles (each `omp for` ends in a barrier) */
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * nb; i++) {
+            const int64_t m = i / nb;
+            quantize_at(x + m * ldx, K, nb, i % nb, bits == 4, passes, 1, xq + passes * m * nb * QB,
+                        d + passes * m * nb, qs + passes * m * nb);
         }
-    run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, sbf, zr, G, bpg, bias, y, ldy, nthreads);
+        if (cg) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < R; m++)
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t b1 = (g + 1) * bpg < nb ? (g + 1) * bpg : nb;
+                    float c = 0.0f;
+                    for (int64_t b = g * bpg; b < b1; b++) c += d[m * nb + b] * (float)qs[m * nb + b];
+                    cg[m * G + g] = c;
+                }
+        }
+        run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, sbf, zr, G, bpg, bias, y, ldy);
+    }
     free(xq); free(d); free(qs); free(cg);
     return 0;
 }
