@@ -451,3 +451,17 @@ def test_prefill_chunks_and_mixed_steps_run_natively(embedded_dir, monkeypatch):
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
             assert [t for t, _ in x.top] == [t for t, _ in y.top] and len(x.top) == 2
             assert all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(x.top, y.top))
+
+
+def test_takes_rows_limits_rows_and_prefill_contexts(tmp_path):
+    """A step runs natively up to MAX_STEP_ROWS_FP32 rows on fp32 weights (MAX_STEP_ROWS on bf16 ones),
+    and only while its longest prefill context's K + V per KV head fit the native attention's limit."""
+    from baige.kernels import NATIVE_ATTENTION_MAX_BYTES
+    from baige.runtime.infer import cpu_decode
+    for dtype, rows in (("float32", cpu_decode.MAX_STEP_ROWS_FP32), ("bfloat16", cpu_decode.MAX_STEP_ROWS)):
+        model = load_model(make_checkpoint(tmp_path / dtype, "llama"), dtype)
+        kv = _step_inputs(model, kv_dtype=torch.float32)[0]
+        fused = FusedDecoder.build(model, kv)[0]
+        limit = NATIVE_ATTENTION_MAX_BYTES // (model.config.head_dim * 2 * 4)  # fp32 K + V per token
+        assert fused.takes_rows(rows, limit) and not fused.takes_rows(rows + 1, 1)
+        assert not fused.takes_rows(1, limit + 1)

@@ -166,7 +166,11 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
         }
     }
     const int64_t lora_floats = rank ? M * (2 * width + rank) : 0;
-    const int64_t nqkv = nq + 2 * nk, njoin = nqkv > 2 * M * inter ? nqkv : 2 * M * inter;
+    int64_t njoin = 0;  /* scratch for the joined projections' outputs, only where a layer has them */
+    for (int64_t i = 0; i < n_layers; i++) {
+        if (layers[i].qkv.n && nq + 2 * nk > njoin) njoin = nq + 2 * nk;
+        if (layers[i].gate_up.n && 2 * M * inter > njoin) njoin = 2 * M * inter;
+    }
     float *buf = malloc(sizeof(float) * (size_t)(2 * M * hidden + 3 * nq + 3 * nk + 2 * M * inter + lora_floats + njoin));
     int64_t *rows = rank ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
     if (!buf || (rank && !rows)) {

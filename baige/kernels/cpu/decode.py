@@ -96,7 +96,8 @@ class DecodeLayers:
         dims: (n_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate).
         eps: the RMSNorm epsilon; scale: the attention softmax scale.
         join: read q/k/v, and gate/up, as one weight each where :meth:`_joined` can (the default; the
-            results are the same bit for bit: every kernel's output row is independent of the others).
+            results are the same bit for bit: members other than the last cover whole 16-row tiles, so
+            each output row goes through the same tile code as alone).
     """
 
     def __init__(self, layers: list[LayerDesc], dims: tuple[int, ...], eps: float, scale: float, join: bool = True):
@@ -123,9 +124,11 @@ class DecodeLayers:
         """One projection computing every member of ``ds`` (same input) into consecutive output columns,
         or None. Joined: integer-dot int8, or int4 of one group size and zero-point form, through
         :func:`repacked_together`; fp32 / bf16 / fp16 weights that already lie back to back in memory
-        (the runtime places a layer's weights in read order) with row stride ``k``. Never with LoRA."""
+        (the runtime places a layer's weights in read order) with row stride ``k``. Members other than the
+        last must have a multiple of 16 rows (the kernels' tiles: a partial tile takes other code). Never
+        with LoRA."""
         d0 = ds[0]
-        if any(d.lora_a is not None or d.kind != d0.kind or d.k != d0.k for d in ds):
+        if any(d.lora_a is not None or d.kind != d0.kind or d.k != d0.k for d in ds) or any(d.n % 16 for d in ds[:-1]):
             return None
         lin = _Linear()
         lin.kind, lin.n, lin.k = d0.kind, sum(d.n for d in ds), d0.k
@@ -164,7 +167,9 @@ class DecodeLayers:
     def _linear(self, d: LinearDesc) -> _Linear:
         lin = _Linear()
         lin.kind, lin.n, lin.k, lin.w, lin.ldw = d.kind, d.n, d.k, d.w.data_ptr(), d.w.stride(0)
-        scale = None if d.scale is None else d.scale.float().contiguous()  # the exact and int8 kernels read fp32
+        int4_dot = d.kind == LINEAR_INT4 and settings().cpu_int_dot and d.group_size % 32 == 0
+        # the exact and int8 kernels read fp32 scales; int4 integer dots read the repacked tiles instead
+        scale = None if d.scale is None or int4_dot else d.scale.float().contiguous()
         self._keep += [t for t in (scale,) if t is not None]
         lin.scale, lin.zero_point, lin.bias = _ptr(scale), _ptr(d.zero_point), _ptr(d.bias)
         if d.kind == LINEAR_INT4:

@@ -56,7 +56,7 @@ def repack_int4(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     """compressed-tensors int4 -> ``qdot.c``'s tiles.
 
     Args:
-        qweight: int32 (N, W) words of 8 nibbles; scale: fp32 (N, G); zero_point: int (N, G) or None.
+        qweight: int32 (N, W) words of 8 nibbles; scale: fp32 or bf16 (N, G); zero_point: int (N, G) or None.
     Returns:
         words int32 (T, nb * 4, 16) (word [t][4b + j][r] = qweight[16t + r][4b + j], padding 0x88888888),
         scales (T, G, 16) (padding 0) in bf16 when ``scale`` is bf16 (a bf16 model's: the same values in half
@@ -110,7 +110,9 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     projections at one row as 120 joined ones, one process alternating, AMD EPYC: 4.49 -> 3.49 ms).
 
     Args:
-        parts: ``(qweight, scale, zero_point)`` per member in output order, as :func:`repacked` takes them.
+        parts: ``(qweight, scale, zero_point)`` per member in output order, as :func:`repacked` takes them;
+            int4 members must share one group size (the caller's check: at some in_features two group
+            sizes give the same number of groups).
     Returns:
         The joined tensors in :func:`repacked`'s form (int8: ``(tiles,)``; int4: ``(words, scales,
         scaled_zeros)``), tile rows in member order; each member's :func:`repacked` entry becomes a view
@@ -216,7 +218,7 @@ def quantized_linear(
     passes = (int_dot_passes() if passes is None else passes) if dot else 1  # read only where it matters
     if passes not in (1, 2):
         raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
-    # the int4 integer-dot kernel reads the repacked fp32 scales, the others these; repacked() is keyed by
+    # the int4 integer-dot kernel reads the repacked scales (fp32, or a bf16 model's bf16), the others these; repacked() is keyed by
     # the weight tensor itself, so only the exact kernels get a contiguous copy
     fp32_scale = scale.dtype == torch.float32 and scale.is_contiguous()
     s = scale if fp32_scale or (dot and qweight.dtype == torch.int32) else scale.float().contiguous()

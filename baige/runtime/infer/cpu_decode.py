@@ -59,8 +59,8 @@ class FusedDecoder:
     """The native decode step for one model and KV cache (build with :meth:`build`).
 
     The kernel's layer table points into the model's and the cache's own storage; every tensor
-    it points to (weights, norms, biases, pools, and the fp32 scale copies / unpacked int4 zero
-    points made here) stays referenced by it, so swapping a module afterwards leaves stale values,
+    it points to (weights, norms, biases, pools, the unpacked int4 zero points made here and the fp32
+    scale copies made by the kernel's table) stays referenced by it, so swapping a module afterwards leaves stale values,
     never a dangling pointer; build a new decoder after changing the model.
     """
 
@@ -169,13 +169,18 @@ class FusedDecoder:
         self._layers(h, cos[0].contiguous(), sin[0].contiguous(), slot_mapping, block_tables, context_lens, lora_ids)
         return model.model.norm(h)[None]
 
-    def takes_rows(self, rows: int, longest_context: int) -> bool:
+    def takes_rows(self, rows: int, longest_prefill: int) -> bool:
         """Whether a step of ``rows`` token rows (decodes and prefill chunks, each row with its own
         context) should run natively: at most :data:`MAX_STEP_ROWS` rows (:data:`MAX_STEP_ROWS_FP32` unless
-        every projection is integer-dot or bf16), and no row whose context's K + V per KV head exceed
-        ``kernels.NATIVE_ATTENTION_MAX_BYTES`` (each row streams its whole context)."""
+        every projection is integer-dot or bf16), and no prefill chunk whose context (``longest_prefill``
+        tokens, its last row's) has K + V per KV head beyond ``kernels.NATIVE_ATTENTION_MAX_BYTES``: each of
+        its rows streams its whole context (decode rows have no such limit, as in decode-only steps).
+
+        Under a bf16 model the native step keeps activations in fp32 where the per-op path rounds them to
+        bf16, so a sequence's prefill logits (and prompt logprobs) depend, at bf16 precision, on whether
+        its step ran natively, which depends on the step's other rows."""
         k = self._kv_k
-        return rows <= (MAX_STEP_ROWS if self._blocked else MAX_STEP_ROWS_FP32) and longest_context * k.shape[-1] * 2 * k.element_size() <= \
+        return rows <= (MAX_STEP_ROWS if self._blocked else MAX_STEP_ROWS_FP32) and longest_prefill * k.shape[-1] * 2 * k.element_size() <= \
             kernels.NATIVE_ATTENTION_MAX_BYTES
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -375,7 +375,7 @@ class ModelRunner:
             lora = self._set_lora([batch.seqs[owner[r]].lora_int_id for r in order]
                                   + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:])
                                      for _ in range(n)])
-        if (self.fused_decode is not None and self.fused_decode.takes_rows(len(ids), max(pos) + 1)
+        if (self.fused_decode is not None and self.fused_decode.takes_rows(len(ids), max(pre_lens))
                 and (not lora or self._native_lora())):
             # every row a decode row of its own context: the causal mask of a prefill chunk is each
             # row's context length, its K/V stored before the layer's attention reads it
