@@ -14,8 +14,8 @@ import torch
 
 from baige.kernels.cpu.build import library
 from baige.kernels.cpu.ops import kv_dtype_code
-from baige.kernels.cpu.qlinear import repacked, repacked_together
-from baige.kernels.settings import int_dot_passes, settings
+from baige.kernels.cpu.qlinear import repacked, repacked_together, takes_int_dot
+from baige.kernels.settings import int_dot_passes
 
 # projection kinds understood by decode.c
 LINEAR_F32, LINEAR_INT8, LINEAR_INT4, LINEAR_F16, LINEAR_BF16 = 0, 1, 2, 3, 6
@@ -88,6 +88,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _takes_dot(d: LinearDesc) -> bool:
+    """Whether an int8 / int4 projection runs as integer dot products (qlinear.takes_int_dot, the per-op
+    path's rule)."""
+    return d.kind in (LINEAR_INT8, LINEAR_INT4) and takes_int_dot(d.w, d.group_size if d.kind == LINEAR_INT4 else None)
+
+
 class DecodeLayers:
     """The packed layer table of one model and KV cache; call it for each decode step.
 
@@ -103,6 +109,7 @@ class DecodeLayers:
     def __init__(self, layers: list[LayerDesc], dims: tuple[int, ...], eps: float, scale: float, join: bool = True):
         self._keep: list[torch.Tensor] = []
         self._table = (_Layer * len(layers))()
+        kinds: set[int] = set()
         for i, desc in enumerate(layers):
             row = self._table[i]
             for name, members in JOINED.items():  # before the members: their repacked tiles become views
@@ -111,12 +118,15 @@ class DecodeLayers:
                     setattr(row, name, joined)
             for name, lin in zip(PROJECTIONS, desc.linears):
                 setattr(row, name, self._linear(lin))
+                kinds.add(getattr(row, name).kind)
             row.input_norm, row.post_norm = _ptr(desc.input_norm), _ptr(desc.post_norm)
             row.q_norm, row.k_norm = _ptr(desc.q_norm), _ptr(desc.k_norm)
             row.k_cache, row.v_cache = _ptr(desc.k_cache), _ptr(desc.v_cache)
             self._keep += [t for t in (desc.input_norm, desc.post_norm, desc.q_norm, desc.k_norm,
                                        desc.k_cache, desc.v_cache) if t is not None]
         self._dims, self._eps, self._scale = dims, eps, scale
+        # every projection bf16 or an integer dot: kernels that block many rows (see cpu_decode.MAX_STEP_ROWS)
+        self.blocked = kinds <= {LINEAR_BF16, _INT8_DOT, _INT4_DOT}
         self._kv_dtype = kv_dtype_code(layers[0].k_cache.dtype)
         self._num_blocks, self._block_size = layers[0].k_cache.shape[1], layers[0].k_cache.shape[2]
 
@@ -133,23 +143,13 @@ class DecodeLayers:
         lin = _Linear()
         lin.kind, lin.n, lin.k = d0.kind, sum(d.n for d in ds), d0.k
         if d0.kind in (LINEAR_INT8, LINEAR_INT4):
-            if not settings().cpu_int_dot or (d0.kind == LINEAR_INT4 and any(
-                    d.group_size != d0.group_size or d.group_size % 32 for d in ds)):
+            if not all(_takes_dot(d) and d.group_size == d0.group_size for d in ds):
                 return None
             tiles = repacked_together([(d.w, d.scale, d.zero_point) for d in ds])
             if tiles is None:
                 return None
-            lin.kind, lin.w, lin.ldw, lin.act_passes = (_INT8_DOT if d0.kind == LINEAR_INT8 else _INT4_DOT,
-                                                         tiles[0].data_ptr(), 0, int_dot_passes())
-            if d0.kind == LINEAR_INT8:
-                scale = torch.cat([d.scale.float() for d in ds])
-                self._keep.append(scale)
-                lin.scale = scale.data_ptr()
-            else:
-                lin.scale, lin.scaled_zero = tiles[1].data_ptr(), _ptr(tiles[2])
-                lin.scale_bf16 = int(tiles[1].dtype == torch.bfloat16)
-                lin.groups, lin.group_size = d0.scale.shape[1], d0.group_size
-            self._keep += [t for t in tiles if t is not None]
+            lin.groups, lin.group_size = (d0.scale.shape[1], d0.group_size) if d0.kind == LINEAR_INT4 else (0, 0)
+            self._dot(lin, d0.kind, tiles, torch.cat([d.scale.float() for d in ds]) if d0.kind == LINEAR_INT8 else None)
         else:
             nxt = d0.w.data_ptr()
             for d in ds:  # back to back, rows of k elements
@@ -164,25 +164,30 @@ class DecodeLayers:
             lin.bias = bias.data_ptr()
         return lin
 
+    def _dot(self, lin: _Linear, kind: int, tiles: tuple, int8_scale: torch.Tensor | None) -> None:
+        """Point ``lin`` (an int8 / int4 ``kind``) at integer-dot tiles (:func:`repacked` or
+        :func:`repacked_together`); int8 reads ``int8_scale`` (fp32 per row) beside them."""
+        self._keep += [t for t in (*tiles, int8_scale) if t is not None]
+        lin.kind, lin.w, lin.ldw, lin.act_passes = (_INT8_DOT if kind == LINEAR_INT8 else _INT4_DOT,
+                                                     tiles[0].data_ptr(), 0, int_dot_passes())
+        if kind == LINEAR_INT8:
+            lin.scale = int8_scale.data_ptr()
+        else:
+            lin.scale, lin.zero_point, lin.scaled_zero = tiles[1].data_ptr(), None, _ptr(tiles[2])
+            lin.scale_bf16 = int(tiles[1].dtype == torch.bfloat16)
+
     def _linear(self, d: LinearDesc) -> _Linear:
         lin = _Linear()
         lin.kind, lin.n, lin.k, lin.w, lin.ldw = d.kind, d.n, d.k, d.w.data_ptr(), d.w.stride(0)
-        int4_dot = d.kind == LINEAR_INT4 and settings().cpu_int_dot and d.group_size % 32 == 0
+        dot = _takes_dot(d)  # the per-op path's choice too, on the same repacked tiles
         # the exact and int8 kernels read fp32 scales; int4 integer dots read the repacked tiles instead
-        scale = None if d.scale is None or int4_dot else d.scale.float().contiguous()
+        scale = None if d.scale is None or (dot and d.kind == LINEAR_INT4) else d.scale.float().contiguous()
         self._keep += [t for t in (scale,) if t is not None]
         lin.scale, lin.zero_point, lin.bias = _ptr(scale), _ptr(d.zero_point), _ptr(d.bias)
         if d.kind == LINEAR_INT4:
             lin.groups, lin.group_size = d.scale.shape[1], d.group_size
-        if settings().cpu_int_dot and (d.kind == LINEAR_INT8 or (d.kind == LINEAR_INT4 and d.group_size % 32 == 0)):
-            # the per-op path's choice too, on the same repacked tiles
-            tiles = repacked(d.w, d.scale, d.zero_point)
-            self._keep += [t for t in tiles if t is not None]
-            lin.kind, lin.w, lin.ldw = (_INT8_DOT if d.kind == LINEAR_INT8 else _INT4_DOT), tiles[0].data_ptr(), 0
-            lin.act_passes = int_dot_passes()
-            if d.kind == LINEAR_INT4:
-                lin.scale, lin.zero_point, lin.scaled_zero = tiles[1].data_ptr(), None, _ptr(tiles[2])
-                lin.scale_bf16 = int(tiles[1].dtype == torch.bfloat16)
+        if dot:
+            self._dot(lin, d.kind, repacked(d.w, d.scale, d.zero_point), scale)
         if d.lora_a is not None:
             L, r, k = d.lora_a.shape
             ok = (k == d.k and d.lora_b.shape == (L, d.n, r) and d.lora_scale.shape == (L,)

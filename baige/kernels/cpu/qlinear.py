@@ -94,10 +94,15 @@ def repacked(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     value = (repack_int8(qweight),) if qweight.dtype == torch.int8 else repack_int4(qweight, scale, zero_point)
     value = tuple(None if v is None else arena.weights.place(v) for v in value)  # back to back, huge pages
     with _repack_lock:
-        if key not in _repacks:
-            weakref.finalize(qweight, _repacks.pop, key, None)
-        _repacks[key] = (versions, value)
+        _remember(qweight, value)
     return value
+
+
+def _remember(qweight: torch.Tensor, value: tuple) -> None:
+    """Cache ``value`` as ``qweight``'s repacked tensors at its current version (hold ``_repack_lock``)."""
+    if id(qweight) not in _repacks:
+        weakref.finalize(qweight, _repacks.pop, id(qweight), None)
+    _repacks[id(qweight)] = ((qweight.data_ptr(), qweight._version), value)
 
 
 _groups: dict[tuple[int, ...], tuple] = {}  # member ids -> (member versions, joined tiles)
@@ -141,10 +146,7 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
         row = 0
         for (q, _, _), r in zip(parts, raw):
             tiles = r[0].shape[0]
-            if id(q) not in _repacks:
-                weakref.finalize(q, _repacks.pop, id(q), None)
-            _repacks[id(q)] = ((q.data_ptr(), q._version), tuple(None if j is None else j[row:row + tiles]
-                                                                   for j in joined))
+            _remember(q, tuple(None if j is None else j[row:row + tiles] for j in joined))
             row += tiles
         if key not in _groups:
             for q, _, _ in parts:

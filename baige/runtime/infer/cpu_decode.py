@@ -64,10 +64,8 @@ class FusedDecoder:
     never a dangling pointer; build a new decoder after changing the model.
     """
 
-    def __init__(self, model: Transformer, layers: kernels.NativeDecodeLayers, kv_k: torch.Tensor,
-                 blocked: bool = False):
+    def __init__(self, model: Transformer, layers: kernels.NativeDecodeLayers, kv_k: torch.Tensor):
         self.model, self._layers, self._kv_k = model, layers, kv_k
-        self._blocked = blocked  # every projection integer-dot or bf16 (see MAX_STEP_ROWS)
         # The whole step in C (kernels.NativeDecodeLayers.step) when the embedding is a plain table and
         # the rotary rows do not depend on the sequence length (not "dynamic" NTK): the embedding rows,
         # the rotary rows (a table by position, computed here by the model's own rotary module so its
@@ -128,10 +126,7 @@ class FusedDecoder:
                 c.intermediate_size)
         layer0 = model.model.layers[0]
         table = kernels.NativeDecodeLayers(descs, dims, float(layer0.input_layernorm.eps), float(layer0.self_attn.scale))
-        int_dot = kernels.cpu_int_dot()
-        blocked = all(lin.kind == kernels.LINEAR_BF16 or (int_dot and (lin.kind == kernels.LINEAR_INT8 or (
-            lin.kind == kernels.LINEAR_INT4 and lin.group_size % 32 == 0))) for d in descs for lin in d.linears)
-        return cls(model, table, kv.k[0], blocked), ""
+        return cls(model, table, kv.k[0]), ""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -180,8 +175,9 @@ class FusedDecoder:
         bf16, so a sequence's prefill logits (and prompt logprobs) depend, at bf16 precision, on whether
         its step ran natively, which depends on the step's other rows."""
         k = self._kv_k
-        return rows <= (MAX_STEP_ROWS if self._blocked else MAX_STEP_ROWS_FP32) and longest_prefill * k.shape[-1] * 2 * k.element_size() <= \
-            kernels.NATIVE_ATTENTION_MAX_BYTES
+        kv_bytes = longest_prefill * k.shape[-1] * 2 * k.element_size()
+        return rows <= (MAX_STEP_ROWS if self._layers.blocked else MAX_STEP_ROWS_FP32) and \
+            kv_bytes <= kernels.NATIVE_ATTENTION_MAX_BYTES
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) fp32 -> (M, vocab) logits; an fp32 or bf16 ``lm_head`` runs the native kernel (one
