@@ -286,6 +286,19 @@ static inline __attribute__((always_inline)) void tile(
 }
 #endif
 
+/* tile() for the mr rows of run()'s loop, mr (1..MR) passed as a constant */
+#if MR > 2
+#define TILE_MR(BITS, ST, SBF, ZT, CM, GG, BPG) do { switch (mr) { \
+    case 1: tile(BITS, w, nb, xm, dm, qm, 1, ST, SBF, ZT, CM, GG, BPG, out); break; \
+    case 2: tile(BITS, w, nb, xm, dm, qm, 2, ST, SBF, ZT, CM, GG, BPG, out); break; \
+    case 3: tile(BITS, w, nb, xm, dm, qm, 3, ST, SBF, ZT, CM, GG, BPG, out); break; \
+    default: tile(BITS, w, nb, xm, dm, qm, MR, ST, SBF, ZT, CM, GG, BPG, out); } } while (0)
+#else
+#define TILE_MR(BITS, ST, SBF, ZT, CM, GG, BPG) do { switch (mr) { \
+    case 1: tile(BITS, w, nb, xm, dm, qm, 1, ST, SBF, ZT, CM, GG, BPG, out); break; \
+    default: tile(BITS, w, nb, xm, dm, qm, MR, ST, SBF, ZT, CM, GG, BPG, out); } } while (0)
+#endif
+
 /* All N rows against all M activation rows (passes * the x rows, a row's passes adjacent), MR rows at a
  * time, tiles split over the threads of the enclosing parallel region (an orphaned `omp for`); y row
  * m / passes gets the sum of its passes. */
@@ -306,17 +319,12 @@ static void run(int bits, int passes, const int8_t *xq, const float *d, const in
             const int8_t *xm = xq + m * nb * QB;
             const float *dm = d + m * nb, *cm = cg ? cg + m * G : NULL;
             const int32_t *qm = qs + m * nb;
-            if (bits == 8) {
-                if (mr == MR) tile(8, w, nb, xm, dm, qm, MR, NULL, 0, NULL, NULL, 0, 1, out);
-                else tile(8, w, nb, xm, dm, qm, mr, NULL, 0, NULL, NULL, 0, 1, out);
-            } else if (sbf) {  /* each call site inlined with its constants */
-                if (mr == MR) tile(4, w, nb, xm, dm, qm, MR, st, 1, zt, cm, G, bpg, out);
-                else tile(4, w, nb, xm, dm, qm, mr, st, 1, zt, cm, G, bpg, out);
-            } else if (mr == MR) {
-                tile(4, w, nb, xm, dm, qm, MR, st, 0, zt, cm, G, bpg, out);
-            } else {
-                tile(4, w, nb, xm, dm, qm, mr, st, 0, zt, cm, G, bpg, out);
-            }
+            /* each call site inlined with its constants, mr included: with a constant row count the
+             * accumulators stay in registers (a run-time mr kept them on the stack, and a one-row
+             * decode's two passes are mr = 2 < MR) */
+            if (bits == 8) TILE_MR(8, NULL, 0, NULL, NULL, 0, 1);
+            else if (sbf) TILE_MR(4, st, 1, zt, cm, G, bpg);
+            else TILE_MR(4, st, 0, zt, cm, G, bpg);
             for (int i = 0; i < mr; i += passes)  /* passes == 2: a row's two passes sit side by side */
                 for (int64_t r = 0; r < nr; r++) {
                     float v = out[i * RT + r];
