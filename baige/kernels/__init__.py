@@ -111,6 +111,20 @@ def apply_rope(
     return impl.apply_rope(q, k, cos, sin)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy decoding's argmax: ``torch.argmax(logits, -1)`` (the first index of each row's maximum;
+    a row with NaNs gets its first NaN), natively on fp32 CPU rows (two vector passes: ~8 us instead of
+    ~43 us for a 49152-wide row, 1 thread, AMD EPYC Zen 4).
+
+    Args:
+        logits: (S, V) float, V >= 1.
+    Returns:
+        (S,) int64.
+    """
+    impl = _native_cpu(logits) if logits.dim() == 2 and logits.shape[1] > 0 else None
+    return impl.argmax(logits) if impl is not None else logits.argmax(-1)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation ``silu(gate) * up`` (Shazeer 2020, arXiv:2002.05202).
 
@@ -469,7 +483,7 @@ from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pag
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
+    "argmax", "fp16_weight_linear", "dense_linear", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "NATIVE_ATTENTION_MAX_BYTES", "to_weight_arena", "zeroed_pages", "keep_freed_heap",
     "dequantize_weight", "expand_groups", "unpack_int4",

@@ -706,3 +706,33 @@ def test_dense_linear_matches_torch(rows):
     ref = (x.double() @ w.double().T + b.double()).float()
     torch.testing.assert_close(kernels.dense_linear(x, w, b), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kernels.dense_linear(x, w), ref - b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 16, 23, 49152, 49157])
+def test_argmax_is_torch_argmax_on_every_variant(use_isa, variant, width):
+    """ops.c's argmax (greedy sampling) returns torch.argmax's index: the first of tied maxima, in the
+    8-lane blocks and in the tail; a row's first NaN; 0 for a row of -inf; strided rows."""
+    use_isa(variant)
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=g)
+    x[1] = float("-inf")
+    x[2] = 0.5  # all tied: index 0
+    if width > 3:
+        x[3, width - 1] = x[3, width // 2] = 50.0  # tie between a block and the tail (or two blocks)
+        x[4, width // 3] = float("nan")
+        x[4, width - 1] = float("nan")  # the first NaN wins, not the last
+        x[5, width - 1] = 1e30  # the maximum in the tail only
+        x[6, 0] = float("inf")
+        x[6, width - 2] = float("inf")
+        x[7, width - 1] = float("nan")  # a NaN in the tail only
+    expected = x.argmax(-1)
+    assert torch.equal(kernels.argmax(x), expected)
+    assert torch.equal(cpu_ops.argmax(x), expected)
+    wide = torch.randn(9, width + 5, generator=g)
+    wide[:, :width] = x
+    assert torch.equal(cpu_ops.argmax(wide[:, :width]), expected)  # row stride width + 5
+    if width > 3:  # hand-checked positions, not only agreement with torch
+        assert expected[1] == 0 and expected[2] == 0 and expected[3] == width // 2
+        assert expected[4] == width // 3 and expected[5] == width - 1 and expected[6] == 0
+        assert expected[7] == width - 1

@@ -132,3 +132,42 @@ void baige_silu_mul(const float *g, const float *u, int64_t n, float *out) {
     }
     for (; j < n; j++) out[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
 }
+
+/* Greedy sampling's argmax: out[r] = the first index of the largest of row r's n values (x row stride
+ * ld, n >= 1), a NaN counting as larger than any number, so a row with NaNs gets its first NaN:
+ * torch.argmax's result (its reduction treats NaN as the maximum; ties go to the first index).
+ * Two passes of 8 lanes (the row's maximum, then where it first occurs) instead of PyTorch's
+ * index-tracking reduction: ~43 -> ~8 us for one 49152-wide row on 1 thread (AMD EPYC Zen 4). */
+void baige_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * ld;
+        __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 a = _mm256_loadu_ps(v + i);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            mx = _mm256_max_ps(mx, a);
+        }
+        float lanes[8], m = -INFINITY;
+        _mm256_storeu_ps(lanes, mx);
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        for (; i < n; i++) {
+            if (v[i] != v[i]) has_nan = 1;
+            else if (v[i] > m) m = v[i];
+        }
+        int64_t at = -1;
+        if (has_nan) {
+            for (at = 0; v[at] == v[at]; at++) {}
+        } else {  /* m is one of the values: where it first occurs, 8 at a time, then in the tail */
+            const __m256 mv = _mm256_set1_ps(m);
+            for (int64_t b = 0; b + 8 <= n && at < 0; b += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + b), mv, _CMP_EQ_OQ));
+                if (hit) at = b + __builtin_ctz((unsigned)hit);
+            }
+            if (at < 0)
+                for (at = n & ~(int64_t)7; v[at] != m; at++) {}
+        }
+        out[r] = at;
+    }
+}

@@ -36,6 +36,15 @@ def usable(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = (), bf16: 
     return library() is not None
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """(S, V) fp32, V >= 1 -> (S,) int64: torch.argmax(x, -1) (first index of the maximum; a NaN wins)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    library().baige_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)

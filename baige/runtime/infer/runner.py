@@ -202,6 +202,13 @@ class ModelRunner:
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
+    def _rows_of(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``t[rows]``; a view when the rows are consecutive (one decoding row per sequence, the usual
+        step), where an index gather would copy them (~30 us for one 49152-wide fp32 row, 1 thread)."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return t[rows[0]:rows[0] + len(rows)]
+        return t[self._tensor(rows)]
+
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                         groups: list[tuple[torch.Tensor, torch.Tensor]], native: bool = True) -> torch.Tensor:
         """Decode: (1, B) ids/positions, (B,) slots, groups of ((B_g, W_g) tables, (B_g,) lengths)
@@ -446,7 +453,7 @@ class ModelRunner:
                 rows[i] = replace(rows[i], token_mask=mask)  # (vocab,), or (drafts + 1, vocab) per position
         plain = [(i, first) for i, first, n in spans if not batch.seqs[i].spec_token_ids]
         if plain:
-            got, lps = sample_batch(logits[self._tensor([f for _, f in plain])], [rows[i] for i, _ in plain])
+            got, lps = sample_batch(self._rows_of(logits, [f for _, f in plain]), [rows[i] for i, _ in plain])
             for (i, _), t, lp in zip(plain, got, lps):
                 tokens[i], logprobs[i] = [t], [lp]
         spec = [(i, first, n) for i, first, n in spans if batch.seqs[i].spec_token_ids]

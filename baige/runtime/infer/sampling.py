@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.infer.structured import StructuredOutputsParams
 
@@ -413,7 +414,7 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int
         ``params.logprobs`` is set, else None.
     """
     adjusted = adjusted_logits(logits, rows)
-    tokens = adjusted.argmax(-1)  # (S,) greedy rows keep these
+    tokens = kernels.argmax(adjusted)  # (S,) greedy rows keep these
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=adjusted.device)
