@@ -20,6 +20,7 @@ from torch import nn
 
 from baige import kernels
 from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.linear import project
 
 
 class SwiGLU(nn.Module):
@@ -32,7 +33,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return project(self.down_proj, kernels.silu_mul(project(self.gate_proj, x), project(self.up_proj, x)))
 
 
 class Experts(nn.Module):
@@ -100,7 +101,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, H) -> (router logits (N, E), topk_weights (N, k) fp32, topk_ids (N, k) int64)."""
-        logits = self.gate(x)
+        logits = project(self.gate, x)
         bias = self.moe_statics.e_score_correction_bias[0] if self.moe_statics is not None else None
         weights, ids = kernels.moe_topk(logits, self.top_k, self.renormalize, bias, self.norm_min)
         return logits, weights, ids
@@ -115,7 +116,7 @@ class SparseMoeBlock(nn.Module):
             router_logits.append(logits)
         out = self.experts(x2, weights, ids)  # (N, H)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+            out = out + torch.sigmoid(project(self.shared_expert_gate, x2)) * self.shared_expert(x2)
         elif self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         return out.view(shape)

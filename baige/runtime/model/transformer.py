@@ -22,6 +22,7 @@ from torch import nn
 
 from baige import kernels
 from baige.runtime.model.config import ModelConfig, softmax_scale
+from baige.runtime.model.linear import project
 from baige.runtime.model.moe import SparseMoeBlock, SwiGLU
 from baige.runtime.model.rope import RotaryEmbedding
 
@@ -69,9 +70,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        q = project(self.q_proj, x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = project(self.k_proj, x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = project(self.v_proj, x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_perm is not None:
@@ -84,7 +85,7 @@ class Attention(nn.Module):
             o = kernels.attention(q, k, v, self.scale)
         else:
             o = attn_metadata.attend(self.layer_idx, q, k, v, self.scale)
-        return self.o_proj(o.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, hidden)
+        return project(self.o_proj, o.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +167,7 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., vocab) logits in the model dtype."""
-        return self.lm_head(hidden)
+        return project(self.lm_head, hidden)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; see :meth:`ModelConfig.num_params`."""

@@ -1,0 +1,28 @@
+"""Projections of the per-op inference path: a plain ``nn.Linear`` applied to a few rows on the CPU
+without autograd runs :func:`baige.kernels.dense_linear` (the native kernels read each weight row once
+for all rows, where PyTorch's bf16 linear at a few rows streams the weight at a third to a half of the
+speed); everything else -- GPU tensors, training, more rows, quantized / LoRA / tensor-parallel modules,
+modules with hooks -- calls the module as it is.
+
+This is the path of the steps the one-call native decode step does not take (Mixture-of-Experts
+models, interleaved RoPE, adapters it cannot run) and of small prefill chunks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baige import kernels
+
+
+def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mod(x)`` for x (..., in) -> (..., out); the native kernel when ``mod`` is exactly ``nn.Linear``
+    without hooks, on the CPU, autograd off, at most ``kernels.DENSE_NATIVE_MAX_ROWS[weight dtype]`` rows
+    of x (same values up to fp32 summation order; bf16 rows are rounded once, as torch's bf16 linear)."""
+    if type(mod) is nn.Linear and x.device.type == "cpu" and not torch.is_grad_enabled() \
+            and not (mod._forward_hooks or mod._forward_pre_hooks):
+        w = mod.weight
+        rows = x.numel() // max(x.shape[-1], 1)
+        if rows <= kernels.DENSE_NATIVE_MAX_ROWS.get(w.dtype, 0) and x.dtype in (torch.float32, w.dtype):
+            return kernels.dense_linear(x.reshape(rows, x.shape[-1]), w, mod.bias).view(*x.shape[:-1], w.shape[0])
+    return mod(x)
