@@ -21,6 +21,8 @@ import torch
 
 from baige.kernels import reference
 from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
+from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
+    DENSE_NATIVE_MAX_ROWS, FEW_ROWS, argmax, dense_linear, few_rows_linear, fp16_weight_linear)
 from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
 
@@ -109,14 +111,6 @@ def apply_rope(
     """
     impl = _native_cpu(q, k, cos, sin) or _impl(q, "rope")
     return impl.apply_rope(q, k, cos, sin)
-
-
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy decoding's argmax, ``torch.argmax(logits, -1)`` (first index of a row's maximum, or its first
-    NaN): (S, V) float, V >= 1 -> (S,) int64; natively on fp32 CPU rows (two vector passes: ~9 instead of
-    ~43 us for a 49152-wide row, 1 thread, AMD EPYC Zen 4)."""
-    impl = _native_cpu(logits) if logits.dim() == 2 and logits.shape[1] > 0 else None
-    return impl.argmax(logits) if impl is not None else logits.argmax(-1)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -406,7 +400,7 @@ def fused_moe(
     (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))`` with ``e = topk_ids[t, j]``, fp32 accumulation.
 
     Reference: pairs sorted by expert, matmuls per expert with pairs (on the CPU without autograd
-    through :func:`dense_linear`), index_add combine. Triton:
+    through :func:`few_rows_linear`), index_add combine. Triton:
     vLLM's fused MoE grouped GEMMs over :func:`moe_align_block_size` blocks, with a backward.
 
     Args:
@@ -419,57 +413,8 @@ def fused_moe(
     """
     impl = _impl(x, "moe")
     if impl is reference and x.device.type == "cpu" and not torch.is_grad_enabled():  # experts' few rows: native
-        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=dense_linear)
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=few_rows_linear)
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
-
-
-def fp16_weight_linear(x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.Tensor | None,
-                       packed: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T + bias`` with fp16 weights and fp32 activations and accumulation.
-
-    Args:
-        x: (M, in) fp32 on the CPU.
-        weight_fp16: (out, in) fp16, contiguous.
-        bias: (out,) fp32 or None.
-        packed: the same weight prepacked by ``torch.ops.quantized.linear_prepack_fp16``.
-    Returns:
-        (M, out) fp32. Batches the native F16C kernel takes (:mod:`baige.kernels.cpu.qlinear`) run
-        there; others, or any batch without the native library, run fbgemm's fp16 GEMM
-        (``torch.ops.quantized.linear_dynamic_fp16``).
-    """
-    from baige.kernels.cpu import qlinear
-
-    if qlinear.supports_f16(x):
-        return qlinear.linear_f16(x, weight_fp16, bias)
-    return torch.ops.quantized.linear_dynamic_fp16(x, packed)
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for inference. CPU rows with no gradient run the native kernel, which reads
-    each weight row once for all rows: an fp32 weight under fp32 rows (at most 128; against torch's
-    sgemm on a 49152 x 576 lm_head, 1 thread, AVX2: 12 vs 16 ms at 1 row, 26 vs 50 ms at 5, 185 vs 234
-    ms at 128, slower from 256 rows), a bf16 weight under fp32 or bf16 rows (at most 64: bf16.c, see
-    :mod:`baige.kernels.cpu.qlinear`; against torch's bf16 linear, 1 and 2 threads, AMD EPYC Zen 4,
-    1536 x 576 and 49152 x 512: 1.9-3.7x faster at 4 rows, 1.25-1.3x at 32, 1.04-1.1x at 64, 0.91-0.96x
-    at 128). Anything else is ``F.linear`` in the weight's dtype.
-
-    Args:
-        x: (M, in) float. weight: (out, in). bias: (out,) or None.
-    Returns:
-        (M, out) in x's dtype (bf16 rows: fp32 accumulation rounded once, as torch's bf16 linear).
-    """
-    from baige.kernels.cpu import qlinear
-
-    xf = x.float() if x.dim() == 2 and x.shape[0] <= DENSE_NATIVE_MAX_ROWS.get(weight.dtype, 0) \
-        and x.dtype in (torch.float32, weight.dtype) else None  # bf16 -> fp32 is exact
-    if (xf is not None and weight.device.type == "cpu" and weight.stride(-1) == 1 and qlinear.supports_f16(xf)
-            and (bias is None or bias.is_contiguous())):
-        return qlinear.linear_f16(xf, weight, None if bias is None else bias.float()).to(x.dtype)
-    bias = None if bias is None else bias.to(weight.dtype)
-    return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
-
-
-DENSE_NATIVE_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 64}  # dense_linear's native rows, by weight dtype
 
 
 from baige.kernels.cpu.info import (  # noqa: E402  (what the native CPU library runs on here)
@@ -491,7 +436,7 @@ from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pag
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "argmax", "fp16_weight_linear", "dense_linear", "DENSE_NATIVE_MAX_ROWS", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
+    "argmax", "fp16_weight_linear", "dense_linear", "few_rows_linear", "FEW_ROWS", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "NATIVE_ATTENTION_MAX_BYTES", "to_weight_arena", "zeroed_pages", "keep_freed_heap",
     "dequantize_weight", "expand_groups", "unpack_int4",

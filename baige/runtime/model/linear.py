@@ -17,12 +17,12 @@ from baige import kernels
 
 def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``mod(x)`` for x (..., in) -> (..., out); the native kernel when ``mod`` is exactly ``nn.Linear``
-    without hooks, on the CPU, autograd off, at most ``kernels.DENSE_NATIVE_MAX_ROWS[weight dtype]`` rows
+    without hooks, on the CPU, autograd off, at most ``kernels.FEW_ROWS[weight dtype]`` rows
     of x (same values up to fp32 summation order; bf16 rows are rounded once, as torch's bf16 linear)."""
     if type(mod) is nn.Linear and x.device.type == "cpu" and not torch.is_grad_enabled() \
             and not (mod._forward_hooks or mod._forward_pre_hooks):
         w = mod.weight
         rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= kernels.DENSE_NATIVE_MAX_ROWS.get(w.dtype, 0) and x.dtype in (torch.float32, w.dtype):
-            return kernels.dense_linear(x.reshape(rows, x.shape[-1]), w, mod.bias).view(*x.shape[:-1], w.shape[0])
+        if rows <= kernels.FEW_ROWS.get(w.dtype, 0) and x.dtype in (torch.float32, w.dtype):
+            return kernels.few_rows_linear(x.reshape(rows, x.shape[-1]), w, mod.bias).view(*x.shape[:-1], w.shape[0])
     return mod(x)
