@@ -427,6 +427,7 @@ from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS
 from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers
 from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc
 from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
+from baige.kernels.cpu.decode import MoEDesc as DecodeMoEDesc
 # Above this many bytes of K + V per KV head a row's context streams too much for one-row-per-token attention.
 from baige.kernels.cpu.ops import PREFILL_NATIVE_MAX_BYTES as NATIVE_ATTENTION_MAX_BYTES  # noqa: E402
 # Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
@@ -438,7 +439,7 @@ from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int
 __all__ += [
     "argmax", "fp16_weight_linear", "dense_linear", "few_rows_linear", "FEW_ROWS", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
-    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "NATIVE_ATTENTION_MAX_BYTES", "to_weight_arena", "zeroed_pages", "keep_freed_heap",
+    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "DecodeMoEDesc", "NATIVE_ATTENTION_MAX_BYTES", "to_weight_arena", "zeroed_pages", "keep_freed_heap",
     "dequantize_weight", "expand_groups", "unpack_int4",
     "backend", "check_startup", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",
 ]

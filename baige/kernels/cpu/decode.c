@@ -80,6 +80,23 @@ typedef struct {
     float *x, *t, *y;    /* (M, width), (M, rank), (M, width) */
 } lora_scratch;
 
+/* A Mixture-of-Experts MLP (baige/runtime/model/moe.py's SparseMoeBlock): router logits (fp32 weight),
+ * softmax, the top_k experts by probability (+ correction_bias for selection only, ERNIE-4.5), their
+ * probabilities as weights (renormalized to sum 1, the sum floored at norm_min, when renormalize), the
+ * routed experts' SwiGLU MLPs grouped by expert (each expert's weights read once per step for all its
+ * tokens, tokens in order; kernels/reference.py fused_moe's grouping and combine order), then the
+ * shared expert(s): out += [sigmoid(shared_gate x) *] down(silu(gate x) * up x). */
+typedef struct {
+    int64_t num_experts, top_k, renormalize, inter, shared_inter;  /* shared_inter 0: no shared expert */
+    float norm_min;
+    const float *correction_bias;          /* (num_experts) fp32, or NULL */
+    baige_linear router;                   /* (num_experts, hidden), fp32 */
+    baige_linear gate_up, down;            /* expert 0's (2 inter, hidden) and (hidden, inter), fp32 or bf16;
+                                              expert e's follow at e * n * k elements */
+    baige_linear shared_gate_proj, shared_up, shared_down;  /* the shared SwiGLU */
+    baige_linear shared_gate;              /* (1, hidden): sigmoid scale of the shared output, or n == 0 */
+} baige_moe;
+
 typedef struct {
     baige_linear q, k, v, o, gate, up, down;
     const float *input_norm, *post_norm;  /* (hidden) */
@@ -87,6 +104,7 @@ typedef struct {
     void *k_cache, *v_cache;              /* (hk, num_blocks, block_size, head_dim), fp32, fp16 or bf16 */
     baige_linear qkv, gate_up;            /* q|k|v and gate|up read as one weight each (output columns in that
                                              order), or n == 0: the members one by one (decode.py's _joined) */
+    const baige_moe *moe;                 /* a Mixture-of-Experts MLP instead of gate/up/down, or NULL */
 } baige_layer;
 
 /* y += the LoRA term of every token that has an adapter (module docstring): per adapter present,
@@ -136,6 +154,88 @@ static int linear(const baige_linear *l, const float *x, int64_t M, float *y, co
     else
         baige_linear_f32(x, M, l->k, l->k, l->w, l->n, l->ldw, NULL, l->bias, y, l->n, nthreads);
     if (l->lora_a && s->ids) lora_add(l, x, M, y, s, nthreads);
+    return rc;
+}
+
+/* out (M, hidden) = the MoE MLP (baige_moe) of x (M, hidden). Returns 0, or -1 when scratch memory cannot
+ * be allocated or a projection fails (out is then unspecified). */
+static int moe_mlp(const baige_moe *e, const float *x, int64_t M, int64_t hidden, float *out, const lora_scratch *sp,
+                   int nthreads) {
+    const int64_t E = e->num_experts, K = e->top_k, I = e->inter, S = e->shared_inter;
+    const int64_t wide = 2 * I > 2 * S ? 2 * I : 2 * S;
+    float *logits = malloc(sizeof(float) * (size_t)(M * E + M * K + M * hidden + M * wide + M * (I > S ? I : S)
+                                                    + M * hidden + M));
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(M * K + M));
+    if (!logits || !ids) {
+        free(logits);
+        free(ids);
+        return -1;
+    }
+    float *wts = logits + M * E, *xs = wts + M * K, *gu = xs + M * hidden, *act = gu + M * wide;
+    float *y = act + M * (I > S ? I : S), *sg = y + M * hidden;
+    int64_t *rows = ids + M * K;
+    int rc = linear(&e->router, x, M, logits, sp, nthreads);
+    for (int64_t m = 0; m < M && rc == 0; m++) {  /* softmax, top-k (first index on ties), weights */
+        float *p = logits + m * E, mx = p[0], sum = 0.0f;
+        for (int64_t j = 1; j < E; j++) mx = p[j] > mx ? p[j] : mx;
+        for (int64_t j = 0; j < E; j++) sum += (p[j] = expf(p[j] - mx));
+        for (int64_t j = 0; j < E; j++) p[j] /= sum;
+        float wsum = 0.0f;
+        for (int64_t t = 0; t < K; t++) {
+            int64_t best = -1;
+            float bs = 0.0f;
+            for (int64_t j = 0; j < E; j++) {
+                int taken = 0;
+                for (int64_t u = 0; u < t; u++) taken |= ids[m * K + u] == j;
+                const float sc = p[j] + (e->correction_bias ? e->correction_bias[j] : 0.0f);
+                if (!taken && (best < 0 || sc > bs)) { best = j; bs = sc; }
+            }
+            ids[m * K + t] = best;
+            wsum += (wts[m * K + t] = p[best]);
+        }
+        if (e->renormalize) {
+            const float den = wsum > e->norm_min ? wsum : e->norm_min;
+            for (int64_t t = 0; t < K; t++) wts[m * K + t] /= den;
+        }
+    }
+    for (int64_t j = 0; j < M * hidden; j++) out[j] = 0.0f;
+    const size_t es13 = e->gate_up.kind == BAIGE_BF16 ? 2 : 4, es2 = e->down.kind == BAIGE_BF16 ? 2 : 4;
+    for (int64_t ex = 0; ex < E && rc == 0; ex++) {  /* each expert once, its tokens in order */
+        int64_t c = 0;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t t = 0; t < K; t++)
+                if (ids[m * K + t] == ex) {
+                    rows[c] = m;
+                    sg[c++] = wts[m * K + t];
+                    memcpy(xs + (c - 1) * hidden, x + m * hidden, sizeof(float) * (size_t)hidden);
+                }
+        if (!c) continue;
+        baige_linear w13 = e->gate_up, w2 = e->down;
+        w13.w = (const char *)w13.w + (size_t)ex * (size_t)(w13.n * w13.k) * es13;
+        w2.w = (const char *)w2.w + (size_t)ex * (size_t)(w2.n * w2.k) * es2;
+        if ((rc = linear(&w13, xs, c, gu, sp, nthreads))) break;
+        for (int64_t i = 0; i < c; i++) baige_silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I, act + i * I);
+        if ((rc = linear(&w2, act, c, y, sp, nthreads))) break;
+        for (int64_t i = 0; i < c; i++) {
+            float *o = out + rows[i] * hidden;
+            const float *yi = y + i * hidden;
+            for (int64_t j = 0; j < hidden; j++) o[j] += yi[j] * sg[i];
+        }
+    }
+    if (S && rc == 0) {
+        rc = linear(&e->shared_gate_proj, x, M, gu, sp, nthreads) | linear(&e->shared_up, x, M, gu + M * S, sp, nthreads);
+        if (rc == 0) {
+            baige_silu_mul(gu, gu + M * S, M * S, act);
+            rc = linear(&e->shared_down, act, M, y, sp, nthreads);
+        }
+        if (rc == 0 && e->shared_gate.n) rc = linear(&e->shared_gate, x, M, sg, sp, nthreads);
+        for (int64_t m = 0; m < M && rc == 0; m++) {
+            const float g = e->shared_gate.n ? 1.0f / (1.0f + expf(-sg[m])) : 1.0f;
+            for (int64_t j = 0; j < hidden; j++) out[m * hidden + j] += g * y[m * hidden + j];
+        }
+    }
+    free(logits);
+    free(ids);
     return rc;
 }
 
@@ -211,7 +311,9 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
                                           lens, scale, attn, kv_dtype, nthreads);
         if (rc || (rc = linear(&L->o, attn, M, o, sp, nthreads))) break;
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */
-        if (L->gate_up.n) {  /* one read of both weights; token m's gate and up are row m's two halves */
+        if (L->moe) {
+            if ((rc = moe_mlp(L->moe, normed, M, hidden, o, sp, nthreads))) break;
+        } else if (L->gate_up.n) {  /* one read of both weights; token m's gate and up are row m's two halves */
             if ((rc = linear(&L->gate_up, normed, M, joined, sp, nthreads))) break;
             for (int64_t m = 0; m < M; m++)
                 baige_silu_mul(joined + 2 * m * inter, joined + (2 * m + 1) * inter, inter, g + m * inter);
@@ -220,7 +322,7 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
             if (rc) break;
             baige_silu_mul(g, u, M * inter, g);
         }
-        if ((rc = linear(&L->down, g, M, o, sp, nthreads))) break;
+        if (!L->moe && (rc = linear(&L->down, g, M, o, sp, nthreads))) break;
         for (int64_t j = 0; j < M * hidden; j++) h[j] = h[j] + o[j];
     }
     free(buf);

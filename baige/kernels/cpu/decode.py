@@ -32,10 +32,17 @@ class _Linear(ctypes.Structure):
                 ("scaled_zero", _p), ("act_passes", _i64), ("scale_bf16", _i64)]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("num_experts", _i64), ("top_k", _i64), ("renormalize", _i64), ("inter", _i64),
+                ("shared_inter", _i64), ("norm_min", ctypes.c_float), ("correction_bias", _p)] + [
+        (name, _Linear) for name in ("router", "gate_up", "down", "shared_gate_proj", "shared_up", "shared_down",
+                                     "shared_gate")]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _Linear) for name in PROJECTIONS] + [
         ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p), ("v_cache", _p)] + [
-        (name, _Linear) for name in JOINED]
+        (name, _Linear) for name in JOINED] + [("moe", ctypes.POINTER(_Moe))]
 
 
 @dataclass
@@ -70,18 +77,40 @@ class LinearDesc:
 
 
 @dataclass
-class LayerDesc:
-    """One decoder layer: seven projections (``PROJECTIONS`` order), fp32 norm weights (hidden,)
-    or (head_dim,) for q/k norms, and this layer's K/V pools (n_kv_heads, num_blocks, block_size, head_dim),
-    fp32, fp16 or bf16 (every layer's the same dtype)."""
+class MoEDesc:
+    """A Mixture-of-Experts MLP (decode.c's baige_moe; the model's SparseMoeBlock): ``router`` fp32 (E, hidden);
+    ``gate_up`` (E, 2 inter, hidden) and ``down`` (E, hidden, inter), both fp32 or both bf16, contiguous;
+    ``top_k`` experts by softmax probability (+ ``correction_bias`` fp32 (E,) for the choice only), weighted by
+    their probabilities, renormalized (sum floored at ``norm_min``) when ``renormalize``; ``shared``: the
+    shared SwiGLU's (gate, up, down) projections or None, ``shared_gate``: its (1, hidden) sigmoid gate or
+    None."""
 
-    linears: list[LinearDesc]
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    renormalize: bool
+    norm_min: float = 0.0
+    correction_bias: torch.Tensor | None = None
+    shared: tuple[LinearDesc, LinearDesc, LinearDesc] | None = None
+    shared_gate: LinearDesc | None = None
+
+
+@dataclass
+class LayerDesc:
+    """One decoder layer: seven projections (``PROJECTIONS`` order; with ``moe`` the last three are None),
+    fp32 norm weights (hidden,) or (head_dim,) for q/k norms, this layer's K/V pools (n_kv_heads,
+    num_blocks, block_size, head_dim), fp32, fp16 or bf16 (every layer's the same dtype), and a
+    Mixture-of-Experts MLP in place of gate/up/down, or None."""
+
+    linears: list[LinearDesc | None]
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    moe: MoEDesc | None = None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -108,17 +137,22 @@ class DecodeLayers:
 
     def __init__(self, layers: list[LayerDesc], dims: tuple[int, ...], eps: float, scale: float, join: bool = True):
         self._keep: list[torch.Tensor] = []
+        self._keep_structs: list[_Moe] = []  # the MoE structs the table points to
         self._table = (_Layer * len(layers))()
         kinds: set[int] = set()
         for i, desc in enumerate(layers):
             row = self._table[i]
             for name, members in JOINED.items():  # before the members: their repacked tiles become views
-                joined = self._joined([desc.linears[j] for j in members]) if join else None
+                ds = [desc.linears[j] for j in members]
+                joined = self._joined(ds) if join and None not in ds else None
                 if joined is not None:
                     setattr(row, name, joined)
             for name, lin in zip(PROJECTIONS, desc.linears):
-                setattr(row, name, self._linear(lin))
-                kinds.add(getattr(row, name).kind)
+                if lin is not None:
+                    setattr(row, name, self._linear(lin))
+                    kinds.add(getattr(row, name).kind)
+            if desc.moe is not None:
+                row.moe = ctypes.pointer(self._moe(desc.moe, kinds))
             row.input_norm, row.post_norm = _ptr(desc.input_norm), _ptr(desc.post_norm)
             row.q_norm, row.k_norm = _ptr(desc.q_norm), _ptr(desc.k_norm)
             row.k_cache, row.v_cache = _ptr(desc.k_cache), _ptr(desc.v_cache)
@@ -129,6 +163,28 @@ class DecodeLayers:
         self.blocked = kinds <= {LINEAR_BF16, _INT8_DOT, _INT4_DOT}
         self._kv_dtype = kv_dtype_code(layers[0].k_cache.dtype)
         self._num_blocks, self._block_size = layers[0].k_cache.shape[1], layers[0].k_cache.shape[2]
+
+    def _moe(self, d: MoEDesc, kinds: set[int]) -> _Moe:
+        """The C struct of one MoE MLP (kept referenced with its tensors); adds the experts' kinds to ``kinds``."""
+        m = _Moe()
+        E, two_i, hidden = d.gate_up.shape
+        m.num_experts, m.top_k, m.renormalize, m.inter = E, d.top_k, int(d.renormalize), two_i // 2
+        m.norm_min, m.correction_bias = d.norm_min, _ptr(d.correction_bias)
+        m.router = self._linear(LinearDesc(LINEAR_F32, E, hidden, d.router))
+        kind = LINEAR_BF16 if d.gate_up.dtype == torch.bfloat16 else LINEAR_F32
+        m.gate_up = self._linear(LinearDesc(kind, two_i, hidden, d.gate_up[0]))
+        m.down = self._linear(LinearDesc(kind, hidden, two_i // 2, d.down[0]))
+        kinds.add(kind)
+        if d.shared is not None:
+            m.shared_inter = d.shared[0].n
+            for name, lin in zip(("shared_gate_proj", "shared_up", "shared_down"), d.shared):
+                setattr(m, name, self._linear(lin))
+                kinds.add(getattr(m, name).kind)
+        if d.shared_gate is not None:
+            m.shared_gate = self._linear(d.shared_gate)
+        self._keep += [t for t in (d.router, d.gate_up, d.down, d.correction_bias) if t is not None]
+        self._keep_structs.append(m)
+        return m
 
     def _joined(self, ds: list[LinearDesc]) -> _Linear | None:
         """One projection computing every member of ``ds`` (same input) into consecutive output columns,

@@ -92,6 +92,8 @@ class FusedDecoder:
         if dtype not in (torch.float32, torch.bfloat16):
             return None, f"the model is {dtype}, not fp32 or bf16"
         for name, t in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):  # ERNIE-4.5's routing bias is fp32 in every model dtype
+                continue
             if t.device.type != "cpu" or t.dtype != dtype:
                 return None, f"{name} is {t.dtype} on {t.device.type}, not {dtype} on the CPU"
         if kv.k[0].device.type != "cpu" or kv.k[0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -101,23 +103,29 @@ class FusedDecoder:
         descs = []
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
-            if isinstance(m, SparseMoeBlock):
-                return None, f"layer {i} is a Mixture-of-Experts layer (the native step is dense only)"
             if a.rope_perm is not None:
                 return None, "interleaved RoPE (the native step rotates half-split pairs)"
-            mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            moe = None
+            if isinstance(m, SparseMoeBlock):
+                moe, why = _describe_moe(m)
+                if moe is None:
+                    return None, f"layer {i} Mixture-of-Experts: {why}"
+                mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            else:
+                mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
             linears = []
             for name, mod in zip(kernels.DECODE_PROJECTIONS, mods):
                 lin, why = _describe(mod)
                 if lin is None:
                     return None, f"layer {i} {name}_proj: {why}"
                 linears.append(lin)
+            linears += [None] * (len(kernels.DECODE_PROJECTIONS) - len(linears))
             if not (kv.k[i].is_contiguous() and kv.v[i].is_contiguous()):
                 return None, "a KV pool is not contiguous"
             descs.append(kernels.DecodeLayerDesc(
                 linears, _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
                 _f32(a.q_norm.weight) if a.q_norm is not None else None,
-                _f32(a.k_norm.weight) if a.k_norm is not None else None, kv.k[i], kv.v[i]))
+                _f32(a.k_norm.weight) if a.k_norm is not None else None, kv.k[i], kv.v[i], moe))
         head = model.lm_head
         if type(head) is nn.Linear and head.weight.dtype in (torch.float32, torch.bfloat16):
             _to_arena(head.weight)  # read right after the last layer (logits)
@@ -228,6 +236,33 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
         if a.dtype != torch.float32 or b.dtype != torch.float32:
             return None, f"its LoRA stack is {a.dtype}, not fp32"
         desc.lora_a, desc.lora_b, desc.lora_scale = a.contiguous(), b.contiguous(), scale.float().contiguous()
+    return desc, ""
+
+
+def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]:
+    """The kernel's description of a sparse MoE block (router in fp32, the stacked experts' fp32 / bf16
+    weights read in place, the shared expert's projections), or (None, why not)."""
+    gate_up, down = getattr(m.experts, "gate_up_proj", None), getattr(m.experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return None, f"its experts ({type(m.experts).__name__}) are not stacked fp32 / bf16 weights"
+    if gate_up.dtype not in (torch.float32, torch.bfloat16) or not (gate_up.is_contiguous() and down.is_contiguous()):
+        return None, "the stacked experts are not contiguous fp32 / bf16"
+    bias = m.moe_statics.e_score_correction_bias[0] if m.moe_statics is not None else None
+    desc = kernels.DecodeMoEDesc(_f32(m.gate.weight), _to_arena(gate_up).detach(), _to_arena(down).detach(), m.top_k,
+                                 m.renormalize, float(m.norm_min), None if bias is None else _f32(bias))
+    shared = m.shared_expert if m.shared_expert is not None else m.shared_experts
+    if shared is not None:
+        parts = []
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin, why = _describe(getattr(shared, name))
+            if lin is None:
+                return None, f"shared expert {name}: {why}"
+            parts.append(lin)
+        desc.shared = tuple(parts)
+    if m.shared_expert_gate is not None:
+        desc.shared_gate, why = _describe(m.shared_expert_gate)
+        if desc.shared_gate is None:
+            return None, f"shared_expert_gate: {why}"
     return desc, ""
 
 
