@@ -1,7 +1,7 @@
 """The native decode step's Mixture-of-Experts MLP (decode.c moe_mlp, cpu_decode._describe_moe) against
 the per-op module path: every MoE family of the tiny checkpoints (softmax top-k with and without
 renormalisation, a gated shared expert, ERNIE-4.5's selection bias, norm floor and ungated shared experts),
-fp32 and bf16, and what keeps a MoE model on the per-op path."""
+fp32 and bf16, ERNIE-4.5's interleaved RoPE, and what keeps a MoE model on the per-op path."""
 
 import pytest
 import torch
@@ -13,14 +13,6 @@ from baige.runtime.quant.scheme import QuantScheme
 from baige.runtime.weights.loader import load_model
 from tests.infer.test_cpu_decode import BS, CTX, _bf16_step, _check, _native, _step_inputs  # noqa: F401  (fixture)
 from tests.tiny import MOE_VARIANTS, make_checkpoint
-
-
-def _half_split_rope(model):
-    """ERNIE-4.5 rotates interleaved pairs, which the native step does not: rotate half-split pairs on both
-    paths instead (the MoE MLP is what is under test)."""
-    for layer in model.model.layers:
-        layer.self_attn.rope_perm = None
-    return model
 
 
 def _selection_bias(model, seed=0):
@@ -35,7 +27,8 @@ def _selection_bias(model, seed=0):
 
 @pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
 def test_native_moe_step_matches_the_module_path(tmp_path, monkeypatch, variant):
-    model = _selection_bias(_half_split_rope(load_model(make_checkpoint(tmp_path / variant, variant), "float32")))
+    """ERNIE-4.5 with its interleaved RoPE (permuted q/k copies in the native step)."""
+    model = _selection_bias(load_model(make_checkpoint(tmp_path / variant, variant), "float32"))
     kv, *_ = _step_inputs(model)
     fused, why = FusedDecoder.build(model, kv)
     assert fused is not None and why == ""
@@ -43,7 +36,7 @@ def test_native_moe_step_matches_the_module_path(tmp_path, monkeypatch, variant)
     _check(model, monkeypatch)
 
 
-@pytest.mark.parametrize("variant", ["qwen2-moe-shared", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen2-moe-shared", "mixtral", "ernie4.5-moe"])
 def test_native_moe_step_bf16(tmp_path, monkeypatch, variant):
     """bf16 experts through bf16.c with fp32 activations: at least as close to an fp64 oracle (same bf16
     weights) as torch's per-op bf16 path (the 2x rule), as for dense bf16 models."""
@@ -53,6 +46,15 @@ def test_native_moe_step_bf16(tmp_path, monkeypatch, variant):
     per_op = _bf16_step(bf16, torch.bfloat16, monkeypatch, "per-op").double()
     fused = _bf16_step(bf16, torch.bfloat16, monkeypatch, "fused").double()
     assert (fused - oracle).abs().max() <= 2 * (per_op - oracle).abs().max() + 1e-6
+
+
+def test_interleaved_rope_with_quantized_q_k_keeps_the_per_op_path(tmp_path):
+    model = load_model(make_checkpoint(tmp_path / "e", "ernie4.5-moe"), "float32")
+    assert model.model.layers[0].self_attn.rope_perm is not None
+    quantize_model(model, QuantScheme(8, None), ignore=["lm_head"])
+    kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
+    assert FusedDecoder.build(model, kv) == (
+        None, "layer 0: interleaved RoPE takes the native step with plain fp32 / bf16 q and k projections only")
 
 
 def test_quantized_experts_keep_the_per_op_path(tmp_path):

@@ -12,10 +12,13 @@ remains the reference (``BAIGE_KERNELS=reference`` or ``BAIGE_CPU_DECODE=0`` sel
 results agree up to accumulation order and SiLU's ``exp`` (tests/infer/test_cpu_decode.py).
 
 What makes a model eligible (:meth:`FusedDecoder.build` says which check failed): every floating
-parameter on the CPU in one dtype, fp32 or bf16; each layer's seven projections an ``nn.Linear`` of
-that dtype, ``Fp16WeightLinear`` (``--quantization fp16-weight``) or ``QuantizedLinear`` (int8 per
-channel, or int4 with ``in_features`` and ``group_size`` multiples of 8); contiguous fp32, fp16 or
-bf16 KV pools (``kv_cache_dtype``); and the native library built.
+parameter on the CPU in one dtype, fp32 or bf16 (ERNIE-4.5's fp32 routing bias aside); each layer's seven
+projections an ``nn.Linear`` of that dtype, ``Fp16WeightLinear`` (``--quantization fp16-weight``) or
+``QuantizedLinear`` (int8 per channel, or int4 with ``in_features`` and ``group_size`` multiples of 8) --
+or, in a Mixture-of-Experts layer, its attention projections so and a ``SparseMoeBlock`` whose experts are
+the stacked fp32 / bf16 weights (not quantized) and whose shared expert's projections are eligible
+(:func:`_describe_moe`; the router runs in fp32); under interleaved RoPE (ERNIE-4.5) plain fp32 / bf16
+q and k projections (read as permuted copies, :func:`_head_dims_permuted`); contiguous fp32, fp16 or bf16 KV pools (``kv_cache_dtype``); and the native library built.
 
 Under a bf16 model the step keeps activations and the residual stream in fp32 (the kernel's only
 activation dtype): bf16 weights are read as they are (vdpbf16ps over bf16-rounded activations on
@@ -103,8 +106,6 @@ class FusedDecoder:
         descs = []
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
-            if a.rope_perm is not None:
-                return None, "interleaved RoPE (the native step rotates half-split pairs)"
             moe = None
             if isinstance(m, SparseMoeBlock):
                 moe, why = _describe_moe(m)
@@ -120,12 +121,20 @@ class FusedDecoder:
                     return None, f"layer {i} {name}_proj: {why}"
                 linears.append(lin)
             linears += [None] * (len(kernels.DECODE_PROJECTIONS) - len(linears))
+            norms = [_f32(n.weight) if n is not None else None for n in (a.q_norm, a.k_norm)]
+            if a.rope_perm is not None:  # interleaved RoPE: q and k computed in the permuted order, as below
+                perm = torch.tensor(a.rope_perm)
+                for j, heads in ((0, a.n_heads), (1, a.n_kv_heads)):
+                    linears[j] = _head_dims_permuted(linears[j], perm, heads)
+                    if linears[j] is None:
+                        return None, (f"layer {i}: interleaved RoPE takes the native step with plain fp32 / bf16 "
+                                      "q and k projections only")
+                norms = [None if w is None else w[perm].contiguous() for w in norms]
             if not (kv.k[i].is_contiguous() and kv.v[i].is_contiguous()):
                 return None, "a KV pool is not contiguous"
             descs.append(kernels.DecodeLayerDesc(
                 linears, _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
-                _f32(a.q_norm.weight) if a.q_norm is not None else None,
-                _f32(a.k_norm.weight) if a.k_norm is not None else None, kv.k[i], kv.v[i], moe))
+                *norms, kv.k[i], kv.v[i], moe))
         head = model.lm_head
         if type(head) is nn.Linear and head.weight.dtype in (torch.float32, torch.bfloat16):
             _to_arena(head.weight)  # read right after the last layer (logits)
@@ -237,6 +246,23 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
             return None, f"its LoRA stack is {a.dtype}, not fp32"
         desc.lora_a, desc.lora_b, desc.lora_scale = a.contiguous(), b.contiguous(), scale.float().contiguous()
     return desc, ""
+
+
+def _head_dims_permuted(d: kernels.DecodeLinearDesc, perm: torch.Tensor, heads: int
+                        ) -> kernels.DecodeLinearDesc | None:
+    """A copy of the fp32 / bf16 projection ``d`` whose output rows are each head's dims in ``perm`` order
+    (row h * D + i of the copy = row h * D + perm[i]), or None for other kinds or with LoRA. Interleaved
+    RoPE (ERNIE-4.5) is half-split RoPE on q and k permuted so (model/transformer.py's ``rope_perm``; q.k
+    is unchanged and the cache holds the permuted keys, as on the per-op path), so the native step reads
+    q and k projections permuted once at build (one more copy of those two weights)."""
+    if d.kind not in (kernels.LINEAR_F32, kernels.LINEAR_BF16) or d.lora_a is not None:
+        return None
+    D = perm.numel()
+    w = d.w.detach().view(heads, D, d.k)[:, perm].reshape(d.n, d.k)
+    out = kernels.DecodeLinearDesc(d.kind, d.n, d.k, kernels.to_weight_arena(w))
+    if d.bias is not None:
+        out.bias = d.bias.view(heads, D)[:, perm].reshape(-1).contiguous()
+    return out
 
 
 def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]:
