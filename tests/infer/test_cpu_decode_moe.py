@@ -9,7 +9,9 @@ import torch
 from baige.runtime.infer.cpu_decode import FusedDecoder
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.quant.apply import quantize_model
+from baige.runtime.quant.experts import QuantizedExperts
 from baige.runtime.quant.scheme import QuantScheme
+from baige.runtime.settings import reload_settings
 from baige.runtime.weights.loader import load_model
 from tests.infer.test_cpu_decode import BS, CTX, _bf16_step, _check, _native, _step_inputs  # noqa: F401  (fixture)
 from tests.tiny import MOE_VARIANTS, make_checkpoint
@@ -57,9 +59,18 @@ def test_interleaved_rope_with_quantized_q_k_keeps_the_per_op_path(tmp_path):
         None, "layer 0: interleaved RoPE takes the native step with plain fp32 / bf16 q and k projections only")
 
 
-def test_quantized_experts_keep_the_per_op_path(tmp_path):
-    model = load_model(make_checkpoint(tmp_path / "m", "mixtral"), "float32")
-    quantize_model(model, QuantScheme(8, None), ignore=["lm_head"])
-    kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
-    fused, why = FusedDecoder.build(model, kv)
-    assert fused is None and why.startswith("layer 0 Mixture-of-Experts: its experts (QuantizedExperts)")
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe-shared"])
+@pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32)], ids=["int8", "int4-g32"])
+@pytest.mark.parametrize("int_dot", [False, True], ids=["exact", "int-dot"])
+def test_native_moe_step_quantized_experts(tmp_path, monkeypatch, variant, scheme, int_dot):
+    """Quantized experts (per-expert QuantizedLinear, the router kept float) in the native step: the exact
+    kernels against the PyTorch reference, the integer-dot ones against the per-op path calling them.
+    Expert widths 40 / 48 (int4 needs in_features % 8 == 0; g32 leaves a partial group)."""
+    monkeypatch.setenv("BAIGE_CPU_INT_DOT", "1" if int_dot else "0")
+    reload_settings()
+    width = {"mixtral": dict(intermediate_size=48), "qwen2-moe-shared": dict(moe_intermediate_size=40)}[variant]
+    model = load_model(make_checkpoint(tmp_path / variant, variant, **width), "float32")
+    quantize_model(model, scheme, ignore=["lm_head"])
+    assert any(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.model.layers
+               if hasattr(layer.mlp, "experts"))
+    _check(model, monkeypatch, against="native" if int_dot else "reference")

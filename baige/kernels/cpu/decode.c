@@ -95,6 +95,8 @@ typedef struct {
                                               expert e's follow at e * n * k elements */
     baige_linear shared_gate_proj, shared_up, shared_down;  /* the shared SwiGLU */
     baige_linear shared_gate;              /* (1, hidden): sigmoid scale of the shared output, or n == 0 */
+    const baige_linear *experts;           /* NULL, or 3 per expert (gate, up, down: e.g. quantized experts),
+                                              read instead of the stacked gate_up / down */
 } baige_moe;
 
 typedef struct {
@@ -210,12 +212,19 @@ static int moe_mlp(const baige_moe *e, const float *x, int64_t M, int64_t hidden
                     memcpy(xs + (c - 1) * hidden, x + m * hidden, sizeof(float) * (size_t)hidden);
                 }
         if (!c) continue;
-        baige_linear w13 = e->gate_up, w2 = e->down;
-        w13.w = (const char *)w13.w + (size_t)ex * (size_t)(w13.n * w13.k) * es13;
-        w2.w = (const char *)w2.w + (size_t)ex * (size_t)(w2.n * w2.k) * es2;
-        if ((rc = linear(&w13, xs, c, gu, sp, nthreads))) break;
-        for (int64_t i = 0; i < c; i++) baige_silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I, act + i * I);
-        if ((rc = linear(&w2, act, c, y, sp, nthreads))) break;
+        if (e->experts) {  /* gate (c, I), then up (c, I) */
+            const baige_linear *l3 = e->experts + 3 * ex;
+            if ((rc = linear(&l3[0], xs, c, gu, sp, nthreads) | linear(&l3[1], xs, c, gu + c * I, sp, nthreads))) break;
+            baige_silu_mul(gu, gu + c * I, c * I, act);
+            if ((rc = linear(&l3[2], act, c, y, sp, nthreads))) break;
+        } else {  /* stacked: row i holds gate | up */
+            baige_linear w13 = e->gate_up, w2 = e->down;
+            w13.w = (const char *)w13.w + (size_t)ex * (size_t)(w13.n * w13.k) * es13;
+            w2.w = (const char *)w2.w + (size_t)ex * (size_t)(w2.n * w2.k) * es2;
+            if ((rc = linear(&w13, xs, c, gu, sp, nthreads))) break;
+            for (int64_t i = 0; i < c; i++) baige_silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I, act + i * I);
+            if ((rc = linear(&w2, act, c, y, sp, nthreads))) break;
+        }
         for (int64_t i = 0; i < c; i++) {
             float *o = out + rows[i] * hidden;
             const float *yi = y + i * hidden;

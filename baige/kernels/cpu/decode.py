@@ -36,7 +36,7 @@ class _Moe(ctypes.Structure):
     _fields_ = [("num_experts", _i64), ("top_k", _i64), ("renormalize", _i64), ("inter", _i64),
                 ("shared_inter", _i64), ("norm_min", ctypes.c_float), ("correction_bias", _p)] + [
         (name, _Linear) for name in ("router", "gate_up", "down", "shared_gate_proj", "shared_up", "shared_down",
-                                     "shared_gate")]
+                                     "shared_gate")] + [("experts", ctypes.POINTER(_Linear))]
 
 
 class _Layer(ctypes.Structure):
@@ -83,17 +83,19 @@ class MoEDesc:
     ``top_k`` experts by softmax probability (+ ``correction_bias`` fp32 (E,) for the choice only), weighted by
     their probabilities, renormalized (sum floored at ``norm_min``) when ``renormalize``; ``shared``: the
     shared SwiGLU's (gate, up, down) projections or None, ``shared_gate``: its (1, hidden) sigmoid gate or
-    None."""
+    None. ``experts``: instead of the stacks (``gate_up`` and ``down`` None), per expert its (gate, up, down)
+    projections (any kind, e.g. int8 / int4 quantized experts)."""
 
     router: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
     top_k: int
     renormalize: bool
     norm_min: float = 0.0
     correction_bias: torch.Tensor | None = None
     shared: tuple[LinearDesc, LinearDesc, LinearDesc] | None = None
     shared_gate: LinearDesc | None = None
+    experts: list[tuple[LinearDesc, LinearDesc, LinearDesc]] | None = None
 
 
 @dataclass
@@ -137,7 +139,7 @@ class DecodeLayers:
 
     def __init__(self, layers: list[LayerDesc], dims: tuple[int, ...], eps: float, scale: float, join: bool = True):
         self._keep: list[torch.Tensor] = []
-        self._keep_structs: list[_Moe] = []  # the MoE structs the table points to
+        self._keep_structs: list = []  # the MoE structs (and per-expert tables) the table points to
         self._table = (_Layer * len(layers))()
         kinds: set[int] = set()
         for i, desc in enumerate(layers):
@@ -167,14 +169,22 @@ class DecodeLayers:
     def _moe(self, d: MoEDesc, kinds: set[int]) -> _Moe:
         """The C struct of one MoE MLP (kept referenced with its tensors); adds the experts' kinds to ``kinds``."""
         m = _Moe()
-        E, two_i, hidden = d.gate_up.shape
-        m.num_experts, m.top_k, m.renormalize, m.inter = E, d.top_k, int(d.renormalize), two_i // 2
+        E, hidden = d.router.shape
+        m.num_experts, m.top_k, m.renormalize = E, d.top_k, int(d.renormalize)
         m.norm_min, m.correction_bias = d.norm_min, _ptr(d.correction_bias)
         m.router = self._linear(LinearDesc(LINEAR_F32, E, hidden, d.router))
-        kind = LINEAR_BF16 if d.gate_up.dtype == torch.bfloat16 else LINEAR_F32
-        m.gate_up = self._linear(LinearDesc(kind, two_i, hidden, d.gate_up[0]))
-        m.down = self._linear(LinearDesc(kind, hidden, two_i // 2, d.down[0]))
-        kinds.add(kind)
+        if d.experts is not None:
+            m.inter = d.experts[0][0].n
+            table = (_Linear * (3 * E))(*[self._linear(lin) for trio in d.experts for lin in trio])
+            kinds.update(lin.kind for lin in table)
+            m.experts = ctypes.cast(table, ctypes.POINTER(_Linear))
+            self._keep_structs.append(table)
+        else:
+            m.inter = d.gate_up.shape[1] // 2
+            kind = LINEAR_BF16 if d.gate_up.dtype == torch.bfloat16 else LINEAR_F32
+            m.gate_up = self._linear(LinearDesc(kind, 2 * m.inter, hidden, d.gate_up[0]))
+            m.down = self._linear(LinearDesc(kind, hidden, m.inter, d.down[0]))
+            kinds.add(kind)
         if d.shared is not None:
             m.shared_inter = d.shared[0].n
             for name, lin in zip(("shared_gate_proj", "shared_up", "shared_down"), d.shared):

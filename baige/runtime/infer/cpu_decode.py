@@ -15,9 +15,9 @@ What makes a model eligible (:meth:`FusedDecoder.build` says which check failed)
 parameter on the CPU in one dtype, fp32 or bf16 (ERNIE-4.5's fp32 routing bias aside); each layer's seven
 projections an ``nn.Linear`` of that dtype, ``Fp16WeightLinear`` (``--quantization fp16-weight``) or
 ``QuantizedLinear`` (int8 per channel, or int4 with ``in_features`` and ``group_size`` multiples of 8) --
-or, in a Mixture-of-Experts layer, its attention projections so and a ``SparseMoeBlock`` whose experts are
-the stacked fp32 / bf16 weights (not quantized) and whose shared expert's projections are eligible
-(:func:`_describe_moe`; the router runs in fp32); under interleaved RoPE (ERNIE-4.5) plain fp32 / bf16
+or, in a Mixture-of-Experts layer, its attention projections so and a ``SparseMoeBlock`` whose experts
+(stacked fp32 / bf16 weights, or per-expert projections eligible as above: quantized experts) and shared
+expert's projections are eligible (:func:`_describe_moe`; the router runs in fp32); under interleaved RoPE (ERNIE-4.5) plain fp32 / bf16
 q and k projections (read as permuted copies, :func:`_head_dims_permuted`); contiguous fp32, fp16 or bf16 KV pools (``kv_cache_dtype``); and the native library built.
 
 Under a bf16 model the step keeps activations and the residual stream in fp32 (the kernel's only
@@ -43,6 +43,7 @@ from baige import kernels
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.model.transformer import Transformer
+from baige.runtime.quant.experts import QuantizedExperts
 from baige.runtime.quant.fp16_weight import Fp16WeightLinear
 from baige.runtime.quant.linear import QuantizedLinear
 from baige.runtime.settings import settings
@@ -268,14 +269,24 @@ def _head_dims_permuted(d: kernels.DecodeLinearDesc, perm: torch.Tensor, heads: 
 def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]:
     """The kernel's description of a sparse MoE block (router in fp32, the stacked experts' fp32 / bf16
     weights read in place, the shared expert's projections), or (None, why not)."""
-    gate_up, down = getattr(m.experts, "gate_up_proj", None), getattr(m.experts, "down_proj", None)
-    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-        return None, f"its experts ({type(m.experts).__name__}) are not stacked fp32 / bf16 weights"
-    if gate_up.dtype not in (torch.float32, torch.bfloat16) or not (gate_up.is_contiguous() and down.is_contiguous()):
-        return None, "the stacked experts are not contiguous fp32 / bf16"
     bias = m.moe_statics.e_score_correction_bias[0] if m.moe_statics is not None else None
-    desc = kernels.DecodeMoEDesc(_f32(m.gate.weight), _to_arena(gate_up).detach(), _to_arena(down).detach(), m.top_k,
-                                 m.renormalize, float(m.norm_min), None if bias is None else _f32(bias))
+    desc = kernels.DecodeMoEDesc(_f32(m.gate.weight), None, None, m.top_k, m.renormalize, float(m.norm_min),
+                                 None if bias is None else _f32(bias))
+    if isinstance(m.experts, QuantizedExperts):  # per-expert projections (quantized, or float ones kept)
+        desc.experts = []
+        for j, expert in enumerate(m.experts):
+            trio = []
+            for name in expert.names:
+                lin, why = _describe(getattr(expert, name))
+                if lin is None:
+                    return None, f"expert {j} {name}: {why}"
+                trio.append(lin)
+            desc.experts.append(tuple(trio))
+    else:
+        gate_up, down = m.experts.gate_up_proj, m.experts.down_proj
+        if gate_up.dtype not in (torch.float32, torch.bfloat16) or not (gate_up.is_contiguous() and down.is_contiguous()):
+            return None, "the stacked experts are not contiguous fp32 / bf16"
+        desc.gate_up, desc.down = _to_arena(gate_up).detach(), _to_arena(down).detach()
     shared = m.shared_expert if m.shared_expert is not None else m.shared_experts
     if shared is not None:
         parts = []
