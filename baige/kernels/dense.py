@@ -61,7 +61,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ms at 128, slower from 256 rows), a bf16 weight under fp32 or bf16 rows (at most 64: bf16.c, see
     :mod:`baige.kernels.cpu.qlinear`; against torch's bf16 linear, 1 and 2 threads, AMD EPYC Zen 4,
     1536 x 576 and 49152 x 512: 1.9-3.7x faster at 4 rows, 1.25-1.3x at 32, 1.04-1.1x at 64, 0.91-0.96x
-    at 128). Anything else is ``F.linear`` in the weight's dtype.
+    at 128). Anything else is ``F.linear`` in the weight's dtype (a bias is then rounded to it; the native
+    kernel adds an fp32 bias exactly).
 
     Args:
         x: (M, in) float. weight: (out, in). bias: (out,) or None.
@@ -73,7 +74,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     xf = x.float() if x.dim() == 2 and x.shape[0] <= DENSE_NATIVE_MAX_ROWS.get(weight.dtype, 0) \
         and x.dtype in (torch.float32, weight.dtype) else None  # bf16 -> fp32 is exact
     if (xf is not None and weight.device.type == "cpu" and weight.stride(-1) == 1 and qlinear.supports_f16(xf)
-            and (bias is None or bias.is_contiguous())):
+            and not (torch.is_grad_enabled() and weight.requires_grad) and (bias is None or bias.is_contiguous())):
         return qlinear.linear_f16(xf, weight, None if bias is None else bias.float()).to(x.dtype)
     bias = None if bias is None else bias.to(weight.dtype)
     return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)

@@ -437,7 +437,7 @@ def fused_moe(
     # slice, then the weighted combine as one index_add (Megablocks' "dropless" formulation, Gale et
     # al. 2022, arXiv:2211.15841). Without autograd the chain writes in place into one buffer; there
     # ``linear(a (c, in), w (out, in)) -> (c, out)`` in a's dtype, when given, replaces the two matmuls
-    # (the CPU dispatch passes kernels.dense_linear: the native kernels at a few rows per expert).
+    # (the CPU dispatch passes kernels.few_rows_linear: the native kernels at a few rows per expert).
     T, k = topk_ids.shape
     inter = w2.shape[-1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -74,3 +74,19 @@ def test_native_moe_step_quantized_experts(tmp_path, monkeypatch, variant, schem
     assert any(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.model.layers
                if hasattr(layer.mlp, "experts"))
     _check(model, monkeypatch, against="native" if int_dot else "reference")
+
+
+def test_moe_blocks_the_native_step_cannot_run_say_why(tmp_path):
+    """top_k outside 1..num_experts, and LoRA stacks on MoE projections (the step's LoRA scratch and row
+    grouping cover the dense projections only), keep the per-op path."""
+    model = load_model(make_checkpoint(tmp_path / "m", "qwen2-moe-shared"), "float32")
+    kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
+    sparse = next(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    block = model.model.layers[sparse].mlp
+    block.top_k = 6  # 5 experts
+    assert FusedDecoder.build(model, kv) == (None, f"layer {sparse} Mixture-of-Experts: top_k 6 is outside 1..5 experts")
+    block.top_k = 2
+    proj = block.shared_expert.up_proj
+    proj.lora_stack = (torch.zeros(1, 4, proj.in_features), torch.zeros(1, proj.out_features, 4), torch.ones(1))
+    assert FusedDecoder.build(model, kv) == (
+        None, f"layer {sparse} Mixture-of-Experts: LoRA adapters on its projections run on the per-op path")

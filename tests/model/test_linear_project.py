@@ -89,3 +89,11 @@ def test_cpu_fused_moe_without_autograd_is_the_grouped_reference(native_calls, t
     torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
     counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
     assert sorted(native_calls) == sorted([c for c in counts if 0 < c <= 32] * 2)  # gate_up and down each
+
+
+def test_project_keeps_the_modules_dtype_rule(native_calls):
+    """fp32 rows into a bf16 nn.Linear: the module's own error, not a silent fp32 result."""
+    mod = nn.Linear(16, 8).bfloat16()
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        project(mod, torch.randn(2, 16))
+    assert native_calls == []

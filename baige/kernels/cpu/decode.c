@@ -1,6 +1,7 @@
 /* One whole decode step of a Llama-family decoder in C: every layer's RMSNorm, q/k/v projections,
  * optional per-head q/k RMSNorm, RoPE, KV store, paged attention, o projection, residual add +
- * RMSNorm, gate/up projections, SiLU * up, down projection and residual add, for M decoding tokens.
+ * RMSNorm, gate/up projections, SiLU * up, down projection and residual add (or a Mixture-of-Experts MLP:
+ * baige_moe below), for M decoding tokens.
  * It calls the same kernels the per-op path calls (qlinear.c or qdot.c, ops.c), in the model's order, so the
  * results match the module path up to SiLU's exp; what it removes is Python: the module path spends
  * ~0.4 ms per layer dispatching ~40 small ops, this is one call per step.
@@ -80,7 +81,8 @@ typedef struct {
     float *x, *t, *y;    /* (M, width), (M, rank), (M, width) */
 } lora_scratch;
 
-/* A Mixture-of-Experts MLP (baige/runtime/model/moe.py's SparseMoeBlock): router logits (fp32 weight),
+/* A Mixture-of-Experts MLP (baige/runtime/model/moe.py's SparseMoeBlock; 1 <= top_k <= num_experts, no LoRA:
+ * cpu_decode._describe_moe checks): router logits (fp32 weight),
  * softmax, the top_k experts by probability (+ correction_bias for selection only, ERNIE-4.5), their
  * probabilities as weights (renormalized to sum 1, the sum floored at norm_min, when renormalize), the
  * routed experts' SwiGLU MLPs grouped by expert (each expert's weights read once per step for all its
@@ -177,7 +179,9 @@ static int moe_mlp(const baige_moe *e, const float *x, int64_t M, int64_t hidden
     float *y = act + M * (I > S ? I : S), *sg = y + M * hidden;
     int64_t *rows = ids + M * K;
     int rc = linear(&e->router, x, M, logits, sp, nthreads);
-    for (int64_t m = 0; m < M && rc == 0; m++) {  /* softmax, top-k (first index on ties), weights */
+    /* softmax, top-k, weights. Exact ties in the scores go to the lower expert index here; torch.topk
+     * does not promise an order for ties (the per-op path may pick another of the tied experts). */
+    for (int64_t m = 0; m < M && rc == 0; m++) {
         float *p = logits + m * E, mx = p[0], sum = 0.0f;
         for (int64_t j = 1; j < E; j++) mx = p[j] > mx ? p[j] : mx;
         for (int64_t j = 0; j < E; j++) sum += (p[j] = expf(p[j] - mx));

@@ -15,9 +15,10 @@ What makes a model eligible (:meth:`FusedDecoder.build` says which check failed)
 parameter on the CPU in one dtype, fp32 or bf16 (ERNIE-4.5's fp32 routing bias aside); each layer's seven
 projections an ``nn.Linear`` of that dtype, ``Fp16WeightLinear`` (``--quantization fp16-weight``) or
 ``QuantizedLinear`` (int8 per channel, or int4 with ``in_features`` and ``group_size`` multiples of 8) --
-or, in a Mixture-of-Experts layer, its attention projections so and a ``SparseMoeBlock`` whose experts
-(stacked fp32 / bf16 weights, or per-expert projections eligible as above: quantized experts) and shared
-expert's projections are eligible (:func:`_describe_moe`; the router runs in fp32); under interleaved RoPE (ERNIE-4.5) plain fp32 / bf16
+or, in a Mixture-of-Experts layer, the four attention projections (eligible as above) and a
+``SparseMoeBlock`` whose experts (stacked fp32 / bf16 weights, or per-expert projections eligible as
+above: quantized experts) and shared expert's projections are eligible, without LoRA stacks, top_k in
+1..num_experts (:func:`_describe_moe`; the router runs in fp32); under interleaved RoPE (ERNIE-4.5) plain fp32 / bf16
 q and k projections (read as permuted copies, :func:`_head_dims_permuted`); contiguous fp32, fp16 or bf16 KV pools (``kv_cache_dtype``); and the native library built.
 
 Under a bf16 model the step keeps activations and the residual stream in fp32 (the kernel's only
@@ -269,6 +270,11 @@ def _head_dims_permuted(d: kernels.DecodeLinearDesc, perm: torch.Tensor, heads: 
 def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]:
     """The kernel's description of a sparse MoE block (router in fp32, the stacked experts' fp32 / bf16
     weights read in place, the shared expert's projections), or (None, why not)."""
+    E = m.gate.weight.shape[0]
+    if not 1 <= m.top_k <= E:
+        return None, f"top_k {m.top_k} is outside 1..{E} experts"
+    if any(getattr(mod, "lora_stack", None) is not None for mod in m.modules()):
+        return None, "LoRA adapters on its projections run on the per-op path"
     bias = m.moe_statics.e_score_correction_bias[0] if m.moe_statics is not None else None
     desc = kernels.DecodeMoEDesc(_f32(m.gate.weight), None, None, m.top_k, m.renormalize, float(m.norm_min),
                                  None if bias is None else _f32(bias))

@@ -15,14 +15,21 @@ from torch import nn
 from baige import kernels
 
 
+def _global_hooks() -> bool:
+    """Whether any global module forward hook is registered (``nn.modules.module.register_module_forward_hook``)."""
+    mm = nn.modules.module
+    return bool(getattr(mm, "_global_forward_hooks", None) or getattr(mm, "_global_forward_pre_hooks", None))
+
+
 def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``mod(x)`` for x (..., in) -> (..., out); the native kernel when ``mod`` is exactly ``nn.Linear``
-    without hooks, on the CPU, autograd off, at most ``kernels.FEW_ROWS[weight dtype]`` rows
-    of x (same values up to fp32 summation order; bf16 rows are rounded once, as torch's bf16 linear)."""
+    without hooks (its own or global ones), x on the CPU in the weight's dtype, autograd off, at most
+    ``kernels.FEW_ROWS[weight dtype]`` rows of x (same values up to fp32 summation order; bf16 rows are
+    rounded once, as torch's bf16 linear)."""
     if type(mod) is nn.Linear and x.device.type == "cpu" and not torch.is_grad_enabled() \
-            and not (mod._forward_hooks or mod._forward_pre_hooks):
+            and not (mod._forward_hooks or mod._forward_pre_hooks or _global_hooks()):
         w = mod.weight
         rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= kernels.FEW_ROWS.get(w.dtype, 0) and x.dtype in (torch.float32, w.dtype):
+        if rows <= kernels.FEW_ROWS.get(w.dtype, 0) and x.dtype == w.dtype:
             return kernels.few_rows_linear(x.reshape(rows, x.shape[-1]), w, mod.bias).view(*x.shape[:-1], w.shape[0])
     return mod(x)

@@ -101,7 +101,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, H) -> (router logits (N, E), topk_weights (N, k) fp32, topk_ids (N, k) int64)."""
-        logits = project(self.gate, x)
+        logits = self.gate(x)
         bias = self.moe_statics.e_score_correction_bias[0] if self.moe_statics is not None else None
         weights, ids = kernels.moe_topk(logits, self.top_k, self.renormalize, bias, self.norm_min)
         return logits, weights, ids
