@@ -134,6 +134,11 @@ def group_by_width(widths: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> 
     return ends[::-1]
 
 
+def _by_length(lens: list[int]) -> list[int]:
+    """Row indices by ascending context length (stable): the decode rows' order in a step."""
+    return sorted(range(len(lens)), key=lens.__getitem__)
+
+
 def _spans(owner: list[int]) -> list[tuple[int, int, int]]:
     """Runs of equal owners: ``(owner, first row, rows)`` for rows grouped by owner, in order."""
     spans: list[tuple[int, int, int]] = []
@@ -289,8 +294,13 @@ class ModelRunner:
             ``(order, groups)``: the row order (indices into the rows) and per group its block tables
             (rows, widest row's blocks) and context lengths, padded with the scratch block.
         """
+        order = _by_length(lens)
+        return order, self._groups_in(order, tables, lens)
+
+    def _groups_in(self, order: list[int], tables: list[list[int]], lens: list[int]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The groups of :meth:`_decode_groups` for rows already in ``order`` (ascending length)."""
         bs, scratch = self.block_size, self.kv.scratch_block
-        order = sorted(range(len(lens)), key=lens.__getitem__)
         widths = [-(-lens[i] // bs) for i in order]
         groups, start = [], 0
         for end in group_by_width(widths):
@@ -299,7 +309,7 @@ class ModelRunner:
             padded = [tables[i][:w] + [scratch] * (w - len(tables[i][:w])) for i in rows]
             groups.append((self._tensor(padded), self._tensor([lens[i] for i in rows])))
             start = end
-        return order, groups
+        return groups
 
     def _run_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """A decode-only step. Returns the logits of every row ((R, vocab), each sequence's rows
@@ -347,8 +357,8 @@ class ModelRunner:
         (index of the first prompt token scored, its :class:`Logprobs` in order)."""
         nd = batch.num_decodes
         ids, pos, slots, owner = self._decode_rows(batch.seqs[:nd])
-        order, groups = self._decode_groups([batch.seqs[o].block_table for o in owner],
-                                            [p + 1 for p in pos]) if nd else ([], [])
+        decode_lens = [p + 1 for p in pos]
+        order = _by_length(decode_lens)  # _decode_groups' order; its groups only on the per-op path
         flat_of_row = [0] * len(order)
         for flat, r in enumerate(order):
             flat_of_row[r] = flat
@@ -396,6 +406,7 @@ class ModelRunner:
             out = self.fused_decode.logits(hidden[self._tensor(sample_at + score_at)])
             logits, scored = out[:len(sample_at)], [out[len(sample_at):]]
             return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
+        groups = self._groups_in(order, [batch.seqs[o].block_table for o in owner], decode_lens) if nd else []
         step = StepInputs(self._tensor([ids]), self._tensor([pos]), self._tensor(slots), len(order), groups,
                           logit_rows=[self._tensor(sample_at)] + ([self._tensor(score_at)] if score_at else []))
         if pre_lens:
