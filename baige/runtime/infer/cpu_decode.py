@@ -18,8 +18,9 @@ projections an ``nn.Linear`` of that dtype, ``Fp16WeightLinear`` (``--quantizati
 or, in a Mixture-of-Experts layer, the four attention projections (eligible as above) and a
 ``SparseMoeBlock`` whose experts (stacked fp32 / bf16 weights, or per-expert projections eligible as
 above: quantized experts) and shared expert's projections are eligible, without LoRA stacks, top_k in
-1..num_experts (:func:`_describe_moe`; the router runs in fp32); under interleaved RoPE (ERNIE-4.5) plain fp32 / bf16
-q and k projections (read as permuted copies, :func:`_head_dims_permuted`); contiguous fp32, fp16 or bf16 KV pools (``kv_cache_dtype``); and the native library built.
+1..num_experts (:func:`_describe_moe`; the router runs in fp32); under interleaved RoPE (ERNIE-4.5)
+plain fp32 / bf16 q and k projections (read as permuted copies, :func:`_head_dims_permuted`);
+contiguous fp32, fp16 or bf16 KV pools (``kv_cache_dtype``); and the native library built.
 
 Under a bf16 model the step keeps activations and the residual stream in fp32 (the kernel's only
 activation dtype): bf16 weights are read as they are (vdpbf16ps over bf16-rounded activations on
@@ -289,7 +290,9 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
                 trio.append(lin)
             desc.experts.append(tuple(trio))
     else:
-        gate_up, down = m.experts.gate_up_proj, m.experts.down_proj
+        gate_up, down = getattr(m.experts, "gate_up_proj", None), getattr(m.experts, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+            return None, f"its experts ({type(m.experts).__name__}) have no native kernel"
         if gate_up.dtype not in (torch.float32, torch.bfloat16) or not (gate_up.is_contiguous() and down.is_contiguous()):
             return None, "the stacked experts are not contiguous fp32 / bf16"
         desc.gate_up, desc.down = _to_arena(gate_up).detach(), _to_arena(down).detach()
