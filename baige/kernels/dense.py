@@ -24,10 +24,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     1 thread, AMD EPYC Zen 4, fp32 1024 x 512 weights streamed from memory: native 1.4-1.9x faster
     than MKL up to 16 rows, equal at 32, 0.93x at 64 (cache-resident, MKL wins from 8 rows); bf16:
     see :func:`dense_linear`."""
-    if x.shape[0] <= FEW_ROWS.get(weight.dtype, 0):
-        return dense_linear(x, weight, bias)
-    bias = None if bias is None else bias.to(weight.dtype)
-    return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+    return dense_linear(x, weight, bias, max_rows=FEW_ROWS.get(weight.dtype, 0))
 
 
 FEW_ROWS = {torch.float32: 32, torch.bfloat16: 64}  # few_rows_linear's native rows, by weight dtype
@@ -54,7 +51,8 @@ def fp16_weight_linear(x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.T
     return torch.ops.quantized.linear_dynamic_fp16(x, packed)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 max_rows: int | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for inference. CPU rows with no gradient run the native kernel, which reads
     each weight row once for all rows: an fp32 weight under fp32 rows (at most 128; against torch's
     sgemm on a 49152 x 576 lm_head, 1 thread, AVX2: 12 vs 16 ms at 1 row, 26 vs 50 ms at 5, 185 vs 234
@@ -65,14 +63,17 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     kernel adds an fp32 bias exactly).
 
     Args:
-        x: (M, in) float. weight: (out, in). bias: (out,) or None.
+        x: (M, in) float. weight: (out, in). bias: (out,) or None. max_rows: a lower native limit than
+            :data:`DENSE_NATIVE_MAX_ROWS`, or None.
     Returns:
         (M, out) in x's dtype (bf16 rows: fp32 accumulation rounded once, as torch's bf16 linear).
     """
     from baige.kernels.cpu import qlinear
 
-    xf = x.float() if x.dim() == 2 and x.shape[0] <= DENSE_NATIVE_MAX_ROWS.get(weight.dtype, 0) \
-        and x.dtype in (torch.float32, weight.dtype) else None  # bf16 -> fp32 is exact
+    limit = DENSE_NATIVE_MAX_ROWS.get(weight.dtype, 0)
+    limit = limit if max_rows is None else min(limit, max_rows)
+    xf = x.float() if x.dim() == 2 and x.shape[0] <= limit and x.dtype in (torch.float32, weight.dtype) \
+        else None  # bf16 -> fp32 is exact
     if (xf is not None and weight.device.type == "cpu" and weight.stride(-1) == 1 and qlinear.supports_f16(xf)
             and not (torch.is_grad_enabled() and weight.requires_grad) and (bias is None or bias.is_contiguous())):
         return qlinear.linear_f16(xf, weight, None if bias is None else bias.float()).to(x.dtype)

@@ -161,14 +161,23 @@ static int linear(const baige_linear *l, const float *x, int64_t M, float *y, co
     return rc;
 }
 
+/* out (M, down.n) = down(silu(gate x) * up x) for x (M, gate.k), the three projections one by one; g, u:
+ * (M, gate.n) scratch (g ends holding the activation). Returns linear()'s code. */
+static int swiglu(const baige_linear *gate, const baige_linear *up, const baige_linear *down, const float *x,
+                  int64_t M, float *g, float *u, float *out, const lora_scratch *sp, int nthreads) {
+    int rc = linear(gate, x, M, g, sp, nthreads) | linear(up, x, M, u, sp, nthreads);
+    if (rc) return rc;
+    baige_silu_mul(g, u, M * gate->n, g);
+    return linear(down, g, M, out, sp, nthreads);
+}
+
 /* out (M, hidden) = the MoE MLP (baige_moe) of x (M, hidden). Returns 0, or -1 when scratch memory cannot
  * be allocated or a projection fails (out is then unspecified). */
 static int moe_mlp(const baige_moe *e, const float *x, int64_t M, int64_t hidden, float *out, const lora_scratch *sp,
                    int nthreads) {
     const int64_t E = e->num_experts, K = e->top_k, I = e->inter, S = e->shared_inter;
     const int64_t wide = 2 * I > 2 * S ? 2 * I : 2 * S;
-    float *logits = malloc(sizeof(float) * (size_t)(M * E + M * K + M * hidden + M * wide + M * (I > S ? I : S)
-                                                    + M * hidden + M));
+    float *logits = malloc(sizeof(float) * (size_t)(M * E + M * K + M * hidden + M * wide + M * I + M * hidden + M));
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)(M * K + M));
     if (!logits || !ids) {
         free(logits);
@@ -176,7 +185,7 @@ static int moe_mlp(const baige_moe *e, const float *x, int64_t M, int64_t hidden
         return -1;
     }
     float *wts = logits + M * E, *xs = wts + M * K, *gu = xs + M * hidden, *act = gu + M * wide;
-    float *y = act + M * (I > S ? I : S), *sg = y + M * hidden;
+    float *y = act + M * I, *sg = y + M * hidden;
     int64_t *rows = ids + M * K;
     int rc = linear(&e->router, x, M, logits, sp, nthreads);
     /* softmax, top-k, weights. Exact ties in the scores go to the lower expert index here; torch.topk
@@ -216,11 +225,9 @@ static int moe_mlp(const baige_moe *e, const float *x, int64_t M, int64_t hidden
                     memcpy(xs + (c - 1) * hidden, x + m * hidden, sizeof(float) * (size_t)hidden);
                 }
         if (!c) continue;
-        if (e->experts) {  /* gate (c, I), then up (c, I) */
+        if (e->experts) {  /* gate, up, down one by one */
             const baige_linear *l3 = e->experts + 3 * ex;
-            if ((rc = linear(&l3[0], xs, c, gu, sp, nthreads) | linear(&l3[1], xs, c, gu + c * I, sp, nthreads))) break;
-            baige_silu_mul(gu, gu + c * I, c * I, act);
-            if ((rc = linear(&l3[2], act, c, y, sp, nthreads))) break;
+            if ((rc = swiglu(&l3[0], &l3[1], &l3[2], xs, c, gu, gu + c * I, y, sp, nthreads))) break;
         } else {  /* stacked: row i holds gate | up */
             baige_linear w13 = e->gate_up, w2 = e->down;
             w13.w = (const char *)w13.w + (size_t)ex * (size_t)(w13.n * w13.k) * es13;
@@ -236,11 +243,7 @@ static int moe_mlp(const baige_moe *e, const float *x, int64_t M, int64_t hidden
         }
     }
     if (S && rc == 0) {
-        rc = linear(&e->shared_gate_proj, x, M, gu, sp, nthreads) | linear(&e->shared_up, x, M, gu + M * S, sp, nthreads);
-        if (rc == 0) {
-            baige_silu_mul(gu, gu + M * S, M * S, act);
-            rc = linear(&e->shared_down, act, M, y, sp, nthreads);
-        }
+        rc = swiglu(&e->shared_gate_proj, &e->shared_up, &e->shared_down, x, M, gu, gu + M * S, y, sp, nthreads);
         if (rc == 0 && e->shared_gate.n) rc = linear(&e->shared_gate, x, M, sg, sp, nthreads);
         for (int64_t m = 0; m < M && rc == 0; m++) {
             const float g = e->shared_gate.n ? 1.0f / (1.0f + expf(-sg[m])) : 1.0f;
@@ -325,17 +328,16 @@ int baige_decode_layers(const baige_layer *layers, int64_t n_layers, int64_t M, 
         if (rc || (rc = linear(&L->o, attn, M, o, sp, nthreads))) break;
         baige_add_rms_norm(o, h, M, hidden, L->post_norm, eps, normed, h);  /* h = o + h; normed = norm(h) */
         if (L->moe) {
-            if ((rc = moe_mlp(L->moe, normed, M, hidden, o, sp, nthreads))) break;
+            rc = moe_mlp(L->moe, normed, M, hidden, o, sp, nthreads);
         } else if (L->gate_up.n) {  /* one read of both weights; token m's gate and up are row m's two halves */
             if ((rc = linear(&L->gate_up, normed, M, joined, sp, nthreads))) break;
             for (int64_t m = 0; m < M; m++)
                 baige_silu_mul(joined + 2 * m * inter, joined + (2 * m + 1) * inter, inter, g + m * inter);
+            rc = linear(&L->down, g, M, o, sp, nthreads);
         } else {
-            rc = linear(&L->gate, normed, M, g, sp, nthreads) | linear(&L->up, normed, M, u, sp, nthreads);
-            if (rc) break;
-            baige_silu_mul(g, u, M * inter, g);
+            rc = swiglu(&L->gate, &L->up, &L->down, normed, M, g, u, o, sp, nthreads);
         }
-        if (!L->moe && (rc = linear(&L->down, g, M, o, sp, nthreads))) break;
+        if (rc) break;
         for (int64_t j = 0; j < M * hidden; j++) h[j] = h[j] + o[j];
     }
     free(buf);

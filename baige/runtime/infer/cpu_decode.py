@@ -261,11 +261,25 @@ def _head_dims_permuted(d: kernels.DecodeLinearDesc, perm: torch.Tensor, heads: 
     if d.kind not in (kernels.LINEAR_F32, kernels.LINEAR_BF16) or d.lora_a is not None:
         return None
     D = perm.numel()
-    w = d.w.detach().view(heads, D, d.k)[:, perm].reshape(d.n, d.k)
-    out = kernels.DecodeLinearDesc(d.kind, d.n, d.k, kernels.to_weight_arena(w))
+    cached = getattr(d.w, "_baige_head_perm", None)  # one copy per weight version: rebuilds (LoRA) reuse it
+    if cached is None or cached[0] != d.w._version:
+        cached = (d.w._version, kernels.to_weight_arena(d.w.detach().view(heads, D, d.k)[:, perm].reshape(d.n, d.k)))
+        d.w._baige_head_perm = cached
+    out = kernels.DecodeLinearDesc(d.kind, d.n, d.k, cached[1])
     if d.bias is not None:
         out.bias = d.bias.view(heads, D)[:, perm].reshape(-1).contiguous()
     return out
+
+
+def _describe_all(parent: nn.Module, names, label: str) -> tuple[tuple | None, str]:
+    """:func:`_describe` of each named child: (their descriptions, "") or (None, "<label><name>: why")."""
+    out = []
+    for name in names:
+        lin, why = _describe(getattr(parent, name))
+        if lin is None:
+            return None, f"{label}{name}: {why}"
+        out.append(lin)
+    return tuple(out), ""
 
 
 def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]:
@@ -282,13 +296,10 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
     if isinstance(m.experts, QuantizedExperts):  # per-expert projections (quantized, or float ones kept)
         desc.experts = []
         for j, expert in enumerate(m.experts):
-            trio = []
-            for name in expert.names:
-                lin, why = _describe(getattr(expert, name))
-                if lin is None:
-                    return None, f"expert {j} {name}: {why}"
-                trio.append(lin)
-            desc.experts.append(tuple(trio))
+            trio, why = _describe_all(expert, expert.names, f"expert {j} ")
+            if trio is None:
+                return None, why
+            desc.experts.append(trio)
     else:
         gate_up, down = getattr(m.experts, "gate_up_proj", None), getattr(m.experts, "down_proj", None)
         if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
@@ -298,13 +309,9 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
         desc.gate_up, desc.down = _to_arena(gate_up).detach(), _to_arena(down).detach()
     shared = m.shared_expert if m.shared_expert is not None else m.shared_experts
     if shared is not None:
-        parts = []
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            lin, why = _describe(getattr(shared, name))
-            if lin is None:
-                return None, f"shared expert {name}: {why}"
-            parts.append(lin)
-        desc.shared = tuple(parts)
+        desc.shared, why = _describe_all(shared, ("gate_proj", "up_proj", "down_proj"), "shared expert ")
+        if desc.shared is None:
+            return None, why
     if m.shared_expert_gate is not None:
         desc.shared_gate, why = _describe(m.shared_expert_gate)
         if desc.shared_gate is None:
