@@ -22,7 +22,8 @@ import torch
 from baige.kernels import reference
 from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
-    DENSE_NATIVE_MAX_ROWS, FEW_ROWS, argmax, dense_linear, few_rows_linear, fp16_weight_linear)
+    DENSE_NATIVE_MAX_ROWS, FEW_ROWS, argmax, dense_linear, few_rows_linear, fp16_weight_linear, onednn_linear)
+from baige.kernels import moe_cpu
 from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
 
@@ -399,8 +400,9 @@ def fused_moe(
     """The routed experts' SwiGLU MLPs, combined: ``out[t] = sum_j topk_weights[t, j] * w2[e] @
     (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))`` with ``e = topk_ids[t, j]``, fp32 accumulation.
 
-    Reference: pairs sorted by expert, matmuls per expert with pairs (on the CPU without autograd
-    through :func:`few_rows_linear`), index_add combine. Triton:
+    Reference: pairs sorted by expert, matmuls per expert with pairs, index_add combine (on the CPU
+    without autograd :func:`baige.kernels.moe_cpu.fused_moe`: the same with each expert's matmuls
+    picked by its row count). Triton:
     vLLM's fused MoE grouped GEMMs over :func:`moe_align_block_size` blocks, with a backward.
 
     Args:
@@ -412,8 +414,8 @@ def fused_moe(
         (T, H) in x's dtype; differentiable w.r.t. x, w13, w2 and topk_weights on both paths.
     """
     impl = _impl(x, "moe")
-    if impl is reference and x.device.type == "cpu" and not torch.is_grad_enabled():  # experts' few rows: native
-        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=few_rows_linear)
+    if impl is reference and x.device.type == "cpu" and not torch.is_grad_enabled():
+        return moe_cpu.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -437,7 +439,7 @@ from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pag
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "argmax", "fp16_weight_linear", "dense_linear", "few_rows_linear", "FEW_ROWS", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
+    "argmax", "fp16_weight_linear", "dense_linear", "few_rows_linear", "onednn_linear", "FEW_ROWS", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
     "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
     "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "DecodeMoEDesc", "NATIVE_ATTENTION_MAX_BYTES", "to_weight_arena", "zeroed_pages", "keep_freed_heap",
     "dequantize_weight", "expand_groups", "unpack_int4",

@@ -430,14 +430,13 @@ def moe_align_block_size(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    linear=None,
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     # Grouped: pairs sorted by expert, one matmul chain per expert that has pairs on its contiguous
     # slice, then the weighted combine as one index_add (Megablocks' "dropless" formulation, Gale et
-    # al. 2022, arXiv:2211.15841). Without autograd the chain writes in place into one buffer; there
-    # ``linear(a (c, in), w (out, in)) -> (c, out)`` in a's dtype, when given, replaces the two matmuls
-    # (the CPU dispatch passes kernels.few_rows_linear: the native kernels at a few rows per expert).
+    # al. 2022, arXiv:2211.15841). Without autograd the chain writes in place into one buffer (CPU
+    # inference runs kernels.moe_cpu.fused_moe instead: the same, with each expert's matmuls picked
+    # by its row count).
     T, k = topk_ids.shape
     inter = w2.shape[-1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -462,13 +461,9 @@ def fused_moe(
         start = 0
         for e, c in enumerate(counts):
             if c:
-                rows = xs[start:start + c]
-                gate_up = torch.mm(rows, w13[e].t()) if linear is None else linear(rows, w13[e])  # (c, 2 * I)
+                gate_up = torch.mm(xs[start:start + c], w13[e].t())  # (c, 2 * I)
                 act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])  # (c, I)
-                if linear is None:
-                    torch.mm(act, w2[e].t(), out=weighted[start:start + c])
-                else:
-                    weighted[start:start + c] = linear(act, w2[e])
+                torch.mm(act, w2[e].t(), out=weighted[start:start + c])
                 start += c
         weighted = weighted.to(acc).mul_(w_sorted)
     return torch.zeros(T, x.shape[1], dtype=acc, device=x.device).index_add_(0, tok, weighted).to(x.dtype)

@@ -14,6 +14,10 @@
   residual to a second int8 block, both dotted with the weights (about 16-bit activations; the
   perplexity of the exact kernels at twice the dot products); ``1``: one int8 block, llama.cpp's Q8_0
   activations (faster where compute-bound, less accurate). Validated by ``check_startup``.
+- ``BAIGE_CPU_ONEDNN``: ``1`` (default) runs the CPU inference path's fp32 linears above the native
+  kernels' few rows (prefill, the MoE experts' per-expert GEMMs) through oneDNN's matmul
+  (``torch.ops.mkldnn._linear_pointwise``, see :func:`baige.kernels.dense_linear`); ``0`` keeps
+  ``torch.nn.functional.linear`` (MKL's sgemm in PyTorch's CPU build).
 
 Code that changes these variables at run time (tests, ``scripts/gpu_smoke.py``) calls
 :func:`reload_settings` afterwards.
@@ -38,6 +42,7 @@ class KernelSettings:
     cpu_isa: str  # BAIGE_CPU_ISA, "auto" when unset or empty (validated by baige.kernels.check_startup)
     cpu_int_dot: bool  # BAIGE_CPU_INT_DOT, on unless 0/false/off/no
     cpu_int_dot_passes: str  # BAIGE_CPU_INT_DOT_PASSES, "2" when unset or empty; see int_dot_passes()
+    cpu_onednn: bool  # BAIGE_CPU_ONEDNN, on unless 0/false/off/no
 
 
 def _read() -> KernelSettings:
@@ -50,6 +55,7 @@ def _read() -> KernelSettings:
         cpu_isa=env.get("BAIGE_CPU_ISA") or "auto",
         cpu_int_dot=env.get("BAIGE_CPU_INT_DOT", "1").strip().lower() not in ("0", "false", "off", "no"),
         cpu_int_dot_passes=env.get("BAIGE_CPU_INT_DOT_PASSES", "").strip() or "2",
+        cpu_onednn=env.get("BAIGE_CPU_ONEDNN", "1").strip().lower() not in ("0", "false", "off", "no"),
     )
 
 
