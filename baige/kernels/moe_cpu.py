@@ -4,18 +4,24 @@ The reference's grouped formulation (pairs sorted by expert, one SwiGLU matmul c
 its contiguous slice, one ``index_add`` combine; :func:`baige.kernels.reference.fused_moe`), with each
 expert's matmuls picked by its row count:
 
-- at most :data:`baige.kernels.FEW_ROWS` rows (decode, small batches): :func:`few_rows_linear`, the
-  native kernels that read each weight row once for all rows;
-- more fp32 rows: oneDNN's matmul computing the transposed products ``W13_e @ rows.T`` (2I, c) and
-  ``W2_e @ act.T`` (H, c), ``c`` rounded up to a multiple of :data:`ROW_PAD` (the pad rows are the next
-  expert's rows or zeros; their columns are dropped). Why: oneDNN's fp32 kernels run these shapes
-  faster with the expert's weight as the left operand and a column count a multiple of 16, and the
-  gate and up halves of ``W13_e @ rows.T`` are contiguous row blocks, so SwiGLU writes its
-  activations in place without a copy. Measured, 1 thread, AMD EPYC with full-width AVX-512 (flags
-  avx2 avx512f avx512_vnni avx512_bf16 avx512_vp2intersect ...), 16 experts 1024 x 512 + 512 x 512,
-  64 rows each, weights streamed from memory: 7.4 ms against 8.6 ms for ``rows @ W.T`` through oneDNN
-  and 18 ms through PyTorch's ``F.linear`` (MKL); with 16-row padding at 51-83 rows per expert
-  8.5-8.8 against 9.1-9.4 ms.
+- at most :data:`NATIVE_SKIP_ROWS` rows (decode, small batches): :func:`few_rows_linear`, the
+  native kernels that read each weight row once for all rows (faster than a tiled GEMM there: the
+  weights' bandwidth is the bound);
+- more fp32 rows with the native library's AVX-512 variants: ``moe.c`` (:func:`baige.kernels.cpu.ops.
+  moe_experts`), every such expert in one call: rows transposed into 16-wide columns, gate/up and
+  SwiGLU in registers, the down product from the activations the first product left, no padded
+  rows past each expert's count but the last vector's lanes. Measured, 1 thread, AMD EPYC with
+  full-width AVX-512 (flags avx2 avx512f avx512_vnni avx512_bf16 avx512_vp2intersect ...), 16
+  experts 1024 x 512 + 512 x 512 streamed from memory, 64 rows each: 6.3 ms (256 GFLOP/s) against
+  7.4 ms for the oneDNN path below; at 1-2 rows per expert 2.0 against 1.3 ms for few_rows_linear,
+  at 8 rows 2.0 against 2.4 (hence the threshold);
+- more fp32 rows elsewhere (AVX2 variants, no native library): oneDNN's matmul computing the
+  transposed products ``W13_e @ rows.T`` (2I, c) and ``W2_e @ act.T`` (H, c), ``c`` rounded up to a
+  multiple of :data:`ROW_PAD` (the pad rows are the next expert's rows or zeros; their columns are
+  dropped): oneDNN's fp32 kernels run these shapes faster with the expert's weight as the left
+  operand and a column count a multiple of 16, and the gate and up halves of ``W13_e @ rows.T`` are
+  contiguous row blocks, so SwiGLU writes its activations in place without a copy (same host: 7.4
+  ms against 8.6 ms for ``rows @ W.T`` through oneDNN and 18 ms through PyTorch's ``F.linear``, MKL);
 - anything else (bf16/fp16 past the native rows, oneDNN missing): ``F.linear`` in the weight's dtype.
 """
 
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from baige.kernels.dense import FEW_ROWS, few_rows_linear, onednn_linear, onednn_takes
 
 ROW_PAD = 16  # the transposed path's column count is rounded up to this (oneDNN's fp32 N blocking)
+NATIVE_SKIP_ROWS = 4  # experts with at most this many rows stay on few_rows_linear beside moe.c
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -45,19 +52,26 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     flat = topk_ids.reshape(-1)  # (T * k,)
     order = torch.argsort(flat, stable=True)  # (T * k,) pair indices grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    bincount = torch.bincount(flat, minlength=w13.shape[0])  # (E,)
+    counts = bincount.tolist()
     tok = order // k  # (T * k,) token of each sorted pair
     n = T * k
-    transposed = (onednn_takes(x, w13[0], None) and w2.dtype == torch.float32
+    native = _native(x, w13, w2)
+    transposed = (not native and onednn_takes(x, w13[0], None) and w2.dtype == torch.float32
                   and w13.stride(-1) == 1 and w2.stride(-1) == 1)
     xs = x.new_empty(n + (ROW_PAD - 1 if transposed else 0), H)  # (n [+ pad], H) sorted by expert
     torch.index_select(x, 0, tok, out=xs[:n])
     xs[n:].zero_()
     weighted = x.new_empty(n, H)  # (n, H) the experts' outputs in sorted order
     few = FEW_ROWS.get(w13.dtype, 0)
+    if native:
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+        torch.cumsum(bincount, 0, out=offsets[1:])
+        native = native.moe_experts(xs, offsets, w13, w2, NATIVE_SKIP_ROWS, weighted)
     start = 0
     for e, c in enumerate(counts):
-        if not c:
+        if not c or (native and c > NATIVE_SKIP_ROWS):
+            start += c
             continue
         if transposed and c > few:
             cp = -(-c // ROW_PAD) * ROW_PAD
@@ -71,3 +85,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         start += c
     weighted = weighted.to(acc).mul_(topk_weights.reshape(-1).index_select(0, order).to(acc)[:, None])
     return torch.zeros(T, H, dtype=acc, device=x.device).index_add_(0, tok, weighted).to(x.dtype)
+
+
+def _native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+    """:mod:`baige.kernels.cpu.ops` when ``moe.c`` may run these experts (fp32 everywhere, contiguous
+    weights, native kernels allowed and built, an AVX-512 variant in force), else None."""
+    from baige.kernels import _native_cpu
+    from baige.kernels.cpu.build import current_isa
+
+    if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1
+            and (current_isa() or "").startswith("avx512")):
+        return None
+    return _native_cpu(x, w13, w2)

@@ -125,6 +125,7 @@ def _build(variant: str) -> ctypes.CDLL:
         ("baige_decode_step", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _int,
                                _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int,
                                _ptr, _int], _int),
+        ("baige_moe_experts_f32", [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int], _int),
         ("baige_paged_decode_attention", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
                                           _ptr, f32, _ptr, _int, _int], _int),
     ]:
