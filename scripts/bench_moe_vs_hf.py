@@ -120,7 +120,10 @@ def main() -> None:
                     help="Also keep the random checkpoint here, with the embedded model's tokenizer (for "
                          "`baige bench latency --model DIR`: the MoE decode roofline)")
     ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="The dtype of both sides (weights and activations)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
 
     from transformers import AutoModelForCausalLM
 
@@ -129,16 +132,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         make(Path(tmp), args)
-        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, experts_implementation="eager").eval()
-        ours = load_model(tmp, dtype=torch.float32)  # fp32 on both sides (auto would pick bf16 on some CPUs)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, experts_implementation="eager").eval()
+        ours = load_model(tmp, dtype=dtype)  # one dtype on both sides (auto would pick bf16 on some CPUs)
         if args.save:
             save(Path(tmp), args.save)
     layer = next(i for i, layer in enumerate(ours.model.layers) if isinstance(layer.mlp, SparseMoeBlock))
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(1))
-    x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
     positions = torch.arange(args.tokens)[None]
     with torch.inference_mode():
-        diff = (hf.model.layers[layer].mlp(x) - ours.model.layers[layer].mlp(x)).abs().max().item()
+        diff = (hf.model.layers[layer].mlp(x).float() - ours.model.layers[layer].mlp(x).float()).abs().max().item()
     hf_block, ours_block = hf.model.layers[layer].mlp, ours.model.layers[layer].mlp
     rows = []
     for threads in args.threads:

@@ -15,6 +15,9 @@ expert's matmuls picked by its row count:
   experts 1024 x 512 + 512 x 512 streamed from memory, 64 rows each: 6.3 ms (256 GFLOP/s) against
   7.4 ms for the oneDNN path below; at 1-2 rows per expert 2.0 against 1.3 ms for few_rows_linear,
   at 8 rows 2.0 against 2.4 (hence the threshold);
+- more bf16 rows with the ``avx512_amx`` variant: ``moe_amx.c``, the same transposed scheme on AMX
+  tiles (TDPBF16PS: 16 x 16 fp32 += 16 x 32 bf16 by 32 x 16 bf16), the weights read in place as the
+  tiles' A operand; measured in the README ("AMX experts");
 - more fp32 rows elsewhere (AVX2 variants, no native library): oneDNN's matmul computing the
   transposed products ``W13_e @ rows.T`` (2I, c) and ``W2_e @ act.T`` (H, c), ``c`` rounded up to a
   multiple of :data:`ROW_PAD` (the pad rows are the next expert's rows or zeros; their columns are
@@ -88,12 +91,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def _native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
-    """:mod:`baige.kernels.cpu.ops` when ``moe.c`` may run these experts (fp32 everywhere, contiguous
-    weights, native kernels allowed and built, an AVX-512 variant in force), else None."""
+    """:mod:`baige.kernels.cpu.ops` when a native kernel may run these experts (contiguous weights,
+    native kernels allowed and built; fp32 everywhere under an AVX-512 variant: ``moe.c``, or bf16
+    everywhere under ``avx512_amx``: ``moe_amx.c``), else None."""
     from baige.kernels import _native_cpu
     from baige.kernels.cpu.build import current_isa
 
-    if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1
-            and (current_isa() or "").startswith("avx512")):
+    variant = current_isa() or ""
+    bf16 = x.dtype == torch.bfloat16
+    if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1 and variant.startswith("avx512")
+            and (not bf16 or variant == "avx512_amx")):
         return None
-    return _native_cpu(x, w13, w2)
+    return _native_cpu(x, w13, w2, bf16=bf16)

@@ -303,7 +303,8 @@ def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path, monkeypatch):
     env = r["environment"]  # the flags named as /proc/cpuinfo has them, and the variant the kernels loaded
     assert ("avx2" in env["cpu_flags"]) == ("avx2" in flags) and set(env["cpu_flags"]) <= flags
     assert ("avx512_vnni" in env["cpu_flags"]) == ("avx512_vnni" in flags) and env["cpu_int_dot"] is True
-    want_isa = ("avx512_bf16" if {"avx512_bf16", "avx512_vnni", "avx512vl"} <= flags else "avx512_vnni"
+    want_isa = ("avx512_amx" if {"avx512_bf16", "avx512_vnni", "avx512vl", "amx_tile", "amx_bf16", "amx_int8"} <= flags
+                else "avx512_bf16" if {"avx512_bf16", "avx512_vnni", "avx512vl"} <= flags else "avx512_vnni"
                 if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags else "avx512" if {"avx512vl", "avx512bw"} <= flags
                 else "avx2_vnni" if "avx_vnni" in flags else "avx2")
     assert env["cpu_isa"] == want_isa and f"native kernels {want_isa}" in res.output

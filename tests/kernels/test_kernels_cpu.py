@@ -601,7 +601,7 @@ def test_bf16_weight_linear_on_every_variant(use_isa, variant, rows, in_f, out_f
     F.linear on fp32 x. Odd shapes: K tails under 32 and 8, output tails under 4 rows; bias fp32."""
     use_isa(variant)
     dot = bool(cpu_library.library().baige_bf16_dot())
-    assert dot == (variant == "avx512_bf16")
+    assert dot == (variant in ("avx512_bf16", "avx512_amx"))
     x = _randn(rows, in_f, seed=1)
     w = (_randn(out_f, in_f, seed=2) * 0.05).bfloat16()
     bias = _randn(out_f, seed=3)

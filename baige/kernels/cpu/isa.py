@@ -16,6 +16,7 @@ from torch's own CPU capability (AVX2 or AVX-512 F only).
 | ``avx512`` | + avx512f avx512bw avx512vl | -mavx512f -mavx512bw -mavx512vl |
 | ``avx512_vnni`` | + avx512_vnni | -mavx512vnni |
 | ``avx512_bf16`` | + avx512_bf16 (Zen 4, Sapphire Rapids) | -mavx512bf16 |
+| ``avx512_amx`` | + amx_tile amx_bf16 amx_int8 (Sapphire Rapids and later) | -mamx-tile -mamx-bf16 -mamx-int8 |
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512_bf16": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
                     ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                      "-mavx512bf16")),
+    "avx512_amx": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                    "amx_tile", "amx_bf16", "amx_int8"),
+                   ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                    "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")),
 }
 # the flags worth recording beside a benchmark number
 REPORTED = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",

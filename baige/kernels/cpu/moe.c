@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #define BAIGE_MOE_UNSUPPORTED (-1)
 #define BAIGE_MOE_NOMEM (-2)
 
@@ -38,25 +40,6 @@
 #define CHUNK_FLOATS (128 * 1024) /* XT + activations of a chunk: 512 KiB, half an L2 of Zen 4/5 */
 #endif
 #define MR 6  /* weight rows of a tile */
-
-/* exp of 16 fp32 lanes: the scheme of vec_math.h's exp256 (n = round(x / ln 2), degree-6 Taylor on
- * the remainder, 2^n in the exponent bits; relative error < 2e-7), x clamped to [-87, 88]. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.0f / 720.0f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
 
 /* acc[r][v] = sum_k w[r][k] * xt[k * ldp + 16 v .. +16], r < nr, v < nv, k < K; the rows of the next
  * tile (next[r], nnext of them) are prefetched a cache line per 16 k. */
@@ -105,13 +88,9 @@ static inline __attribute__((always_inline)) void gate_up_tile(const float *w13,
         }
     __m512 acc[MR][4];
     tile(w, 2 * np, nv, xt + j0, ldp, H, next, nnext, acc);
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int r = 0; r < np; r++)
-        for (int v = 0; v < nv; v++) {
-            const __m512 g = acc[r][v];
-            const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_store_ps(act + (p + r) * ldp + j0 + 16 * v, _mm512_mul_ps(s, acc[np + r][v]));
-        }
+        for (int v = 0; v < nv; v++)
+            _mm512_store_ps(act + (p + r) * ldp + j0 + 16 * v, _mm512_mul_ps(silu512(acc[r][v]), acc[np + r][v]));
 }
 
 /* down tile: nr (1..6) rows h.. of W2 (H x I) over act's columns j0 .. j0 + 16 nv; ys[j][h + r] for

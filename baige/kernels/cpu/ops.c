@@ -15,7 +15,9 @@
 /* The instruction-set variant this copy was compiled for (baige/kernels/cpu/isa.py's names), from the
  * compiler's own feature macros: what the library really targets, whatever its file is called. */
 const char *baige_isa(void) {
-#if defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return "avx512_amx";
+#elif defined(__AVX512BF16__)
     return "avx512_bf16";
 #elif defined(__AVX512VNNI__)
     return "avx512_vnni";

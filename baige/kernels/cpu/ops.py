@@ -58,24 +58,29 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def moe_experts(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, skip_rows: int,
                 ys: torch.Tensor) -> bool:
-    """The routed SwiGLU experts on rows sorted by expert (``moe.c``): ``ys[i] = w2[e] @ (silu(w13[e, :I]
-    @ xs[i]) * (w13[e, I:] @ xs[i]))`` for ``offsets[e] <= i < offsets[e + 1]``, for every expert with
-    more than ``skip_rows`` rows (the rows of the others are left as they are), fp32 accumulation, on
-    ``torch.get_num_threads()`` threads (results independent of the count).
+    """The routed SwiGLU experts on rows sorted by expert: ``ys[i] = w2[e] @ (silu(w13[e, :I] @ xs[i]) *
+    (w13[e, I:] @ xs[i]))`` for ``offsets[e] <= i < offsets[e + 1]``, for every expert with more than
+    ``skip_rows`` rows (the rows of the others are left as they are), fp32 accumulation, on
+    ``torch.get_num_threads()`` threads (results independent of the count). fp32 tensors run ``moe.c``
+    (AVX-512 variants), bf16 ones ``moe_amx.c`` (the ``avx512_amx`` variant: AMX tiles; activations and
+    outputs rounded once to bf16).
 
     Args:
-        xs: (n, H) fp32, unit stride along H. offsets: (E + 1,) int64 contiguous, non-decreasing, 0 .. n.
-        w13: (E, 2I, H) and w2: (E, H, I) fp32 contiguous. ys: (n, H) fp32, unit stride along H.
+        xs: (n, H) fp32 or bf16, unit stride along H. offsets: (E + 1,) int64 contiguous, non-decreasing,
+            0 .. n. w13: (E, 2I, H) and w2: (E, H, I), xs's dtype, contiguous. ys: (n, H) xs's dtype,
+            unit stride along H.
     Returns:
-        False, with nothing written, where the variant in force has no such kernel (below AVX-512 F).
+        False, with nothing written, where the variant in force has no kernel for this dtype (fp32 below
+        AVX-512 F; bf16 without AMX, or where Linux refuses the AMX tile state).
     Raises:
-        MemoryError: the kernel's scratch (a chunk of rows transposed: ~512 KiB) could not be allocated.
+        MemoryError: the kernel's scratch (a chunk of rows transposed: ~0.5-1 MiB) could not be allocated.
     """
-    rc = library().baige_moe_experts_f32(xs.data_ptr(), xs.stride(0), offsets.data_ptr(), w13.shape[0],
-                                         w13.data_ptr(), w2.data_ptr(), xs.shape[1], w2.shape[-1], skip_rows,
-                                         ys.data_ptr(), ys.stride(0), torch.get_num_threads())
+    lib = library()
+    fn = lib.baige_moe_experts_bf16 if xs.dtype == torch.bfloat16 else lib.baige_moe_experts_f32
+    rc = fn(xs.data_ptr(), xs.stride(0), offsets.data_ptr(), w13.shape[0], w13.data_ptr(), w2.data_ptr(),
+            xs.shape[1], w2.shape[-1], skip_rows, ys.data_ptr(), ys.stride(0), torch.get_num_threads())
     if rc == -2:
-        raise MemoryError("baige_moe_experts_f32: no memory for its scratch")
+        raise MemoryError(f"{fn.__name__}: no memory for its scratch")
     return rc == 0
 
 

@@ -1,0 +1,326 @@
+/* The routed experts of a MoE layer on the CPU in bf16 with AMX tiles, for rows already sorted by expert:
+ *
+ *     ys[i] = W2_e @ (silu(W13_e[:I] @ xs[i]) * (W13_e[I:] @ xs[i]))   for offsets[e] <= i < offsets[e+1]
+ *
+ * bf16 inputs, weights and outputs, fp32 accumulation (TDPBF16PS), SwiGLU in fp32 and the activations
+ * rounded once to bf16 (the down product's input), each output rounded once to bf16 (nearest even). The
+ * weighted combine stays with the caller (baige/kernels/moe_cpu.py). Only the ``avx512_amx`` variant has
+ * it (AVX-512 BF16 + AMX-TILE/BF16); elsewhere, or where Linux refuses the tile state
+ * (arch_prctl(ARCH_REQ_XCOMP_PERM), kernels before 5.16), it returns BAIGE_MOE_UNSUPPORTED and writes
+ * nothing.
+ *
+ * AMX in one paragraph (Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 1 ch. 18, and
+ * the Intel Intrinsics Guide): eight tile registers of up to 16 rows x 64 bytes; TDPBF16PS C, A, B adds
+ * C[m][n] += sum_k A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1] for a 16 x 16 fp32 C, a 16 x 32 bf16 A and a
+ * B of 16 rows each holding 16 bf16 *pairs* (the "VNNI" layout: rows of B are pairs of K).
+ *
+ * Layout, the transposed products (as moe.c's fp32 kernel): the weights are the A operand, read straight
+ * from their row-major (out, in) storage -- 16 weight rows x 32 of K per tile, no repacked copy --, and
+ * the rows are the B operand, so they are packed once per chunk (XP: for each block of 16 rows, K/2 rows
+ * of 16 pairs; a 16 x 16 transposition of 32-bit pairs). The gate/up product's tiles hold 16 features x
+ * 16 rows; SwiGLU runs on them in fp32 and writes the activations straight into the down product's B
+ * layout (AP: pairs of features per row), and the down product's 16 hidden x 16 rows tiles are transposed
+ * back into ys's rows. Edges (H or I not a multiple of 32, feature or hidden blocks past the end, a last
+ * block of fewer than 16 rows) read zero-padded copies of the weight tiles and zero rows of XP, so no
+ * load runs past a tensor and padded lanes add exact zeros.
+ *
+ * Threads: OpenMP over the output tiles of each product, barriers between packing, gate/up and down of
+ * a chunk (as moe.c); every output element is summed in the same order by whichever thread owns it, so
+ * results do not depend on the thread count or on the other experts' rows.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+#define BAIGE_MOE_UNSUPPORTED (-1)
+#define BAIGE_MOE_NOMEM (-2)
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* arch/x86/include/uapi/asm/prctl.h */
+#define XFEATURE_XTILEDATA 18
+
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES (1024 * 1024) /* XP + AP of a chunk: half of a Sapphire Rapids core's 2 MiB L2 */
+#endif
+
+/* Linux hands out the 8 KiB tile state only to processes that ask (once per process, any thread) */
+static int amx_permitted(void) {
+    static int state; /* 0 not asked, 1 granted, -1 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* every one of the 8 tiles 16 rows x 64 bytes (this thread's tile state; zeroes the tiles) */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* r[0..15] := its 16 x 16 transpose (32-bit lanes): unpack 32- then 64-bit pairs, then 128-bit lanes twice */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* rows 4i..4i+3: r[4i + j] holds column j (mod 4) of those 4 rows */
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; j++) { /* columns j, j + 4, j + 8, j + 12 of rows 0-7 and of rows 8-15 */
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd);
+    }
+}
+
+/* where to load the 16 x 32 bf16 A tile of rows r0.. and columns k0.. of w (nrows x K, row stride ld):
+ * in place when whole, else a zero-padded copy in pad (16 x 32); *stride gets the byte stride */
+static inline const uint16_t *a_tile(const uint16_t *w, int64_t ld, int64_t r0, int64_t nrows, int64_t k0,
+                                     int64_t K, uint16_t *pad, int64_t *stride) {
+    if (r0 + 16 <= nrows && k0 + 32 <= K) {
+        *stride = ld * 2;
+        return w + r0 * ld + k0;
+    }
+    memset(pad, 0, 16 * 32 * sizeof(uint16_t));
+    const int64_t nr = nrows - r0 < 16 ? nrows - r0 : 16, nk = K - k0 < 32 ? K - k0 : 32;
+    for (int64_t r = 0; r < nr; r++) memcpy(pad + r * 32, w + (r0 + r) * ld + k0, (size_t)nk * sizeof(uint16_t));
+    *stride = 64;
+    return pad;
+}
+
+/* bring columns k0 .. k0 + 32 (one cache line) of rows 0 .. nrows (at most 16) of w into L2: the
+ * weight tiles the next call will read, fetched while this one computes (a tile load waits on its 16
+ * rows' lines one after another; the weights of a MoE layer stream from memory) */
+static inline void prefetch_rows(const uint16_t *w, int64_t ld, int64_t nrows, int64_t k0) {
+    if (!w) return;
+    for (int64_t r = 0; r < nrows && r < 16; r++) _mm_prefetch((const char *)(w + r * ld + k0), _MM_HINT_T1);
+}
+
+/* XP block: rows j0 .. j0 + nr (nr <= 16; the rest zero) of x (row stride ldx) transposed into kp / 2
+ * rows of 16 bf16 pairs, columns k0 .. k0 + 32 of them (zero past K) */
+static void pack_rows(const uint16_t *x, int64_t ldx, int64_t nr, int64_t K, int64_t k0, uint16_t *xp) {
+    const int64_t nk = K - k0 < 32 ? K - k0 : 32;
+    const __mmask32 m = nk == 32 ? 0xffffffffu : (((__mmask32)1 << nk) - 1);
+    __m512 r[16];
+    for (int64_t j = 0; j < 16; j++)
+        r[j] = j < nr ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, x + j * ldx + k0)) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int i = 0; i < 16; i++) _mm512_store_ps((float *)(xp + (k0 / 2 + i) * 32), r[i]);
+}
+
+/* interleave two feature rows of 16 fp32 (one per row of the block) into 16 bf16 pairs (f, f + 1) */
+static inline __m512i pair_rows(__m512 f0, __m512 f1) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(f1, f0)); /* [f0 | f1] -> pairs */
+}
+
+/* gate/up: features f .. f + 16 (gate rows f.., up rows I + f..) x row blocks b0 (and b0 + 1 when nb2 = 2)
+ * of XP (block stride xs_b); SwiGLU in fp32, written into AP (rows f / 2 .. f / 2 + 8 of each block) */
+static inline __attribute__((always_inline)) void gate_up(const uint16_t *w13, int64_t H, int64_t I, int64_t f,
+                                                          const uint16_t *xp0, const int nb2, int64_t xs_b,
+                                                          uint16_t *ap0, int64_t as_b, uint16_t *pad,
+                                                          const uint16_t *next, int64_t nnext) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t kp = (H + 31) / 32 * 32;
+    for (int64_t k0 = 0; k0 < kp; k0 += 32) {
+        int64_t sg, su;
+        if (k0 < H) prefetch_rows(next, H, nnext, k0), prefetch_rows(next ? next + I * H : 0, H, nnext, k0);
+        const uint16_t *g = a_tile(w13, H, f, I, k0, H, pad, &sg);
+        _tile_loadd(4, g, sg);
+        const uint16_t *u = a_tile(w13 + I * H, H, f, I, k0, H, pad + 512, &su);
+        _tile_loadd(5, u, su);
+        _tile_loadd(6, xp0 + k0 * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (nb2 == 2) {
+            _tile_loadd(7, xp0 + xs_b + k0 * 16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[4][16][16] __attribute__((aligned(64)));
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (nb2 == 2) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+    }
+    for (int b = 0; b < nb2; b++) {
+        uint16_t *ap = ap0 + b * as_b + (f / 2) * 32;
+        for (int q = 0; q < 8; q++) {
+            const __m512 a0 = _mm512_mul_ps(silu512_rcp(_mm512_load_ps(c[b][2 * q])), _mm512_load_ps(c[2 + b][2 * q]));
+            const __m512 a1 = _mm512_mul_ps(silu512_rcp(_mm512_load_ps(c[b][2 * q + 1])),
+                                            _mm512_load_ps(c[2 + b][2 * q + 1]));
+            _mm512_store_si512(ap + q * 32, pair_rows(a0, a1));
+        }
+    }
+}
+
+/* down: hidden rows h .. h + 16 (and h + 16 .. h + 32 when nh2 = 2) of W2 (H x I) x row blocks b0 (and
+ * b0 + 1 when nb2 = 2) of AP; written transposed into ys's rows (nrows valid rows from block b0 on) */
+static inline __attribute__((always_inline)) void down(const uint16_t *w2, int64_t H, int64_t I, int64_t h,
+                                                       const int nh2, const uint16_t *ap0, const int nb2, int64_t as_b,
+                                                       uint16_t *ys, int64_t ldy, int64_t nrows, uint16_t *pad,
+                                                       const uint16_t *next, int64_t nnext) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t ip = (I + 31) / 32 * 32;
+    for (int64_t k0 = 0; k0 < ip; k0 += 32) {
+        int64_t s0, s1;
+        if (k0 < I) prefetch_rows(next, I, nnext, k0), prefetch_rows(next ? next + 16 * I : 0, I, nnext - 16, k0);
+        _tile_loadd(6, ap0 + k0 * 16, 64);
+        if (nb2 == 2) _tile_loadd(7, ap0 + as_b + k0 * 16, 64);
+        const uint16_t *a0 = a_tile(w2, I, h, H, k0, I, pad, &s0);
+        _tile_loadd(4, a0, s0);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb2 == 2) _tile_dpbf16ps(1, 4, 7);
+        if (nh2 == 2) {
+            const uint16_t *a1 = a_tile(w2, I, h + 16, H, k0, I, pad + 512, &s1);
+            _tile_loadd(5, a1, s1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nb2 == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[16][16] __attribute__((aligned(64)));
+    for (int t = 0; t < 2 * nh2; t++) {
+        const int b = t & 1, hh = t >> 1;
+        if (b >= nb2) continue;
+        switch (t) { /* tile numbers are immediates */
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64);
+        }
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c[i]);
+        transpose16(r); /* r[j]: row j of the block, its 16 hidden values */
+        const int64_t h0 = h + 16 * hh, nh = H - h0 < 16 ? H - h0 : 16;
+        const __mmask16 m = nh == 16 ? 0xffff : (__mmask16)((1u << nh) - 1);
+        for (int64_t j = 0; j < 16 && 16 * b + j < nrows; j++)
+            _mm256_mask_storeu_epi16(ys + (16 * b + j) * ldy + h0, m, (__m256i)_mm512_cvtneps_pbh(r[j]));
+    }
+}
+
+int baige_moe_experts_bf16(const uint16_t *xs, int64_t ldx, const int64_t *offsets, int64_t E, const uint16_t *w13,
+                           const uint16_t *w2, int64_t H, int64_t I, int64_t skip_rows, uint16_t *ys, int64_t ldy,
+                           int nthreads) {
+    if (!amx_permitted()) return BAIGE_MOE_UNSUPPORTED;
+    const int64_t kp = (H + 31) / 32 * 32, ip = (I + 31) / 32 * 32;
+    const int64_t xs_b = kp * 16, as_b = ip * 16; /* bf16 elements per block of 16 rows in XP / AP */
+    /* a chunk's rows: XP and AP within CHUNK_BYTES, 32..512 rows (whole blocks) */
+    int64_t nbmax = CHUNK_BYTES / (2 * (xs_b + as_b)) * 16 / 32 * 32;
+    nbmax = nbmax < 32 ? 32 : nbmax > 512 ? 512 : nbmax;
+    uint16_t *xp = aligned_alloc(64, (size_t)(xs_b * (nbmax / 16)) * sizeof(uint16_t));
+    uint16_t *ap = aligned_alloc(64, (size_t)(as_b * (nbmax / 16)) * sizeof(uint16_t));
+    if (!xp || !ap) {
+        free(xp), free(ap);
+        return BAIGE_MOE_NOMEM;
+    }
+    /* AP rows past the feature blocks (I rounded up to 16, then to 32) are never written: zero once */
+    memset(ap, 0, (size_t)(as_b * (nbmax / 16)) * sizeof(uint16_t));
+    const int64_t fblocks = (I + 15) / 16, hpairs = (H + 31) / 32;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        uint16_t pad[2 * 16 * 32] __attribute__((aligned(64)));
+        configure_tiles();
+        for (int64_t e = 0; e < E; e++) {
+            const uint16_t *w13e = w13 + e * 2 * I * H, *w2e = w2 + e * H * I;
+            const int64_t count = offsets[e + 1] - offsets[e];
+            const int64_t chunks = count > skip_rows ? (count + nbmax - 1) / nbmax : 0;
+            for (int64_t c = 0; c < chunks; c++) { /* chunks of near-equal size */
+                const int64_t c0 = offsets[e] + count * c / chunks, nb = offsets[e] + count * (c + 1) / chunks - c0;
+                const int64_t blocks = (nb + 15) / 16, kchunks = kp / 32;
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < blocks * kchunks; t++) {
+                    const int64_t b = t / kchunks, k0 = t % kchunks * 32;
+                    const int64_t nr = nb - 16 * b < 16 ? nb - 16 * b : 16;
+                    pack_rows(xs + (c0 + 16 * b) * ldx, ldx, nr, H, k0, xp + b * xs_b);
+                }
+#pragma omp for schedule(static)
+                for (int64_t fb = 0; fb < fblocks; fb++)
+                    for (int64_t b = 0; b < blocks; b += 2) {
+                        /* the first pass over this block's weight rows also fetches the next block's */
+                        const int64_t f = 16 * fb, nf = I - f - 16;
+                        const uint16_t *next = b == 0 && nf > 0 ? w13e + (f + 16) * H : 0;
+                        if (b + 1 < blocks)
+                            gate_up(w13e, H, I, f, xp + b * xs_b, 2, xs_b, ap + b * as_b, as_b, pad, next, nf);
+                        else
+                            gate_up(w13e, H, I, f, xp + b * xs_b, 1, xs_b, ap + b * as_b, as_b, pad, next, nf);
+                    }
+#pragma omp for schedule(static)
+                for (int64_t hp = 0; hp < hpairs; hp++) {
+                    const int64_t h = 32 * hp, nn = H - h - 32;
+                    for (int64_t b = 0; b < blocks; b += 2) {
+                        uint16_t *y = ys + (c0 + 16 * b) * ldy;
+                        const int64_t nrows = nb - 16 * b;
+                        const uint16_t *next = b == 0 && nn > 0 ? w2e + (h + 32) * I : 0;
+                        if (h + 16 < H) {
+                            if (b + 1 < blocks)
+                                down(w2e, H, I, h, 2, ap + b * as_b, 2, as_b, y, ldy, nrows, pad, next, nn);
+                            else
+                                down(w2e, H, I, h, 2, ap + b * as_b, 1, as_b, y, ldy, nrows, pad, next, nn);
+                        } else {
+                            if (b + 1 < blocks)
+                                down(w2e, H, I, h, 1, ap + b * as_b, 2, as_b, y, ldy, nrows, pad, next, nn);
+                            else
+                                down(w2e, H, I, h, 1, ap + b * as_b, 1, as_b, y, ldy, nrows, pad, next, nn);
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xp), free(ap);
+    return 0;
+}
+
+#else
+
+int baige_moe_experts_bf16(const uint16_t *xs, int64_t ldx, const int64_t *offsets, int64_t E, const uint16_t *w13,
+                           const uint16_t *w2, int64_t H, int64_t I, int64_t skip_rows, uint16_t *ys, int64_t ldy,
+                           int nthreads) {
+    (void)xs, (void)ldx, (void)offsets, (void)E, (void)w13, (void)w2, (void)H, (void)I, (void)skip_rows, (void)ys,
+        (void)ldy, (void)nthreads;
+    return BAIGE_MOE_UNSUPPORTED;
+}
+
+#endif
