@@ -58,8 +58,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     bincount = torch.bincount(flat, minlength=w13.shape[0])  # (E,)
     counts = bincount.tolist()
     tok = order // k  # (T * k,) token of each sorted pair
-    n = T * k
+    wsorted = topk_weights.reshape(-1).index_select(0, order).to(acc)  # (T * k,) routing weight of each pair
     native = _native(x, w13, w2)
+    if native and x.dtype == torch.bfloat16:
+        return _bf16_amx(native, x, w13, w2, tok, wsorted, bincount)
+    n = T * k
     transposed = (not native and onednn_takes(x, w13[0], None) and w2.dtype == torch.float32
                   and w13.stride(-1) == 1 and w2.stride(-1) == 1)
     xs = x.new_empty(n + (ROW_PAD - 1 if transposed else 0), H)  # (n [+ pad], H) sorted by expert
@@ -68,9 +71,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weighted = x.new_empty(n, H)  # (n, H) the experts' outputs in sorted order
     few = FEW_ROWS.get(w13.dtype, 0)
     if native:
-        offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
-        torch.cumsum(bincount, 0, out=offsets[1:])
-        native = native.moe_experts(xs, offsets, w13, w2, NATIVE_SKIP_ROWS, weighted)
+        native = native.moe_experts(xs, _offsets(bincount), w13, w2, NATIVE_SKIP_ROWS, weighted)
     start = 0
     for e, c in enumerate(counts):
         if not c or (native and c > NATIVE_SKIP_ROWS):
@@ -82,12 +83,42 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             act = F.silu(gate_up[:inter], inplace=True).mul_(gate_up[inter:])  # (I, cp) contiguous
             weighted[start:start + c] = onednn_linear(w2[e], act.t()).t()[:c]  # (H, cp) -> (c, H)
         else:
-            gate_up = few_rows_linear(xs[start:start + c], w13[e])  # (c, 2I)
-            act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])  # (c, I)
-            weighted[start:start + c] = few_rows_linear(act, w2[e])
+            weighted[start:start + c] = _few_rows_expert(xs[start:start + c], w13[e], w2[e])
         start += c
-    weighted = weighted.to(acc).mul_(topk_weights.reshape(-1).index_select(0, order).to(acc)[:, None])
+    weighted = weighted.to(acc).mul_(wsorted[:, None])
     return torch.zeros(T, H, dtype=acc, device=x.device).index_add_(0, tok, weighted).to(x.dtype)
+
+
+def _bf16_amx(native, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tok: torch.Tensor,
+              wsorted: torch.Tensor, bincount: torch.Tensor) -> torch.Tensor:
+    """bf16 experts under ``avx512_amx``: ``moe_amx.c`` gathers, computes and adds every expert with more
+    than :data:`NATIVE_SKIP_ROWS` pairs into an fp32 (T, H) sum; the others (all, where Linux refuses
+    AMX) run :func:`_few_rows_expert` and are added after. Returns (T, H) bf16."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    done = native.moe_experts_combine(x, tok, wsorted, _offsets(bincount), w13, w2, NATIVE_SKIP_ROWS, out)
+    start = 0
+    for e, c in enumerate(bincount.tolist()):
+        if c and not (done and c > NATIVE_SKIP_ROWS):
+            t = tok[start:start + c]
+            y = _few_rows_expert(x.index_select(0, t), w13[e], w2[e])  # (c, H) bf16
+            out.index_add_(0, t, y.float().mul_(wsorted[start:start + c, None]))
+        start += c
+    return out.to(x.dtype)
+
+
+def _few_rows_expert(rows: torch.Tensor, w13e: torch.Tensor, w2e: torch.Tensor) -> torch.Tensor:
+    """One expert on its (c, H) rows through :func:`few_rows_linear`: ``w2e @ (silu(gate) * up)``, (c, H)."""
+    inter = w2e.shape[-1]
+    gate_up = few_rows_linear(rows, w13e)  # (c, 2I)
+    act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])  # (c, I)
+    return few_rows_linear(act, w2e)
+
+
+def _offsets(bincount: torch.Tensor) -> torch.Tensor:
+    """(E,) counts -> (E + 1,) int64 offsets 0, c0, c0 + c1, ..."""
+    offsets = torch.zeros(bincount.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(bincount, 0, out=offsets[1:])
+    return offsets
 
 
 def _native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):

@@ -75,20 +75,35 @@ COUNTS = [0, 1, 4, 5, 16, 17, 63, 64, 65, 97, 300]
 
 
 def _has_kernel(variant: str, dtype: torch.dtype) -> bool:
-    """Whether moe_experts computes on this variant: fp32 on the AVX-512 ones (moe.c), bf16 on
+    """Whether the native experts compute on this variant: fp32 on the AVX-512 ones (moe.c), bf16 on
     avx512_amx (moe_amx.c)."""
     return variant.startswith("avx512") if dtype == torch.float32 else variant == "avx512_amx"
+
+
+def _native_rows(xs, offsets, w13, w2, skip, wts):
+    """(ran, (n, H)) from the dtype's native kernel, one row per sorted pair: fp32 moe_experts' ys (the
+    rows it owns), bf16 moe_experts_combine with each pair its own token (tok = 0..n-1) and weight wts[i]
+    (wts[i] * its output, in fp32). Rows the kernel leaves alone stay NaN."""
+    n, H = xs.shape
+    counts = (offsets[1:] - offsets[:-1])
+    owned = torch.repeat_interleave(counts > skip, counts)  # (n,) rows of experts past skip
+    if xs.dtype == torch.float32:
+        ys = torch.full((n, H), float("nan"))
+        return cpu_ops.moe_experts(xs, offsets, w13, w2, skip, ys), ys
+    out = torch.zeros(n, H)
+    out[~owned] = float("nan")
+    return cpu_ops.moe_experts_combine(xs, torch.arange(n), wts, offsets, w13, w2, skip, out), out
 
 
 @pytest.mark.parametrize("variant", isa.supported())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,inter", [(1023, 60), (17, 5), (40, 33), (256, 7), (96, 48)])
 def test_native_moe_experts_match_fp64(native_kernel, use_isa, variant, dtype, H, inter):
-    """moe.c (fp32) and moe_amx.c (bf16) on every variant: those with a kernel compute every expert with
-    more than skip_rows rows (2x rule against the same math through torch in that dtype, fp64 exact) and
-    leave the other rows as they were (NaN sentinel kept); the others report they have no kernel and
-    write nothing. Shapes: K and I tails under 32 and 16 (AMX tiles), I a whole number of 16-feature
-    blocks but not of 32 (96, 48)."""
+    """moe.c (fp32) and moe_amx.c (bf16, with its routing weights) on every variant: those with a kernel
+    compute every expert with more than skip_rows rows (2x rule against the same math through torch in
+    that dtype, fp64 exact) and leave the other rows as they were (NaN sentinel kept); the others report
+    they have no kernel and write nothing. Shapes: K and I tails under 32 and 16 (AMX tiles), I a whole
+    number of 16-feature blocks but not of 32 (96, 48)."""
     use_isa(variant)
     g = torch.Generator().manual_seed(H)
     counts = torch.tensor(COUNTS)[torch.randperm(len(COUNTS), generator=g)]  # counts in a shuffled order
@@ -98,24 +113,25 @@ def test_native_moe_experts_match_fp64(native_kernel, use_isa, variant, dtype, H
     xs = torch.randn(n, H, generator=g).to(dtype)
     w13 = (torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).to(dtype)
     w2 = (torch.randn(E, H, inter, generator=g) * inter ** -0.5).to(dtype)
-    ys = torch.full((n, H), float("nan"), dtype=dtype)
+    wts = torch.rand(n, generator=g) + 0.5 if dtype == torch.bfloat16 else torch.ones(n)
     with torch.inference_mode():
-        ran = cpu_ops.moe_experts(xs, offsets, w13, w2, moe_cpu.NATIVE_SKIP_ROWS, ys)
+        ran, got = _native_rows(xs, offsets, w13, w2, moe_cpu.NATIVE_SKIP_ROWS, wts)
+    computed = torch.repeat_interleave(counts > moe_cpu.NATIVE_SKIP_ROWS, counts)  # (n,) rows the kernel owns
     if not _has_kernel(variant, dtype):
-        assert ran is False and torch.isnan(ys).all()
+        assert ran is False and torch.isnan(got[~computed]).all()  # nothing written: the sentinels as they were
+        assert torch.isnan(got[computed]).all() if dtype == torch.float32 else (got[computed] == 0).all()
         return
     assert ran is True
-    computed = torch.repeat_interleave(counts > moe_cpu.NATIVE_SKIP_ROWS, counts)  # (n,) rows the kernel owns
-    assert torch.isnan(ys[~computed]).all()
-    ref = _experts_by_hand(xs, offsets, w13, w2)
-    exact = _experts_by_hand(xs.double(), offsets, w13.double(), w2.double())
-    assert_close_fp64(ys[computed], ref[computed], exact[computed], name=f"{variant} {dtype} H={H} I={inter}")
+    assert torch.isnan(got[~computed]).all()
+    ref = _experts_by_hand(xs, offsets, w13, w2).double() * wts.double()[:, None]
+    exact = _experts_by_hand(xs.double(), offsets, w13.double(), w2.double()) * wts.double()[:, None]
+    assert_close_fp64(got[computed], ref[computed], exact[computed], name=f"{variant} {dtype} H={H} I={inter}")
 
 
 @pytest.mark.parametrize("variant,dtype", [(v, d) for v in isa.supported() for d in (torch.float32, torch.bfloat16)
                                            if _has_kernel(v, d)] or [("none", None)])
 def test_native_moe_experts_independent_of_threads_and_neighbours(native_kernel, use_isa, variant, dtype):
-    """Bitwise the same ys on 1 and 2 threads, and an expert's rows the same whether or not other
+    """Bitwise the same rows on 1 and 2 threads, and an expert's rows the same whether or not other
     experts' rows surround them (every row's sums run in one fixed order)."""
     if variant == "none":
         pytest.skip("no AVX-512 variant on this CPU: neither moe.c nor moe_amx.c has a kernel to compare")
@@ -126,20 +142,20 @@ def test_native_moe_experts_independent_of_threads_and_neighbours(native_kernel,
     xs = torch.randn(151, H, generator=g).to(dtype)
     w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).to(dtype)
     w2 = (torch.randn(E, H, inter, generator=g) * 0.1).to(dtype)
+    wts = torch.rand(151, generator=g)
     outs = []
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            ys = torch.empty(151, H, dtype=dtype)
-            assert cpu_ops.moe_experts(xs, offsets, w13, w2, 0, ys)
-            outs.append(ys)
+            ran, got = _native_rows(xs, offsets, w13, w2, 0, wts)
+            assert ran
+            outs.append(got)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
-    alone = torch.empty(81, H, dtype=dtype)  # expert 2's rows on their own
-    assert cpu_ops.moe_experts(xs[70:].contiguous(), torch.tensor([0, 0, 0, 81]), w13, w2, 0, alone)
-    assert torch.equal(alone, outs[0][70:])
+    ran, alone = _native_rows(xs[70:].contiguous(), torch.tensor([0, 0, 0, 81]), w13, w2, 0, wts[70:].contiguous())
+    assert ran and torch.equal(alone, outs[0][70:])  # expert 2's rows on their own
 
 
 @pytest.mark.parametrize("variant", isa.supported())

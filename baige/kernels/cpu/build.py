@@ -126,7 +126,8 @@ def _build(variant: str) -> ctypes.CDLL:
                                _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int,
                                _ptr, _int], _int),
         ("baige_moe_experts_f32", [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int], _int),
-        ("baige_moe_experts_bf16", [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int], _int),
+        ("baige_moe_experts_bf16", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int],
+         _int),
         ("baige_paged_decode_attention", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
                                           _ptr, f32, _ptr, _int, _int], _int),
     ]:

@@ -1,10 +1,15 @@
-/* The routed experts of a MoE layer on the CPU in bf16 with AMX tiles, for rows already sorted by expert:
+/* The routed experts of a MoE layer on the CPU in bf16 with AMX tiles, gather and weighted combine included,
+ * for (token, expert) pairs already sorted by expert:
  *
- *     ys[i] = W2_e @ (silu(W13_e[:I] @ xs[i]) * (W13_e[I:] @ xs[i]))   for offsets[e] <= i < offsets[e+1]
+ *     out[tok[i]] += wts[i] * W2_e @ (silu(W13_e[:I] @ x[tok[i]]) * (W13_e[I:] @ x[tok[i]]))
+ *                                                    for offsets[e] <= i < offsets[e+1]
  *
- * bf16 inputs, weights and outputs, fp32 accumulation (TDPBF16PS), SwiGLU in fp32 and the activations
- * rounded once to bf16 (the down product's input), each output rounded once to bf16 (nearest even). The
- * weighted combine stays with the caller (baige/kernels/moe_cpu.py). Only the ``avx512_amx`` variant has
+ * for every expert e with more than skip_rows pairs (the caller adds the others). bf16 x and weights,
+ * fp32 accumulation (TDPBF16PS), SwiGLU in fp32 with the activations rounded once to bf16 (the down
+ * product's input), the expert's output kept in fp32 and added into the fp32 out (each token's experts
+ * in ascending order). No two pairs of one expert share a token (top-k picks distinct experts), the
+ * experts run one after another and each thread owns its own hidden columns, so the adds never race.
+ * Only the ``avx512_amx`` variant has
  * it (AVX-512 BF16 + AMX-TILE/BF16); elsewhere, or where Linux refuses the tile state
  * (arch_prctl(ARCH_REQ_XCOMP_PERM), kernels before 5.16), it returns BAIGE_MOE_UNSUPPORTED and writes
  * nothing.
@@ -16,11 +21,11 @@
  *
  * Layout, the transposed products (as moe.c's fp32 kernel): the weights are the A operand, read straight
  * from their row-major (out, in) storage -- 16 weight rows x 32 of K per tile, no repacked copy --, and
- * the rows are the B operand, so they are packed once per chunk (XP: for each block of 16 rows, K/2 rows
- * of 16 pairs; a 16 x 16 transposition of 32-bit pairs). The gate/up product's tiles hold 16 features x
+ * the rows are the B operand, so they are gathered and packed once per chunk (XP: for each block of 16
+ * rows, K/2 rows of 16 pairs; a 16 x 16 transposition of 32-bit pairs). The gate/up product's tiles hold 16 features x
  * 16 rows; SwiGLU runs on them in fp32 and writes the activations straight into the down product's B
  * layout (AP: pairs of features per row), and the down product's 16 hidden x 16 rows tiles are transposed
- * back into ys's rows. Edges (H or I not a multiple of 32, feature or hidden blocks past the end, a last
+ * back into rows, weighted and added into out. Edges (H or I not a multiple of 32, feature or hidden blocks past the end, a last
  * block of fewer than 16 rows) read zero-padded copies of the weight tiles and zero rows of XP, so no
  * load runs past a tensor and padded lanes add exact zeros.
  *
@@ -128,14 +133,15 @@ static inline void prefetch_rows(const uint16_t *w, int64_t ld, int64_t nrows, i
     for (int64_t r = 0; r < nrows && r < 16; r++) _mm_prefetch((const char *)(w + r * ld + k0), _MM_HINT_T1);
 }
 
-/* XP block: rows j0 .. j0 + nr (nr <= 16; the rest zero) of x (row stride ldx) transposed into kp / 2
+/* XP block: rows tok[0 .. nr] (nr <= 16; the rest zero) of x (row stride ldx) transposed into kp / 2
  * rows of 16 bf16 pairs, columns k0 .. k0 + 32 of them (zero past K) */
-static void pack_rows(const uint16_t *x, int64_t ldx, int64_t nr, int64_t K, int64_t k0, uint16_t *xp) {
+static void pack_rows(const uint16_t *x, int64_t ldx, const int64_t *tok, int64_t nr, int64_t K, int64_t k0,
+                      uint16_t *xp) {
     const int64_t nk = K - k0 < 32 ? K - k0 : 32;
     const __mmask32 m = nk == 32 ? 0xffffffffu : (((__mmask32)1 << nk) - 1);
     __m512 r[16];
     for (int64_t j = 0; j < 16; j++)
-        r[j] = j < nr ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, x + j * ldx + k0)) : _mm512_setzero_ps();
+        r[j] = j < nr ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, x + tok[j] * ldx + k0)) : _mm512_setzero_ps();
     transpose16(r);
     for (int i = 0; i < 16; i++) _mm512_store_ps((float *)(xp + (k0 / 2 + i) * 32), r[i]);
 }
@@ -193,10 +199,12 @@ static inline __attribute__((always_inline)) void gate_up(const uint16_t *w13, i
 }
 
 /* down: hidden rows h .. h + 16 (and h + 16 .. h + 32 when nh2 = 2) of W2 (H x I) x row blocks b0 (and
- * b0 + 1 when nb2 = 2) of AP; written transposed into ys's rows (nrows valid rows from block b0 on) */
+ * b0 + 1 when nb2 = 2) of AP; transposed back into rows and added, times wts[j], into out[tok[j]]'s
+ * columns h.. (nrows valid rows from block b0 on) */
 static inline __attribute__((always_inline)) void down(const uint16_t *w2, int64_t H, int64_t I, int64_t h,
                                                        const int nh2, const uint16_t *ap0, const int nb2, int64_t as_b,
-                                                       uint16_t *ys, int64_t ldy, int64_t nrows, uint16_t *pad,
+                                                       const int64_t *tok, const float *wts, float *out,
+                                                       int64_t ldo, int64_t nrows, uint16_t *pad,
                                                        const uint16_t *next, int64_t nnext) {
     _tile_zero(0);
     _tile_zero(1);
@@ -233,15 +241,18 @@ static inline __attribute__((always_inline)) void down(const uint16_t *w2, int64
         for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c[i]);
         transpose16(r); /* r[j]: row j of the block, its 16 hidden values */
         const int64_t h0 = h + 16 * hh, nh = H - h0 < 16 ? H - h0 : 16;
-        const __mmask16 m = nh == 16 ? 0xffff : (__mmask16)((1u << nh) - 1);
-        for (int64_t j = 0; j < 16 && 16 * b + j < nrows; j++)
-            _mm256_mask_storeu_epi16(ys + (16 * b + j) * ldy + h0, m, (__m256i)_mm512_cvtneps_pbh(r[j]));
+        const __mmask16 m = (__mmask16)((1u << nh) - 1);
+        for (int64_t j = 0, i = 16 * b; j < 16 && i < nrows; j++, i++) {
+            float *dst = out + tok[i] * ldo + h0;
+            const __m512 y = _mm512_mul_ps(r[j], _mm512_set1_ps(wts[i]));
+            _mm512_mask_storeu_ps(dst, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), y));
+        }
     }
 }
 
-int baige_moe_experts_bf16(const uint16_t *xs, int64_t ldx, const int64_t *offsets, int64_t E, const uint16_t *w13,
-                           const uint16_t *w2, int64_t H, int64_t I, int64_t skip_rows, uint16_t *ys, int64_t ldy,
-                           int nthreads) {
+int baige_moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *tok, const float *wts,
+                           const int64_t *offsets, int64_t E, const uint16_t *w13, const uint16_t *w2, int64_t H,
+                           int64_t I, int64_t skip_rows, float *out, int64_t ldo, int nthreads) {
     if (!amx_permitted()) return BAIGE_MOE_UNSUPPORTED;
     const int64_t kp = (H + 31) / 32 * 32, ip = (I + 31) / 32 * 32;
     const int64_t xs_b = kp * 16, as_b = ip * 16; /* bf16 elements per block of 16 rows in XP / AP */
@@ -272,7 +283,7 @@ int baige_moe_experts_bf16(const uint16_t *xs, int64_t ldx, const int64_t *offse
                 for (int64_t t = 0; t < blocks * kchunks; t++) {
                     const int64_t b = t / kchunks, k0 = t % kchunks * 32;
                     const int64_t nr = nb - 16 * b < 16 ? nb - 16 * b : 16;
-                    pack_rows(xs + (c0 + 16 * b) * ldx, ldx, nr, H, k0, xp + b * xs_b);
+                    pack_rows(x, ldx, tok + c0 + 16 * b, nr, H, k0, xp + b * xs_b);
                 }
 #pragma omp for schedule(static)
                 for (int64_t fb = 0; fb < fblocks; fb++)
@@ -289,19 +300,20 @@ int baige_moe_experts_bf16(const uint16_t *xs, int64_t ldx, const int64_t *offse
                 for (int64_t hp = 0; hp < hpairs; hp++) {
                     const int64_t h = 32 * hp, nn = H - h - 32;
                     for (int64_t b = 0; b < blocks; b += 2) {
-                        uint16_t *y = ys + (c0 + 16 * b) * ldy;
+                        const int64_t *tk = tok + c0 + 16 * b;
+                        const float *wt = wts + c0 + 16 * b;
                         const int64_t nrows = nb - 16 * b;
                         const uint16_t *next = b == 0 && nn > 0 ? w2e + (h + 32) * I : 0;
                         if (h + 16 < H) {
                             if (b + 1 < blocks)
-                                down(w2e, H, I, h, 2, ap + b * as_b, 2, as_b, y, ldy, nrows, pad, next, nn);
+                                down(w2e, H, I, h, 2, ap + b * as_b, 2, as_b, tk, wt, out, ldo, nrows, pad, next, nn);
                             else
-                                down(w2e, H, I, h, 2, ap + b * as_b, 1, as_b, y, ldy, nrows, pad, next, nn);
+                                down(w2e, H, I, h, 2, ap + b * as_b, 1, as_b, tk, wt, out, ldo, nrows, pad, next, nn);
                         } else {
                             if (b + 1 < blocks)
-                                down(w2e, H, I, h, 1, ap + b * as_b, 2, as_b, y, ldy, nrows, pad, next, nn);
+                                down(w2e, H, I, h, 1, ap + b * as_b, 2, as_b, tk, wt, out, ldo, nrows, pad, next, nn);
                             else
-                                down(w2e, H, I, h, 1, ap + b * as_b, 1, as_b, y, ldy, nrows, pad, next, nn);
+                                down(w2e, H, I, h, 1, ap + b * as_b, 1, as_b, tk, wt, out, ldo, nrows, pad, next, nn);
                         }
                     }
                 }
@@ -315,11 +327,11 @@ int baige_moe_experts_bf16(const uint16_t *xs, int64_t ldx, const int64_t *offse
 
 #else
 
-int baige_moe_experts_bf16(const uint16_t *xs, int64_t ldx, const int64_t *offsets, int64_t E, const uint16_t *w13,
-                           const uint16_t *w2, int64_t H, int64_t I, int64_t skip_rows, uint16_t *ys, int64_t ldy,
-                           int nthreads) {
-    (void)xs, (void)ldx, (void)offsets, (void)E, (void)w13, (void)w2, (void)H, (void)I, (void)skip_rows, (void)ys,
-        (void)ldy, (void)nthreads;
+int baige_moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *tok, const float *wts,
+                           const int64_t *offsets, int64_t E, const uint16_t *w13, const uint16_t *w2, int64_t H,
+                           int64_t I, int64_t skip_rows, float *out, int64_t ldo, int nthreads) {
+    (void)x, (void)ldx, (void)tok, (void)wts, (void)offsets, (void)E, (void)w13, (void)w2, (void)H, (void)I,
+        (void)skip_rows, (void)out, (void)ldo, (void)nthreads;
     return BAIGE_MOE_UNSUPPORTED;
 }
 

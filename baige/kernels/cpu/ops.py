@@ -58,29 +58,52 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def moe_experts(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, skip_rows: int,
                 ys: torch.Tensor) -> bool:
-    """The routed SwiGLU experts on rows sorted by expert: ``ys[i] = w2[e] @ (silu(w13[e, :I] @ xs[i]) *
-    (w13[e, I:] @ xs[i]))`` for ``offsets[e] <= i < offsets[e + 1]``, for every expert with more than
-    ``skip_rows`` rows (the rows of the others are left as they are), fp32 accumulation, on
-    ``torch.get_num_threads()`` threads (results independent of the count). fp32 tensors run ``moe.c``
-    (AVX-512 variants), bf16 ones ``moe_amx.c`` (the ``avx512_amx`` variant: AMX tiles; activations and
-    outputs rounded once to bf16).
+    """The routed SwiGLU experts in fp32 on rows sorted by expert (``moe.c``): ``ys[i] = w2[e] @ (silu(w13[e, :I]
+    @ xs[i]) * (w13[e, I:] @ xs[i]))`` for ``offsets[e] <= i < offsets[e + 1]``, for every expert with
+    more than ``skip_rows`` rows (the rows of the others are left as they are), fp32 accumulation, on
+    ``torch.get_num_threads()`` threads (results independent of the count).
 
     Args:
-        xs: (n, H) fp32 or bf16, unit stride along H. offsets: (E + 1,) int64 contiguous, non-decreasing,
-            0 .. n. w13: (E, 2I, H) and w2: (E, H, I), xs's dtype, contiguous. ys: (n, H) xs's dtype,
-            unit stride along H.
+        xs: (n, H) fp32, unit stride along H. offsets: (E + 1,) int64 contiguous, non-decreasing, 0 .. n.
+        w13: (E, 2I, H) and w2: (E, H, I) fp32 contiguous. ys: (n, H) fp32, unit stride along H.
     Returns:
-        False, with nothing written, where the variant in force has no kernel for this dtype (fp32 below
-        AVX-512 F; bf16 without AMX, or where Linux refuses the AMX tile state).
+        False, with nothing written, where the variant in force has no such kernel (below AVX-512 F).
     Raises:
-        MemoryError: the kernel's scratch (a chunk of rows transposed: ~0.5-1 MiB) could not be allocated.
+        MemoryError: the kernel's scratch (a chunk of rows transposed: ~512 KiB) could not be allocated.
     """
-    lib = library()
-    fn = lib.baige_moe_experts_bf16 if xs.dtype == torch.bfloat16 else lib.baige_moe_experts_f32
-    rc = fn(xs.data_ptr(), xs.stride(0), offsets.data_ptr(), w13.shape[0], w13.data_ptr(), w2.data_ptr(),
-            xs.shape[1], w2.shape[-1], skip_rows, ys.data_ptr(), ys.stride(0), torch.get_num_threads())
+    rc = library().baige_moe_experts_f32(xs.data_ptr(), xs.stride(0), offsets.data_ptr(), w13.shape[0],
+                                         w13.data_ptr(), w2.data_ptr(), xs.shape[1], w2.shape[-1], skip_rows,
+                                         ys.data_ptr(), ys.stride(0), torch.get_num_threads())
     if rc == -2:
-        raise MemoryError(f"{fn.__name__}: no memory for its scratch")
+        raise MemoryError("baige_moe_experts_f32: no memory for its scratch")
+    return rc == 0
+
+
+def moe_experts_combine(x: torch.Tensor, tok: torch.Tensor, wts: torch.Tensor, offsets: torch.Tensor,
+                        w13: torch.Tensor, w2: torch.Tensor, skip_rows: int, out: torch.Tensor) -> bool:
+    """The routed SwiGLU experts in bf16 on AMX tiles, gather and weighted combine included (``moe_amx.c``):
+    ``out[tok[i]] += wts[i] * w2[e] @ (silu(w13[e, :I] @ x[tok[i]]) * (w13[e, I:] @ x[tok[i]]))`` for
+    ``offsets[e] <= i < offsets[e + 1]``, for every expert with more than ``skip_rows`` pairs (the others'
+    are not added), fp32 accumulation, the activations rounded once to bf16, the expert outputs added in
+    fp32 in ascending expert order; on ``torch.get_num_threads()`` threads (results independent of the count).
+
+    Args:
+        x: (T, H) bf16, unit stride along H. tok: (n,) int64 contiguous, the token of each pair sorted by
+            expert, no token twice within one expert. wts: (n,) fp32 contiguous, each pair's routing weight.
+        offsets: (E + 1,) int64 contiguous, non-decreasing, 0 .. n. w13: (E, 2I, H) and w2: (E, H, I) bf16
+            contiguous. out: (T, H) fp32, unit stride along H, added into.
+    Returns:
+        False, with nothing written, where the variant in force has no such kernel (anything but
+        ``avx512_amx``, or Linux refused the AMX tile state).
+    Raises:
+        MemoryError: the kernel's scratch (a chunk of rows packed: up to 1 MiB) could not be allocated.
+    """
+    rc = library().baige_moe_experts_bf16(x.data_ptr(), x.stride(0), tok.data_ptr(), wts.data_ptr(),
+                                          offsets.data_ptr(), w13.shape[0], w13.data_ptr(), w2.data_ptr(),
+                                          x.shape[1], w2.shape[-1], skip_rows, out.data_ptr(), out.stride(0),
+                                          torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("baige_moe_experts_bf16: no memory for its scratch")
     return rc == 0
 
 
