@@ -10,11 +10,12 @@ and one sparse ... see --layers) is written with transformers, loaded by both, a
   ``experts_implementation="eager"`` (transformers' per-expert loop; its default on CPU with torch
   >= 2.9 is ``grouped_mm``, timed too as ``block_hf_grouped_mm``);
 - the whole model's forward to the final hidden states, no lm_head on either side (tokens/s);
-- the block's expert matmuls alone (:func:`gemm_only`): the floor of an fp32 ``torch.mm`` path, so
+- the block's expert matmuls alone (:func:`gemm_only`): the floor of a ``torch.mm`` path, so
   ``block_speedup_bound`` is the most any such path could gain over HF eager on this machine.
 
-Both sides fp32, under ``torch.inference_mode``, the same ``torch.set_num_threads``; the best of
-``--repeats`` rounds after two warm-ups (the median is written too), each round timing every
+Both sides in one dtype (``--dtype``: fp32 by default, or bf16, where CPUs with AMX run baige's
+``moe_amx.c`` and HF's eager loop is faster than in fp32), under ``torch.inference_mode``, the same
+``torch.set_num_threads``; the best of ``--repeats`` rounds after two warm-ups (the median is written too), each round timing every
 variant once in turn. The load average and the CPU's AVX flags go into the JSON: the host may be
 shared. Prints a table and writes JSON.
 
@@ -52,7 +53,7 @@ def timed(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
 def gemm_only(block, x: torch.Tensor):
     """A zero-argument function running only the block's expert matmuls on ``x`` (B, T, H): per expert
     with tokens, ``rows @ gate_up.T`` then ``act @ down.T`` on rows gathered and sorted beforehand --
-    a floor for any fp32 implementation built on ``torch.mm`` (no routing, activation or combine)."""
+    a floor for any implementation built on ``torch.mm`` (no routing, activation or combine)."""
     x2 = x.reshape(-1, x.shape[-1])  # (N, H)
     _, _, ids = block.route(x2)
     flat = ids.reshape(-1)

@@ -125,6 +125,14 @@ static inline const uint16_t *a_tile(const uint16_t *w, int64_t ld, int64_t r0, 
     return pad;
 }
 
+/* tiles 0-3 (the accumulators) := 0 */
+static inline void zero_accumulators(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* bring columns k0 .. k0 + 32 (one cache line) of rows 0 .. nrows (at most 16) of w into L2: the
  * weight tiles the next call will read, fetched while this one computes (a tile load waits on its 16
  * rows' lines one after another; the weights of a MoE layer stream from memory) */
@@ -159,14 +167,12 @@ static inline __attribute__((always_inline)) void gate_up(const uint16_t *w13, i
                                                           const uint16_t *xp0, const int nb2, int64_t xs_b,
                                                           uint16_t *ap0, int64_t as_b, uint16_t *pad,
                                                           const uint16_t *next, int64_t nnext) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     const int64_t kp = (H + 31) / 32 * 32;
     for (int64_t k0 = 0; k0 < kp; k0 += 32) {
         int64_t sg, su;
-        if (k0 < H) prefetch_rows(next, H, nnext, k0), prefetch_rows(next ? next + I * H : 0, H, nnext, k0);
+        prefetch_rows(next, H, nnext, k0);  /* k0 < H: kp is H rounded up to 32 */
+        prefetch_rows(next ? next + I * H : 0, H, nnext, k0);
         const uint16_t *g = a_tile(w13, H, f, I, k0, H, pad, &sg);
         _tile_loadd(4, g, sg);
         const uint16_t *u = a_tile(w13 + I * H, H, f, I, k0, H, pad + 512, &su);
@@ -206,14 +212,12 @@ static inline __attribute__((always_inline)) void down(const uint16_t *w2, int64
                                                        const int64_t *tok, const float *wts, float *out,
                                                        int64_t ldo, int64_t nrows, uint16_t *pad,
                                                        const uint16_t *next, int64_t nnext) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     const int64_t ip = (I + 31) / 32 * 32;
     for (int64_t k0 = 0; k0 < ip; k0 += 32) {
         int64_t s0, s1;
-        if (k0 < I) prefetch_rows(next, I, nnext, k0), prefetch_rows(next ? next + 16 * I : 0, I, nnext - 16, k0);
+        prefetch_rows(next, I, nnext, k0);
+        prefetch_rows(next ? next + 16 * I : 0, I, nnext - 16, k0);
         _tile_loadd(6, ap0 + k0 * 16, 64);
         if (nb2 == 2) _tile_loadd(7, ap0 + as_b + k0 * 16, 64);
         const uint16_t *a0 = a_tile(w2, I, h, H, k0, I, pad, &s0);
