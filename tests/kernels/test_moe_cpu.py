@@ -177,3 +177,16 @@ def test_moe_cpu_every_variant_matches_fp64(native_kernel, use_isa, variant, dty
         got = moe_cpu.fused_moe(x, w13, w2, tw, ti)
     assert got.dtype == dtype
     assert_close_fp64(got, reference.fused_moe(x, w13, w2, tw, ti), _oracle(x, w13, w2, tw, ti), name=variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,inter", [(0, 0), (0, 8), (8, 0)])
+def test_moe_cpu_empty_hidden_or_expert_width(native_kernel, dtype, H, inter):
+    """Zero-width hidden or expert layers: the reference's (empty, or zeros) result; the native kernels
+    once divided by zero sizing their scratch here (SIGFPE)."""
+    x = torch.randn(10, H).to(dtype)
+    w13, w2 = torch.randn(2, 2 * inter, H).to(dtype), torch.randn(2, H, inter).to(dtype)
+    tw, ti = torch.ones(10, 1), torch.zeros(10, 1, dtype=torch.long)  # all 10 tokens on expert 0
+    with torch.inference_mode():
+        got = moe_cpu.fused_moe(x, w13, w2, tw, ti)
+    assert got.shape == (10, H) and got.dtype == dtype and (got == 0).all()

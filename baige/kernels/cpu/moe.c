@@ -144,6 +144,12 @@ static void down_any(const float *w2, int64_t H, int64_t I, int64_t h, int nr, i
 int baige_moe_experts_f32(const float *xs, int64_t ldx, const int64_t *offsets, int64_t E, const float *w13,
                           const float *w2, int64_t H, int64_t I, int64_t skip_rows, float *ys, int64_t ldy,
                           int nthreads) {
+    if (H == 0 || I == 0) { /* every output is empty or zero (no scratch to size) */
+        for (int64_t e = 0; e < E; e++)
+            if (offsets[e + 1] - offsets[e] > skip_rows)
+                for (int64_t i = offsets[e]; i < offsets[e + 1]; i++) memset(ys + i * ldy, 0, (size_t)H * sizeof(float));
+        return 0;
+    }
     /* a chunk's columns: XT and the activations (H + I floats per column) within CHUNK_FLOATS, 64..512 */
     int64_t nbmax = CHUNK_FLOATS / (H + I) / 16 * 16;
     nbmax = nbmax < 64 ? 64 : nbmax > 512 ? 512 : nbmax;

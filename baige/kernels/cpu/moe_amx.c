@@ -258,6 +258,7 @@ int baige_moe_experts_bf16(const uint16_t *x, int64_t ldx, const int64_t *tok, c
                            const int64_t *offsets, int64_t E, const uint16_t *w13, const uint16_t *w2, int64_t H,
                            int64_t I, int64_t skip_rows, float *out, int64_t ldo, int nthreads) {
     if (!amx_permitted()) return BAIGE_MOE_UNSUPPORTED;
+    if (H == 0 || I == 0) return 0; /* every expert's output is empty or zero: nothing to add */
     const int64_t kp = (H + 31) / 32 * 32, ip = (I + 31) / 32 * 32;
     const int64_t xs_b = kp * 16, as_b = ip * 16; /* bf16 elements per block of 16 rows in XP / AP */
     /* a chunk's rows: XP and AP within CHUNK_BYTES, 32..512 rows (whole blocks) */
