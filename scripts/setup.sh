@@ -52,7 +52,20 @@ fi
 
 # llama.cpp through its Python binding, for `baige bench compare` (optional: CI never installs it). No wheel
 # for Linux on PyPI: pip builds it with CMake (CMAKE_BUILD_PARALLEL_LEVEL = the CPU count unless set).
+# On CPUs with AMX, the native build's AMX kernels stop with SIGILL at their first tile instruction (seen
+# with 0.3.36 on a Sapphire Rapids-class VM: `tilezero` in libggml-cpu.so; upstream llama.cpp PR #26954 moves
+# the tile config out of the stack and asks for the tile state per thread), killing `baige bench compare`:
+# there it is built for this CPU's AVX-512 levels without AMX (and outside pip's wheel cache, which would
+# hand back a native wheel).
 if [ "$with_llama_cpp" = 1 ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   echo "building llama-cpp-python 0.3.36 from source (10-15 min on 2 cores; pip caches the wheel)" >&2
-  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} pip install -q "llama-cpp-python==0.3.36"
+  extra=()
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    echo "this CPU has AMX: building llama.cpp without its AMX kernels (they crash with 0.3.36)" >&2
+    export CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+      -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    extra=(--no-cache-dir)
+  fi
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} pip install -q ${extra[@]+"${extra[@]}"} "llama-cpp-python==0.3.36"
 fi
