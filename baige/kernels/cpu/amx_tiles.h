@@ -1,0 +1,127 @@
+/* Intel AMX helpers shared by the native kernels that use tiles (moe_amx.c, amx_linear.c); only with
+ * AMX-TILE + AMX-BF16 + AVX-512 BF16 (the ``avx512_amx`` variant).
+ *
+ * AMX in one paragraph (Intel 64 and IA-32 Architectures Software Developer's Manual, vol. 1 ch. 18, and
+ * the Intel Intrinsics Guide): eight tile registers of up to 16 rows x 64 bytes; TDPBF16PS C, A, B adds
+ * C[m][n] += sum_k A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1] for a 16 x 16 fp32 C, a 16 x 32 bf16 A and a
+ * B of 16 rows each holding 16 bf16 *pairs* (the "VNNI" layout: rows of B are pairs of K).
+ *
+ * Every kernel here configures all 8 tiles as 16 rows x 64 bytes; tiles 0-3 accumulate, 4-7 hold
+ * operands. Linux gives a process the 8 KiB tile state only when asked (arch_prctl(ARCH_REQ_XCOMP_PERM),
+ * kernels since 5.16); a kernel whose ask is refused reports itself unsupported.
+ */
+#ifndef BAIGE_AMX_TILES_H
+#define BAIGE_AMX_TILES_H
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* arch/x86/include/uapi/asm/prctl.h */
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands out the 8 KiB tile state only to processes that ask (once per process, any thread) */
+static inline int amx_permitted(void) {
+    static int state; /* 0 not asked, 1 granted, -1 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* every one of the 8 tiles 16 rows x 64 bytes (this thread's tile state; zeroes the tiles). The config
+ * lives in .rodata: one built on the stack has been seen optimised away before LDTILECFG read it
+ * (upstream llama.cpp PR #26954's report). */
+static inline void configure_tiles(void) {
+    static const tile_config cfg __attribute__((aligned(64))) = {
+        .palette_id = 1,
+        .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+        .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+    };
+    _tile_loadconfig(&cfg);
+}
+
+/* r[0..15] := its 16 x 16 transpose (32-bit lanes): unpack 32- then 64-bit pairs, then 128-bit lanes twice */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* rows 4i..4i+3: r[4i + j] holds column j (mod 4) of those 4 rows */
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; j++) { /* columns j, j + 4, j + 8, j + 12 of rows 0-7 and of rows 8-15 */
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd);
+    }
+}
+
+/* where to load the 16 x 32 bf16 A tile of rows r0.. and columns k0.. of w (nrows x K, row stride ld):
+ * in place when whole, else a zero-padded copy in pad (16 x 32); *stride gets the byte stride */
+static inline const uint16_t *a_tile(const uint16_t *w, int64_t ld, int64_t r0, int64_t nrows, int64_t k0,
+                                     int64_t K, uint16_t *pad, int64_t *stride) {
+    if (r0 + 16 <= nrows && k0 + 32 <= K) {
+        *stride = ld * 2;
+        return w + r0 * ld + k0;
+    }
+    memset(pad, 0, 16 * 32 * sizeof(uint16_t));
+    const int64_t nr = nrows - r0 < 16 ? nrows - r0 : 16, nk = K - k0 < 32 ? K - k0 : 32;
+    for (int64_t r = 0; r < nr; r++) memcpy(pad + r * 32, w + (r0 + r) * ld + k0, (size_t)nk * sizeof(uint16_t));
+    *stride = 64;
+    return pad;
+}
+
+/* tiles 0-3 (the accumulators) := 0 */
+static inline void zero_accumulators(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* bring columns k0 .. k0 + 32 (one cache line) of rows 0 .. nrows (at most 16) of w into L2: the
+ * weight tiles the next call will read, fetched while this one computes (a tile load waits on its 16
+ * rows' lines one after another; the weights of a MoE layer stream from memory) */
+static inline void prefetch_rows(const uint16_t *w, int64_t ld, int64_t nrows, int64_t k0) {
+    if (!w) return;
+    for (int64_t r = 0; r < nrows && r < 16; r++) _mm_prefetch((const char *)(w + r * ld + k0), _MM_HINT_T1);
+}
+
+/* tile t (0-3, an accumulator) -> c (16 x 16 fp32); tile numbers must be immediates */
+static inline void store_acc(int t, float c[16][16]) {
+    switch (t) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64);
+    }
+}
+
+#endif
+#endif
