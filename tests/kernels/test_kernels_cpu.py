@@ -593,12 +593,14 @@ def test_store_kv_into_a_bf16_cache_rounds_like_torch():
 
 
 @pytest.mark.parametrize("variant", isa.supported())
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 33])
 @pytest.mark.parametrize("in_f,out_f", [(96, 7), (1000, 75), (4097, 9)])
 def test_bf16_weight_linear_on_every_variant(use_isa, variant, rows, in_f, out_f):
-    """bf16 weights (bf16.c): on AVX-512 BF16 vdpbf16ps over x rounded to bf16, so the reference is
-    F.linear on the bf16-rounded x (and fp64 of the same); elsewhere the exact widening kernel against
-    F.linear on fp32 x. Odd shapes: K tails under 32 and 8, output tails under 4 rows; bias fp32."""
+    """bf16 weights (bf16.c): on AVX-512 BF16 vdpbf16ps over x rounded to bf16 -- and on avx512_amx, from 4
+    rows, AMX tiles over the same rounded x (amx_linear.c) --, so the reference is F.linear on the
+    bf16-rounded x (and fp64 of the same); elsewhere the exact widening kernel against F.linear on fp32 x.
+    Odd shapes: K tails under 32 and 8, output tails under 4 and 16 rows, row counts past one and two
+    16-row blocks; bias fp32."""
     use_isa(variant)
     dot = bool(cpu_library.library().baige_bf16_dot())
     assert dot == (variant in ("avx512_bf16", "avx512_amx"))
@@ -736,3 +738,23 @@ def test_argmax_is_torch_argmax_on_every_variant(use_isa, variant, width):
         assert expected[1] == 0 and expected[2] == 0 and expected[3] == width // 2
         assert expected[4] == width // 3 and expected[5] == width - 1 and expected[6] == 0
         assert expected[7] == width - 1
+
+
+@pytest.mark.parametrize("variant", [v for v in isa.supported() if v == "avx512_amx"] or ["none"])
+def test_amx_bf16_linear_independent_of_threads(use_isa, variant):
+    """amx_linear.c: bitwise the same y on 1 and 2 threads (each output summed in one order), and a row's
+    outputs the same with or without the other rows of its 16-row block."""
+    if variant == "none":
+        pytest.skip("no AMX on this CPU: amx_linear.c does not run here")
+    use_isa(variant)
+    x, w = _randn(37, 200, seed=4), (_randn(70, 200, seed=5) * 0.05).bfloat16()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(cpu.linear_f16(x, w, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(cpu.linear_f16(x[16:20].contiguous(), w, None), outs[0][16:20])  # 4 rows: AMX too

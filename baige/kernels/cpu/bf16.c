@@ -25,6 +25,14 @@
 
 void baige_linear_bf16_widen(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
                              int64_t ldw, const float *scale, const float *bias, float *y, int64_t ldy, int nthreads);
+int baige_linear_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
+                          int64_t ldw, const float *bias, float *y, int64_t ldy, int nthreads);
+
+/* calls of at least this many rows take the AMX tiles (amx_linear.c) under the avx512_amx variant; elsewhere
+ * that function reports itself unsupported and the code below runs */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 4
+#endif
 
 #if defined(__AVX512BF16__)
 
@@ -108,6 +116,7 @@ static void round_rows(const float *x, int64_t M, int64_t K, int64_t ldx, uint16
 void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
                        int64_t ldw, const float *scale, const float *bias, float *y, int64_t ldy, int nthreads) {
     (void)scale;
+    if (M >= AMX_MIN_ROWS && baige_linear_bf16_amx(x, M, K, ldx, w, N, ldw, bias, y, ldy, nthreads) == 0) return;
     const int64_t K32 = (K + 31) & ~(int64_t)31, tiles = (N + NR - 1) / NR;
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(M * K32) + 64);
     if (!xb) {  /* no scratch: the exact fp32 path needs none */
