@@ -125,7 +125,7 @@ def _native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
     """:mod:`baige.kernels.cpu.ops` when a native kernel may run these experts (contiguous weights,
     native kernels allowed and built; fp32 everywhere under an AVX-512 variant: ``moe.c``, or bf16
     everywhere under ``avx512_amx``: ``moe_amx.c``), else None."""
-    from baige.kernels import _native_cpu
+    from baige.kernels.cpu import native_allowed, ops
     from baige.kernels.cpu.build import current_isa
 
     variant = current_isa() or ""
@@ -133,4 +133,4 @@ def _native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
     if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1 and variant.startswith("avx512")
             and (not bf16 or variant == "avx512_amx")):
         return None
-    return _native_cpu(x, w13, w2, bf16=bf16)
+    return ops if x.device.type == "cpu" and native_allowed() and ops.usable(x, w13, w2, bf16=bf16) else None
