@@ -87,10 +87,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`onednn_linear` computes ``x @ weight.T + bias`` here: fp32 x (M >= 1, in) and
     weight (out, in) with unit stride along ``in``, on the CPU, no gradient wanted, bias None or
-    fp32 (out,), PyTorch built with oneDNN, ``BAIGE_CPU_ONEDNN`` on and the op not refused before."""
+    fp32 (out,), PyTorch built with oneDNN and its linear op, ``BAIGE_CPU_ONEDNN`` on."""
     from baige.kernels.settings import settings
 
-    return (_ONEDNN[0] and settings().cpu_onednn and x.dim() == 2 and x.shape[0] > 0
+    return (_ONEDNN and settings().cpu_onednn and x.dim() == 2 and x.shape[0] > 0
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
             and x.device.type == "cpu" and weight.device.type == "cpu" and weight.stride(-1) == 1
             and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1))
@@ -112,18 +112,14 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x: (M, in) fp32 CPU, M >= 1 (any strides). weight: (out, in) fp32, unit stride along in.
         bias: (out,) fp32 or None.
     Returns:
-        (M, out) fp32, contiguous. Where the op is missing or refuses (an older or oneDNN-less
-        PyTorch), ``F.linear`` computes it and later calls go there directly (:func:`onednn_takes`).
+        (M, out) fp32, contiguous. Call it only where :func:`onednn_takes` is true (a PyTorch without
+        oneDNN or without the op keeps ``F.linear``).
     """
-    try:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    except (AttributeError, RuntimeError, NotImplementedError):
-        _ONEDNN[0] = False
-        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# oneDNN's linear op usable in this PyTorch (False once it refused a call; see onednn_linear)
-_ONEDNN = [bool(torch.backends.mkldnn.is_available())]
+# oneDNN's linear op exists in this PyTorch (decided once at import: a build fact, not a run-time state)
+_ONEDNN = bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 DENSE_NATIVE_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 64}  # dense_linear's native rows, by weight dtype
