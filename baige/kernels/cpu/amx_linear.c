@@ -42,34 +42,20 @@ static void pack_rows_f32(const float *x, int64_t ldx, int64_t nr, int64_t K, in
 }
 
 /* outputs n .. n + 16 (and n + 16 .. n + 32 when nn2 = 2) x row blocks 0 (and 1 when nb2 = 2) of xp (block
- * stride xs_b): y[j][n..] = sum + bias for the nrows valid rows */
+ * stride xs_b): y[j][n..] = sum + bias for the nrows valid rows; the next call's weight rows (next, nnext
+ * of them) fetched meanwhile */
 static inline __attribute__((always_inline)) void block(const uint16_t *w, int64_t ldw, int64_t N, int64_t K,
                                                         int64_t n, const int nn2, const uint16_t *xp, const int nb2,
                                                         int64_t xs_b, const float *bias, float *y, int64_t ldy,
-                                                        int64_t nrows, uint16_t *pad) {
-    zero_accumulators();
-    const int64_t kp = (K + 31) / 32 * 32;
-    for (int64_t k0 = 0; k0 < kp; k0 += 32) {
-        int64_t s0, s1;
-        _tile_loadd(6, xp + k0 * 16, 64);
-        if (nb2 == 2) _tile_loadd(7, xp + xs_b + k0 * 16, 64);
-        _tile_loadd(4, a_tile(w, ldw, n, N, k0, K, pad, &s0), s0);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nb2 == 2) _tile_dpbf16ps(1, 4, 7);
-        if (nn2 == 2) {
-            _tile_loadd(5, a_tile(w, ldw, n + 16, N, k0, K, pad + 512, &s1), s1);
-            _tile_dpbf16ps(2, 5, 6);
-            if (nb2 == 2) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    float c[16][16] __attribute__((aligned(64)));
+                                                        int64_t nrows, uint16_t *pad, const uint16_t *next,
+                                                        int64_t nnext) {
+    product_2x2(w, n, w, n + 16, nn2, ldw, N, K, xp, xs_b, nb2, pad, next, nnext, next ? next + 16 * ldw : 0,
+                nnext - 16);
     for (int t = 0; t < 2 * nn2; t++) {
         const int b = t & 1, half = t >> 1;
         if (b >= nb2) continue;
-        store_acc(t, c);
         __m512 r[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c[i]);
-        transpose16(r); /* r[j]: row j of the block, its 16 outputs */
+        acc_rows(t, r); /* r[j]: row j of the block, its 16 outputs */
         const int64_t n0 = n + 16 * half, nv = N - n0 < 16 ? N - n0 : 16;
         const __mmask16 m = (__mmask16)((1u << nv) - 1u);
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
@@ -99,16 +85,17 @@ int baige_linear_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, con
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < npairs; p++) {
             const int64_t n = 32 * p;
+            const int64_t nn = N - n - 32;  /* rows of the next column block, fetched during the first row pair */
             for (int64_t b = 0; b < blocks; b += 2) {
-                const uint16_t *xb = xp + b * xs_b;
+                const uint16_t *xb = xp + b * xs_b, *next = b == 0 && nn > 0 ? w + (n + 32) * ldw : 0;
                 float *yb = y + 16 * b * ldy;
                 const int64_t nrows = M - 16 * b;
                 if (n + 16 < N) {
-                    if (b + 1 < blocks) block(w, ldw, N, K, n, 2, xb, 2, xs_b, bias, yb, ldy, nrows, pad);
-                    else block(w, ldw, N, K, n, 2, xb, 1, xs_b, bias, yb, ldy, nrows, pad);
+                    if (b + 1 < blocks) block(w, ldw, N, K, n, 2, xb, 2, xs_b, bias, yb, ldy, nrows, pad, next, nn);
+                    else block(w, ldw, N, K, n, 2, xb, 1, xs_b, bias, yb, ldy, nrows, pad, next, nn);
                 } else {
-                    if (b + 1 < blocks) block(w, ldw, N, K, n, 1, xb, 2, xs_b, bias, yb, ldy, nrows, pad);
-                    else block(w, ldw, N, K, n, 1, xb, 1, xs_b, bias, yb, ldy, nrows, pad);
+                    if (b + 1 < blocks) block(w, ldw, N, K, n, 1, xb, 2, xs_b, bias, yb, ldy, nrows, pad, next, nn);
+                    else block(w, ldw, N, K, n, 1, xb, 1, xs_b, bias, yb, ldy, nrows, pad, next, nn);
                 }
             }
         }

@@ -97,14 +97,6 @@ static inline const uint16_t *a_tile(const uint16_t *w, int64_t ld, int64_t r0, 
     return pad;
 }
 
-/* tiles 0-3 (the accumulators) := 0 */
-static inline void zero_accumulators(void) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-}
-
 /* bring columns k0 .. k0 + 32 (one cache line) of rows 0 .. nrows (at most 16) of w into L2: the
  * weight tiles the next call will read, fetched while this one computes (a tile load waits on its 16
  * rows' lines one after another; the weights of a MoE layer stream from memory) */
@@ -113,7 +105,41 @@ static inline void prefetch_rows(const uint16_t *w, int64_t ld, int64_t nrows, i
     for (int64_t r = 0; r < nrows && r < 16; r++) _mm_prefetch((const char *)(w + r * ld + k0), _MM_HINT_T1);
 }
 
-/* tile t (0-3, an accumulator) -> c (16 x 16 fp32); tile numbers must be immediates */
+/* The one tile product of these kernels: accumulator tiles 0-3 := A x B over K, for up to two A blocks of
+ * 16 weight rows -- rows r0.. of w0 and rows r1.. of w1 (both nrows x K, row stride ld; the second only when
+ * na2 = 2) -- and up to two B blocks of 16 packed rows (b and b + bs, K / 2 rows of 16 pairs each; the second
+ * only when nb2 = 2): tile 0 = (A0, B0), 1 = (A0, B1), 2 = (A1, B0), 3 = (A1, B1). Each A tile is loaded
+ * once for both B blocks and each B tile once for both A blocks; rows past nrows and columns past K read
+ * zero-padded copies (pad: 2 x 16 x 32). While it runs, p0 (np0 rows) and p1 (np1 rows) -- the next call's
+ * weight rows, or NULL -- are brought into L2 a cache line per 32 columns. */
+static inline __attribute__((always_inline)) void product_2x2(const uint16_t *w0, int64_t r0, const uint16_t *w1,
+                                                              int64_t r1, const int na2, int64_t ld, int64_t nrows,
+                                                              int64_t K, const uint16_t *b, int64_t bs, const int nb2,
+                                                              uint16_t *pad, const uint16_t *p0, int64_t np0,
+                                                              const uint16_t *p1, int64_t np1) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t kp = (K + 31) / 32 * 32;
+    for (int64_t k0 = 0; k0 < kp; k0 += 32) {  /* k0 < K: kp is K rounded up to 32 */
+        int64_t s0, s1;
+        prefetch_rows(p0, ld, np0, k0);
+        prefetch_rows(p1, ld, np1, k0);
+        _tile_loadd(6, b + k0 * 16, 64);
+        if (nb2 == 2) _tile_loadd(7, b + bs + k0 * 16, 64);
+        _tile_loadd(4, a_tile(w0, ld, r0, nrows, k0, K, pad, &s0), s0);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb2 == 2) _tile_dpbf16ps(1, 4, 7);
+        if (na2 == 2) {
+            _tile_loadd(5, a_tile(w1, ld, r1, nrows, k0, K, pad + 512, &s1), s1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nb2 == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* accumulator tile t (0-3) -> c (16 x 16 fp32); tile numbers must be immediates */
 static inline void store_acc(int t, float c[16][16]) {
     switch (t) {
     case 0: _tile_stored(0, c, 64); break;
@@ -121,6 +147,15 @@ static inline void store_acc(int t, float c[16][16]) {
     case 2: _tile_stored(2, c, 64); break;
     default: _tile_stored(3, c, 64);
     }
+}
+
+/* accumulator tile t (0-3; its rows are 16 outputs, its columns 16 packed rows) turned back into rows:
+ * r[j] = the 16 outputs of packed row j */
+static inline void acc_rows(int t, __m512 r[16]) {
+    float c[16][16] __attribute__((aligned(64)));
+    store_acc(t, c);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c[i]);
+    transpose16(r);
 }
 
 #endif

@@ -73,32 +73,10 @@ static inline __attribute__((always_inline)) void gate_up(const uint16_t *w13, i
                                                           const uint16_t *xp0, const int nb2, int64_t xs_b,
                                                           uint16_t *ap0, int64_t as_b, uint16_t *pad,
                                                           const uint16_t *next, int64_t nnext) {
-    zero_accumulators();
-    const int64_t kp = (H + 31) / 32 * 32;
-    for (int64_t k0 = 0; k0 < kp; k0 += 32) {
-        int64_t sg, su;
-        prefetch_rows(next, H, nnext, k0);  /* k0 < H: kp is H rounded up to 32 */
-        prefetch_rows(next ? next + I * H : 0, H, nnext, k0);
-        const uint16_t *g = a_tile(w13, H, f, I, k0, H, pad, &sg);
-        _tile_loadd(4, g, sg);
-        const uint16_t *u = a_tile(w13 + I * H, H, f, I, k0, H, pad + 512, &su);
-        _tile_loadd(5, u, su);
-        _tile_loadd(6, xp0 + k0 * 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(2, 5, 6);
-        if (nb2 == 2) {
-            _tile_loadd(7, xp0 + xs_b + k0 * 16, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
+    product_2x2(w13, f, w13 + I * H, f, 2, H, I, H, xp0, xs_b, nb2, pad, next, nnext, next ? next + I * H : 0, nnext);
     float c[4][16][16] __attribute__((aligned(64)));
-    _tile_stored(0, c[0], 64);
-    _tile_stored(2, c[2], 64);
-    if (nb2 == 2) {
-        _tile_stored(1, c[1], 64);
-        _tile_stored(3, c[3], 64);
-    }
+    for (int t = 0; t < 4; t++)
+        if ((t & 1) < nb2) store_acc(t, c[t]); /* c[b]: gate of block b, c[2 + b]: its up */
     for (int b = 0; b < nb2; b++) {
         uint16_t *ap = ap0 + b * as_b + (f / 2) * 32;
         for (int q = 0; q < 8; q++) {
@@ -118,33 +96,12 @@ static inline __attribute__((always_inline)) void down(const uint16_t *w2, int64
                                                        const int64_t *tok, const float *wts, float *out,
                                                        int64_t ldo, int64_t nrows, uint16_t *pad,
                                                        const uint16_t *next, int64_t nnext) {
-    zero_accumulators();
-    const int64_t ip = (I + 31) / 32 * 32;
-    for (int64_t k0 = 0; k0 < ip; k0 += 32) {
-        int64_t s0, s1;
-        prefetch_rows(next, I, nnext, k0);
-        prefetch_rows(next ? next + 16 * I : 0, I, nnext - 16, k0);
-        _tile_loadd(6, ap0 + k0 * 16, 64);
-        if (nb2 == 2) _tile_loadd(7, ap0 + as_b + k0 * 16, 64);
-        const uint16_t *a0 = a_tile(w2, I, h, H, k0, I, pad, &s0);
-        _tile_loadd(4, a0, s0);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nb2 == 2) _tile_dpbf16ps(1, 4, 7);
-        if (nh2 == 2) {
-            const uint16_t *a1 = a_tile(w2, I, h + 16, H, k0, I, pad + 512, &s1);
-            _tile_loadd(5, a1, s1);
-            _tile_dpbf16ps(2, 5, 6);
-            if (nb2 == 2) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    float c[16][16] __attribute__((aligned(64)));
+    product_2x2(w2, h, w2, h + 16, nh2, I, H, I, ap0, as_b, nb2, pad, next, nnext, next ? next + 16 * I : 0, nnext - 16);
     for (int t = 0; t < 2 * nh2; t++) {
         const int b = t & 1, hh = t >> 1;
         if (b >= nb2) continue;
-        store_acc(t, c);
         __m512 r[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(c[i]);
-        transpose16(r); /* r[j]: row j of the block, its 16 hidden values */
+        acc_rows(t, r); /* r[j]: row j of the block, its 16 hidden values */
         const int64_t h0 = h + 16 * hh, nh = H - h0 < 16 ? H - h0 : 16;
         const __mmask16 m = (__mmask16)((1u << nh) - 1);
         for (int64_t j = 0, i = 16 * b; j < 16 && i < nrows; j++, i++) {
