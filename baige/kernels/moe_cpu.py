@@ -61,7 +61,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     wsorted = topk_weights.reshape(-1).index_select(0, order).to(acc)  # (T * k,) routing weight of each pair
     native = _native(x, w13, w2)
     if native and x.dtype == torch.bfloat16:
-        return _bf16_amx(native, x, w13, w2, tok, wsorted, bincount)
+        return _bf16_amx(native, x, w13, w2, tok, wsorted, bincount, counts)
     n = T * k
     transposed = (not native and onednn_takes(x, w13[0], None) and w2.dtype == torch.float32
                   and w13.stride(-1) == 1 and w2.stride(-1) == 1)
@@ -90,14 +90,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def _bf16_amx(native, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tok: torch.Tensor,
-              wsorted: torch.Tensor, bincount: torch.Tensor) -> torch.Tensor:
+              wsorted: torch.Tensor, bincount: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """bf16 experts under ``avx512_amx``: ``moe_amx.c`` gathers, computes and adds every expert with more
     than :data:`NATIVE_SKIP_ROWS` pairs into an fp32 (T, H) sum; the others (all, where Linux refuses
     AMX) run :func:`_few_rows_expert` and are added after. Returns (T, H) bf16."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
     done = native.moe_experts_combine(x, tok, wsorted, _offsets(bincount), w13, w2, NATIVE_SKIP_ROWS, out)
     start = 0
-    for e, c in enumerate(bincount.tolist()):
+    for e, c in enumerate(counts):
         if c and not (done and c > NATIVE_SKIP_ROWS):
             t = tok[start:start + c]
             y = _few_rows_expert(x.index_select(0, t), w13[e], w2[e])  # (c, H) bf16
