@@ -31,8 +31,7 @@ QuantizationOpt = Annotated[Optional[str], typer.Option(
          "load. Default: none.")]
 KVCacheDTypeOpt = Annotated[DType, typer.Option(help="KV-cache dtype of every baige row; auto = the model's. On CPU "
                                                      "float16 under an fp32 model halves the attention's reads (the "
-                                                     "native kernels read fp32 or fp16 caches; bfloat16 takes the "
-                                                     "slower PyTorch path).")]
+                                                     "native kernels read fp32, fp16 and bf16 caches).")]
 InputLenOpt = Annotated[int, typer.Option(min=1, help="Random dataset: prompt length (tokens).")]
 OutputLenOpt = Annotated[int, typer.Option(min=1, help="Random dataset: output length (tokens).")]
 RangeRatioOpt = Annotated[float, typer.Option(help="Random dataset: lengths uniform in len*[1-r, 1+r].")]

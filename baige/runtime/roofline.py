@@ -7,13 +7,20 @@ bounds a workload by ``min(peak FLOP/s, bandwidth * arithmetic intensity)``. Her
   once and written once, so ``bandwidth = 2 * nbytes / time`` (the STREAM "copy" kernel's counting,
   McCalpin 1995), best of 10 trials.
 - **Matmul peak** (FLOP/s) is measured with a large square GEMM in the run dtype:
-  ``2 * N**3 / time`` (one multiply and one add per inner-product term), best of 5 trials.
+  ``2 * N**3 / time`` (one multiply and one add per inner-product term), best of at least 5 trials
+  and of as many as fit in 2 s on the CPU: on a shared VM the same GEMM can run at a third of its
+  rate for a second or more (seen on an Intel host, oneDNN on AMX: 0.40 vs 1.17 TFLOP/s, one thread),
+  and a limit is what the machine can do.
 - **Decode** at batch ``B`` reads every weight once per step and each sequence's K/V cache once:
   ``bytes/step = weight_bytes + B * context_len * kv_bytes_per_token``; achieved bandwidth is
   ``bytes/step * steps/s`` (gpt-fast's "memory bandwidth achieved" counts weights only; we add the KV).
 - **Prefill / offline throughput / training** are compute bound: achieved FLOP/s is tokens/s times
   FLOPs per token, forward only = ``flops_per_token / 3`` (the PaLM paper's 6N + 12LHQT training count,
   appendix B, is 2N + 4LHQT forward plus twice that backward).
+- **A whole offline workload** is not all compute bound: its decode steps read every weight for a
+  few rows each. :func:`workload_roofline` bounds it step by step from the shapes the scheduler
+  actually ran (:class:`StepShape`): each step takes at least ``max(FLOPs / peak, bytes / bandwidth)``,
+  and their sum is the least time any implementation on this machine needs for the same schedule.
 """
 
 from __future__ import annotations
@@ -68,21 +75,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+def _time(fn: Callable[[], None], device: torch.device, warmup: int, iters: int, min_seconds: float = 0.0,
+          max_iters: int = 200) -> float:
     """Best (minimum) seconds per call, as STREAM reports the best rate of its trials: a limit is
     what the machine can do, and on a shared machine the median is pulled down by other work.
-    ``triton.testing.do_bench`` on CUDA, warm-up + timed loop on CPU."""
+    ``triton.testing.do_bench`` on CUDA, warm-up + timed loop on CPU: ``iters`` timed calls, then
+    more while the timed calls add up to less than ``min_seconds`` (at most ``max_iters`` in all)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=25, rep=100, return_mode="min") / 1e3
     for _ in range(warmup):
         fn()
-    best = float("inf")
-    for _ in range(iters):
+    best, spent, done = float("inf"), 0.0, 0
+    while done < iters or (spent < min_seconds and done < max_iters):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        best, spent, done = min(best, dt), spent + dt, done + 1
     return best
 
 
@@ -96,13 +106,15 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: in
     return 2 * src.numel() * 4 / t
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 5) -> float:
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 5,
+                        min_seconds: float = 2.0) -> float:
     """Matmul FLOP/s of an ``n x n @ n x n`` GEMM in ``dtype`` (default n = 2048 on CPU, 8192 on
-    CUDA): ``2 * n**3 / best time``."""
+    CUDA): ``2 * n**3 / best time`` over at least ``iters`` calls and ``min_seconds`` of timed calls
+    on the CPU (see the module docstring: a shared CPU's rate drops for seconds at a time)."""
     n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    t = _time(lambda: torch.mm(a, b), device, warmup=1, iters=iters)
+    t = _time(lambda: torch.mm(a, b), device, warmup=1, iters=iters, min_seconds=min_seconds)
     return 2 * n**3 / t
 
 
@@ -149,13 +161,14 @@ def model_counts(model) -> dict[str, int]:
     """The numbers the rooflines need from a :class:`Transformer`: ``num_params``,
     ``num_params_non_embedding``, ``num_params_active`` (non-embedding parameters one token uses:
     for MoE models only its ``top_k`` routed experts, :meth:`ModelConfig.num_params`), ``attn_dims``
-    (= L * H * Q, layers x heads x head_dim), ``weight_bytes``, and for MoE models
+    (= L * H * Q, layers x heads x head_dim), ``weight_bytes``, ``lm_head_params`` (vocab x hidden), and for MoE models
     ``routed_expert_bytes`` (all routed experts of all sparse layers), ``num_experts``, ``top_k``."""
     c = model.config
     counts = {"num_params": model.num_params(), "num_params_non_embedding": model.num_params(non_embedding=True),
               "num_params_active": c.num_params(non_embedding=True, active=True),
               "attn_dims": c.num_hidden_layers * c.num_attention_heads * c.head_dim,
-              "weight_bytes": weight_bytes(model), "routed_expert_bytes": 0, "num_experts": 0, "top_k": 0}
+              "weight_bytes": weight_bytes(model), "routed_expert_bytes": 0, "num_experts": 0, "top_k": 0,
+              "lm_head_params": c.vocab_size * c.hidden_size}
     if c.moe is not None:
         experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
         counts["routed_expert_bytes"] = sum(weight_bytes(m) for m in experts)
@@ -232,3 +245,72 @@ def compute_roofline(tokens_per_s: float, flops_per_token: float, peak: float) -
         "limit_tokens_per_s": peak / flops_per_token,
         "pct_of_limit": 100 * achieved / peak,
     }
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The work of one engine step, as the scheduler ran it (recorded by ``LLMEngine.step`` when its
+    ``step_shapes`` is a list).
+
+    ``tokens``: tokens computed (prefill chunks + decode rows); ``kv_tokens``: cached tokens the step's
+    attention has to read, summed over its sequences (each sequence's context after the step: a chunk
+    reads its sequence's cache once); ``attn_pairs``: (query, key) pairs scored, summed over the
+    computed tokens (a chunk of n tokens after c cached ones: ``n * c + n * (n + 1) / 2``);
+    ``sampled``: rows the lm_head projects (sequences that sample a token this step).
+    """
+
+    tokens: int
+    kv_tokens: int
+    attn_pairs: int
+    sampled: int
+
+
+def workload_roofline(steps: list[StepShape], counts: dict, kv_bytes_per_token: int, peak: float,
+                      bandwidth: float) -> dict[str, float]:
+    """The least time a machine of ``peak`` FLOP/s and ``bandwidth`` bytes/s needs for ``steps``.
+
+    Each step needs at least ``max(flops / peak, bytes / bandwidth)`` seconds (the roofline, Williams
+    et al. 2009, per step), with ``flops = 2 N tokens + 4 LHQ attn_pairs + 2 V sampled`` (N =
+    ``counts["num_params_active"]``, LHQ = ``counts["attn_dims"]``, V = ``counts["lm_head_params"]``: the forward count of
+    :func:`forward_flops_per_token` plus the lm_head rows actually projected) and ``bytes =
+    step_weight_bytes(counts, tokens) + kv_bytes_per_token * (kv_tokens + tokens)`` (every weight
+    once, the cache read once and the new K/V written). Activations are assumed to stay in cache.
+
+    Args:
+        steps: the schedule, one :class:`StepShape` per engine step.
+        counts: :func:`model_counts` of the model as run (its ``weight_bytes`` at the run's dtype).
+        kv_bytes_per_token: K+V bytes per cached token, all layers (``ModelConfig.kv_bytes_per_token``).
+        peak, bandwidth: FLOP/s and bytes/s (:func:`hardware_limits`).
+    Returns:
+        ``min_time_s`` (s), ``compute_bound_s`` / ``bandwidth_bound_s`` (s: the part of ``min_time_s``
+        spent in steps bound by each limit), ``steps`` and ``bandwidth_bound_steps`` (counts).
+    Raises:
+        ValueError: for a ``peak`` or ``bandwidth`` that is not positive.
+    """
+    if peak <= 0 or bandwidth <= 0:
+        raise ValueError(f"peak and bandwidth must be positive, got {peak} FLOP/s and {bandwidth} bytes/s")
+    compute_s = memory_s = 0.0
+    n_memory = 0
+    for s in steps:
+        flops = 2 * counts["num_params_active"] * s.tokens + 4 * counts["attn_dims"] * s.attn_pairs
+        flops += 2 * counts["lm_head_params"] * s.sampled
+        nbytes = step_weight_bytes(counts, s.tokens) + kv_bytes_per_token * (s.kv_tokens + s.tokens)
+        tc, tm = flops / peak, nbytes / bandwidth
+        if tm > tc:
+            memory_s += tm
+            n_memory += 1
+        else:
+            compute_s += tc
+    return {"min_time_s": compute_s + memory_s, "compute_bound_s": compute_s, "bandwidth_bound_s": memory_s,
+            "steps": len(steps), "bandwidth_bound_steps": n_memory}
+
+
+def workload_limit(bound: dict[str, float], total_tokens: int, flops_per_token: float, peak: float,
+                   elapsed: float) -> dict[str, float]:
+    """``bound`` (:func:`workload_roofline`) against a run of ``total_tokens`` in ``elapsed`` seconds:
+    adds ``limit_tokens_per_s`` (total_tokens / min_time_s), ``limit_pct_of_peak`` (%: the most of
+    ``peak`` that :func:`compute_roofline`'s count, ``flops_per_token`` per token, can reach on this
+    schedule and machine) and ``pct_of_limit`` (%: min_time_s / elapsed)."""
+    limit_tps = total_tokens / bound["min_time_s"] if bound["min_time_s"] > 0 else float("inf")
+    return {**bound, "limit_tokens_per_s": limit_tps, "limit_pct_of_peak": 100 * limit_tps * flops_per_token / peak,
+            "pct_of_limit": 100 * bound["min_time_s"] / elapsed}

@@ -111,7 +111,46 @@ def test_measurements_take_the_best_of_their_timed_calls(monkeypatch):
     nbytes = 1 << 20
     assert roofline.measure_bandwidth(torch.device("cpu"), nbytes, iters=3) == 2 * nbytes / 0.125  # read + write
     monkeypatch.setattr(roofline, "time", FakeTime([0.0, 0.5, 1.0, 1.25, 2.0, 2.0625]))
-    assert roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=3) == 2 * 64**3 / 0.0625
+    assert roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=3,
+                                        min_seconds=0) == 2 * 64**3 / 0.0625
+
+
+def test_matmul_peak_keeps_timing_until_its_minimum_seconds(monkeypatch):
+    # iters=2 but min_seconds=1: calls of 0.5, 0.25 (0.75 s so far), 0.125 (0.875), 0.5 (1.375): four
+    # timed calls, the best 0.125 s -- a slow spell at the start does not set the limit
+    monkeypatch.setattr(roofline, "time", FakeTime([0.0, 0.5, 1.0, 1.25, 2.0, 2.125, 3.0, 3.5]))
+    assert roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=2,
+                                        min_seconds=1.0) == 2 * 64**3 / 0.125
+
+
+def test_workload_roofline_by_hand():
+    counts = {"num_params_active": 1000, "attn_dims": 10, "lm_head_params": 500, "weight_bytes": 4000}
+    steps = [roofline.StepShape(tokens=100, kv_tokens=100, attn_pairs=5050, sampled=1),  # a 100-token prompt
+             roofline.StepShape(tokens=2, kv_tokens=101, attn_pairs=101, sampled=2)]  # two decode rows
+    b = roofline.workload_roofline(steps, counts, 100, peak=1e6, bandwidth=1e5)
+    # prefill: 2*1000*100 + 4*10*5050 + 2*500 = 403000 FLOPs (0.403 s) > 4000 + 100*200 bytes (0.24 s)
+    # decode: 4000 + 4040 + 2000 = 10040 FLOPs (0.01004 s) < 4000 + 100*103 = 14300 bytes (0.143 s)
+    assert b["compute_bound_s"] == pytest.approx(0.403) and b["bandwidth_bound_s"] == pytest.approx(0.143)
+    assert b["min_time_s"] == pytest.approx(0.546) and (b["steps"], b["bandwidth_bound_steps"]) == (2, 1)
+    w = roofline.workload_limit(b, total_tokens=102, flops_per_token=2400, peak=1e6, elapsed=1.092)
+    assert w["limit_tokens_per_s"] == pytest.approx(102 / 0.546)
+    assert w["limit_pct_of_peak"] == pytest.approx(100 * 102 / 0.546 * 2400 / 1e6)  # 44.8%
+    assert w["pct_of_limit"] == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        roofline.workload_roofline(steps, counts, 100, peak=1e6, bandwidth=0)
+
+
+def test_engine_records_the_shape_of_each_step(tiny_dir):
+    from baige.runtime.infer.llm import LLM
+    from baige.runtime.infer.sampling import SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="float32", enforce_eager=True, max_model_len=32, kv_cache_memory=1 << 20)
+    llm.engine.step_shapes = []
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [5, 6, 7]}],
+                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    S = roofline.StepShape
+    # prefill 5 + 3 tokens (pairs 15 + 6), then two decode steps of two rows each after 5/3, 6/4 cached tokens
+    assert llm.engine.step_shapes == [S(8, 8, 21, 2), S(2, 6 + 4, 6 + 4, 2), S(2, 7 + 5, 7 + 5, 2)]
 
 
 def test_hardware_limits_measure_once_per_device_and_dtype(monkeypatch):
@@ -330,6 +369,9 @@ def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path, monkeypatch):
     # 5 requests, 50 tokens, 15 of them generated, in 2.5 s
     assert (s["requests_per_second"], s["tokens_per_second"], s["output_tokens_per_second"]) == (2.0, 20.0, 6.0)
     assert [x["output_len"] for x in r["samples"]] == [3] * 5 and [x["prompt_len"] for x in r["samples"]] == [7] * 5
+    w = s["workload_roofline"]  # one prefill step of the 5 prompts, two decode steps of 5 rows
+    assert (w["steps"], w["pct_of_limit"]) == (3, pytest.approx(100 * w["min_time_s"] / 2.5))
+    assert "least time for this schedule (roofline)" in res.output
 
 
 def test_cli_latency_with_speculation_reports_its_counters(tiny_dir, tmp_path):
@@ -379,6 +421,9 @@ def test_cli_compare_peers_none_and_one_variant(tiny_dir, tmp_path, monkeypatch)
     assert list(r["samples"]["decode"]) == ["baige", "baige-int8"] and r["notes"] == []
     assert r["args"]["peers"] == [] and r["args"]["quantized"] == ["int8"]
     assert set(r["summary"]["ratios"]) == set()  # no peer row, no ratio
+    w, w8 = (r["summary"]["throughput"][k]["workload_roofline"] for k in ("baige", "baige-int8"))
+    assert w["steps"] == w8["steps"] >= 2  # one schedule; int8 weights: fewer bytes, no longer a least time
+    assert w8["min_time_s"] <= w["min_time_s"] and r["model"]["lm_head_params"] == 160 * 64
     assert "baige-int8" in res.output and "ratios of tokens/s" not in res.output  # no ratio: no second table
 
 

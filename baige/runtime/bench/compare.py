@@ -98,6 +98,9 @@ class Rows:
     batch: dict[str, Callable[[], None]] = field(default_factory=dict)  # offline throughput call
     weight_bytes: dict[str, int] = field(default_factory=dict)  # bytes read per decode step
     dtype_bytes: dict[str, int] = field(default_factory=dict)  # bytes per cached K/V element
+    # baige rows: the schedule of the last throughput call and the model's roofline.model_counts
+    steps: dict[str, list[roofline.StepShape]] = field(default_factory=dict)
+    counts: dict[str, dict] = field(default_factory=dict)
 
     def add(self, name: str, decode: Callable[[], None], batch: Callable[[], None] | None, weight_bytes: int,
             dtype_bytes: int) -> None:
@@ -120,9 +123,19 @@ def _add_baige(rows: Rows, name: str, llm, prompt: list[int], reqs: Requests, n:
     decode_params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
-    batch1_bytes = roofline.step_weight_bytes(roofline.model_counts(llm.engine.model), 1)  # MoE: k experts/layer
-    rows.add(name, lambda: llm.generate([{"prompt_token_ids": prompt}], decode_params),
-             lambda: llm.generate(prompts, params), batch1_bytes, llm.engine.kv_cache.k[0].element_size())
+    counts = rows.counts[name] = roofline.model_counts(llm.engine.model)
+    batch1_bytes = roofline.step_weight_bytes(counts, 1)  # MoE: k experts/layer
+
+    def batch() -> None:
+        llm.engine.step_shapes = []
+        try:
+            llm.generate(prompts, params)
+            rows.steps[name] = llm.engine.step_shapes
+        finally:
+            llm.engine.step_shapes = None
+
+    rows.add(name, lambda: llm.generate([{"prompt_token_ids": prompt}], decode_params), batch, batch1_bytes,
+             llm.engine.kv_cache.k[0].element_size())
 
 
 def _hf_generate(model, batch: list[list[int]], n: int, pad_id: int) -> None:
@@ -289,7 +302,8 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
     """Median tokens/s per row and its roofline: decode against the bandwidth ``limits`` (weights +
     KV bytes per step at the mean context, KV bytes per token from the ``ModelConfig`` ``mc``),
     throughput against the matmul peak (FLOPs/token from baige's model ``counts`` at the mean
-    request length); plus the ratios."""
+    request length) and, for baige's rows, against the least time their schedule needs on this
+    machine (``workload_roofline``: :func:`roofline.workload_roofline`); plus the ratios."""
     tp_tokens = sum(len(p) + n for p, n in reqs)
     summary: dict = {"decode": {}, "throughput": {}}
     for name, ts in samples["decode"].items():
@@ -305,6 +319,12 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
                                                      tp_tokens / len(reqs))
             summary["throughput"][name] = {"tokens_per_s": tps, "roofline": roofline.compute_roofline(
                 tps, flops, limits.matmul_peak)}
+            if rows.steps.get(name):
+                bound = roofline.workload_roofline(rows.steps[name], rows.counts[name],
+                                                   mc.kv_bytes_per_token(rows.dtype_bytes[name]), limits.matmul_peak,
+                                                   limits.bandwidth)
+                summary["throughput"][name]["workload_roofline"] = roofline.workload_limit(
+                    bound, tp_tokens, flops, limits.matmul_peak, statistics.median(ts))
     summary["ratios"] = ratios(summary)
     return summary
 

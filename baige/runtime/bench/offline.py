@@ -202,6 +202,7 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
         ids.append(rid)
     done: dict[str, object] = {}
     interrupted = False
+    eng.step_shapes = []
     start = time.monotonic()
     try:
         while len(done) < len(ids) and eng.has_unfinished():
@@ -224,22 +225,29 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
     return {
         "benchmark": "throughput", "args": run_args(cfg, llm), "environment": environment(), "model": info,
         "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
-        "summary": throughput_summary(samples, elapsed, info, limits) if samples else {},
+        "summary": throughput_summary(samples, elapsed, info, limits, eng.step_shapes) if samples else {},
         "spec_decode": spec_decode_result(llm),
     }
 
 
-def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits) -> dict:
+def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
+                       steps: list[roofline.StepShape] | None = None) -> dict:
     """requests/s, total tokens/s, output tokens/s over ``elapsed`` seconds, and the compute
-    roofline with FLOPs/token at the mean sequence length (prompt + output)."""
+    roofline with FLOPs/token at the mean sequence length (prompt + output); with the run's
+    ``steps``, also ``workload_roofline`` (:func:`roofline.workload_roofline` and
+    :func:`roofline.workload_limit`: the least time this schedule needs on this machine)."""
     n_in = sum(s["prompt_len"] for s in samples)
     n_out = sum(s["output_len"] for s in samples)
     total_tps = (n_in + n_out) / elapsed
     mean_len = (n_in + n_out) / len(samples)
-    return {
+    flops = _fwd_flops(info, mean_len)
+    out = {
         "elapsed_time_s": elapsed, "num_requests": len(samples), "total_num_tokens": n_in + n_out,
         "total_output_tokens": n_out, "requests_per_second": len(samples) / elapsed,
         "tokens_per_second": total_tps, "output_tokens_per_second": n_out / elapsed,
-        "compute_roofline": roofline.compute_roofline(
-            total_tps, _fwd_flops(info, mean_len), limits.matmul_peak),
+        "compute_roofline": roofline.compute_roofline(total_tps, flops, limits.matmul_peak),
     }
+    if steps:
+        bound = roofline.workload_roofline(steps, info, info["kv_bytes_per_token"], limits.matmul_peak, limits.bandwidth)
+        out["workload_roofline"] = roofline.workload_limit(bound, n_in + n_out, flops, limits.matmul_peak, elapsed)
+    return out

@@ -69,8 +69,18 @@ def throughput_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
             ("request throughput", f"{s['requests_per_second']:.2f}", "requests/s", None),
             ("total token throughput", f"{s['tokens_per_second']:.1f}", "tokens/s", c["pct_of_limit"]),
             ("output token throughput", f"{s['output_tokens_per_second']:.1f}", "tokens/s", None),
-            ("achieved compute", f"{c['achieved_tflop_s']:.4g}", "TFLOP/s", c["pct_of_limit"])] + spec_rows(r) + \
-        _limit_rows(r["limits"])
+            ("achieved compute", f"{c['achieved_tflop_s']:.4g}", "TFLOP/s", c["pct_of_limit"])] + \
+        _workload_rows(s.get("workload_roofline")) + spec_rows(r) + _limit_rows(r["limits"])
+
+
+def _workload_rows(w: dict | None) -> list[tuple[str, str, str, float | None]]:
+    """The workload roofline's rows: the least time this schedule needs here (its "% of limit": that
+    time over the run's), and the most of the matmul peak it allows."""
+    if not w:
+        return []
+    return [("least time for this schedule (roofline)", f"{w['min_time_s']:.2f}", "s", w["pct_of_limit"]),
+            ("  of which bandwidth-bound steps", f"{w['bandwidth_bound_s']:.2f}", "s", None),
+            ("most of the matmul peak it allows", f"{w['limit_pct_of_peak']:.1f}", "%", None)]
 
 
 def serve_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
@@ -129,7 +139,7 @@ def compare_table(r: dict) -> Table:
     table = Table(title="baige bench compare (median of repeats; ratio = baige / row)")
     for col in ("workload", "system"):
         table.add_column(col)
-    for col in ("tokens/s", "achieved", "% of limit", "baige / row"):
+    for col in ("tokens/s", "achieved", "% of limit", "bound", "baige / row"):
         table.add_column(col, justify="right")
     for kind in ("decode", "throughput"):
         rows = s.get(kind, {})
@@ -139,7 +149,12 @@ def compare_table(r: dict) -> Table:
             rf = row["roofline"]
             achieved = f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4g} TFLOP/s"
             ratio = f"{ours / row['tokens_per_s']:.2f}x" if ours else ""
-            table.add_row(label, name, f"{row['tokens_per_s']:.1f}", achieved, _pct(rf["pct_of_limit"]), ratio)
+            w = row.get("workload_roofline")
+            bound = _pct(w["limit_pct_of_peak"]) if w else ""
+            table.add_row(label, name, f"{row['tokens_per_s']:.1f}", achieved, _pct(rf["pct_of_limit"]), bound, ratio)
+    if any("workload_roofline" in row for row in s.get("throughput", {}).values()):
+        table.caption = ("bound: the most of the matmul peak baige's offline schedule allows on this machine (each step "
+                         "at least max(FLOPs / peak, bytes / bandwidth))")
     return table
 
 
