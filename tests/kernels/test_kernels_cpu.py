@@ -466,6 +466,19 @@ def test_bf16_silu_mul_and_norms_on_every_variant(use_isa, variant, shape):
     close_to_reference(out, ref_out, reference.rms_norm(ref_sum.double(), w.double(), eps), f"add_rms {variant} {shape}")
 
 
+def test_bf16_silu_mul_writes_the_same_bits_on_every_variant(use_isa):
+    """The AVX-512 variants' 16-lane silu_mul does the 8-lane AVX2 arithmetic lane by lane: the same
+    bf16 bits on every variant (1023 = 63 x 16 + 8 + 7: every loop and the scalar tail), NaN/inf included."""
+    g, u = (_randn(2, 1023, seed=3) * 6).bfloat16(), _randn(2, 1023, seed=4).bfloat16()
+    g[0, :4] = torch.tensor([float("nan"), float("inf"), 90.0, -90.0])
+    outs = {}
+    for variant in isa.supported():
+        use_isa(variant)
+        outs[variant] = cpu_ops.silu_mul(g, u).view(torch.int16)
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o, first) for o in outs.values()), list(outs)
+
+
 def test_bf16_silu_mul_and_norms_split_over_threads_give_the_one_thread_result():
     """Above 65,536 elements act_bf16.c splits silu_mul into 8192-element chunks and the norms by rows
     over the torch threads: bitwise the one-thread result, tail (n % 8 = 5) included."""

@@ -19,9 +19,15 @@
 
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
-/* out[j] = bf16(bf16(silu(g[j])) * u[j]) for j < n; silu(x) = x / (1 + exp(-x)). */
+/* out[j] = bf16(bf16(silu(g[j])) * u[j]) for j < n; silu(x) = x / (1 + exp(-x)). The AVX-512 variants
+ * take 16 lanes at a time with the same arithmetic per lane (exp512 is exp256's scheme), so every
+ * variant writes the same bits; on AVX2 the 8-lane loop does it all. */
 static void silu_mul_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *out) {
     int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16)
+        store_bf16x16(out + j, _mm512_mul_ps(round_bf16x16(silu512(bf16x16_to_f32(g + j))), bf16x16_to_f32(u + j)));
+#endif
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; j + 8 <= n; j += 8) {
         const __m256 x = bf16x8_to_f32(g + j);
