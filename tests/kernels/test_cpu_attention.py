@@ -76,8 +76,10 @@ def test_results_do_not_depend_on_threads_or_neighbours(use_isa, variant):
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["q32", "qbf16"])
 def test_prefill_chunks_after_cached_prefixes(use_isa, variant, q_dtype):
     """Chunks of 1, 40, 33 and 2 tokens after cached prefixes of 0, 57, 0 and 14 tokens: causal inside
-    the chunk, the whole prefix before it. A bf16 query is widened and the result rounded to bf16."""
+    the chunk, the whole prefix before it. A bf16 query is widened and the result rounded to bf16 --
+    or, under the AMX variant, the call is torch's SDPA in bf16 (``SDPA_BF16_PREFILL_ISAS``), bit for bit."""
     use_isa(variant)
+    sdpa = q_dtype == torch.bfloat16 and variant in cpu_ops.SDPA_BF16_PREFILL_ISAS
     chunks, lens = [1, 40, 33, 2], [1, 97, 33, 16]
     kc, vc, tables, ctx = _case(lens, 9, 3, 64, 16, torch.bfloat16, seed=8)
     q = torch.randn(sum(chunks), 9, 64, generator=torch.Generator().manual_seed(3)).to(q_dtype)
@@ -87,22 +89,28 @@ def test_prefill_chunks_after_cached_prefixes(use_isa, variant, q_dtype):
     exact = reference.paged_prefill_attention(q.double(), kc.double(), vc.double(), tables, cu, ctx, 0.125)
     assert out.dtype == q_dtype
     assert_close_fp64(out, ref, exact, name=f"prefill {variant} {q_dtype}")
-    # token 5 of the second chunk (position 62) sees keys 0..62 and nothing after them
+    if sdpa:
+        assert torch.equal(out, reference.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.125))
+    # token 5 of the second chunk (position 62) sees keys 0..62 and nothing after them (not even a NaN
+    # there for the native kernel; SDPA multiplies masked keys by zero weights, so finite values for it)
     row = 1 + 5
     kc2, vc2 = kc.clone(), vc.clone()
     for pos in range(63, 97):
         blk = int(tables[1, pos // 16])
-        kc2[:, blk, pos % 16] = float("nan")
-        vc2[:, blk, pos % 16] = float("nan")
+        kc2[:, blk, pos % 16] = 1e4 if sdpa else float("nan")
+        vc2[:, blk, pos % 16] = -1e4 if sdpa else float("nan")
     again = cpu_ops.paged_prefill_attention(q, kc2, vc2, tables, cu, ctx, 0.125)
     assert torch.equal(again[row], out[row])
 
 
-def test_bf16_queries_and_prefill_dispatch_to_the_native_kernel(monkeypatch):
-    """On the CPU, without autograd: decode and prefill with fp32 or bf16 queries run attention.c."""
+@pytest.mark.parametrize("variant", isa.supported())
+def test_bf16_queries_and_prefill_dispatch_to_the_native_kernel(monkeypatch, use_isa, variant):
+    """On the CPU, without autograd: decode and prefill with fp32 or bf16 queries run attention.c --
+    but a bf16 prefill under the AMX variant, which takes torch's SDPA (SDPA_BF16_PREFILL_ISAS)."""
     monkeypatch.delenv("BAIGE_KERNELS", raising=False)
     from baige.runtime.settings import reload_settings
     reload_settings()
+    use_isa(variant)
     calls = []
     real = cpu_ops.paged_decode_attention
     monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
@@ -111,7 +119,8 @@ def test_bf16_queries_and_prefill_dispatch_to_the_native_kernel(monkeypatch):
         q = torch.randn(2, 4, 16).to(dtype)
         kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
         kernels.paged_prefill_attention(q, kc, vc, tables, torch.tensor([0, 1, 2]), lens, 0.25)
-    assert calls == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+    amx = variant in cpu_ops.SDPA_BF16_PREFILL_ISAS
+    assert calls == [torch.float32, torch.float32, torch.bfloat16] + ([] if amx else [torch.bfloat16])
 
 
 def test_prefill_of_a_long_context_goes_to_the_reference(monkeypatch):
