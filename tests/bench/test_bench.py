@@ -123,6 +123,18 @@ def test_matmul_peak_keeps_timing_until_its_minimum_seconds(monkeypatch):
                                         min_seconds=1.0) == 2 * 64**3 / 0.125
 
 
+def test_limits_measured_again_keep_the_better_of_the_two(monkeypatch):
+    monkeypatch.setattr(roofline, "_CACHE", {})
+    monkeypatch.setattr(roofline, "measure_bandwidth", lambda device: 9e9)
+    monkeypatch.setattr(roofline, "measure_matmul_peak", lambda device, dtype: {torch.bfloat16: 8e11}[dtype])
+    first = roofline.HardwareLimits("cpu", "bfloat16", bandwidth=1e10, matmul_peak=4e11)
+    again = roofline.remeasure_limits(first)  # bandwidth fell (kept 1e10), the peak rose (8e11 now)
+    assert (again.bandwidth, again.matmul_peak, again.dtype) == (1e10, 8e11, "bfloat16")
+    assert roofline.hardware_limits("cpu", torch.bfloat16) is again  # the process's limits from now on
+    gpu = roofline.HardwareLimits("NVIDIA H100", "bfloat16", bandwidth=3e12, matmul_peak=9e14)
+    assert roofline.remeasure_limits(gpu) is gpu
+
+
 def test_workload_roofline_by_hand():
     counts = {"num_params_active": 1000, "attn_dims": 10, "lm_head_params": 500, "weight_bytes": 4000}
     steps = [roofline.StepShape(tokens=100, kv_tokens=100, attn_pairs=5050, sampled=1),  # a 100-token prompt
@@ -424,6 +436,7 @@ def test_cli_compare_peers_none_and_one_variant(tiny_dir, tmp_path, monkeypatch)
     w, w8 = (r["summary"]["throughput"][k]["workload_roofline"] for k in ("baige", "baige-int8"))
     assert w["steps"] == w8["steps"] >= 2  # one schedule; int8 weights: fewer bytes, no longer a least time
     assert w8["min_time_s"] <= w["min_time_s"] and r["model"]["lm_head_params"] == 160 * 64
+    assert f"(bound {w['limit_pct_of_peak']:.1f}%)" in res.output
     assert "baige-int8" in res.output and "ratios of tokens/s" not in res.output  # no ratio: no second table
 
 
@@ -642,6 +655,10 @@ def test_suite_headlines_and_table():
                                    "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
                                    "decode_baige-int4-g32+int8-weight_over_llama.cpp-Q4_K_M": 1.75,
                                    "throughput_baige_over_hf-best": 0.75}}}
+    tp = {"summary": {"tokens_per_second": 500.0, "requests_per_second": 2.0, "compute_roofline": {"pct_of_limit": 15.0},
+                      "workload_roofline": {"limit_tokens_per_s": 1200.0, "limit_pct_of_peak": 36.0}}}
+    assert headline("throughput", tp) == [("total tokens", 500.0, "tokens/s", 15.0),
+                                          ("roofline bound", 1200.0, "tokens/s", 36.0), ("requests", 2.0, "requests/s", None)]
     rows = {"latency": headline("latency", lat), "compare": headline("compare", cmp_)}
     assert rows["latency"][0] == ("batch-1 decode", 20.0, "tokens/s", 40.0)
     assert rows["latency"][1] == ("TTFT", 50.0, "ms", None)

@@ -139,7 +139,7 @@ def compare_table(r: dict) -> Table:
     table = Table(title="baige bench compare (median of repeats; ratio = baige / row)")
     for col in ("workload", "system"):
         table.add_column(col)
-    for col in ("tokens/s", "achieved", "% of limit", "bound", "baige / row"):
+    for col in ("tokens/s", "achieved", "% of limit", "baige / row"):
         table.add_column(col, justify="right")
     for kind in ("decode", "throughput"):
         rows = s.get(kind, {})
@@ -150,8 +150,8 @@ def compare_table(r: dict) -> Table:
             achieved = f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4g} TFLOP/s"
             ratio = f"{ours / row['tokens_per_s']:.2f}x" if ours else ""
             w = row.get("workload_roofline")
-            bound = _pct(w["limit_pct_of_peak"]) if w else ""
-            table.add_row(label, name, f"{row['tokens_per_s']:.1f}", achieved, _pct(rf["pct_of_limit"]), bound, ratio)
+            pct = _pct(rf["pct_of_limit"]) + (f" (bound {_pct(w['limit_pct_of_peak'])})" if w else "")
+            table.add_row(label, name, f"{row['tokens_per_s']:.1f}", achieved, pct, ratio)
     if any("workload_roofline" in row for row in s.get("throughput", {}).values()):
         table.caption = ("bound: the most of the matmul peak baige's offline schedule allows on this machine (each step "
                          "at least max(FLOPs / peak, bytes / bandwidth))")

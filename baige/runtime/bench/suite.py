@@ -40,8 +40,11 @@ def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
         return [("batch-1 decode", s["decode_tokens_per_s"], "tokens/s", s["decode_roofline"]["pct_of_limit"]),
                 ("TTFT", s["ttft_s"] * 1e3, "ms", None), ("TPOT", s["tpot_s"] * 1e3, "ms", None)]
     if name == "throughput" and s:
-        return [("total tokens", s["tokens_per_second"], "tokens/s", s["compute_roofline"]["pct_of_limit"]),
-                ("requests", s["requests_per_second"], "requests/s", None)]
+        rows = [("total tokens", s["tokens_per_second"], "tokens/s", s["compute_roofline"]["pct_of_limit"])]
+        w = s.get("workload_roofline")
+        if w:  # the schedule's roofline: the most tokens/s (and % of the matmul peak) this machine allows
+            rows.append(("roofline bound", w["limit_tokens_per_s"], "tokens/s", w["limit_pct_of_peak"]))
+        return rows + [("requests", s["requests_per_second"], "requests/s", None)]
     if name == "serve":
         dec = (r.get("roofline") or {}).get("decode") or {}
         return [("output tokens", r["output_throughput"], "tokens/s", dec.get("pct_of_limit")),
