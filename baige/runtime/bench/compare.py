@@ -353,7 +353,8 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
         # before the load, once; the matmul peak in the dtype baige runs (bf16 where --dtype auto picks it)
         limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device, dtype)
         samples, interrupted = time_rows(rows, cfg.repeats, progress)
-        limits = roofline.remeasure_limits(limits)  # the better of before and after the timing
+        if not interrupted:  # the better of before and after the timing (not after a Ctrl-C: no waiting then)
+            limits = roofline.remeasure_limits(limits)
     counts = roofline.model_counts(baige.engine.model)
     summary = _summary(cfg, rows, samples, reqs, counts, baige.engine.model.config, limits)
     return {"benchmark": "compare", "args": run_args(cfg, baige), "environment": environment(), "limits": limits.to_dict(),

@@ -141,6 +141,8 @@ def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
                 progress(i + 1, total, "warm-up" if i < cfg.num_iters_warmup else "timed")
     except KeyboardInterrupt:
         interrupted = True
+    if not interrupted:  # the better of before and after the timing (not after a Ctrl-C: no waiting then)
+        limits = roofline.remeasure_limits(limits)
     info = _model_info(llm, dtype_bytes)
     return {
         "benchmark": "latency", "args": run_args(cfg, llm), "environment": environment(), "model": info,
@@ -214,7 +216,8 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
     except KeyboardInterrupt:
         interrupted = True
     elapsed = time.monotonic() - start
-    limits = roofline.remeasure_limits(limits)  # the better of before and after the timing
+    if not interrupted:  # the better of before and after the timing (not after a Ctrl-C: no waiting then)
+        limits = roofline.remeasure_limits(limits)
     samples = []
     for rid, (prompt, _) in zip(ids, reqs):
         out = done.get(rid)
