@@ -224,9 +224,7 @@ enum { PF_BLOCKS = 2 };
 /* 16 K/V values from element i of an fp32, fp16 or bf16 cache, as fp32 (load8's 16-lane twin). */
 static inline __attribute__((always_inline)) __m512 load16(const void *base, int kv, int64_t i) {
     if (kv == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
-    if (kv == KV_BF16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16));
+    if (kv == KV_BF16) return bf16x16_to_f32((const uint16_t *)base + i);
     return _mm512_loadu_ps((const float *)base + i);
 }
 

@@ -44,6 +44,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_convert.h"
 #include "vec_math.h"
 
 #define QB 32
@@ -137,16 +138,12 @@ static void quantize_at(const float *x, int64_t K, int64_t nb, int64_t b, int pe
  * top half) starting at element i. */
 #if defined(__AVX512F__)
 static inline __m512 scales16(const void *sr, int sbf, int64_t i) {
-    if (sbf)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sr + i))), 16));
+    if (sbf) return bf16x16_to_f32((const uint16_t *)sr + i);
     return _mm512_loadu_ps((const float *)sr + i);
 }
 #endif
 static inline __m256 scales8(const void *sr, int sbf, int64_t i) {
-    if (sbf)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)sr + i))), 16));
+    if (sbf) return bf16x8_to_f32((const uint16_t *)sr + i);
     return _mm256_loadu_ps((const float *)sr + i);
 }
 
