@@ -36,7 +36,6 @@ from baige.runtime.infer.structured import GrammarCompiler, engine_error
 from baige.runtime.infer.text import SeqText
 from baige.runtime.infer.tp_worker import TensorParallelGroup, kv_config, load_engine_model, start_tensor_parallel
 from baige.runtime.model.tokenizer import Tokenizer
-from baige.runtime.roofline import StepShape
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.settings import settings
 from baige.runtime.weights.hub import resolve_model
@@ -124,7 +123,7 @@ class Engine:
         self._failures: list[tuple[str, RequestFailed]] = []
         self.num_generated_tokens = 0
         # a list (set by benchmarks): every step appends the roofline.StepShape it ran
-        self.step_shapes: list[StepShape] | None = None
+        self.step_shapes: list | None = None
         self.num_prompt_tokens = 0
         self.num_constrained_requests = 0
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)", num_blocks, cfg.block_size,
@@ -302,7 +301,7 @@ class Engine:
         if not len(batch):
             return []
         if self.step_shapes is not None:
-            self.step_shapes.append(step_shape(batch))
+            self.step_shapes.append(batch.shape())
         rows = [_sampler_row(s) for s in batch.seqs]
         n_spec = [len(s.spec_token_ids) for s in batch.seqs]
         tokens, logprobs, prompt_lps = self._execute(batch, rows, self._start_masks(batch))
@@ -478,18 +477,6 @@ class Engine:
         if failed:
             raise next(iter(failed.values()))
         return [final[r] for r in request_ids]
-
-
-def step_shape(batch: ScheduledBatch) -> StepShape:
-    """The :class:`~baige.runtime.roofline.StepShape` of ``batch``, taken before it runs (the
-    sequences' ``num_computed_tokens`` not yet advanced). Draft tokens count as computed tokens."""
-    kv = pairs = sampled = 0
-    for s, n in zip(batch.seqs, batch.num_new_tokens):
-        c = s.num_computed_tokens
-        kv += c + n
-        pairs += n * c + n * (n + 1) // 2
-        sampled += c + n - len(s.spec_token_ids) >= len(s.token_ids)
-    return StepShape(tokens=batch.num_tokens, kv_tokens=kv, attn_pairs=pairs, sampled=sampled)
 
 
 def _sampler_row(s: Sequence) -> SamplerRow:

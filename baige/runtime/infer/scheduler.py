@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from baige.runtime.infer.block_manager import BlockManager
+from baige.runtime.roofline import StepShape
 
 
 class SequenceStatus(enum.Enum):
@@ -112,6 +113,17 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def shape(self) -> StepShape:
+        """The roofline's :class:`~baige.runtime.roofline.StepShape` of this batch, taken before it runs
+        (the sequences' ``num_computed_tokens`` not yet advanced). Draft tokens count as computed."""
+        kv = pairs = sampled = 0
+        for s, n in zip(self.seqs, self.num_new_tokens):
+            c = s.num_computed_tokens
+            kv += c + n
+            pairs += n * c + n * (n + 1) // 2
+            sampled += c + n - len(s.spec_token_ids) >= len(s.token_ids)
+        return StepShape(tokens=self.num_tokens, kv_tokens=kv, attn_pairs=pairs, sampled=sampled)
 
 
 class Scheduler:
