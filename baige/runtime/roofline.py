@@ -20,7 +20,7 @@ bounds a workload by ``min(peak FLOP/s, bandwidth * arithmetic intensity)``. Her
   appendix B, is 2N + 4LHQT forward plus twice that backward).
 - **A whole offline workload** is not all compute bound: its decode steps read every weight for a
   few rows each. :func:`workload_roofline` bounds it step by step from the shapes the scheduler
-  actually ran (:class:`StepShape`): each step takes at least ``max(FLOPs / peak, bytes / bandwidth)``,
+  actually ran (``scheduler.StepShape``): each step takes at least ``max(FLOPs / peak, bytes / bandwidth)``,
   and their sum is the least time any implementation on this machine needs for the same schedule.
 """
 
@@ -262,25 +262,7 @@ def compute_roofline(tokens_per_s: float, flops_per_token: float, peak: float) -
     }
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """The work of one engine step, as the scheduler ran it (recorded by ``LLMEngine.step`` when its
-    ``step_shapes`` is a list).
-
-    ``tokens``: tokens computed (prefill chunks + decode rows); ``kv_tokens``: cached tokens the step's
-    attention has to read, summed over its sequences (each sequence's context after the step: a chunk
-    reads its sequence's cache once); ``attn_pairs``: (query, key) pairs scored, summed over the
-    computed tokens (a chunk of n tokens after c cached ones: ``n * c + n * (n + 1) / 2``);
-    ``sampled``: rows the lm_head projects (sequences that sample a token this step).
-    """
-
-    tokens: int
-    kv_tokens: int
-    attn_pairs: int
-    sampled: int
-
-
-def workload_roofline(steps: list[StepShape], counts: dict, kv_bytes_per_token: int, peak: float,
+def workload_roofline(steps: list, counts: dict, kv_bytes_per_token: int, peak: float,
                       bandwidth: float) -> dict[str, float]:
     """The least time a machine of ``peak`` FLOP/s and ``bandwidth`` bytes/s needs for ``steps``.
 
@@ -292,7 +274,9 @@ def workload_roofline(steps: list[StepShape], counts: dict, kv_bytes_per_token: 
     once, the cache read once and the new K/V written). Activations are assumed to stay in cache.
 
     Args:
-        steps: the schedule, one :class:`StepShape` per engine step.
+        steps: the schedule, one ``baige.runtime.infer.scheduler.StepShape`` per engine step (any object
+            with its ``tokens``, ``kv_tokens``, ``attn_pairs`` and ``sampled``: this module sits below
+            the engine and does not import it).
         counts: :func:`model_counts` of the model as run (its ``weight_bytes`` at the run's dtype).
         kv_bytes_per_token: K+V bytes per cached token, all layers (``ModelConfig.kv_bytes_per_token``).
         peak, bandwidth: FLOP/s and bytes/s (:func:`hardware_limits`).

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from baige.runtime import roofline
 from baige.runtime.bench.compare import ratios
+from baige.runtime.infer.scheduler import StepShape
 from baige.runtime.bench.offline import (
     LatencyConfig,
     bench_engine,
@@ -137,8 +138,8 @@ def test_limits_measured_again_keep_the_better_of_the_two(monkeypatch):
 
 def test_workload_roofline_by_hand():
     counts = {"num_params_active": 1000, "attn_dims": 10, "lm_head_params": 500, "weight_bytes": 4000}
-    steps = [roofline.StepShape(tokens=100, kv_tokens=100, attn_pairs=5050, sampled=1),  # a 100-token prompt
-             roofline.StepShape(tokens=2, kv_tokens=101, attn_pairs=101, sampled=2)]  # two decode rows
+    steps = [StepShape(tokens=100, kv_tokens=100, attn_pairs=5050, sampled=1),  # a 100-token prompt
+             StepShape(tokens=2, kv_tokens=101, attn_pairs=101, sampled=2)]  # two decode rows
     b = roofline.workload_roofline(steps, counts, 100, peak=1e6, bandwidth=1e5)
     # prefill: 2*1000*100 + 4*10*5050 + 2*500 = 403000 FLOPs (0.403 s) > 4000 + 100*200 bytes (0.24 s)
     # decode: 4000 + 4040 + 2000 = 10040 FLOPs (0.01004 s) < 4000 + 100*103 = 14300 bytes (0.143 s)
@@ -160,7 +161,7 @@ def test_engine_records_the_shape_of_each_step(tiny_dir):
     llm.engine.step_shapes = []
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [5, 6, 7]}],
                  SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    S = roofline.StepShape
+    S = StepShape
     # prefill 5 + 3 tokens (pairs 15 + 6), then two decode steps of two rows each after 5/3, 6/4 cached tokens
     assert llm.engine.step_shapes == [S(8, 8, 21, 2), S(2, 6 + 4, 6 + 4, 2), S(2, 7 + 5, 7 + 5, 2)]
 

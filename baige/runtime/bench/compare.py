@@ -40,6 +40,7 @@ from baige.runtime.bench import llama_peer
 from baige.runtime.bench.common import environment, random_token_prompts
 from baige.runtime.bench.offline import Progress, build_llm, run_args
 from baige.runtime.config import DATA_SEED_RANGE, EngineConfig, check_int
+from baige.runtime.infer.scheduler import StepShape
 
 Requests = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
 PEERS = ("hf", "llama.cpp")
@@ -99,7 +100,7 @@ class Rows:
     weight_bytes: dict[str, int] = field(default_factory=dict)  # bytes read per decode step
     dtype_bytes: dict[str, int] = field(default_factory=dict)  # bytes per cached K/V element
     # baige rows: the schedule of the last throughput call and the model's roofline.model_counts
-    steps: dict[str, list[roofline.StepShape]] = field(default_factory=dict)
+    steps: dict[str, list[StepShape]] = field(default_factory=dict)
     counts: dict[str, dict] = field(default_factory=dict)
 
     def add(self, name: str, decode: Callable[[], None], batch: Callable[[], None] | None, weight_bytes: int,

@@ -28,6 +28,7 @@ from baige.errors import BaigeError
 from baige.runtime import roofline
 from baige.runtime.bench.common import environment, random_token_prompts, summarize  # noqa: F401 (re-exported)
 from baige.runtime.config import DATA_SEED_RANGE, EngineConfig, check_int
+from baige.runtime.infer.scheduler import StepShape
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -235,7 +236,7 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
 
 
 def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
-                       steps: list[roofline.StepShape] | None = None) -> dict:
+                       steps: list[StepShape] | None = None) -> dict:
     """requests/s, total tokens/s, output tokens/s over ``elapsed`` seconds, and the compute
     roofline with FLOPs/token at the mean sequence length (prompt + output); with the run's
     ``steps``, also ``workload_roofline`` (:func:`roofline.workload_roofline` and

@@ -27,7 +27,7 @@ from baige.runtime.infer.kv_cache import KVCache, num_blocks_for, profile_activa
 from baige.runtime.infer.outputs import CompletionOutput, EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
-from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence
+from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence, StepShape
 from baige.runtime.infer.spec_decode.factory import build_proposer
 from baige.runtime.infer.spec_decode.proposer import assign_drafts
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
@@ -122,8 +122,8 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self._failures: list[tuple[str, RequestFailed]] = []
         self.num_generated_tokens = 0
-        # a list (set by benchmarks): every step appends the roofline.StepShape it ran
-        self.step_shapes: list | None = None
+        # a list (set by benchmarks): every step appends the scheduler.StepShape it ran
+        self.step_shapes: list[StepShape] | None = None
         self.num_prompt_tokens = 0
         self.num_constrained_requests = 0
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)", num_blocks, cfg.block_size,

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 from baige.runtime.infer.block_manager import BlockManager
-from baige.runtime.roofline import StepShape
 
 
 class SequenceStatus(enum.Enum):
@@ -95,6 +94,24 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The work of one engine step, as the scheduler ran it (:meth:`ScheduledBatch.shape`; recorded by
+    ``LLMEngine.step`` when its ``step_shapes`` is a list), for ``roofline.workload_roofline``.
+
+    ``tokens``: tokens computed (prefill chunks + decode rows); ``kv_tokens``: cached tokens the step's
+    attention has to read, summed over its sequences (each sequence's context after the step: a chunk
+    reads its sequence's cache once); ``attn_pairs``: (query, key) pairs scored, summed over the
+    computed tokens (a chunk of n tokens after c cached ones: ``n * c + n * (n + 1) / 2``);
+    ``sampled``: rows the lm_head projects (sequences that sample a token this step).
+    """
+
+    tokens: int
+    kv_tokens: int
+    attn_pairs: int
+    sampled: int
+
+
 @dataclass
 class ScheduledBatch:
     """One step's work: ``(sequence, number of tokens to compute)``, decodes first.
@@ -115,7 +132,7 @@ class ScheduledBatch:
         return len(self.seqs)
 
     def shape(self) -> StepShape:
-        """The roofline's :class:`~baige.runtime.roofline.StepShape` of this batch, taken before it runs
+        """The :class:`StepShape` of this batch, taken before it runs
         (the sequences' ``num_computed_tokens`` not yet advanced). Draft tokens count as computed."""
         kv = pairs = sampled = 0
         for s, n in zip(self.seqs, self.num_new_tokens):
