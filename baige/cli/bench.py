@@ -69,7 +69,8 @@ def _execute(name: str, fn, cfg, output_dir: Path, plot: bool, render) -> dict:
                   f"{_int_dot_words(env)}"
                   + (f"; baige ran in {result['limits']['dtype']}" if result.get("limits", {}).get("dtype") else ""))
     load, cpus = (env.get("load_average") or [0.0])[0], env.get("cpu_count") or 1
-    if load > cpus:
+    # the 1-minute load includes this run's own threads: a --threads 2 run on 2 CPUs alone reads ~2.0
+    if load > cpus and load - (env.get("torch_num_threads") or 1) >= 0.5:
         err.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cpus} CPUs while measuring: other work "
                   "shared the machine, so timings and the measured limits are noisy (a % of limit can exceed 100%)")
     path = write_result(output_dir, name, result)
