@@ -683,3 +683,26 @@ def test_suite_headlines_and_table():
     assert [c.strip() for c in row.split("│")[1:5]] == ["baige-int4-g32 / llama.cpp-Q4_K_M", "1.25", "x", ""]
     assert any("batch-1 decode" in ln and "20.00" in ln and "40.0%" in ln for ln in lines)
     assert any("output tokens" in ln and "123.46" in ln and "tokens/s" in ln and "12.5%" in ln for ln in lines)
+
+
+def test_compare_table_keeps_every_row_name_whole_at_80_columns():
+    from rich.console import Console
+
+    from baige.runtime.bench.report import compare_table
+
+    names = ["baige", "hf-bfloat16", "baige-int4-g32+int8-weight", "llama.cpp-Q4_K_M", "llama.cpp-Q8_0"]
+    dec = {n: {"tokens_per_s": 10.0 + i, "roofline": {"achieved_gb_s": 12.3456, "pct_of_limit": 99.5}}
+           for i, n in enumerate(names)}
+    tp = {n: {"tokens_per_s": 700.0, "roofline": {"achieved_tflop_s": 0.1642, "pct_of_limit": 13.4}}
+          for n in names[:3]}
+    tp["baige"]["workload_roofline"] = {"limit_pct_of_peak": 33.4}
+    r = {"args": {"num_prompts": 32}, "summary": {"decode": dec, "throughput": tp}}
+    console = Console(width=80, record=True)
+    console.print(compare_table(r))
+    lines = console.export_text().splitlines()
+    assert max(len(ln) for ln in lines) <= 80 and not any("…" in ln for ln in lines)
+    for n in names:  # each name whole in the first column, once per workload it has a row in
+        assert sum(c.split("│")[1].strip() == n for c in lines if c.startswith("│")) == (2 if n in tp else 1), n
+    assert sum("batch-1 decode" in ln for ln in lines) == 1 and sum("offline throughput (32 prompts)" in ln
+                                                                     for ln in lines) == 1
+    assert any("13.4%" in ln for ln in lines) and any("33.4%)" in ln for ln in lines)  # the bound, whole

@@ -135,23 +135,27 @@ def kernels_table(r: dict) -> Table:
 
 
 def compare_table(r: dict) -> Table:
+    """One section per workload (its name on a row of its own), one row per system: the system's name
+    never wraps or gets cut (``no_wrap``: the numbers' columns give way on a narrow terminal)."""
     s = r["summary"]
     table = Table(title="baige bench compare (median of repeats; ratio = baige / row)")
-    for col in ("workload", "system"):
-        table.add_column(col)
+    table.add_column("system", no_wrap=True)
     for col in ("tokens/s", "achieved", "% of limit", "baige / row"):
         table.add_column(col, justify="right")
-    for kind in ("decode", "throughput"):
-        rows = s.get(kind, {})
+    kinds = [k for k in ("decode", "throughput") if s.get(k)]
+    for i, kind in enumerate(kinds):
+        rows = s[kind]
         ours = rows.get("baige", {}).get("tokens_per_s")
         label = "batch-1 decode" if kind == "decode" else f"offline throughput ({r['args']['num_prompts']} prompts)"
-        for name, row in rows.items():
+        table.add_row(f"[bold]{label}[/bold]", "", "", "", "")
+        for j, (name, row) in enumerate(rows.items()):
             rf = row["roofline"]
             achieved = f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4g} TFLOP/s"
             ratio = f"{ours / row['tokens_per_s']:.2f}x" if ours else ""
             w = row.get("workload_roofline")
             pct = _pct(rf["pct_of_limit"]) + (f" (bound {_pct(w['limit_pct_of_peak'])})" if w else "")
-            table.add_row(label, name, f"{row['tokens_per_s']:.1f}", achieved, pct, ratio)
+            table.add_row(f"  {name}", f"{row['tokens_per_s']:.1f}", achieved, pct, ratio,
+                          end_section=j == len(rows) - 1 and i < len(kinds) - 1)
     if any("workload_roofline" in row for row in s.get("throughput", {}).values()):
         table.caption = ("bound: the most of the matmul peak baige's offline schedule allows on this machine (each step "
                          "at least max(FLOPs / peak, bytes / bandwidth))")
