@@ -1,7 +1,11 @@
 """The native CPU paged attention (attention.c) on every instruction-set variant the machine runs:
 its 8-lane path (every variant, any head size) and its 16-lane AVX-512 path (head sizes that are a
 multiple of 16: four keys x up to four query heads per K load, V in 64- and 16-column pieces), against
-the reference and fp64 with the kernels' 2x rule; prefill chunks through it, one query row per token."""
+the reference and fp64 with the kernels' 2x rule; the AMX scores of bf16 caches (attention_amx.c, q
+rounded to bf16) against the same math in fp64 and, separately, against unrounded q within the bound
+that rounding allows; prefill chunks through it, one query row per token."""
+
+import math
 
 import pytest
 import torch
@@ -85,8 +89,9 @@ def test_prefill_chunks_after_cached_prefixes(use_isa, variant, q_dtype):
     q = torch.randn(sum(chunks), 9, 64, generator=torch.Generator().manual_seed(3)).to(q_dtype)
     cu = torch.tensor([0, 1, 41, 74, 76])
     out = cpu_ops.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.125)
-    ref = reference.paged_prefill_attention(q.float(), kc, vc, tables, cu, ctx, 0.125).to(q_dtype)
-    exact = reference.paged_prefill_attention(q.double(), kc.double(), vc.double(), tables, cu, ctx, 0.125)
+    qs = q.bfloat16() if variant in cpu_ops.AMX_SCORES_ISAS else q  # the AMX scores round q to bf16
+    ref = reference.paged_prefill_attention(qs.float(), kc, vc, tables, cu, ctx, 0.125).to(q_dtype)
+    exact = reference.paged_prefill_attention(qs.double(), kc.double(), vc.double(), tables, cu, ctx, 0.125)
     assert out.dtype == q_dtype
     assert_close_fp64(out, ref, exact, name=f"prefill {variant} {q_dtype}")
     if sdpa:
@@ -138,3 +143,70 @@ def test_prefill_of_a_long_context_goes_to_the_reference(monkeypatch):
     torch.testing.assert_close(out, reference.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.25))
     cpu_ops.paged_prefill_attention(q, kc, vc, tables, cu, torch.tensor([40]), 0.25)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("bs", [8, 16])
+def test_amx_scores_round_the_query_to_bf16(use_isa, variant, bs):
+    """Hand-computed: q = 1 + 2**-10 in all 64 columns (bf16 rounds it to 1), key 0 all ones, key 1
+    zeros, V rows ones and zeros, scale 1/64: the output is sigmoid(s0) with s0 = 1 + 2**-10 in fp32
+    and exactly 1 where the AMX scores take the call (avx512_amx, bf16 cache, blocks of 16) --
+    and only there."""
+    use_isa(variant)
+    kc = torch.zeros(1, 3, bs, 64, dtype=torch.bfloat16)
+    vc = torch.zeros(1, 3, bs, 64, dtype=torch.bfloat16)
+    kc[0, 2, 0], vc[0, 2, 0] = 1.0, 1.0  # block 2 holds the context: key 0 ones, key 1 zeros
+    q = torch.full((1, 1, 64), 1 + 2.0 ** -10)
+    out = cpu_ops.paged_decode_attention(q, kc, vc, torch.tensor([[2]]), torch.tensor([2]), 1 / 64)
+    amx = variant == "avx512_amx" and bs == 16
+    assert cpu_ops.amx_scores(torch.bfloat16, 64, bs, 1) == amx
+    s0 = 1.0 if amx else 1 + 2.0 ** -10
+    torch.testing.assert_close(out, torch.full((1, 1, 64), 1 / (1 + math.exp(-s0))), rtol=0, atol=2e-7)
+
+
+# head sizes 32-256 (one to eight 32-column chunks; 80 is not a multiple of 32, 288 over 256: fp32
+# path), groups of 1-16 query heads per KV head (17: fp32 path)
+AMX_SHAPES = [(9, 3, 64), (4, 4, 32), (8, 1, 96), (16, 2, 128), (16, 1, 256), (32, 2, 64), (17, 1, 64),
+              (6, 3, 80), (2, 1, 288)]
+
+
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("H,Hkv,D", AMX_SHAPES, ids=[f"{h}-{k}-{d}" for h, k, d in AMX_SHAPES])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_bf16_cache_with_blocks_of_16(use_isa, variant, H, Hkv, D, bs):
+    """bf16 caches in blocks of 16 and 32 (the AMX scores' shapes under avx512_amx; the fp32 path
+    elsewhere), contexts of 1, 15, 16, 17, 31, 32, 33 and 203 keys (partial 16-key groups and pairs of
+    groups, NaN past each context in its last block): against the same math in fp64 (q rounded to bf16
+    where amx_scores holds) with the 2x rule, and where q is rounded, against unrounded q in fp64
+    within what the rounding allows: each score moves by at most 2**-8 * scale * sum_c |q_c k_c|
+    (bf16's unit roundoff), the softmax weights then by at most 2 * max|ds| in sum, the output by that
+    times max|V|."""
+    use_isa(variant)
+    lens = [1, 15, 16, 17, 31, 32, 33, 203]
+    kc, vc, tables, ctx = _case(lens, H, Hkv, D, bs, torch.bfloat16, seed=D + H + bs)
+    kp, vp = kc.clone(), vc.clone()  # the kernel's copy: NaN in the unused rows of each last block
+    for s, n in enumerate(lens):
+        if n % bs:
+            kp[:, tables[s, n // bs], n % bs:] = float("nan")
+            vp[:, tables[s, n // bs], n % bs:] = float("nan")
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(7))
+    scale = D ** -0.5
+    out = cpu_ops.paged_decode_attention(q, kp, vp, tables, ctx, scale)
+    rounded = cpu_ops.amx_scores(torch.bfloat16, D, bs, H // Hkv)
+    assert rounded == (variant == "avx512_amx" and D % 32 == 0 and D <= 256 and H // Hkv <= 16)
+    qs = q.bfloat16().float() if rounded else q
+    ref = reference.paged_decode_attention(qs, kc, vc, tables, ctx, scale)
+    exact = reference.paged_decode_attention(qs.double(), kc.double(), vc.double(), tables, ctx, scale)
+    assert_close_fp64(out, ref, exact, name=f"bf16 cache {variant} {H}/{Hkv}/{D} bs {bs}")
+    if rounded:
+        unrounded = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, ctx, scale)
+        group = H // Hkv
+        for s, n in enumerate(lens):
+            pos = torch.arange(n)
+            rows = tables[s, pos // bs] * bs + pos % bs
+            k = kc.double().flatten(1, 2)[:, rows].repeat_interleave(group, 0)  # (H, n, D)
+            v = vc.double().flatten(1, 2)[:, rows].repeat_interleave(group, 0)
+            ds = 2.0 ** -8 * scale * torch.einsum("hd,hnd->hn", q[s].double().abs(), k.abs())
+            bound = 2 * ds.amax(1) * v.abs().amax((1, 2)) + 1e-6  # per head
+            err = (out[s].double() - unrounded[s]).abs().amax(1)
+            assert (err <= bound).all(), f"sequence {s}: {err.max():.3g} over the rounding bound"

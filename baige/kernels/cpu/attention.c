@@ -4,7 +4,9 @@
  * order of the fp32 sums: 8-lane AVX2 (every variant; any head size), and, in the AVX-512 variants
  * for head sizes that are a multiple of 16, 16-lane kernels that score four keys for up to four query
  * heads of a GQA group per K load (the 16 partial sums of a 4 x 4 tile reduced by one shuffle tree)
- * and sum V for up to four heads per V load.
+ * and sum V for up to four heads per V load. In the avx512_amx variant the scores of bf16 caches (head
+ * sizes a multiple of 32, blocks of a multiple of 16) come from the AMX tiles instead (attention_amx.c,
+ * the query rounded to bf16 there).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -14,31 +16,6 @@
 #include "bf16_convert.h"
 #include "kv_cache.h"
 #include "vec_math.h"
-
-/* In place: p[0..n) <- softmax(p[0..n)) (max subtracted; vector exp above). */
-static void softmax_inplace(float *p, int64_t n) {
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
-    float m = hmax256(mv);
-    for (; i < n; i++) m = p[i] > m ? p[i] : m;
-    const __m256 mb = _mm256_set1_ps(m);
-    __m256 sv = _mm256_setzero_ps();
-    for (i = 0; i + 8 <= n; i += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + i), mb));
-        _mm256_storeu_ps(p + i, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum256(sv);
-    for (; i < n; i++) {
-        const __m256 e = exp256(_mm256_set1_ps(p[i] - m));
-        p[i] = _mm256_cvtss_f32(e);
-        sum += p[i];
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inv));
-    for (; i < n; i++) p[i] *= 1.0f / sum;
-}
 
 /* Lane i of the result is the sum of the 8 lanes of a_i. */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -207,14 +184,6 @@ static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3
         }
 }
 
-/* Ask for the n values of a cache block at offset to be brought into cache (one prefetch per 64-byte
- * line): blocks are scattered pages, where the hardware prefetcher has to start over each time. */
-static inline void prefetch_block(const void *cache, int kv_dtype, int64_t offset, int64_t n) {
-    const char *p = (const char *)cache + offset * (kv_dtype ? 2 : 4);
-    const int64_t bytes = n * (kv_dtype ? 2 : 4);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
-
 #if defined(__AVX512F__)
 /* How many blocks ahead the 16-lane path prefetches K (then V's first blocks) and V. On the dev VM
  * (Firecracker, Zen 4) 0, 1, 2, 4 and 8 all measured the same, within its noise: there the kernel reads
@@ -226,22 +195,6 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     if (kv == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
     if (kv == KV_BF16) return bf16x16_to_f32((const uint16_t *)base + i);
     return _mm512_loadu_ps((const float *)base + i);
-}
-
-/* Within each 128-bit lane l: [sum of a0's 4 values in l, a1's, a2's, a3's]. */
-static inline __m512 lane_sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);  /* moved as pairs, added as floats */
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
-}
-
-/* Lanes 4h..4h+3 of the result: the four lanes-of-128 of u_h summed (u_h from lane_sums4), so lane
- * 4h + r is the full 16-lane sum of head h's accumulator for row r. */
-static inline __m512 across_lanes4(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
-    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
-    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x88), _mm512_shuffle_f32x4(u2, u3, 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
 /* sc[h * ss + i] = scale * q_h . kb[i] for the hb <= 4 query heads q_h = q + h * d and the rows i < rows
@@ -302,13 +255,23 @@ static inline __attribute__((always_inline)) void pv512(const float *w, int64_t 
         for (int c = 0; c < nc; c++) _mm512_storeu_ps(out + h * os + c0 + 16 * c, o[h][c]);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+int baige_attention_scores_amx(const float *q, int64_t group, const uint16_t *kh, const uint16_t *vh,
+                               const int64_t *table, int64_t bs, int64_t d, int64_t L, float scale,
+                               float *p);  /* attention_amx.c */
+#endif
+
 /* One (sequence, KV head) item on the 16-lane kernels (d a multiple of 16): the group's scores into
  * p (group rows of L), softmax per head, then the weighted V sums into out (group rows of d). kv is a
  * constant at every call site. */
 static inline __attribute__((always_inline)) void attend512(const float *q, const void *kh, const void *vh, int kv,
                                                             const int64_t *table, int64_t bs, int64_t d, int64_t L,
                                                             int64_t group, float scale, float *p, float *out) {
-    for (int64_t b0 = 0; b0 < L; b0 += bs) {
+    int scored = -1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (kv == KV_BF16) scored = baige_attention_scores_amx(q, group, kh, vh, table, bs, d, L, scale, p);
+#endif
+    for (int64_t b0 = 0; scored != 0 && b0 < L; b0 += bs) {
         const int64_t rows = L - b0 < bs ? L - b0 : bs;
         const void *kb = kv ? (const void *)((const uint16_t *)kh + table[b0 / bs] * bs * d)
                             : (const void *)((const float *)kh + table[b0 / bs] * bs * d);
@@ -357,7 +320,8 @@ static inline __attribute__((always_inline)) void attend512(const float *q, cons
  * OpenMP threads: every block of that head's K is read (and converted from fp16) once for each
  * three query heads of its group (scores by qk_rows3 / qk_rows), softmax per query head with the max
  * subtracted (exact up to the vector exp), then the heads' outputs summed over V three heads at a
- * time by pv_sum3 (the rest by pv_sum). fp16 K/V are converted in registers as they are read. Any
+ * time by pv_sum3 (the rest by pv_sum). fp16 K/V are converted in registers as they are read;
+ * under avx512_amx the scores of bf16 K come from attention_amx.c (q rounded to bf16). Any
  * row may be any query of any sequence, so a prefill chunk can be passed as one row per token (its
  * own length). Returns 0, or -1 when a scratch buffer cannot be allocated (out is then
  * unspecified). */

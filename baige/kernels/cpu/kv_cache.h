@@ -1,7 +1,19 @@
-/* KV cache element types as baige/kernels/cpu/ops.py numbers them (ops.c stores, attention.c reads). */
+/* KV cache element types as baige/kernels/cpu/ops.py numbers them (ops.c stores, attention.c and
+ * attention_amx.c read), and the prefetch of one cache block. */
 #ifndef BAIGE_KV_CACHE_H
 #define BAIGE_KV_CACHE_H
 
+#include <immintrin.h>
+#include <stdint.h>
+
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* Ask for the n values of a cache block at offset to be brought into cache (one prefetch per 64-byte
+ * line): blocks are scattered pages, where the hardware prefetcher has to start over each time. */
+static inline void prefetch_block(const void *cache, int kv_dtype, int64_t offset, int64_t n) {
+    const char *p = (const char *)cache + offset * (kv_dtype ? 2 : 4);
+    const int64_t bytes = n * (kv_dtype ? 2 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
 
 #endif
