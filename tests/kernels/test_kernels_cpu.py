@@ -218,6 +218,32 @@ def test_int_dot_rows_independent_of_the_batch(use_isa, variant, name):
     assert torch.equal(batch[5:9], cpu.quantized_linear(x[5:9], qweight, scale, zp, scheme.group_size))
 
 
+@pytest.mark.parametrize("variant", isa.supported())
+def test_int8_prefetch_changes_no_bit(use_isa, variant):
+    """qdot.c's int8 software prefetch (on for Intel CPUs, off elsewhere: isa.INT8_PREFETCH_VENDORS)
+    only asks for lines early: the same bits with it on and off, 1 and 3 rows, on every variant."""
+    use_isa(variant)
+    scheme = DOT_SCHEMES["int8"]
+    qweight, scale, zp = _weights(scheme, 40, 4097)
+    x = _randn(3, 4097, seed=4)
+    lib = cpu_library.library()
+    try:
+        outs = []
+        for on in (0, 1):
+            lib.baige_set_int8_prefetch(on)
+            outs.append([cpu.quantized_linear(x[:m], qweight, scale, zp, scheme.group_size) for m in (1, 3)])
+    finally:
+        lib.baige_set_int8_prefetch(int(isa.int8_prefetch()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_int8_prefetch_by_vendor():
+    """Intel turns the int8 prefetch on; AMD (measured slower with it) and unknown vendors keep it off."""
+    assert isa.int8_prefetch("GenuineIntel") is True
+    assert isa.int8_prefetch("AuthenticAMD") is False
+    assert isa.int8_prefetch("") is False
+
+
 def test_repacked_cache_follows_in_place_writes():
     """The repacked tiles are built once per weight tensor (same objects on the next call) and rebuilt
     when the weight is written in place, as loading a checkpoint does."""

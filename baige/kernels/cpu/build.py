@@ -133,6 +133,8 @@ def _build(variant: str) -> ctypes.CDLL:
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
+    lib.baige_set_int8_prefetch.argtypes, lib.baige_set_int8_prefetch.restype = [_int], None
+    lib.baige_set_int8_prefetch(int(isa.int8_prefetch()))
     return lib
 
 
