@@ -17,6 +17,31 @@
 #include "kv_cache.h"
 #include "vec_math.h"
 
+/* In place: p[0..n) <- softmax(p[0..n)) (max subtracted; vector exp above). */
+static void softmax_inplace(float *p, int64_t n) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
+    float m = hmax256(mv);
+    for (; i < n; i++) m = p[i] > m ? p[i] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + i), mb));
+        _mm256_storeu_ps(p + i, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum256(sv);
+    for (; i < n; i++) {
+        const __m256 e = exp256(_mm256_set1_ps(p[i] - m));
+        p[i] = _mm256_cvtss_f32(e);
+        sum += p[i];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inv));
+    for (; i < n; i++) p[i] *= 1.0f / sum;
+}
+
 /* Lane i of the result is the sum of the 8 lanes of a_i. */
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -195,6 +220,22 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     if (kv == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
     if (kv == KV_BF16) return bf16x16_to_f32((const uint16_t *)base + i);
     return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* Within each 128-bit lane l: [sum of a0's 4 values in l, a1's, a2's, a3's]. */
+static inline __m512 lane_sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);  /* moved as pairs, added as floats */
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
+}
+
+/* Lanes 4h..4h+3 of the result: the four lanes-of-128 of u_h summed (u_h from lane_sums4), so lane
+ * 4h + r is the full 16-lane sum of head h's accumulator for row r. */
+static inline __m512 across_lanes4(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x88), _mm512_shuffle_f32x4(u2, u3, 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
 /* sc[h * ss + i] = scale * q_h . kb[i] for the hb <= 4 query heads q_h = q + h * d and the rows i < rows

@@ -1,13 +1,9 @@
 /* Small vector math shared by the native kernels (ops.c, qlinear.c, qdot.c, act_bf16.c, moe.c,
- * moe_amx.c, attention.c, attention_bf16.c): exp (8 and 16 lanes), silu (16 lanes), the horizontal
- * sum and max of 8 fp32 lanes, an in-place softmax, and the 4 x 4 dot-product reductions of the
- * 16-lane attention kernels. */
+ * moe_amx.c): exp (8 and 16 lanes), silu (16 lanes), and the horizontal sum and max of 8 fp32 lanes. */
 #ifndef BAIGE_VEC_MATH_H
 #define BAIGE_VEC_MATH_H
 
 #include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
 
 /* exp of 8 fp32 lanes: n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for exactness),
  * exp(r) by its degree-6 Taylor polynomial on |r| <= ln2 / 2 (relative error < 2e-7), times 2^n
@@ -46,31 +42,6 @@ static inline float hmax256(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* In place: p[0..n) <- softmax(p[0..n)) (max subtracted; exp256). */
-static inline void softmax_inplace(float *p, int64_t n) {
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + i));
-    float m = hmax256(mv);
-    for (; i < n; i++) m = p[i] > m ? p[i] : m;
-    const __m256 mb = _mm256_set1_ps(m);
-    __m256 sv = _mm256_setzero_ps();
-    for (i = 0; i + 8 <= n; i += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + i), mb));
-        _mm256_storeu_ps(p + i, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum256(sv);
-    for (; i < n; i++) {
-        const __m256 e = exp256(_mm256_set1_ps(p[i] - m));
-        p[i] = _mm256_cvtss_f32(e);
-        sum += p[i];
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inv));
-    for (; i < n; i++) p[i] *= 1.0f / sum;
-}
-
 #if defined(__AVX512F__)
 /* exp of 16 fp32 lanes: the scheme of exp256 (n = round(x / ln 2), degree-6 Taylor on
  * the remainder, 2^n in the exponent bits; relative error < 2e-7), x clamped to [-87, 88]. */
@@ -102,22 +73,6 @@ static inline __m512 silu512_rcp(__m512 g) {
     const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     const __m512 r = _mm512_rcp14_ps(d);
     return _mm512_mul_ps(g, _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))));
-}
-
-/* Within each 128-bit lane l: [sum of a0's 4 values in l, a1's, a2's, a3's]. */
-static inline __m512 lane_sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512d d0 = _mm512_castps_pd(t0), d1 = _mm512_castps_pd(t1);  /* moved as pairs, added as floats */
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d0, d1)), _mm512_castpd_ps(_mm512_unpackhi_pd(d0, d1)));
-}
-
-/* Lanes 4h..4h+3 of the result: the four lanes-of-128 of u_h summed (u_h from lane_sums4), so lane
- * 4h + r is the full 16-lane sum of head h's accumulator for row r. */
-static inline __m512 across_lanes4(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
-    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
-    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x88), _mm512_shuffle_f32x4(u2, u3, 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 #endif
 
