@@ -313,3 +313,12 @@ def workload_limit(bound: dict[str, float], total_tokens: int, flops_per_token: 
     limit_tps = total_tokens / bound["min_time_s"] if bound["min_time_s"] > 0 else float("inf")
     return {**bound, "limit_tokens_per_s": limit_tps, "limit_pct_of_peak": 100 * limit_tps * flops_per_token / peak,
             "pct_of_limit": 100 * bound["min_time_s"] / elapsed}
+
+
+def workload_summary(steps: list, counts: dict, kv_bytes_per_token: int, limits, total_tokens: int,
+                     flops_per_token: float, elapsed: float) -> dict[str, float]:
+    """:func:`workload_limit` of :func:`workload_roofline` on ``limits`` (a :class:`HardwareLimits`): the
+    schedule's least time on this machine against a run of ``total_tokens`` in ``elapsed`` seconds,
+    as ``bench throughput`` and ``bench compare`` report it. Raises ValueError as workload_roofline."""
+    bound = workload_roofline(steps, counts, kv_bytes_per_token, limits.matmul_peak, limits.bandwidth)
+    return workload_limit(bound, total_tokens, flops_per_token, limits.matmul_peak, elapsed)

@@ -321,11 +321,9 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
             summary["throughput"][name] = {"tokens_per_s": tps, "roofline": roofline.compute_roofline(
                 tps, flops, limits.matmul_peak)}
             if rows.steps.get(name):
-                bound = roofline.workload_roofline(rows.steps[name], rows.counts[name],
-                                                   mc.kv_bytes_per_token(rows.dtype_bytes[name]), limits.matmul_peak,
-                                                   limits.bandwidth)
-                summary["throughput"][name]["workload_roofline"] = roofline.workload_limit(
-                    bound, tp_tokens, flops, limits.matmul_peak, statistics.median(ts))
+                summary["throughput"][name]["workload_roofline"] = roofline.workload_summary(
+                    rows.steps[name], rows.counts[name], mc.kv_bytes_per_token(rows.dtype_bytes[name]), limits,
+                    tp_tokens, flops, statistics.median(ts))
     summary["ratios"] = ratios(summary)
     return summary
 

@@ -239,8 +239,8 @@ def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
                        steps: list[StepShape] | None = None) -> dict:
     """requests/s, total tokens/s, output tokens/s over ``elapsed`` seconds, and the compute
     roofline with FLOPs/token at the mean sequence length (prompt + output); with the run's
-    ``steps``, also ``workload_roofline`` (:func:`roofline.workload_roofline` and
-    :func:`roofline.workload_limit`: the least time this schedule needs on this machine)."""
+    ``steps``, also ``workload_roofline`` (:func:`roofline.workload_summary`: the least time this
+    schedule needs on this machine)."""
     n_in = sum(s["prompt_len"] for s in samples)
     n_out = sum(s["output_len"] for s in samples)
     total_tps = (n_in + n_out) / elapsed
@@ -253,6 +253,6 @@ def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
         "compute_roofline": roofline.compute_roofline(total_tps, flops, limits.matmul_peak),
     }
     if steps:
-        bound = roofline.workload_roofline(steps, info, info["kv_bytes_per_token"], limits.matmul_peak, limits.bandwidth)
-        out["workload_roofline"] = roofline.workload_limit(bound, n_in + n_out, flops, limits.matmul_peak, elapsed)
+        out["workload_roofline"] = roofline.workload_summary(steps, info, info["kv_bytes_per_token"], limits,
+                                                             n_in + n_out, flops, elapsed)
     return out
