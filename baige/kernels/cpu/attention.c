@@ -210,11 +210,6 @@ static inline __attribute__((always_inline)) void pv_sum3(const float *const w[3
 }
 
 #if defined(__AVX512F__)
-/* How many blocks ahead the 16-lane path prefetches K (then V's first blocks) and V. On the dev VM
- * (Firecracker, Zen 4) 0, 1, 2, 4 and 8 all measured the same, within its noise: there the kernel reads
- * a 192 MB KV set at ~8 GB/s with blocks in order, ~4.5 GB/s shuffled, where loads alone run at 16 and
- * 9 GB/s and the kernel alone (KV in L2) at ~14 GB/s. */
-enum { PF_BLOCKS = 2 };
 /* 16 K/V values from element i of an fp32, fp16 or bf16 cache, as fp32 (load8's 16-lane twin). */
 static inline __attribute__((always_inline)) __m512 load16(const void *base, int kv, int64_t i) {
     if (kv == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));

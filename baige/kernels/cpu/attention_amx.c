@@ -17,8 +17,6 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include "amx_tiles.h"
 
-enum { AMX_PF_BLOCKS = 2 };  /* blocks ahead that K (then V's first blocks) is prefetched, as attention.c */
-
 /* B tiles 4..7 hold query chunks 0..3 when they stay resident; else chunk ch is loaded into tile 4 */
 #define DP_CHUNK(acc, a, ch, resident, bq)                                  \
     do {                                                                    \
@@ -76,7 +74,7 @@ int baige_attention_scores_amx(const float *q, int64_t group, const uint16_t *kh
     for (int64_t k0 = 0; k0 < L; k0 += 32) {
         const uint16_t *ka, *kb = 0;
         for (int g = 0; g < 2 && k0 + 16 * g < L; g++) {
-            const int64_t pos = k0 + 16 * g, blk = pos / bs, ahead = blk + AMX_PF_BLOCKS;
+            const int64_t pos = k0 + 16 * g, blk = pos / bs, ahead = blk + PF_BLOCKS;
             if (pos % bs == 0) {
                 if (ahead < nblk) prefetch_block(kh, KV_BF16, table[ahead] * bs * d, bs * d);
                 else if (ahead - nblk < nblk) prefetch_block(vh, KV_BF16, table[ahead - nblk] * bs * d, bs * d);

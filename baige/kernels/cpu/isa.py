@@ -49,14 +49,24 @@ REPORTED = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "av
 
 
 @functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's ``name: value`` lines of /proc/cpuinfo (read once); {} where there is none."""
+    path = Path("/proc/cpuinfo")
+    fields: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            name, sep, value = line.partition(":")
+            if sep:
+                fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags: the first ``flags`` line of /proc/cpuinfo, else torch's capability
     mapped to the flags it implies."""
-    path = Path("/proc/cpuinfo")
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
+    if "flags" in _cpuinfo():
+        return frozenset(_cpuinfo()["flags"].split())
     cap = torch.backends.cpu.get_cpu_capability()
     flags = {"avx2", "fma", "f16c"} if cap in ("AVX2", "AVX512") else set()
     return frozenset(flags | ({"avx512f", "avx512bw", "avx512vl"} if cap == "AVX512" else set()))
@@ -92,15 +102,9 @@ def resolve(requested: str | None, flags: frozenset[str] | None = None) -> str |
     return requested
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_vendor() -> str:
     """The CPU's ``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...); "" elsewhere."""
-    path = Path("/proc/cpuinfo")
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith("vendor_id"):
-                return line.partition(":")[2].strip()
-    return ""
+    return _cpuinfo().get("vendor_id", "")
 
 
 # CPUs whose int8 weight tiles stream faster with qdot.c's software prefetch (int4's always have it).
