@@ -110,7 +110,8 @@ def apply_rope(
     Returns:
         ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
     """
-    impl = _native_cpu(q, k, cos, sin) or _impl(q, "rope")
+    native = _native_cpu(q, k, cos, sin, bf16=True) if q.shape[-1] % 2 == 0 else None  # odd: the reference's error
+    impl = native or _impl(q, "rope")
     return impl.apply_rope(q, k, cos, sin)
 
 
@@ -167,7 +168,8 @@ def store_kv(
     Raises:
         ValueError (Triton path): K/V and cache dtypes differ, or slot_mapping is not (N,).
     """
-    impl = _native_cpu(k, v, caches=(k_cache, v_cache)) or _impl(k, "paged_attention")
+    same = k.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16  # bf16 into bf16: native row copies
+    impl = _native_cpu(k, v, caches=(k_cache, v_cache), bf16=same) or _impl(k, "paged_attention")
     impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 

@@ -556,6 +556,60 @@ def test_apply_rope_is_bitwise_the_reference(head_dim):
     assert torch.equal(bq, reference.apply_rope(q, k, cos[:1], sin[:1])[0]) and bk.shape == k.shape
 
 
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("head_dim", [64, 54, 110])
+def test_bf16_apply_rope_is_bitwise_the_reference_on_every_variant(use_isa, variant, head_dim):
+    """act_bf16.c's RoPE on bf16 q/k/cos/sin rounds x * cos and rotate_half(x) * sin, then their sum, as
+    the reference's bf16 ops do (each product of two bf16 values is exact in fp32): bitwise equal on
+    every variant; half widths 32, 27 (= 16 + 8 + 3: every loop and the scalar tail) and 55; strided q,
+    GQA head counts, cos/sin broadcast over the batch; through kernels.apply_rope's dispatch too."""
+    use_isa(variant)
+    q = (_randn(2, 3, 9, head_dim + 4, seed=0) * 4)[..., :head_dim].bfloat16()
+    k = (_randn(2, 3, 3, head_dim, seed=1) * 4).bfloat16()
+    cos, sin = _randn(2, 3, head_dim, seed=2).bfloat16(), _randn(2, 3, head_dim, seed=3).bfloat16()
+    q[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -3e38])
+    for c, s in ((cos, sin), (cos[:1], sin[:1])):
+        out_q, out_k = cpu_ops.apply_rope(q, k, c, s)
+        ref_q, ref_k = reference.apply_rope(q, k, c, s)
+        assert out_q.dtype == out_k.dtype == torch.bfloat16 and out_q.shape == q.shape and out_k.shape == k.shape
+        assert _same_bits_or_both_nan(out_q, ref_q) and _same_bits_or_both_nan(out_k, ref_k), variant
+    got = kernels.apply_rope(q, k, cos, sin)
+    assert _same_bits_or_both_nan(got[0], reference.apply_rope(q, k, cos, sin)[0])
+
+
+def _same_bits_or_both_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns wherever either is not NaN, NaN at the same places (NaN payloads differ: the
+    native kernels write the quiet NaN 0x7fc0, torch may keep other bits)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
+def test_bf16_apply_rope_split_over_threads_gives_the_one_thread_result(monkeypatch):
+    """Above 65,536 elements the bf16 RoPE splits its tokens over the torch threads: bitwise the one-thread
+    result; kernels.apply_rope sends all-bf16 tensors to it and a bf16 q with fp32 cos/sin to the reference."""
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    reload_settings()
+    q, k = _randn(300, 9, 64, seed=0).bfloat16(), _randn(300, 3, 64, seed=1).bfloat16()
+    cos, sin = _randn(300, 64, seed=2).bfloat16(), _randn(300, 64, seed=3).bfloat16()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu_ops.apply_rope(q, k, cos, sin))
+    finally:
+        torch.set_num_threads(threads)
+    for other in outs[1:]:
+        assert torch.equal(outs[0][0], other[0]) and torch.equal(outs[0][1], other[1])
+    calls = []
+    real = cpu_ops.apply_rope
+    monkeypatch.setattr(cpu_ops, "apply_rope", lambda *a: calls.append(a[0].dtype) or real(*a))
+    kernels.apply_rope(q, k, cos, sin)
+    mixed = kernels.apply_rope(q, k, cos.float(), sin.float())
+    assert calls == [torch.bfloat16]
+    assert torch.equal(mixed[0], reference.apply_rope(q, k, cos.float(), sin.float())[0])
+
+
 def _paged_case(seed, S=4, H=6, Hkv=2, D=59, nb=12, bs=4, W=3):
     g = torch.Generator().manual_seed(seed)
     kc, vc = torch.randn(Hkv, nb, bs, D, generator=g), torch.randn(Hkv, nb, bs, D, generator=g)
@@ -629,6 +683,35 @@ def test_store_kv_into_a_bf16_cache_rounds_like_torch():
     k_ok = torch.equal(kc.view(torch.int16), rk.view(torch.int16)) or torch.equal(  # NaN payloads may differ
         torch.nan_to_num(kc.float(), nan=7.0), torch.nan_to_num(rk.float(), nan=7.0))
     assert k_ok and torch.equal(vc, rv)
+
+
+def test_bf16_kv_into_a_bf16_cache_is_copied_as_the_reference_writes_it(monkeypatch):
+    """A bf16 model's K/V into its bf16 cache (kernels.store_kv's native row copies): bitwise what the
+    reference's index_copy_ writes, other slots untouched, padding slots (-1) skipped; a bf16 K/V into
+    an fp16 cache stays on the reference (a conversion the copy does not do)."""
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    reload_settings()
+    Hkv, nb, bs, D = 3, 6, 4, 24
+    k, v = _randn(5, Hkv, D, seed=0).bfloat16(), _randn(5, Hkv, D, seed=1).bfloat16()
+    kc, vc = _randn(Hkv, nb, bs, D, seed=2).bfloat16(), _randn(Hkv, nb, bs, D, seed=3).bfloat16()
+    rk, rv = kc.clone(), vc.clone()
+    slots = torch.tensor([17, 2, 9, 23, 0])
+    reference.store_kv(k, v, rk, rv, slots)
+    calls = []
+    real = cpu_ops.store_kv
+    monkeypatch.setattr(cpu_ops, "store_kv", lambda *a: calls.append(a[2].dtype) or real(*a))
+    kernels.store_kv(k, v, kc, vc, slots)
+    assert calls == [torch.bfloat16]
+    assert torch.equal(kc.view(torch.int16), rk.view(torch.int16)) and torch.equal(vc.view(torch.int16), rv.view(torch.int16))
+    assert torch.equal(kc.view(Hkv, -1, D)[:, 23], k[3])  # hand-checked: token 3 of each head at slot 23
+    before = kc.clone()
+    real(k[:2], v[:2], kc, vc, torch.tensor([-1, 5]))
+    assert torch.equal(kc.view(Hkv, -1, D)[:, 5], k[1])
+    changed = (kc != before).view(Hkv, -1, D).any(-1).any(0).nonzero().flatten().tolist()
+    assert changed == [5]
+    fk, fv = torch.zeros(Hkv, nb, bs, D, dtype=torch.float16), torch.zeros(Hkv, nb, bs, D, dtype=torch.float16)
+    kernels.store_kv(k, v, fk, fv, slots)
+    assert calls == [torch.bfloat16] and torch.equal(fk.view(Hkv, -1, D)[:, 17], k[0].half())
 
 
 @pytest.mark.parametrize("variant", isa.supported())

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include <stdlib.h>
 
 #include "bf16_convert.h"
@@ -119,6 +120,23 @@ void baige_store_kv(const float *k, const float *v, int64_t tokens, int64_t hk, 
                 float *kd = (float *)k_cache + at, *vd = (float *)v_cache + at;
                 for (int64_t i = 0; i < d; i++) { kd[i] = ks[i]; vd[i] = vs[i]; }
             }
+        }
+    }
+}
+
+/* k, v: (tokens, hk, d) contiguous, already in the caches' dtype (elem bytes per value: a bf16 model's K/V
+ * into its bf16 cache); caches and slot_mapping as baige_store_kv. Row copies: what the reference's
+ * index_copy_ writes, without its per-call dispatch. */
+void baige_store_kv_same(const void *k, const void *v, int64_t tokens, int64_t hk, int64_t d, int64_t elem,
+                         void *k_cache, void *v_cache, int64_t slots, const int64_t *slot_mapping) {
+    const size_t row = (size_t)(d * elem);
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        for (int64_t j = 0; j < hk; j++) {
+            const size_t from = (size_t)(t * hk + j) * row, at = (size_t)(j * slots + slot) * row;
+            memcpy((char *)k_cache + at, (const char *)k + from, row);
+            memcpy((char *)v_cache + at, (const char *)v + from, row);
         }
     }
 }

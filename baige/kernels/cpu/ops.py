@@ -145,8 +145,12 @@ def apply_rope(
     sin = sin.expand(*q.shape[:-2], d).contiguous()
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    library().baige_rope(q.data_ptr(), k.data_ptr(), tokens, q.shape[-2], k.shape[-2], d, cos.data_ptr(),
-                         sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr())
+    args = (q.data_ptr(), k.data_ptr(), tokens, q.shape[-2], k.shape[-2], d, cos.data_ptr(), sin.data_ptr(),
+            q_out.data_ptr(), k_out.data_ptr())
+    if q.dtype == torch.bfloat16:  # all four bf16 (kernels.apply_rope's dispatch): act_bf16.c
+        library().baige_rope_bf16(*args, torch.get_num_threads())
+    else:
+        library().baige_rope(*args)
     return q_out, k_out
 
 
@@ -156,6 +160,11 @@ def store_kv(
     hk, d = k_cache.shape[0], k_cache.shape[-1]
     k, v = k.contiguous(), v.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
+    if k.dtype == k_cache.dtype != torch.float32:  # bf16 K/V into a bf16 cache: row copies
+        library().baige_store_kv_same(k.data_ptr(), v.data_ptr(), k.shape[0], hk, d, k.element_size(),
+                                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() // (hk * d),
+                                      slots.data_ptr())
+        return
     library().baige_store_kv(k.data_ptr(), v.data_ptr(), k.shape[0], hk, d, k_cache.data_ptr(), v_cache.data_ptr(),
                              k_cache.numel() // (hk * d), slots.data_ptr(), kv_dtype_code(k_cache.dtype))
 
