@@ -81,9 +81,10 @@ def test_results_do_not_depend_on_threads_or_neighbours(use_isa, variant):
 def test_prefill_chunks_after_cached_prefixes(use_isa, variant, q_dtype):
     """Chunks of 1, 40, 33 and 2 tokens after cached prefixes of 0, 57, 0 and 14 tokens: causal inside
     the chunk, the whole prefix before it. A bf16 query is widened and the result rounded to bf16 --
-    or, under the AMX variant, the call is torch's SDPA in bf16 (``SDPA_BF16_PREFILL_ISAS``), bit for bit."""
+    or, under the AMX variant, prefill_amx.c runs it (``amx_prefill``: bf16 products, P rounded to bf16
+    as torch's flash SDPA does), within the rule of the fp32 reference rounded once."""
     use_isa(variant)
-    sdpa = q_dtype == torch.bfloat16 and variant in cpu_ops.SDPA_BF16_PREFILL_ISAS
+    sdpa = q_dtype == torch.bfloat16 and variant in cpu_ops.SDPA_BF16_PREFILL_ISAS  # masked keys: zero weights
     chunks, lens = [1, 40, 33, 2], [1, 97, 33, 16]
     kc, vc, tables, ctx = _case(lens, 9, 3, 64, 16, torch.bfloat16, seed=8)
     q = torch.randn(sum(chunks), 9, 64, generator=torch.Generator().manual_seed(3)).to(q_dtype)
@@ -94,8 +95,6 @@ def test_prefill_chunks_after_cached_prefixes(use_isa, variant, q_dtype):
     exact = reference.paged_prefill_attention(qs.double(), kc.double(), vc.double(), tables, cu, ctx, 0.125)
     assert out.dtype == q_dtype
     assert_close_fp64(out, ref, exact, name=f"prefill {variant} {q_dtype}")
-    if sdpa:
-        assert torch.equal(out, reference.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.125))
     # token 5 of the second chunk (position 62) sees keys 0..62 and nothing after them (not even a NaN
     # there for the native kernel; SDPA multiplies masked keys by zero weights, so finite values for it)
     row = 1 + 5
@@ -106,6 +105,65 @@ def test_prefill_chunks_after_cached_prefixes(use_isa, variant, q_dtype):
         vc2[:, blk, pos % 16] = -1e4 if sdpa else float("nan")
     again = cpu_ops.paged_prefill_attention(q, kc2, vc2, tables, cu, ctx, 0.125)
     assert torch.equal(again[row], out[row])
+
+
+AMX = "avx512_amx" in isa.supported()
+
+
+@pytest.mark.skipif(not AMX, reason="prefill_amx.c needs AMX (avx512_amx): this CPU lacks it")
+@pytest.mark.parametrize("H,Hkv,D,bs", [(9, 3, 64, 16), (4, 4, 128, 32), (7, 1, 96, 16), (20, 1, 32, 16),
+                                        (8, 2, 256, 16), (6, 2, 160, 48)])
+def test_amx_prefill_attention_against_the_reference_and_fp64(monkeypatch, use_isa, H, Hkv, D, bs):
+    """prefill_amx.c: chunks of 1, 40, 33, 2 and 70 tokens after cached prefixes of 0, 57, 0, 14 and 230
+    (a key count that is no multiple of 16 or 32, one token alone, a context spanning many scattered
+    blocks); query groups of 3, 1, 7, 20 (more than one 16-column block per token) and 3 heads per KV
+    head; head sizes 32-256 (one to eight 32-wide chunks, V in 64-wide passes and a 32-wide rest);
+    against torch's SDPA in bf16 and fp64 with the 2x rule, and against the fp32 reference rounded
+    once within 2 bf16 steps of the output scale. Dispatched by kernels.paged_prefill_attention."""
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    from baige.runtime.settings import reload_settings
+    reload_settings()
+    use_isa("avx512_amx")
+    chunks, lens = [1, 40, 33, 2, 70], [1, 97, 33, 16, 300]
+    kc, vc, tables, ctx = _case(lens, H, Hkv, D, bs, torch.bfloat16, seed=H + D)
+    q = (torch.randn(sum(chunks), H, D, generator=torch.Generator().manual_seed(D)) * 2).bfloat16()
+    cu = torch.tensor([0, 1, 41, 74, 76, 146])
+    calls = []
+    real = cpu_ops._prefill_amx
+    monkeypatch.setattr(cpu_ops, "_prefill_amx", lambda *a: calls.append(1) or real(*a))
+    scale = D ** -0.5
+    out = kernels.paged_prefill_attention(q, kc, vc, tables, cu, ctx, scale)
+    assert calls == [1] and out.dtype == torch.bfloat16 and out.shape == q.shape
+    ref = reference.paged_prefill_attention(q, kc, vc, tables, cu, ctx, scale)
+    exact = reference.paged_prefill_attention(q.double(), kc.double(), vc.double(), tables, cu, ctx, scale)
+    assert_close_fp64(out, ref, exact, name=f"amx prefill {H}/{Hkv} x {D}, bs {bs}")
+    f32 = reference.paged_prefill_attention(q.float(), kc, vc, tables, cu, ctx, scale)
+    assert (out.float() - f32).abs().max() <= 2 * 2.0 ** -8 * f32.abs().max()
+
+
+@pytest.mark.skipif(not AMX, reason="prefill_amx.c needs AMX (avx512_amx): this CPU lacks it")
+def test_amx_prefill_attention_does_not_depend_on_the_thread_count(use_isa):
+    """Items (sequence, KV head, 16 query columns) spread over the threads, each summed in one order:
+    bitwise the one-thread result on 2 and 3 threads; a head size the kernel does not take (48) or a
+    block size that is no multiple of 16 (8) goes to torch's SDPA."""
+    use_isa("avx512_amx")
+    kc, vc, tables, ctx = _case([50, 120, 7], 9, 3, 64, 16, torch.bfloat16, seed=5)
+    q = torch.randn(50 + 30 + 7, 9, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    cu = torch.tensor([0, 50, 80, 87])
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu_ops.paged_prefill_attention(q, kc, vc, tables, cu, ctx, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert cpu_ops.amx_prefill(torch.bfloat16, torch.bfloat16, 64, 16)
+    assert not cpu_ops.amx_prefill(torch.bfloat16, torch.bfloat16, 48, 16)
+    assert not cpu_ops.amx_prefill(torch.bfloat16, torch.bfloat16, 64, 8)
+    assert not cpu_ops.amx_prefill(torch.float32, torch.bfloat16, 64, 16)
+    assert not cpu_ops.amx_prefill(torch.bfloat16, torch.float16, 64, 16)
 
 
 @pytest.mark.parametrize("variant", isa.supported())

@@ -224,11 +224,20 @@ def paged_decode_attention(
 # (1 thread, bf16, 9/3 heads x 64, one 512-token chunk): native / SDPA 7.2 / 10.2 ms at 512 cached
 # tokens (128 KiB), 42.7 / 44.5 at 2048 (512 KiB), 83.5 / 80.8 at 4096 (1 MiB).
 PREFILL_NATIVE_MAX_BYTES = 512 << 10
-# Where the AMX variant is in force, bf16 prefill chunks go to torch's flash SDPA at any length: its
-# blocked GEMMs run on oneDNN's AMX kernels and beat the row-by-row kernel 3-4x (Intel Xeon, Sapphire
-# Rapids class, 1 thread, bf16, 9/3 heads x 64, ms native / SDPA: 16 prompts x 128 tokens 13.9 / 4.6,
-# 4 x 512 25.8 / 9.8, 1 x 2048 97.2 / 23.8). fp32 stays native there (7.5 / 9.0 at 16 x 128).
+# Where the AMX variant is in force, bf16 prefill chunks over a bf16 cache run prefill_amx.c (q . K and
+# P . V on the tiles) at any length, where its shape rule (:func:`amx_prefill`) holds; other bf16 chunks
+# there go to torch's flash SDPA, whose oneDNN AMX GEMMs beat the row-by-row kernel 3-4x (Intel Xeon,
+# Sapphire Rapids class, 1 thread, bf16, 9/3 heads x 64, ms native / SDPA: 16 prompts x 128 tokens 13.9 /
+# 4.6, 4 x 512 25.8 / 9.8, 1 x 2048 97.2 / 23.8). fp32 stays native there (7.5 / 9.0 at 16 x 128).
 SDPA_BF16_PREFILL_ISAS = ("avx512_amx",)
+
+
+def amx_prefill(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """True when bf16 prefill chunks run prefill_amx.c: the avx512_amx variant in force, bf16 queries and
+    cache, ``head_dim`` a multiple of 32 up to 256, ``block_size`` a multiple of 16 (the OS may still
+    refuse the tiles, and then torch's SDPA runs)."""
+    return (current_isa() in SDPA_BF16_PREFILL_ISAS and q_dtype == kv_dtype == torch.bfloat16
+            and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0)
 
 
 def paged_prefill_attention(
@@ -248,6 +257,10 @@ def paged_prefill_attention(
     Same dtypes and errors as :func:`paged_decode_attention`."""
     D = k_cache.shape[-1]
     lens_all = context_lens.to(torch.int64)
+    if amx_prefill(q.dtype, k_cache.dtype, D, k_cache.shape[2]) and q.shape[1] % k_cache.shape[0] == 0:
+        out = _prefill_amx(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens_all, scale)
+        if out is not None:
+            return out
     if (lens_all.numel() and int(lens_all.max()) * D * 2 * k_cache.element_size() > PREFILL_NATIVE_MAX_BYTES) or \
             (q.dtype == torch.bfloat16 and current_isa() in SDPA_BF16_PREFILL_ISAS):
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
@@ -256,3 +269,21 @@ def paged_prefill_attention(
     pos = torch.arange(q.shape[0]) - cu_seqlens_q.to(torch.int64)[seq]  # (N,) index within its chunk
     lens = lens_all[seq] - counts[seq] + pos + 1
     return paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, table_of_row=seq)
+
+
+def _prefill_amx(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> torch.Tensor | None:
+    """prefill_amx.c on bf16 q (N, H, D) and bf16 caches -> (N, H, D) bf16, or None where the kernel
+    declines (tiles refused by the OS). Raises MemoryError when its scratch cannot be allocated."""
+    hk, nb, bs, D = k_cache.shape
+    qc = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    cu = cu_seqlens_q.to(torch.int64).contiguous()
+    lens = context_lens.contiguous()
+    out = torch.empty_like(qc)
+    rc = library().baige_prefill_attention_amx(qc.data_ptr(), q.shape[1], hk, D, k_cache.data_ptr(),
+                                               v_cache.data_ptr(), nb * bs, bs, tables.data_ptr(), tables.shape[1],
+                                               cu.data_ptr(), lens.data_ptr(), lens.shape[0], scale, out.data_ptr(),
+                                               torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("prefill attention: no memory for the AMX kernel's scratch")
+    return out if rc == 0 else None
