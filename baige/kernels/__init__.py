@@ -328,10 +328,16 @@ def quantized_linear(
     kernels of :mod:`baige.kernels.cpu.qlinear` (integer dot products, any number of rows, unless
     ``int_dot`` is off or the int4 group is not a multiple of 32; the exact kernels up to 512 rows;
     bf16 ``x`` widened to fp32 and the result rounded back, as a bf16 model's int8/int4 layers then run
-    at the fp32 kernels' speed instead of dequantizing the weight per call);
-    everything else dequantizes and calls ``F.linear`` (the reference).
+    at the fp32 kernels' speed instead of dequantizing the weight per call) -- except bf16 batches of
+    many rows on AMX (``qlinear.takes_amx_dequant``: prefill chunks), which take the reference's bf16
+    matmul on oneDNN's AMX kernels; everything else dequantizes and calls ``F.linear`` (the reference).
     """
     widen = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad and backend(x) == "reference"
+    if widen and int_dot is not False and _native_cpu(x, bf16=True) is not None:
+        from baige.kernels.cpu import qlinear
+
+        if qlinear.takes_amx_dequant(x, qweight):  # many bf16 rows on AMX: the reference's bf16 matmul
+            return reference.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
     xf = x.float() if widen else x
     if _native_cpu(xf) is not None:
         from baige.kernels.cpu import qlinear

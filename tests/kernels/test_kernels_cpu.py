@@ -375,6 +375,42 @@ def test_bf16_activations_take_the_native_quantized_kernels(name, monkeypatch):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want) and calls == [1]
 
 
+@pytest.mark.skipif("avx512_amx" not in isa.supported(), reason="the AMX dequantize path needs avx512_amx: this CPU lacks it")
+@pytest.mark.parametrize("name", ["int8", "int4-g32-sym", "int4-g64-asym"])
+def test_many_bf16_rows_on_amx_take_the_weight_dequantized_to_bf16(name, monkeypatch, use_isa):
+    """Under avx512_amx a bf16 batch of at least AMX_DEQUANT_MIN_ROWS rows (a prefill chunk) multiplies
+    the weight dequantized to bf16 through F.linear (oneDNN's AMX matmul): bitwise the product computed
+    here from the unpacked integers, (q - zp) * scale rounded once to bf16 (an integer times a bf16
+    scale is exact in fp32); one row fewer, fp32 rows, ``int_dot=False`` and the avx512_bf16 variant
+    keep the native kernels."""
+    monkeypatch.delenv("BAIGE_KERNELS", raising=False)
+    reload_settings()
+    use_isa("avx512_amx")
+    scheme = SCHEMES[name]
+    w = torch.randn(75, 1000, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, scale, zp = quantize_weight(w, scheme)
+    qweight = q if scheme.num_bits == 8 else pack_int4(q)
+    scale = scale.bfloat16()
+    rows = cpu.AMX_DEQUANT_MIN_ROWS[qweight.dtype]
+    x, bias = _randn(rows, 1000, seed=7).bfloat16(), _randn(75, seed=8).bfloat16()
+    g = scheme.group_size or 1000
+    ints = (q.float() - (0 if zp is None else zp.float().repeat_interleave(g, 1)[:, :1000]))
+    w16 = (ints * scale.float().repeat_interleave(g, 1)[:, :1000]).bfloat16()
+    want = torch.nn.functional.linear(x, w16, bias)
+    calls = []
+    real = cpu.quantized_linear
+    monkeypatch.setattr(cpu, "quantized_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    got = kernels.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    assert got.dtype == torch.bfloat16 and calls == [] and torch.equal(got, want)
+    kernels.quantized_linear(x[1:], qweight, scale, zp, scheme.group_size, bias)
+    kernels.quantized_linear(x.float(), qweight, scale.float(), zp, scheme.group_size, bias.float())
+    kernels.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias, int_dot=False)
+    assert calls == [rows - 1, rows, rows]
+    use_isa("avx512_bf16")
+    kernels.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
+    assert calls == [rows - 1, rows, rows, rows]
+
+
 def test_native_zero_rows():
     qweight, scale, zp = _weights(SCHEMES["int8"], 8, 64)
     assert cpu.quantized_linear(torch.empty(0, 64), qweight, scale, zp, None).shape == (0, 8)

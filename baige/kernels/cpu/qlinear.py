@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from baige.kernels.cpu import arena
-from baige.kernels.cpu.build import library, native_allowed
+from baige.kernels.cpu.build import current_isa, library, native_allowed
 from baige.kernels.settings import int_dot_passes, settings
 
 # Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
@@ -153,6 +153,27 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
                 weakref.finalize(q, _groups.pop, key, None)
         _groups[key] = (versions, joined)
     return joined
+
+
+# Under these variants a bf16 model's int8 / int4 linears of at least AMX_DEQUANT_MIN_ROWS rows (prefill
+# chunks) dequantize the weight to bf16 and run F.linear, i.e. oneDNN's AMX bf16 matmul -- the reference's
+# own math -- instead of the integer dots, whose AVX-512 VNNI products cannot keep up with the tiles at
+# many rows. Measured (Intel Xeon, Emerald Rapids class, 1 thread, bf16 rows, weights cache-resident, ms
+# integer dot / dequantize + AMX): int8 3072 x 576 at 64 rows 1.44 / 1.29, 128 rows 2.87 / 1.46, 512 rows
+# 11.6 / 2.5; int4 g32 (torch's nibble unpacking is the slow part) at 256 rows 6.6 / 9.2, 512 rows 16.1 /
+# 11.7. The prefill of 32 prompts (4196 tokens) of SmolLM2 int8: 7.2-9.4 s -> 1.6-2.0 s; int4 g32: 7.9-8.9
+# -> 1.9-2.2 s (alternating in one process).
+AMX_DEQUANT_ISAS = ("avx512_amx",)
+AMX_DEQUANT_MIN_ROWS = {torch.int8: 128, torch.int32: 512}  # by qweight dtype: int8, int4 (packed in int32)
+
+
+def takes_amx_dequant(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether ``baige.kernels.quantized_linear`` runs bf16 ``x`` (..., in) against this int8 / int4 weight
+    as dequantize-to-bf16 + ``F.linear`` (see :data:`AMX_DEQUANT_ISAS`): a variant of it in force and at
+    least :data:`AMX_DEQUANT_MIN_ROWS` rows."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.dtype == torch.bfloat16 and rows >= AMX_DEQUANT_MIN_ROWS.get(qweight.dtype, 1 << 62)
+            and current_isa() in AMX_DEQUANT_ISAS)
 
 
 def takes_int_dot(qweight: torch.Tensor, group_size: int | None, int_dot: bool | None = None) -> bool:
