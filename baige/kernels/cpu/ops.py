@@ -253,8 +253,10 @@ def paged_prefill_attention(
     ``i``'s chunk of ``T_i`` reads sequence ``i``'s block table and a context of
     ``context_lens[i] - T_i + j + 1`` keys, which is the causal mask. Chunks of a sequence whose K + V
     per KV head exceed :data:`PREFILL_NATIVE_MAX_BYTES`, and bf16 chunks under a variant of
-    :data:`SDPA_BF16_PREFILL_ISAS`, go to the reference (torch's SDPA) instead, the whole call at once.
-    Same dtypes and errors as :func:`paged_decode_attention`."""
+    :data:`SDPA_BF16_PREFILL_ISAS`, go to the reference (torch's SDPA) instead, the whole call at once --
+    but where :func:`amx_prefill` holds (bf16 q and cache under avx512_amx), the whole call runs
+    ``prefill_amx.c`` (the query heads a multiple of the KV heads). Same dtypes and errors as
+    :func:`paged_decode_attention`."""
     D = k_cache.shape[-1]
     lens_all = context_lens.to(torch.int64)
     if amx_prefill(q.dtype, k_cache.dtype, D, k_cache.shape[2]) and q.shape[1] % k_cache.shape[0] == 0:
