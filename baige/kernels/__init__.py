@@ -337,7 +337,8 @@ def quantized_linear(
         from baige.kernels.cpu import qlinear
 
         if qlinear.takes_amx_dequant(x, qweight):  # many bf16 rows on AMX: the reference's bf16 matmul
-            return reference.quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+            w = qlinear.dequantized_bf16(x, qweight, scale, zero_point, group_size)
+            return torch.nn.functional.linear(x, w, None if bias is None else bias.to(torch.bfloat16))
     xf = x.float() if widen else x
     if _native_cpu(xf) is not None:
         from baige.kernels.cpu import qlinear

@@ -411,6 +411,31 @@ def test_many_bf16_rows_on_amx_take_the_weight_dequantized_to_bf16(name, monkeyp
     assert calls == [rows - 1, rows, rows, rows]
 
 
+@pytest.mark.parametrize("name", ["int4-g32-sym", "int4-g64-asym", "int4-g128-asym", "int8"])
+@pytest.mark.parametrize("in_f", [96, 1001])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_dequantized_bf16_is_the_reference_weight_bit_for_bit(name, in_f, scale_dtype):
+    """qlinear.dequantized_bf16 (int4: qlinear.c's one-pass unpacking; int8: torch's ops) equals
+    reference.dequantize_weight(...).to(bfloat16) bit for bit: bf16 scales (an exact product rounded once)
+    and fp32 ones (rounded to fp32, then to bf16); 1001 columns = a partial last word and a partial last
+    group; on 1 and 2 threads (70 x 1001 weights: above the split size)."""
+    scheme = SCHEMES[name]
+    w = torch.randn(70, in_f, generator=torch.Generator().manual_seed(in_f)) * 0.05  # 70 x 1001 > 65536: split
+    q, scale, zp = quantize_weight(w, scheme)
+    qweight = q if scheme.num_bits == 8 else pack_int4(q)
+    scale = scale.to(scale_dtype)
+    want = reference.dequantize_weight(q, scale, zp, scheme.group_size).to(torch.bfloat16)
+    x = torch.zeros(1, in_f, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = cpu.dequantized_bf16(x, qweight, scale, zp, scheme.group_size)
+            assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_zero_rows():
     qweight, scale, zp = _weights(SCHEMES["int8"], 8, 64)
     assert cpu.quantized_linear(torch.empty(0, 64), qweight, scale, zp, None).shape == (0, 8)

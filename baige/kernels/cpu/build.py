@@ -111,6 +111,7 @@ def _build(variant: str) -> ctypes.CDLL:
         ("baige_rope", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr], None),
         ("baige_store_kv", [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int], None),
         ("baige_store_kv_same", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr], None),
+        ("baige_dequant_int4_bf16", [_ptr, _i64, _i64, _i64, _ptr, _int, _ptr, _i64, _i64, _ptr, _int], None),
         ("baige_prefill_attention_amx", [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr,
                                          _i64, f32, _ptr, _int], _int),
         ("baige_silu_mul", [_ptr, _ptr, _i64, _ptr], None),

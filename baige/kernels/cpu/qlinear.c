@@ -363,3 +363,34 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx,
         free(wf);
     }
 }
+
+/* int4 weights dequantized to bf16 for a bf16 matmul (kernels.quantized_linear's many-row path on AMX):
+ * out[n, k] = bf16((q - zp[n, g]) * scale[n, g]) for k < K, g = k / gs, with the int4 layout above (ldw
+ * words per row, gs a multiple of 8), scale (N, G) bf16 (scale_bf16 = 1) or fp32, zp int32 (N, G) or
+ * NULL; out (N, K) bf16 row-major. Bit for bit the reference's dequantize_weight(...).to(bfloat16):
+ * q - zp is a small integer (exact), its product with a bf16 scale is exact in fp32 and rounded once,
+ * with an fp32 scale rounded to fp32 and then to bf16, as torch's two steps. Rows over nthreads threads. */
+void baige_dequant_int4_bf16(const int32_t *wp, int64_t N, int64_t K, int64_t ldw, const void *scale, int scale_bf16,
+                             const int32_t *zp, int64_t G, int64_t gs, uint16_t *out, int nthreads) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && N * K >= 65536) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int32_t *w = wp + n * ldw;
+        uint16_t *o = out + n * K;
+        for (int64_t k0 = 0; k0 < K; k0 += 8) {
+            const int64_t g = k0 / gs;
+            const float s = scale_bf16 ? bf16_to_f32(((const uint16_t *)scale)[n * G + g]) : ((const float *)scale)[n * G + g];
+            const float z = zp ? (float)zp[n * G + g] : 0.0f;
+            const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w[k0 / 8]), shifts), _mm256_set1_epi32(15));
+            const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nib, _mm256_set1_epi32(8))), _mm256_set1_ps(z));
+            const __m256 v = _mm256_mul_ps(q, _mm256_set1_ps(s));
+            if (k0 + 8 <= K) {
+                store_bf16x8(o + k0, v);
+            } else {
+                uint16_t tmp[8];
+                store_bf16x8(tmp, v);
+                for (int64_t k = k0; k < K; k++) o[k] = tmp[k - k0];
+            }
+        }
+    }
+}

@@ -160,11 +160,11 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
 # own math -- instead of the integer dots, whose AVX-512 VNNI products cannot keep up with the tiles at
 # many rows. Measured (Intel Xeon, Emerald Rapids class, 1 thread, bf16 rows, weights cache-resident, ms
 # integer dot / dequantize + AMX): int8 3072 x 576 at 64 rows 1.44 / 1.29, 128 rows 2.87 / 1.46, 512 rows
-# 11.6 / 2.5; int4 g32 (torch's nibble unpacking is the slow part) at 256 rows 6.6 / 9.2, 512 rows 16.1 /
-# 11.7. The prefill of 32 prompts (4196 tokens) of SmolLM2 int8: 7.2-9.4 s -> 1.6-2.0 s; int4 g32: 7.9-8.9
-# -> 1.9-2.2 s (alternating in one process).
+# 11.6 / 2.5; int4 g32 (unpacked by dequantized_bf16's native pass) at 64 rows 1.52 / 1.48, 128 rows 2.98 /
+# 1.61, 512 rows 12.0 / 2.7. The prefill of 32 prompts (4196 tokens) of SmolLM2 int8: 7.2-9.4 s -> 1.6-2.0 s;
+# int4 g32: 7.9-8.9 -> 1.9-2.2 s with torch's unpacking (alternating in one process).
 AMX_DEQUANT_ISAS = ("avx512_amx",)
-AMX_DEQUANT_MIN_ROWS = {torch.int8: 128, torch.int32: 512}  # by qweight dtype: int8, int4 (packed in int32)
+AMX_DEQUANT_MIN_ROWS = {torch.int8: 128, torch.int32: 128}  # by qweight dtype: int8, int4 (packed in int32)
 
 
 def takes_amx_dequant(x: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -174,6 +174,28 @@ def takes_amx_dequant(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     rows = x.numel() // max(x.shape[-1], 1)
     return (x.dtype == torch.bfloat16 and rows >= AMX_DEQUANT_MIN_ROWS.get(qweight.dtype, 1 << 62)
             and current_isa() in AMX_DEQUANT_ISAS)
+
+
+def dequantized_bf16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                     group_size: int | None) -> torch.Tensor:
+    """The weight of ``baige.kernels.quantized_linear`` as bf16 (out, in): ``reference.dequantize_weight``
+    (q - zp) * scale in the scale's dtype, rounded to bf16, bit for bit; int4 (int32 ``qweight`` (out,
+    ceil(in / 8)), a group size that is a multiple of 8) unpacked natively (``qlinear.c``, one pass: torch's
+    nibble unpacking took ~3 ns per weight), int8 by torch's ops. ``x`` (..., in) gives ``in``."""
+    k = x.shape[-1]
+    if qweight.dtype != torch.int32 or group_size is None or group_size % 8 or library() is None:
+        from baige.kernels import reference
+
+        q = qweight if qweight.dtype == torch.int8 else reference.unpack_int4(qweight, k)
+        return reference.dequantize_weight(q, scale, zero_point, group_size).to(torch.bfloat16)
+    wp = qweight if qweight.stride(-1) == 1 and qweight.stride(0) >= qweight.shape[1] else qweight.contiguous()
+    s = scale if scale.dtype in (torch.bfloat16, torch.float32) and scale.is_contiguous() else scale.float().contiguous()
+    z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
+    out = torch.empty(wp.shape[0], k, dtype=torch.bfloat16)
+    library().baige_dequant_int4_bf16(wp.data_ptr(), wp.shape[0], k, wp.stride(0), s.data_ptr(),
+                                      int(s.dtype == torch.bfloat16), None if z is None else z.data_ptr(), s.shape[1],
+                                      group_size, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def takes_int_dot(qweight: torch.Tensor, group_size: int | None, int_dot: bool | None = None) -> bool:
