@@ -415,16 +415,19 @@ def test_many_bf16_rows_on_amx_take_the_weight_dequantized_to_bf16(name, monkeyp
 @pytest.mark.parametrize("in_f", [96, 1001])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_dequantized_bf16_is_the_reference_weight_bit_for_bit(name, in_f, scale_dtype):
-    """qlinear.dequantized_bf16 (int4: qlinear.c's one-pass unpacking; int8: torch's ops) equals
-    reference.dequantize_weight(...).to(bfloat16) bit for bit: bf16 scales (an exact product rounded once)
-    and fp32 ones (rounded to fp32, then to bf16); 1001 columns = a partial last word and a partial last
-    group; on 1 and 2 threads (70 x 1001 weights: above the split size)."""
+    """qlinear.dequantized_bf16 (int4: qlinear.c's one-pass unpacking; int8: torch's ops) equals the weight
+    computed here from the unpacked integers, bit for bit: (q - zp) * scale with a bf16 scale (an exact
+    product rounded once to bf16) or an fp32 one (rounded to fp32, then to bf16), as the reference's
+    dequantize_weight(...).to(bfloat16) rounds; 1001 columns = a partial last word and a partial last group;
+    on 1 and 2 threads (70 x 1001 weights: above the split size)."""
     scheme = SCHEMES[name]
     w = torch.randn(70, in_f, generator=torch.Generator().manual_seed(in_f)) * 0.05  # 70 x 1001 > 65536: split
     q, scale, zp = quantize_weight(w, scheme)
     qweight = q if scheme.num_bits == 8 else pack_int4(q)
     scale = scale.to(scale_dtype)
-    want = reference.dequantize_weight(q, scale, zp, scheme.group_size).to(torch.bfloat16)
+    g = scheme.group_size or in_f
+    ints = q.float() - (0 if zp is None else zp.float().repeat_interleave(g, 1)[:, :in_f])
+    want = (ints * scale.float().repeat_interleave(g, 1)[:, :in_f]).to(scale_dtype).bfloat16()
     x = torch.zeros(1, in_f, dtype=torch.bfloat16)
     threads = torch.get_num_threads()
     try:

@@ -82,6 +82,18 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
+/* The B operand of a product against 16 bf16 vectors (rows 0..15 of qb, d values each, row stride d, d a
+ * multiple of 32): bq[ch][r][n] = the r-th pair of columns 32 ch .. 32 ch + 32 of row n, i.e. TDPBF16PS's
+ * pairs layout of each 32-wide chunk (a 16 x 16 transpose of 32-bit pairs per chunk) */
+static inline void b_pairs(const uint16_t *qb, int64_t d, uint32_t bq[][16][16]) {
+    for (int64_t ch = 0; ch < d / 32; ch++) {
+        __m512 r[16];
+        for (int n = 0; n < 16; n++) r[n] = _mm512_castsi512_ps(_mm512_loadu_si512(qb + n * d + 32 * ch));
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_store_ps((float *)bq[ch][i], r[i]);
+    }
+}
+
 /* where to load the 16 x 32 bf16 A tile of rows r0.. and columns k0.. of w (nrows x K, row stride ld):
  * in place when whole, else a zero-padded copy in pad (16 x 32); *stride gets the byte stride */
 static inline const uint16_t *a_tile(const uint16_t *w, int64_t ld, int64_t r0, int64_t nrows, int64_t k0,

@@ -57,12 +57,7 @@ int baige_attention_scores_amx(const float *q, int64_t group, const uint16_t *kh
     const int64_t nch = d / 32, nblk = (L + bs - 1) / bs;
     memset(qb, 0, sizeof(uint16_t) * 16 * (size_t)d);
     for (int64_t i = 0; i < group * d; i += 16) store_bf16x16(qb + i, _mm512_loadu_ps(q + i));
-    for (int64_t ch = 0; ch < nch; ch++) {  /* bq[ch][r][n] = pair r of row n's chunk ch: a 16 x 16 transpose */
-        __m512 r[16];
-        for (int n = 0; n < 16; n++) r[n] = _mm512_castsi512_ps(_mm512_load_si512(qb + n * d + 32 * ch));
-        transpose16(r);
-        for (int i = 0; i < 16; i++) _mm512_store_ps((float *)bq[ch][i], r[i]);
-    }
+    b_pairs(qb, d, bq);
     const int resident = nch <= 4;
     configure_tiles();
     if (resident) {

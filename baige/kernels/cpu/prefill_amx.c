@@ -80,12 +80,7 @@ static void item(const uint16_t *q, int64_t hq, const uint16_t *kh, const uint16
             posv[c] = (int32_t)(L - 1);
         }
     }
-    for (int64_t ch = 0; ch < nch; ch++) {
-        __m512 r[16];
-        for (int c = 0; c < 16; c++) r[c] = _mm512_castsi512_ps(_mm512_loadu_si512(qb + c * d + 32 * ch));
-        transpose16(r);
-        for (int i = 0; i < 16; i++) _mm512_store_ps((float *)bq[ch][i], r[i]);
-    }
+    b_pairs(qb, d, bq);
     /* 1. scores, 16 keys per tile product, into sc rows: two groups of 16 keys in flight (accumulators 0
      * and 1), the query chunks resident in tiles 6 and 7 when d <= 64 */
     const int resident = nch <= 2;
@@ -224,8 +219,12 @@ int baige_prefill_attention_amx(const uint16_t *q, int64_t hq, int64_t hk, int64
             configure_tiles();
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
-                int64_t i = 0;
-                while (ifirst[i + 1] <= it) i++;
+                int64_t i = 0, hi = P - 1;  /* the last sequence whose first item is at or before it */
+                while (i < hi) {
+                    const int64_t mid = (i + hi + 1) / 2;
+                    if (ifirst[mid] <= it) i = mid;
+                    else hi = mid - 1;
+                }
                 const int64_t T = cu_seqlens[i + 1] - cu_seqlens[i], C = context_lens[i];
                 const int64_t per = (T * G + 15) / 16, g = (it - ifirst[i]) / per, c0 = (it - ifirst[i]) % per * 16;
                 const int64_t n = T * G - c0 < 16 ? T * G - c0 : 16;
