@@ -21,7 +21,8 @@ bounds a workload by ``min(peak FLOP/s, bandwidth * arithmetic intensity)``. Her
 - **A whole offline workload** is not all compute bound: its decode steps read every weight for a
   few rows each. :func:`workload_roofline` bounds it step by step from the shapes the scheduler
   actually ran (``scheduler.StepShape``): each step takes at least ``max(FLOPs / peak, bytes / bandwidth)``,
-  and their sum is the least time any implementation on this machine needs for the same schedule.
+  and their sum is the least time any implementation on this machine needs for the same schedule;
+  :func:`workload_floor` bounds it for any schedule of the same requests.
 """
 
 from __future__ import annotations
@@ -304,6 +305,49 @@ def workload_roofline(steps: list, counts: dict, kv_bytes_per_token: int, peak: 
             "steps": len(steps), "bandwidth_bound_steps": n_memory}
 
 
+def workload_floor(requests: list[tuple[int, int]], counts: dict, kv_bytes_per_token: int, peak: float,
+                   bandwidth: float) -> dict[str, float]:
+    """The least time *any* schedule needs for ``requests`` on a machine of ``peak`` FLOP/s and
+    ``bandwidth`` bytes/s, under :func:`workload_roofline`'s cost model, without speculative decoding or prefix-cache hits.
+
+    Every schedule's ``workload_roofline`` time is ``sum_i max(c_i, m_i) >= max(sum_i c_i, sum_i m_i)``,
+    and both sums have schedule-free lower bounds:
+
+    - FLOPs do not depend on the schedule: a request of ``P`` prompt and ``O`` output tokens computes
+      ``T = P + O - 1`` tokens (the last output is never fed back), scores ``T (T + 1) / 2`` (query,
+      key) pairs however it is chunked, and projects ``O`` rows through the lm_head.
+    - Bytes: a step emits at most one token per sequence, so there are at least ``max O`` steps, each
+      reading every weight once (``step_weight_bytes`` of one token: for MoE the fewest experts a step
+      can touch); each request reads its cache at least as a one-chunk prefill followed by
+      ``O - 1`` decode steps does (``P + sum_{t=1}^{O-1} (P + t)`` cached tokens) and writes its
+      ``T`` new tokens' K/V.
+
+    Args:
+        requests: ``(prompt_len, output_len)`` per request, tokens (both >= 1).
+        counts, kv_bytes_per_token, peak, bandwidth: as :func:`workload_roofline`.
+    Returns:
+        ``min_time_s`` (s: ``max(compute_s, memory_s)``), ``compute_s`` and ``memory_s`` (s: the two
+        sums' bounds), ``min_steps``.
+    Raises:
+        ValueError: for no requests, a length below 1, or a ``peak`` / ``bandwidth`` that is not positive.
+    """
+    if peak <= 0 or bandwidth <= 0:
+        raise ValueError(f"peak and bandwidth must be positive, got {peak} FLOP/s and {bandwidth} bytes/s")
+    if not requests or min(min(p, o) for p, o in requests) < 1:
+        raise ValueError("workload_floor needs at least one request, each with prompt and output lengths >= 1")
+    flops = kv_tokens = 0
+    for p, o in requests:
+        t = p + o - 1
+        flops += 2 * counts["num_params_active"] * t + 4 * counts["attn_dims"] * (t * (t + 1) // 2)
+        flops += 2 * counts["lm_head_params"] * o
+        kv_tokens += p + (o - 1) * p + (o - 1) * o // 2 + t  # reads (one-chunk prefill, then decodes) + writes
+    steps = max(o for _, o in requests)
+    compute_s = flops / peak
+    memory_s = (steps * step_weight_bytes(counts, 1) + kv_bytes_per_token * kv_tokens) / bandwidth
+    return {"min_time_s": max(compute_s, memory_s), "compute_s": compute_s, "memory_s": memory_s,
+            "min_steps": steps}
+
+
 def workload_limit(bound: dict[str, float], total_tokens: int, flops_per_token: float, peak: float,
                    elapsed: float) -> dict[str, float]:
     """``bound`` (:func:`workload_roofline`) against a run of ``total_tokens`` in ``elapsed`` seconds:
@@ -316,9 +360,18 @@ def workload_limit(bound: dict[str, float], total_tokens: int, flops_per_token: 
 
 
 def workload_summary(steps: list, counts: dict, kv_bytes_per_token: int, limits, total_tokens: int,
-                     flops_per_token: float, elapsed: float) -> dict[str, float]:
+                     flops_per_token: float, elapsed: float,
+                     requests: list[tuple[int, int]] | None = None) -> dict[str, float]:
     """:func:`workload_limit` of :func:`workload_roofline` on ``limits`` (a :class:`HardwareLimits`): the
     schedule's least time on this machine against a run of ``total_tokens`` in ``elapsed`` seconds,
-    as ``bench throughput`` and ``bench compare`` report it. Raises ValueError as workload_roofline."""
+    as ``bench throughput`` and ``bench compare`` report it. With ``requests`` ((prompt, output)
+    lengths), also :func:`workload_floor`'s bound for any schedule: ``any_schedule_min_time_s`` (s) and
+    ``any_schedule_pct_of_peak`` (%: the most of the peak any schedule can reach here, counted as
+    ``limit_pct_of_peak``). Raises ValueError as workload_roofline / workload_floor."""
     bound = workload_roofline(steps, counts, kv_bytes_per_token, limits.matmul_peak, limits.bandwidth)
-    return workload_limit(bound, total_tokens, flops_per_token, limits.matmul_peak, elapsed)
+    out = workload_limit(bound, total_tokens, flops_per_token, limits.matmul_peak, elapsed)
+    if requests:
+        floor = workload_floor(requests, counts, kv_bytes_per_token, limits.matmul_peak, limits.bandwidth)
+        out["any_schedule_min_time_s"] = floor["min_time_s"]
+        out["any_schedule_pct_of_peak"] = 100 * total_tokens / floor["min_time_s"] * flops_per_token / limits.matmul_peak
+    return out

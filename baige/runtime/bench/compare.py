@@ -304,7 +304,8 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
     KV bytes per step at the mean context, KV bytes per token from the ``ModelConfig`` ``mc``),
     throughput against the matmul peak (FLOPs/token from baige's model ``counts`` at the mean
     request length) and, for baige's rows, against the least time their schedule needs on this
-    machine (``workload_roofline``: :func:`roofline.workload_roofline`); plus the ratios."""
+    machine and the least time any schedule of the same requests needs (``workload_roofline``:
+    :func:`roofline.workload_summary`); plus the ratios."""
     tp_tokens = sum(len(p) + n for p, n in reqs)
     summary: dict = {"decode": {}, "throughput": {}}
     for name, ts in samples["decode"].items():
@@ -323,7 +324,7 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
             if rows.steps.get(name):
                 summary["throughput"][name]["workload_roofline"] = roofline.workload_summary(
                     rows.steps[name], rows.counts[name], mc.kv_bytes_per_token(rows.dtype_bytes[name]), limits,
-                    tp_tokens, flops, statistics.median(ts))
+                    tp_tokens, flops, statistics.median(ts), requests=[(len(p), n) for p, n in reqs])
     summary["ratios"] = ratios(summary)
     return summary
 

@@ -240,7 +240,7 @@ def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
     """requests/s, total tokens/s, output tokens/s over ``elapsed`` seconds, and the compute
     roofline with FLOPs/token at the mean sequence length (prompt + output); with the run's
     ``steps``, also ``workload_roofline`` (:func:`roofline.workload_summary`: the least time this
-    schedule needs on this machine)."""
+    schedule needs on this machine, and any schedule of the same requests)."""
     n_in = sum(s["prompt_len"] for s in samples)
     n_out = sum(s["output_len"] for s in samples)
     total_tps = (n_in + n_out) / elapsed
@@ -253,6 +253,7 @@ def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
         "compute_roofline": roofline.compute_roofline(total_tps, flops, limits.matmul_peak),
     }
     if steps:
-        out["workload_roofline"] = roofline.workload_summary(steps, info, info["kv_bytes_per_token"], limits,
-                                                             n_in + n_out, flops, elapsed)
+        out["workload_roofline"] = roofline.workload_summary(
+            steps, info, info["kv_bytes_per_token"], limits, n_in + n_out, flops, elapsed,
+            requests=[(s["prompt_len"], s["output_len"]) for s in samples if s["output_len"] > 0])
     return out

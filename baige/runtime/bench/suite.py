@@ -44,6 +44,9 @@ def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
         w = s.get("workload_roofline")
         if w:  # the schedule's roofline: the most tokens/s (and % of the matmul peak) this machine allows
             rows.append(("roofline bound", w["limit_tokens_per_s"], "tokens/s", w["limit_pct_of_peak"]))
+            if "any_schedule_min_time_s" in w:  # the same for any schedule of these requests
+                rows.append(("any-schedule bound", s["total_num_tokens"] / w["any_schedule_min_time_s"], "tokens/s",
+                             w["any_schedule_pct_of_peak"]))
         return rows + [("requests", s["requests_per_second"], "requests/s", None)]
     if name == "serve":
         dec = (r.get("roofline") or {}).get("decode") or {}
