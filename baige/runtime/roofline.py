@@ -367,11 +367,13 @@ def workload_summary(steps: list, counts: dict, kv_bytes_per_token: int, limits,
     as ``bench throughput`` and ``bench compare`` report it. With ``requests`` ((prompt, output)
     lengths), also :func:`workload_floor`'s bound for any schedule: ``any_schedule_min_time_s`` (s) and
     ``any_schedule_pct_of_peak`` (%: the most of the peak any schedule can reach here, counted as
-    ``limit_pct_of_peak``). Raises ValueError as workload_roofline / workload_floor."""
+    ``limit_pct_of_peak`` -- ``flops_per_token`` at the mean length, which overcounts long prompts'
+    attention -- and capped at 100). Raises ValueError as workload_roofline / workload_floor."""
     bound = workload_roofline(steps, counts, kv_bytes_per_token, limits.matmul_peak, limits.bandwidth)
     out = workload_limit(bound, total_tokens, flops_per_token, limits.matmul_peak, elapsed)
     if requests:
         floor = workload_floor(requests, counts, kv_bytes_per_token, limits.matmul_peak, limits.bandwidth)
         out["any_schedule_min_time_s"] = floor["min_time_s"]
-        out["any_schedule_pct_of_peak"] = 100 * total_tokens / floor["min_time_s"] * flops_per_token / limits.matmul_peak
+        out["any_schedule_pct_of_peak"] = min(
+            100.0, 100 * total_tokens / floor["min_time_s"] * flops_per_token / limits.matmul_peak)
     return out

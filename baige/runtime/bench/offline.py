@@ -230,17 +230,19 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
     return {
         "benchmark": "throughput", "args": run_args(cfg, llm), "environment": environment(), "model": info,
         "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
-        "summary": throughput_summary(samples, elapsed, info, limits, eng.step_shapes) if samples else {},
+        "summary": throughput_summary(samples, elapsed, info, limits, eng.step_shapes,
+                                      speculative=eng.proposer is not None) if samples else {},
         "spec_decode": spec_decode_result(llm),
     }
 
 
 def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
-                       steps: list[StepShape] | None = None) -> dict:
+                       steps: list[StepShape] | None = None, speculative: bool = False) -> dict:
     """requests/s, total tokens/s, output tokens/s over ``elapsed`` seconds, and the compute
     roofline with FLOPs/token at the mean sequence length (prompt + output); with the run's
     ``steps``, also ``workload_roofline`` (:func:`roofline.workload_summary`: the least time this
-    schedule needs on this machine, and any schedule of the same requests)."""
+    schedule needs on this machine, and -- unless the run ``speculative``-ly decoded, which takes fewer
+    steps than that bound assumes -- any schedule of the same requests)."""
     n_in = sum(s["prompt_len"] for s in samples)
     n_out = sum(s["output_len"] for s in samples)
     total_tps = (n_in + n_out) / elapsed
@@ -255,5 +257,5 @@ def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
     if steps:
         out["workload_roofline"] = roofline.workload_summary(
             steps, info, info["kv_bytes_per_token"], limits, n_in + n_out, flops, elapsed,
-            requests=[(s["prompt_len"], s["output_len"]) for s in samples if s["output_len"] > 0])
+            requests=None if speculative else [(s["prompt_len"], s["output_len"]) for s in samples if s["output_len"] > 0])
     return out
