@@ -218,6 +218,47 @@ def test_int_dot_rows_independent_of_the_batch(use_isa, variant, name):
     assert torch.equal(batch[5:9], cpu.quantized_linear(x[5:9], qweight, scale, zp, scheme.group_size))
 
 
+@pytest.mark.skipif("avx512_amx" not in isa.supported(), reason="this CPU has no AMX-INT8 (avx512_amx variant)")
+@pytest.mark.parametrize("name", ["int8", "int4-g32-sym", "int4-g32-asym", "int4-g96-asym", "int4-g128-asym"])
+@pytest.mark.parametrize("in_f,out_f", [(1000, 75), (4097, 32)])
+def test_int_dot_amx_tiles_bitwise_the_vnni_kernel(use_isa, name, in_f, out_f):
+    """Calls of at least baige_qdot_amx_rows() activation rows (passes x rows) take qdot_amx.c's AMX-INT8
+    tiles under avx512_amx; they give, bit for bit, the 512-bit VNNI kernel's results (the avx512_bf16
+    variant): the threshold itself, partial 32-row chunks (34, 40, 80 activation rows), one pass and two, an odd
+    count of 16-row weight tiles (75 rows: the last paired with itself) and an even one, partial blocks
+    (1000, 4097 columns), bf16 int4 scales, 1 and 2 threads."""
+    from baige.kernels.cpu.qlinear import repacked
+    scheme = DOT_SCHEMES[name]
+    qweight, scale, zp = _weights(scheme, out_f, in_f)
+    bias = _randn(out_f, seed=2)
+    use_isa("avx512_amx")
+    least = cpu_library.library().baige_qdot_amx_rows()
+    assert least == 32  # the OS granted the tiles; the threshold the rows below are chosen around
+    cases = [(rows, passes) for rows in (16, 17, 40) for passes in (1, 2) if rows * passes >= least]
+    assert cases == [(16, 2), (17, 2), (40, 1), (40, 2)]  # 32 (the threshold), 34, 40, 80 activation rows
+    scales = [scale] + ([scale.bfloat16()] if scheme.num_bits == 4 else [])
+    got = {}
+    for variant in ("avx512_amx", "avx512_bf16"):
+        use_isa(variant)
+        for rows, passes in cases:
+            x = _randn(rows, in_f, seed=rows) * 3
+            x[:, in_f // 3] = 900.0
+            for i, sc in enumerate(scales):
+                q = qweight.clone()  # repacked() keeps one entry per weight tensor (per scale dtype here)
+                assert repacked(q, sc, zp) is not None
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    try:
+                        got[variant, rows, passes, i, threads] = cpu.quantized_linear(
+                            x, q, sc, zp, scheme.group_size, bias, passes=passes)
+                    finally:
+                        torch.set_num_threads(1)
+    for key, out in got.items():
+        if key[0] == "avx512_amx":
+            assert torch.equal(out, got[("avx512_bf16", *key[1:])]), key
+    assert not torch.equal(got["avx512_amx", 40, 2, 0, 1][:, 0], got["avx512_amx", 40, 1, 0, 1][:, 0])  # passes differ
+
+
 @pytest.mark.parametrize("variant", isa.supported())
 def test_int8_prefetch_changes_no_bit(use_isa, variant):
     """qdot.c's int8 software prefetch (on for Intel CPUs, off elsewhere: isa.INT8_PREFETCH_VENDORS)

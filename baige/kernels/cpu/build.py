@@ -125,6 +125,7 @@ def _build(variant: str) -> ctypes.CDLL:
         ("baige_linear_bf16", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_linear_bf16_widen", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_bf16_dot", [], _int),
+        ("baige_qdot_amx_rows", [], _int),
         ("baige_decode_layers", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _ptr,
                                  _ptr, _ptr, _ptr, _i64, _ptr, _int, _ptr, _int], _int),
         ("baige_decode_step", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _int,

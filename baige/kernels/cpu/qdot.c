@@ -65,6 +65,20 @@
 
 static int int8_prefetch;  /* set once when the library is loaded (build.py) */
 
+/* qdot_amx.c: the same dot products on AMX-INT8 tiles (bit for bit the 512-bit kernel's results), taken by
+ * calls of at least AMX_QDOT_MIN_ROWS activation rows (passes x rows) where the variant has the tiles and
+ * the OS grants them */
+#ifndef AMX_QDOT_MIN_ROWS
+#define AMX_QDOT_MIN_ROWS 32
+#endif
+int baige_qdot_amx_ready(void);
+void baige_qdot_amx_run(int bits, int passes, const int8_t *xq, const float *d, const int32_t *qs, const float *cg,
+                        int64_t R, int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const void *sr,
+                        int sbf, const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy);
+
+/* the fewest activation rows (passes x rows) a call needs to take the AMX tiles here; 0 where it never does */
+int baige_qdot_amx_rows(void) { return baige_qdot_amx_ready() ? AMX_QDOT_MIN_ROWS : 0; }
+
 void baige_set_int8_prefetch(int on) { int8_prefetch = on; }
 
 static inline int32_t ld32(const int8_t *p) {
@@ -350,15 +364,24 @@ static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
 {
     if ((bits == 4 && (gs % QB || gs <= 0)) || (passes != 1 && passes != 2)) return -1;
     const int64_t nb = (K + QB - 1) / QB, bpg = bits == 4 ? gs / QB : 1, R = passes * M;
-    int8_t *xq = malloc((size_t)(R * nb * QB));
-    float *d = malloc(sizeof(float) * (size_t)(R * nb));
-    int32_t *qs = malloc(sizeof(int32_t) * (size_t)(R * nb));
-    float *cg = zr ? malloc(sizeof(float) * (size_t)(R * G)) : NULL;
+    /* many rows on the AMX-INT8 tiles (qdot_amx.c): the scratch rows padded to a multiple of 32, zero */
+    const int amx = R >= AMX_QDOT_MIN_ROWS && baige_qdot_amx_ready();
+    const int64_t Ra = amx ? (R + 31) / 32 * 32 : R;
+    int8_t *xq = malloc((size_t)(Ra * nb * QB));
+    float *d = malloc(sizeof(float) * (size_t)(Ra * nb));
+    int32_t *qs = malloc(sizeof(int32_t) * (size_t)(Ra * nb));
+    float *cg = zr ? malloc(sizeof(float) * (size_t)(Ra * G)) : NULL;
     if (!xq || !d || !qs || (zr && !cg)) {
         free(xq); free(d); free(qs); free(cg);
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) y[m * ldy + n] = __builtin_nanf("");
         return -1;
+    }
+    if (Ra > R) {
+        memset(xq + R * nb * QB, 0, (size_t)((Ra - R) * nb * QB));
+        memset(d + R * nb, 0, sizeof(float) * (size_t)((Ra - R) * nb));
+        memset(qs + R * nb, 0, sizeof(int32_t) * (size_t)((Ra - R) * nb));
+        if (cg) memset(cg + R * G, 0, sizeof(float) * (size_t)((Ra - R) * G));
     }
     /* one parallel region: the activation blocks split over the threads (a one-row decode's too), then
      * the zero-point sums, then the tiles (each `omp for` ends in a barrier) */
@@ -380,7 +403,10 @@ static int qdot(int bits, const float *x, int64_t M, int64_t K, int64_t ldx, con
                     cg[m * G + g] = c;
                 }
         }
-        run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, sbf, zr, G, bpg, bias, y, ldy);
+        if (amx)
+            baige_qdot_amx_run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, sbf, zr, G, bpg, bias, y, ldy);
+        else
+            run(bits, passes, xq, d, qs, cg, R, nb, wr, N, scale, sr, sbf, zr, G, bpg, bias, y, ldy);
     }
     free(xq); free(d); free(qs); free(cg);
     return 0;
