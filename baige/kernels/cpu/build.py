@@ -3,8 +3,8 @@ instruction-set variant (:mod:`baige.kernels.cpu.isa`), the one in force picked 
 
 Build: ``cc -O3 <variant flags> -fopenmp -shared`` (:data:`CFLAGS` + ``isa.VARIANTS``), cached under
 ``$BAIGE_CACHE/cpu_kernels`` (default ``~/.cache/baige``, the model cache's root) by a hash of the
-sources, flags and compiler version; written to a temporary name and renamed, so concurrent first
-uses are safe. Only the variant in use is built (``BAIGE_CPU_ISA``, else the best the CPU supports).
+sources (read once per build and compiled from copies of exactly those bytes), flags and compiler
+version; written to a temporary name and renamed, so concurrent first uses are safe. Only the variant in use is built (``BAIGE_CPU_ISA``, else the best the CPU supports).
 No compiler, a CPU without AVX2 or a failed build: one warning, then the PyTorch reference everywhere
 (never an error; a ``BAIGE_CPU_ISA`` the CPU lacks is refused at start-up by ``kernels.check_startup``).
 """
@@ -26,8 +26,7 @@ import torch
 from baige.kernels.cpu import isa
 from baige.kernels.settings import settings
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
+_HERE = Path(__file__).parent
 # -ffp-contract=off: no FMA merges two roundings of the plain-C code (ops.c follows the reference
 # op by op); the intrinsics' explicit FMAs are unaffected. The instruction-set flags are the variant's.
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
@@ -72,16 +71,26 @@ def compile_variant(variant: str) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    # the sources as they are now, read once: the key hashes these bytes and the compiler reads copies of
+    # them, so a file edited (or a checkout switched) during a build cannot land under the wrong key
+    files = {p.name: p.read_bytes() for p in sorted([*_HERE.glob("*.c"), *_HERE.glob("*.h")])}
     flags = [*CFLAGS, *isa.VARIANTS[variant][1]]
-    key = hashlib.sha256(src + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"baige_cpu-{variant}-{key}.so"
+    digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
+    for name, data in files.items():
+        digest.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    out = _cache_dir() / f"baige_cpu-{variant}-{digest.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+            with tempfile.TemporaryDirectory(prefix="baige-cc-") as src_dir:
+                for name, data in files.items():
+                    Path(src_dir, name).write_bytes(data)
+                sources = [str(Path(src_dir, name)) for name in files if name.endswith(".c")]
+                # --no-undefined: a library missing one of its own functions fails here, not at load
+                r = subprocess.run([cc, *flags, *sources, "-o", tmp, "-lm", "-Wl,--no-undefined"],
+                                   capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
             os.replace(tmp, out)
