@@ -167,6 +167,26 @@ def test_convert_round_trip_sharded_loads_in_transformers(ckpt, tmp_path):
     assert_one_line_error(proc, str(out), "not empty")
 
 
+def test_written_checkpoint_has_the_umask_modes(ckpt, tmp_path):
+    """A directory written through atomic_dir (convert, quantize, train checkpoints) ends up with the modes a
+    plain mkdir / open give under the umask (0755 / 0644 under 022; not mkdtemp's owner-only 0700), also
+    under a stricter umask (027)."""
+    from baige.runtime.weights.safetensors_io import load_state_dict, save_hf_checkpoint
+
+    state = load_state_dict(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    for mask in (0o022, 0o027):
+        old = os.umask(mask)
+        try:
+            out = save_hf_checkpoint(state, config, tmp_path / f"out{mask:o}", tokenizer_dir=ckpt)
+        finally:
+            os.umask(old)
+        assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
+        files = [p for p in out.rglob("*") if p.is_file()]
+        assert any(p.name == "model.safetensors" for p in files) and len(files) >= 3
+        assert {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~mask}, [(p.name, oct(p.stat().st_mode)) for p in files]
+
+
 def test_spec_errors(tmp_path):
     with pytest.raises(BaigeError, match="no config.json"):
         resolve_model(str(tmp_path))

@@ -78,7 +78,8 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype | None = None) -> dict[s
 def atomic_dir(out_dir: Path, what: str) -> Iterator[Path]:
     """Write a directory all at once: yields an empty temporary sibling of ``out_dir``, which replaces
     ``out_dir`` (removed first if it exists) when the block ends, or is deleted when the block raises,
-    so a reader never sees a half-written directory.
+    so a reader never sees a half-written directory. The result has the modes the umask gives new
+    files and directories (not the temporary directory's owner-only one).
 
     Raises BaigeError (naming ``what``) when the temporary directory cannot be created.
     """
@@ -89,12 +90,36 @@ def atomic_dir(out_dir: Path, what: str) -> Iterator[Path]:
         raise BaigeError(f"{out_dir}: cannot create the {what} ({e.strerror or e})") from None
     try:
         yield tmp
+        _umask_modes(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    """This process's umask (Linux: read from /proc, which leaves it untouched; elsewhere set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _umask_modes(root: Path) -> None:
+    """Give ``root`` and everything in it the modes a plain ``mkdir`` / ``open`` would have (0777 / 0666 less
+    the umask): ``mkdtemp`` makes the directory owner-only, and some writers make files so too."""
+    mask = _umask()
+    os.chmod(root, 0o777 & ~mask)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 def save_hf_checkpoint(
     state: dict[str, torch.Tensor],
