@@ -102,6 +102,19 @@ def _names(text: str) -> tuple[str, ...]:
     return () if names == ("none",) else names
 
 
+def _peers(text: str) -> tuple[str, ...]:
+    """``--peers``' names, checked: known ones or ``none``. Raises BaigeError for an unknown name or an
+    empty value (``none`` asks for baige's rows only)."""
+    from baige.errors import BaigeError
+    from baige.runtime.bench.compare import PEERS, check_names
+
+    if not text.strip(" ,"):
+        raise BaigeError("--peers is empty (none: baige's rows only)")
+    names = _names(text)
+    check_names("--peers", names, PEERS)
+    return names
+
+
 def _numbers(text: str, option: str, kind: type, hint: str) -> list:
     """Comma-separated ``kind`` values of ``option`` (empty items skipped). Raises BaigeError with ``hint``."""
     from baige.errors import BaigeError
@@ -130,6 +143,8 @@ def bench(
         given = {name: ctx.params[name] for name in ("model", "output_dir", "plot", "kv_cache_dtype", "peers")
                  if ctx.get_parameter_source(name).name != "DEFAULT"}
         sub = ctx.command.commands[ctx.invoked_subcommand]
+        if "peers" in given and not _peers(given["peers"]) and not any(p.name == "peers" for p in sub.params):
+            del given["peers"]  # none, before a subcommand without peers: nothing to apply
         for name in ("kv_cache_dtype", "peers"):
             if name in given and not any(p.name == name for p in sub.params):
                 from baige.errors import BaigeError
@@ -145,7 +160,7 @@ def bench(
 
     from baige.runtime.bench.suite import run_suite, suite_table
 
-    result = run_suite(model, output_dir, plot, kv_cache_dtype.value, _names(peers))
+    result = run_suite(model, output_dir, plot, kv_cache_dtype.value, _peers(peers))
     Console().print(suite_table(result))
     if result.get("interrupted"):
         raise typer.Exit(130)
@@ -334,7 +349,7 @@ def compare(
                         hf_batch_size, repeats, seed=seed,
                         quantized=() if not quantized else _names(variants) if variants else CompareConfig.quantized,
                         hf_dtypes=tuple(d.value for d in hf_dtype) if hf_dtype else CompareConfig.hf_dtypes,
-                        peers=_names(peers))
+                        peers=_peers(peers))
 
     def render(r):
         from rich.console import Group

@@ -456,7 +456,8 @@ def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
     r = _result(tmp_path, "compare")
     assert set(r["samples"]["decode"]) == {"baige", "hf-float32"}
     assert r["args"]["engine"]["kv_cache_dtype"] == "float16" and r["args"]["engine"]["model"] == str(tiny_dir)
-    res = _cli(["bench", "--output-dir", str(tmp_path), "--kv-cache-dtype", "float16", "latency", "--model",
+    # --peers none: no peers, so nothing to refuse where the subcommand has none
+    res = _cli(["bench", "--output-dir", str(tmp_path), "--kv-cache-dtype", "float16", "--peers", "none", "latency", "--model",
                 str(tiny_dir), "--input-len", "4", "--output-len", "2", "--batch-size", "1", "--num-iters", "1",
                 "--num-iters-warmup", "0"])
     assert res.exit_code == 0, res.output

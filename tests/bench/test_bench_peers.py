@@ -159,6 +159,9 @@ def test_peers_and_variants_parsing():
     (["--peers", "hf,tgi", "compare"], "--peers: unknown 'tgi' (known: hf, llama.cpp)"),
     (["compare", "--variants", "int8,int2"], "--variants: unknown 'int2' (known: "),
     (["--peers", "hf", "latency"], "--peers does not apply to `bench latency`"),
+    (["--peers", "foo", "latency"], "--peers: unknown 'foo' (known: hf, llama.cpp)"),  # the name first
+    (["--peers", "", "compare"], "--peers is empty (none: baige's rows only)"),
+    (["compare", "--peers", " , "], "--peers is empty (none: baige's rows only)"),
 ])
 def test_bad_peers_and_variants(cli_error, tmp_path, args, needle):
     assert needle in cli_error("bench", "--output-dir", tmp_path, *args)
