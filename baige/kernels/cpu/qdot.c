@@ -45,10 +45,8 @@
 #include <string.h>
 
 #include "bf16_convert.h"
+#include "qdot.h"
 #include "vec_math.h"
-
-#define QB 32
-#define RT 16
 /* The software prefetch distance in bytes along the tile stream (past a tile's end it reads the next
  * tile or the next matrix's neighbour: a prefetch never faults). On the Zen 4 dev VM, one 212 MB int4
  * matrix at one row streamed 19.2 GB/s without and 23.6 with it at 4096 bytes; int8 23 without and
@@ -71,10 +69,6 @@ static int int8_prefetch;  /* set once when the library is loaded (build.py) */
 #ifndef AMX_QDOT_MIN_ROWS
 #define AMX_QDOT_MIN_ROWS 32
 #endif
-int baige_qdot_amx_ready(void);
-void baige_qdot_amx_run(int bits, int passes, const int8_t *xq, const float *d, const int32_t *qs, const float *cg,
-                        int64_t R, int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const void *sr,
-                        int sbf, const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy);
 
 /* the fewest activation rows (passes x rows) a call needs to take the AMX tiles here; 0 where it never does */
 int baige_qdot_amx_rows(void) { return baige_qdot_amx_ready() ? AMX_QDOT_MIN_ROWS : 0; }
@@ -153,14 +147,7 @@ static void quantize_at(const float *x, int64_t K, int64_t nb, int64_t b, int pe
     if (passes == 2) quantize_block(r, perm, xq + next * nb * QB + k0, d + next * nb + b, qsum + next * nb + b, NULL);
 }
 
-/* 16 (AVX-512) or 8 (AVX2) group scales from sr (fp32, or bf16 when sbf: widened exactly, bf16 being fp32's
- * top half) starting at element i. */
-#if defined(__AVX512F__)
-static inline __m512 scales16(const void *sr, int sbf, int64_t i) {
-    if (sbf) return bf16x16_to_f32((const uint16_t *)sr + i);
-    return _mm512_loadu_ps((const float *)sr + i);
-}
-#endif
+/* 8 group scales from sr (as qdot.h's scales16, for the 256-bit kernels) starting at element i. */
 static inline __m256 scales8(const void *sr, int sbf, int64_t i) {
     if (sbf) return bf16x8_to_f32((const uint16_t *)sr + i);
     return _mm256_loadu_ps((const float *)sr + i);
@@ -341,13 +328,7 @@ static void run(int bits, int passes, const int8_t *xq, const float *d, const in
             if (bits == 8) TILE_MR(8, NULL, 0, NULL, NULL, 0, 1);
             else if (sbf) TILE_MR(4, st, 1, zt, cm, G, bpg);
             else TILE_MR(4, st, 0, zt, cm, G, bpg);
-            for (int i = 0; i < mr; i += passes)  /* passes == 2: a row's two passes sit side by side */
-                for (int64_t r = 0; r < nr; r++) {
-                    float v = out[i * RT + r];
-                    if (passes == 2) v += out[(i + 1) * RT + r];
-                    if (bits == 8) v *= scale[n0 + r];
-                    y[(m + i) / passes * ldy + n0 + r] = v + (bias ? bias[n0 + r] : 0.0f);
-                }
+            store_rows(bits, passes, out, m, mr, n0, nr, scale, bias, y, ldy);
         }
     }
 }

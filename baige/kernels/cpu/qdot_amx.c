@@ -24,12 +24,8 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
-#include "bf16_convert.h"
-
-#define QB 32
-#define RT 16
+#include "qdot.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include "amx_tiles.h"
@@ -44,11 +40,6 @@ static inline void configure_int8_tiles(void) {
         .rows = {16, 16, 16, 16, 16, 16, 8, 8},
     };
     _tile_loadconfig(&cfg);
-}
-
-static inline __m512 scales16(const void *sr, int sbf, int64_t i) {
-    if (sbf) return bf16x16_to_f32((const uint16_t *)sr + i);
-    return _mm512_loadu_ps((const float *)sr + i);
 }
 
 /* block b's B operand of tile w: int8 in place; int4 unpacked into buf (8 rows of 64 bytes) */
@@ -134,19 +125,6 @@ static inline __attribute__((always_inline)) void amx_tile2(const int bits, cons
         }
 }
 
-/* y rows m .. m + mr of one weight tile's output (out: (32, RT)), qdot.c's run() order: a row's passes
- * summed, times the int8 scale, plus the bias */
-static inline void emit(int bits, int passes, const float *out, int64_t m, int64_t mr, int64_t n0, int64_t nr,
-                        const float *scale, const float *bias, float *y, int64_t ldy) {
-    for (int64_t i = 0; i < mr; i += passes)
-        for (int64_t r = 0; r < nr; r++) {
-            float v = out[i * RT + r];
-            if (passes == 2) v += out[(i + 1) * RT + r];
-            if (bits == 8) v *= scale[n0 + r];
-            y[(m + i) / passes * ldy + n0 + r] = v + (bias ? bias[n0 + r] : 0.0f);
-        }
-}
-
 /* qdot.c's run() on the tiles: R activation rows (allocated up to a multiple of 32, the rows past R zero),
  * called inside qdot.c's parallel region (an orphaned `omp for` over pairs of weight tiles; each thread
  * configures and releases its own tiles; an odd last tile is paired with itself). */
@@ -171,9 +149,10 @@ void baige_qdot_amx_run(int bits, int passes, const int8_t *xq, const float *d, 
             if (bits == 8) amx_tile2(8, w0, w1, nb, xm, dm, qm, NULL, NULL, 0, NULL, NULL, NULL, 0, 1, out0, out1);
             else amx_tile2(4, w0, w1, nb, xm, dm, qm, s0, s1, sbf, z0, z1, cm, G, bpg, out0, out1);
             const int64_t mr = R - m < 32 ? R - m : 32;
-            emit(bits, passes, out0, m, mr, t0 * RT, N - t0 * RT < RT ? N - t0 * RT : RT, scale, bias, y, ldy);
+            store_rows(bits, passes, out0, m, mr, t0 * RT, N - t0 * RT < RT ? N - t0 * RT : RT, scale, bias, y, ldy);
             if (t1 != t0)
-                emit(bits, passes, out1, m, mr, t1 * RT, N - t1 * RT < RT ? N - t1 * RT : RT, scale, bias, y, ldy);
+                store_rows(bits, passes, out1, m, mr, t1 * RT, N - t1 * RT < RT ? N - t1 * RT : RT, scale, bias, y,
+                           ldy);
         }
     }
     _tile_release();
@@ -183,11 +162,9 @@ void baige_qdot_amx_run(int bits, int passes, const int8_t *xq, const float *d, 
 
 int baige_qdot_amx_ready(void) { return 0; }
 
+/* never called: qdot.c asks baige_qdot_amx_ready() first */
 void baige_qdot_amx_run(int bits, int passes, const int8_t *xq, const float *d, const int32_t *qs, const float *cg,
                         int64_t R, int64_t nb, const uint8_t *wr, int64_t N, const float *scale, const void *sr,
-                        int sbf, const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy) {
-    (void)bits; (void)passes; (void)xq; (void)d; (void)qs; (void)cg; (void)R; (void)nb; (void)wr; (void)N;
-    (void)scale; (void)sr; (void)sbf; (void)zr; (void)G; (void)bpg; (void)bias; (void)y; (void)ldy;
-}
+                        int sbf, const float *zr, int64_t G, int64_t bpg, const float *bias, float *y, int64_t ldy) {}
 
 #endif
