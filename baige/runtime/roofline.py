@@ -374,6 +374,6 @@ def workload_summary(steps: list, counts: dict, kv_bytes_per_token: int, limits,
     if requests:
         floor = workload_floor(requests, counts, kv_bytes_per_token, limits.matmul_peak, limits.bandwidth)
         out["any_schedule_min_time_s"] = floor["min_time_s"]
-        out["any_schedule_pct_of_peak"] = min(
-            100.0, 100 * total_tokens / floor["min_time_s"] * flops_per_token / limits.matmul_peak)
+        any_pct = workload_limit(floor, total_tokens, flops_per_token, limits.matmul_peak, elapsed)["limit_pct_of_peak"]
+        out["any_schedule_pct_of_peak"] = min(100.0, any_pct)
     return out

@@ -4,7 +4,8 @@ instruction-set variant (:mod:`baige.kernels.cpu.isa`), the one in force picked 
 Build: ``cc -O3 <variant flags> -fopenmp -shared`` (:data:`CFLAGS` + ``isa.VARIANTS``), cached under
 ``$BAIGE_CACHE/cpu_kernels`` (default ``~/.cache/baige``, the model cache's root) by a hash of the
 sources (read once per build and compiled from copies of exactly those bytes), flags and compiler
-version; written to a temporary name and renamed, so concurrent first uses are safe. Only the variant in use is built (``BAIGE_CPU_ISA``, else the best the CPU supports).
+version; written to a temporary name and renamed, so concurrent first uses are safe. Only the variant in
+use is built (``BAIGE_CPU_ISA``, else the best the CPU supports).
 No compiler, a CPU without AVX2 or a failed build: one warning, then the PyTorch reference everywhere
 (never an error; a ``BAIGE_CPU_ISA`` the CPU lacks is refused at start-up by ``kernels.check_startup``).
 """

@@ -275,7 +275,8 @@ def paged_prefill_attention(
 
 def _prefill_amx(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> torch.Tensor | None:
     """prefill_amx.c on bf16 q (N, H, D) and bf16 caches -> (N, H, D) bf16, or None where the kernel
-    declines (tiles refused by the OS, query heads not a multiple of the KV heads). Raises MemoryError when its scratch cannot be allocated."""
+    declines (tiles refused by the OS, query heads not a multiple of the KV heads). Raises MemoryError when
+    its scratch cannot be allocated."""
     hk, nb, bs, D = k_cache.shape
     qc = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()

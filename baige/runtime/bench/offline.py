@@ -255,7 +255,8 @@ def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
         "compute_roofline": roofline.compute_roofline(total_tps, flops, limits.matmul_peak),
     }
     if steps:
-        out["workload_roofline"] = roofline.workload_summary(
-            steps, info, info["kv_bytes_per_token"], limits, n_in + n_out, flops, elapsed,
-            requests=None if speculative else [(s["prompt_len"], s["output_len"]) for s in samples if s["output_len"] > 0])
+        lengths = [(s["prompt_len"], s["output_len"]) for s in samples if s["output_len"] > 0]
+        out["workload_roofline"] = roofline.workload_summary(steps, info, info["kv_bytes_per_token"], limits,
+                                                             n_in + n_out, flops, elapsed,
+                                                             requests=None if speculative else lengths)
     return out

@@ -121,6 +121,7 @@ def _umask_modes(root: Path) -> None:
         if not path.is_symlink():
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
+
 def save_hf_checkpoint(
     state: dict[str, torch.Tensor],
     config: dict,
