@@ -34,6 +34,11 @@ static inline __m256 cvt_i8(const int8_t *p) {
 /* ---------------------------------------------------------------- int8 and fp32 rows */
 
 static inline __m256 ld_f32(const float *p) { return _mm256_loadu_ps(p); }
+/* the 8 nibbles of one int4 word, element e from bits 4e, as int32 lanes 0..7 */
+static inline __m256i nibbles8(int32_t word) {
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                            _mm256_set1_epi32(0xF));
+}
 /* 8 IEEE fp16 -> 8 fp32 (F16C) */
 static inline __m256 cvt_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
@@ -226,8 +231,6 @@ static inline __attribute__((always_inline)) void i4_tile(
     const float *x, int64_t ldx, int mr, const int32_t *wp, int64_t ldw, int nr, int64_t K,
     const float *scale, const int32_t *zp, int64_t G, int64_t gs, const float *bias, float *y, int64_t ldy)
 {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i nibble = _mm256_set1_epi32(0xF);
     __m256 acc[2][NR];
     for (int m = 0; m < 2; m++)
         for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
@@ -247,7 +250,7 @@ static inline __attribute__((always_inline)) void i4_tile(
             __m256 x1 = mr > 1 ? _mm256_loadu_ps(x + ldx + 8 * j) : x0;
             for (int n = 0; n < NR; n++) {
                 if (n < nr) {
-                    __m256i u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wp[n * ldw + j]), shifts), nibble);
+                    __m256i u = nibbles8(wp[n * ldw + j]);
                     __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, off[n])), sc[n]);
                     acc[0][n] = _mm256_fmadd_ps(x0, wv, acc[0][n]);
                     if (mr > 1) acc[1][n] = _mm256_fmadd_ps(x1, wv, acc[1][n]);
@@ -270,13 +273,11 @@ static inline __attribute__((always_inline)) void i4_tile(
 static void i4_tile_m1(const float *x, const float *xsum, const int32_t *wp, int64_t ldw, int64_t words,
                        const float *scale, const int32_t *zp, int64_t G, int64_t gw, const float *bias, float *y)
 {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i nibble = _mm256_set1_epi32(0xF);
     const int32_t *w0 = wp, *w1 = wp + ldw, *w2 = wp + 2 * ldw, *w3 = wp + 3 * ldw;
     const char *next = (const char *)(wp + NR * ldw);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     float corr[NR] = {0.0f, 0.0f, 0.0f, 0.0f};
-#define BAIGE_NIB(word) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), nibble))
+#define BAIGE_NIB(word) _mm256_cvtepi32_ps(nibbles8(word))
     for (int64_t g = 0; g < G; g++) {
         const int64_t j0 = g * gw, j1 = (g + 1) * gw < words ? (g + 1) * gw : words;
         __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
@@ -321,8 +322,6 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx,
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         float *wf = panel ? malloc(sizeof(float) * (size_t)(NR * K)) : NULL;
-        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        const __m256i nibble = _mm256_set1_epi32(0xF);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * NR;
@@ -339,7 +338,7 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx,
                 for (int n = 0; n < NR; n++) {  /* (u - 8 - zp) * scale, the reference's rounding */
                     for (int64_t j = 0; j < words; j++) {
                         const int64_t g = (j * 8) / gs;
-                        const __m256i u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wn[n * ldw + j]), shifts), nibble);
+                        const __m256i u = nibbles8(wn[n * ldw + j]);
                         const __m256i off = _mm256_set1_epi32(8 + (z ? z[n * G + g] : 0));
                         _mm256_storeu_ps(wf + n * K + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, off)),
                                                                           _mm256_set1_ps(scale[(n0 + n) * G + g])));
@@ -372,7 +371,6 @@ void baige_qlinear_int4(const float *x, int64_t M, int64_t K, int64_t ldx,
  * with an fp32 scale rounded to fp32 and then to bf16, as torch's two steps. Rows over nthreads threads. */
 void baige_dequant_int4_bf16(const int32_t *wp, int64_t N, int64_t K, int64_t ldw, const void *scale, int scale_bf16,
                              const int32_t *zp, int64_t G, int64_t gs, uint16_t *out, int nthreads) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && N * K >= 65536) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int32_t *w = wp + n * ldw;
@@ -381,7 +379,7 @@ void baige_dequant_int4_bf16(const int32_t *wp, int64_t N, int64_t K, int64_t ld
             const int64_t g = k0 / gs;
             const float s = scale_bf16 ? bf16_to_f32(((const uint16_t *)scale)[n * G + g]) : ((const float *)scale)[n * G + g];
             const float z = zp ? (float)zp[n * G + g] : 0.0f;
-            const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w[k0 / 8]), shifts), _mm256_set1_epi32(15));
+            const __m256i nib = nibbles8(w[k0 / 8]);
             const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nib, _mm256_set1_epi32(8))), _mm256_set1_ps(z));
             const __m256 v = _mm256_mul_ps(q, _mm256_set1_ps(s));
             if (k0 + 8 <= K) {
