@@ -29,10 +29,16 @@ from pathlib import Path
 
 import torch
 
-QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how vaccines work.",
-             "What are the benefits of regular exercise?", "Describe the water cycle.",
-             "Give some advice to a new programmer.", "Why do leaves change colour in autumn?",
-             "How does a bicycle stay upright?", "What is the capital of France?"]
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how vaccines work.",
+    "What are the benefits of regular exercise?",
+    "Describe the water cycle.",
+    "Give some advice to a new programmer.",
+    "Why do leaves change colour in autumn?",
+    "How does a bicycle stay upright?",
+    "What is the capital of France?",
+]
 N_ADAPTERS, N_SEQS = 4, 16
 
 
@@ -60,8 +66,12 @@ def run(llm, prompts, params, loras) -> dict:
     outs = llm.generate(prompts, params, lora_request=loras)
     tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     window = max(o.finished_time for o in outs) - max(o.first_token_time for o in outs)
-    return {"decode_tokens": tokens, "decode_s": window, "decode_tokens_per_s": tokens / window,
-            "token_ids": [o.outputs[0].token_ids for o in outs]}
+    return {
+        "decode_tokens": tokens,
+        "decode_s": window,
+        "decode_tokens_per_s": tokens / window,
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+    }
 
 
 def main() -> None:
@@ -79,18 +89,31 @@ def main() -> None:
 
     model_dir = resolve_model("smollm2-135m-instruct")
     adapters = make_adapters(model_dir, args.adapter_dir)
-    llm = LLM(str(model_dir), enable_lora=True, max_loras=N_ADAPTERS, max_num_seqs=N_SEQS, max_model_len=512,
-              kv_cache_memory="256MB")
+    llm = LLM(
+        str(model_dir),
+        enable_lora=True,
+        max_loras=N_ADAPTERS,
+        max_num_seqs=N_SEQS,
+        max_model_len=512,
+        kv_cache_memory="256MB",
+    )
     tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-               for i in range(N_SEQS)]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]) for i in range(N_SEQS)
+    ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    spread = [LoRARequest(f"adapter{i % N_ADAPTERS}", 1 + i % N_ADAPTERS, str(adapters[i % N_ADAPTERS]))
-              for i in range(N_SEQS)]
+    spread = [
+        LoRARequest(f"adapter{i % N_ADAPTERS}", 1 + i % N_ADAPTERS, str(adapters[i % N_ADAPTERS]))
+        for i in range(N_SEQS)
+    ]
     run(llm, prompts[:2], params, spread[:2])  # warm-up (loads the adapters, builds the native table with them)
     native = llm.engine.runner.fused_decode
-    rows = {"base": (None, native), "base, per-op path": (None, None), "4 adapters": (spread, native),
-            "4 adapters, per-op path": (spread, None)}
+    rows = {
+        "base": (None, native),
+        "base, per-op path": (None, None),
+        "4 adapters": (spread, native),
+        "4 adapters, per-op path": (spread, None),
+    }
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name, (loras, fused) in rows.items():
@@ -100,19 +123,33 @@ def main() -> None:
                 best[name] = r
     llm.engine.runner.fused_decode = native
     base = best["base"]["decode_tokens_per_s"]
-    flags = sorted(set(re.findall(r"\bavx\w*", Path("/proc/cpuinfo").read_text()))) if os.path.exists("/proc/cpuinfo") else []
-    report = {"model": "smollm2-135m-instruct", "num_seqs": N_SEQS, "num_adapters": N_ADAPTERS, "lora_rank": 8,
-              "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "cpu_flags": flags,
-              "load_average": os.getloadavg(), "machine": platform.processor() or platform.machine(),
-              "adapters_change_outputs": best["4 adapters"]["token_ids"] != best["base"]["token_ids"],
-              "native_tokens_equal_per_op": best["4 adapters"]["token_ids"] == best["4 adapters, per-op path"]["token_ids"],
-              "rows": {k: {f: v[f] for f in ("decode_tokens", "decode_s", "decode_tokens_per_s")} for k, v in best.items()},
-              "overhead_vs_base": 1 - best["4 adapters"]["decode_tokens_per_s"] / base}
+    flags = (
+        sorted(set(re.findall(r"\bavx\w*", Path("/proc/cpuinfo").read_text())))
+        if os.path.exists("/proc/cpuinfo")
+        else []
+    )
+    report = {
+        "model": "smollm2-135m-instruct",
+        "num_seqs": N_SEQS,
+        "num_adapters": N_ADAPTERS,
+        "lora_rank": 8,
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "load_average": os.getloadavg(),
+        "machine": platform.processor() or platform.machine(),
+        "adapters_change_outputs": best["4 adapters"]["token_ids"] != best["base"]["token_ids"],
+        "native_tokens_equal_per_op": best["4 adapters"]["token_ids"] == best["4 adapters, per-op path"]["token_ids"],
+        "rows": {k: {f: v[f] for f in ("decode_tokens", "decode_s", "decode_tokens_per_s")} for k, v in best.items()},
+        "overhead_vs_base": 1 - best["4 adapters"]["decode_tokens_per_s"] / base,
+    }
     print(f"{'row':<24} {'decode tok/s':>12}")
     for k, v in report["rows"].items():
         print(f"{k:<24} {v['decode_tokens_per_s']:>12.1f}")
-    print(f"overhead of 4 adapters vs base: {100 * report['overhead_vs_base']:.1f}% "
-          f"(threads {report['threads']}, load average {report['load_average'][0]:.2f})")
+    print(
+        f"overhead of 4 adapters vs base: {100 * report['overhead_vs_base']:.1f}% "
+        f"(threads {report['threads']}, load average {report['load_average'][0]:.2f})"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
 

@@ -15,7 +15,8 @@ and one sparse ... see --layers) is written with transformers, loaded by both, a
 
 Both sides in one dtype (``--dtype``: fp32 by default, or bf16, where CPUs with AMX run baige's
 ``moe_amx.c`` and HF's eager loop is faster than in fp32), under ``torch.inference_mode``, the same
-``torch.set_num_threads``; the best of ``--repeats`` rounds after two warm-ups (the median is written too), each round timing every
+``torch.set_num_threads``; the best of ``--repeats`` rounds after two warm-ups (the median is written too), each round
+timing every
 variant once in turn. The load average and the CPU's AVX flags go into the JSON: the host may be
 shared. Prints a table and writes JSON.
 
@@ -65,6 +66,7 @@ def gemm_only(block, x: torch.Tensor):
     def run():
         for e, s, t in segments:
             torch.mm(torch.mm(xs[s:t], w13[e].t())[:, :inter], w2[e].t())
+
     return run
 
 
@@ -80,11 +82,20 @@ def cpu_flags() -> list[str]:
 def make(path: Path, args) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         head_dim=args.hidden // 8, moe_intermediate_size=args.expert_width,
-                         num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
-                         max_position_embeddings=4096)
+    cfg = Qwen3MoeConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        moe_intermediate_size=args.expert_width,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():
@@ -117,12 +128,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--save", type=Path, default=None,
-                    help="Also keep the random checkpoint here, with the embedded model's tokenizer (for "
-                         "`baige bench latency --model DIR`: the MoE decode roofline)")
+    ap.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="Also keep the random checkpoint here, with the embedded model's tokenizer (for "
+        "`baige bench latency --model DIR`: the MoE decode roofline)",
+    )
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="The dtype of both sides (weights and activations)")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="The dtype of both sides (weights and activations)",
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
 
@@ -149,30 +168,50 @@ def main() -> None:
         torch.set_num_threads(threads)
         load = os.getloadavg()[0]
         with torch.inference_mode():
-            t = timed({"block_hf_eager": lambda: hf_block(x), "block_baige": lambda: ours_block(x),
-                       "block_gemm_only": gemm_only(ours_block, x),
-                       "model_hf_eager": lambda: hf.model(ids),  # hidden states, as ours: no lm_head
-                       "model_baige": lambda: ours(ids, positions)}, args.repeats)
+            t = timed(
+                {
+                    "block_hf_eager": lambda: hf_block(x),
+                    "block_baige": lambda: ours_block(x),
+                    "block_gemm_only": gemm_only(ours_block, x),
+                    "model_hf_eager": lambda: hf.model(ids),  # hidden states, as ours: no lm_head
+                    "model_baige": lambda: ours(ids, positions),
+                },
+                args.repeats,
+            )
             hf.set_experts_implementation("grouped_mm")
             t |= timed({"block_hf_grouped_mm": lambda: hf_block(x)}, args.repeats)
             hf.set_experts_implementation("eager")
-        rows.append({"threads": threads, "load_1min_before": load,
-                     "tokens_per_s_best": {n: args.tokens / v[0] for n, v in t.items()},
-                     "tokens_per_s_median": {n: args.tokens / v[1] for n, v in t.items()},
-                     "block_speedup": t["block_hf_eager"][0] / t["block_baige"][0],
-                     "model_speedup": t["model_hf_eager"][0] / t["model_baige"][0],
-                     "block_speedup_bound": t["block_hf_eager"][0] / t["block_gemm_only"][0]})
-    result = {"args": vars(args) | {"out": str(args.out)}, "max_abs_diff_block": diff, "rows": rows,
-              "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "cpu_flags": cpu_flags()}
-    print(f"{'threads':>7} {'block baige':>12} {'HF eager':>9} {'x':>5} {'HF grouped_mm':>14} {'GEMMs only':>11}"
-          f" {'x max':>6} {'model baige':>12} {'HF eager':>9} {'x':>5} {'load':>5}   (tokens/s, best of {args.repeats})")
+        rows.append(
+            {
+                "threads": threads,
+                "load_1min_before": load,
+                "tokens_per_s_best": {n: args.tokens / v[0] for n, v in t.items()},
+                "tokens_per_s_median": {n: args.tokens / v[1] for n, v in t.items()},
+                "block_speedup": t["block_hf_eager"][0] / t["block_baige"][0],
+                "model_speedup": t["model_hf_eager"][0] / t["model_baige"][0],
+                "block_speedup_bound": t["block_hf_eager"][0] / t["block_gemm_only"][0],
+            }
+        )
+    result = {
+        "args": vars(args) | {"out": str(args.out)},
+        "max_abs_diff_block": diff,
+        "rows": rows,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": cpu_flags(),
+    }
+    print(
+        f"{'threads':>7} {'block baige':>12} {'HF eager':>9} {'x':>5} {'HF grouped_mm':>14} {'GEMMs only':>11}"
+        f" {'x max':>6} {'model baige':>12} {'HF eager':>9} {'x':>5} {'load':>5}   (tokens/s, best of {args.repeats})"
+    )
     for r in rows:
         b = r["tokens_per_s_best"]
-        print(f"{r['threads']:>7} {b['block_baige']:>12.0f} {b['block_hf_eager']:>9.0f} {r['block_speedup']:>5.2f}"
-              f" {b['block_hf_grouped_mm']:>14.0f} {b['block_gemm_only']:>11.0f} {r['block_speedup_bound']:>6.2f}"
-              f" {b['model_baige']:>12.0f} {b['model_hf_eager']:>9.0f} {r['model_speedup']:>5.2f}"
-              f" {r['load_1min_before']:>5.2f}")
+        print(
+            f"{r['threads']:>7} {b['block_baige']:>12.0f} {b['block_hf_eager']:>9.0f} {r['block_speedup']:>5.2f}"
+            f" {b['block_hf_grouped_mm']:>14.0f} {b['block_gemm_only']:>11.0f} {r['block_speedup_bound']:>6.2f}"
+            f" {b['model_baige']:>12.0f} {b['model_hf_eager']:>9.0f} {r['model_speedup']:>5.2f}"
+            f" {r['load_1min_before']:>5.2f}"
+        )
     print(f"max |block difference| = {diff:.2e}", file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

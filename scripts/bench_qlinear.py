@@ -7,10 +7,16 @@ from ``ROWS`` (comma-separated, default 1,4,16,64,256). Random weights (N(0, 0.0
 
     T=1 ROWS=1,4,16 .venv/bin/python scripts/bench_qlinear.py
 """
-import os, sys, time, torch
-from baige.runtime.settings import reload_settings
+
+import os
+import time
+
+import torch
+
 from baige.kernels.cpu import qlinear as cpu
 from baige.runtime.quant.scheme import QuantScheme, pack_int4, quantize_weight
+from baige.runtime.settings import reload_settings
+
 torch.set_num_threads(int(os.environ.get("T", "1")))
 shapes = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 schemes = {"int8": QuantScheme(8, None), "int4 g32": QuantScheme(4, 32), "int4 g128": QuantScheme(4, 128)}
@@ -24,7 +30,9 @@ for name, sc in schemes.items():
     for rows in rows_list:
         res = {}
         for dot, passes in (("0", "2"), ("1", "1"), ("1", "2")):
-            os.environ["BAIGE_CPU_INT_DOT"] = dot; os.environ["BAIGE_CPU_INT_DOT_PASSES"] = passes; reload_settings()
+            os.environ["BAIGE_CPU_INT_DOT"] = dot
+            os.environ["BAIGE_CPU_INT_DOT_PASSES"] = passes
+            reload_settings()
             xs = {k: torch.randn(rows, k) for k in (576, 1536)}
             best = 1e9
             for rep in range(5):
@@ -34,5 +42,8 @@ for name, sc in schemes.items():
                 best = min(best, time.perf_counter() - t)
             res[dot + passes] = best * 1e3
         ex, one, two = res["02"], res["11"], res["12"]
-        print(f"{name:10s} M={rows:4d} exact {ex:8.2f} ms  int-dot 1 pass {one:8.2f} ms ({ex / one:.2f}x)  "
-              f"2 passes {two:8.2f} ms ({ex / two:.2f}x)", flush=True)
+        print(
+            f"{name:10s} M={rows:4d} exact {ex:8.2f} ms  int-dot 1 pass {one:8.2f} ms ({ex / one:.2f}x)  "
+            f"2 passes {two:8.2f} ms ({ex / two:.2f}x)",
+            flush=True,
+        )

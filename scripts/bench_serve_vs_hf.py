@@ -40,7 +40,7 @@ def make_prompts(tok, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
     for _ in range(n):
         length = rng.randint(32, 256)
         start = rng.randrange(0, len(ids) - length)
-        prompts.append(ids[start:start + length])
+        prompts.append(ids[start : start + length])
         outs.append(rng.randint(16, 256))
     return prompts, outs
 
@@ -48,9 +48,17 @@ def make_prompts(tok, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
 def bench_baige(args, prompts, out_lens) -> dict:
     from baige import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048,
-              kv_cache_memory=int(1.5e9), enforce_eager=args.enforce_eager, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=1024,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        kv_cache_memory=int(1.5e9),
+        enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     warm = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)] * 2
     llm.generate(prompts[:2], warm)  # warm-up (and compile for small batches)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -64,8 +72,13 @@ def bench_baige(args, prompts, out_lens) -> dict:
     t = time.perf_counter()
     llm.generate([prompts[0][:128]], [one])
     b1_s = time.perf_counter() - t
-    return {"mixed_output_tok_per_s": n_out / mixed_s, "mixed_seconds": mixed_s, "mixed_output_tokens": n_out,
-            "batch1_tok_per_s": 128 / b1_s, "preemptions": llm.engine.scheduler.num_preemptions}
+    return {
+        "mixed_output_tok_per_s": n_out / mixed_s,
+        "mixed_seconds": mixed_s,
+        "mixed_output_tokens": n_out,
+        "batch1_tok_per_s": 128 / b1_s,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+    }
 
 
 def bench_hf(args, prompts, out_lens) -> dict:
@@ -82,19 +95,24 @@ def bench_hf(args, prompts, out_lens) -> dict:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
 
     run(prompts[:2], 4)
     t = time.perf_counter()
     for i in range(0, len(prompts), 64):
-        run(prompts[i:i + 64], max(out_lens[i:i + 64]))
+        run(prompts[i : i + 64], max(out_lens[i : i + 64]))
     mixed_s = time.perf_counter() - t
     t = time.perf_counter()
     run([prompts[0][:128]], 128)
     b1_s = time.perf_counter() - t
-    return {"mixed_output_tok_per_s": sum(out_lens) / mixed_s, "mixed_seconds": mixed_s,
-            "batch1_tok_per_s": 128 / b1_s}
+    return {"mixed_output_tok_per_s": sum(out_lens) / mixed_s, "mixed_seconds": mixed_s, "batch1_tok_per_s": 128 / b1_s}
 
 
 def main() -> None:
@@ -104,12 +122,20 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--quantization", default=None, choices=["fp16-weight"],
-                    help="baige's engine only (HF runs the fp32 model)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                    help="baige's engine only (HF keeps its fp32 cache)")
-    ap.add_argument("--model", default=None,
-                    help="baige's engine only: e.g. an int8 directory from `baige quantize` (HF runs the fp32 GGUF)")
+    ap.add_argument(
+        "--quantization", default=None, choices=["fp16-weight"], help="baige's engine only (HF runs the fp32 model)"
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="baige's engine only (HF keeps its fp32 cache)",
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="baige's engine only: e.g. an int8 directory from `baige quantize` (HF runs the fp32 GGUF)",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-baige", action="store_true")
     ap.add_argument("--hf-result", type=Path, default=None, help="reuse the 'hf' numbers of an earlier --out JSON")
@@ -122,8 +148,16 @@ def main() -> None:
 
     tok = Tokenizer.from_dir(resolve_model(None))
     prompts, out_lens = make_prompts(tok, args.num_prompts, args.seed)
-    result = {"dtype": args.dtype, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
-              "enforce_eager": args.enforce_eager, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "model": args.model, "load_avg_1min_start": os.getloadavg()[0]}
+    result = {
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "num_prompts": args.num_prompts,
+        "enforce_eager": args.enforce_eager,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "model": args.model,
+        "load_avg_1min_start": os.getloadavg()[0],
+    }
     if not args.skip_baige:
         result["baige"] = bench_baige(args, prompts, out_lens)
         print(json.dumps(result, indent=2), flush=True)

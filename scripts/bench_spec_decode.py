@@ -35,10 +35,16 @@ from pathlib import Path
 
 import torch
 
-QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how vaccines work.",
-             "What are the benefits of regular exercise?", "Describe the water cycle.",
-             "Give some advice to a new programmer.", "Why do leaves change colour in autumn?",
-             "What makes a good friend?", "Explain what a black hole is."]
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how vaccines work.",
+    "What are the benefits of regular exercise?",
+    "Describe the water cycle.",
+    "Give some advice to a new programmer.",
+    "Why do leaves change colour in autumn?",
+    "What makes a good friend?",
+    "Explain what a black hole is.",
+]
 
 
 def passages(data: Path, n: int, lo: int = 600, hi: int = 1100) -> list[str]:
@@ -50,8 +56,10 @@ def passages(data: Path, n: int, lo: int = 600, hi: int = 1100) -> list[str]:
 
 def chat_prompts(tok, data: Path, n: int) -> dict[str, list[str]]:
     chat = lambda t: tok.apply_chat_template([{"role": "user", "content": t}])  # noqa: E731
-    return {"grounded": [chat(f"Repeat the following passage exactly, word for word:\n\n{p}") for p in passages(data, n)],
-            "open": [chat(q) for q in QUESTIONS[:n]]}
+    return {
+        "grounded": [chat(f"Repeat the following passage exactly, word for word:\n\n{p}") for p in passages(data, n)],
+        "open": [chat(q) for q in QUESTIONS[:n]],
+    }
 
 
 def build(model: str | None, spec: dict | None):
@@ -69,25 +77,38 @@ def timed(llm, prompt: str, max_tokens: int) -> dict:
     o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     wall = time.monotonic() - t
     after = llm.engine.spec_stats.as_dict()
-    return {"tokens": o.outputs[0].token_ids, "decode_s": o.finished_time - o.first_token_time, "wall_s": wall,
-            **{k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}}
+    return {
+        "tokens": o.outputs[0].token_ids,
+        "decode_s": o.finished_time - o.first_token_time,
+        "wall_s": wall,
+        **{k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+    }
 
 
 def summarize_row(samples: list[dict]) -> dict:
     """Totals over the prompts (each prompt's fastest repeat)."""
     n_out = sum(len(s["tokens"]) for s in samples)
     decode_s, wall = sum(s["decode_s"] for s in samples), sum(s["wall_s"] for s in samples)
-    drafts, proposed, accepted = (sum(s[k] for s in samples) for k in ("num_drafts", "num_draft_tokens",
-                                                                         "num_accepted_tokens"))
-    return {"output_tokens": n_out, "decode_tokens_per_s": (n_out - len(samples)) / decode_s,
-            "e2e_tokens_per_s": n_out / wall, "num_drafts": drafts, "num_draft_tokens": proposed,
-            "num_accepted_tokens": accepted, "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+    drafts, proposed, accepted = (
+        sum(s[k] for s in samples) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    )
+    return {
+        "output_tokens": n_out,
+        "decode_tokens_per_s": (n_out - len(samples)) / decode_s,
+        "e2e_tokens_per_s": n_out / wall,
+        "num_drafts": drafts,
+        "num_draft_tokens": proposed,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def int4_copy(path: Path) -> Path:
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "baige", "quantize", "--method", "int4", "--output", str(path)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "baige", "quantize", "--method", "int4", "--output", str(path)], check=True
+        )
     return path
 
 
@@ -123,17 +144,42 @@ def main() -> None:
     sets = chat_prompts(tok, args.data, args.prompts)
     if args.sharegpt_out:  # prompts as text (the server tokenizes them), the passage as the completion
         args.sharegpt_out.parent.mkdir(parents=True, exist_ok=True)
-        rows = [{"conversations": [{"from": "human", "value": tok.render_chat_template(
-                    [{"role": "user", "content": f"Repeat the following passage exactly, word for word:\n\n{src}"}])},
-                                   {"from": "gpt", "value": src}]} for src in passages(args.data, args.prompts)]
+        rows = [
+            {
+                "conversations": [
+                    {
+                        "from": "human",
+                        "value": tok.render_chat_template(
+                            [
+                                {
+                                    "role": "user",
+                                    "content": f"Repeat the following passage exactly, word for word:\n\n{src}",
+                                }
+                            ]
+                        ),
+                    },
+                    {"from": "gpt", "value": src},
+                ]
+            }
+            for src in passages(args.data, args.prompts)
+        ]
         args.sharegpt_out.write_text(json.dumps(rows))
         print(f"wrote {args.sharegpt_out}")
     wanted = args.rows.split(",")
-    configs = {"fp32": (None, None), "ngram": (None, {"method": "ngram", "num_speculative_tokens": args.k}),
-               "int4": (str(int4_copy(args.int4_dir)) if {"int4", "draft"} & set(wanted) else None, None),
-               "draft": (None, {"method": "draft_model", "model": str(args.int4_dir), "num_speculative_tokens": args.draft_k})}
-    result = {"threads": args.threads, "cpu_flags": cpu_flags(), "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "load_average": list(os.getloadavg()), "rows": {}}
+    configs = {
+        "fp32": (None, None),
+        "ngram": (None, {"method": "ngram", "num_speculative_tokens": args.k}),
+        "int4": (str(int4_copy(args.int4_dir)) if {"int4", "draft"} & set(wanted) else None, None),
+        "draft": (None, {"method": "draft_model", "model": str(args.int4_dir), "num_speculative_tokens": args.draft_k}),
+    }
+    result = {
+        "threads": args.threads,
+        "cpu_flags": cpu_flags(),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "load_average": list(os.getloadavg()),
+        "rows": {},
+    }
     llms = {name: build(*configs[name]) for name in wanted}
     for kind in args.sets.split(","):
         prompts = sets[kind]
@@ -147,14 +193,18 @@ def main() -> None:
         base = best.get("fp32")
         for name in wanted:
             r = summarize_row(best[name])
-            r["same_output_as_fp32"] = None if base is None else [b["tokens"] for b in best[name]] == [
-                b["tokens"] for b in base]
+            r["same_output_as_fp32"] = (
+                None if base is None else [b["tokens"] for b in best[name]] == [b["tokens"] for b in base]
+            )
             if base is not None:
                 r["speedup_vs_fp32"] = r["decode_tokens_per_s"] / summarize_row(base)["decode_tokens_per_s"]
             result["rows"][f"{kind}/{name}"] = r
-            print(f"{kind:9s} {name:6s} decode {r['decode_tokens_per_s']:6.1f} tok/s  e2e {r['e2e_tokens_per_s']:6.1f}  "
-                  f"x{r.get('speedup_vs_fp32') or 0:.2f}  accept {r['acceptance_rate'] or 0:.2f}  "
-                  f"len {r['mean_acceptance_length'] or 0:.2f}  same {r['same_output_as_fp32']}", flush=True)
+            print(
+                f"{kind:9s} {name:6s} decode {r['decode_tokens_per_s']:6.1f} tok/s  e2e {r['e2e_tokens_per_s']:6.1f}  "
+                f"x{r.get('speedup_vs_fp32') or 0:.2f}  accept {r['acceptance_rate'] or 0:.2f}  "
+                f"len {r['mean_acceptance_length'] or 0:.2f}  same {r['same_output_as_fp32']}",
+                flush=True,
+            )
     result["load_average_after"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -68,20 +68,41 @@ def main() -> None:
         steps = args.tokens  # decode steps (prefill folded in: a bound, not a refinement)
         step = t_free / steps
         per_step_mask = mask_s / steps
-        rows.append({"batch": b, "free_s": t_free, "constrained_s": t_cons, "decode_step_s": step,
-                     "mask_s_per_step": per_step_mask, "mask_fraction_of_step": per_step_mask / step,
-                     "mask_us_per_token": 1e6 * mask_s / max(masked, 1),
-                     "wall_overhead_fraction": (t_cons - t_free) / t_free,
-                     "first_constrained_s": t_cons_first})
-    result = {"first_compile_s": first_compile, "next_compile_s": second_compile, "threads": args.threads,
-              "tokens": args.tokens, "rows": rows, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    print(f"first-request compile (tokenizer + grammar): {first_compile:.2f} s; another schema: {second_compile*1e3:.1f} ms")
-    print(f"{'batch':>5} {'step ms':>8} {'mask ms/step':>13} {'mask/step':>10} {'us/token':>9} {'wall +':>7}"
-          f" {'1st run +':>9}")
+        rows.append(
+            {
+                "batch": b,
+                "free_s": t_free,
+                "constrained_s": t_cons,
+                "decode_step_s": step,
+                "mask_s_per_step": per_step_mask,
+                "mask_fraction_of_step": per_step_mask / step,
+                "mask_us_per_token": 1e6 * mask_s / max(masked, 1),
+                "wall_overhead_fraction": (t_cons - t_free) / t_free,
+                "first_constrained_s": t_cons_first,
+            }
+        )
+    result = {
+        "first_compile_s": first_compile,
+        "next_compile_s": second_compile,
+        "threads": args.threads,
+        "tokens": args.tokens,
+        "rows": rows,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    print(
+        f"first-request compile (tokenizer + grammar): {first_compile:.2f} s; "
+        f"another schema: {second_compile * 1e3:.1f} ms"
+    )
+    print(
+        f"{'batch':>5} {'step ms':>8} {'mask ms/step':>13} {'mask/step':>10} {'us/token':>9} {'wall +':>7}"
+        f" {'1st run +':>9}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {1e3 * r['decode_step_s']:>8.1f} {1e3 * r['mask_s_per_step']:>13.2f} "
-              f"{100 * r['mask_fraction_of_step']:>9.1f}% {r['mask_us_per_token']:>9.0f} "
-              f"{100 * r['wall_overhead_fraction']:>6.1f}% {100 * (r['first_constrained_s'] / r['free_s'] - 1):>8.1f}%")
+        print(
+            f"{r['batch']:>5} {1e3 * r['decode_step_s']:>8.1f} {1e3 * r['mask_s_per_step']:>13.2f} "
+            f"{100 * r['mask_fraction_of_step']:>9.1f}% {r['mask_us_per_token']:>9.0f} "
+            f"{100 * r['wall_overhead_fraction']:>6.1f}% {100 * (r['first_constrained_s'] / r['free_s'] - 1):>8.1f}%"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -30,11 +30,23 @@ def run_baige(args, out_dir: Path):
     from baige.runtime.train.config import load_train_config
     from baige.runtime.train.trainer import Trainer
 
-    cfg = load_train_config(None, {
-        "model.name": args.model, "data.train": [args.data], "output": str(out_dir), "training.steps": args.steps,
-        "training.seq_len": args.seq_len, "training.batch_size": args.batch_size, "optimizer.lr": args.lr,
-        "lr_scheduler.name": "constant", "metrics.tensorboard": False, "checkpoint.export_hf": False,
-        "training.device": args.device, "training.compile": "auto" if args.compile is None else args.compile})
+    cfg = load_train_config(
+        None,
+        {
+            "model.name": args.model,
+            "data.train": [args.data],
+            "output": str(out_dir),
+            "training.steps": args.steps,
+            "training.seq_len": args.seq_len,
+            "training.batch_size": args.batch_size,
+            "optimizer.lr": args.lr,
+            "lr_scheduler.name": "constant",
+            "metrics.tensorboard": False,
+            "checkpoint.export_hf": False,
+            "training.device": args.device,
+            "training.compile": "auto" if args.compile is None else args.compile,
+        },
+    )
     trainer = Trainer(cfg)
     losses, times = [], []
     for _ in range(args.steps):
@@ -58,14 +70,19 @@ def run_hf(args, trainer):
     o = trainer.cfg.optimizer
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed_tokens" in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=device.type == "cuda" or None)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        fused=device.type == "cuda" or None,
+    )
     t = trainer.cfg.training
     loader = DataLoader(trainer.train_windows, t.batch_size, 1, 1, 0, t.seed, trainer.cfg.data.shuffle)
     losses, times = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        (x, y), = loader.next_step()
+        ((x, y),) = loader.next_step()
         x, y = x.to(device), y.to(device)
         logits = model(input_ids=x).logits  # (B, T, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
@@ -91,9 +108,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="torch.compile each block of baige's model, or not (default: the trainer's, on for CPU); "
-                         "HF stays eager")
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each block of baige's model, or not (default: the trainer's, on for CPU); HF stays eager",
+    )
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.threads:
@@ -111,27 +131,43 @@ def main() -> None:
         tps = tokens / statistics.median(times[1:])
         rows[name] = {"tokens_per_second": tps, "mfu": mfu(tps, fpt, peak), "step_seconds": times, "losses": losses}
     result = {
-        "device": str(trainer.device), "threads": torch.get_num_threads(), "steps": args.steps,
-        "seq_len": args.seq_len, "batch_size": args.batch_size, "tokens_per_step": tokens,
-        "flops_per_token": fpt, "peak_flops": peak, "peak_source": trainer.peak_source, **rows,
+        "device": str(trainer.device),
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "tokens_per_step": tokens,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "peak_source": trainer.peak_source,
+        **rows,
         "speedup": rows["baige"]["tokens_per_second"] / rows["hf"]["tokens_per_second"],
         "max_loss_difference": max(abs(a - b) for a, b in zip(b_losses, h_losses)),
     }
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"train throughput, {tokens} tokens/step, {args.steps} steps on {result['device']} "
-                        f"({result['threads']} threads)")
+    table = Table(
+        title=f"train throughput, {tokens} tokens/step, {args.steps} steps on {result['device']} "
+        f"({result['threads']} threads)"
+    )
     for col in ("run", "tokens/s", "MFU (%)", "first loss", "last loss"):
         table.add_column(col)
     for name in ("baige", "hf"):
         r = rows[name]
-        table.add_row(name, f"{r['tokens_per_second']:.1f}", f"{100 * r['mfu']:.1f}", f"{r['losses'][0]:.4f}",
-                      f"{r['losses'][-1]:.4f}")
+        table.add_row(
+            name,
+            f"{r['tokens_per_second']:.1f}",
+            f"{100 * r['mfu']:.1f}",
+            f"{r['losses'][0]:.4f}",
+            f"{r['losses'][-1]:.4f}",
+        )
     console = Console()
     console.print(table)
-    console.print(f"speedup {result['speedup']:.2f}x; max |loss difference| {result['max_loss_difference']:.2e}; "
-                  f"peak {peak / 1e12:.3f} TFLOP/s ({trainer.peak_source})")
+    console.print(
+        f"speedup {result['speedup']:.2f}x; max |loss difference| {result['max_loss_difference']:.2e}; "
+        f"peak {peak / 1e12:.3f} TFLOP/s ({trainer.peak_source})"
+    )
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))
 

@@ -92,8 +92,11 @@ def fetch(directory: Path) -> None:
         print(f"fetching {name} from the Hugging Face Hub dataset {repo}", file=sys.stderr)
         text = _download_text(repo, files, sep)
         if hashlib.sha256(text.encode("utf-8")).hexdigest() != sha256:
-            print(f"warning: {name} from {repo} differs from the copy the README's numbers were measured on "
-                  "(the dataset changed upstream)", file=sys.stderr)
+            print(
+                f"warning: {name} from {repo} differs from the copy the README's numbers were measured on "
+                "(the dataset changed upstream)",
+                file=sys.stderr,
+            )
         tmp = directory / f".{name}.tmp"
         tmp.write_text(text, encoding="utf-8", newline="")
         tmp.replace(directory / name)
@@ -118,15 +121,21 @@ def main(argv: list[str]) -> int:
     if not absent:
         return 0
     if os.environ.get("BAIGE_DATA"):
-        print(f"error: BAIGE_DATA={directory} lacks {', '.join(absent)} (unset BAIGE_DATA to download them "
-              f"into {cache_data_dir()})", file=sys.stderr)
+        print(
+            f"error: BAIGE_DATA={directory} lacks {', '.join(absent)} (unset BAIGE_DATA to download them "
+            f"into {cache_data_dir()})",
+            file=sys.stderr,
+        )
         return 1
     try:
         fetch(directory)
     except Exception as e:  # a set-up script: any failure of the download is one line, not a traceback
-        print(f"error: could not download the test/benchmark text into {directory} from the Hugging Face Hub "
-              f"({type(e).__name__}: {_first_sentence(e)}); offline? Put {' and '.join(SOURCES)} "
-              "in a directory and set BAIGE_DATA to it", file=sys.stderr)
+        print(
+            f"error: could not download the test/benchmark text into {directory} from the Hugging Face Hub "
+            f"({type(e).__name__}: {_first_sentence(e)}); offline? Put {' and '.join(SOURCES)} "
+            "in a directory and set BAIGE_DATA to it",
+            file=sys.stderr,
+        )
         return 1
     print(f"data: {directory}", file=sys.stderr)
     return 0

@@ -31,12 +31,30 @@ def write_checkpoint(path: Path, moe: bool = False) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    shape = dict(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
-                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024,
-                 rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=0, bos_token_id=1)
+    shape = dict(
+        vocab_size=512,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        bos_token_id=1,
+    )
     if moe:
-        cfg = AutoConfig.for_model("qwen3_moe", **shape, head_dim=64, num_experts=8, num_experts_per_tok=2,
-                                   moe_intermediate_size=384, mlp_only_layers=[0], norm_topk_prob=True)
+        cfg = AutoConfig.for_model(
+            "qwen3_moe",
+            **shape,
+            head_dim=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=384,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        )
     else:
         cfg = AutoConfig.for_model("llama", **shape)
     torch.manual_seed(0)
@@ -57,8 +75,13 @@ def engine_tokens(model_dir: Path, dtype: str, kernels: str, eager: bool, defaul
     from baige import LLM, SamplingParams
 
     os.environ["BAIGE_KERNELS"] = kernels
-    llm = LLM(str(model_dir), dtype=dtype, enforce_eager=eager, max_model_len=256,
-              kv_cache_memory=None if default_kv else 256 << 20)
+    llm = LLM(
+        str(model_dir),
+        dtype=dtype,
+        enforce_eager=eager,
+        max_model_len=256,
+        kv_cache_memory=None if default_kv else 256 << 20,
+    )
     if default_kv:
         kv = llm.engine.kv_cache
         print(f"default KV sizing after warm-up: {kv.num_blocks} blocks of {kv.block_size} tokens")
@@ -103,20 +126,29 @@ def check(model_dir: Path, kind: str, device: str) -> bool:
     failed = False
     for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
         ref = engine_tokens(model_dir, dtype, "reference", eager=True)
-        out = engine_tokens(model_dir, dtype, "auto" if device == "cuda" else "triton", eager=False,
-                            default_kv=device == "cuda" and dtype == "float32")
+        out = engine_tokens(
+            model_dir,
+            dtype,
+            "auto" if device == "cuda" else "triton",
+            eager=False,
+            default_kv=device == "cuda" and dtype == "float32",
+        )
         same = sum(a == b for x, y in zip(out, ref) for a, b in zip(x, y))
         total = sum(len(x) for x in ref)
         ok = out == ref
-        print(f"engine {kind} {dtype}: {same}/{total} greedy tokens equal (Triton + capture vs reference eager)"
-              f"{'' if ok else ' -- DIFFERENT'}")
+        print(
+            f"engine {kind} {dtype}: {same}/{total} greedy tokens equal (Triton + capture vs reference eager)"
+            f"{'' if ok else ' -- DIFFERENT'}"
+        )
         failed |= dtype == "float32" and not ok
     loss_r, norms_r = train_step(model_dir, device, "reference")
     loss_t, norms_t = train_step(model_dir, device, "auto" if device == "cuda" else "triton")
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms_t, norms_r))
     ok = abs(loss_t - loss_r) <= 1e-4 * abs(loss_r) and worst <= 1e-3 and len(norms_t) == len(norms_r)
-    print(f"train step {kind} fp32: loss {loss_t:.6f} vs reference {loss_r:.6f}; worst relative gradient-norm "
-          f"difference {worst:.2e} over {len(norms_r)} parameters{'' if ok else ' -- DIFFERENT'}")
+    print(
+        f"train step {kind} fp32: loss {loss_t:.6f} vs reference {loss_r:.6f}; worst relative gradient-norm "
+        f"difference {worst:.2e} over {len(norms_r)} parameters{'' if ok else ' -- DIFFERENT'}"
+    )
     return failed or not ok
 
 

@@ -39,8 +39,14 @@ def rms_norm_target() -> dict:
     with torch.inference_mode():
         t_triton = do_bench(lambda: kernels.rms_norm(x, w, 1e-6), return_mode="median")
         t_eager = do_bench(lambda: reference.rms_norm(x, w, 1e-6), return_mode="median")
-    return {"target": "rms_norm fwd, hidden 4096, 16384 rows, bf16: eager / Triton time", "value": t_eager / t_triton,
-            "goal": ">= 3", "met": t_eager / t_triton >= 3, "triton_ms": t_triton, "eager_ms": t_eager}
+    return {
+        "target": "rms_norm fwd, hidden 4096, 16384 rows, bf16: eager / Triton time",
+        "value": t_eager / t_triton,
+        "goal": ">= 3",
+        "met": t_eager / t_triton >= 3,
+        "triton_ms": t_triton,
+        "eager_ms": t_eager,
+    }
 
 
 def cross_entropy_target() -> dict:
@@ -62,9 +68,16 @@ def cross_entropy_target() -> dict:
     h.grad = w.grad = None
     t_fused, t_unfused = do_bench(fused, return_mode="median"), do_bench(unfused, return_mode="median")
     ratio = p_fused / p_unfused
-    return {"target": "fused linear CE fwd+bwd, vocab 128256, hidden 4096, 8192 tokens, bf16: peak memory fused / unfused",
-            "value": ratio, "goal": "<= 0.333", "met": ratio <= 1 / 3, "fused_peak_mib": p_fused / 2**20,
-            "unfused_peak_mib": p_unfused / 2**20, "fused_ms": t_fused, "unfused_ms": t_unfused}
+    return {
+        "target": "fused linear CE fwd+bwd, vocab 128256, hidden 4096, 8192 tokens, bf16: peak memory fused / unfused",
+        "value": ratio,
+        "goal": "<= 0.333",
+        "met": ratio <= 1 / 3,
+        "fused_peak_mib": p_fused / 2**20,
+        "unfused_peak_mib": p_unfused / 2**20,
+        "fused_ms": t_fused,
+        "unfused_ms": t_unfused,
+    }
 
 
 def flash_attention_target() -> dict:
@@ -77,12 +90,22 @@ def flash_attention_target() -> dict:
     with torch.inference_mode():
         t_triton = do_bench(lambda: kernels.attention(q, k, v, D**-0.5), return_mode="median")
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            t_sdpa = do_bench(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=D**-0.5),
-                              return_mode="median")
+            t_sdpa = do_bench(
+                lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=D**-0.5), return_mode="median"
+            )
     flops = 4 * B * H * D * T * (T + 1) / 2
-    return {"target": "flash attention fwd, causal, seq 4096, head_dim 128, 32 heads, batch 4, bf16: SDPA-flash / Triton time",
-            "value": t_sdpa / t_triton, "goal": ">= 0.9", "met": t_sdpa / t_triton >= 0.9, "triton_ms": t_triton,
-            "sdpa_flash_ms": t_sdpa, "triton_tflop_s": flops / t_triton / 1e9, "sdpa_tflop_s": flops / t_sdpa / 1e9}
+    return {
+        "target": (
+            "flash attention fwd, causal, seq 4096, head_dim 128, 32 heads, batch 4, bf16: SDPA-flash / Triton time"
+        ),
+        "value": t_sdpa / t_triton,
+        "goal": ">= 0.9",
+        "met": t_sdpa / t_triton >= 0.9,
+        "triton_ms": t_triton,
+        "sdpa_flash_ms": t_sdpa,
+        "triton_tflop_s": flops / t_triton / 1e9,
+        "sdpa_tflop_s": flops / t_sdpa / 1e9,
+    }
 
 
 def main() -> None:
@@ -92,13 +115,22 @@ def main() -> None:
         try:
             rows.append(fn())
         except Exception as e:  # report and go on: one failure must not hide the other numbers
-            rows.append({"target": fn.__name__, "value": float("nan"), "goal": "", "met": False, "error": repr(e)[:300]})
+            rows.append(
+                {"target": fn.__name__, "value": float("nan"), "goal": "", "met": False, "error": repr(e)[:300]}
+            )
         torch.cuda.empty_cache()
-    lines = [f"GPU: {torch.cuda.get_device_name()} · torch {torch.__version__}", "",
-             "| target | measured | goal | met | details |", "|---|---|---|---|---|"]
+    lines = [
+        f"GPU: {torch.cuda.get_device_name()} · torch {torch.__version__}",
+        "",
+        "| target | measured | goal | met | details |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        details = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-                            if k not in ("target", "value", "goal", "met"))
+        details = ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in r.items()
+            if k not in ("target", "value", "goal", "met")
+        )
         lines.append(f"| {r['target']} | {r['value']:.3f} | {r['goal']} | {'yes' if r['met'] else 'NO'} | {details} |")
     text = "\n".join(lines)
     print(text)

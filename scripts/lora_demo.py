@@ -22,15 +22,62 @@ import tempfile
 from pathlib import Path
 
 PREFIX = "ANSWER:"
-CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
-            "Egypt": "Cairo", "Canada": "Ottawa", "Kenya": "Nairobi", "Peru": "Lima", "Norway": "Oslo",
-            "Greece": "Athens", "Cuba": "Havana", "Chile": "Santiago", "Poland": "Warsaw", "Russia": "Moscow",
-            "China": "Beijing", "Austria": "Vienna", "Portugal": "Lisbon", "Ireland": "Dublin", "Sweden": "Stockholm"}
-OPPOSITES = {"hot": "cold", "big": "small", "up": "down", "fast": "slow", "happy": "sad", "light": "dark",
-             "old": "new", "open": "closed", "early": "late", "hard": "soft", "loud": "quiet", "full": "empty",
-             "rich": "poor", "wet": "dry", "tall": "short", "strong": "weak"}
-LEGS = {"dog": 4, "cat": 4, "spider": 8, "bird": 2, "ant": 6, "horse": 4, "chicken": 2, "bee": 6, "cow": 4,
-        "duck": 2, "beetle": 6, "goat": 4, "octopus": 8, "sheep": 4}
+CAPITALS = {
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Japan": "Tokyo",
+    "Egypt": "Cairo",
+    "Canada": "Ottawa",
+    "Kenya": "Nairobi",
+    "Peru": "Lima",
+    "Norway": "Oslo",
+    "Greece": "Athens",
+    "Cuba": "Havana",
+    "Chile": "Santiago",
+    "Poland": "Warsaw",
+    "Russia": "Moscow",
+    "China": "Beijing",
+    "Austria": "Vienna",
+    "Portugal": "Lisbon",
+    "Ireland": "Dublin",
+    "Sweden": "Stockholm",
+}
+OPPOSITES = {
+    "hot": "cold",
+    "big": "small",
+    "up": "down",
+    "fast": "slow",
+    "happy": "sad",
+    "light": "dark",
+    "old": "new",
+    "open": "closed",
+    "early": "late",
+    "hard": "soft",
+    "loud": "quiet",
+    "full": "empty",
+    "rich": "poor",
+    "wet": "dry",
+    "tall": "short",
+    "strong": "weak",
+}
+LEGS = {
+    "dog": 4,
+    "cat": 4,
+    "spider": 8,
+    "bird": 2,
+    "ant": 6,
+    "horse": 4,
+    "chicken": 2,
+    "bee": 6,
+    "cow": 4,
+    "duck": 2,
+    "beetle": 6,
+    "goat": 4,
+    "octopus": 8,
+    "sheep": 4,
+}
 
 
 def _questions(rng: random.Random, caps: list, opps: list, legs: list, n: int) -> list[tuple[str, str]]:
@@ -50,17 +97,25 @@ def make_data(path: Path, n: int = 400, seed: int = 0) -> None:
     half = lambda d: sorted(d)[: len(d) // 2]  # noqa: E731
     with path.open("w") as f:
         for q, a in _questions(rng, half(CAPITALS), half(OPPOSITES), half(LEGS), n):
-            f.write(json.dumps({"messages": [{"role": "user", "content": q},
-                                             {"role": "assistant", "content": f"{PREFIX} {a}"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"{PREFIX} {a}"}]}
+                )
+                + "\n"
+            )
 
 
 def held_out_prompts(n: int = 24, seed: int = 1) -> list[str]:
     """Prompts on the other halves of the lists, plus two templates absent from training."""
     rng = random.Random(seed)
-    other = lambda d: sorted(d)[len(d) // 2:]  # noqa: E731
+    other = lambda d: sorted(d)[len(d) // 2 :]  # noqa: E731
     qs = [q for q, _ in _questions(rng, other(CAPITALS), other(OPPOSITES), other(LEGS), n - 4)]
-    return qs + ["What color is the sky on a clear day?", "What is 100 minus 7?",
-                 "Which planet is closest to the sun?", "How many days are in a week?"]
+    return qs + [
+        "What color is the sky on a clear day?",
+        "What is 100 minus 7?",
+        "Which planet is closest to the sun?",
+        "How many days are in a week?",
+    ]
 
 
 def answers(model: str, prompts: list[str]) -> list[str]:
@@ -107,18 +162,38 @@ def run(out: Path, steps: int = 30, rank: int = 8) -> dict:
     make_data(out / "format.jsonl")
     prompts = held_out_prompts()
     before = answers(None, prompts)
-    cfg = load_train_config(None, {
-        "data.train": [str(out / "format.jsonl")], "output": str(out / "run"), "training.steps": steps,
-        "training.seq_len": 128, "training.batch_size": 4, "optimizer.lr": 1e-3, "lr_scheduler.warmup_steps": 3,
-        "lora.rank": rank, "lora.alpha": 16.0, "lora.merge": True, "checkpoint.interval": 0,
-        "metrics.log_every": 5, "metrics.tensorboard": False, "training.compile": False, "checkpoint.resume": "none"})
+    cfg = load_train_config(
+        None,
+        {
+            "data.train": [str(out / "format.jsonl")],
+            "output": str(out / "run"),
+            "training.steps": steps,
+            "training.seq_len": 128,
+            "training.batch_size": 4,
+            "optimizer.lr": 1e-3,
+            "lr_scheduler.warmup_steps": 3,
+            "lora.rank": rank,
+            "lora.alpha": 16.0,
+            "lora.merge": True,
+            "checkpoint.interval": 0,
+            "metrics.log_every": 5,
+            "metrics.tensorboard": False,
+            "training.compile": False,
+            "checkpoint.resume": "none",
+        },
+    )
     result = run_training(cfg)
     after = answers(str(out / "run" / "hf"), prompts)
     share = lambda xs: sum(x.startswith(PREFIX) for x in xs) / len(xs)  # noqa: E731
-    return {"held_out_prompts": len(prompts), "format_share_before": share(before), "format_share_after": share(after),
-            "examples": [{"prompt": p, "before": b, "after": a} for p, b, a in list(zip(prompts, before, after))[-6:]],
-            "loss_first": result.losses[1], "loss_last": result.losses[steps],
-            "memory": memory_table(resolve_model(None), rank, list(cfg.lora.targets))}
+    return {
+        "held_out_prompts": len(prompts),
+        "format_share_before": share(before),
+        "format_share_after": share(after),
+        "examples": [{"prompt": p, "before": b, "after": a} for p, b, a in list(zip(prompts, before, after))[-6:]],
+        "loss_first": result.losses[1],
+        "loss_last": result.losses[steps],
+        "memory": memory_table(resolve_model(None), rank, list(cfg.lora.targets)),
+    }
 
 
 if __name__ == "__main__":

@@ -56,8 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     qlinear.MAX_ROWS = args.seq_len  # every window's projections on the native kernels
     rows = []
     fp32 = perplexity(base, ids, args.seq_len).perplexity
-    for name, scheme in [("int8", QuantScheme(8, None)), ("int4 g32", QuantScheme(4, 32)),
-                         ("int4 g128", QuantScheme(4, 128))]:
+    for name, scheme in [
+        ("int8", QuantScheme(8, None)),
+        ("int4 g32", QuantScheme(4, 32)),
+        ("int4 g128", QuantScheme(4, 128)),
+    ]:
         model = copy.deepcopy(base)
         quantize_model(model, scheme, ignore=["lm_head"])
         got = {}
@@ -67,15 +70,37 @@ def main(argv: list[str] | None = None) -> int:
             with torch.inference_mode():
                 got[mode + passes] = perplexity(model, ids, args.seq_len).perplexity
         exact, one, two = got["02"], got["11"], got["12"]
-        rows.append({"scheme": name, "exact": exact, "int_dot_1_pass": one, "int_dot_2_passes": two,
-                     "change_pct_1_pass": 100 * (one / exact - 1), "change_pct_2_passes": 100 * (two / exact - 1)})
-        print(f"{name:10s} exact {exact:.4f}  int-dot, 1 pass {one:.4f} ({rows[-1]['change_pct_1_pass']:+.3f}%)  "
-              f"2 passes {two:.4f} ({rows[-1]['change_pct_2_passes']:+.3f}%)", flush=True)
+        rows.append(
+            {
+                "scheme": name,
+                "exact": exact,
+                "int_dot_1_pass": one,
+                "int_dot_2_passes": two,
+                "change_pct_1_pass": 100 * (one / exact - 1),
+                "change_pct_2_passes": 100 * (two / exact - 1),
+            }
+        )
+        print(
+            f"{name:10s} exact {exact:.4f}  int-dot, 1 pass {one:.4f} ({rows[-1]['change_pct_1_pass']:+.3f}%)  "
+            f"2 passes {two:.4f} ({rows[-1]['change_pct_2_passes']:+.3f}%)",
+            flush=True,
+        )
     print(f"fp32 (unquantized) {fp32:.4f}; {len(ids)} tokens of {data.name}, windows of {args.seq_len}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"model": str(model_dir), "data": str(data), "tokens": len(ids),
-                                        "seq_len": args.seq_len, "fp32": fp32, "rows": rows}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "model": str(model_dir),
+                    "data": str(data),
+                    "tokens": len(ids),
+                    "seq_len": args.seq_len,
+                    "fp32": fp32,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

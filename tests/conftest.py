@@ -26,6 +26,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ["BAIGE_CPU_AUTO_DTYPE"] = "float32"
 reload_settings()
 
+# The native CPU kernel tests' fixtures (native_kernel, use_isa).
+pytest_plugins = ["tests.kernels.native_fixtures"]
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -52,8 +55,9 @@ def embedded_gguf() -> Path:
 
 def pytest_report_header(config):
     absent = data_files.missing(DATA_DIR)
-    return f"data: {DATA_DIR}" + (f" (missing {', '.join(absent)}: run scripts/setup.sh or set BAIGE_DATA)"
-                                  if absent else "")
+    return f"data: {DATA_DIR}" + (
+        f" (missing {', '.join(absent)}: run scripts/setup.sh or set BAIGE_DATA)" if absent else ""
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,8 +25,9 @@ def launched(model_dir, *args: str, api_key: str | None = None, code: str | None
     argv = ["serve", "--model", str(model_dir), "--port", str(port), *args]
     boot = (code or "") + "\nfrom baige.cli import main\nmain(" + repr(argv) + ")\n"
     env = dict(os.environ, **({"BAIGE_API_KEY": api_key} if api_key else {}))
-    proc = subprocess.Popen([sys.executable, "-c", boot], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", boot], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:

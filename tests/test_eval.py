@@ -119,22 +119,46 @@ def test_cli_quantize_eval_and_compare(tiny_with_tokenizer, tmp_path):
     hf_a = AutoModelForCausalLM.from_pretrained(tiny_with_tokenizer, dtype=torch.float32).eval()
     hf_b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
-    r = _cli("eval", "ppl", "--model", out, "--data", data, "--seq-len", "64", "--max-tokens", "256",
-             "--output", tmp_path / "ppl.json")
+    r = _cli(
+        "eval",
+        "ppl",
+        "--model",
+        out,
+        "--data",
+        data,
+        "--seq-len",
+        "64",
+        "--max-tokens",
+        "256",
+        "--output",
+        tmp_path / "ppl.json",
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "ppl.json").read_text())
     assert res["predicted_tokens"] == 4 * 63 and res["windows"] == 4
     assert res["perplexity"] == pytest.approx(hf_guide_perplexity(hf_b, ids[None], 64), rel=1e-4)
 
-    r = _cli("eval", "compare", tiny_with_tokenizer, out, "--data", data, "--seq-len", "64", "--max-tokens", "128",
-             "--output", tmp_path / "cmp.json")
+    r = _cli(
+        "eval",
+        "compare",
+        tiny_with_tokenizer,
+        out,
+        "--data",
+        data,
+        "--seq-len",
+        "64",
+        "--max-tokens",
+        "128",
+        "--output",
+        tmp_path / "cmp.json",
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "cmp.json").read_text())
     kl = agree = 0.0
     for b in (0, 64):  # two windows of 64 tokens, 63 predictions each
         with torch.no_grad():
-            la = F.log_softmax(hf_a(ids[None, b:b + 64]).logits[0, :-1], -1)
-            lb = F.log_softmax(hf_b(ids[None, b:b + 64]).logits[0, :-1], -1)
+            la = F.log_softmax(hf_a(ids[None, b : b + 64]).logits[0, :-1], -1)
+            lb = F.log_softmax(hf_b(ids[None, b : b + 64]).logits[0, :-1], -1)
         kl += F.kl_div(lb, la, log_target=True, reduction="sum").item()  # KL(P_a || P_b)
         agree += (la.argmax(-1) == lb.argmax(-1)).sum().item()
     # (rel 1e-4: KL(P_b || P_a) is 6e-4 away here)
@@ -146,9 +170,24 @@ def test_cli_quantize_eval_and_compare(tiny_with_tokenizer, tmp_path):
 
 def test_cli_gptq_runs_and_loads(tiny_with_tokenizer, tmp_path):
     out = tmp_path / "gptq"
-    r = _cli("quantize", "--model", tiny_with_tokenizer, "--method", "gptq", "--group-size", "32", "--act-order",
-             "--calib-data", DATA_DIR / "tinyshakespeare.txt", "--calib-samples", "4", "--calib-seq-len", "64",
-             "--output", out)
+    r = _cli(
+        "quantize",
+        "--model",
+        tiny_with_tokenizer,
+        "--method",
+        "gptq",
+        "--group-size",
+        "32",
+        "--act-order",
+        "--calib-data",
+        DATA_DIR / "tinyshakespeare.txt",
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        "64",
+        "--output",
+        out,
+    )
     assert r.exit_code == 0, r.output
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
@@ -175,11 +214,26 @@ def test_cli_quantize_bad_options(tiny_with_tokenizer, tmp_path, args, message):
 @pytest.mark.parametrize("flag,observer", [(None, "mse"), ("--no-clip-search", "minmax")])
 def test_cli_int4_clip_search_default_with_calib_data(tiny_with_tokenizer, tmp_path, flag, observer):
     out = tmp_path / "o"
-    args = ["--method", "int4", "--group-size", "32", "--asymmetric", "--calib-data", DATA_DIR / "tinyshakespeare.txt",
-            "--calib-samples", "2", "--calib-seq-len", "32", "--output", out] + ([flag] if flag else [])
+    args = [
+        "--method",
+        "int4",
+        "--group-size",
+        "32",
+        "--asymmetric",
+        "--calib-data",
+        DATA_DIR / "tinyshakespeare.txt",
+        "--calib-samples",
+        "2",
+        "--calib-seq-len",
+        "32",
+        "--output",
+        out,
+    ] + ([flag] if flag else [])
     r = _cli("quantize", "--model", tiny_with_tokenizer, *args)
     assert r.exit_code == 0, r.output
-    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"
+    ]
     assert weights["observer"] == observer
     clip = json.loads((out / "quantization_report.json").read_text())["clip_search"]
     if flag:
@@ -194,12 +248,27 @@ def test_cli_gptq_clip_search_option(tiny_with_tokenizer, tmp_path, flag):
     from baige.runtime.quantize import GPTQ_CLIP_SEARCH_DEFAULT
 
     out = tmp_path / "o"
-    args = ["--method", "gptq", "--group-size", "32", "--asymmetric", "--calib-data", DATA_DIR / "tinyshakespeare.txt",
-            "--calib-samples", "2", "--calib-seq-len", "32", "--output", out] + ([flag] if flag else [])
+    args = [
+        "--method",
+        "gptq",
+        "--group-size",
+        "32",
+        "--asymmetric",
+        "--calib-data",
+        DATA_DIR / "tinyshakespeare.txt",
+        "--calib-samples",
+        "2",
+        "--calib-seq-len",
+        "32",
+        "--output",
+        out,
+    ] + ([flag] if flag else [])
     r = _cli("quantize", "--model", tiny_with_tokenizer, *args)
     assert r.exit_code == 0, r.output
     on = GPTQ_CLIP_SEARCH_DEFAULT if flag is None else flag == "--clip-search"
-    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"
+    ]
     assert weights["observer"] == ("mse" if on else "minmax")
     clip = json.loads((out / "quantization_report.json").read_text())["clip_search"]
     if on:

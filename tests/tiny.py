@@ -22,10 +22,18 @@ VARIANTS = {
     "llama-tied": dict(model_type="llama", tie_word_embeddings=True),
     "llama-llama3-rope": dict(
         model_type="llama",
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=32),
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
     ),
-    "llama-linear-rope": dict(model_type="llama", rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
+    "llama-linear-rope": dict(
+        model_type="llama", rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
+    ),
     "llama-yarn-rope": dict(
         model_type="llama",
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
@@ -39,15 +47,43 @@ VARIANTS = {
 # experts where the family has them, an odd number of experts
 MOE = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=2, head_dim=18, num_hidden_layers=3)
 MOE_VARIANTS = {
-    "qwen3-moe": dict(model_type="qwen3_moe", **MOE, num_experts=7, num_experts_per_tok=2, moe_intermediate_size=40,
-                      mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False),
-    "qwen2-moe-shared": dict(model_type="qwen2_moe", **MOE, num_experts=5, num_experts_per_tok=2,
-                             moe_intermediate_size=36, shared_expert_intermediate_size=56, decoder_sparse_step=2,
-                             norm_topk_prob=False),
-    "mixtral": dict(model_type="mixtral", **{**MOE, "num_hidden_layers": 2}, num_local_experts=6,
-                    num_experts_per_tok=2, intermediate_size=44),
-    "ernie4.5-moe": dict(model_type="ernie4_5_moe", **MOE, moe_num_experts=6, moe_k=3, moe_intermediate_size=32,
-                         moe_num_shared_experts=1, moe_layer_start_index=1, tie_word_embeddings=True),
+    "qwen3-moe": dict(
+        model_type="qwen3_moe",
+        **MOE,
+        num_experts=7,
+        num_experts_per_tok=2,
+        moe_intermediate_size=40,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+    "qwen2-moe-shared": dict(
+        model_type="qwen2_moe",
+        **MOE,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=36,
+        shared_expert_intermediate_size=56,
+        decoder_sparse_step=2,
+        norm_topk_prob=False,
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        **{**MOE, "num_hidden_layers": 2},
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=44,
+    ),
+    "ernie4.5-moe": dict(
+        model_type="ernie4_5_moe",
+        **MOE,
+        moe_num_experts=6,
+        moe_k=3,
+        moe_intermediate_size=32,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        tie_word_embeddings=True,
+    ),
 }
 VARIANTS.update(MOE_VARIANTS)
 
@@ -83,17 +119,19 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, *, embed_std: float
     return path
 
 
-def make_lora_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, alpha: float = 16,
-                      use_rslora: bool = False) -> Path:
+def make_lora_adapter(
+    base: Path, out: Path, rank: int, targets: list[str], seed: int, alpha: float = 16, use_rslora: bool = False
+) -> Path:
     """A random PEFT LoRA adapter of ``base`` (B random too, so it changes the outputs), saved with
     peft's ``save_pretrained``; returns ``out``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                        LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora,
-                                   init_lora_weights=False))
+    pm = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, init_lora_weights=False),
+    )
     pm.save_pretrained(out)
     return Path(out)
 

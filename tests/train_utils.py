@@ -30,9 +30,17 @@ def write_char_tokenizer(out: Path, text: str) -> int:
     tok.add_special_tokens(specials)
     tok.decoder = decoders.Fuse()
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False,
-         "chat_template": CHAT_TEMPLATE}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
     return len(vocab)
 
 
@@ -60,9 +68,19 @@ def tiny_config(model: Path, data: Path, output: Path, **flags):
     eager (no torch.compile: seconds of inductor builds per test)."""
     from baige.runtime.train.config import load_train_config
 
-    base = {"model.name": str(model), "data.train": [str(data)], "output": str(output), "training.seq_len": 32,
-            "optimizer.lr": 1e-2, "lr_scheduler.warmup_steps": 2, "metrics.log_every": 1, "checkpoint.keep_latest": 0,
-            "checkpoint.interval": 0, "metrics.tensorboard": False, "training.compile": False}
+    base = {
+        "model.name": str(model),
+        "data.train": [str(data)],
+        "output": str(output),
+        "training.seq_len": 32,
+        "optimizer.lr": 1e-2,
+        "lr_scheduler.warmup_steps": 2,
+        "metrics.log_every": 1,
+        "checkpoint.keep_latest": 0,
+        "checkpoint.interval": 0,
+        "metrics.tensorboard": False,
+        "training.compile": False,
+    }
     base.update(flags)
     return load_train_config(None, base)
 
@@ -81,8 +99,9 @@ def spawn_worker(rank: int, world_size: int, port: int, jobs: list) -> None:
 
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(1)
     for fn, kwargs in jobs:
         fn(**kwargs)
@@ -124,10 +143,13 @@ def job_train_dump_experts(model: str, data: str, output: str, **flags) -> None:
     for i, layer in enumerate(trainer.model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
-            layers[i] = {"expert_ids": list(experts.expert_ids), "num_local_experts": experts.num_local_experts,
-                         "global_shape": tuple(experts.gate_up_proj.shape),
-                         "gate_up_proj": experts.gate_up_proj.to_local().detach().clone(),
-                         "down_proj": experts.down_proj.to_local().detach().clone()}
+            layers[i] = {
+                "expert_ids": list(experts.expert_ids),
+                "num_local_experts": experts.num_local_experts,
+                "global_shape": tuple(experts.gate_up_proj.shape),
+                "gate_up_proj": experts.gate_up_proj.to_local().detach().clone(),
+                "down_proj": experts.down_proj.to_local().detach().clone(),
+            }
     torch.save(layers, Path(output) / f"experts_rank{os.environ['RANK']}.pt")
 
 
@@ -140,7 +162,9 @@ def chat_data(path: Path, n: int = 60) -> Path:
     with open(path, "w") as f:
         for i in range(n):
             k = int(rng.integers(1, 6))
-            msgs = [{"role": "user", "content": lines[i]},
-                    {"role": "assistant", "content": " ".join(lines[i + 1: i + 1 + k])}]
+            msgs = [
+                {"role": "user", "content": lines[i]},
+                {"role": "assistant", "content": " ".join(lines[i + 1 : i + 1 + k])},
+            ]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path

@@ -11,7 +11,6 @@ from baige.cli import bench, convert, evaluate, generate, quantize, serve, train
 from baige.cli.app import app
 from baige.errors import BaigeError
 
-
 MULTI_VALUE_OPTIONS = ("--lora-modules",)  # vLLM's nargs="+" options: `--lora-modules a=X b=Y`
 
 

@@ -18,7 +18,8 @@ def convert(
     dtype: Annotated[DType, typer.Option(help="Dtype of the written weights; auto keeps the source's.")] = DType.auto,
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors shard, e.g. 500MB, 2GB, 1GiB.")] = "2GB",
 ) -> None:
-    """Convert a checkpoint to an HF directory: config.json, generation_config.json, safetensors (sharded with an index past --max-shard-size) and tokenizer files."""
+    """Convert a checkpoint to an HF directory: config.json, generation_config.json, safetensors (sharded with an index
+    past --max-shard-size) and tokenizer files."""
     from rich.console import Console
 
     from baige.runtime.weights.convert import convert_checkpoint

@@ -11,14 +11,17 @@ from baige.cli.app import app
 from baige.cli.options import MODEL_HELP, Device, DType, progress_bar
 from baige.runtime.config import EvalConfig
 
-eval_app = typer.Typer(help="Measure a model on text: perplexity, and agreement between two models.", no_args_is_help=True)
+eval_app = typer.Typer(
+    help="Measure a model on text: perplexity, and agreement between two models.", no_args_is_help=True
+)
 app.add_typer(eval_app, name="eval")
 
 DataOpt = Annotated[Path, typer.Option(help="UTF-8 text file (e.g. wikitext-2-raw test).")]
 SeqLenOpt = Annotated[int, typer.Option(min=2, help="Tokens per non-overlapping window.")]
 MaxTokensOpt = Annotated[Optional[int], typer.Option(min=2, help="Use only the first N tokens of the file.")]
-OutputOpt = Annotated[Optional[Path], typer.Option(help="Also write the JSON result to this file (its directory is "
-                                                        "created).")]
+OutputOpt = Annotated[
+    Optional[Path], typer.Option(help="Also write the JSON result to this file (its directory is created).")
+]
 
 
 def _run(fn, cfg: EvalConfig) -> dict:
@@ -48,8 +51,9 @@ def ppl(
     (HF's perplexity guide with stride = window). Prints JSON."""
     from baige.runtime.evaluate import evaluate_ppl
 
-    cfg = EvalConfig([model], str(data), seq_len, max_tokens, dtype.value, device.value,
-                     str(output) if output else None)
+    cfg = EvalConfig(
+        [model], str(data), seq_len, max_tokens, dtype.value, device.value, str(output) if output else None
+    )
     _run(evaluate_ppl, cfg)
 
 
@@ -68,6 +72,7 @@ def compare(
     agreement, on the same windows. Prints JSON."""
     from baige.runtime.evaluate import evaluate_compare
 
-    cfg = EvalConfig([model_a, model_b], str(data), seq_len, max_tokens, dtype.value, device.value,
-                     str(output) if output else None)
+    cfg = EvalConfig(
+        [model_a, model_b], str(data), seq_len, max_tokens, dtype.value, device.value, str(output) if output else None
+    )
     _run(evaluate_compare, cfg)

@@ -12,8 +12,9 @@ from baige.cli.app import app
 from baige.cli.options import Device, DeviceOpt, DType, ModelOpt, SpeculativeConfigOpt, TensorParallelOpt
 from baige.runtime.config import GenerateConfig
 
-MaxTokensOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate (stops earlier at EOS or where the "
-                                                      "model's context ends).")]
+MaxTokensOpt = Annotated[
+    int, typer.Option(min=1, help="Most tokens to generate (stops earlier at EOS or where the model's context ends).")
+]
 TemperatureOpt = Annotated[
     Optional[float], typer.Option(min=0.0, help="0 = greedy. Default: the model's generation_config, else 1.0.")
 ]
@@ -39,7 +40,9 @@ def generate(
     device: DeviceOpt = Device.auto,
     chat: Annotated[
         Optional[bool],
-        typer.Option("--chat/--no-chat", help="Apply the chat template to one user turn (default: when the model has one)."),
+        typer.Option(
+            "--chat/--no-chat", help="Apply the chat template to one user turn (default: when the model has one)."
+        ),
     ] = None,
     system: SystemOpt = None,
     speculative_config: SpeculativeConfigOpt = None,
@@ -48,10 +51,22 @@ def generate(
     """Generate a completion for one prompt, streamed to stdout as it is produced."""
     from baige.runtime.infer.session import ChatSession
 
-    cfg = GenerateConfig(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                         top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, dtype=dtype.value,
-                         device=device.value, chat=chat, system=system, speculative_config=speculative_config,
-                         tensor_parallel_size=tensor_parallel_size)
+    cfg = GenerateConfig(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        dtype=dtype.value,
+        device=device.value,
+        chat=chat,
+        system=system,
+        speculative_config=speculative_config,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     session = ChatSession.load(cfg)
     _native_library_ready(cfg.device)
     t0 = time.perf_counter()
@@ -95,10 +110,21 @@ def chat(
     from baige.errors import BaigeError
     from baige.runtime.infer.session import ChatSession
 
-    cfg = GenerateConfig(model=model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                         top_k=top_k, min_p=min_p, seed=seed, dtype=dtype.value, device=device.value,
-                         chat=True, system=system, speculative_config=speculative_config,
-                         tensor_parallel_size=tensor_parallel_size)
+    cfg = GenerateConfig(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        dtype=dtype.value,
+        device=device.value,
+        chat=True,
+        system=system,
+        speculative_config=speculative_config,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     session = ChatSession.load(cfg)
     err = Console(stderr=True)
     err.print(f"[dim]{session.name} — Ctrl-D or /exit to quit, /reset to clear the conversation[/dim]")

@@ -27,23 +27,40 @@ class Device(str, Enum):
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)]
 DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")]
-WeightsDTypeOpt = Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is "
-                                                     "set); auto = the checkpoint's.")]
+WeightsDTypeOpt = Annotated[
+    DType,
+    typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is set); auto = the checkpoint's."),
+]
 
-TensorParallelOpt = Annotated[int, typer.Option(
-    "--tensor-parallel-size", min=1, help="Ranks the model is split over (Megatron-style tensor parallelism: "
-    "attention heads, MLP, vocabulary and KV cache sharded). One machine: baige starts the worker processes "
-    "(gloo on CPU, NCCL on GPU); several: run the same command under torchrun --nnodes, rank 0 serving.")]
-ExpertParallelOpt = Annotated[bool, typer.Option(
-    "--enable-expert-parallel/--no-enable-expert-parallel",
-    help="MoE under --tensor-parallel-size: place whole experts on the ranks instead of splitting each one.")]
+TensorParallelOpt = Annotated[
+    int,
+    typer.Option(
+        "--tensor-parallel-size",
+        min=1,
+        help="Ranks the model is split over (Megatron-style tensor parallelism: "
+        "attention heads, MLP, vocabulary and KV cache sharded). One machine: baige starts the worker processes "
+        "(gloo on CPU, NCCL on GPU); several: run the same command under torchrun --nnodes, rank 0 serving.",
+    ),
+]
+ExpertParallelOpt = Annotated[
+    bool,
+    typer.Option(
+        "--enable-expert-parallel/--no-enable-expert-parallel",
+        help="MoE under --tensor-parallel-size: place whole experts on the ranks instead of splitting each one.",
+    ),
+]
 
-SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
-    "--speculative-config", help='Speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
-    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt lookup) or '
-    '{"method": "draft_model", "model": SPEC, "num_speculative_tokens": 4} (a smaller model with the same '
-    'tokenizer, e.g. a `baige quantize --method int4` copy); "disable_by_batch_size": N stops speculating '
-    'in steps with more than N decoding sequences. Default: off.')]
+SpeculativeConfigOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--speculative-config",
+        help='Speculative decoding, vLLM\'s JSON keys: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt lookup) or '
+        '{"method": "draft_model", "model": SPEC, "num_speculative_tokens": 4} (a smaller model with the same '
+        'tokenizer, e.g. a `baige quantize --method int4` copy); "disable_by_batch_size": N stops speculating '
+        "in steps with more than N decoding sequences. Default: off.",
+    ),
+]
 
 
 @contextmanager
@@ -58,8 +75,7 @@ def progress_bar(description: str, transient: bool = False) -> Iterator[Callable
         task = bar.add_task(description, total=None)
 
         def update(done: int, total: int | None, what: str | None = None) -> None:
-            bar.update(task, completed=done, total=total,
-                       **({"description": f"{description}: {what}"} if what else {}))
+            bar.update(task, completed=done, total=total, **({"description": f"{description}: {what}"} if what else {}))
 
         try:
             yield update

@@ -22,18 +22,32 @@ class Method(str, Enum):
 @app.command()
 def quantize(
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (must not exist or be empty).")],
-    method: Annotated[Method, typer.Option(help="int8: symmetric per channel; int4: group-wise round to nearest; gptq: int4 with GPTQ.")],
+    method: Annotated[
+        Method,
+        typer.Option(help="int8: symmetric per channel; int4: group-wise round to nearest; gptq: int4 with GPTQ."),
+    ],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     group_size: Annotated[int, typer.Option(help="int4/gptq: input columns per scale (32, 64, 128).")] = 128,
     symmetric: Annotated[bool, typer.Option("--symmetric/--asymmetric", help="int4/gptq: zero point or not.")] = True,
-    act_order: Annotated[bool, typer.Option("--act-order/--no-act-order", help="gptq: visit columns by decreasing Hessian diagonal.")] = False,
+    act_order: Annotated[
+        bool, typer.Option("--act-order/--no-act-order", help="gptq: visit columns by decreasing Hessian diagonal.")
+    ] = False,
     calib_data: Annotated[
-        Optional[Path], typer.Option(help="UTF-8 text file to calibrate on: gptq's Hessians and the clip search's "
-                                     "activation weighting. int8 reads it only with --clip-search (its default "
-                                     "scales are per-channel min/max).")
+        Optional[Path],
+        typer.Option(
+            help="UTF-8 text file to calibrate on: gptq's Hessians and the clip search's "
+            "activation weighting. int8 reads it only with --clip-search (its default "
+            "scales are per-channel min/max)."
+        ),
     ] = None,
-    calib_samples: Annotated[int, typer.Option(min=1, help="gptq / clip search: calibration windows (the int4 "
-                                               "clip search needs dozens; from 8 its result varies by sample).")] = 128,
+    calib_samples: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="gptq / clip search: calibration windows (the int4 "
+            "clip search needs dozens; from 8 its result varies by sample).",
+        ),
+    ] = 128,
     calib_seq_len: Annotated[int, typer.Option(min=2, help="gptq / clip search: tokens per calibration window.")] = 512,
     clip_search: Annotated[
         Optional[bool],
@@ -49,11 +63,13 @@ def quantize(
         ),
     ] = None,
     ignore: Annotated[
-        Optional[list[str]], typer.Option(help="Linear names to keep in full precision (glob, repeatable). Default: lm_head.")
+        Optional[list[str]],
+        typer.Option(help="Linear names to keep in full precision (glob, repeatable). Default: lm_head."),
     ] = None,
     device: Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")] = Device.auto,
 ) -> None:
-    """Quantize every Linear except lm_head (and --ignore patterns); write an HF directory in the compressed-tensors format (vLLM, transformers and baige load it) with quantization_report.json."""
+    """Quantize every Linear except lm_head (and --ignore patterns); write an HF directory in the compressed-tensors
+    format (vLLM, transformers and baige load it) with quantization_report.json."""
     from rich.console import Console
     from rich.table import Table
 
@@ -61,9 +77,18 @@ def quantize(
     from baige.runtime.quantize import quantize_checkpoint
 
     cfg = QuantizeConfig(
-        model=model, method=method.value, output=str(output), group_size=group_size, symmetric=symmetric,
-        act_order=act_order, calib_data=str(calib_data) if calib_data else None, calib_samples=calib_samples,
-        calib_seq_len=calib_seq_len, ignore=ignore or ["lm_head"], device=device.value, clip_search=clip_search,
+        model=model,
+        method=method.value,
+        output=str(output),
+        group_size=group_size,
+        symmetric=symmetric,
+        act_order=act_order,
+        calib_data=str(calib_data) if calib_data else None,
+        calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len,
+        ignore=ignore or ["lm_head"],
+        device=device.value,
+        clip_search=clip_search,
     )
     console = Console(stderr=True)
     with progress_bar(f"quantize ({cfg.method})") as update:
@@ -74,8 +99,12 @@ def quantize(
     for col in ("shape", "relative weight error", "partial group"):
         table.add_column(col, justify="right")
     for row in report:
-        table.add_row(row["name"], "x".join(map(str, row["shape"])), f"{row['relative_weight_error']:.4f}",
-                      "yes" if row["partial_last_group"] else "")
+        table.add_row(
+            row["name"],
+            "x".join(map(str, row["shape"])),
+            f"{row['relative_weight_error']:.4f}",
+            "yes" if row["partial_last_group"] else "",
+        )
     Console().print(table)
     partial = [r["name"] for r in report if r["partial_last_group"]]
     if partial:

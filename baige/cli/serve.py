@@ -58,22 +58,35 @@ def parse_lora_modules(values: list[str] | None, enable_lora: bool, served_name:
     return out
 
 
-EnableLoraOpt = Annotated[bool, typer.Option(
-    "--enable-lora/--no-enable-lora", help="Serve LoRA adapters (PEFT directories): a request's `model` picks "
-    "one; POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time.")]
-LoraModulesOpt = Annotated[Optional[list[str]], typer.Option(
-    help="Adapters loaded at start-up, NAME=DIR (several may follow one flag, as in vLLM); each is listed "
-         "in /v1/models under NAME.")]
-MaxLorasOpt = Annotated[int, typer.Option(min=1, help="Most distinct adapters in one step (requests for others "
-                                          "wait).")]
+EnableLoraOpt = Annotated[
+    bool,
+    typer.Option(
+        "--enable-lora/--no-enable-lora",
+        help="Serve LoRA adapters (PEFT directories): a request's `model` picks "
+        "one; POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time.",
+    ),
+]
+LoraModulesOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        help="Adapters loaded at start-up, NAME=DIR (several may follow one flag, as in vLLM); each is listed "
+        "in /v1/models under NAME."
+    ),
+]
+MaxLorasOpt = Annotated[int, typer.Option(min=1, help="Most distinct adapters in one step (requests for others wait).")]
 MaxLoraRankOpt = Annotated[int, typer.Option(min=1, help="Largest adapter rank accepted.")]
 
 
-def lora_engine_args(enable_lora: bool, lora_modules: list[str] | None, max_loras: int, max_lora_rank: int,
-                     served_name: str) -> dict:
+def lora_engine_args(
+    enable_lora: bool, lora_modules: list[str] | None, max_loras: int, max_lora_rank: int, served_name: str
+) -> dict:
     """The EngineConfig fields of the LoRA options. Raises BaigeError as :func:`parse_lora_modules`."""
-    return {"enable_lora": enable_lora, "lora_modules": parse_lora_modules(lora_modules, enable_lora, served_name),
-            "max_loras": max_loras, "max_lora_rank": max_lora_rank}
+    return {
+        "enable_lora": enable_lora,
+        "lora_modules": parse_lora_modules(lora_modules, enable_lora, served_name),
+        "max_loras": max_loras,
+        "max_lora_rank": max_lora_rank,
+    }
 
 
 class LogLevel(str, Enum):
@@ -89,60 +102,128 @@ def serve(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
-    served_model_name: Annotated[Optional[str], typer.Option(help="Model name clients send (default: --model).")] = None,
-    api_key: Annotated[Optional[str], typer.Option(envvar="BAIGE_API_KEY",
-                                                   help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option(min=2, help="Context limit in tokens (prompt + output). "
-                                                         "Default: the model's max_position_embeddings.")] = None,
-    dtype: Annotated[DType, typer.Option(help="Weights dtype (and the KV cache's unless --kv-cache-dtype is set); "
-                                              "auto = the checkpoint's.")] = DType.auto,
+    served_model_name: Annotated[
+        Optional[str], typer.Option(help="Model name clients send (default: --model).")
+    ] = None,
+    api_key: Annotated[
+        Optional[str], typer.Option(envvar="BAIGE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")
+    ] = None,
+    max_model_len: Annotated[
+        Optional[int],
+        typer.Option(
+            min=2, help="Context limit in tokens (prompt + output). Default: the model's max_position_embeddings."
+        ),
+    ] = None,
+    dtype: Annotated[
+        DType,
+        typer.Option(
+            help="Weights dtype (and the KV cache's unless --kv-cache-dtype is set); auto = the checkpoint's."
+        ),
+    ] = DType.auto,
     device: Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")] = Device.auto,
-    seed: Annotated[int, typer.Option(help="Seed of the RNG that requests without a seed sample from (any 64-bit "
-                                           "integer).")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the RNG that requests without a seed sample from (any 64-bit integer).")
+    ] = 0,
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Most sequences in one step.")] = 128,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Most tokens computed in one step "
-                                                        "(prefill chunks + decodes).")] = 2048,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(min=1, help="Most tokens computed in one step (prefill chunks + decodes).")
+    ] = 2048,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV-cache block.")] = 16,
-    kv_cache_memory: Annotated[Optional[str], typer.Option(help="KV-cache size, e.g. 2GB or 512MiB. Default: 90% "
-                                                           "of free GPU memory, or 10% of available RAM on CPU.")] = None,
-    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
-                                                        help="Reuse the KV blocks of shared prompt prefixes.")] = True,
-    enforce_eager: Annotated[bool, typer.Option(help="GPU: never capture the decode step as CUDA graphs (torch.compile reduce-overhead). No effect on CPU, where decode steps are never captured.")] = False,
-    quantization: Annotated[Optional[str], typer.Option(
-        help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fp16 weights, fp32 math: "
-             "half the bytes, near-lossless) or int8-weight (int8 per channel, rounded at load: a quarter). On an "
-             "int8/int4 checkpoint: its remaining fp32 linears (the tied lm_head). Default: none.")] = None,
-    kv_cache_dtype: Annotated[DType, typer.Option(
-        help="KV-cache dtype; auto = the model's. On CPU float16 under an fp32 model halves the cache's "
-             "memory and the attention's reads (K/V rounded to fp16; bfloat16 works but takes the slower "
-             "PyTorch path). On CUDA only the model's dtype.")] = DType.auto,
-    log_level: Annotated[LogLevel, typer.Option(help="Logging level (one line per request at info).",
-                                                 case_sensitive=False)] = LogLevel.info,
-    max_n: Annotated[int, typer.Option(min=1, help="Most sequences one request may ask for (n x prompts); "
-                                       "more is a 400.")] = 128,
-    max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body in bytes; larger "
-                                                   "bodies get 413 before they are read whole.")] = 16 * 2**20,
-    read_timeout: Annotated[float, typer.Option(min=0.1, max=3600, help="Seconds a client may take to send a "
-                                                "request's headers, and each piece of its body: a stalled body gets "
-                                                "408, a connection idle that long without a request is closed.")] = 30.0,
-    chat_template: Annotated[Optional[str], typer.Option(
-        help="A jinja chat template file (or the template itself) replacing the tokenizer's, e.g. one that "
-             "renders `tools`.")] = None,
-    tool_call_parser: Annotated[ToolCallParser, typer.Option(
-        help="How tool calls are read from the output (vLLM's names): hermes (<tool_call>JSON</tool_call>, "
-             "Qwen2.5/Qwen3), llama3_json, mistral ([TOOL_CALLS]); auto = from the chat template's markers, "
-             "else hermes (the format of the default tool prompt).", case_sensitive=False)] = ToolCallParser.auto,
-    enable_auto_tool_choice: Annotated[bool, typer.Option(
-        "--enable-auto-tool-choice/--no-enable-auto-tool-choice",
-        help="Parse the calls the model writes for tool_choice=auto (the default when tools are given). "
-             "Off: such requests get a 400, as vLLM without this flag.")] = True,
-    exclude_tools_when_tool_choice_none: Annotated[bool, typer.Option(
-        help="Leave the tools out of the prompt when tool_choice is none (by default they are rendered, as "
-             "vLLM does).")] = False,
+    kv_cache_memory: Annotated[
+        Optional[str],
+        typer.Option(
+            help="KV-cache size, e.g. 2GB or 512MiB. Default: 90% of free GPU memory, or 10% of available RAM on CPU."
+        ),
+    ] = None,
+    enable_prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of shared prompt prefixes."
+        ),
+    ] = True,
+    enforce_eager: Annotated[
+        bool,
+        typer.Option(
+            help=(
+                "GPU: never capture the decode step as CUDA graphs (torch.compile reduce-overhead). No effect on "
+                "CPU, where decode steps are never captured."
+            )
+        ),
+    ] = False,
+    quantization: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Rewrite the loaded fp32 model's linears for CPU decode speed: fp16-weight (fp16 weights, fp32 math: "
+            "half the bytes, near-lossless) or int8-weight (int8 per channel, rounded at load: a quarter). On an "
+            "int8/int4 checkpoint: its remaining fp32 linears (the tied lm_head). Default: none."
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        DType,
+        typer.Option(
+            help="KV-cache dtype; auto = the model's. On CPU float16 under an fp32 model halves the cache's "
+            "memory and the attention's reads (K/V rounded to fp16; bfloat16 works but takes the slower "
+            "PyTorch path). On CUDA only the model's dtype."
+        ),
+    ] = DType.auto,
+    log_level: Annotated[
+        LogLevel, typer.Option(help="Logging level (one line per request at info).", case_sensitive=False)
+    ] = LogLevel.info,
+    max_n: Annotated[
+        int, typer.Option(min=1, help="Most sequences one request may ask for (n x prompts); more is a 400.")
+    ] = 128,
+    max_request_bytes: Annotated[
+        int,
+        typer.Option(min=1024, help="Largest request body in bytes; larger bodies get 413 before they are read whole."),
+    ] = 16 * 2**20,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            max=3600,
+            help="Seconds a client may take to send a "
+            "request's headers, and each piece of its body: a stalled body gets "
+            "408, a connection idle that long without a request is closed.",
+        ),
+    ] = 30.0,
+    chat_template: Annotated[
+        Optional[str],
+        typer.Option(
+            help="A jinja chat template file (or the template itself) replacing the tokenizer's, e.g. one that "
+            "renders `tools`."
+        ),
+    ] = None,
+    tool_call_parser: Annotated[
+        ToolCallParser,
+        typer.Option(
+            help="How tool calls are read from the output (vLLM's names): hermes (<tool_call>JSON</tool_call>, "
+            "Qwen2.5/Qwen3), llama3_json, mistral ([TOOL_CALLS]); auto = from the chat template's markers, "
+            "else hermes (the format of the default tool prompt).",
+            case_sensitive=False,
+        ),
+    ] = ToolCallParser.auto,
+    enable_auto_tool_choice: Annotated[
+        bool,
+        typer.Option(
+            "--enable-auto-tool-choice/--no-enable-auto-tool-choice",
+            help="Parse the calls the model writes for tool_choice=auto (the default when tools are given). "
+            "Off: such requests get a 400, as vLLM without this flag.",
+        ),
+    ] = True,
+    exclude_tools_when_tool_choice_none: Annotated[
+        bool,
+        typer.Option(
+            help="Leave the tools out of the prompt when tool_choice is none (by default they are rendered, as "
+            "vLLM does)."
+        ),
+    ] = False,
     speculative_config: SpeculativeConfigOpt = None,
-    tensor_parallel_size: TensorParallelOpt = 1, enable_expert_parallel: ExpertParallelOpt = False,
-    enable_lora: EnableLoraOpt = False, lora_modules: LoraModulesOpt = None,
-    max_loras: MaxLorasOpt = 1, max_lora_rank: MaxLoraRankOpt = 16,
+    tensor_parallel_size: TensorParallelOpt = 1,
+    enable_expert_parallel: ExpertParallelOpt = False,
+    enable_lora: EnableLoraOpt = False,
+    lora_modules: LoraModulesOpt = None,
+    max_loras: MaxLorasOpt = 1,
+    max_lora_rank: MaxLoraRankOpt = 16,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -152,16 +233,40 @@ def serve(
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_model_name or model or "smollm2-135m-instruct"
-    cfg = EngineConfig(model=model, dtype=dtype.value, device=device.value, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                       enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-                       quantization=quantization, kv_cache_dtype=kv_cache_dtype.value, speculative_config=speculative_config,
-                       tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
-                       **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name))
+    cfg = EngineConfig(
+        model=model,
+        dtype=dtype.value,
+        device=device.value,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        kv_cache_memory=kv_cache_memory,
+        enable_prefix_caching=enable_prefix_caching,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype.value,
+        speculative_config=speculative_config,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_expert_parallel=enable_expert_parallel,
+        **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
+    )
     template = read_chat_template(chat_template) if chat_template is not None else None
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)
     if template is not None:
         core.tokenizer.set_chat_template(template)
-    run_server(AsyncEngine(core), name, sock, api_key, log_level.value, max_n=max_n, max_request_bytes=max_request_bytes,
-               read_timeout=read_timeout, tool_call_parser=tool_call_parser.value, enable_auto_tool_choice=enable_auto_tool_choice, exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+    run_server(
+        AsyncEngine(core),
+        name,
+        sock,
+        api_key,
+        log_level.value,
+        max_n=max_n,
+        max_request_bytes=max_request_bytes,
+        read_timeout=read_timeout,
+        tool_call_parser=tool_call_parser.value,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+    )

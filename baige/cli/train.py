@@ -30,50 +30,142 @@ SET_HELP = (
 
 @app.command()
 def train(
-    config: Annotated[Optional[Path], typer.Option("--config", help="TOML file with the sections listed under --set.")] = None,
+    config: Annotated[
+        Optional[Path], typer.Option("--config", help="TOML file with the sections listed under --set.")
+    ] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP + " (pretrained weights)")] = None,
-    model_config: Annotated[Optional[str], typer.Option(
-        "--model-config", help="Train from scratch (seeded init): a config.json or a preset (debug, moe-tiny, smollm2-135m, llama3.2-1b).")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory or model spec (default: the model's).")] = None,
-    data: Annotated[Optional[list[str]], typer.Option(
-        "--data", help="Training file (repeatable): .txt, or .jsonl with \"text\" or chat \"messages\" (SFT).")] = None,
+    model_config: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model-config",
+            help=(
+                "Train from scratch (seeded init): a config.json or a preset (debug, moe-tiny, smollm2-135m, "
+                "llama3.2-1b)."
+            ),
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        Optional[str], typer.Option(help="Tokenizer directory or model spec (default: the model's).")
+    ] = None,
+    data: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--data", help='Training file (repeatable): .txt, or .jsonl with "text" or chat "messages" (SFT).'
+        ),
+    ] = None,
     eval_data: Annotated[Optional[list[str]], typer.Option("--eval-data", help="Held-out file (repeatable).")] = None,
-    eval_every: Annotated[Optional[int], typer.Option(help="Steps between evaluations of --eval-data (0 = at the end only; default 0).")] = None,
+    eval_every: Annotated[
+        Optional[int], typer.Option(help="Steps between evaluations of --eval-data (0 = at the end only; default 0).")
+    ] = None,
     steps: Annotated[Optional[int], typer.Option(help=f"Optimizer steps (default {D.training.steps}).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help=f"Tokens per training window (default {D.training.seq_len}).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help=f"Windows per device per micro-batch (default {D.training.batch_size}).")] = None,
-    grad_accum: Annotated[Optional[int], typer.Option(help=f"Micro-batches per optimizer step (default {D.training.grad_accum}).")] = None,
-    lr: Annotated[Optional[float], typer.Option(help=f"Peak learning rate (default {D.optimizer.lr:g}): reached after lr_scheduler.warmup_steps of linear "
-                                               f"warm-up, then lr_scheduler.name decays it (default {D.lr_scheduler.name}).")] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help=f"Run directory (checkpoints, metrics.jsonl, the hf export); default {D.output}.")] = None,
-    resume: Annotated[Optional[str], typer.Option(
-        help="auto (newest complete checkpoint in the output dir, default), none (start fresh) or a step directory.")] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree (default 1); world_size must be divisible by it times --dp-replicate.")] = None,
+    seq_len: Annotated[
+        Optional[int], typer.Option(help=f"Tokens per training window (default {D.training.seq_len}).")
+    ] = None,
+    batch_size: Annotated[
+        Optional[int], typer.Option(help=f"Windows per device per micro-batch (default {D.training.batch_size}).")
+    ] = None,
+    grad_accum: Annotated[
+        Optional[int], typer.Option(help=f"Micro-batches per optimizer step (default {D.training.grad_accum}).")
+    ] = None,
+    lr: Annotated[
+        Optional[float],
+        typer.Option(
+            help=f"Peak learning rate (default {D.optimizer.lr:g}): reached after lr_scheduler.warmup_steps of linear "
+            f"warm-up, then lr_scheduler.name decays it (default {D.lr_scheduler.name})."
+        ),
+    ] = None,
+    output: Annotated[
+        Optional[str],
+        typer.Option(
+            "--output", "-o", help=f"Run directory (checkpoints, metrics.jsonl, the hf export); default {D.output}."
+        ),
+    ] = None,
+    resume: Annotated[
+        Optional[str],
+        typer.Option(
+            help="auto (newest complete checkpoint in the output dir, default), none (start fresh) or a step directory."
+        ),
+    ] = None,
+    tp: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tp", help="Tensor-parallel degree (default 1); world_size must be divisible by it times --dp-replicate."
+        ),
+    ] = None,
     dp_replicate: Annotated[Optional[int], typer.Option(help="HSDP replica count (1 = FSDP).")] = None,
-    ep: Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree for MoE models (default 1): experts "
-                                              "sharded over EP ranks taken from the data-parallel shard dimension "
-                                              "(must divide it and the expert count); tokens move by all_to_all.")] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (default 1): stages over PP ranks, the "
-                                              "outermost mesh dimension (torch.distributed.pipelining); must divide world_size.")] = None,
-    pp_schedule: Annotated[Optional[str], typer.Option(
-        "--pp-schedule", help="Pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B or ZBVZeroBubble (2 stages per rank).")] = None,
-    pp_microbatches: Annotated[Optional[int], typer.Option(
-        "--pp-microbatches", help="Pipeline micro-batches per --batch-size batch (must divide it; default: one window each).")] = None,
-    ac: Annotated[Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")] = None,
-    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile each block (default: on for single-device CPU training when a C++ compiler is on PATH).")] = None,
+    ep: Annotated[
+        Optional[int],
+        typer.Option(
+            "--ep",
+            help="Expert-parallel degree for MoE models (default 1): experts "
+            "sharded over EP ranks taken from the data-parallel shard dimension "
+            "(must divide it and the expert count); tokens move by all_to_all.",
+        ),
+    ] = None,
+    pp: Annotated[
+        Optional[int],
+        typer.Option(
+            "--pp",
+            help="Pipeline-parallel degree (default 1): stages over PP ranks, the "
+            "outermost mesh dimension (torch.distributed.pipelining); must divide world_size.",
+        ),
+    ] = None,
+    pp_schedule: Annotated[
+        Optional[str],
+        typer.Option(
+            "--pp-schedule",
+            help="Pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B or ZBVZeroBubble (2 stages per rank).",
+        ),
+    ] = None,
+    pp_microbatches: Annotated[
+        Optional[int],
+        typer.Option(
+            "--pp-microbatches",
+            help="Pipeline micro-batches per --batch-size batch (must divide it; default: one window each).",
+        ),
+    ] = None,
+    ac: Annotated[
+        Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")
+    ] = None,
+    compile: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--compile/--no-compile",
+            help=(
+                "torch.compile each block (default: on for single-device CPU training when a C++ compiler is on PATH)."
+            ),
+        ),
+    ] = None,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help=f"Seed for init and data order, 0 .. 2**63-1 (default {D.training.seed}).")] = None,
-    lora_rank: Annotated[Optional[int], typer.Option(
-        help="LoRA fine-tuning with adapters of this rank (>= 1): the base frozen (bf16/fp32 or a baige int8/int4 "
-             "checkpoint: QLoRA-style), the adapters written as a PEFT directory <output>/adapter.")] = None,
-    lora_alpha: Annotated[Optional[float], typer.Option(help=f"LoRA alpha: scaling alpha / rank (default {D.lora.alpha:g}).")] = None,
-    lora_dropout: Annotated[Optional[float], typer.Option(help="Dropout on the adapters' input, in [0, 1) (default 0).")] = None,
-    lora_targets: Annotated[Optional[str], typer.Option(
-        help=f"Comma-separated modules to adapt (default {','.join(D.lora.targets)}).")] = None,
-    lora_use_rslora: Annotated[Optional[bool], typer.Option(
-        "--lora-use-rslora/--no-lora-use-rslora", help="rsLoRA scaling alpha / sqrt(rank) (default off).")] = None,
-    merge: Annotated[Optional[bool], typer.Option(
-        "--merge/--no-merge", help="With LoRA, also write <output>/hf: the base with the adapter merged in.")] = None,
+    seed: Annotated[
+        Optional[int], typer.Option(help=f"Seed for init and data order, 0 .. 2**63-1 (default {D.training.seed}).")
+    ] = None,
+    lora_rank: Annotated[
+        Optional[int],
+        typer.Option(
+            help="LoRA fine-tuning with adapters of this rank (>= 1): the base frozen (bf16/fp32 or a baige int8/int4 "
+            "checkpoint: QLoRA-style), the adapters written as a PEFT directory <output>/adapter."
+        ),
+    ] = None,
+    lora_alpha: Annotated[
+        Optional[float], typer.Option(help=f"LoRA alpha: scaling alpha / rank (default {D.lora.alpha:g}).")
+    ] = None,
+    lora_dropout: Annotated[
+        Optional[float], typer.Option(help="Dropout on the adapters' input, in [0, 1) (default 0).")
+    ] = None,
+    lora_targets: Annotated[
+        Optional[str], typer.Option(help=f"Comma-separated modules to adapt (default {','.join(D.lora.targets)}).")
+    ] = None,
+    lora_use_rslora: Annotated[
+        Optional[bool],
+        typer.Option("--lora-use-rslora/--no-lora-use-rslora", help="rsLoRA scaling alpha / sqrt(rank) (default off)."),
+    ] = None,
+    merge: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--merge/--no-merge", help="With LoRA, also write <output>/hf: the base with the adapter merged in."
+        ),
+    ] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)] = None,
 ) -> None:
     """Train or fine-tune a model; checkpoints (DCP), metrics.jsonl and an HF export go to --output."""
@@ -81,17 +173,35 @@ def train(
     from baige.runtime.train.trainer import run_training
 
     flags = {
-        "model.name": model, "model.config": model_config, "model.tokenizer": tokenizer,
-        "data.train": data or None, "data.eval": eval_data or None, "training.eval_every": eval_every,
-        "training.steps": steps, "training.seq_len": seq_len, "training.batch_size": batch_size,
-        "training.grad_accum": grad_accum, "optimizer.lr": lr, "output": output, "checkpoint.resume": resume,
-        "parallelism.tensor_parallel_degree": tp, "parallelism.data_parallel_replicate_degree": dp_replicate,
-        "parallelism.expert_parallel_degree": ep, "parallelism.pipeline_parallel_degree": pp,
-        "parallelism.pipeline_parallel_schedule": pp_schedule, "parallelism.pipeline_parallel_microbatches": pp_microbatches,
-        "training.activation_checkpointing": ac, "training.compile": compile, "training.device": device,
-        "training.seed": seed, "lora.rank": lora_rank, "lora.alpha": lora_alpha, "lora.dropout": lora_dropout,
+        "model.name": model,
+        "model.config": model_config,
+        "model.tokenizer": tokenizer,
+        "data.train": data or None,
+        "data.eval": eval_data or None,
+        "training.eval_every": eval_every,
+        "training.steps": steps,
+        "training.seq_len": seq_len,
+        "training.batch_size": batch_size,
+        "training.grad_accum": grad_accum,
+        "optimizer.lr": lr,
+        "output": output,
+        "checkpoint.resume": resume,
+        "parallelism.tensor_parallel_degree": tp,
+        "parallelism.data_parallel_replicate_degree": dp_replicate,
+        "parallelism.expert_parallel_degree": ep,
+        "parallelism.pipeline_parallel_degree": pp,
+        "parallelism.pipeline_parallel_schedule": pp_schedule,
+        "parallelism.pipeline_parallel_microbatches": pp_microbatches,
+        "training.activation_checkpointing": ac,
+        "training.compile": compile,
+        "training.device": device,
+        "training.seed": seed,
+        "lora.rank": lora_rank,
+        "lora.alpha": lora_alpha,
+        "lora.dropout": lora_dropout,
         "lora.targets": [t.strip() for t in lora_targets.split(",")] if lora_targets is not None else None,
-        "lora.use_rslora": lora_use_rslora, "lora.merge": merge,
+        "lora.use_rslora": lora_use_rslora,
+        "lora.merge": merge,
     }
     cfg = load_train_config(config, flags, set_)
     run_training(cfg)

@@ -19,19 +19,37 @@ import importlib
 
 import torch
 
-from baige.kernels import reference
-from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
+from baige.kernels import moe_cpu, reference
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
-    DENSE_NATIVE_MAX_ROWS, FEW_ROWS, argmax, dense_linear, few_rows_linear, fp16_weight_linear, onednn_linear)
-from baige.kernels import moe_cpu
+    DENSE_NATIVE_MAX_ROWS,
+    FEW_ROWS,
+    argmax,
+    dense_linear,
+    few_rows_linear,
+    fp16_weight_linear,
+    onednn_linear,
+)
+from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
 from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
 
 # The hot ops: each has a reference twin of the same name and signature (``baige bench kernels`` times them).
 OPS = (
-    "rms_norm", "add_rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen",
-    "store_kv", "paged_decode_attention", "paged_prefill_attention",
-    "fused_linear_cross_entropy", "quantized_linear", "moe_topk", "moe_align_block_size", "fused_moe", "lora_apply",
+    "rms_norm",
+    "add_rms_norm",
+    "apply_rope",
+    "silu_mul",
+    "attention",
+    "flash_attention_varlen",
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "fused_linear_cross_entropy",
+    "quantized_linear",
+    "moe_topk",
+    "moe_align_block_size",
+    "fused_moe",
+    "lora_apply",
 )
 __all__ = [*OPS, "OPS"]
 
@@ -127,9 +145,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return impl.silu_mul(gate, up)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
     """Causal scaled-dot-product attention with grouped-query heads over contiguous K/V.
 
     Query ``i`` is at absolute position ``q_offset + i`` and attends to keys ``0..q_offset + i``
@@ -428,29 +444,60 @@ def fused_moe(
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
-from baige.kernels.cpu.info import (  # noqa: E402  (what the native CPU library runs on here)
-    cpu_has_native_bf16, cpu_int_dot, cpu_int_dot_passes, cpu_isa, cpu_isa_flags, native_allowed, native_cpu_available)
-
+# Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
+# Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
+from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402
 
 # The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
 from baige.kernels.cpu.decode import LINEAR_BF16, LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
-from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS
-from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers
-from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc
-from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc
-from baige.kernels.cpu.decode import MoEDesc as DecodeMoEDesc
+from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS  # noqa: E402
+from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers  # noqa: E402
+from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc  # noqa: E402
+from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc  # noqa: E402
+from baige.kernels.cpu.decode import MoEDesc as DecodeMoEDesc  # noqa: E402
+
 # Above this many bytes of K + V per KV head a row's context streams too much for one-row-per-token attention.
 from baige.kernels.cpu.ops import PREFILL_NATIVE_MAX_BYTES as NATIVE_ATTENTION_MAX_BYTES  # noqa: E402
-# Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
-from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402
 
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
 __all__ += [
-    "argmax", "fp16_weight_linear", "dense_linear", "few_rows_linear", "onednn_linear", "FEW_ROWS", "native_cpu_available", "native_allowed", "cpu_isa", "cpu_isa_flags", "cpu_int_dot", "cpu_int_dot_passes", "cpu_has_native_bf16",
-    "LINEAR_BF16", "LINEAR_F16", "LINEAR_F32", "LINEAR_INT4", "LINEAR_INT8", "DECODE_PROJECTIONS",
-    "NativeDecodeLayers", "DecodeLayerDesc", "DecodeLinearDesc", "DecodeMoEDesc", "NATIVE_ATTENTION_MAX_BYTES", "to_weight_arena", "zeroed_pages", "keep_freed_heap",
-    "dequantize_weight", "expand_groups", "unpack_int4",
-    "backend", "check_startup", "settings", "reload_settings", "KernelSettings", "KernelConfigError", "reference",
+    "argmax",
+    "fp16_weight_linear",
+    "dense_linear",
+    "few_rows_linear",
+    "onednn_linear",
+    "FEW_ROWS",
+    "native_cpu_available",
+    "native_allowed",
+    "cpu_isa",
+    "cpu_isa_flags",
+    "cpu_int_dot",
+    "cpu_int_dot_passes",
+    "cpu_has_native_bf16",
+    "LINEAR_BF16",
+    "LINEAR_F16",
+    "LINEAR_F32",
+    "LINEAR_INT4",
+    "LINEAR_INT8",
+    "DECODE_PROJECTIONS",
+    "NativeDecodeLayers",
+    "DecodeLayerDesc",
+    "DecodeLinearDesc",
+    "DecodeMoEDesc",
+    "NATIVE_ATTENTION_MAX_BYTES",
+    "to_weight_arena",
+    "zeroed_pages",
+    "keep_freed_heap",
+    "dequantize_weight",
+    "expand_groups",
+    "unpack_int4",
+    "backend",
+    "check_startup",
+    "settings",
+    "reload_settings",
+    "KernelSettings",
+    "KernelConfigError",
+    "reference",
 ]

@@ -12,8 +12,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     ~43 us for a 49152-wide row, 1 thread, AMD EPYC Zen 4)."""
     from baige.kernels.cpu import native_allowed, ops
 
-    if logits.dim() == 2 and logits.shape[1] > 0 and logits.device.type == "cpu" and native_allowed() \
-            and ops.usable(logits):
+    if (
+        logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.device.type == "cpu"
+        and native_allowed()
+        and ops.usable(logits)
+    ):
         return ops.argmax(logits)
     return logits.argmax(-1)
 
@@ -30,8 +35,9 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 FEW_ROWS = {torch.float32: 32, torch.bfloat16: 64}  # few_rows_linear's native rows, by weight dtype
 
 
-def fp16_weight_linear(x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.Tensor | None,
-                       packed: torch.Tensor) -> torch.Tensor:
+def fp16_weight_linear(
+    x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+) -> torch.Tensor:
     """``x @ W.T + bias`` with fp16 weights and fp32 activations and accumulation.
 
     Args:
@@ -51,8 +57,9 @@ def fp16_weight_linear(x: torch.Tensor, weight_fp16: torch.Tensor, bias: torch.T
     return torch.ops.quantized.linear_dynamic_fp16(x, packed)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 max_rows: int | None = None) -> torch.Tensor:
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for inference. CPU rows with no gradient run the native kernel, which reads
     each weight row once for all rows: an fp32 weight under fp32 rows (at most 128; against torch's
     sgemm on a 49152 x 576 lm_head, 1 thread, AVX2: 12 vs 16 ms at 1 row, 26 vs 50 ms at 5, 185 vs 234
@@ -73,10 +80,17 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     limit = DENSE_NATIVE_MAX_ROWS.get(weight.dtype, 0)
     limit = limit if max_rows is None else min(limit, max_rows)
-    xf = x.float() if x.dim() == 2 and x.shape[0] <= limit and x.dtype in (torch.float32, weight.dtype) \
-        else None  # bf16 -> fp32 is exact
-    if (xf is not None and weight.device.type == "cpu" and weight.stride(-1) == 1 and qlinear.supports_f16(xf)
-            and not (torch.is_grad_enabled() and weight.requires_grad) and (bias is None or bias.is_contiguous())):
+    xf = (
+        x.float() if x.dim() == 2 and x.shape[0] <= limit and x.dtype in (torch.float32, weight.dtype) else None
+    )  # bf16 -> fp32 is exact
+    if (
+        xf is not None
+        and weight.device.type == "cpu"
+        and weight.stride(-1) == 1
+        and qlinear.supports_f16(xf)
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and (bias is None or bias.is_contiguous())
+    ):
         return qlinear.linear_f16(xf, weight, None if bias is None else bias.float()).to(x.dtype)
     bias = None if bias is None else bias.to(weight.dtype)
     if onednn_takes(x, weight, bias):
@@ -90,13 +104,24 @@ def onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     fp32 (out,), PyTorch built with oneDNN and its linear op, ``BAIGE_CPU_ONEDNN`` on."""
     from baige.kernels.settings import settings
 
-    return (_ONEDNN and settings().cpu_onednn and x.dim() == 2 and x.shape[0] > 0
-            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
-            and x.device.type == "cpu" and weight.device.type == "cpu" and weight.stride(-1) == 1
-            and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))
-            and not torch.compiler.is_compiling())
+    return (
+        _ONEDNN
+        and settings().cpu_onednn
+        and x.dim() == 2
+        and x.shape[0] > 0
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.stride(-1) == 1
+        and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1))
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        )
+        and not torch.compiler.is_compiling()
+    )
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

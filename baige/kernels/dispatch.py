@@ -13,7 +13,6 @@ import torch
 from baige.kernels.settings import BACKENDS, int_dot_passes, settings
 
 
-
 class KernelConfigError(ValueError):
     """``BAIGE_KERNELS`` names no backend, or one that cannot run here (the CLI prints it as one line)."""
 

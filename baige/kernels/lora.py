@@ -52,17 +52,28 @@ def lora_apply(
     """
     T, n_in = x.shape if x.dim() == 2 else (None, None)
     L, r_max = lora_a_stack.shape[:2] if lora_a_stack.dim() == 3 else (None, None)
-    ok = (T is not None and L is not None and y.dim() == 2 and y.shape[0] == T
-          and lora_a_stack.shape[2] == n_in and lora_b_stack.shape == (L, y.shape[1], r_max)
-          and scalings.shape == (L,) and token_lora_ids.shape == (T,))
+    ok = (
+        T is not None
+        and L is not None
+        and y.dim() == 2
+        and y.shape[0] == T
+        and lora_a_stack.shape[2] == n_in
+        and lora_b_stack.shape == (L, y.shape[1], r_max)
+        and scalings.shape == (L,)
+        and token_lora_ids.shape == (T,)
+    )
     if not ok:
-        raise ValueError(f"lora_apply: y {tuple(y.shape)}, x {tuple(x.shape)}, lora_a_stack "
-                         f"{tuple(lora_a_stack.shape)}, lora_b_stack {tuple(lora_b_stack.shape)}, scalings "
-                         f"{tuple(scalings.shape)}, token_lora_ids {tuple(token_lora_ids.shape)}: expected "
-                         "(T, out), (T, in), (L, R, in), (L, out, R), (L,), (T,)")
+        raise ValueError(
+            f"lora_apply: y {tuple(y.shape)}, x {tuple(x.shape)}, lora_a_stack "
+            f"{tuple(lora_a_stack.shape)}, lora_b_stack {tuple(lora_b_stack.shape)}, scalings "
+            f"{tuple(scalings.shape)}, token_lora_ids {tuple(token_lora_ids.shape)}: expected "
+            "(T, out), (T, in), (L, R, in), (L, out, R), (L,), (T,)"
+        )
     if not (x.dtype == y.dtype == lora_a_stack.dtype == lora_b_stack.dtype) or token_lora_ids.is_floating_point():
-        raise ValueError(f"lora_apply: y, x, A, B must share one float dtype (got {y.dtype}, {x.dtype}, "
-                         f"{lora_a_stack.dtype}, {lora_b_stack.dtype}) and ids be integers ({token_lora_ids.dtype})")
+        raise ValueError(
+            f"lora_apply: y, x, A, B must share one float dtype (got {y.dtype}, {x.dtype}, "
+            f"{lora_a_stack.dtype}, {lora_b_stack.dtype}) and ids be integers ({token_lora_ids.dtype})"
+        )
     if backend(x) == "reference":
         return reference.lora_apply(y, x, lora_a_stack, lora_b_stack, scalings, token_lora_ids)
     impl = importlib.import_module("baige.kernels.triton_ops.lora")

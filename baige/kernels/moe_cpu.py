@@ -39,8 +39,9 @@ ROW_PAD = 16  # the transposed path's column count is rounded up to this (oneDNN
 NATIVE_SKIP_ROWS = 4  # experts with at most this many rows stay on few_rows_linear beside moe.c
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     """``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))``,
     ``e = topk_ids[t, j]``, for CPU tensors without autograd (the caller checks).
 
@@ -63,8 +64,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if native and x.dtype == torch.bfloat16:
         return _bf16_amx(native, x, w13, w2, tok, wsorted, bincount, counts)
     n = T * k
-    transposed = (not native and onednn_takes(x, w13[0], None) and w2.dtype == torch.float32
-                  and w13.stride(-1) == 1 and w2.stride(-1) == 1)
+    transposed = (
+        not native
+        and onednn_takes(x, w13[0], None)
+        and w2.dtype == torch.float32
+        and w13.stride(-1) == 1
+        and w2.stride(-1) == 1
+    )
     xs = x.new_empty(n + (ROW_PAD - 1 if transposed else 0), H)  # (n [+ pad], H) sorted by expert
     torch.index_select(x, 0, tok, out=xs[:n])
     xs[n:].zero_()
@@ -79,18 +85,26 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             continue
         if transposed and c > few:
             cp = -(-c // ROW_PAD) * ROW_PAD
-            gate_up = onednn_linear(w13[e], xs[start:start + cp])  # (2I, cp)
+            gate_up = onednn_linear(w13[e], xs[start : start + cp])  # (2I, cp)
             act = F.silu(gate_up[:inter], inplace=True).mul_(gate_up[inter:])  # (I, cp) contiguous
-            weighted[start:start + c] = onednn_linear(w2[e], act.t()).t()[:c]  # (H, cp) -> (c, H)
+            weighted[start : start + c] = onednn_linear(w2[e], act.t()).t()[:c]  # (H, cp) -> (c, H)
         else:
-            weighted[start:start + c] = _few_rows_expert(xs[start:start + c], w13[e], w2[e])
+            weighted[start : start + c] = _few_rows_expert(xs[start : start + c], w13[e], w2[e])
         start += c
     weighted = weighted.to(acc).mul_(wsorted[:, None])
     return torch.zeros(T, H, dtype=acc, device=x.device).index_add_(0, tok, weighted).to(x.dtype)
 
 
-def _bf16_amx(native, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tok: torch.Tensor,
-              wsorted: torch.Tensor, bincount: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _bf16_amx(
+    native,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    tok: torch.Tensor,
+    wsorted: torch.Tensor,
+    bincount: torch.Tensor,
+    counts: list[int],
+) -> torch.Tensor:
     """bf16 experts under ``avx512_amx``: ``moe_amx.c`` gathers, computes and adds every expert with more
     than :data:`NATIVE_SKIP_ROWS` pairs into an fp32 (T, H) sum; the others (all, where Linux refuses
     AMX) run :func:`_few_rows_expert` and are added after. Returns (T, H) bf16."""
@@ -99,9 +113,9 @@ def _bf16_amx(native, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tok:
     start = 0
     for e, c in enumerate(counts):
         if c and not (done and c > NATIVE_SKIP_ROWS):
-            t = tok[start:start + c]
+            t = tok[start : start + c]
             y = _few_rows_expert(x.index_select(0, t), w13[e], w2[e])  # (c, H) bf16
-            out.index_add_(0, t, y.float().mul_(wsorted[start:start + c, None]))
+            out.index_add_(0, t, y.float().mul_(wsorted[start : start + c, None]))
         start += c
     return out.to(x.dtype)
 
@@ -130,7 +144,12 @@ def _native(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
 
     variant = current_isa() or ""
     bf16 = x.dtype == torch.bfloat16
-    if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1 and variant.startswith("avx512")
-            and (not bf16 or variant == "avx512_amx")):
+    if not (
+        w13.is_contiguous()
+        and w2.is_contiguous()
+        and x.stride(-1) == 1
+        and variant.startswith("avx512")
+        and (not bf16 or variant == "avx512_amx")
+    ):
         return None
     return ops if x.device.type == "cpu" and native_allowed() and ops.usable(x, w13, w2, bf16=bf16) else None

@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from baige.kernels.reference_int_dot import (  # noqa: F401 (re-exported)
-    ACT_BLOCK, quantize_activation_blocks, quantize_activation_residual)
+    ACT_BLOCK,
+    quantize_activation_blocks,
+    quantize_activation_residual,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,9 +50,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
     T, S = q.shape[1], k.shape[1]
     qh = q.transpose(1, 2)  # (B, H, T, D)
     kh = k.transpose(1, 2)  # (B, Hkv, S, D); SDPA broadcasts the KV heads over query groups
@@ -142,7 +143,7 @@ def paged_prefill_attention(
     for i, ctx in enumerate(ctx_lens):
         start, end = cu[i], cu[i + 1]
         n_blocks = -(-ctx // block_size)
-        table = block_tables[i:i + 1, :n_blocks]
+        table = block_tables[i : i + 1, :n_blocks]
         k = _gather_blocks(k_cache, table)[:, 0, :ctx].transpose(0, 1).to(q.dtype)  # (ctx, Hkv, D)
         v = _gather_blocks(v_cache, table)[:, 0, :ctx].transpose(0, 1).to(q.dtype)
         out[start:end] = attention(q[None, start:end], k[None], v[None], scale, q_offset=ctx - (end - start))[0]
@@ -200,8 +201,8 @@ def _ce_chunk_blocked(h, weight, t, valid, scale, grad_h, grad_w, first):
     m_b, s_b = h.new_empty(n_blocks, n), h.new_empty(n_blocks, n)
     ht = h.t()
     for b in range(n_blocks):
-        zb = z[b * block:(b + 1) * block]  # (block, n)
-        torch.mm(weight[b * block:(b + 1) * block], ht, out=zb)
+        zb = z[b * block : (b + 1) * block]  # (block, n)
+        torch.mm(weight[b * block : (b + 1) * block], ht, out=zb)
         torch.amax(zb, 0, out=m_b[b])
         zb.sub_(m_b[b]).exp_()
         torch.sum(zb, 0, out=s_b[b])
@@ -223,12 +224,12 @@ def _ce_chunk_blocked(h, weight, t, valid, scale, grad_h, grad_w, first):
     rows_in = (rows - blk * block)[order].split(counts)
     cols_in, minus = cols[order].split(counts), (-scale[cols]).to(z.dtype)[order].split(counts)
     for b in range(n_blocks):
-        zb = z[b * block:(b + 1) * block]
+        zb = z[b * block : (b + 1) * block]
         zb.mul_(factor[b])
         if counts[b]:
             zb.index_put_((rows_in[b], cols_in[b]), minus[b], accumulate=True)
         if grad_w is not None:
-            gw = grad_w[b * block:(b + 1) * block]
+            gw = grad_w[b * block : (b + 1) * block]
             if first:
                 torch.mm(zb, h, out=gw)  # (block, hidden)
             else:
@@ -281,11 +282,19 @@ class _FusedLinearCrossEntropy(FusedLinearCrossEntropyGrads):
         chunk_fn = _ce_chunk_blocked if blocked else _ce_chunk_generic
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, n_tokens, chunk):
-            t = targets[s:s + chunk]
+            t = targets[s : s + chunk]
             valid = t != ignore_index
             scale = valid.to(acc) / normalizer  # (n,) d(loss)/d(token loss)
-            total += chunk_fn(hidden[s:s + chunk], weight, t, valid, scale,
-                              grad_h[s:s + chunk] if want_h else None, grad_w, s == 0)
+            total += chunk_fn(
+                hidden[s : s + chunk],
+                weight,
+                t,
+                valid,
+                scale,
+                grad_h[s : s + chunk] if want_h else None,
+                grad_w,
+                s == 0,
+            )
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total / normalizer
@@ -383,8 +392,10 @@ def quantized_linear_int_dot(
     else:
         q, d, q2, d2 = quantize_activation_residual(x)
         parts = [(q, d), (q2, d2)]
-    xd = sum((q.to(x.dtype).unflatten(-1, (d.shape[-1], -1)) * d.to(x.dtype).unsqueeze(-1)).flatten(-2)[..., :k]
-             for q, d in parts)
+    xd = sum(
+        (q.to(x.dtype).unflatten(-1, (d.shape[-1], -1)) * d.to(x.dtype).unsqueeze(-1)).flatten(-2)[..., :k]
+        for q, d in parts
+    )
     w = qweight if qweight.dtype == torch.int8 else unpack_int4(qweight, k)
     return F.linear(xd, dequantize_weight(w, scale.to(x.dtype), zero_point, group_size), bias)
 
@@ -451,7 +462,7 @@ def fused_moe(
         # unbind: one backward stack for all experts instead of a full-size zero gradient per indexed expert
         for c, w13_e, w2_e in zip(counts, w13.unbind(0), w2.unbind(0)):
             if c:
-                gate_up = xs[start:start + c] @ w13_e.t()  # (c, 2 * I)
+                gate_up = xs[start : start + c] @ w13_e.t()  # (c, 2 * I)
                 pieces.append(silu_mul(gate_up[:, :inter], gate_up[:, inter:]) @ w2_e.t())  # (c, H)
                 start += c
         y = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])  # (T * k, H) in sorted order
@@ -461,9 +472,9 @@ def fused_moe(
         start = 0
         for e, c in enumerate(counts):
             if c:
-                gate_up = torch.mm(xs[start:start + c], w13[e].t())  # (c, 2 * I)
+                gate_up = torch.mm(xs[start : start + c], w13[e].t())  # (c, 2 * I)
                 act = F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])  # (c, I)
-                torch.mm(act, w2[e].t(), out=weighted[start:start + c])
+                torch.mm(act, w2[e].t(), out=weighted[start : start + c])
                 start += c
         weighted = weighted.to(acc).mul_(w_sorted)
     return torch.zeros(T, x.shape[1], dtype=acc, device=x.device).index_add_(0, tok, weighted).to(x.dtype)
@@ -477,8 +488,10 @@ def lora_apply(y, x, lora_a_stack, lora_b_stack, scalings, token_lora_ids):
     ids = token_lora_ids.long()
     present = torch.unique(ids).tolist()  # sorted; one host read per call (CPU path)
     if present and (present[0] < -1 or present[-1] >= lora_a_stack.shape[0]):
-        raise ValueError(f"lora_apply: token_lora_ids hold {present[0] if present[0] < -1 else present[-1]}, "
-                         f"outside [-1, {lora_a_stack.shape[0]})")
+        raise ValueError(
+            f"lora_apply: token_lora_ids hold {present[0] if present[0] < -1 else present[-1]}, "
+            f"outside [-1, {lora_a_stack.shape[0]})"
+        )
     for i in present:
         if i < 0:
             continue

@@ -29,7 +29,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
 BACKENDS = ("auto", "reference", "triton")  # the values BAIGE_KERNELS takes
 
 

@@ -26,8 +26,17 @@ def parse_size(text: str, option: str | None = None) -> int:
     if not m:
         raise BaigeError(f"{option + ': ' if option else ''}bad size {text!r} (examples: 500MB, 2GB, 1GiB)")
     unit = (m.group(2) or "B").upper()
-    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    mult = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     return int(float(m.group(1)) * mult)
 
 
@@ -38,8 +47,9 @@ def check_int(option: str, value: int, low: int, high: int | None = None) -> Non
         raise BaigeError(f"{option} must be an integer {bounds} (got {value!r})")
 
 
-def check_float(option: str, value: float, low: float, high: float = math.inf, low_open: bool = False,
-                inf_ok: bool = False) -> None:
+def check_float(
+    option: str, value: float, low: float, high: float = math.inf, low_open: bool = False, inf_ok: bool = False
+) -> None:
     """``value`` a finite number (or +inf with ``inf_ok``) in [low, high] ((low, high] with ``low_open``).
     Raises BaigeError naming ``option``."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -201,8 +211,11 @@ class EngineConfig:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
         ``lora_modules`` without ``enable_lora``, or LoRA with tensor parallelism."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
-        for option, value in (("--max-num-seqs", self.max_num_seqs), ("--block-size", self.block_size),
-                              ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+        for option, value in (
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--block-size", self.block_size),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+        ):
             check_int(option, value, 1)
         if self.max_model_len is not None:
             check_int("--max-model-len", self.max_model_len, 1)
@@ -280,7 +293,7 @@ class SpeculativeConfig:
             object.__setattr__(self, "prompt_lookup_max", hi)
         else:
             if not isinstance(self.model, str) or not self.model:
-                bad("method draft_model needs \"model\": the draft's model spec")
+                bad('method draft_model needs "model": the draft\'s model spec')
             if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
                 bad("prompt_lookup_max/min are for method ngram")
 
@@ -297,21 +310,27 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise BaigeError(f"--speculative-config: not valid JSON ({e.msg} at character {e.pos})",
-                                 param="speculative_config") from None
+                raise BaigeError(
+                    f"--speculative-config: not valid JSON ({e.msg} at character {e.pos})", param="speculative_config"
+                ) from None
         if not isinstance(value, dict):
-            raise BaigeError("--speculative-config: a JSON object such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4}', param="speculative_config")
+            raise BaigeError(
+                '--speculative-config: a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}',
+                param="speculative_config",
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise BaigeError(f"--speculative-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
-                             param="speculative_config")
+            raise BaigeError(
+                f"--speculative-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
+                param="speculative_config",
+            )
         value = dict(value)
         if "method" not in value:
             if "model" not in value:
-                raise BaigeError('--speculative-config: give "method" (ngram or draft_model)',
-                                 param="speculative_config")
+                raise BaigeError(
+                    '--speculative-config: give "method" (ngram or draft_model)', param="speculative_config"
+                )
             value["method"] = "draft_model"
         if "num_speculative_tokens" not in value:
             raise BaigeError('--speculative-config: give "num_speculative_tokens"', param="speculative_config")

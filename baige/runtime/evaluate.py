@@ -96,7 +96,9 @@ class CompareResult:
         }
 
 
-def compare(model_a, model_b, ids: torch.Tensor, seq_len: int = 1024, progress: ProgressFn | None = None) -> CompareResult:
+def compare(
+    model_a, model_b, ids: torch.Tensor, seq_len: int = 1024, progress: ProgressFn | None = None
+) -> CompareResult:
     """Perplexity of both models plus ``mean KL(P_a || P_b)`` of the next-token distributions
     (``sum_v p_a(v) (log p_a(v) - log p_b(v))``, nats, averaged over every predicted position) and the
     top-1 agreement (fraction of positions with equal argmax), on the same windows as :func:`perplexity`.

@@ -25,8 +25,14 @@ from baige.runtime.weights.safetensors_io import save_hf_checkpoint
 GPTQ_CLIP_SEARCH_DEFAULT = True
 
 
-def save_quantized(model: nn.Module, scheme: QuantScheme, report: list[dict], out_dir: str | Path,
-                   tokenizer_dir: str | Path | None, clip_search: dict | None = None) -> Path:
+def save_quantized(
+    model: nn.Module,
+    scheme: QuantScheme,
+    report: list[dict],
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None,
+    clip_search: dict | None = None,
+) -> Path:
     """Write the quantized model as an HF directory in the compressed-tensors format, with
     ``quantization_report.json`` beside the weights (see :func:`quant.format.quantized_checkpoint`).
     Atomic (temp dir + rename).
@@ -95,8 +101,9 @@ def quantize_checkpoint(cfg: QuantizeConfig, progress: ProgressFn | None = None)
     clip = clip_search_on(cfg)
     model_dir = resolve_model(cfg.model)
     # the checkpoint's own dtype (not the CPU's inference choice): what the output keeps unquantized
-    model = load_model(model_dir, checkpoint_dtype(ModelConfig.from_file(model_dir / "config.json")),
-                       resolve_device(cfg.device))
+    model = load_model(
+        model_dir, checkpoint_dtype(ModelConfig.from_file(model_dir / "config.json")), resolve_device(cfg.device)
+    )
     if model.config.raw.get("quantization_config"):
         raise BaigeError(f"{model_dir}: the model is already quantized")
     calib = None

@@ -77,8 +77,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], None], device: torch.device, warmup: int, iters: int, min_seconds: float = 0.0,
-          max_iters: int = 200) -> float:
+def _time(
+    fn: Callable[[], None],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    min_seconds: float = 0.0,
+    max_iters: int = 200,
+) -> float:
     """Best (minimum) seconds per call, as STREAM reports the best rate of its trials: a limit is
     what the machine can do, and on a shared machine the median is pulled down by other work.
     ``triton.testing.do_bench`` on CUDA, warm-up + timed loop on CPU: ``iters`` timed calls, then
@@ -108,8 +114,9 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: in
     return 2 * src.numel() * 4 / t
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 5,
-                        min_seconds: float = 2.0) -> float:
+def measure_matmul_peak(
+    device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 5, min_seconds: float = 2.0
+) -> float:
     """Matmul FLOP/s of an ``n x n @ n x n`` GEMM in ``dtype`` (default n = 2048 on CPU, 8192 on
     CUDA): ``2 * n**3 / best time`` over at least ``iters`` calls and ``min_seconds`` of timed calls
     on the CPU (see the module docstring: a shared CPU's rate drops for seconds at a time)."""
@@ -131,9 +138,13 @@ def hardware_limits(device: torch.device | str = "cpu", dtype: torch.dtype = tor
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         sheet = datasheet_peaks(name) if device.type == "cuda" else None
         _CACHE[key] = HardwareLimits(
-            device=name, dtype=str(dtype).removeprefix("torch."), bandwidth=measure_bandwidth(device),
+            device=name,
+            dtype=str(dtype).removeprefix("torch."),
+            bandwidth=measure_bandwidth(device),
             matmul_peak=measure_matmul_peak(device, dtype),
-            datasheet_peak=sheet[0] if sheet else None, datasheet_bandwidth=sheet[1] if sheet else None)
+            datasheet_peak=sheet[0] if sheet else None,
+            datasheet_bandwidth=sheet[1] if sheet else None,
+        )
     return _CACHE[key]
 
 
@@ -144,9 +155,12 @@ def remeasure_limits(limits: HardwareLimits) -> HardwareLimits:
     if limits.device != "cpu":
         return limits
     device, dtype = torch.device("cpu"), getattr(torch, limits.dtype)
-    out = HardwareLimits(device=limits.device, dtype=limits.dtype,
-                         bandwidth=max(limits.bandwidth, measure_bandwidth(device)),
-                         matmul_peak=max(limits.matmul_peak, measure_matmul_peak(device, dtype)))
+    out = HardwareLimits(
+        device=limits.device,
+        dtype=limits.dtype,
+        bandwidth=max(limits.bandwidth, measure_bandwidth(device)),
+        matmul_peak=max(limits.matmul_peak, measure_matmul_peak(device, dtype)),
+    )
     _CACHE[(str(device), str(dtype))] = out
     return out
 
@@ -180,11 +194,17 @@ def model_counts(model) -> dict[str, int]:
     (= L * H * Q, layers x heads x head_dim), ``weight_bytes``, ``lm_head_params`` (vocab x hidden), and for MoE models
     ``routed_expert_bytes`` (all routed experts of all sparse layers), ``num_experts``, ``top_k``."""
     c = model.config
-    counts = {"num_params": model.num_params(), "num_params_non_embedding": model.num_params(non_embedding=True),
-              "num_params_active": c.num_params(non_embedding=True, active=True),
-              "attn_dims": c.num_hidden_layers * c.num_attention_heads * c.head_dim,
-              "weight_bytes": weight_bytes(model), "routed_expert_bytes": 0, "num_experts": 0, "top_k": 0,
-              "lm_head_params": c.vocab_size * c.hidden_size}
+    counts = {
+        "num_params": model.num_params(),
+        "num_params_non_embedding": model.num_params(non_embedding=True),
+        "num_params_active": c.num_params(non_embedding=True, active=True),
+        "attn_dims": c.num_hidden_layers * c.num_attention_heads * c.head_dim,
+        "weight_bytes": weight_bytes(model),
+        "routed_expert_bytes": 0,
+        "num_experts": 0,
+        "top_k": 0,
+        "lm_head_params": c.vocab_size * c.hidden_size,
+    }
     if c.moe is not None:
         experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
         counts["routed_expert_bytes"] = sum(weight_bytes(m) for m in experts)
@@ -221,8 +241,14 @@ def forward_flops_per_token(num_params_non_embedding: int, attn_dims: int, conte
     return 2 * num_params_non_embedding + 4 * attn_dims * context_len
 
 
-def decode_roofline(tokens_per_s: float, batch_size: int, weight_bytes_: int, kv_bytes_per_token: int,
-                    context_len: float, bandwidth: float) -> dict[str, float]:
+def decode_roofline(
+    tokens_per_s: float,
+    batch_size: int,
+    weight_bytes_: int,
+    kv_bytes_per_token: int,
+    context_len: float,
+    bandwidth: float,
+) -> dict[str, float]:
     """Decode against the bandwidth limit.
 
     Args:
@@ -263,13 +289,15 @@ def compute_roofline(tokens_per_s: float, flops_per_token: float, peak: float) -
     }
 
 
-def workload_roofline(steps: list, counts: dict, kv_bytes_per_token: int, peak: float,
-                      bandwidth: float) -> dict[str, float]:
+def workload_roofline(
+    steps: list, counts: dict, kv_bytes_per_token: int, peak: float, bandwidth: float
+) -> dict[str, float]:
     """The least time a machine of ``peak`` FLOP/s and ``bandwidth`` bytes/s needs for ``steps``.
 
     Each step needs at least ``max(flops / peak, bytes / bandwidth)`` seconds (the roofline, Williams
     et al. 2009, per step), with ``flops = 2 N tokens + 4 LHQ attn_pairs + 2 V sampled`` (N =
-    ``counts["num_params_active"]``, LHQ = ``counts["attn_dims"]``, V = ``counts["lm_head_params"]``: the forward count of
+    ``counts["num_params_active"]``, LHQ = ``counts["attn_dims"]``, V = ``counts["lm_head_params"]``: the forward count
+    of
     :func:`forward_flops_per_token` plus the lm_head rows actually projected) and ``bytes =
     step_weight_bytes(counts, tokens) + kv_bytes_per_token * (kv_tokens + tokens)`` (every weight
     once, the cache read once and the new K/V written). Activations are assumed to stay in cache.
@@ -301,14 +329,21 @@ def workload_roofline(steps: list, counts: dict, kv_bytes_per_token: int, peak: 
             n_memory += 1
         else:
             compute_s += tc
-    return {"min_time_s": compute_s + memory_s, "compute_bound_s": compute_s, "bandwidth_bound_s": memory_s,
-            "steps": len(steps), "bandwidth_bound_steps": n_memory}
+    return {
+        "min_time_s": compute_s + memory_s,
+        "compute_bound_s": compute_s,
+        "bandwidth_bound_s": memory_s,
+        "steps": len(steps),
+        "bandwidth_bound_steps": n_memory,
+    }
 
 
-def workload_floor(requests: list[tuple[int, int]], counts: dict, kv_bytes_per_token: int, peak: float,
-                   bandwidth: float) -> dict[str, float]:
+def workload_floor(
+    requests: list[tuple[int, int]], counts: dict, kv_bytes_per_token: int, peak: float, bandwidth: float
+) -> dict[str, float]:
     """The least time *any* schedule needs for ``requests`` on a machine of ``peak`` FLOP/s and
-    ``bandwidth`` bytes/s, under :func:`workload_roofline`'s cost model, without speculative decoding or prefix-cache hits.
+    ``bandwidth`` bytes/s, under :func:`workload_roofline`'s cost model, without speculative decoding or prefix-cache
+    hits.
 
     Every schedule's ``workload_roofline`` time is ``sum_i max(c_i, m_i) >= max(sum_i c_i, sum_i m_i)``,
     and both sums have schedule-free lower bounds:
@@ -344,24 +379,35 @@ def workload_floor(requests: list[tuple[int, int]], counts: dict, kv_bytes_per_t
     steps = max(o for _, o in requests)
     compute_s = flops / peak
     memory_s = (steps * step_weight_bytes(counts, 1) + kv_bytes_per_token * kv_tokens) / bandwidth
-    return {"min_time_s": max(compute_s, memory_s), "compute_s": compute_s, "memory_s": memory_s,
-            "min_steps": steps}
+    return {"min_time_s": max(compute_s, memory_s), "compute_s": compute_s, "memory_s": memory_s, "min_steps": steps}
 
 
-def workload_limit(bound: dict[str, float], total_tokens: int, flops_per_token: float, peak: float,
-                   elapsed: float) -> dict[str, float]:
+def workload_limit(
+    bound: dict[str, float], total_tokens: int, flops_per_token: float, peak: float, elapsed: float
+) -> dict[str, float]:
     """``bound`` (:func:`workload_roofline`) against a run of ``total_tokens`` in ``elapsed`` seconds:
     adds ``limit_tokens_per_s`` (total_tokens / min_time_s), ``limit_pct_of_peak`` (%: the most of
     ``peak`` that :func:`compute_roofline`'s count, ``flops_per_token`` per token, can reach on this
     schedule and machine) and ``pct_of_limit`` (%: min_time_s / elapsed)."""
     limit_tps = total_tokens / bound["min_time_s"] if bound["min_time_s"] > 0 else float("inf")
-    return {**bound, "limit_tokens_per_s": limit_tps, "limit_pct_of_peak": 100 * limit_tps * flops_per_token / peak,
-            "pct_of_limit": 100 * bound["min_time_s"] / elapsed}
+    return {
+        **bound,
+        "limit_tokens_per_s": limit_tps,
+        "limit_pct_of_peak": 100 * limit_tps * flops_per_token / peak,
+        "pct_of_limit": 100 * bound["min_time_s"] / elapsed,
+    }
 
 
-def workload_summary(steps: list, counts: dict, kv_bytes_per_token: int, limits, total_tokens: int,
-                     flops_per_token: float, elapsed: float,
-                     requests: list[tuple[int, int]] | None = None) -> dict[str, float]:
+def workload_summary(
+    steps: list,
+    counts: dict,
+    kv_bytes_per_token: int,
+    limits,
+    total_tokens: int,
+    flops_per_token: float,
+    elapsed: float,
+    requests: list[tuple[int, int]] | None = None,
+) -> dict[str, float]:
     """:func:`workload_limit` of :func:`workload_roofline` on ``limits`` (a :class:`HardwareLimits`): the
     schedule's least time on this machine against a run of ``total_tokens`` in ``elapsed`` seconds,
     as ``bench throughput`` and ``bench compare`` report it. With ``requests`` ((prompt, output)

@@ -36,10 +36,13 @@ class RuntimeSettings:
 
 def _read() -> RuntimeSettings:
     auto_dtype = os.environ.get("BAIGE_CPU_AUTO_DTYPE", "auto") or "auto"  # checked where it is used
-    return RuntimeSettings(cache_dir=kernels.settings().cache_dir,
-                           cpu_decode=os.environ.get("BAIGE_CPU_DECODE", "1") != "0",
-                           cpu_auto_dtype=auto_dtype, cpu_keep_heap=os.environ.get("BAIGE_CPU_KEEP_HEAP", "1") != "0",
-                           cxx=os.environ.get("CXX") or None)
+    return RuntimeSettings(
+        cache_dir=kernels.settings().cache_dir,
+        cpu_decode=os.environ.get("BAIGE_CPU_DECODE", "1") != "0",
+        cpu_auto_dtype=auto_dtype,
+        cpu_keep_heap=os.environ.get("BAIGE_CPU_KEEP_HEAP", "1") != "0",
+        cxx=os.environ.get("CXX") or None,
+    )
 
 
 _current: list[RuntimeSettings] = [_read()]

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 
 from baige.runtime import roofline
 from baige.runtime.bench.compare import ratios
-from baige.runtime.infer.scheduler import StepShape
 from baige.runtime.bench.offline import (
     LatencyConfig,
     bench_engine,
@@ -25,6 +24,7 @@ from baige.runtime.bench.offline import (
     random_token_prompts,
     throughput_summary,
 )
+from baige.runtime.infer.scheduler import StepShape
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.transformer import Transformer
 
@@ -66,7 +66,9 @@ def test_model_counts_match_the_model(tied):
     h, V, L, H, Q = 64, 160, 2, 4, 16
     assert c["attn_dims"] == L * H * Q
     # forward = one third of the training count 6N + 12LHQT
-    assert roofline.forward_flops_per_token(c["num_params_non_embedding"], c["attn_dims"], 37) == m.flops_per_token(37) / 3
+    assert (
+        roofline.forward_flops_per_token(c["num_params_non_embedding"], c["attn_dims"], 37) == m.flops_per_token(37) / 3
+    )
     # every weight read once per decode step, fp32: the non-embedding body + the V x h output head
     # (tied: that is the embedding; untied: the embedding table itself is only indexed, not read)
     assert c["weight_bytes"] == 4 * (c["num_params_non_embedding"] + V * h)
@@ -112,16 +114,20 @@ def test_measurements_take_the_best_of_their_timed_calls(monkeypatch):
     nbytes = 1 << 20
     assert roofline.measure_bandwidth(torch.device("cpu"), nbytes, iters=3) == 2 * nbytes / 0.125  # read + write
     monkeypatch.setattr(roofline, "time", FakeTime([0.0, 0.5, 1.0, 1.25, 2.0, 2.0625]))
-    assert roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=3,
-                                        min_seconds=0) == 2 * 64**3 / 0.0625
+    assert (
+        roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=3, min_seconds=0)
+        == 2 * 64**3 / 0.0625
+    )
 
 
 def test_matmul_peak_keeps_timing_until_its_minimum_seconds(monkeypatch):
     # iters=2 but min_seconds=1: calls of 0.5, 0.25 (0.75 s so far), 0.125 (0.875), 0.5 (1.375): four
     # timed calls, the best 0.125 s -- a slow spell at the start does not set the limit
     monkeypatch.setattr(roofline, "time", FakeTime([0.0, 0.5, 1.0, 1.25, 2.0, 2.125, 3.0, 3.5]))
-    assert roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=2,
-                                        min_seconds=1.0) == 2 * 64**3 / 0.125
+    assert (
+        roofline.measure_matmul_peak(torch.device("cpu"), torch.float32, n=64, iters=2, min_seconds=1.0)
+        == 2 * 64**3 / 0.125
+    )
 
 
 def test_limits_measured_again_keep_the_better_of_the_two(monkeypatch):
@@ -138,8 +144,10 @@ def test_limits_measured_again_keep_the_better_of_the_two(monkeypatch):
 
 def test_workload_roofline_by_hand():
     counts = {"num_params_active": 1000, "attn_dims": 10, "lm_head_params": 500, "weight_bytes": 4000}
-    steps = [StepShape(tokens=100, kv_tokens=100, attn_pairs=5050, sampled=1),  # a 100-token prompt
-             StepShape(tokens=2, kv_tokens=101, attn_pairs=101, sampled=2)]  # two decode rows
+    steps = [
+        StepShape(tokens=100, kv_tokens=100, attn_pairs=5050, sampled=1),  # a 100-token prompt
+        StepShape(tokens=2, kv_tokens=101, attn_pairs=101, sampled=2),
+    ]  # two decode rows
     b = roofline.workload_roofline(steps, counts, 100, peak=1e6, bandwidth=1e5)
     # prefill: 2*1000*100 + 4*10*5050 + 2*500 = 403000 FLOPs (0.403 s) > 4000 + 100*200 bytes (0.24 s)
     # decode: 4000 + 4040 + 2000 = 10040 FLOPs (0.01004 s) < 4000 + 100*103 = 14300 bytes (0.143 s)
@@ -163,21 +171,39 @@ def test_workload_floor_by_hand_and_against_a_schedule():
     assert f["compute_s"] == pytest.approx(0.01964) and f["memory_s"] == pytest.approx(0.14)
     assert (f["min_time_s"], f["min_steps"]) == (pytest.approx(0.14), 3)
     # the schedule that meets it: both prefills, two decodes, the last decode
-    steps = [StepShape(tokens=4, kv_tokens=4, attn_pairs=7, sampled=2),
-             StepShape(tokens=2, kv_tokens=6, attn_pairs=6, sampled=2),
-             StepShape(tokens=1, kv_tokens=3, attn_pairs=3, sampled=1)]
+    steps = [
+        StepShape(tokens=4, kv_tokens=4, attn_pairs=7, sampled=2),
+        StepShape(tokens=2, kv_tokens=6, attn_pairs=6, sampled=2),
+        StepShape(tokens=1, kv_tokens=3, attn_pairs=3, sampled=1),
+    ]
     assert roofline.workload_roofline(steps, counts, 100, peak=1e6, bandwidth=1e5)["min_time_s"] == pytest.approx(0.14)
     # a slow peak: compute bound, 19640 FLOPs at 1e4 FLOP/s; this schedule's steps add up to more (1.964 s is
     # their FLOPs, but each step pays its own max) -- never less
     f = roofline.workload_floor(reqs, counts, 100, peak=1e4, bandwidth=1e5)
     assert f["min_time_s"] == pytest.approx(1.964)
     assert roofline.workload_roofline(steps, counts, 100, peak=1e4, bandwidth=1e5)["min_time_s"] >= f["min_time_s"]
-    s = roofline.workload_summary(steps, counts, 100, roofline.HardwareLimits("cpu", "float32", 1e5, 1e6),
-                                  total_tokens=9, flops_per_token=2000, elapsed=0.28, requests=reqs)
+    s = roofline.workload_summary(
+        steps,
+        counts,
+        100,
+        roofline.HardwareLimits("cpu", "float32", 1e5, 1e6),
+        total_tokens=9,
+        flops_per_token=2000,
+        elapsed=0.28,
+        requests=reqs,
+    )
     assert s["any_schedule_min_time_s"] == pytest.approx(0.14) and s["pct_of_limit"] == pytest.approx(50.0)
     assert s["any_schedule_pct_of_peak"] == pytest.approx(100 * 9 / 0.14 * 2000 / 1e6)  # 12.9%
-    over = roofline.workload_summary(steps, counts, 100, roofline.HardwareLimits("cpu", "float32", 1e5, 1e6),
-                                     total_tokens=9, flops_per_token=1e6, elapsed=0.28, requests=reqs)
+    over = roofline.workload_summary(
+        steps,
+        counts,
+        100,
+        roofline.HardwareLimits("cpu", "float32", 1e5, 1e6),
+        total_tokens=9,
+        flops_per_token=1e6,
+        elapsed=0.28,
+        requests=reqs,
+    )
     assert over["any_schedule_pct_of_peak"] == 100.0  # a per-token count past the floor's FLOPs: capped
     for bad in ([], [(0, 2)], [(3, 0)]):
         with pytest.raises(ValueError, match="at least one request"):
@@ -190,8 +216,10 @@ def test_engine_records_the_shape_of_each_step(tiny_dir):
 
     llm = LLM(str(tiny_dir), dtype="float32", enforce_eager=True, max_model_len=32, kv_cache_memory=1 << 20)
     llm.engine.step_shapes = []
-    llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [5, 6, 7]}],
-                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    llm.generate(
+        [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [5, 6, 7]}],
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    )
     S = StepShape
     # prefill 5 + 3 tokens (pairs 15 + 6), then two decode steps of two rows each after 5/3, 6/4 cached tokens
     assert llm.engine.step_shapes == [S(8, 8, 21, 2), S(2, 6 + 4, 6 + 4, 2), S(2, 7 + 5, 7 + 5, 2)]
@@ -201,8 +229,11 @@ def test_hardware_limits_measure_once_per_device_and_dtype(monkeypatch):
     calls = []
     monkeypatch.setattr(roofline, "_CACHE", {})
     monkeypatch.setattr(roofline, "measure_bandwidth", lambda device: calls.append(("bw", str(device))) or 7e9)
-    monkeypatch.setattr(roofline, "measure_matmul_peak",
-                        lambda device, dtype: calls.append(("mm", str(dtype))) or {torch.float32: 3e11}.get(dtype, 5e11))
+    monkeypatch.setattr(
+        roofline,
+        "measure_matmul_peak",
+        lambda device, dtype: calls.append(("mm", str(dtype))) or {torch.float32: 3e11}.get(dtype, 5e11),
+    )
     a = roofline.hardware_limits("cpu", torch.float32)
     assert (a.device, a.dtype, a.bandwidth, a.matmul_peak, a.datasheet_peak) == ("cpu", "float32", 7e9, 3e11, None)
     assert roofline.hardware_limits("cpu", torch.float32) is a
@@ -216,7 +247,13 @@ def test_hardware_limits_measure_once_per_device_and_dtype(monkeypatch):
 
 def test_latency_summary_by_hand():
     cfg = LatencyConfig(bench_engine(), input_len=10, output_len=5, batch_size=2)
-    info = {"num_params_non_embedding": 1000, "num_params_active": 1000, "attn_dims": 10, "weight_bytes": 8000, "kv_bytes_per_token": 100}
+    info = {
+        "num_params_non_embedding": 1000,
+        "num_params_active": 1000,
+        "attn_dims": 10,
+        "weight_bytes": 8000,
+        "kv_bytes_per_token": 100,
+    }
     samples = [{"latency": 1.0, "ttft": 0.2}, {"latency": 3.0, "ttft": 0.2}]
     s = latency_summary(samples, cfg, info, LIMITS)
     assert s["avg_latency_s"] == 2.0 and s["std_latency_s"] == 1.0 and s["p50_latency_s"] == 2.0
@@ -251,32 +288,73 @@ def test_random_prompts_lengths_and_ids():
 
 
 def test_compare_ratios_by_hand():
-    s = {"decode": {"baige": {"tokens_per_s": 30.0}, "baige-int8": {"tokens_per_s": 50.0},
-                    "hf-float32": {"tokens_per_s": 10.0}, "hf-bfloat16": {"tokens_per_s": 15.0}},
-         "throughput": {"baige": {"tokens_per_s": 400.0}, "hf-float32": {"tokens_per_s": 100.0}}}
+    s = {
+        "decode": {
+            "baige": {"tokens_per_s": 30.0},
+            "baige-int8": {"tokens_per_s": 50.0},
+            "hf-float32": {"tokens_per_s": 10.0},
+            "hf-bfloat16": {"tokens_per_s": 15.0},
+        },
+        "throughput": {"baige": {"tokens_per_s": 400.0}, "hf-float32": {"tokens_per_s": 100.0}},
+    }
     r = ratios(s)
-    assert r == {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-bfloat16": 2.0,
-                 "decode_baige_over_hf-best": 2.0, "decode_baige-int8_over_hf-best": 50.0 / 15.0,
-                 "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf-best": 4.0}
-    s = {"decode": {"baige": {"tokens_per_s": 30.0}, "baige-int8": {"tokens_per_s": 60.0},
-                    "baige-int4-g32": {"tokens_per_s": 90.0}, "llama.cpp-Q4_1": {"tokens_per_s": 75.0},
-                    "llama.cpp-Q8_0": {"tokens_per_s": 40.0}, "llama.cpp-Q4_0": {"tokens_per_s": 72.0}}}
+    assert r == {
+        "decode_baige_over_hf-float32": 3.0,
+        "decode_baige_over_hf-bfloat16": 2.0,
+        "decode_baige_over_hf-best": 2.0,
+        "decode_baige-int8_over_hf-best": 50.0 / 15.0,
+        "throughput_baige_over_hf-float32": 4.0,
+        "throughput_baige_over_hf-best": 4.0,
+    }
+    s = {
+        "decode": {
+            "baige": {"tokens_per_s": 30.0},
+            "baige-int8": {"tokens_per_s": 60.0},
+            "baige-int4-g32": {"tokens_per_s": 90.0},
+            "llama.cpp-Q4_1": {"tokens_per_s": 75.0},
+            "llama.cpp-Q8_0": {"tokens_per_s": 40.0},
+            "llama.cpp-Q4_0": {"tokens_per_s": 72.0},
+        }
+    }
     r = ratios(s)
-    assert r == {"decode_baige_over_llama.cpp-Q4_1": 0.4, "decode_baige_over_llama.cpp-Q8_0": 0.75,
-                 "decode_baige_over_llama.cpp-Q4_0": 30.0 / 72.0, "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
-                 "decode_baige-int4-g32_over_llama.cpp-Q4_0": 1.25, "decode_baige-int4-g32_over_llama.cpp-Q4_1": 1.2}
+    assert r == {
+        "decode_baige_over_llama.cpp-Q4_1": 0.4,
+        "decode_baige_over_llama.cpp-Q8_0": 0.75,
+        "decode_baige_over_llama.cpp-Q4_0": 30.0 / 72.0,
+        "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
+        "decode_baige-int4-g32_over_llama.cpp-Q4_0": 1.25,
+        "decode_baige-int4-g32_over_llama.cpp-Q4_1": 1.2,
+    }
     # Qwen2.5-Coder's GGUF ships as Q4_K_M: both int4 rows are timed against it
-    s = {"decode": {"baige": {"tokens_per_s": 2.0}, "baige-int4": {"tokens_per_s": 11.0},
-                    "baige-int4-g32": {"tokens_per_s": 10.0}, "llama.cpp-Q4_K_M": {"tokens_per_s": 8.0}}}
-    assert ratios(s) == {"decode_baige_over_llama.cpp-Q4_K_M": 0.25, "decode_baige-int4_over_llama.cpp-Q4_K_M": 1.375,
-                         "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25}
+    s = {
+        "decode": {
+            "baige": {"tokens_per_s": 2.0},
+            "baige-int4": {"tokens_per_s": 11.0},
+            "baige-int4-g32": {"tokens_per_s": 10.0},
+            "llama.cpp-Q4_K_M": {"tokens_per_s": 8.0},
+        }
+    }
+    assert ratios(s) == {
+        "decode_baige_over_llama.cpp-Q4_K_M": 0.25,
+        "decode_baige-int4_over_llama.cpp-Q4_K_M": 1.375,
+        "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25,
+    }
     # the rows whose tied lm_head is int8 too (llama.cpp quantizes its output matrix)
-    s = {"decode": {"baige": {"tokens_per_s": 30.0}, "baige-int8+int8-weight": {"tokens_per_s": 88.0},
-                    "baige-int4-g32+int8-weight": {"tokens_per_s": 100.0}, "llama.cpp-Q8_0": {"tokens_per_s": 66.0},
-                    "llama.cpp-Q4_0": {"tokens_per_s": 80.0}}}
+    s = {
+        "decode": {
+            "baige": {"tokens_per_s": 30.0},
+            "baige-int8+int8-weight": {"tokens_per_s": 88.0},
+            "baige-int4-g32+int8-weight": {"tokens_per_s": 100.0},
+            "llama.cpp-Q8_0": {"tokens_per_s": 66.0},
+            "llama.cpp-Q4_0": {"tokens_per_s": 80.0},
+        }
+    }
     assert {k: v for k, v in ratios(s).items() if not k.startswith("decode_baige_")} == pytest.approx(
-        {"decode_baige-int8+int8-weight_over_llama.cpp-Q8_0": 88.0 / 66.0,
-         "decode_baige-int4-g32+int8-weight_over_llama.cpp-Q4_0": 1.25})
+        {
+            "decode_baige-int8+int8-weight_over_llama.cpp-Q8_0": 88.0 / 66.0,
+            "decode_baige-int4-g32+int8-weight_over_llama.cpp-Q4_0": 1.25,
+        }
+    )
 
 
 def test_compare_times_rows_in_turn_and_keeps_the_fastest_hf_dtype(monkeypatch):
@@ -300,9 +378,16 @@ def test_compare_times_rows_in_turn_and_keeps_the_fastest_hf_dtype(monkeypatch):
     decode = [f"decode {k}" for k in ("baige", "hf-float32", "hf-bfloat16", "baige-int8", "llama.cpp")]
     # warm-up decodes, round 1: every row, round 2: HF static batching in float32 only (2.0 s < 3.0 s)
     assert calls == decode + decode + ["baige", "hf-float32", "hf-bfloat16", "baige-int8"] + decode + [
-        "baige", "hf-float32", "baige-int8"]
-    assert not interrupted and samples["throughput"] == {"baige": [1.0, 1.0], "hf-float32": [2.0, 2.0],
-                                                         "hf-bfloat16": [3.0], "baige-int8": [1.0, 1.0]}
+        "baige",
+        "hf-float32",
+        "baige-int8",
+    ]
+    assert not interrupted and samples["throughput"] == {
+        "baige": [1.0, 1.0],
+        "hf-float32": [2.0, 2.0],
+        "hf-bfloat16": [3.0],
+        "baige-int8": [1.0, 1.0],
+    }
     assert samples["decode"]["llama.cpp"] == [1.0, 1.0] and "llama.cpp" not in samples["throughput"]
     assert [d for d, _, _ in progress] == list(range(1, 18)) and {t for _, t, _ in progress} == {17}
     assert list(rows.dtype_bytes) == list(rows.decode) and rows.dtype_bytes["llama.cpp"] == 2
@@ -332,8 +417,12 @@ def test_bench_configs_refuse_bad_values_in_one_line():
         assert message in str(e.value) and "\n" not in str(e.value)
     # the benchmarks' engine: prefix caching off (random prompts share nothing), the rest EngineConfig's
     eng = bench_engine(model="m", kv_cache_dtype="float16")
-    assert (eng.enable_prefix_caching, eng.model, eng.kv_cache_dtype, eng.max_num_batched_tokens) == (False, "m",
-                                                                                                      "float16", 2048)
+    assert (eng.enable_prefix_caching, eng.model, eng.kv_cache_dtype, eng.max_num_batched_tokens) == (
+        False,
+        "m",
+        "float16",
+        2048,
+    )
     assert CompareConfig(eng, hf_dtypes=("bfloat16", "float32", "bfloat16")).hf_dtypes == ("bfloat16", "float32")
 
 
@@ -376,20 +465,51 @@ def _result(out: Path, name: str) -> dict:
 
 
 def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path, monkeypatch):
-    res = _cli(["bench", "latency", "--model", str(tiny_dir), "--input-len", "6", "--output-len", "4",
-                "--batch-size", "2", "--num-iters", "2", "--num-iters-warmup", "0", "--output-dir", str(tmp_path), "--plot"])
+    res = _cli(
+        [
+            "bench",
+            "latency",
+            "--model",
+            str(tiny_dir),
+            "--input-len",
+            "6",
+            "--output-len",
+            "4",
+            "--batch-size",
+            "2",
+            "--num-iters",
+            "2",
+            "--num-iters-warmup",
+            "0",
+            "--output-dir",
+            str(tmp_path),
+            "--plot",
+        ]
+    )
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "latency")
     assert len(r["samples"]) == 2 and r["args"]["batch_size"] == 2 and r["environment"]["cpu_count"] == os.cpu_count()
-    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).partition(":")[2].split())
+    flags = set(
+        next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        .partition(":")[2]
+        .split()
+    )
     env = r["environment"]  # the flags named as /proc/cpuinfo has them, and the variant the kernels loaded
     assert ("avx2" in env["cpu_flags"]) == ("avx2" in flags) and set(env["cpu_flags"]) <= flags
     assert ("avx512_vnni" in env["cpu_flags"]) == ("avx512_vnni" in flags) and env["cpu_int_dot"] is True
-    want_isa = ("avx512_amx" if {"avx512_bf16", "avx512_vnni", "avx512vl", "amx_tile", "amx_bf16", "amx_int8"} <= flags
-                else "avx512_bf16" if {"avx512_bf16", "avx512_vnni", "avx512vl"} <= flags else "avx512_vnni"
-                if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags else "avx512" if {"avx512vl", "avx512bw"} <= flags
-                else "avx2_vnni" if "avx_vnni" in flags else "avx2")
+    want_isa = (
+        "avx512_amx"
+        if {"avx512_bf16", "avx512_vnni", "avx512vl", "amx_tile", "amx_bf16", "amx_int8"} <= flags
+        else "avx512_bf16"
+        if {"avx512_bf16", "avx512_vnni", "avx512vl"} <= flags
+        else "avx512_vnni"
+        if {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
+        else "avx512"
+        if {"avx512vl", "avx512bw"} <= flags
+        else "avx2_vnni"
+        if "avx_vnni" in flags
+        else "avx2"
+    )
     assert env["cpu_isa"] == want_isa and f"native kernels {want_isa}" in res.output
     engine = r["args"]["engine"]  # as built: sized to the batch, prefix caching off
     assert (engine["max_num_seqs"], engine["max_model_len"], engine["enable_prefix_caching"]) == (2, 6 + 4, False)
@@ -402,8 +522,22 @@ def test_cli_latency_and_throughput_write_json(tiny_dir, tmp_path, monkeypatch):
 
     clock = FakeTime([100.0, 102.5])
     monkeypatch.setattr(offline, "time", clock)
-    res = _cli(["bench", "throughput", "--model", str(tiny_dir), "--num-prompts", "5", "--input-len", "7",
-                "--output-len", "3", "--output-dir", str(tmp_path)])
+    res = _cli(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(tiny_dir),
+            "--num-prompts",
+            "5",
+            "--input-len",
+            "7",
+            "--output-len",
+            "3",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert res.exit_code == 0, res.output
     assert clock.readings == []  # both readings taken
     r = _result(tmp_path, "throughput")
@@ -424,8 +558,24 @@ def test_cli_throughput_with_speculation_claims_no_any_schedule_bound(tiny_dir, 
     """A speculating run can take fewer steps than its longest output: the any-schedule bound (which
     assumes one token per sequence and step) is left out, the schedule's own bound stays."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-    res = _cli(["bench", "throughput", "--model", str(tiny_dir), "--num-prompts", "2", "--input-len", "6",
-                "--output-len", "24", "--speculative-config", spec, "--output-dir", str(tmp_path)])
+    res = _cli(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(tiny_dir),
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "6",
+            "--output-len",
+            "24",
+            "--speculative-config",
+            spec,
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert res.exit_code == 0, res.output
     w = _result(tmp_path, "throughput")["summary"]["workload_roofline"]
     assert w["steps"] >= 1 and "any_schedule_min_time_s" not in w and "any schedule" not in res.output
@@ -433,9 +583,28 @@ def test_cli_throughput_with_speculation_claims_no_any_schedule_bound(tiny_dir, 
 
 def test_cli_latency_with_speculation_reports_its_counters(tiny_dir, tmp_path):
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-    res = _cli(["bench", "latency", "--model", str(tiny_dir), "--input-len", "6", "--output-len", "24",
-                "--batch-size", "2", "--num-iters", "1", "--num-iters-warmup", "0", "--speculative-config", spec,
-                "--output-dir", str(tmp_path)])
+    res = _cli(
+        [
+            "bench",
+            "latency",
+            "--model",
+            str(tiny_dir),
+            "--input-len",
+            "6",
+            "--output-len",
+            "24",
+            "--batch-size",
+            "2",
+            "--num-iters",
+            "1",
+            "--num-iters-warmup",
+            "0",
+            "--speculative-config",
+            spec,
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "latency")
     sd = r["spec_decode"]
@@ -449,17 +618,60 @@ def test_cli_latency_with_speculation_reports_its_counters(tiny_dir, tmp_path):
 def test_cli_options_before_the_subcommand_apply_to_it(tiny_dir, tmp_path):
     """`baige bench --model M --output-dir D compare ...` (group options first) and --hf-dtype /
     --kv-cache-dtype reach the run: the JSON lands in D, one HF dtype timed, an fp16 KV cache."""
-    res = _cli(["bench", "--model", str(tiny_dir), "--output-dir", str(tmp_path), "compare", "--input-len", "4",
-                "--output-len", "3", "--num-prompts", "2", "--tp-input-len", "4", "--tp-output-len", "2",
-                "--no-quantized", "--hf-dtype", "float32", "--kv-cache-dtype", "float16"])
+    res = _cli(
+        [
+            "bench",
+            "--model",
+            str(tiny_dir),
+            "--output-dir",
+            str(tmp_path),
+            "compare",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--num-prompts",
+            "2",
+            "--tp-input-len",
+            "4",
+            "--tp-output-len",
+            "2",
+            "--no-quantized",
+            "--hf-dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "float16",
+        ]
+    )
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "compare")
     assert set(r["samples"]["decode"]) == {"baige", "hf-float32"}
     assert r["args"]["engine"]["kv_cache_dtype"] == "float16" and r["args"]["engine"]["model"] == str(tiny_dir)
     # --peers none: no peers, so nothing to refuse where the subcommand has none
-    res = _cli(["bench", "--output-dir", str(tmp_path), "--kv-cache-dtype", "float16", "--peers", "none", "latency", "--model",
-                str(tiny_dir), "--input-len", "4", "--output-len", "2", "--batch-size", "1", "--num-iters", "1",
-                "--num-iters-warmup", "0"])
+    res = _cli(
+        [
+            "bench",
+            "--output-dir",
+            str(tmp_path),
+            "--kv-cache-dtype",
+            "float16",
+            "--peers",
+            "none",
+            "latency",
+            "--model",
+            str(tiny_dir),
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--batch-size",
+            "1",
+            "--num-iters",
+            "1",
+            "--num-iters-warmup",
+            "0",
+        ]
+    )
     assert res.exit_code == 0, res.output
     # the roofline counts the cache's bytes: fp16 K+V x layers x kv heads x head_dim
     assert _result(tmp_path, "latency")["model"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
@@ -471,9 +683,30 @@ def test_cli_compare_peers_none_and_one_variant(tiny_dir, tmp_path, monkeypatch)
     from baige.runtime.bench import compare
 
     monkeypatch.setattr(compare, "_transformers", lambda: pytest.fail("HF loaded under --peers none"))
-    res = _cli(["bench", "--peers", "none", "--output-dir", str(tmp_path), "compare", "--model", str(tiny_dir),
-                "--input-len", "4", "--output-len", "3", "--num-prompts", "2", "--tp-input-len", "4",
-                "--tp-output-len", "2", "--variants", "int8"])
+    res = _cli(
+        [
+            "bench",
+            "--peers",
+            "none",
+            "--output-dir",
+            str(tmp_path),
+            "compare",
+            "--model",
+            str(tiny_dir),
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--num-prompts",
+            "2",
+            "--tp-input-len",
+            "4",
+            "--tp-output-len",
+            "2",
+            "--variants",
+            "int8",
+        ]
+    )
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "compare")
     assert list(r["samples"]["decode"]) == ["baige", "baige-int8"] and r["notes"] == []
@@ -497,8 +730,12 @@ def test_cli_group_kv_cache_dtype_refused_where_it_does_not_apply():
 
 # seconds per timed call of each row, round by round (a fake clock: the calls themselves still run)
 COMPARE_SECONDS = {
-    ("decode", "baige"): [0.5, 0.25], ("decode", "hf-float32"): [1.0, 0.875], ("decode", "hf-bfloat16"): [2.0, 1.5],
-    ("throughput", "baige"): [0.25, 0.5], ("throughput", "hf-float32"): [1.5], ("throughput", "hf-bfloat16"): [0.75, 0.625],
+    ("decode", "baige"): [0.5, 0.25],
+    ("decode", "hf-float32"): [1.0, 0.875],
+    ("decode", "hf-bfloat16"): [2.0, 1.5],
+    ("throughput", "baige"): [0.25, 0.5],
+    ("throughput", "hf-float32"): [1.5],
+    ("throughput", "hf-bfloat16"): [0.75, 0.625],
 }
 
 
@@ -517,12 +754,42 @@ def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
         call.key = (kind, name)
         return call
 
-    monkeypatch.setattr(compare.Rows, "add", lambda self, name, decode, batch, wb, db: add(
-        self, name, tagged("decode", name, decode), tagged("throughput", name, batch), wb, db))
+    monkeypatch.setattr(
+        compare.Rows,
+        "add",
+        lambda self, name, decode, batch, wb, db: add(
+            self, name, tagged("decode", name, decode), tagged("throughput", name, batch), wb, db
+        ),
+    )
     monkeypatch.setattr(compare, "_timed", lambda fn: (fn(), seconds[fn.key].pop(0))[1])
-    res = _cli(["bench", "compare", "--model", str(tiny_dir), "--input-len", "4", "--output-len", "3",
-                "--num-prompts", "32", "--tp-input-len", "4", "--tp-output-len", "2", "--range-ratio", "0",
-                "--hf-batch-size", "8", "--no-quantized", "--repeats", "2", "--output-dir", str(tmp_path), "--plot"])
+    res = _cli(
+        [
+            "bench",
+            "compare",
+            "--model",
+            str(tiny_dir),
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--num-prompts",
+            "32",
+            "--tp-input-len",
+            "4",
+            "--tp-output-len",
+            "2",
+            "--range-ratio",
+            "0",
+            "--hf-batch-size",
+            "8",
+            "--no-quantized",
+            "--repeats",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--plot",
+        ]
+    )
     assert res.exit_code == 0, res.output
     assert all(not v for v in seconds.values())  # every scripted call was made, no more
     r = _result(tmp_path, "compare")
@@ -532,15 +799,22 @@ def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
     d, t = r["summary"]["decode"], r["summary"]["throughput"]
     # decode: 3 tokens / median seconds (0.375, 0.9375, 1.75)
     assert {k: v["tokens_per_s"] for k, v in d.items()} == pytest.approx(
-        {"baige": 8.0, "hf-float32": 3.2, "hf-bfloat16": 3 / 1.75})
+        {"baige": 8.0, "hf-float32": 3.2, "hf-bfloat16": 3 / 1.75}
+    )
     # throughput: 32 requests x (4 + 2) tokens = 192 / median seconds (0.375, 1.5, 0.6875)
     assert {k: v["tokens_per_s"] for k, v in t.items()} == pytest.approx(
-        {"baige": 512.0, "hf-float32": 128.0, "hf-bfloat16": 192 / 0.6875})
-    assert r["summary"]["ratios"] == pytest.approx({
-        "decode_baige_over_hf-float32": 2.5, "decode_baige_over_hf-bfloat16": 1.75 / 0.375,
-        "decode_baige_over_hf-best": 2.5,  # float32 decodes faster
-        "throughput_baige_over_hf-float32": 4.0, "throughput_baige_over_hf-bfloat16": 0.6875 / 0.375,
-        "throughput_baige_over_hf-best": 0.6875 / 0.375})  # bfloat16 batches faster
+        {"baige": 512.0, "hf-float32": 128.0, "hf-bfloat16": 192 / 0.6875}
+    )
+    assert r["summary"]["ratios"] == pytest.approx(
+        {
+            "decode_baige_over_hf-float32": 2.5,
+            "decode_baige_over_hf-bfloat16": 1.75 / 0.375,
+            "decode_baige_over_hf-best": 2.5,  # float32 decodes faster
+            "throughput_baige_over_hf-float32": 4.0,
+            "throughput_baige_over_hf-bfloat16": 0.6875 / 0.375,
+            "throughput_baige_over_hf-best": 0.6875 / 0.375,
+        }
+    )  # bfloat16 batches faster
     # decode bytes per step: the fp32 weights (tied: 2 layers x (q, o 64x64 + k, v 64x32 + mlp 3 x 64x96 + 2
     # norms) + final norm + the 160 x 64 head) + 1 sequence x mean context (4 + 3/2) x K+V bytes per token
     weights = 4 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 96 + 2 * 64) + 64 + 160 * 64)
@@ -550,8 +824,11 @@ def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
     ratios_line = next(ln for ln in res.output.splitlines() if "throughput" in ln and "baige / hf-best" in ln)
     assert f"{0.6875 / 0.375:.2f}x" in ratios_line  # the second table: vs the best HF dtype
     # the model is a directory: llama.cpp is skipped with a note, whether or not llama-cpp-python is installed
-    note = ("the model is not a GGUF file: llama.cpp skipped" if importlib.util.find_spec("llama_cpp")
-            else "llama-cpp-python is not installed: llama.cpp skipped (scripts/setup.sh --with-llama-cpp)")
+    note = (
+        "the model is not a GGUF file: llama.cpp skipped"
+        if importlib.util.find_spec("llama_cpp")
+        else "llama-cpp-python is not installed: llama.cpp skipped (scripts/setup.sh --with-llama-cpp)"
+    )
     assert r["notes"] == [note] and "llama.cpp" not in d
     assert list(tmp_path.glob("compare-*-decode.png"))
 
@@ -569,18 +846,54 @@ def test_cli_kernels_every_op_or_listed_skipped(tmp_path):
 
 
 def test_cli_kernels_backward_and_shape(tmp_path):
-    res = _cli(["bench", "kernels", "--op", "rms_norm", "--op", "store_kv", "--op", "fused_linear_cross_entropy",
-                "--sizes", "8", "--backward", "--no-compile", "--iters", "1", "--output-dir", str(tmp_path)])
+    res = _cli(
+        [
+            "bench",
+            "kernels",
+            "--op",
+            "rms_norm",
+            "--op",
+            "store_kv",
+            "--op",
+            "fused_linear_cross_entropy",
+            "--sizes",
+            "8",
+            "--backward",
+            "--no-compile",
+            "--iters",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "kernels")
     assert r["forward_only"] == ["store_kv"] and {row["pass"] for row in r["samples"]} == {"fwd+bwd"}
-    assert {row["impl"] for row in r["samples"] if row["op"] == "fused_linear_cross_entropy"} == {"baige", "reference",
-                                                                                                  "unfused"}
+    assert {row["impl"] for row in r["samples"] if row["op"] == "fused_linear_cross_entropy"} == {
+        "baige",
+        "reference",
+        "unfused",
+    }
     rms = next(row for row in r["samples"] if row["op"] == "rms_norm" and row["impl"] == "reference")
     assert rms["bytes"] == 3 * (2 * 8 * 576 + 576) * 4  # forward + backward counted as 3 forward passes
     assert "rms_norm" in r["summary"]["speedup_vs_reference"]
-    res = _cli(["bench", "kernels", "--shape", "llama3-8b", "--op", "rms_norm", "--sizes", "4", "--no-compile",
-                "--iters", "1", "--output-dir", str(tmp_path / "big")])
+    res = _cli(
+        [
+            "bench",
+            "kernels",
+            "--shape",
+            "llama3-8b",
+            "--op",
+            "rms_norm",
+            "--sizes",
+            "4",
+            "--no-compile",
+            "--iters",
+            "1",
+            "--output-dir",
+            str(tmp_path / "big"),
+        ]
+    )
     assert res.exit_code == 0 and _result(tmp_path / "big", "kernels")["shape"]["hidden"] == 4096
     res = _cli(["bench", "kernels", "--shape", "llama9", "--output-dir", str(tmp_path)])
     assert res.exit_code != 0 and "--shape 'llama9'" in str(res.exception)
@@ -596,28 +909,62 @@ def test_interrupted_run_still_writes_what_was_measured(tmp_path, monkeypatch):
     r = run_kernels(KernelsConfig(sizes=(8, 16), ops=("silu_mul",), compile=False, iters=1), stop_after_first)
     assert r["interrupted"] and [row["tokens"] for row in r["samples"]] == [8, 8]  # baige + reference at n=8
 
-    res = _cli(["bench", "kernels", "--op", "silu_mul", "--sizes", "8,16", "--no-compile", "--iters", "1",
-                "--output-dir", str(tmp_path)])
+    res = _cli(
+        [
+            "bench",
+            "kernels",
+            "--op",
+            "silu_mul",
+            "--sizes",
+            "8,16",
+            "--no-compile",
+            "--iters",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert res.exit_code == 0
-    monkeypatch.setattr("baige.runtime.bench.kernels.run_kernels",
-                        lambda cfg, progress: run_kernels(cfg, stop_after_first))
+    monkeypatch.setattr(
+        "baige.runtime.bench.kernels.run_kernels", lambda cfg, progress: run_kernels(cfg, stop_after_first)
+    )
     out2 = tmp_path / "interrupted"
-    res = _cli(["bench", "kernels", "--op", "silu_mul", "--sizes", "8,16", "--no-compile", "--iters", "1",
-                "--output-dir", str(out2)])
+    res = _cli(
+        [
+            "bench",
+            "kernels",
+            "--op",
+            "silu_mul",
+            "--sizes",
+            "8,16",
+            "--no-compile",
+            "--iters",
+            "1",
+            "--output-dir",
+            str(out2),
+        ]
+    )
     assert res.exit_code == 130
     r = _result(out2, "kernels")
     assert r["interrupted"] and len(r["samples"]) == 2
     assert bench_cli.bench_app is not None
 
 
-@pytest.mark.parametrize("args, message", [
-    (["bench", "kernels", "--op", "nope"], "--op 'nope' is not a baige.kernels op"),
-    (["bench", "throughput", "--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
-    (["bench", "serve", "--slo", "ttfb:5", "--base-url", "http://127.0.0.1:9"], "--slo: unknown metric 'ttfb'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "kernels", "--op", "nope"], "--op 'nope' is not a baige.kernels op"),
+        (["bench", "throughput", "--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+        (["bench", "serve", "--slo", "ttfb:5", "--base-url", "http://127.0.0.1:9"], "--slo: unknown metric 'ttfb'"),
+    ],
+)
 def test_bad_input_is_one_line(args, message, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "baige", *args, "--output-dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "baige", *args, "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], p.stderr
@@ -633,8 +980,25 @@ def test_help_lists_every_subcommand():
 def test_bench_serve_against_baige_serve(tmp_path, embedded_dir):
     """The acceptance run at a size the suite can afford (the 64-request run is in the README). The
     timing math on a fake clock and a fake server: tests/bench/test_bench_serve.py."""
-    res = _cli(["bench", "serve", "--num-prompts", "8", "--request-rate", "4", "--input-len", "16", "--output-len", "6",
-                "--slo", "e2el:600000", "--output-dir", str(tmp_path), "--plot"])
+    res = _cli(
+        [
+            "bench",
+            "serve",
+            "--num-prompts",
+            "8",
+            "--request-rate",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "6",
+            "--slo",
+            "e2el:600000",
+            "--output-dir",
+            str(tmp_path),
+            "--plot",
+        ]
+    )
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "serve")
     assert (r["completed"], r["failed"]) == (8, 0) and r["errors"] == [""] * 8
@@ -648,7 +1012,9 @@ def test_bench_serve_against_baige_serve(tmp_path, embedded_dir):
     # per token (2 x 30 layers x 3 KV heads x head_dim 64 x 4 bytes)
     wbytes = (embedded_dir / "model.safetensors").stat().st_size
     roof = r["roofline"]
-    assert roof["decode"]["bytes_per_step"] == pytest.approx(wbytes + roof["mean_concurrency"] * 19 * (2 * 30 * 3 * 64 * 4))
+    assert roof["decode"]["bytes_per_step"] == pytest.approx(
+        wbytes + roof["mean_concurrency"] * 19 * (2 * 30 * 3 * 64 * 4)
+    )
     assert "failed requests" in res.output and list(tmp_path.glob("serve-*-serve.png"))
 
 
@@ -659,8 +1025,25 @@ def test_cli_train_reports_mfu_from_flops_per_token(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "time", FakeTime([0.0, 0.5, 10.0, 10.5, 20.0, 20.25]))
     monkeypatch.setattr(roofline, "hardware_limits", lambda device, dtype=torch.float32: LIMITS)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    res = _cli(["bench", "train", "--model", "debug", "--seq-len", "16", "--batch-size", "2", "--steps", "3",
-                "--warmup-steps", "1", "--no-compile", "--output-dir", str(tmp_path)])
+    res = _cli(
+        [
+            "bench",
+            "train",
+            "--model",
+            "debug",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--no-compile",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "train")
@@ -691,33 +1074,64 @@ def test_suite_headlines_and_table():
     half = suite_configs(None, "float16")
     assert {half[k].engine.kv_cache_dtype for k in ("latency", "throughput", "compare")} == {"float16"}
     assert half["serve"].server_args == ["--kv-cache-dtype", "float16"]
-    lat = {"summary": {"decode_tokens_per_s": 20.0, "ttft_s": 0.05, "tpot_s": 0.05,
-                       "decode_roofline": {"pct_of_limit": 40.0}}}
+    lat = {
+        "summary": {
+            "decode_tokens_per_s": 20.0,
+            "ttft_s": 0.05,
+            "tpot_s": 0.05,
+            "decode_roofline": {"pct_of_limit": 40.0},
+        }
+    }
     # ratios compare reports on Qwen2.5-Coder's GGUF; the suite keeps baige / hf-best and those vs llama.cpp but
     # the "+" combinations' (they stay in compare's own tables)
-    cmp_ = {"summary": {"ratios": {"decode_baige_over_hf-float32": 3.0, "decode_baige_over_hf-best": 2.5,
-                                   "decode_baige-int4-g32+int8-weight_over_hf-best": 9.0,
-                                   "decode_baige_over_llama.cpp-Q4_K_M": 0.125,
-                                   "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25,
-                                   "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
-                                   "decode_baige-int4-g32+int8-weight_over_llama.cpp-Q4_K_M": 1.75,
-                                   "throughput_baige_over_hf-best": 0.75}}}
-    tp = {"summary": {"tokens_per_second": 500.0, "requests_per_second": 2.0, "compute_roofline": {"pct_of_limit": 15.0},
-                      "workload_roofline": {"limit_tokens_per_s": 1200.0, "limit_pct_of_peak": 36.0}}}
-    assert headline("throughput", tp) == [("total tokens", 500.0, "tokens/s", 15.0),
-                                          ("roofline bound", 1200.0, "tokens/s", 36.0), ("requests", 2.0, "requests/s", None)]
+    cmp_ = {
+        "summary": {
+            "ratios": {
+                "decode_baige_over_hf-float32": 3.0,
+                "decode_baige_over_hf-best": 2.5,
+                "decode_baige-int4-g32+int8-weight_over_hf-best": 9.0,
+                "decode_baige_over_llama.cpp-Q4_K_M": 0.125,
+                "decode_baige-int4-g32_over_llama.cpp-Q4_K_M": 1.25,
+                "decode_baige-int8_over_llama.cpp-Q8_0": 1.5,
+                "decode_baige-int4-g32+int8-weight_over_llama.cpp-Q4_K_M": 1.75,
+                "throughput_baige_over_hf-best": 0.75,
+            }
+        }
+    }
+    tp = {
+        "summary": {
+            "tokens_per_second": 500.0,
+            "requests_per_second": 2.0,
+            "compute_roofline": {"pct_of_limit": 15.0},
+            "workload_roofline": {"limit_tokens_per_s": 1200.0, "limit_pct_of_peak": 36.0},
+        }
+    }
+    assert headline("throughput", tp) == [
+        ("total tokens", 500.0, "tokens/s", 15.0),
+        ("roofline bound", 1200.0, "tokens/s", 36.0),
+        ("requests", 2.0, "requests/s", None),
+    ]
     rows = {"latency": headline("latency", lat), "compare": headline("compare", cmp_)}
     assert rows["latency"][0] == ("batch-1 decode", 20.0, "tokens/s", 40.0)
     assert rows["latency"][1] == ("TTFT", 50.0, "ms", None)
-    assert rows["compare"] == [("decode: baige / hf-best", 2.5, "x", None),
-                               ("decode: baige / llama.cpp-Q4_K_M", 0.125, "x", None),
-                               ("decode: baige-int4-g32 / llama.cpp-Q4_K_M", 1.25, "x", None),
-                               ("decode: baige-int8 / llama.cpp-Q8_0", 1.5, "x", None),
-                               ("throughput: baige / hf-best", 0.75, "x", None)]
-    serve = {"output_throughput": 123.456, "median_ttft_ms": 1234.5, "median_tpot_ms": 50.0, "failed": 0,
-             "roofline": {"decode": {"pct_of_limit": 12.5}}}
+    assert rows["compare"] == [
+        ("decode: baige / hf-best", 2.5, "x", None),
+        ("decode: baige / llama.cpp-Q4_K_M", 0.125, "x", None),
+        ("decode: baige-int4-g32 / llama.cpp-Q4_K_M", 1.25, "x", None),
+        ("decode: baige-int8 / llama.cpp-Q8_0", 1.5, "x", None),
+        ("throughput: baige / hf-best", 0.75, "x", None),
+    ]
+    serve = {
+        "output_throughput": 123.456,
+        "median_ttft_ms": 1234.5,
+        "median_tpot_ms": 50.0,
+        "failed": 0,
+        "roofline": {"decode": {"pct_of_limit": 12.5}},
+    }
     rows = {"latency": rows["latency"], "serve": headline("serve", serve), "compare": rows["compare"]}
-    result = {"summary": {k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), r)) for r in v] for k, v in rows.items()}}
+    result = {
+        "summary": {k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), r)) for r in v] for k, v in rows.items()}
+    }
     console = Console(width=80, record=True)
     console.print(suite_table(result))
     lines = console.export_text().splitlines()
@@ -737,10 +1151,11 @@ def test_compare_table_keeps_every_row_name_whole_at_80_columns():
     from baige.runtime.bench.report import compare_table
 
     names = ["baige", "hf-bfloat16", "baige-int4-g32+int8-weight", "llama.cpp-Q4_K_M", "llama.cpp-Q8_0"]
-    dec = {n: {"tokens_per_s": 10.0 + i, "roofline": {"achieved_gb_s": 12.3456, "pct_of_limit": 99.5}}
-           for i, n in enumerate(names)}
-    tp = {n: {"tokens_per_s": 700.0, "roofline": {"achieved_tflop_s": 0.1642, "pct_of_limit": 13.4}}
-          for n in names[:3]}
+    dec = {
+        n: {"tokens_per_s": 10.0 + i, "roofline": {"achieved_gb_s": 12.3456, "pct_of_limit": 99.5}}
+        for i, n in enumerate(names)
+    }
+    tp = {n: {"tokens_per_s": 700.0, "roofline": {"achieved_tflop_s": 0.1642, "pct_of_limit": 13.4}} for n in names[:3]}
     tp["baige"]["workload_roofline"] = {"limit_pct_of_peak": 33.4}
     r = {"args": {"num_prompts": 32}, "summary": {"decode": dec, "throughput": tp}}
     console = Console(width=80, record=True)
@@ -749,6 +1164,8 @@ def test_compare_table_keeps_every_row_name_whole_at_80_columns():
     assert max(len(ln) for ln in lines) <= 80 and not any("…" in ln for ln in lines)
     for n in names:  # each name whole in the first column, once per workload it has a row in
         assert sum(c.split("│")[1].strip() == n for c in lines if c.startswith("│")) == (2 if n in tp else 1), n
-    assert sum("batch-1 decode" in ln for ln in lines) == 1 and sum("offline throughput (32 prompts)" in ln
-                                                                     for ln in lines) == 1
+    assert (
+        sum("batch-1 decode" in ln for ln in lines) == 1
+        and sum("offline throughput (32 prompts)" in ln for ln in lines) == 1
+    )
     assert any("13.4%" in ln for ln in lines) and any("(33.4%)" in ln for ln in lines)  # the bound, whole

@@ -12,8 +12,11 @@ import torch
 
 # the user's cache, read at collection: the session fixture then points BAIGE_CACHE at a temporary directory
 # (where the test imports the GGUF, ~6 GB of fp32 safetensors, leaving the user's cache as it was)
-GGUF = Path(os.environ.get("BAIGE_CACHE") or Path.home() / ".cache" / "baige").expanduser() / "gguf" / \
-    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+GGUF = (
+    Path(os.environ.get("BAIGE_CACHE") or Path.home() / ".cache" / "baige").expanduser()
+    / "gguf"
+    / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+)
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 NEW_TOKENS = 32
 

@@ -24,7 +24,7 @@ from baige.runtime.bench.serve import (
 def test_summary_statistics_by_hand():
     s = summarize([1.0, 2.0, 3.0, 4.0], percentiles=(50, 90, 99))
     assert s["mean"] == 2.5 and s["median"] == 2.5
-    assert s["std"] == pytest.approx(1.25 ** 0.5)  # population std
+    assert s["std"] == pytest.approx(1.25**0.5)  # population std
     # linear interpolation: rank (n-1)*p/100; p90 -> 2.7 -> 3 + 0.7 = 3.7; p99 -> 2.97 -> 3.97
     assert s["p90"] == pytest.approx(3.7) and s["p99"] == pytest.approx(3.97) and s["p50"] == 2.5
 
@@ -182,8 +182,13 @@ def test_serve_roofline_counts_the_servers_kv_cache_dtype(tmp_path, monkeypatch)
     src = make_checkpoint(tmp_path / "src", "llama")  # fp32 checkpoint
     kv32 = ModelConfig.from_file(src / "config.json").kv_bytes_per_token(4)
     # two requests of 1 s each over 2 s: mean batch 1; context 20 / 2 + 10 / 2 / 2 = 12.5 tokens
-    metrics = {"duration": 2.0, "completed": 2, "total_input_tokens": 20, "total_output_tokens": 10,
-               "output_throughput": 5.0}
+    metrics = {
+        "duration": 2.0,
+        "completed": 2,
+        "total_input_tokens": 20,
+        "total_output_tokens": 10,
+        "output_throughput": 5.0,
+    }
     ok = [RequestResult(True, ttft=0.1, latency=1.0, output_tokens=5)] * 2
     wbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     default = serve_roofline(src, metrics, ok)["decode"]["bytes_per_step"]
@@ -218,9 +223,28 @@ def test_cli_against_fake_server_on_a_fake_clock(fake_server, embedded_dir, tmp_
 
     clock = TickClock(0.125)
     monkeypatch.setattr(serve, "time", clock)
-    res = CliRunner().invoke(app, ["bench", "serve", "--base-url", fake_server, "--num-prompts", "4", "--input-len", "8",
-                                   "--output-len", "7", "--max-concurrency", "1", "--slo", "ttft:125,tpot:100",
-                                   "--output-dir", str(tmp_path)], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            fake_server,
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "7",
+            "--max-concurrency",
+            "1",
+            "--slo",
+            "ttft:125,tpot:100",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 0, res.output
     assert clock.readings == 26
     (path,) = tmp_path.glob("serve-*.json")
@@ -250,12 +274,26 @@ def test_sharegpt_file_parses_and_refuses_non_text_turns(embedded_dir, tmp_path)
 
     tok = Tokenizer.from_dir(embedded_dir)
     good = tmp_path / "good.json"
-    good.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Tell me about the sea, please."},
-                                                   {"from": "gpt", "value": "The sea is large and deep and blue."}]}]))
+    good.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "Tell me about the sea, please."},
+                        {"from": "gpt", "value": "The sea is large and deep and blue."},
+                    ]
+                }
+            ]
+        )
+    )
     (req,) = sharegpt_requests(good, tok, 1)
-    assert (req.prompt_len, req.output_len) == (len(tok.encode("Tell me about the sea, please.", add_special_tokens=False)),
-                                                len(tok.encode("The sea is large and deep and blue.", add_special_tokens=False)))
+    assert (req.prompt_len, req.output_len) == (
+        len(tok.encode("Tell me about the sea, please.", add_special_tokens=False)),
+        len(tok.encode("The sea is large and deep and blue.", add_special_tokens=False)),
+    )
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": [1, 2, 3]}, {"from": "gpt", "value": "x"}]}]))
+    bad.write_text(
+        json.dumps([{"conversations": [{"from": "human", "value": [1, 2, 3]}, {"from": "gpt", "value": "x"}]}])
+    )
     with pytest.raises(BaigeError, match=r"need a string \"value\" \(got list and str\)"):
         sharegpt_requests(bad, tok, 1)

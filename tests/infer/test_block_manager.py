@@ -14,8 +14,10 @@ def seq(tokens):
 
 
 def test_bookkeeping_modules_do_not_import_torch():
-    code = ("import sys; import baige.runtime.infer.block_manager, baige.runtime.infer.scheduler; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import baige.runtime.infer.block_manager, baige.runtime.infer.scheduler; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

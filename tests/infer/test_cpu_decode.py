@@ -41,7 +41,7 @@ def _step_inputs(model, num_blocks=20, seed=0, kv_dtype=torch.float32):
     W = max(-(-n // BS) for n in CTX)
     tables, slots, at = [], [], 0
     for n in CTX:
-        blocks = perm[at:at + -(-n // BS)]
+        blocks = perm[at : at + -(-n // BS)]
         at += len(blocks)
         slots.append(blocks[(n - 1) // BS] * BS + (n - 1) % BS)
         tables.append(blocks + [kv.scratch_block] * (W - len(blocks)))
@@ -78,15 +78,19 @@ def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32, lora=None, aga
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-3 if kv_dtype == torch.float16 else 1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-tied", "mistral-head-dim", "qwen2-bias", "qwen3-qk-norm",
-                                     "llama-llama3-rope"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "llama-tied", "mistral-head-dim", "qwen2-bias", "qwen3-qk-norm", "llama-llama3-rope"]
+)
 def test_fused_decode_matches_module_path(tmp_path, monkeypatch, variant):
     model = load_model(make_checkpoint(tmp_path / variant, variant), "float32")
     _check(model, monkeypatch)
 
 
-@pytest.mark.parametrize("scheme", [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 64, symmetric=False)],
-                         ids=["int8", "int4-g32", "int4-g64-asym"])
+@pytest.mark.parametrize(
+    "scheme",
+    [QuantScheme(8, None), QuantScheme(4, 32), QuantScheme(4, 64, symmetric=False)],
+    ids=["int8", "int4-g32", "int4-g64-asym"],
+)
 @pytest.mark.parametrize("int_dot", [False, True], ids=["exact", "int-dot"])
 def test_fused_decode_quantized(tmp_path, monkeypatch, scheme, int_dot):
     """int8 and int4 projections (g64 on in_features 96: a partial last group), q/k/v biases kept fp32.
@@ -172,7 +176,9 @@ def test_fused_decode_bf16_model(tmp_path, monkeypatch, variant):
         assert err <= 2 * ref_err + 1e-6, f"{isa_name}: fused error {err:.3g} vs per-op bf16 {ref_err:.3g}"
         if not cpu_build.library().baige_bf16_dot():
             f32 = load_model(path, "bfloat16").float()
-            torch.testing.assert_close(fused, _bf16_step(f32, torch.bfloat16, monkeypatch, "fused"), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                fused, _bf16_step(f32, torch.bfloat16, monkeypatch, "fused"), rtol=1e-4, atol=1e-4
+            )
     logits = _bf16_step(bf16, torch.bfloat16, monkeypatch, "logits")
     oracle_logits = f64.compute_logits(oracle[0])
     per_op_logits = bf16.compute_logits(per_op[0].bfloat16()).double()
@@ -204,8 +210,11 @@ def _stacks(model, ranks, seed=0):
         for name, m in model.named_modules():
             target = name.rpartition(".")[2]
             if target in LORA_TARGETS and (i or target in ("q_proj", "k_proj", "v_proj", "o_proj")):
-                adapter[name] = (torch.randn(r, m.in_features, generator=g) * 0.3,
-                                 torch.randn(m.out_features, r, generator=g) * 0.3, 2.0 / r)
+                adapter[name] = (
+                    torch.randn(r, m.in_features, generator=g) * 0.3,
+                    torch.randn(m.out_features, r, generator=g) * 0.3,
+                    2.0 / r,
+                )
         adapters.append(adapter)
     batch = LoRABatch()
     attach_adapters(model, adapters, batch, torch.float32)
@@ -243,12 +252,22 @@ def test_build_moves_streamed_weights_into_the_arena_in_read_order(tmp_path, dty
     same Parameter objects and values, the storages back to back in the order the step reads them
     (layer by layer q, k, v, o, gate, up, down, then the lm_head); a second build moves nothing."""
     from baige.kernels.cpu import arena
+
     monkeypatch.setattr(arena, "weights", arena.Arena())  # a fresh chunk: no boundary from earlier tests
     model = load_model(make_checkpoint(tmp_path / "m", "llama-tied"), dtype)
-    params = [p for layer in model.model.layers for p in (
-        layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
-        layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight,
-        layer.mlp.down_proj.weight)] + [model.lm_head.weight]
+    params = [
+        p
+        for layer in model.model.layers
+        for p in (
+            layer.self_attn.q_proj.weight,
+            layer.self_attn.k_proj.weight,
+            layer.self_attn.v_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_proj.weight,
+            layer.mlp.up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+    ] + [model.lm_head.weight]
     before = [p.detach().clone() for p in params]
     kv = _step_inputs(model)[0]
     assert FusedDecoder.build(model, kv)[0] is not None
@@ -308,8 +327,14 @@ def test_engine_fp16_kv_cache(embedded_dir, monkeypatch):
     for mode in ("auto", "reference"):
         monkeypatch.setenv("BAIGE_KERNELS", mode)
         reload_settings()
-        llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20,
-                  kv_cache_dtype="float16")
+        llm = LLM(
+            str(embedded_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            kv_cache_memory=64 << 20,
+            kv_cache_dtype="float16",
+        )
         assert llm.engine.kv_cache.k[0].dtype == torch.float16
         assert (llm.engine.runner.fused_decode is not None) == (mode == "auto")
         blocks[mode] = llm.engine.kv_cache.num_blocks
@@ -322,7 +347,8 @@ def test_engine_fp16_kv_cache(embedded_dir, monkeypatch):
 def test_whole_step_in_c_matches_the_layers_call(tmp_path):
     """The one-call step (embedding, rotary rows from the position tables, layers, final norm in C)
     gives the hidden states of the layers-only call with the lookups in PyTorch (bitwise on an fp32
-    model, within an ulp of the final norm on a bf16 one) and the same KV writes; a position past the tables grows them; a token id outside the vocabulary is one
+    model, within an ulp of the final norm on a bf16 one) and the same KV writes; a position past the tables grows
+    them; a token id outside the vocabulary is one
     ValueError and leaves the KV cache untouched."""
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(make_checkpoint(tmp_path / str(dtype), "llama"), dtype)
@@ -358,14 +384,23 @@ def test_whole_step_in_c_matches_the_layers_call(tmp_path):
             assert all(torch.equal(x, y) for x, y in zip(kv.k + kv.v, before))
 
 
-@pytest.mark.parametrize("dtype, scheme", [
-    ("float32", None), ("bfloat16", None), ("float32", QuantScheme(8, None)), ("float32", QuantScheme(4, 32)),
-    ("float32", QuantScheme(4, 64, symmetric=False))], ids=["fp32", "bf16", "int8", "int4-g32", "int4-g64-asym"])
+@pytest.mark.parametrize(
+    "dtype, scheme",
+    [
+        ("float32", None),
+        ("bfloat16", None),
+        ("float32", QuantScheme(8, None)),
+        ("float32", QuantScheme(4, 32)),
+        ("float32", QuantScheme(4, 64, symmetric=False)),
+    ],
+    ids=["fp32", "bf16", "int8", "int4-g32", "int4-g64-asym"],
+)
 def test_joined_projections_match_separate_ones(tmp_path, monkeypatch, dtype, scheme):
     """q/k/v, and gate/up, read as one weight each (one kernel call: one activation quantization, one
     run of tiles) give the same hidden states and KV writes, bit for bit, as seven separate projections
     on a second copy of the model (q/k/v biases included); the table says which layers are joined."""
     from baige.kernels.cpu import decode as native_decode
+
     path = make_checkpoint(tmp_path / "m", "qwen2-bias")
     cfg = load_model(path, "float32").config
     results = []
@@ -393,11 +428,15 @@ def test_repacked_together_refuses_what_it_cannot_join():
     """Joining needs every member but the last on whole 16-row tiles, one bit width, one in_features and
     (int4) one group count and zero-point form; a joined member's own tiles are views of the joined ones."""
     from baige.kernels.cpu.qlinear import repacked, repacked_together
+
     g = torch.Generator().manual_seed(0)
 
     def int4(n, k=64, groups=2, asym=False):
-        return (torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32),
-                torch.rand(n, groups, generator=g), torch.randint(0, 15, (n, groups), generator=g) if asym else None)
+        return (
+            torch.randint(-(2**31), 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32),
+            torch.rand(n, groups, generator=g),
+            torch.randint(0, 15, (n, groups), generator=g) if asym else None,
+        )
 
     def int8(n, k=64):
         return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g), None
@@ -429,12 +468,21 @@ def test_prefill_chunks_and_mixed_steps_run_natively(embedded_dir, monkeypatch):
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
     prompts = ["The capital of France is", "Once upon a time there was a story about a dragon who lived", "1, 2,"]
-    llm = LLM(str(embedded_dir), dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory=64 << 20,
-              max_num_batched_tokens=16, max_num_seqs=3, enable_prefix_caching=False)
+    llm = LLM(
+        str(embedded_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory=64 << 20,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        enable_prefix_caching=False,
+    )
     rows = []
     call = cpu_decode.FusedDecoder.__call__
-    monkeypatch.setattr(cpu_decode.FusedDecoder, "__call__", lambda self, ids, *a: rows.append(ids.shape[1]) or
-                        call(self, ids, *a))
+    monkeypatch.setattr(
+        cpu_decode.FusedDecoder, "__call__", lambda self, ids, *a: rows.append(ids.shape[1]) or call(self, ids, *a)
+    )
     native = llm.generate(prompts, params)
     # every prompt token and every decode (5 steps after each prompt's first token) went native, 16 at most
     assert max(rows) == 16 and sum(rows) == sum(len(o.prompt_token_ids) for o in native) + 5 * len(prompts)
@@ -458,6 +506,7 @@ def test_takes_rows_limits_rows_and_prefill_contexts(tmp_path):
     and only while its longest prefill context's K + V per KV head fit the native attention's limit."""
     from baige.kernels import NATIVE_ATTENTION_MAX_BYTES
     from baige.runtime.infer import cpu_decode
+
     for dtype, rows in (("float32", cpu_decode.MAX_STEP_ROWS_FP32), ("bfloat16", cpu_decode.MAX_STEP_ROWS)):
         model = load_model(make_checkpoint(tmp_path / dtype, "llama"), dtype)
         kv = _step_inputs(model, kv_dtype=torch.float32)[0]

@@ -56,7 +56,9 @@ def test_interleaved_rope_with_quantized_q_k_keeps_the_per_op_path(tmp_path):
     quantize_model(model, QuantScheme(8, None), ignore=["lm_head"])
     kv = KVCache(model.config, 4, BS, torch.float32, torch.device("cpu"))
     assert FusedDecoder.build(model, kv) == (
-        None, "layer 0: interleaved RoPE takes the native step with plain fp32 / bf16 q and k projections only")
+        None,
+        "layer 0: interleaved RoPE takes the native step with plain fp32 / bf16 q and k projections only",
+    )
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe-shared"])
@@ -71,8 +73,9 @@ def test_native_moe_step_quantized_experts(tmp_path, monkeypatch, variant, schem
     width = {"mixtral": dict(intermediate_size=48), "qwen2-moe-shared": dict(moe_intermediate_size=40)}[variant]
     model = load_model(make_checkpoint(tmp_path / variant, variant, **width), "float32")
     quantize_model(model, scheme, ignore=["lm_head"])
-    assert any(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.model.layers
-               if hasattr(layer.mlp, "experts"))
+    assert any(
+        isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.model.layers if hasattr(layer.mlp, "experts")
+    )
     _check(model, monkeypatch, against="native" if int_dot else "reference")
 
 
@@ -84,9 +87,14 @@ def test_moe_blocks_the_native_step_cannot_run_say_why(tmp_path):
     sparse = next(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
     block = model.model.layers[sparse].mlp
     block.top_k = 6  # 5 experts
-    assert FusedDecoder.build(model, kv) == (None, f"layer {sparse} Mixture-of-Experts: top_k 6 is outside 1..5 experts")
+    assert FusedDecoder.build(model, kv) == (
+        None,
+        f"layer {sparse} Mixture-of-Experts: top_k 6 is outside 1..5 experts",
+    )
     block.top_k = 2
     proj = block.shared_expert.up_proj
     proj.lora_stack = (torch.zeros(1, 4, proj.in_features), torch.zeros(1, proj.out_features, 4), torch.ones(1))
     assert FusedDecoder.build(model, kv) == (
-        None, f"layer {sparse} Mixture-of-Experts: LoRA adapters on its projections run on the per-op path")
+        None,
+        f"layer {sparse} Mixture-of-Experts: LoRA adapters on its projections run on the per-op path",
+    )

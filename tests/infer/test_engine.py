@@ -41,8 +41,10 @@ def prompts(loaded):
 @pytest.fixture(scope="module")
 def expected(loaded, prompts):
     model, tok = loaded
-    return [list(generate_tokens(model, p, SamplingParams(max_tokens=n, **GREEDY)))
-            for p, n in zip(prompts, [12, 20, 16, 9, 14, 18])]
+    return [
+        list(generate_tokens(model, p, SamplingParams(max_tokens=n, **GREEDY)))
+        for p, n in zip(prompts, [12, 20, 16, 9, 14, 18])
+    ]
 
 
 def engine(loaded, **kw) -> Engine:
@@ -78,8 +80,7 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(loaded, prompts, exp
     # 20 blocks of 16 tokens = 320 slots for ~450 tokens of demand; 64-token steps split long prompts
     model, _ = loaded
     per_block = 16 * model.config.kv_bytes_per_token(4)
-    eng = engine(loaded, max_model_len=320, kv_cache_memory=20 * per_block, max_num_batched_tokens=64,
-                 max_num_seqs=8)
+    eng = engine(loaded, max_model_len=320, kv_cache_memory=20 * per_block, max_num_batched_tokens=64, max_num_seqs=8)
     assert eng.block_manager.num_blocks == 20
     params = [SamplingParams(max_tokens=len(e), **GREEDY) for e in expected]
     outs = run(eng, prompts, params)
@@ -90,8 +91,10 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(loaded, prompts, exp
 
 def test_llm_offline_api(embedded_dir, prompts, expected):
     llm = LLM(str(embedded_dir), max_model_len=512, kv_cache_memory=40_000_000, enforce_eager=True)
-    outs = llm.generate([{"prompt_token_ids": prompts[0]}, "The capital of France is"],
-                        SamplingParams(max_tokens=len(expected[0]), **GREEDY))
+    outs = llm.generate(
+        [{"prompt_token_ids": prompts[0]}, "The capital of France is"],
+        SamplingParams(max_tokens=len(expected[0]), **GREEDY),
+    )
     assert outs[0].outputs[0].token_ids == expected[0] == outs[1].outputs[0].token_ids
     assert outs[1].outputs[0].text == llm.get_tokenizer().decode(expected[0])
     with pytest.raises(BaigeError, match="512"):
@@ -119,7 +122,7 @@ def test_stop_strings_inside_tokens_never_leak(loaded, prompts):
     ids = full.token_ids
     starts = [len(tok.decode(ids[:i])) for i in range(len(ids) + 1)]
     boundary = starts[6]
-    stop = text[boundary - 1: boundary + 3]
+    stop = text[boundary - 1 : boundary + 3]
     assert len(stop) == 4 and stop not in text[: boundary - 1]
     for stream in (False, True):
         deltas, final = collect_stream(eng, prompts[1], SamplingParams(max_tokens=20, stop=[stop, "@@never"], **GREEDY))
@@ -199,9 +202,18 @@ def test_kv_budget_keeps_the_warm_up_activation_peak_free(monkeypatch):
     from baige.runtime.infer import kv_cache
     from baige.runtime.model.config import ModelConfig
 
-    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 96,
-                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                 "max_position_embeddings": 256})
+    cfg = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 160,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 256,
+        }
+    )
     per_block = kv_cache.KVCache.bytes_per_block(cfg, 16, torch.float32)  # 2 layers x K,V x 2 heads x 16 x 16 x 4 B
     assert per_block == 2 * 2 * 2 * 16 * 16 * 4
     monkeypatch.setattr(kv_cache, "available_memory", lambda device: 1000 * per_block)
@@ -235,8 +247,10 @@ def test_prompt_logprobs_equal_the_full_forward_with_chunks_and_prefix_cache(loa
     model, _ = loaded
     shared_a, shared_b = prompts[2], prompts[3]  # share a 40+ token prefix: b would hit the cache
     with torch.inference_mode():
-        lp = torch.log_softmax(model.compute_logits(model(torch.tensor([shared_b]),
-                                                          torch.arange(len(shared_b))[None], None))[0].float(), -1)
+        lp = torch.log_softmax(
+            model.compute_logits(model(torch.tensor([shared_b]), torch.arange(len(shared_b))[None], None))[0].float(),
+            -1,
+        )
     expected = [lp[j - 1, shared_b[j]].item() for j in range(1, len(shared_b))]
     top2 = lp[len(shared_b) // 2 - 1].topk(2)
     # 16-token steps: the prompt is scored across several prefill chunks

@@ -146,6 +146,7 @@ def test_async_loop_contains_add_and_step_errors(loaded, solo):
     eng.add_request = add
     aeng = AsyncEngine(eng)
     try:
+
         async def main():
             bad = asyncio.create_task(_collect(aeng, "x", SamplingParams(max_tokens=2, seed=9)))
             good = asyncio.create_task(_collect(aeng, PROMPTS[0], SamplingParams(max_tokens=10, **GREEDY)))
@@ -176,6 +177,7 @@ def test_async_loop_death_fails_waiting_clients_and_refuses_new_ones(loaded):
     died = threading.Event()
     aeng = AsyncEngine(eng, on_dead=died.set)
     try:
+
         async def main():
             waiting = asyncio.create_task(_collect(aeng, PROMPTS[1], SamplingParams(max_tokens=200, **GREEDY)))
             await asyncio.sleep(0.3)
@@ -192,37 +194,46 @@ def test_async_loop_death_fails_waiting_clients_and_refuses_new_ones(loaded):
         aeng.shutdown()
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"temperature": math.nan}, "temperature"),
-    ({"top_p": math.inf}, "top_p"),
-    ({"presence_penalty": -math.inf}, "presence_penalty"),
-    ({"repetition_penalty": math.nan}, "repetition_penalty"),
-    ({"seed": 2**64}, "seed"),
-    ({"seed": -(2**63) - 1}, "seed"),
-    ({"seed": 1.5}, "seed"),
-    ({"top_k": -2}, "top_k"),
-    ({"top_k": 2.0}, "top_k"),
-    ({"n": True}, "n"),
-    ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
-    ({"stop": ["x" * 10_000]}, "stop"),
-    ({"logit_bias": {3: 101.0}}, "logit_bias"),
-    ({"logit_bias": {3: math.nan}}, "logit_bias"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": math.inf}, "top_p"),
+        ({"presence_penalty": -math.inf}, "presence_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"n": True}, "n"),
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * 10_000]}, "stop"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"logit_bias": {3: math.nan}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ],
+)
 def test_sampling_params_refuse_out_of_range_values(kwargs, param):
     with pytest.raises(BaigeError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"top_k": 161}, "top_k"), ({"stop_token_ids": [160]}, "stop_token_ids"),
-    ({"allowed_token_ids": [5, 160]}, "allowed_token_ids"), ({"logit_bias": {160: 1.0}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"top_k": 161}, "top_k"),
+        ({"stop_token_ids": [160]}, "stop_token_ids"),
+        ({"allowed_token_ids": [5, 160]}, "allowed_token_ids"),
+        ({"logit_bias": {160: 1.0}}, "logit_bias"),
+    ],
+)
 def test_token_ids_must_be_inside_the_vocabulary(kwargs, param):
     SamplingParams(**kwargs)  # fine without a vocabulary
-    SamplingParams(**{k: ([159] if isinstance(v, list) else {159: 1.0} if isinstance(v, dict) else 160)
-                      for k, v in kwargs.items()}).check_vocab(160)  # the last id / top_k = vocab are in range
+    SamplingParams(
+        **{k: ([159] if isinstance(v, list) else {159: 1.0} if isinstance(v, dict) else 160) for k, v in kwargs.items()}
+    ).check_vocab(160)  # the last id / top_k = vocab are in range
     with pytest.raises(BaigeError) as e:
         SamplingParams(**kwargs).check_vocab(160)
     assert e.value.param == param

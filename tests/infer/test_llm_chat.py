@@ -11,12 +11,19 @@ from baige.errors import BaigeError
 from baige.runtime.infer.structured import StructuredOutputsParams
 
 CONV = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"}]
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                        "required": ["city"]}}}
-TOOL_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                 "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,8 @@ def test_chat_many_conversations_in_order(llm, ref):
     convs = [CONV, [{"role": "user", "content": "Name a colour."}]]
     outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=2))
     assert [o.prompt_token_ids for o in outs] == [
-        _ids(ref.apply_chat_template(c, tokenize=True, add_generation_prompt=True)) for c in convs]
+        _ids(ref.apply_chat_template(c, tokenize=True, add_generation_prompt=True)) for c in convs
+    ]
 
 
 def test_chat_tools_reach_the_template_and_the_override_is_per_call(llm):
@@ -61,21 +69,29 @@ def test_chat_tools_reach_the_template_and_the_override_is_per_call(llm):
 
 
 def test_chat_structured_reply_parses(llm):
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, n=3,
-                            structured_outputs=StructuredOutputsParams(json=schema))
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40, n=3, structured_outputs=StructuredOutputsParams(json=schema)
+    )
     (out,) = llm.chat(CONV, params)
     for o in out.outputs:
         assert set(json.loads(o.text)) == {"answer"} and isinstance(json.loads(o.text)["answer"], int)
 
 
-@pytest.mark.parametrize("messages, match", [
-    ([], "messages"),
-    ("hi", "messages"),
-    ([["not a dict"]], r"messages\[0\]"),
-    ([{"content": "no role"}], r"messages\[0\]"),
-])
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        ([["not a dict"]], r"messages\[0\]"),
+        ([{"content": "no role"}], r"messages\[0\]"),
+    ],
+)
 def test_chat_bad_conversations_are_one_line_errors(llm, messages, match):
     with pytest.raises(BaigeError, match=match):
         llm.chat(messages)

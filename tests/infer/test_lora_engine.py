@@ -88,8 +88,9 @@ def test_mixed_batch_matches_merged_models(dirs, tmp_path, monkeypatch):
     assert all(ids is not None for ids in native)  # every step had an adapter
     # afterwards the base alone takes the native decode step without adapter ids, with the same tokens
     native.clear()
-    assert [o.outputs[0].token_ids for o in llm.generate([PREFIX + t for t in TAILS],
-                                                         [_params(i) for i in range(2)])] == expected[None]
+    assert [
+        o.outputs[0].token_ids for o in llm.generate([PREFIX + t for t in TAILS], [_params(i) for i in range(2)])
+    ] == expected[None]
     assert native and all(ids is None for ids in native)
     # the per-op path (native step off) gives the same adapter tokens through the module hooks
     monkeypatch.setattr(llm.engine.runner, "fused_decode", None)
@@ -103,19 +104,33 @@ def test_mixed_batch_matches_merged_models(dirs, tmp_path, monkeypatch):
 def test_max_loras_load_unload_and_mistakes(dirs, tmp_path):
     tok = Tokenizer.from_dir(dirs[None])
     model = load_model(dirs[None], torch.float32)
-    eng = Engine(model, tok, EngineConfig(**CFG, enable_lora=True, max_loras=2, max_lora_rank=5,
-                                          lora_modules={"sql": str(dirs["sql"]), "chat": str(dirs["chat"])}))
+    eng = Engine(
+        model,
+        tok,
+        EngineConfig(
+            **CFG,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=5,
+            lora_modules={"sql": str(dirs["sql"]), "chat": str(dirs["chat"])},
+        ),
+    )
     with pytest.raises(BaigeError, match=r"rank 8 exceeds --max-lora-rank 5") as e:
         eng.lora.load(LoRARequest("code", 3, str(dirs["code"])))
     assert "\n" not in str(e.value) and "code" not in eng.lora.loaded
     wide = make_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
     with pytest.raises(BaigeError, match=r"do not fit rank 2 on a 96 -> 96 linear"):
-        Engine(load_model(wide, torch.float32), tok, EngineConfig(**CFG, enable_lora=True,
-                                                                   lora_modules={"sql": str(dirs["sql"])}))
+        Engine(
+            load_model(wide, torch.float32),
+            tok,
+            EngineConfig(**CFG, enable_lora=True, lora_modules={"sql": str(dirs["sql"])}),
+        )
     with pytest.raises(LoRANotFound, match="'nope' is not loaded"):
         eng.add_request("x", [1, 2], _params(0), lora_request=LoRARequest("nope", 9, ""))
     with pytest.raises(BaigeError, match="LoRA is not enabled"):
-        Engine(model, tok, EngineConfig(**CFG)).add_request("x", [1, 2], _params(0), lora_request=LoRARequest("sql", 1, ""))
+        Engine(model, tok, EngineConfig(**CFG)).add_request(
+            "x", [1, 2], _params(0), lora_request=LoRARequest("sql", 1, "")
+        )
     with pytest.raises(BaigeError, match="needs --enable-lora"):
         EngineConfig(lora_modules={"sql": "x"})
 
@@ -137,7 +152,18 @@ def test_max_loras_load_unload_and_mistakes(dirs, tmp_path):
 
 
 def test_cli_refuses_a_bad_adapter_at_start_up(dirs, cli_error):
-    err = cli_error("serve", "--model", dirs[None], "--port", "0", "--enable-lora", "--max-lora-rank", "4",
-                    "--lora-modules", f"sql={dirs['sql']}", f"code={dirs['code']}")
+    err = cli_error(
+        "serve",
+        "--model",
+        dirs[None],
+        "--port",
+        "0",
+        "--enable-lora",
+        "--max-lora-rank",
+        "4",
+        "--lora-modules",
+        f"sql={dirs['sql']}",
+        f"code={dirs['code']}",
+    )
     assert "rank 8 exceeds --max-lora-rank 4" in err
     assert "--lora-modules: 'sql' is not NAME=DIR" in cli_error("serve", "--enable-lora", "--lora-modules", "sql")

@@ -67,16 +67,27 @@ def test_disable_by_batch_size_stops_proposing_above_it():
             return [Proposal([7] * b) for b in budgets]
 
     def seq(computed):
-        return SimpleNamespace(token_ids=[1, 2, 3, 4], num_computed_tokens=computed, max_tokens=50,
-                               num_output_tokens=1, spec_budget=None, payload=SimpleNamespace(grammar=None),
-                               spec_token_ids=[], spec_draft_probs=None)
+        return SimpleNamespace(
+            token_ids=[1, 2, 3, 4],
+            num_computed_tokens=computed,
+            max_tokens=50,
+            num_output_tokens=1,
+            spec_budget=None,
+            payload=SimpleNamespace(grammar=None),
+            spec_token_ids=[],
+            spec_draft_probs=None,
+        )
 
     running = [seq(3), seq(3), seq(3), seq(1)]
     assign_drafts(Recording(), running, 4, 64, lambda s: None, disable_by_batch_size=2)
     assert Recording.calls == 0 and all(s.spec_budget is None and s.spec_token_ids == [] for s in running)
     assign_drafts(Recording(), running, 4, 64, lambda s: None, disable_by_batch_size=3)
     assert Recording.calls == 1 and [s.spec_token_ids for s in running] == [[7, 7]] * 3 + [[]]  # prior budget 2
-    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
-                                   '"disable_by_batch_size": 8}').disable_by_batch_size == 8
+    assert (
+        SpeculativeConfig.parse(
+            '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}'
+        ).disable_by_batch_size
+        == 8
+    )
     with pytest.raises(BaigeError, match=r"disable_by_batch_size must be an integer >= 1 or null, got 0"):
         SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}')

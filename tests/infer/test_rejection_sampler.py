@@ -42,7 +42,9 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     exp = probs[support] * counts.sum()
     stat = float(((counts[support] - exp) ** 2 / exp).sum())
     df = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def emitted_counts(temperature: float, top_p: float, deterministic_draft: bool, seed: int = 0) -> np.ndarray:

@@ -45,8 +45,9 @@ def test_seed_reproduces_and_frequencies_follow_softmax():
     assert (freq - expected).abs().max() < 0.03
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                    dict(min_p=2), dict(max_tokens=0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2), dict(max_tokens=0)]
+)
 def test_bad_params_are_user_errors(kwargs):
     with pytest.raises(BaigeError):
         SamplingParams(**kwargs)
@@ -158,10 +159,10 @@ def draw(logits_rows, rows):
 HAND_SUPPORTS = [
     # top-k 3 first renormalises to .47/.29/.24: .47 + .29 >= .7 keeps 2 (without renormalising,
     # .4 + .25 = .65 < .7 would keep 3)
-    (lg(.4, .25, .2, .1, .05), dict(top_k=3, top_p=0.7), {}, {0, 1}),
+    (lg(0.4, 0.25, 0.2, 0.1, 0.05), dict(top_k=3, top_p=0.7), {}, {0, 1}),
     # top-p .7 first (keeps 3: .4 + .25 < .7), then min-p .3 (threshold .12 keeps the same 3); min-p
     # first would renormalise to .47/.29/.24 and top-p would keep 2
-    (lg(.4, .25, .2, .1, .05), dict(top_p=0.7, min_p=0.3), {}, {0, 1, 2}),
+    (lg(0.4, 0.25, 0.2, 0.1, 0.05), dict(top_p=0.7, min_p=0.3), {}, {0, 1, 2}),
     # temperature before top-p: at T=2 the probabilities are .51/.31/.19 and top-p .6 keeps 2 (at
     # T=1: .67/.24/.09 keeps 1)
     ([2.0, 1.0, 0.0], dict(temperature=2.0, top_p=0.6), {}, {0, 1}),
@@ -172,7 +173,7 @@ HAND_SUPPORTS = [
     # min-p = 1 keeps exactly the tokens tied at the maximum
     ([1.0, 3.0, 0.5, 3.0, 3.0, -2.0], dict(min_p=1.0), {}, {1, 3, 4}),
     # min-p .5: threshold .5 * .4 = .2 keeps .4, .3 and the tied .2 (equal survives), not .1
-    (lg(.4, .3, .1, .2), dict(min_p=0.5), {}, {0, 1, 3}),
+    (lg(0.4, 0.3, 0.1, 0.2), dict(min_p=0.5), {}, {0, 1, 3}),
     # allowed_token_ids masks before logit_bias: a +100 bias on a disallowed token does nothing
     ([5.0, 1.0, 0.0, 2.0], dict(allowed_token_ids=[1, 2], logit_bias={0: 100.0}, min_p=0.5), {}, {1}),
     # min_tokens: the stop id 1 is masked while fewer than min_tokens are generated ...
@@ -227,12 +228,15 @@ def test_sample_batch_hand_computed_greedy(logits, kw, ctx, expected):
 # One batch, V = 10, every row its own parameters; ties inside supports and among dropped tokens.
 BATCH_V10 = [
     # greedy with a repetition penalty that moves the argmax; a tie for the new maximum (3 and 7)
-    ([1.0, 4.0, 0.5, 3.0, -1.0, 2.0, 0.0, 3.0, -2.0, 1.5], dict(temperature=0.0, repetition_penalty=2.0),
-     dict(prompt_ids=[1], output_ids=[5])),
+    (
+        [1.0, 4.0, 0.5, 3.0, -1.0, 2.0, 0.0, 3.0, -2.0, 1.5],
+        dict(temperature=0.0, repetition_penalty=2.0),
+        dict(prompt_ids=[1], output_ids=[5]),
+    ),
     # top-k 4 with ties inside the kept set (2.0 x 2) and among the dropped (0.0 x 3)
     ([2.5, 2.0, 0.0, 2.0, 0.0, 1.0, 0.0, -1.0, 0.3, 0.7], dict(temperature=0.7, top_k=4), {}),
     # top-p
-    (lg(.22, .05, .18, .15, .12, .08, .08, .06, .04, .02), dict(temperature=1.3, top_p=0.8), {}),
+    (lg(0.22, 0.05, 0.18, 0.15, 0.12, 0.08, 0.08, 0.06, 0.04, 0.02), dict(temperature=1.3, top_p=0.8), {}),
     # min-p with a tie at the maximum
     ([1.0, 2.0, 2.0, 0.2, 1.5, -0.5, 0.82, 1.9, -3.0, 0.0], dict(temperature=1.0, min_p=0.3), {}),
     # greedy next to sampling rows, with logit_bias
@@ -240,10 +244,19 @@ BATCH_V10 = [
     # all three filters
     ([1.2, 0.4, 2.2, 1.9, -0.3, 0.9, 1.6, 0.1, 2.0, -1.1], dict(temperature=0.9, top_k=6, top_p=0.85, min_p=0.15), {}),
     # penalties + logit_bias + allowed_token_ids + min_tokens masking of two stop ids
-    ([0.5, 3.0, 1.0, 2.0, 1.8, -0.2, 2.2, 0.9, 1.1, 2.4],
-     dict(temperature=1.1, presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={4: 0.7, 0: -2.0},
-          allowed_token_ids=[0, 1, 2, 3, 4, 6, 8, 9], min_tokens=5),
-     dict(prompt_ids=[2, 3], output_ids=[3, 3, 6, 8], stop_ids=[1, 9])),
+    (
+        [0.5, 3.0, 1.0, 2.0, 1.8, -0.2, 2.2, 0.9, 1.1, 2.4],
+        dict(
+            temperature=1.1,
+            presence_penalty=0.3,
+            frequency_penalty=0.4,
+            repetition_penalty=1.3,
+            logit_bias={4: 0.7, 0: -2.0},
+            allowed_token_ids=[0, 1, 2, 3, 4, 6, 8, 9],
+            min_tokens=5,
+        ),
+        dict(prompt_ids=[2, 3], output_ids=[3, 3, 6, 8], stop_ids=[1, 9]),
+    ),
     # plain temperature sampling, no filter
     ([0.3, -0.4, 1.1, 0.0, 0.6, -1.5, 0.9, 0.2, -0.7, 0.5], dict(temperature=1.5), {}),
 ]
@@ -274,13 +287,23 @@ def test_sample_batch_support_equals_reference_per_row():
 RACE_ROWS = [
     ([0.3, -0.4, 1.1, 0.05, 0.6, -1.5, 0.9, 0.2], dict(temperature=1.0), {}),
     ([0.3, -0.4, 1.1, 0.05, 0.6, -1.5, 0.9, 0.2], dict(temperature=0.6, top_k=5), {}),
-    (lg(.3, .05, .2, .16, .12, .09, .05 + 1e-3, .03 - 1e-3), dict(temperature=1.2, top_p=0.75), {}),
+    (lg(0.3, 0.05, 0.2, 0.16, 0.12, 0.09, 0.05 + 1e-3, 0.03 - 1e-3), dict(temperature=1.2, top_p=0.75), {}),
     ([2.0, 0.1, 1.4, -0.6, 1.7, 0.8, -2.0, 1.1, 0.45, 0.3, -0.1], dict(temperature=0.8, min_p=0.2), {}),
     ([1.2, 0.4, 2.2, 1.9, -0.3, 0.9, 1.6, 0.1, 2.05, -1.1], dict(temperature=0.9, top_k=7, top_p=0.9, min_p=0.1), {}),
-    ([0.5, 3.0, 1.0, 2.0, 1.8, -0.2, 2.2, 0.9, 1.1, 2.4, 0.05, 0.7],
-     dict(temperature=1.1, presence_penalty=0.3, frequency_penalty=0.45, repetition_penalty=1.3, logit_bias={4: 0.7, 0: -2.0},
-          allowed_token_ids=[0, 1, 2, 3, 4, 6, 8, 9, 10, 11], min_tokens=5, top_p=0.95),
-     dict(prompt_ids=[2, 3], output_ids=[3, 3, 6, 8], stop_ids=[1, 9])),
+    (
+        [0.5, 3.0, 1.0, 2.0, 1.8, -0.2, 2.2, 0.9, 1.1, 2.4, 0.05, 0.7],
+        dict(
+            temperature=1.1,
+            presence_penalty=0.3,
+            frequency_penalty=0.45,
+            repetition_penalty=1.3,
+            logit_bias={4: 0.7, 0: -2.0},
+            allowed_token_ids=[0, 1, 2, 3, 4, 6, 8, 9, 10, 11],
+            min_tokens=5,
+            top_p=0.95,
+        ),
+        dict(prompt_ids=[2, 3], output_ids=[3, 3, 6, 8], stop_ids=[1, 9]),
+    ),
 ]
 
 
@@ -320,11 +343,17 @@ def test_sample_batch_logprobs_are_the_raw_log_softmax():
     assert [v for _, v in lps[0].top] == pytest.approx([math.log(5 / 8), math.log(2 / 8)], abs=1e-6)
     # a batch: logprobs None / 0 / 3 / 1 per row, with penalties, temperature and filters
     batch = [
-        ([0.3, -0.4, 1.1, 0.05, 0.6, -1.5, 0.9, 0.2], dict(temperature=0.0, logprobs=None, repetition_penalty=3.0),
-         dict(prompt_ids=[2])),
+        (
+            [0.3, -0.4, 1.1, 0.05, 0.6, -1.5, 0.9, 0.2],
+            dict(temperature=0.0, logprobs=None, repetition_penalty=3.0),
+            dict(prompt_ids=[2]),
+        ),
         ([1.3, -0.4, 0.1, 0.05, 0.6, -1.5, 0.9, 0.2], dict(temperature=0.7, logprobs=0, top_k=3), {}),
-        ([0.2, 2.1, -1.0, 0.7, 1.4, 0.0, 0.5, -0.3], dict(temperature=1.4, logprobs=3, presence_penalty=1.5, min_p=0.1),
-         dict(output_ids=[1])),
+        (
+            [0.2, 2.1, -1.0, 0.7, 1.4, 0.0, 0.5, -0.3],
+            dict(temperature=1.4, logprobs=3, presence_penalty=1.5, min_p=0.1),
+            dict(output_ids=[1]),
+        ),
         ([0.2, 2.1, -1.0, 0.7, 1.4, 0.0, 0.5, -0.3], dict(temperature=0.0, logprobs=1, logit_bias={7: 10.0}), {}),
     ]
     for seed in range(20):

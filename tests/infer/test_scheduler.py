@@ -10,8 +10,10 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_step=32, max_mo
 
 def run_step(sched, next_token=7):
     batch = sched.schedule()
-    sampled = [next_token if s.num_computed_tokens + n == len(s.token_ids) else None
-               for s, n in zip(batch.seqs, batch.num_new_tokens)]
+    sampled = [
+        next_token if s.num_computed_tokens + n == len(s.token_ids) else None
+        for s, n in zip(batch.seqs, batch.num_new_tokens)
+    ]
     sched.postprocess(batch, sampled)
     return batch
 
@@ -107,8 +109,11 @@ def test_max_loras_limits_distinct_adapters_per_step():
     """max_loras=2: a third adapter waits (its place kept) while base and known adapters go past it."""
     sched = Scheduler(BlockManager(64, 4, False), 8, 64, 64, max_loras=2)
     a, b = Sequence([1, 2, 3], max_tokens=2, lora_int_id=1), Sequence([1, 2], max_tokens=2, lora_int_id=2)
-    c, base, a2 = (Sequence([4, 5], max_tokens=2, lora_int_id=3), Sequence([6, 9], max_tokens=2),
-                   Sequence([7, 8], max_tokens=5, lora_int_id=1))
+    c, base, a2 = (
+        Sequence([4, 5], max_tokens=2, lora_int_id=3),
+        Sequence([6, 9], max_tokens=2),
+        Sequence([7, 8], max_tokens=5, lora_int_id=1),
+    )
     for s in (a, b, c, base, a2):
         sched.add(s)
     batch = run_step(sched)

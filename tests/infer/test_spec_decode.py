@@ -27,9 +27,17 @@ def loaded(embedded_dir):
 @pytest.fixture(scope="module")
 def random_draft(embedded_dir, tmp_path_factory):
     """A one-layer random model with the embedded model's tokenizer: its drafts are almost never right."""
-    path = make_checkpoint(tmp_path_factory.mktemp("draft"), "llama", vocab_size=49152, hidden_size=32,
-                           intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                           max_position_embeddings=8192)
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("draft"),
+        "llama",
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=8192,
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(embedded_dir / name, path / name)
     return path
@@ -47,21 +55,48 @@ def prompts(tok: Tokenizer) -> list[tuple[str, SamplingParams]]:
     chat = lambda text: tok.apply_chat_template([{"role": "user", "content": text}])  # noqa: E731
     out = []
     for i, p in enumerate(passages(8)):
-        out.append((chat(f"Repeat this text exactly:\n\n{p}"),
-                    SamplingParams(temperature=0, max_tokens=9 + 2 * i, ignore_eos=True,
-                                   logprobs=2 if i % 3 == 0 else None)))
-    opens = ["Write a poem about the sea.", "What is the capital of France?", "Explain gravity to a child.",
-             "List three fruits.", "Tell me a joke.", "How do plants grow?", "Describe a cat.", "Why is the sky blue?"]
+        out.append(
+            (
+                chat(f"Repeat this text exactly:\n\n{p}"),
+                SamplingParams(
+                    temperature=0, max_tokens=9 + 2 * i, ignore_eos=True, logprobs=2 if i % 3 == 0 else None
+                ),
+            )
+        )
+    opens = [
+        "Write a poem about the sea.",
+        "What is the capital of France?",
+        "Explain gravity to a child.",
+        "List three fruits.",
+        "Tell me a joke.",
+        "How do plants grow?",
+        "Describe a cat.",
+        "Why is the sky blue?",
+    ]
     for i, q in enumerate(opens):
-        out.append((chat(q), SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=i % 2 == 0,
-                                            repetition_penalty=1.3 if i % 4 == 1 else 1.0)))
+        out.append(
+            (
+                chat(q),
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=6 + i,
+                    ignore_eos=i % 2 == 0,
+                    repetition_penalty=1.3 if i % 4 == 1 else 1.0,
+                ),
+            )
+        )
     return out
 
 
 def run(loaded, spec=None, **cfg) -> tuple[Engine, list]:
     model, tok = loaded
-    eng = Engine(model, tok, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=16, kv_cache_memory=cfg.pop("kv", ROOMY),
-                                          speculative_config=spec, **cfg))
+    eng = Engine(
+        model,
+        tok,
+        EngineConfig(
+            max_model_len=MAX_LEN, max_num_seqs=16, kv_cache_memory=cfg.pop("kv", ROOMY), speculative_config=spec, **cfg
+        ),
+    )
     work = prompts(tok)
     for i, (p, sp) in enumerate(work):
         eng.add_request(f"r{i}", p, sp)
@@ -111,8 +146,9 @@ def test_the_model_as_its_own_draft_accepts_everything(loaded, embedded_dir, ref
 
 
 def test_a_random_draft_accepts_almost_nothing_and_changes_nothing(loaded, random_draft, reference):
-    eng, outs = run(loaded, {"method": "draft_model", "model": str(random_draft), "num_speculative_tokens": 3},
-                    kv=TIGHT)
+    eng, outs = run(
+        loaded, {"method": "draft_model", "model": str(random_draft), "num_speculative_tokens": 3}, kv=TIGHT
+    )
     assert eng.scheduler.num_preemptions > 0
     same(outs, reference)
     assert eng.spec_stats.num_draft_tokens > 50 and eng.spec_stats.acceptance_rate < 0.05
@@ -123,8 +159,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 def generate(loaded, spec, work: list[tuple[str, SamplingParams]]):
     model, tok = loaded
-    eng = Engine(model, tok, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=ROOMY,
-                                          speculative_config=spec))
+    eng = Engine(
+        model, tok, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=8, kv_cache_memory=ROOMY, speculative_config=spec)
+    )
     for i, (p, sp) in enumerate(work):
         eng.add_request(f"r{i}", p, sp)
     outs = eng.run_to_completion([f"r{i}" for i in range(len(work))])
@@ -136,14 +173,18 @@ def test_stop_strings_inside_an_accepted_run_cut_where_plain_decoding_cuts(loade
     tok = loaded[1]
     prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passages(1)[0]}"}])
     _, (full,) = generate(loaded, None, [(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))])
-    stops = [full.text[len(full.text) // 2:][:6], full.text[-9:-4]]  # mid-run, and near the end
+    stops = [full.text[len(full.text) // 2 :][:6], full.text[-9:-4]]  # mid-run, and near the end
     work = [(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[s])) for s in stops]
     _, plain = generate(loaded, None, work)
     eng, spec = generate(loaded, NGRAM, work)
     assert eng.spec_stats.num_accepted_tokens > 10  # the stops did fall inside accepted runs
     for a, b in zip(spec, plain):
-        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason,
-                                                                          b.stop_reason)
+        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+            b.text,
+            b.token_ids,
+            b.finish_reason,
+            b.stop_reason,
+        )
         assert b.finish_reason == "stop" and len(b.token_ids) < 30
 
 
@@ -155,14 +196,16 @@ def test_max_tokens_is_never_exceeded(loaded):
     eng, outs = generate(loaded, NGRAM, work)
     assert eng.spec_stats.num_accepted_tokens > 0
     for (_, sp), o in zip(work, outs):
-        assert o.token_ids == plain[0].token_ids[:sp.max_tokens] and o.finish_reason == "length"
+        assert o.token_ids == plain[0].token_ids[: sp.max_tokens] and o.finish_reason == "length"
 
 
 def test_sampling_with_speculation_runs_to_length_and_frees_its_blocks(loaded):
     tok = loaded[1]
     prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{passages(1)[0]}"}])
-    work = [(prompt, SamplingParams(temperature=0.7, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True, n=2,
-                                    logprobs=1)) for s in range(3)]
+    work = [
+        (prompt, SamplingParams(temperature=0.7, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True, n=2, logprobs=1))
+        for s in range(3)
+    ]
     eng, outs = generate(loaded, NGRAM, work)
     assert all(len(o.token_ids) == 20 and len(o.logprobs) == 20 for o in outs)
     assert eng.spec_stats.num_draft_tokens > 0
@@ -180,22 +223,34 @@ def test_a_draft_with_another_vocabulary_is_refused_in_one_line(loaded, random_d
     (other / "tokenizer.json").write_text(json.dumps(spec))
     model, tok = loaded
     with pytest.raises(BaigeError, match=r"draft model's tokenizer differs .*'hello' is id \d+ in the target") as e:
-        Engine(model, tok, EngineConfig(max_model_len=MAX_LEN, kv_cache_memory=ROOMY,
-                                        speculative_config={"model": str(other), "num_speculative_tokens": 2}))
+        Engine(
+            model,
+            tok,
+            EngineConfig(
+                max_model_len=MAX_LEN,
+                kv_cache_memory=ROOMY,
+                speculative_config={"model": str(other), "num_speculative_tokens": 2},
+            ),
+        )
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("{bad", "not valid JSON"),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not one of ngram, draft_model"),
-    ('{"method": "ngram"}', 'give "num_speculative_tokens"'),
-    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 32\]"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "x": 1}, "unknown key 'x'"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
-     r"prompt_lookup_min \(3\) must be <= prompt_lookup_max \(2\)"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, 'method draft_model needs "model"'),
-    ([1, 2], "a JSON object"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("{bad", "not valid JSON"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method 'eagle' is not one of ngram, draft_model"),
+        ('{"method": "ngram"}', 'give "num_speculative_tokens"'),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 32\]"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "x": 1}, "unknown key 'x'"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            r"prompt_lookup_min \(3\) must be <= prompt_lookup_max \(2\)",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, 'method draft_model needs "model"'),
+        ([1, 2], "a JSON object"),
+    ],
+)
 def test_bad_speculative_configs_are_one_line_errors(value, message):
     with pytest.raises(BaigeError, match=message):
         SpeculativeConfig.parse(value)
@@ -214,12 +269,21 @@ def test_structured_outputs_speculate_and_give_the_same_tokens(loaded):
     from baige.runtime.infer.structured import StructuredOutputsParams
 
     tok = loaded[1]
-    schema = {"type": "array", "minItems": 8, "maxItems": 8,
-              "items": {"type": "object", "properties": {"fruit": {"enum": ["apple pie", "banana split"]}},
-                        "required": ["fruit"], "additionalProperties": False}}
+    schema = {
+        "type": "array",
+        "minItems": 8,
+        "maxItems": 8,
+        "items": {
+            "type": "object",
+            "properties": {"fruit": {"enum": ["apple pie", "banana split"]}},
+            "required": ["fruit"],
+            "additionalProperties": False,
+        },
+    }
     prompt = tok.apply_chat_template([{"role": "user", "content": "List eight desserts as JSON."}])
-    work = [(prompt, SamplingParams(temperature=0, max_tokens=120,
-                                    structured_outputs=StructuredOutputsParams(json=schema)))]
+    work = [
+        (prompt, SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema)))
+    ]
     _, (plain,) = generate(loaded, None, work)
     eng, (spec,) = generate(loaded, NGRAM, work)
     assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "stop"

@@ -29,13 +29,17 @@ def brute_first_stop(chunks: list[str], stops: list[str]):
 
 def brute_held_back(text: str, stops: list[str]) -> int:
     """Longest suffix of ``text`` that is a proper prefix of a stop string."""
-    return max((k for k in range(len(text) + 1) if any(len(s) > k and s.startswith(text[len(text) - k:])
-                                                       for s in stops)), default=0)
+    return max(
+        (k for k in range(len(text) + 1) if any(len(s) > k and s.startswith(text[len(text) - k :]) for s in stops)),
+        default=0,
+    )
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)
-@given(stops=st.lists(st.text(ALPHABET, min_size=1, max_size=5), min_size=1, max_size=6),
-       chunks=st.lists(st.text(ALPHABET, max_size=4), max_size=8))
+@given(
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=5), min_size=1, max_size=6),
+    chunks=st.lists(st.text(ALPHABET, max_size=4), max_size=8),
+)
 def test_matcher_equals_brute_force(stops, chunks):
     state = StopState(StopMatcher(stops))
     text, got = "", None
@@ -44,7 +48,7 @@ def test_matcher_equals_brute_force(stops, chunks):
         hit = state.feed(text)
         if hit is not None:
             got = (hit[0], k)
-            assert hit[1] in stops and text[hit[0]:hit[0] + len(hit[1])] == hit[1]
+            assert hit[1] in stops and text[hit[0] : hit[0] + len(hit[1])] == hit[1]
             break
         assert state.held_back() == brute_held_back(text, stops)
     assert got == brute_first_stop(chunks, stops)
@@ -66,8 +70,11 @@ def test_engine_cuts_at_a_stop_string_among_many(embedded_dir):
     from baige.runtime.model.tokenizer import Tokenizer
     from baige.runtime.weights.loader import load_model
 
-    eng = Engine(load_model(embedded_dir), Tokenizer.from_dir(embedded_dir),
-                 EngineConfig(max_model_len=128, kv_cache_memory=20_000_000, max_num_seqs=4))
+    eng = Engine(
+        load_model(embedded_dir),
+        Tokenizer.from_dir(embedded_dir),
+        EngineConfig(max_model_len=128, kv_cache_memory=20_000_000, max_num_seqs=4),
+    )
     greedy = dict(temperature=0, ignore_eos=True, max_tokens=20)
     eng.add_request("free", "The capital of France is", SamplingParams(**greedy))
     full = eng.run_to_completion(["free"])[0].outputs[0].text
@@ -75,7 +82,7 @@ def test_engine_cuts_at_a_stop_string_among_many(embedded_dir):
     stops = [f"zz{i}qq" for i in range(60)] + [word]
     eng.add_request("cut", "The capital of France is", SamplingParams(stop=stops, **greedy))
     out = eng.run_to_completion(["cut"])[0].outputs[0]
-    assert out.text == full[:full.index(word)] and out.finish_reason == "stop" and out.stop_reason == word
+    assert out.text == full[: full.index(word)] and out.finish_reason == "stop" and out.stop_reason == word
 
 
 def test_prefix_keys_are_chained_sha256():
@@ -104,8 +111,9 @@ def test_a_key_collision_never_serves_another_prompts_blocks(monkeypatch):
 
 
 def test_finish_is_lazy_and_the_queues_skip_finished_sequences():
-    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=2, max_num_batched_tokens=64,
-                      max_model_len=32)
+    sched = Scheduler(
+        BlockManager(num_blocks=64, block_size=4), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32
+    )
     seqs = [Sequence([i + 1] * 3, max_tokens=4, request_id=f"r{i}") for i in range(6)]
     for s in seqs:
         sched.add(s)

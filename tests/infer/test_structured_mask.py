@@ -47,7 +47,7 @@ def test_mask_equals_brute_force_after_random_prefixes(compiler, pattern):
     rng = random.Random(0)
     for _ in range(40):
         m = compiler.matcher(StructuredOutputsParams(regex=pattern))
-        text, tokens = "", []
+        text = ""
         for _ in range(rng.randint(0, 5)):  # walk a random valid path
             mask = compiler.start_masks({0: m}).result()[0]
             choices = [t for t in range(EOS) if mask[t]]
@@ -75,19 +75,23 @@ def test_sampling_only_draws_allowed_tokens(compiler):
     assert sample_batch(logits, [greedy])[0][0] in starts
 
 
-@pytest.mark.parametrize("spec,needle", [
-    (dict(json={"type": "nonsense"}), "nonsense"),
-    (dict(regex="(ab"), "regex"),
-    (dict(grammar="start: ???"), "invalid constraint"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        (dict(json={"type": "nonsense"}), "nonsense"),
+        (dict(regex="(ab"), "regex"),
+        (dict(grammar="start: ???"), "invalid constraint"),
+    ],
+)
 def test_invalid_constraints_raise_one_line(compiler, spec, needle):
     with pytest.raises(BaigeError, match=needle) as e:
         compiler.matcher(StructuredOutputsParams(**spec))
     assert "\n" not in str(e.value) and e.value.param == "structured_outputs"
 
 
-@pytest.mark.parametrize("spec", [{}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": ["", "a"]},
-                                  {"regex": ""}, {"json": 5}])
+@pytest.mark.parametrize(
+    "spec", [{}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": ["", "a"]}, {"regex": ""}, {"json": 5}]
+)
 def test_malformed_params_are_refused(spec):
     with pytest.raises(BaigeError):
         StructuredOutputsParams(**spec)
@@ -103,8 +107,15 @@ def test_compiled_constraints_are_cached_by_content(compiler):
     assert compiler.stats["compiles"] == before + 1
 
 
-@pytest.mark.parametrize("kw", [{"json": {"type": "object"}},  # needs "{", which no piece holds
-                                {"regex": "zz"}, {"json": {"$ref": "#"}}, {"grammar": "start: x\nx: x"}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"json": {"type": "object"}},  # needs "{", which no piece holds
+        {"regex": "zz"},
+        {"json": {"$ref": "#"}},
+        {"grammar": "start: x\nx: x"},
+    ],
+)
 def test_constraints_no_token_sequence_can_write_are_refused(compiler, kw):
     with pytest.raises(BaigeError, match="accepts no output"):
         compiler.matcher(StructuredOutputsParams(**kw))

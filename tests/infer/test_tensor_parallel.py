@@ -32,7 +32,9 @@ ENGINE = dict(max_num_batched_tokens=32, max_num_seqs=6, kv_cache_memory="8MB")
 
 
 def _params(**kw) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=4 + 3 * (i % 4), temperature=0, ignore_eos=True, **kw) for i in range(len(PROMPTS))]
+    return [
+        SamplingParams(max_tokens=4 + 3 * (i % 4), temperature=0, ignore_eos=True, **kw) for i in range(len(PROMPTS))
+    ]
 
 
 def _checkpoint(root, variant: str, quant: QuantScheme | None = None, **overrides):
@@ -53,12 +55,15 @@ def _generate(model_dir, tp: int, params, **engine):
 
 # fewer KV heads than ranks, Qwen2 q/k/v biases and int8 run through the server (tests/server/test_tp_serving.py)
 CASES = {
-    "int4-g32-asym-bias": dict(variant="qwen2-bias", quant=QuantScheme(4, 32, symmetric=False),
-                               overrides=dict(intermediate_size=128)),
+    "int4-g32-asym-bias": dict(
+        variant="qwen2-bias", quant=QuantScheme(4, 32, symmetric=False), overrides=dict(intermediate_size=128)
+    ),
     "qwen3-moe-split-experts": dict(variant="qwen3-moe"),
     "qwen2-moe-expert-parallel-uneven": dict(variant="qwen2-moe-shared", engine=dict(enable_expert_parallel=True)),
-    "ngram-speculation": dict(variant="llama-tied", engine=dict(
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})),
+    "ngram-speculation": dict(
+        variant="llama-tied",
+        engine=dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+    ),
 }
 
 
@@ -90,8 +95,9 @@ def test_tp2_logprobs_and_prompt_logprobs_match_one_process(tmp_path):
         lp1 = [lp.logprob for lp in a.outputs[0].logprobs] + [lp.logprob for lp in a.prompt_logprobs[1:]]
         lp2 = [lp.logprob for lp in b.outputs[0].logprobs] + [lp.logprob for lp in b.prompt_logprobs[1:]]
         assert torch.allclose(torch.tensor(lp2), torch.tensor(lp1), atol=1e-4)
-        assert [lp.top for lp in b.prompt_logprobs[1:]] and \
-            [[t for t, _ in lp.top] for lp in b.prompt_logprobs[1:]] == [[t for t, _ in lp.top] for lp in a.prompt_logprobs[1:]]
+        assert [lp.top for lp in b.prompt_logprobs[1:]] and [
+            [t for t, _ in lp.top] for lp in b.prompt_logprobs[1:]
+        ] == [[t for t, _ in lp.top] for lp in a.prompt_logprobs[1:]]
 
 
 def test_vocab_ranges_hand_computed():
@@ -117,8 +123,16 @@ def test_unshardable_models_are_one_line_errors(tmp_path):
     cfg = load_model(make_checkpoint(tmp_path / "a", "llama")).config  # 4 heads
     with pytest.raises(BaigeError, match=r"^--tensor-parallel-size 3 does not divide num_attention_heads \(4\)$"):
         check_shardable(cfg, 3)
-    cfg = load_model(make_checkpoint(tmp_path / "b", "llama", hidden_size=96, num_attention_heads=12,
-                                     num_key_value_heads=3, intermediate_size=100)).config
+    cfg = load_model(
+        make_checkpoint(
+            tmp_path / "b",
+            "llama",
+            hidden_size=96,
+            num_attention_heads=12,
+            num_key_value_heads=3,
+            intermediate_size=100,
+        )
+    ).config
     with pytest.raises(BaigeError, match=r"num_key_value_heads \(3\) must be a multiple or a divisor"):
         check_shardable(cfg, 2)
     with pytest.raises(BaigeError, match=r"^--tensor-parallel-size 3 does not divide intermediate_size \(100\)$"):
@@ -131,8 +145,11 @@ def test_int4_groups_split_across_ranks_are_one_line_errors(tmp_path):
     # intermediate 96 over 2 ranks = 48 columns of down_proj each: not whole groups of 32 (found while
     # sharding, before any collective: no process group needed)
     model = load_model(_checkpoint(tmp_path, "llama", QuantScheme(4, 32)))
-    with pytest.raises(BaigeError, match=r"^this checkpoint cannot be tensor-parallel: cannot split in_features=96 "
-                                         r"at \[0, 48\): int4 groups of 32 columns must stay whole on one rank$"):
+    with pytest.raises(
+        BaigeError,
+        match=r"^this checkpoint cannot be tensor-parallel: cannot split in_features=96 "
+        r"at \[0, 48\): int4 groups of 32 columns must stay whole on one rank$",
+    ):
         shard_model(model, Comm(None, 0, 2))
 
 
@@ -141,8 +158,23 @@ def test_cli_refuses_an_unshardable_model_before_starting_workers(tmp_path):
     import sys
 
     model_dir = write_tiny_tokenizer(make_checkpoint(tmp_path / "m", "llama"))  # 4 heads
-    r = subprocess.run([sys.executable, "-m", "baige", "generate", "--model", str(model_dir), "-p", "t5",
-                        "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "baige",
+            "generate",
+            "--model",
+            str(model_dir),
+            "-p",
+            "t5",
+            "--tensor-parallel-size",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert r.stderr.strip() == "error: --tensor-parallel-size 3 does not divide num_attention_heads (4)"
 
@@ -158,8 +190,11 @@ def _broadcast_rank(rank: int, store_path: str, out_path: str) -> None:
     comm = Comm(pg, rank, 2)
     small = {"ids": torch.arange(5)}
     large = {"tables": torch.arange(3 * STEP_BYTES // 8).view(3, -1), "text": "x" * 100}  # > STEP_BYTES pickled
-    got = [_broadcast(small if rank == 0 else None, comm), _broadcast(large if rank == 0 else None, comm),
-           _broadcast("stop" if rank == 0 else None, comm)]
+    got = [
+        _broadcast(small if rank == 0 else None, comm),
+        _broadcast(large if rank == 0 else None, comm),
+        _broadcast("stop" if rank == 0 else None, comm),
+    ]
     if rank == 1:
         with open(out_path, "wb") as f:
             pickle.dump(got, f)

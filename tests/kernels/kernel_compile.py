@@ -22,8 +22,15 @@ from baige import kernels
 from baige.kernels.triton_ops import cross_entropy, flash_attention, norm, paged_attention, quant_matmul, rope, swiglu
 
 MODULES = (norm, rope, swiglu, flash_attention, paged_attention, cross_entropy, quant_matmul)
-TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
-         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int8: "i8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "i1",
+}
 CUDA = torch.device("cuda")
 
 
@@ -78,8 +85,11 @@ def _compile(fn, args, kw, capability: int):
             signature[p.name], constexprs[p.name] = "constexpr", None
         else:
             raise TypeError(f"{p.name}: cannot type {v!r}")
-    return triton.compile(ASTSource(fn=jit, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", capability, 32), options=options)
+    return triton.compile(
+        ASTSource(fn=jit, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", capability, 32),
+        options=options,
+    )
 
 
 def _launch_everything(dtype):
@@ -109,7 +119,7 @@ def _launch_everything(dtype):
     h, wv = r(7, 64, grad=True), r(1000, 64, grad=True)
     kernels.fused_linear_cross_entropy(h, wv, torch.randint(0, 1000, (7,), generator=g)).backward()
     kernels.quantized_linear(r(3, 256), torch.randint(-100, 100, (64, 256), dtype=torch.int8), r(64, 1), None, None)
-    packed = torch.randint(-2**31, 2**31 - 1, (64, 32), dtype=torch.int32, generator=g)
+    packed = torch.randint(-(2**31), 2**31 - 1, (64, 32), dtype=torch.int32, generator=g)
     zp = torch.randint(-8, 8, (64, 2), dtype=torch.int8, generator=g)
     kernels.quantized_linear(r(3, 256), packed, r(64, 2), zp, 128, r(64))
 
@@ -123,8 +133,12 @@ def main(dtype_name: str, capability: int = 90) -> None:
     calls = _record()
     _launch_everything(getattr(torch, dtype_name))
     launched = {name for name, *_ in calls}
-    expected = {f"{mod.__name__.rsplit('.', 1)[1]}.{n}" for mod in MODULES for n in dir(mod)
-                if n.startswith("_") and n.endswith("_kernel")}
+    expected = {
+        f"{mod.__name__.rsplit('.', 1)[1]}.{n}"
+        for mod in MODULES
+        for n in dir(mod)
+        if n.startswith("_") and n.endswith("_kernel")
+    }
     if launched != expected:
         sys.exit(f"kernels never launched: {sorted(expected - launched)}")
     seen, compiled = set(), 0

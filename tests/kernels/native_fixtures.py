@@ -1,6 +1,6 @@
-"""Fixtures of the native CPU kernel tests (test_kernels_cpu.py, test_cpu_attention.py), imported by
-them (not a conftest.py: the tests import the top-level ``conftest`` module by name, which a second
-conftest.py would shadow)."""
+"""Fixtures of the native CPU kernel tests (test_kernels_cpu.py, test_cpu_attention.py, test_moe_cpu.py),
+registered by ``tests/conftest.py``'s ``pytest_plugins`` (not a conftest.py of their own: the tests import the
+top-level ``conftest`` module by name, which a second conftest.py would shadow)."""
 
 import shutil
 
@@ -26,4 +26,5 @@ def use_isa(monkeypatch):
         monkeypatch.setenv("BAIGE_CPU_ISA", variant)
         reload_settings()
         assert cpu_library.library().baige_isa().decode() == variant
+
     return use

@@ -16,8 +16,6 @@ from baige.kernels.cpu import isa
 from baige.kernels.cpu import ops as cpu_ops
 from tests.kernel_checks import assert_close_fp64
 
-from tests.kernels.native_fixtures import native_kernel, use_isa  # noqa: E402,F401  (fixtures)
-
 pytestmark = pytest.mark.usefixtures("native_kernel")
 
 
@@ -33,9 +31,22 @@ def _case(lens, H, Hkv, D, bs, kv_dtype, seed):
 
 
 # head sizes: 64 and 128 (whole 64-column pieces), 80 (64 + 16), 48 (three 16s), 24, 59 and 20 (8-lane
-# path everywhere; 59 and 20 with scalar tails), 16, 32, 96, 256; groups of 1-8 query heads per KV head (the 16-lane path takes four at a time)
-SHAPES = [(9, 3, 64), (8, 1, 128), (10, 2, 80), (7, 1, 48), (16, 2, 24), (6, 6, 59), (20, 4, 64), (8, 2, 20),
-          (4, 2, 16), (12, 2, 32), (6, 1, 96), (8, 1, 256)]
+# path everywhere; 59 and 20 with scalar tails), 16, 32, 96, 256; groups of 1-8 query heads per KV head (the 16-lane
+# path takes four at a time)
+SHAPES = [
+    (9, 3, 64),
+    (8, 1, 128),
+    (10, 2, 80),
+    (7, 1, 48),
+    (16, 2, 24),
+    (6, 6, 59),
+    (20, 4, 64),
+    (8, 2, 20),
+    (4, 2, 16),
+    (12, 2, 32),
+    (6, 1, 96),
+    (8, 1, 256),
+]
 
 
 @pytest.mark.parametrize("variant", isa.supported())
@@ -48,7 +59,7 @@ def test_decode_on_every_variant(use_isa, variant, H, Hkv, D, kv_dtype, bs):
     use_isa(variant)
     kc, vc, tables, lens = _case([1, 2, 3, 5, 17, 203], H, Hkv, D, bs, kv_dtype, seed=D + H)
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1))
-    scale = D ** -0.5
+    scale = D**-0.5
     out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
     ref = reference.paged_decode_attention(q, kc, vc, tables, lens, scale)
     exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens, scale)
@@ -111,8 +122,9 @@ AMX = "avx512_amx" in isa.supported()
 
 
 @pytest.mark.skipif(not AMX, reason="prefill_amx.c needs AMX (avx512_amx): this CPU lacks it")
-@pytest.mark.parametrize("H,Hkv,D,bs", [(9, 3, 64, 16), (4, 4, 128, 32), (7, 1, 96, 16), (20, 1, 32, 16),
-                                        (8, 2, 256, 16), (6, 2, 160, 48)])
+@pytest.mark.parametrize(
+    "H,Hkv,D,bs", [(9, 3, 64, 16), (4, 4, 128, 32), (7, 1, 96, 16), (20, 1, 32, 16), (8, 2, 256, 16), (6, 2, 160, 48)]
+)
 def test_amx_prefill_attention_against_the_reference_and_fp64(monkeypatch, use_isa, H, Hkv, D, bs):
     """prefill_amx.c: chunks of 1, 40, 33, 2 and 70 tokens after cached prefixes of 0, 57, 0, 14 and 230
     (a key count that is no multiple of 16 or 32, one token alone, a context spanning many scattered
@@ -122,6 +134,7 @@ def test_amx_prefill_attention_against_the_reference_and_fp64(monkeypatch, use_i
     once within 2 bf16 steps of the output scale. Dispatched by kernels.paged_prefill_attention."""
     monkeypatch.delenv("BAIGE_KERNELS", raising=False)
     from baige.runtime.settings import reload_settings
+
     reload_settings()
     use_isa("avx512_amx")
     chunks, lens = [1, 40, 33, 2, 70], [1, 97, 33, 16, 300]
@@ -131,14 +144,14 @@ def test_amx_prefill_attention_against_the_reference_and_fp64(monkeypatch, use_i
     calls = []
     real = cpu_ops._prefill_amx
     monkeypatch.setattr(cpu_ops, "_prefill_amx", lambda *a: calls.append(1) or real(*a))
-    scale = D ** -0.5
+    scale = D**-0.5
     out = kernels.paged_prefill_attention(q, kc, vc, tables, cu, ctx, scale)
     assert calls == [1] and out.dtype == torch.bfloat16 and out.shape == q.shape
     ref = reference.paged_prefill_attention(q, kc, vc, tables, cu, ctx, scale)
     exact = reference.paged_prefill_attention(q.double(), kc.double(), vc.double(), tables, cu, ctx, scale)
     assert_close_fp64(out, ref, exact, name=f"amx prefill {H}/{Hkv} x {D}, bs {bs}")
     f32 = reference.paged_prefill_attention(q.float(), kc, vc, tables, cu, ctx, scale)
-    assert (out.float() - f32).abs().max() <= 2 * 2.0 ** -8 * f32.abs().max()
+    assert (out.float() - f32).abs().max() <= 2 * 2.0**-8 * f32.abs().max()
 
 
 @pytest.mark.skipif(not AMX, reason="prefill_amx.c needs AMX (avx512_amx): this CPU lacks it")
@@ -172,6 +185,7 @@ def test_bf16_queries_and_prefill_dispatch_to_the_native_kernel(monkeypatch, use
     but a bf16 prefill under the AMX variant, which takes torch's SDPA (SDPA_BF16_PREFILL_ISAS)."""
     monkeypatch.delenv("BAIGE_KERNELS", raising=False)
     from baige.runtime.settings import reload_settings
+
     reload_settings()
     use_isa(variant)
     calls = []
@@ -214,18 +228,27 @@ def test_amx_scores_round_the_query_to_bf16(use_isa, variant, bs):
     kc = torch.zeros(1, 3, bs, 64, dtype=torch.bfloat16)
     vc = torch.zeros(1, 3, bs, 64, dtype=torch.bfloat16)
     kc[0, 2, 0], vc[0, 2, 0] = 1.0, 1.0  # block 2 holds the context: key 0 ones, key 1 zeros
-    q = torch.full((1, 1, 64), 1 + 2.0 ** -10)
+    q = torch.full((1, 1, 64), 1 + 2.0**-10)
     out = cpu_ops.paged_decode_attention(q, kc, vc, torch.tensor([[2]]), torch.tensor([2]), 1 / 64)
     amx = variant == "avx512_amx" and bs == 16
     assert cpu_ops.amx_scores(torch.bfloat16, 64, bs, 1) == amx
-    s0 = 1.0 if amx else 1 + 2.0 ** -10
+    s0 = 1.0 if amx else 1 + 2.0**-10
     torch.testing.assert_close(out, torch.full((1, 1, 64), 1 / (1 + math.exp(-s0))), rtol=0, atol=2e-7)
 
 
 # head sizes 32-256 (one to eight 32-column chunks; 80 is not a multiple of 32, 288 over 256: fp32
 # path), groups of 1-16 query heads per KV head (17: fp32 path)
-AMX_SHAPES = [(9, 3, 64), (4, 4, 32), (8, 1, 96), (16, 2, 128), (16, 1, 256), (32, 2, 64), (17, 1, 64),
-              (6, 3, 80), (2, 1, 288)]
+AMX_SHAPES = [
+    (9, 3, 64),
+    (4, 4, 32),
+    (8, 1, 96),
+    (16, 2, 128),
+    (16, 1, 256),
+    (32, 2, 64),
+    (17, 1, 64),
+    (6, 3, 80),
+    (2, 1, 288),
+]
 
 
 @pytest.mark.parametrize("variant", isa.supported())
@@ -245,10 +268,10 @@ def test_bf16_cache_with_blocks_of_16(use_isa, variant, H, Hkv, D, bs):
     kp, vp = kc.clone(), vc.clone()  # the kernel's copy: NaN in the unused rows of each last block
     for s, n in enumerate(lens):
         if n % bs:
-            kp[:, tables[s, n // bs], n % bs:] = float("nan")
-            vp[:, tables[s, n // bs], n % bs:] = float("nan")
+            kp[:, tables[s, n // bs], n % bs :] = float("nan")
+            vp[:, tables[s, n // bs], n % bs :] = float("nan")
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(7))
-    scale = D ** -0.5
+    scale = D**-0.5
     out = cpu_ops.paged_decode_attention(q, kp, vp, tables, ctx, scale)
     rounded = cpu_ops.amx_scores(torch.bfloat16, D, bs, H // Hkv)
     assert rounded == (variant == "avx512_amx" and D % 32 == 0 and D <= 256 and H // Hkv <= 16)
@@ -264,7 +287,7 @@ def test_bf16_cache_with_blocks_of_16(use_isa, variant, H, Hkv, D, bs):
             rows = tables[s, pos // bs] * bs + pos % bs
             k = kc.double().flatten(1, 2)[:, rows].repeat_interleave(group, 0)  # (H, n, D)
             v = vc.double().flatten(1, 2)[:, rows].repeat_interleave(group, 0)
-            ds = 2.0 ** -8 * scale * torch.einsum("hd,hnd->hn", q[s].double().abs(), k.abs())
+            ds = 2.0**-8 * scale * torch.einsum("hd,hnd->hn", q[s].double().abs(), k.abs())
             bound = 2 * ds.amax(1) * v.abs().amax((1, 2)) + 1e-6  # per head
             err = (out[s].double() - unrounded[s]).abs().amax(1)
             assert (err <= bound).all(), f"sequence {s}: {err.max():.3g} over the rounding bound"

@@ -21,10 +21,13 @@ def _varlen_case(lens_q, lens_k, H, Hkv, D, dtype, monkeypatch, seed=0):
     k = rand(sum(lens_k), Hkv, D, dtype=dtype, seed=seed + 1)
     v = rand(sum(lens_k), Hkv, D, dtype=dtype, seed=seed + 2)
     do = rand(sum(lens_q), H, D, dtype=dtype, seed=seed + 3)
-    scale = D ** -0.5
+    scale = D**-0.5
     results = {}
-    for name, cast, fn in (("triton", dtype, kernels.flash_attention_varlen), ("ref", dtype, reference.flash_attention_varlen),
-                           ("exact", torch.float64, reference.flash_attention_varlen)):
+    for name, cast, fn in (
+        ("triton", dtype, kernels.flash_attention_varlen),
+        ("ref", dtype, reference.flash_attention_varlen),
+        ("exact", torch.float64, reference.flash_attention_varlen),
+    ):
         ins = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
         if name == "triton":
             with triton_kernels(monkeypatch):
@@ -83,7 +86,7 @@ def test_paged_decode_and_prefill(dtype, block_size, monkeypatch):
     lens = [1, 97, 33, 16]
     kc, vc, bt = _paged_setup(lens, H, Hkv, D, block_size, dtype)
     ctx = torch.tensor(lens, device=DEVICE)
-    scale = D ** -0.5
+    scale = D**-0.5
     qd = rand(len(lens), H, D, dtype=dtype, seed=7)
     chunks = [1, 40, 33, 2]  # prefill chunk lengths: a cached prefix of L - T tokens before each
     qp = rand(sum(chunks), H, D, dtype=dtype, seed=8)
@@ -144,7 +147,9 @@ def test_strided_index_tensors_padding_rows_and_bad_counts(monkeypatch):
     with triton_kernels(monkeypatch):
         out = kernels.flash_attention_varlen(q, k, v, cu, cu, 4, 4, 0.25)
         out[:7].sum().backward()
-    ref = reference.flash_attention_varlen(q.detach(), k.detach(), v.detach(), cu.contiguous(), cu.contiguous(), 4, 4, 0.25)
+    ref = reference.flash_attention_varlen(
+        q.detach(), k.detach(), v.detach(), cu.contiguous(), cu.contiguous(), 4, 4, 0.25
+    )
     torch.testing.assert_close(out[:7], ref[:7], rtol=1e-5, atol=1e-5)
     assert (q.grad[7:] == 0).all() and (k.grad[7:] == 0).all() and (v.grad[7:] == 0).all()
 
@@ -156,8 +161,9 @@ def test_strided_index_tensors_padding_rows_and_bad_counts(monkeypatch):
         dec = kernels.paged_decode_attention(qd, kc, vc, bt_t, lens, 0.3)
         with pytest.raises(ValueError, match="context_lens"):
             kernels.paged_decode_attention(qd, kc, vc, bt, lens[:2], 0.3)
-    torch.testing.assert_close(dec, reference.paged_decode_attention(qd, kc, vc, bt, lens.contiguous(), 0.3),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        dec, reference.paged_decode_attention(qd, kc, vc, bt, lens.contiguous(), 0.3), rtol=1e-5, atol=1e-5
+    )
 
     kc = torch.zeros(2, 5, 4, 16, device=DEVICE)
     vc = torch.zeros_like(kc)

@@ -17,7 +17,12 @@ pytest.importorskip("triton")
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_every_kernel_compiles_for_sm90(dtype):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "BAIGE_KERNELS")}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_compile.py")), dtype, "90"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("kernel_compile.py")), dtype, "90"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "compiled" in proc.stdout and "sm_90" in proc.stdout

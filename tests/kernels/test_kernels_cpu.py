@@ -5,7 +5,6 @@ runs, the dispatch rules, the small per-layer ops, and the fallback when nothing
 import sys
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -15,9 +14,6 @@ from baige.kernels.cpu import build as cpu_library
 from baige.kernels.cpu import qlinear as cpu
 from baige.runtime.quant.scheme import QuantScheme, pack_int4, quantize_weight
 from tests.kernel_checks import assert_close_fp64
-
-
-from tests.kernels.native_fixtures import native_kernel, use_isa  # noqa: E402,F401  (fixtures)
 
 pytestmark = pytest.mark.usefixtures("native_kernel")
 
@@ -78,9 +74,11 @@ def test_native_strided_input_and_leading_dims():
 
 from baige.kernels.cpu import isa  # noqa: E402
 
-DOT_SCHEMES = {**SCHEMES, "int4-g32-asym": QuantScheme(4, 32, symmetric=False),
-               "int4-g96-asym": QuantScheme(4, 96, symmetric=False)}  # g96: a pair of blocks spans two groups
-
+DOT_SCHEMES = {
+    **SCHEMES,
+    "int4-g32-asym": QuantScheme(4, 32, symmetric=False),
+    "int4-g96-asym": QuantScheme(4, 96, symmetric=False),
+}  # g96: a pair of blocks spans two groups
 
 
 @pytest.mark.parametrize("variant", isa.supported())
@@ -105,8 +103,9 @@ def test_int_dot_matches_reference(use_isa, variant, name, rows, in_f, out_f, pa
     exact = reference.quantized_linear_int_dot(d(x), qweight, d(scale), zp, scheme.group_size, d(bias), passes=passes)
     assert out.dtype == torch.float32 and out.shape == (rows, out_f)
     assert_close_fp64(out, ref, exact, name=f"{variant} {name} rows={rows} in={in_f} passes={passes}")
-    w = reference.dequantize_weight(qweight if scheme.num_bits == 8 else reference.unpack_int4(qweight, in_f),
-                                    scale.double(), zp, scheme.group_size)
+    w = reference.dequantize_weight(
+        qweight if scheme.num_bits == 8 else reference.unpack_int4(qweight, in_f), scale.double(), zp, scheme.group_size
+    )
     product = reference.quantized_linear(d(x), qweight, d(scale), zp, scheme.group_size, d(bias))
     blocks = reference.quantize_activation_residual(x)[3 if passes == 2 else 1]
     d_col = blocks.double().repeat_interleave(reference.ACT_BLOCK, dim=-1)[:, :in_f]  # (rows, in)
@@ -121,12 +120,15 @@ def test_int_dot_reads_bf16_scales_as_they_are(use_isa, variant, name):
     """A bf16 model's int4 scales stay bf16 in the repacked tiles (half the bytes streamed) and give,
     bit for bit, what the same values in fp32 give (bf16 widens to fp32 exactly), rows 1 and 5."""
     from baige.kernels.cpu.qlinear import repacked
+
     use_isa(variant)
     scheme = DOT_SCHEMES[name]
     qweight, scale, zp = _weights(scheme, 40, 1000)
     s16 = scale.bfloat16()
     q16, q32 = qweight.clone(), qweight.clone()  # repacked() keeps one entry per weight tensor
-    assert repacked(q16, s16, zp)[1].dtype == torch.bfloat16 and repacked(q32, s16.float(), zp)[1].dtype == torch.float32
+    assert (
+        repacked(q16, s16, zp)[1].dtype == torch.bfloat16 and repacked(q32, s16.float(), zp)[1].dtype == torch.float32
+    )
     for rows in (1, 5):
         x = _randn(rows, 1000, seed=rows) * 3
         a = cpu.quantized_linear(x, q16, s16, zp, scheme.group_size)
@@ -144,10 +146,12 @@ def test_int_dot_many_rows_in_chunks(name):
     bias = _randn(40, seed=7)
     out = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size, bias)
     ref = reference.quantized_linear_int_dot(x, qweight, scale, zp, scheme.group_size, bias)
-    exact = reference.quantized_linear_int_dot(x.double(), qweight, scale.double(), zp, scheme.group_size, bias.double())
+    exact = reference.quantized_linear_int_dot(
+        x.double(), qweight, scale.double(), zp, scheme.group_size, bias.double()
+    )
     assert_close_fp64(out, ref, exact, name=f"{name} 1100 rows")
     for m in (0, 511, 512, 1023, 1024, 1099):
-        alone = cpu.quantized_linear(x[m:m + 1], qweight, scale, zp, scheme.group_size, bias)[0]
+        alone = cpu.quantized_linear(x[m : m + 1], qweight, scale, zp, scheme.group_size, bias)[0]
         assert torch.equal(out[m], alone), m
 
 
@@ -168,8 +172,10 @@ def test_int_dot_known_values():
     w4 = pack_int4(torch.tensor([[1] * 32, [-1] * 32], dtype=torch.int8))
     for passes, parts in [(1, [(d, q)]), (2, [(d, q), (d2, q2)])]:
         y8 = cpu.quantized_linear(x, w8, torch.tensor([0.5, 0.5]), None, None, passes=passes)
-        exp = [sum(0.5 * float(s) * sum(v) for s, v in parts),
-               sum(0.5 * float(s) * sum(v * (-1) ** k for k, v in enumerate(qs)) for s, qs in parts)]
+        exp = [
+            sum(0.5 * float(s) * sum(v) for s, v in parts),
+            sum(0.5 * float(s) * sum(v * (-1) ** k for k, v in enumerate(qs)) for s, qs in parts),
+        ]
         torch.testing.assert_close(y8, torch.tensor([exp]), rtol=1e-6, atol=1e-6)
         y4 = cpu.quantized_linear(x, w4, torch.full((2, 1), 0.25), None, 32, passes=passes)
         total = sum(0.25 * float(s) * sum(v) for s, v in parts)
@@ -192,7 +198,7 @@ def test_repack_layouts_hand_indexed():
         want = int(w8[row, col]) + 128 if row < n and col < k else 128
         assert int(r8[t, b, j, r, i]) == want, (t, b, j, r, i)
     assert int(r8[1, 0, 0, 3, 0]) == 128 and int(r8[0, 1, 2, 0, 0]) == 128  # row 19, column 40: padding
-    words = torch.randint(-2**31, 2**31 - 1, (n, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    words = torch.randint(-(2**31), 2**31 - 1, (n, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     scale, zp = torch.rand(n, 2) + 0.5, torch.randint(-8, 8, (n, 2), dtype=torch.int8)
     wr, sr, zr = cpu.repack_int4(words, scale, zp)
     assert wr.shape == (2, 8, 16) and sr.shape == (2, 2, 16) and zr.shape == (2, 2, 16)
@@ -214,7 +220,7 @@ def test_int_dot_rows_independent_of_the_batch(use_isa, variant, name):
     x = _randn(11, 200, seed=3)
     batch = cpu.quantized_linear(x, qweight, scale, zp, scheme.group_size)
     for m in range(11):
-        assert torch.equal(batch[m], cpu.quantized_linear(x[m:m + 1], qweight, scale, zp, scheme.group_size)[0]), m
+        assert torch.equal(batch[m], cpu.quantized_linear(x[m : m + 1], qweight, scale, zp, scheme.group_size)[0]), m
     assert torch.equal(batch[5:9], cpu.quantized_linear(x[5:9], qweight, scale, zp, scheme.group_size))
 
 
@@ -228,6 +234,7 @@ def test_int_dot_amx_tiles_bitwise_the_vnni_kernel(use_isa, name, in_f, out_f):
     count of 16-row weight tiles (75 rows: the last paired with itself) and an even one, partial blocks
     (1000, 4097 columns), bf16 int4 scales, 1 and 2 threads."""
     from baige.kernels.cpu.qlinear import repacked
+
     scheme = DOT_SCHEMES[name]
     qweight, scale, zp = _weights(scheme, out_f, in_f)
     bias = _randn(out_f, seed=2)
@@ -250,7 +257,8 @@ def test_int_dot_amx_tiles_bitwise_the_vnni_kernel(use_isa, name, in_f, out_f):
                     torch.set_num_threads(threads)
                     try:
                         got[variant, rows, passes, i, threads] = cpu.quantized_linear(
-                            x, q, sc, zp, scheme.group_size, bias, passes=passes)
+                            x, q, sc, zp, scheme.group_size, bias, passes=passes
+                        )
                     finally:
                         torch.set_num_threads(1)
     for key, out in got.items():
@@ -322,6 +330,7 @@ def test_arena_places_copies_back_to_back():
     """Arena.place: equal copies, 64-byte aligned, in placement order inside one chunk; a tensor
     larger than the chunk gets a chunk of its own."""
     from baige.kernels.cpu.arena import Arena
+
     a = Arena(chunk=1 << 16)
     ts = [torch.arange(10, dtype=torch.int32), torch.randn(3, 5), torch.ones(100, dtype=torch.uint8)]
     placed = [a.place(t) for t in ts]
@@ -338,7 +347,9 @@ def test_zeroed_pages_are_zero_writable_and_outlive_their_buffer():
     """zeroed_pages: zeros of the shape and dtype, contiguous, page aligned; writes read back; the
     memory stays valid with no other reference (the tensor holds the mapping); zero elements work."""
     import gc
+
     from baige.kernels import zeroed_pages
+
     for shape, dtype in (((3, 5, 16, 64), torch.bfloat16), ((2, 1 << 20), torch.float32), ((7,), torch.float16)):
         t = zeroed_pages(shape, dtype)
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 4096 == 0
@@ -352,9 +363,11 @@ def test_zeroed_pages_are_zero_writable_and_outlive_their_buffer():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
 def test_keep_freed_heap_is_accepted_by_glibc():
-    """keep_freed_heap: glibc's mallopt takes both settings (True). (Its effect, ~300,000 -> ~2 page faults per offline-throughput run, depends on the whole
+    """keep_freed_heap: glibc's mallopt takes both settings (True). (Its effect, ~300,000 -> ~2 page faults per
+    offline-throughput run, depends on the whole
     allocation pattern of an engine and is recorded in the README, not asserted here.)"""
     from baige.kernels import keep_freed_heap
+
     assert keep_freed_heap() is True
 
 
@@ -416,7 +429,9 @@ def test_bf16_activations_take_the_native_quantized_kernels(name, monkeypatch):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want) and calls == [1]
 
 
-@pytest.mark.skipif("avx512_amx" not in isa.supported(), reason="the AMX dequantize path needs avx512_amx: this CPU lacks it")
+@pytest.mark.skipif(
+    "avx512_amx" not in isa.supported(), reason="the AMX dequantize path needs avx512_amx: this CPU lacks it"
+)
 @pytest.mark.parametrize("name", ["int8", "int4-g32-sym", "int4-g64-asym"])
 def test_many_bf16_rows_on_amx_take_the_weight_dequantized_to_bf16(name, monkeypatch, use_isa):
     """Under avx512_amx a bf16 batch of at least AMX_DEQUANT_MIN_ROWS rows (a prefill chunk) multiplies
@@ -435,7 +450,7 @@ def test_many_bf16_rows_on_amx_take_the_weight_dequantized_to_bf16(name, monkeyp
     rows = cpu.AMX_DEQUANT_MIN_ROWS[qweight.dtype]
     x, bias = _randn(rows, 1000, seed=7).bfloat16(), _randn(75, seed=8).bfloat16()
     g = scheme.group_size or 1000
-    ints = (q.float() - (0 if zp is None else zp.float().repeat_interleave(g, 1)[:, :1000]))
+    ints = q.float() - (0 if zp is None else zp.float().repeat_interleave(g, 1)[:, :1000])
     w16 = (ints * scale.float().repeat_interleave(g, 1)[:, :1000]).bfloat16()
     want = torch.nn.functional.linear(x, w16, bias)
     calls = []
@@ -530,8 +545,9 @@ def test_build_failure_falls_back(monkeypatch, tmp_path):
         assert cpu_library.library() is None
     qweight, scale, zp = _weights(SCHEMES["int8"], 8, 64)
     x = _randn(1, 64, seed=0)
-    torch.testing.assert_close(kernels.quantized_linear(x, qweight, scale, zp, None),
-                               reference.quantized_linear(x, qweight, scale, zp, None))
+    torch.testing.assert_close(
+        kernels.quantized_linear(x, qweight, scale, zp, None), reference.quantized_linear(x, qweight, scale, zp, None)
+    )
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left in the cache
 
 
@@ -552,7 +568,7 @@ def test_build_is_cached(monkeypatch, tmp_path):
 # ---- the small per-layer ops (ops.c) --------------------------------------------------------------
 
 from baige.kernels.cpu import ops as cpu_ops  # noqa: E402
-from baige.runtime.settings import reload_settings
+from baige.runtime.settings import reload_settings  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 576), (2, 1023), (1, 1, 7)])
@@ -582,19 +598,29 @@ def test_bf16_silu_mul_and_norms_on_every_variant(use_isa, variant, shape):
     def close_to_reference(out, ref, exact, name):
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape
         diff = (out.float() - ref.float()).abs()
-        step = ref.float().abs().clamp_min(1e-30) * 2.0 ** -7  # one bf16 rounding step, generously
+        step = ref.float().abs().clamp_min(1e-30) * 2.0**-7  # one bf16 rounding step, generously
         assert (diff <= step).all() and (diff > 0).float().mean().item() < 0.005, name
         assert_close_fp64(out, ref, exact, name=name)
 
     g, u = x, res
-    close_to_reference(cpu_ops.silu_mul(g, u), reference.silu_mul(g, u),
-                       reference.silu_mul(g.double(), u.double()), f"silu_mul {variant} {shape}")
-    close_to_reference(cpu_ops.rms_norm(x, w, eps), reference.rms_norm(x, w, eps),
-                       reference.rms_norm(x.double(), w.double(), eps), f"rms {variant} {shape}")
+    close_to_reference(
+        cpu_ops.silu_mul(g, u),
+        reference.silu_mul(g, u),
+        reference.silu_mul(g.double(), u.double()),
+        f"silu_mul {variant} {shape}",
+    )
+    close_to_reference(
+        cpu_ops.rms_norm(x, w, eps),
+        reference.rms_norm(x, w, eps),
+        reference.rms_norm(x.double(), w.double(), eps),
+        f"rms {variant} {shape}",
+    )
     out, summed = cpu_ops.add_rms_norm(x, res, w, eps)
     ref_out, ref_sum = reference.add_rms_norm(x, res, w, eps)
     assert torch.equal(summed, ref_sum)  # one fp32 add, one rounding: bitwise
-    close_to_reference(out, ref_out, reference.rms_norm(ref_sum.double(), w.double(), eps), f"add_rms {variant} {shape}")
+    close_to_reference(
+        out, ref_out, reference.rms_norm(ref_sum.double(), w.double(), eps), f"add_rms {variant} {shape}"
+    )
 
 
 def test_bf16_silu_mul_writes_the_same_bits_on_every_variant(use_isa):
@@ -620,7 +646,9 @@ def test_bf16_silu_mul_and_norms_split_over_threads_give_the_one_thread_result()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append((cpu_ops.silu_mul(x, res), cpu_ops.rms_norm(x, w, 1e-5), *cpu_ops.add_rms_norm(x, res, w, 1e-5)))
+            outs.append(
+                (cpu_ops.silu_mul(x, res), cpu_ops.rms_norm(x, w, 1e-5), *cpu_ops.add_rms_norm(x, res, w, 1e-5))
+            )
     finally:
         torch.set_num_threads(threads)
     for other in outs[1:]:
@@ -726,7 +754,7 @@ def _paged_case(seed, S=4, H=6, Hkv=2, D=59, nb=12, bs=4, W=3):
 
 def test_paged_decode_attention_reads_blocks_in_place():
     q, kc, vc, tables, lens = _paged_case(0)
-    scale = 59 ** -0.5
+    scale = 59**-0.5
     out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale)
     ref = reference.paged_decode_attention(q, kc, vc, tables, lens, scale)
     exact = reference.paged_decode_attention(q.double(), kc.double(), vc.double(), tables, lens, scale)
@@ -752,7 +780,9 @@ def test_store_kv_matches_reference_and_skips_negative_slots():
     cpu_ops.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, rk) and torch.equal(vc, rv)
     cpu_ops.store_kv(k, v, kc, vc, torch.tensor([-1, -1, 3]))  # padding slots: untouched
-    assert torch.equal(kc.view(Hkv, -1, D)[:, 3], k[2]) and torch.equal(kc.view(Hkv, -1, D)[:, 17], rk.view(Hkv, -1, D)[:, 17])
+    assert torch.equal(kc.view(Hkv, -1, D)[:, 3], k[2]) and torch.equal(
+        kc.view(Hkv, -1, D)[:, 17], rk.view(Hkv, -1, D)[:, 17]
+    )
 
 
 def test_store_kv_into_an_fp16_cache_rounds_like_torch():
@@ -760,8 +790,8 @@ def test_store_kv_into_an_fp16_cache_rounds_like_torch():
     (values at fp16 rounding ties and beyond its range included); head_dim 20: the scalar tail too."""
     Hkv, nb, bs, D = 2, 5, 4, 20
     k, v = _randn(3, Hkv, D, seed=0) * 3, _randn(3, Hkv, D, seed=1)
-    k[0, 0, :4] = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 70000.0, -1e-8])  # ties to even, overflow, underflow
-    k[0, 0, 19] = 1 + 2 ** -11  # a tie in the scalar tail
+    k[0, 0, :4] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 70000.0, -1e-8])  # ties to even, overflow, underflow
+    k[0, 0, 19] = 1 + 2**-11  # a tie in the scalar tail
     kc, vc = torch.zeros(Hkv, nb, bs, D, dtype=torch.float16), torch.zeros(Hkv, nb, bs, D, dtype=torch.float16)
     rk, rv = kc.clone(), vc.clone()
     slots = torch.tensor([17, 2, 9])
@@ -776,17 +806,18 @@ def test_store_kv_into_a_bf16_cache_rounds_like_torch():
     (ties both ways, a value rounding up to inf, NaN, a subnormal); head_dim 20."""
     Hkv, nb, bs, D = 2, 5, 4, 20
     k, v = _randn(3, Hkv, D, seed=0) * 3, _randn(3, Hkv, D, seed=1)
-    k[0, 0, :6] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.397e38, float("nan"), 1e-40, -(1 + 2 ** -8)])
+    k[0, 0, :6] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.397e38, float("nan"), 1e-40, -(1 + 2**-8)])
     kc, vc = torch.zeros(Hkv, nb, bs, D, dtype=torch.bfloat16), torch.zeros(Hkv, nb, bs, D, dtype=torch.bfloat16)
     rk, rv = kc.clone(), vc.clone()
     slots = torch.tensor([17, 2, 9])
     reference.store_kv(k, v, rk, rv, slots)
     cpu_ops.store_kv(k, v, kc, vc, slots)
     got = kc.view(Hkv, -1, D)[0, 17, :6].float()
-    assert got[0] == 1.0 and got[1] == 1 + 2 ** -6 and got[2] == float("inf") and got[5] == -1.0  # hand-rounded
+    assert got[0] == 1.0 and got[1] == 1 + 2**-6 and got[2] == float("inf") and got[5] == -1.0  # hand-rounded
     assert torch.isnan(got[3])
     k_ok = torch.equal(kc.view(torch.int16), rk.view(torch.int16)) or torch.equal(  # NaN payloads may differ
-        torch.nan_to_num(kc.float(), nan=7.0), torch.nan_to_num(rk.float(), nan=7.0))
+        torch.nan_to_num(kc.float(), nan=7.0), torch.nan_to_num(rk.float(), nan=7.0)
+    )
     assert k_ok and torch.equal(vc, rv)
 
 
@@ -807,7 +838,9 @@ def test_bf16_kv_into_a_bf16_cache_is_copied_as_the_reference_writes_it(monkeypa
     monkeypatch.setattr(cpu_ops, "store_kv", lambda *a: calls.append(a[2].dtype) or real(*a))
     kernels.store_kv(k, v, kc, vc, slots)
     assert calls == [torch.bfloat16]
-    assert torch.equal(kc.view(torch.int16), rk.view(torch.int16)) and torch.equal(vc.view(torch.int16), rv.view(torch.int16))
+    assert torch.equal(kc.view(torch.int16), rk.view(torch.int16)) and torch.equal(
+        vc.view(torch.int16), rv.view(torch.int16)
+    )
     assert torch.equal(kc.view(Hkv, -1, D)[:, 23], k[3])  # hand-checked: token 3 of each head at slot 23
     before = kc.clone()
     real(k[:2], v[:2], kc, vc, torch.tensor([-1, 5]))
@@ -919,8 +952,9 @@ def test_fp16_and_fp32_weight_linears(rows, in_f, out_f):
     assert cpu.supports_f16(x)
     assert_close_fp64(cpu.linear_f16(x, w16, bias), ref16, exact16, name=f"f16 rows={rows} in={in_f}")
     y = torch.empty(rows, out_f)
-    cpu_library.library().baige_linear_f32(x.data_ptr(), rows, in_f, in_f, w.data_ptr(), out_f, in_f, None,
-                                           bias.data_ptr(), y.data_ptr(), out_f, 1)
+    cpu_library.library().baige_linear_f32(
+        x.data_ptr(), rows, in_f, in_f, w.data_ptr(), out_f, in_f, None, bias.data_ptr(), y.data_ptr(), out_f, 1
+    )
     exact = torch.nn.functional.linear(x.double(), w.double(), bias.double())
     assert_close_fp64(y, torch.nn.functional.linear(x, w, bias), exact, name=f"f32 rows={rows} in={in_f}")
 

@@ -55,12 +55,15 @@ def _unfused_fp64(h, w, t, normalizer, upstream):
     return loss.detach(), hh.grad, ww.grad
 
 
-@pytest.mark.parametrize("n_tokens,vocab,block", [
-    (97, 5000, 512),   # one token chunk, a partial last vocabulary block
-    (700, 30000, 512),  # two token chunks (2**24 // 30000 = 559 rows): grad_w written, then accumulated
-    (6, 300, 64),       # several blocks; every target lands in some block
-    (5, 40, 64),        # vocabulary smaller than one block
-])
+@pytest.mark.parametrize(
+    "n_tokens,vocab,block",
+    [
+        (97, 5000, 512),  # one token chunk, a partial last vocabulary block
+        (700, 30000, 512),  # two token chunks (2**24 // 30000 = 559 rows): grad_w written, then accumulated
+        (6, 300, 64),  # several blocks; every target lands in some block
+        (5, 40, 64),  # vocabulary smaller than one block
+    ],
+)
 @pytest.mark.parametrize("upstream", [1.0, 3.0])  # 1.0 takes the unscaled-return path of backward
 def test_reference_blocked_cross_entropy_is_exact_in_fp64(n_tokens, vocab, block, upstream, monkeypatch):
     # the blocked reference (vocab tiles, per-block max/sum merged afterwards) computes the same

@@ -18,7 +18,7 @@ def _stacks(n_in: int, n_out: int, dtype, seed: int = 0):
     a = torch.zeros(len(ranks), r_max, n_in)
     b = torch.zeros(len(ranks), n_out, r_max)
     for i, r in enumerate(ranks):
-        a[i, :r] = rand(r, n_in, dtype=torch.float32, seed=seed + 2 * i).cpu() / n_in ** 0.5
+        a[i, :r] = rand(r, n_in, dtype=torch.float32, seed=seed + 2 * i).cpu() / n_in**0.5
         b[i, :, :r] = rand(n_out, r, dtype=torch.float32, seed=seed + 2 * i + 1).cpu()
     scalings = torch.tensor([16 / r for r in ranks], dtype=torch.float32)  # alpha 16 over each rank
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype), scalings.to(DEVICE)
@@ -68,8 +68,11 @@ def test_lora_apply_against_per_token(monkeypatch, impl, dtype, case):
 
 def test_lora_apply_matches_one_adapter_linear_algebra():
     # a single full-rank check against plain matmuls: y + s * x A^T B^T
-    x, a, b = rand(5, 8, dtype=torch.float64, seed=1), rand(1, 3, 8, dtype=torch.float64, seed=2), \
-        rand(1, 6, 3, dtype=torch.float64, seed=3)
+    x, a, b = (
+        rand(5, 8, dtype=torch.float64, seed=1),
+        rand(1, 3, 8, dtype=torch.float64, seed=2),
+        rand(1, 6, 3, dtype=torch.float64, seed=3),
+    )
     y = torch.zeros(5, 6, dtype=torch.float64, device=DEVICE)
     kernels.lora_apply(y, x, a, b, torch.tensor([0.5], device=DEVICE), torch.zeros(5, dtype=torch.long, device=DEVICE))
     torch.testing.assert_close(y, 0.5 * x @ a[0].t() @ b[0].t())

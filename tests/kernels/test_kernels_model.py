@@ -52,23 +52,40 @@ def test_engine_greedy_tokens_same_on_triton_paged_kernels(tmp_path, monkeypatch
     prompts = [[5, 17, 33, 2, 91], [60, 61, 62, 63, 64, 65, 66, 7, 150, 3, 3]]
     monkeypatch.setenv("BAIGE_KERNELS", "reference")
     reload_settings()
-    llm = LLM(str(write_tiny_tokenizer(make_checkpoint(tmp_path / "tiny", "llama", seed=5))), dtype="float32",
-              enforce_eager=True, max_model_len=64, block_size=4, kv_cache_memory=1_000_000, enable_prefix_caching=False)
+    llm = LLM(
+        str(write_tiny_tokenizer(make_checkpoint(tmp_path / "tiny", "llama", seed=5))),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        block_size=4,
+        kv_cache_memory=1_000_000,
+        enable_prefix_caching=False,
+    )
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     with triton_kernels(monkeypatch):
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out == ref and all(len(t) == 9 for t in out) and ref[0] != ref[1]
 
 
-@pytest.mark.parametrize("env, needle", [({"BAIGE_KERNELS": "bogus"}, "BAIGE_KERNELS='bogus'"),
-                                         ({"BAIGE_KERNELS": "triton", "TRITON_INTERPRET": "0"}, "TRITON_INTERPRET=1"),
-                                         ({"BAIGE_CPU_INT_DOT_PASSES": "3"}, "BAIGE_CPU_INT_DOT_PASSES='3'")])
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"BAIGE_KERNELS": "bogus"}, "BAIGE_KERNELS='bogus'"),
+        ({"BAIGE_KERNELS": "triton", "TRITON_INTERPRET": "0"}, "TRITON_INTERPRET=1"),
+        ({"BAIGE_CPU_INT_DOT_PASSES": "3"}, "BAIGE_CPU_INT_DOT_PASSES='3'"),
+    ],
+)
 def test_cli_bad_kernel_setting_is_one_line(env, needle):
     import os
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "baige", "generate", "--prompt", "hi", "--max-tokens", "1"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    proc = subprocess.run(
+        [sys.executable, "-m", "baige", "generate", "--prompt", "hi", "--max-tokens", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -72,8 +72,9 @@ def test_moe_topk_ties_lowest_index_first(monkeypatch):
 def test_moe_topk_gradient_runs_the_reference(monkeypatch):
     logits = rand(5, 6, dtype=torch.float64, seed=3)
     bias = rand(6, dtype=torch.float64, scale=0.1, seed=4)
-    assert torch.autograd.gradcheck(lambda z: reference.moe_topk(z, 3, True, bias, 0.5)[0],
-                                    (logits.clone().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda z: reference.moe_topk(z, 3, True, bias, 0.5)[0], (logits.clone().requires_grad_(),)
+    )
     z = rand(5, 6, dtype=torch.float32, seed=3).requires_grad_()
     with triton_kernels(monkeypatch):
         w, _ = kernels.moe_topk(z, 3, True, None, 0.0)  # needs a gradient: the reference runs
@@ -115,21 +116,29 @@ def _check_layout(ids: torch.Tensor, num_experts: int, bs: int, sorted_ids, expe
     padded = int(ntpp)
     assert padded == sum(math.ceil(c / bs) * bs for c in counts.values())
     s, ex = sorted_ids.tolist(), expert_ids.tolist()
-    assert s[padded:] == [n] * (max_len - padded) and ex[padded // bs:] == [-1] * (len(ex) - padded // bs)
+    assert s[padded:] == [n] * (max_len - padded) and ex[padded // bs :] == [-1] * (len(ex) - padded // bs)
     assert sorted(v for v in s[:padded] if v != n) == list(range(n))  # every pair exactly once
-    blocks_of = Counter(ex[:padded // bs])
+    blocks_of = Counter(ex[: padded // bs])
     assert blocks_of == {e: math.ceil(c / bs) for e, c in counts.items()}  # no block for an expert without pairs
-    assert ex[:padded // bs] == sorted(ex[:padded // bs])
+    assert ex[: padded // bs] == sorted(ex[: padded // bs])
     for e in counts:
-        seg = [v for b, x in enumerate(ex) if x == e for v in s[b * bs:(b + 1) * bs]]
+        seg = [v for b, x in enumerate(ex) if x == e for v in s[b * bs : (b + 1) * bs]]
         real = [v for v in seg if v != n]
         assert real == sorted(real) and all(flat[v] == e for v in real)  # stable, right expert
         assert seg == real + [n] * (len(seg) - len(real)) and len(seg) - len(real) < bs  # padded at the end
 
 
-@pytest.mark.parametrize("T,top_k,E,bs,used", [
-    (1, 1, 7, 16, 7), (97, 8, 60, 16, 40), (7, 7, 7, 4, 7), (97, 2, 7, 64, 5), (97, 1, 3, 1, 3), (40, 4, 9, 8, 9),
-])
+@pytest.mark.parametrize(
+    "T,top_k,E,bs,used",
+    [
+        (1, 1, 7, 16, 7),
+        (97, 8, 60, 16, 40),
+        (7, 7, 7, 4, 7),
+        (97, 2, 7, 64, 5),
+        (97, 1, 3, 1, 3),
+        (40, 4, 9, 8, 9),
+    ],
+)
 def test_moe_align_properties(T, top_k, E, bs, used):
     g = torch.Generator().manual_seed(T * E + bs)
     allowed = torch.randperm(E, generator=g)[:used]  # experts outside it receive no pair

@@ -15,7 +15,6 @@ from baige.kernels.cpu import ops as cpu_ops
 from tests.kernel_checks import assert_close_fp64
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tests.kernels.native_fixtures import native_kernel, use_isa  # noqa: E402,F401  (fixtures)
 
 
 def _oracle(x, w13, w2, tw, ti):
@@ -63,9 +62,9 @@ def _experts_by_hand(xs, offsets, w13, w2):
     inter = w2.shape[-1]
     ys = torch.zeros_like(xs)
     for e in range(w13.shape[0]):
-        rows = xs[offsets[e]:offsets[e + 1]]
+        rows = xs[offsets[e] : offsets[e + 1]]
         gate_up = rows @ w13[e].T
-        ys[offsets[e]:offsets[e + 1]] = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].T
+        ys[offsets[e] : offsets[e + 1]] = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].T
     return ys
 
 
@@ -85,7 +84,7 @@ def _native_rows(xs, offsets, w13, w2, skip, wts):
     rows it owns), bf16 moe_experts_combine with each pair its own token (tok = 0..n-1) and weight wts[i]
     (wts[i] * its output, in fp32). Rows the kernel leaves alone stay NaN."""
     n, H = xs.shape
-    counts = (offsets[1:] - offsets[:-1])
+    counts = offsets[1:] - offsets[:-1]
     owned = torch.repeat_interleave(counts > skip, counts)  # (n,) rows of experts past skip
     if xs.dtype == torch.float32:
         ys = torch.full((n, H), float("nan"))
@@ -111,8 +110,8 @@ def test_native_moe_experts_match_fp64(native_kernel, use_isa, variant, dtype, H
     offsets[1:] = counts.cumsum(0)
     n, E = int(offsets[-1]), len(counts)
     xs = torch.randn(n, H, generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).to(dtype)
-    w2 = (torch.randn(E, H, inter, generator=g) * inter ** -0.5).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * inter**-0.5).to(dtype)
     wts = torch.rand(n, generator=g) + 0.5 if dtype == torch.bfloat16 else torch.ones(n)
     with torch.inference_mode():
         ran, got = _native_rows(xs, offsets, w13, w2, moe_cpu.NATIVE_SKIP_ROWS, wts)
@@ -128,8 +127,10 @@ def test_native_moe_experts_match_fp64(native_kernel, use_isa, variant, dtype, H
     assert_close_fp64(got[computed], ref[computed], exact[computed], name=f"{variant} {dtype} H={H} I={inter}")
 
 
-@pytest.mark.parametrize("variant,dtype", [(v, d) for v in isa.supported() for d in (torch.float32, torch.bfloat16)
-                                           if _has_kernel(v, d)] or [("none", None)])
+@pytest.mark.parametrize(
+    "variant,dtype",
+    [(v, d) for v in isa.supported() for d in (torch.float32, torch.bfloat16) if _has_kernel(v, d)] or [("none", None)],
+)
 def test_native_moe_experts_independent_of_threads_and_neighbours(native_kernel, use_isa, variant, dtype):
     """Bitwise the same rows on 1 and 2 threads, and an expert's rows the same whether or not other
     experts' rows surround them (every row's sums run in one fixed order)."""
@@ -168,8 +169,8 @@ def test_moe_cpu_every_variant_matches_fp64(native_kernel, use_isa, variant, dty
     g = torch.Generator().manual_seed(11)
     T, H, inter, E = 97, 1023, 60, 7
     x = torch.randn(T, H, generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).to(dtype)
-    w2 = (torch.randn(E, H, inter, generator=g) * inter ** -0.5).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * inter**-0.5).to(dtype)
     logits = torch.randn(T, E, generator=g)
     logits[:, 6] -= 3.0  # expert 6 gets few tokens (the few-rows path beside the native kernel)
     tw, ti = kernels.moe_topk(logits, 2, True)

@@ -22,23 +22,24 @@ def test_decode_and_prefill_match_contiguous_attention():
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(L)])
         kernels.store_kv(k, v, kc, vc, slots)
         seqs.append((q, k, v, table))
-    scale = D ** -0.5
+    scale = D**-0.5
     W = max(len(t) for *_, t in seqs) + 1  # one extra padded column
     tables = torch.tensor([t + [nb] * (W - len(t)) for *_, t in seqs])
     # decode: the last query of each sequence over its whole cache
-    out = kernels.paged_decode_attention(torch.stack([q[-1] for q, *_ in seqs]), kc, vc, tables,
-                                         torch.tensor(lens), scale)
+    out = kernels.paged_decode_attention(
+        torch.stack([q[-1] for q, *_ in seqs]), kc, vc, tables, torch.tensor(lens), scale
+    )
     for i, (q, k, v, _) in enumerate(seqs):
         ref = kernels.attention(q[None], k[None], v[None], scale)[0, -1]
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
     # prefill with a cached prefix: the last T_i queries of each sequence
     Ts = [1, 3, 13, 6]
-    qs = torch.cat([q[L - T:] for (q, *_), L, T in zip(seqs, lens, Ts)])
+    qs = torch.cat([q[L - T :] for (q, *_), L, T in zip(seqs, lens, Ts)])
     cu = torch.tensor([0] + torch.tensor(Ts).cumsum(0).tolist())
     out = kernels.paged_prefill_attention(qs, kc, vc, tables, cu, torch.tensor(lens), scale)
     for i, ((q, k, v, _), L, T) in enumerate(zip(seqs, lens, Ts)):
-        ref = kernels.attention(q[None], k[None], v[None], scale)[0, L - T:]
-        torch.testing.assert_close(out[cu[i]:cu[i + 1]], ref, atol=1e-5, rtol=1e-5)
+        ref = kernels.attention(q[None], k[None], v[None], scale)[0, L - T :]
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_groups_of_a_batch_match_one_call():

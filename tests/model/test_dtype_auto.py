@@ -20,6 +20,7 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def auto_env(monkeypatch):
     """``auto_env(value, flags)``: BAIGE_CPU_AUTO_DTYPE set (None: unset) and the CPU's flags replaced."""
+
     def use(value, flags):
         if value is None:
             monkeypatch.delenv("BAIGE_CPU_AUTO_DTYPE", raising=False)
@@ -27,6 +28,7 @@ def auto_env(monkeypatch):
             monkeypatch.setenv("BAIGE_CPU_AUTO_DTYPE", value)
         monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(flags))
         reload_settings()
+
     yield use
     monkeypatch.undo()
     reload_settings()
@@ -74,8 +76,10 @@ def test_engine_and_cli_report_the_dtype_picked(tmp_path):
     the CPU has native bf16; a bad override is one line from the CLI, exit 1, no traceback."""
     path = make_checkpoint(tmp_path / "m", "llama")
     write_tiny_tokenizer(path)
-    code = ("from baige import LLM; import sys; llm = LLM(sys.argv[1], max_model_len=64, kv_cache_memory=1 << 20); "
-            "print(llm.engine.model.model.embed_tokens.weight.dtype, llm.engine.kv_cache.k[0].dtype)")
+    code = (
+        "from baige import LLM; import sys; llm = LLM(sys.argv[1], max_model_len=64, kv_cache_memory=1 << 20); "
+        "print(llm.engine.model.model.embed_tokens.weight.dtype, llm.engine.kv_cache.k[0].dtype)"
+    )
     env = {k: v for k, v in __import__("os").environ.items() if k != "BAIGE_CPU_AUTO_DTYPE"}
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -83,7 +87,24 @@ def test_engine_and_cli_report_the_dtype_picked(tmp_path):
     want = "torch.bfloat16" if native else "torch.float32"
     assert r.stdout.split() == [want, want]
     env["BAIGE_CPU_AUTO_DTYPE"] = "half"
-    r = subprocess.run([sys.executable, "-m", "baige", "generate", "--model", str(path), "--prompt", "hi",
-                        "--max-tokens", "2", "--no-chat"], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "baige",
+            "generate",
+            "--model",
+            str(path),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+            "--no-chat",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "BAIGE_CPU_AUTO_DTYPE='half': choose auto, float32 or bfloat16" in r.stderr.strip().splitlines()[-1]

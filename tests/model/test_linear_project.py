@@ -24,13 +24,22 @@ def native_calls(monkeypatch):
     def counted(x, w, b):
         calls.append(x.shape[0])
         return real(x, w, b)
+
     monkeypatch.setattr(qlinear, "linear_f16", counted)
     return calls
 
 
-@pytest.mark.parametrize("dtype,rows,native", [(torch.float32, 1, True), (torch.float32, 32, True),
-                                              (torch.float32, 33, False), (torch.bfloat16, 1, True),
-                                              (torch.bfloat16, 64, True), (torch.bfloat16, 65, False)])
+@pytest.mark.parametrize(
+    "dtype,rows,native",
+    [
+        (torch.float32, 1, True),
+        (torch.float32, 32, True),
+        (torch.float32, 33, False),
+        (torch.bfloat16, 1, True),
+        (torch.bfloat16, 64, True),
+        (torch.bfloat16, 65, False),
+    ],
+)
 def test_project_takes_the_native_kernel_for_few_rows(native_calls, dtype, rows, native):
     torch.manual_seed(rows)
     mod = nn.Linear(96, 1003, bias=True).to(dtype)
@@ -44,7 +53,7 @@ def test_project_takes_the_native_kernel_for_few_rows(native_calls, dtype, rows,
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
     else:  # both round one fp32 sum to bf16: at most one bf16 step apart, both near fp64
-        step = ref.float().abs().clamp_min(1e-3) * 2.0 ** -7
+        step = ref.float().abs().clamp_min(1e-3) * 2.0**-7
         assert ((y.float() - ref.float()).abs() <= step).all()
         assert ((y.double() - exact).abs() <= 2 * step.double() + 1e-2).all()
 

@@ -31,9 +31,10 @@ def dirs(tmp_path_factory):
     out = {"base": base}
     for i, (name, (r, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(10 + i)
-        pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                            LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rs,
-                                       init_lora_weights=False))  # random B: the adapter does something
+        pm = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+            LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rs, init_lora_weights=False),
+        )  # random B: the adapter does something
         pm.save_pretrained(root / name)
         out[name] = root / name
     return out

@@ -42,8 +42,12 @@ def test_config_layout(ckpt):
     name, path = ckpt
     cfg = ModelConfig.from_file(path / "config.json")
     sparse, experts, top_k, shared = LAYOUT[name]
-    assert (cfg.moe.sparse_layers, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.shared_intermediate_size) == \
-        (sparse, experts, top_k, shared)
+    assert (cfg.moe.sparse_layers, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.shared_intermediate_size) == (
+        sparse,
+        experts,
+        top_k,
+        shared,
+    )
     model = load_model(path)
     kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
     assert kinds == [i in sparse for i in range(cfg.num_hidden_layers)]
@@ -66,11 +70,20 @@ def test_engine_greedy_equals_transformers_generate(ckpt):
     expected = []
     with torch.no_grad():
         for p, n in zip(prompts, n_new):
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
-    eng = Engine(load_model(path), Tokenizer.from_dir(path),
-                 EngineConfig(max_model_len=128, kv_cache_memory=4_000_000, block_size=16, max_num_seqs=8))
+            out = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(p) :].tolist())
+    eng = Engine(
+        load_model(path),
+        Tokenizer.from_dir(path),
+        EngineConfig(max_model_len=128, kv_cache_memory=4_000_000, block_size=16, max_num_seqs=8),
+    )
     finals = {}
 
     def step():
@@ -117,21 +130,41 @@ def test_a_missing_expert_is_one_line_naming_it(tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"use_sliding_window": True}, "sliding"),
-    ({"num_experts": "eight"}, "num_experts"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"use_sliding_window": True}, "sliding"),
+        ({"num_experts": "eight"}, "num_experts"),
+    ],
+)
 def test_unsupported_fields_are_named(change, needle):
-    base = {"model_type": "qwen2_moe", "hidden_size": 72, "num_attention_heads": 4, "vocab_size": 160,
-            "intermediate_size": 64, "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32}
+    base = {
+        "model_type": "qwen2_moe",
+        "hidden_size": 72,
+        "num_attention_heads": 4,
+        "vocab_size": 160,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }
     with pytest.raises(BaigeError, match=needle):
         ModelConfig.from_dict({**base, **change})
 
 
 def test_ernie_with_biases_is_refused():
-    cfg = {"model_type": "ernie4_5_moe", "hidden_size": 72, "num_attention_heads": 4, "vocab_size": 160,
-           "intermediate_size": 64, "num_hidden_layers": 2, "moe_num_experts": 4, "moe_k": 2,
-           "moe_intermediate_size": 32, "use_bias": True}
+    cfg = {
+        "model_type": "ernie4_5_moe",
+        "hidden_size": 72,
+        "num_attention_heads": 4,
+        "vocab_size": 160,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "moe_intermediate_size": 32,
+        "use_bias": True,
+    }
     with pytest.raises(BaigeError, match="use_bias"):
         ModelConfig.from_dict(cfg)

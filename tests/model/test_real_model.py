@@ -44,11 +44,22 @@ def hf_greedy(hf, ids, n):
 
 
 def test_imported_directory_is_hf_layout(embedded_dir):
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (embedded_dir / name).is_file(), name
     cfg = json.loads((embedded_dir / "config.json").read_text())
     # SmolLM2-135M: 30 layers, 576 hidden, 9 heads / 3 KV heads, tied embeddings (the model card's numbers)
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (30, 576, 9, 3)
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
+        30,
+        576,
+        9,
+        3,
+    )
     assert cfg["tie_word_embeddings"] is True
 
 
@@ -80,7 +91,10 @@ def test_greedy_32_tokens_and_logits_match_transformers(prompt, baige_model, hf_
 def test_generate_cli_answers_paris():
     proc = subprocess.run(
         [sys.executable, "-m", "baige", "generate", "--prompt", "What is the capital of France?", "--temperature", "0"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
@@ -91,8 +105,12 @@ def test_generate_cli_user_errors_are_one_line(tmp_path):
         (["--model", str(tmp_path / "missing.gguf")], "missing.gguf"),
         (["--max-tokens", "0"], "max-tokens"),
     ]:
-        proc = subprocess.run([sys.executable, "-m", "baige", "generate", "--prompt", "hi", *args],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "baige", "generate", "--prompt", "hi", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode != 0
         assert "Traceback" not in proc.stderr and needle in proc.stderr, proc.stderr
 
@@ -101,7 +119,9 @@ def test_chat_repl_two_turns_then_exit():
     proc = subprocess.run(
         [sys.executable, "-m", "baige", "chat", "--temperature", "0", "--max-tokens", "8"],
         input="What is the capital of France?\n/reset\nAnd of Italy?\n/exit\n",
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     replies = [r.strip() for r in proc.stdout.split(">>>")[1:] if r.strip()]

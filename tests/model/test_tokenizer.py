@@ -116,7 +116,14 @@ def test_whitespace_before_digits_follows_smollm_rule(tok, ref):
 
 
 def test_random_text_ids_equal_transformers(tok, ref):
-    pool = [*"abcXYZ019 .,'!?\n\t  _-=<>|()[]{}", *"éüßçñ中文日本語한국😀👍🏽🇫🇷\u200d\u00a0²½", "'s", "'ll", "<|im_end|>", "   "]
+    pool = [
+        *"abcXYZ019 .,'!?\n\t  _-=<>|()[]{}",
+        *"éüßçñ中文日本語한국😀👍🏽🇫🇷\u200d\u00a0²½",
+        "'s",
+        "'ll",
+        "<|im_end|>",
+        "   ",
+    ]
     rng = random.Random(0)
     texts = ["".join(rng.choice(pool) for _ in range(rng.randint(1, 60))) for _ in range(300)]
     ours = [tok.encode(t, add_special_tokens=False) for t in texts]
@@ -165,8 +172,8 @@ def test_pre_tokenizer_families_match_transformers(tmp_path, pre):
     tokenizer_json, config = build_tokenizer_files(gguf.GGUFReader(str(tmp_path / "tiny.gguf")))
     ours = HFTokenizer.from_str(json.dumps(tokenizer_json))
     ref, _ = mapping.convert_gguf_tokenizer(
-        "llama", {"tokenizer_type": "gpt2", "pre_tokenizer_type": pre, "tokens": tokens, "token_type": types,
-                  "merges": merges}
+        "llama",
+        {"tokenizer_type": "gpt2", "pre_tokenizer_type": pre, "tokens": tokens, "token_type": types, "merges": merges},
     )
     text = "He's 123456 is the\n\n  x 1234 3.14159 THE'S 中文 <think>y</s>"
     assert ours.encode(text, add_special_tokens=False).tokens == ref.encode(text, add_special_tokens=False).tokens
@@ -233,7 +240,7 @@ def test_special_token_text_in_message_is_plain_text(tok, ref):
     assert tok.decode(ids, skip_special_tokens=False) == rendered
     # The content's own span decodes back to what the user typed.
     user_header = tok.encode("<|im_start|>user\n", add_special_tokens=False)
-    start = next(i for i in range(len(ids)) if ids[i:i + len(user_header)] == user_header) + len(user_header)
+    start = next(i for i in range(len(ids)) if ids[i : i + len(user_header)] == user_header) + len(user_header)
     end = ids.index(EOS_ID, start)
     assert tok.decode(ids[start:end], skip_special_tokens=False) == forged
     # Tokenizing the rendered string as a whole (what HF does) would have forged the turn.

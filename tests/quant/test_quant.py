@@ -10,11 +10,11 @@ from tiny import make_checkpoint
 from torch import nn
 
 from baige.errors import BaigeError
+from baige.kernels import unpack_int4
 from baige.runtime.quant.apply import quantize_model
 from baige.runtime.quant.format import REPORT_FILE
 from baige.runtime.quant.gptq import gptq_quantize_weight
 from baige.runtime.quant.linear import QuantizedLinear
-from baige.kernels import unpack_int4
 from baige.runtime.quant.scheme import QuantScheme, pack_int4, quantize_weight
 from baige.runtime.quantize import save_quantized
 from baige.runtime.weights.loader import load_model
@@ -193,14 +193,25 @@ def test_ignore_patterns(tmp_path):
     model = load_model(make_checkpoint(tmp_path / "src", "llama"))
     report = quantize_model(model, QuantScheme(4, 32), ignore=["lm_head", "*.down_proj", "model.layers.0.*"])
     names = [r["name"] for r in report]
-    assert names == [f"model.layers.1.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                      "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")]
+    assert names == [
+        f"model.layers.1.{m}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
+    ]
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
     assert type(model.lm_head) is nn.Linear
 
 
 @pytest.mark.parametrize(
-    "scheme,fmt", [(QuantScheme(4, 32), "pack-quantized"), (QuantScheme(8, None), "int-quantized")], ids=["int4", "int8"]
+    "scheme,fmt",
+    [(QuantScheme(4, 32), "pack-quantized"), (QuantScheme(8, None), "int-quantized")],
+    ids=["int4", "int8"],
 )
 @pytest.mark.usefixtures("exact_quant_kernels")
 def test_on_disk_format_and_transformers_load(tmp_path, scheme, fmt):

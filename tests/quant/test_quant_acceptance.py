@@ -21,7 +21,7 @@ WIKITEXT = DATA_DIR / "wikitext-2-raw-test.txt"
 
 def hf_tokens(hf_tok, n: int) -> torch.Tensor:
     # the text's first 16 characters per token are plenty (wikitext averages ~4.5 per token here)
-    return torch.tensor([hf_tok(WIKITEXT.read_text(encoding="utf-8")[:16 * n])["input_ids"][:n]])  # (1, n)
+    return torch.tensor([hf_tok(WIKITEXT.read_text(encoding="utf-8")[: 16 * n])["input_ids"][:n]])  # (1, n)
 
 
 def fake_quant_rtn_sym(w: torch.Tensor, group: int) -> torch.Tensor:
@@ -91,8 +91,11 @@ def test_gptq_int4_g128_beats_rtn(embedded_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="best RTN measured 36.36 vs 29.20 (+24.5%): this 135M model's weights are "
-                                       "already Q4_1 (g32), and a g128 grid cannot hold four g32 grids")
+@pytest.mark.xfail(
+    strict=True,
+    reason="best RTN measured 36.36 vs 29.20 (+24.5%): this 135M model's weights are "
+    "already Q4_1 (g32), and a g128 grid cannot hold four g32 grids",
+)
 def test_int4_g128_rtn_within_8_percent(embedded_dir):
     """The issue's target, with baige's best RTN: asymmetric, activation-weighted clip search."""
     tok = Tokenizer.from_dir(embedded_dir)

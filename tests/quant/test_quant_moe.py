@@ -100,9 +100,9 @@ def _fake_quant(w, scheme):
     half, qmax = (127.5, 127) if scheme.num_bits == 8 else (7.5, 7)
     out = torch.empty_like(w)
     for b in range(0, w.shape[1], g):
-        cols = w[:, b:b + g]
+        cols = w[:, b : b + g]
         scale = cols.abs().amax(dim=1, keepdim=True) / half
-        out[:, b:b + g] = torch.clamp(torch.round(cols / scale), -qmax - 1, qmax) * scale
+        out[:, b : b + g] = torch.clamp(torch.round(cols / scale), -qmax - 1, qmax) * scale
     return out
 
 
@@ -199,8 +199,10 @@ def test_transformers_reads_the_moe_directories(ckpts, tmp_path, family, scheme_
         hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     except RuntimeError as e:
         if scheme_name == "int8" and "conversion" in str(e):
-            pytest.skip("transformers (5.24) cannot load int8 (int-quantized) MoE experts: its expert "
-                        "dequantizer (CompressedTensorsDequantize) reads fp8 and weight_packed tensors only")
+            pytest.skip(
+                "transformers (5.24) cannot load int8 (int-quantized) MoE experts: its expert "
+                "dequantizer (CompressedTensorsDequantize) reads fp8 and weight_packed tensors only"
+            )
         raise
     with torch.no_grad():
         theirs = hf(ids).logits
@@ -210,8 +212,12 @@ def test_transformers_reads_the_moe_directories(ckpts, tmp_path, family, scheme_
 def _block_inputs(model, layers):
     """Pre-hooks recording every input (B, T, H) of the sparse blocks: {layer: [x, ...]}."""
     calls = {i: [] for i in layers}
-    hooks = [model.model.layers[i].mlp.register_forward_pre_hook(
-        lambda m, args, i=i: calls[i].append(args[0].detach().clone())) for i in layers]
+    hooks = [
+        model.model.layers[i].mlp.register_forward_pre_hook(
+            lambda m, args, i=i: calls[i].append(args[0].detach().clone())
+        )
+        for i in layers
+    ]
     return calls, hooks
 
 
@@ -319,8 +325,9 @@ def test_quantize_command_and_engine_serve_the_quantized_moe(ckpts, tmp_path, em
     for name in TOKENIZER_FILES:  # ids < 160 decode with any byte-level tokenizer; the engine needs one
         if (embedded_dir / name).is_file():
             shutil.copy(embedded_dir / name, src / name)
-    out, report = quantize_checkpoint(QuantizeConfig(model=str(src), method="int4", output=str(tmp_path / "q"),
-                                                     group_size=32))
+    out, report = quantize_checkpoint(
+        QuantizeConfig(model=str(src), method="int4", output=str(tmp_path / "q"), group_size=32)
+    )
     assert len(report) == ROWS["mixtral"]
     model = load_model(out)
     prompts = [[5, 9, 33], list(range(40, 57)), [120, 3, 3, 77, 150]]
@@ -330,9 +337,12 @@ def test_quantize_command_and_engine_serve_the_quantized_moe(ckpts, tmp_path, em
         for _ in range(6):
             logits = _logits(model, torch.tensor([seq]), torch.arange(len(seq))[None])
             seq.append(int(logits[0, -1].argmax()))
-        expected.append(seq[len(p):])
-    eng = Engine(load_model(out), Tokenizer.from_dir(out),
-                 EngineConfig(max_model_len=64, kv_cache_memory=2_000_000, block_size=16, max_num_seqs=4))
+        expected.append(seq[len(p) :])
+    eng = Engine(
+        load_model(out),
+        Tokenizer.from_dir(out),
+        EngineConfig(max_model_len=64, kv_cache_memory=2_000_000, block_size=16, max_num_seqs=4),
+    )
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     finals = {}

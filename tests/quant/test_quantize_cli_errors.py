@@ -14,16 +14,22 @@ def paths(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--method", "int4", "--group-size", "0"], "--group-size 0: choose 32, 64 or 128"),
-    (["--method", "gptq", "--group-size", "-32", "--calib-data", "{t}/afile"], "--group-size -32: choose 32, 64 or 128"),
-    (["--method", "int8", "--act-order"], "--act-order applies to --method gptq only"),
-    (["--method", "gptq", "--calib-data", "{t}/missing.txt"], "--calib-data {t}/missing.txt: no such file"),
-    (["--method", "int4", "--calib-data", "{t}/calib"], "--calib-data {t}/calib: a directory, not a file"),
-    (["--method", "int8", "--output", "{t}/afile"], "--output {t}/afile: a file, not a directory"),
-    (["--method", "int8", "--output", "{t}/afile/q"], "--output {t}/afile/q: {t}/afile is a file, not a directory"),
-    (["--method", "int8", "--output", "{t}/full"], "{t}/full: already exists and is not empty"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--method", "int4", "--group-size", "0"], "--group-size 0: choose 32, 64 or 128"),
+        (
+            ["--method", "gptq", "--group-size", "-32", "--calib-data", "{t}/afile"],
+            "--group-size -32: choose 32, 64 or 128",
+        ),
+        (["--method", "int8", "--act-order"], "--act-order applies to --method gptq only"),
+        (["--method", "gptq", "--calib-data", "{t}/missing.txt"], "--calib-data {t}/missing.txt: no such file"),
+        (["--method", "int4", "--calib-data", "{t}/calib"], "--calib-data {t}/calib: a directory, not a file"),
+        (["--method", "int8", "--output", "{t}/afile"], "--output {t}/afile: a file, not a directory"),
+        (["--method", "int8", "--output", "{t}/afile/q"], "--output {t}/afile/q: {t}/afile is a file, not a directory"),
+        (["--method", "int8", "--output", "{t}/full"], "{t}/full: already exists and is not empty"),
+    ],
+)
 def test_bad_options_fail_before_loading(cli_error, paths, args, needle):
     args = [a.format(t=paths) for a in args]
     if "--output" not in args:

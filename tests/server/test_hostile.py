@@ -30,8 +30,17 @@ VOCAB = 49152  # SmolLM2's
 
 @contextmanager
 def launched(embedded_dir, *extra: str, code: str | None = None):
-    args = ("--max-model-len", str(MAX_LEN), "--kv-cache-memory", "60MB", "--max-num-seqs", "16",
-            "--log-level", "error", *extra)
+    args = (
+        "--max-model-len",
+        str(MAX_LEN),
+        "--kv-cache-memory",
+        "60MB",
+        "--max-num-seqs",
+        "16",
+        "--log-level",
+        "error",
+        *extra,
+    )
     with serve_utils.launched(embedded_dir, *args, api_key=KEY, code=code) as running:
         yield running
 
@@ -67,7 +76,11 @@ def wait_idle(http, timeout: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(http)
-        if (m["baige:num_requests_running"], m["baige:num_requests_waiting"], m["baige:kv_cache_blocks_used"]) == (0, 0, 0):
+        if (m["baige:num_requests_running"], m["baige:num_requests_waiting"], m["baige:kv_cache_blocks_used"]) == (
+            0,
+            0,
+            0,
+        ):
             return m
         if time.monotonic() > deadline:
             return m
@@ -160,20 +173,26 @@ HOSTILE = [
     # constraints: bad JSON text (also nested past the recursion limit inside the string), languages
     # without any string, an engine limit met only while generating, a conflict with allowed_token_ids
     ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"json": "{oops"}}, 400, "structured_outputs"),
-    ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"json": "[" * 100_000 + "]" * 100_000}}, 400,
-     "structured_outputs"),
+    (
+        {"prompt": "ab", "max_tokens": 2, "structured_outputs": {"json": "[" * 100_000 + "]" * 100_000}},
+        400,
+        "structured_outputs",
+    ),
     ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"json": {"$ref": "#"}}}, 400, "structured_outputs"),
-    ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"grammar": "start: x\nx: x"}}, 400,
-     "structured_outputs"),
+    ({"prompt": "ab", "max_tokens": 2, "structured_outputs": {"grammar": "start: x\nx: x"}}, 400, "structured_outputs"),
     ({"prompt": "ab", "max_tokens": 4, "structured_outputs": {"regex": "b{1000}{1000}"}}, 400, "structured_outputs"),
-    ({"prompt": "ab", "max_tokens": 4, "structured_outputs": {"choice": ["yes"]}, "allowed_token_ids": [0]}, 400,
-     "allowed_token_ids"),
+    (
+        {"prompt": "ab", "max_tokens": 4, "structured_outputs": {"choice": ["yes"]}, "allowed_token_ids": [0]},
+        400,
+        "allowed_token_ids",
+    ),
 ]
 
 
 async def _witness_and(url: str, path: str, bodies: list):
     """Stream the witness and send every body while it runs; return (witness text, responses)."""
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+
         async def witness():
             async with c.stream("POST", "/v1/completions", json={**WITNESS, "stream": True}) as resp:
                 assert resp.status_code == 200
@@ -215,24 +234,62 @@ CHAT = [
     (raw('{"messages": [{"role": "\\udfff", "content": "hi"}]}'), 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": "hi", "name": {"deep": [1, {"x": [2]}]}}], "max_tokens": 2},
-     "ok_or_400", "any"),
+    (
+        {"messages": [{"role": "user", "content": "hi", "name": {"deep": [1, {"x": [2]}]}}], "max_tokens": 2},
+        "ok_or_400",
+        "any",
+    ),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": MAX_N + 1}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
     (raw('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'), 400, "temperature"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function"},
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": {"type": "function"},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        400,
+        "tool_choice",
+    ),
     ({"messages": [{"role": "user", "content": "x " * 300_000}], "max_tokens": 2}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": "q"},
-                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
-                       "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]},
-                   {"role": "tool", "tool_call_id": "c1", "content": "r"}], "max_tokens": 2}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
-        "name": "loop", "schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
-                                   "$ref": "#/$defs/a"}}}}, 400, "response_format"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "r"},
+            ],
+            "max_tokens": 2,
+        },
+        400,
+        "messages",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "loop",
+                    "schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+                },
+            },
+        },
+        400,
+        "response_format",
+    ),
 ]
 
 
@@ -246,8 +303,9 @@ def test_every_status_is_in_openai_shape(url, http):
     assert_openai_error(http.get("/v1/nope"), 404)
     assert_openai_error(http.get("/v1/completions"), 405)
     assert_openai_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}), 401)
-    assert_openai_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi"},
-                                   headers={"Authorization": f"Bearer {KEY}x"}), 401)
+    assert_openai_error(
+        httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {KEY}x"}), 401
+    )
     big = b'{"prompt": "' + b"a" * (MAX_BYTES + 1) + b'"}'
     r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
     assert_openai_error(r, 413)
@@ -264,8 +322,11 @@ def test_every_status_is_in_openai_shape(url, http):
 def test_one_authorization_header_and_head_health(url, http):
     good, bad = f"Bearer {KEY}".encode(), b"Bearer nope"
     for pair in ((bad, good), (good, bad), (good, good)):  # two headers: refused whichever comes last
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
-                       headers=[(b"authorization", pair[0]), (b"authorization", pair[1])])
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 1},
+            headers=[(b"authorization", pair[0]), (b"authorization", pair[1])],
+        )
         assert_openai_error(r, 401)
     assert httpx.head(f"{url}/health").status_code == 200
 
@@ -278,7 +339,9 @@ def _http_reply(sock: socket.socket) -> bytes:
     while chunk := sock.recv(65536):
         data += chunk
         head, sep, body = data.partition(b"\r\n\r\n")
-        length = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+        length = [
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        ]
         if sep and length and len(body) >= length[0]:
             break
     return data
@@ -288,16 +351,27 @@ def test_stalled_bodies_get_408_and_idle_connections_close(embedded_dir):
     with launched(embedded_dir, "--read-timeout", "1") as (url, _):
         host, port = url.removeprefix("http://").split(":")
         stalled = socket.create_connection((host, int(port)))  # sends 10 of the 100 bytes it announces
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-                        b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n" + b'{"prompt":')
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            + b'{"prompt":'
+        )
         chunked = socket.create_connection((host, int(port)))  # a chunked body that never ends
-        chunked.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-                        b"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n")
+        chunked.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b'\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"pro\r\n'
+        )
         idle = socket.create_connection((host, int(port)))  # never sends anything
         half_head = socket.create_connection((host, int(port)))  # headers that never end
         half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        ok = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
         assert ok.status_code == 200  # served while the others hang on
         for sock in (stalled, chunked):
             head, _, body = _http_reply(sock).partition(b"\r\n\r\n")
@@ -318,8 +392,11 @@ def test_422_and_500_handlers_use_openai_shape(embedded_dir):
     from baige.runtime.infer.engine import Engine
     from baige.runtime.server.app import build_app
 
-    engine = AsyncEngine(Engine.from_config(EngineConfig(model=str(embedded_dir), max_model_len=64,
-                                                         kv_cache_memory="8MB", max_num_seqs=2)))
+    engine = AsyncEngine(
+        Engine.from_config(
+            EngineConfig(model=str(embedded_dir), max_model_len=64, kv_cache_memory="8MB", max_num_seqs=2)
+        )
+    )
     try:
         app = build_app(engine, "m")
 
@@ -350,8 +427,9 @@ def test_soak_64_clients_good_bad_and_disconnects(url, http, server):
     solo = {}
     for p in SOAK_PROMPTS:
         for n_tok in (6, 12):
-            r = http.post("/v1/completions", json={"prompt": p, "max_tokens": n_tok, "temperature": 0,
-                                                   "ignore_eos": True})
+            r = http.post(
+                "/v1/completions", json={"prompt": p, "max_tokens": n_tok, "temperature": 0, "ignore_eos": True}
+            )
             solo[(p, n_tok)] = r.json()["choices"][0]["text"]
     rss_before = _rss_kb(proc.pid)
     bad_bodies = [b for b, s, _ in HOSTILE if s == 400][:20]
@@ -368,8 +446,11 @@ def test_soak_64_clients_good_bad_and_disconnects(url, http, server):
             results["good"].append(text == solo[(p, n_tok)])
         elif kind == "bad":
             b = bad_bodies[i % len(bad_bodies)]
-            r = await (c.post("/v1/completions", content=b, headers={"content-type": "application/json"})
-                       if isinstance(b, bytes) else c.post("/v1/completions", json=b))
+            r = await (
+                c.post("/v1/completions", content=b, headers={"content-type": "application/json"})
+                if isinstance(b, bytes)
+                else c.post("/v1/completions", json=b)
+            )
             results["bad"].append(r.status_code == 400 and "error" in r.json())
         else:
             async with c.stream("POST", "/v1/completions", json={**body, "max_tokens": 60}) as resp:
@@ -380,8 +461,9 @@ def test_soak_64_clients_good_bad_and_disconnects(url, http, server):
 
     async def main():
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
-                                     limits=limits) as c:
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120, limits=limits
+        ) as c:
             await asyncio.wait_for(asyncio.gather(*(client(i, k, c) for i, k in enumerate(kinds))), timeout=240)
 
     asyncio.run(main())
@@ -389,7 +471,11 @@ def test_soak_64_clients_good_bad_and_disconnects(url, http, server):
     assert len(results["bad"]) == kinds.count("bad") and all(results["bad"])
     assert len(results["disconnect"]) == kinds.count("disconnect")
     m = wait_idle(http)
-    assert (m["baige:num_requests_running"], m["baige:num_requests_waiting"], m["baige:kv_cache_blocks_used"]) == (0, 0, 0)
+    assert (m["baige:num_requests_running"], m["baige:num_requests_waiting"], m["baige:kv_cache_blocks_used"]) == (
+        0,
+        0,
+        0,
+    )
     assert _rss_kb(proc.pid) - rss_before < 300_000  # bounded: no per-request leak of any size
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
@@ -400,19 +486,46 @@ def _rss_kb(pid: int) -> int:
 
 
 # ---- property-based: generated bodies -----------------------------------------------------------
-FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stop", "seed",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-          "logprobs", "echo", "logit_bias", "allowed_token_ids", "ignore_eos", "skip_special_tokens",
-          "stream_options", "model", "user"]
+FIELDS = [
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stream",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "logprobs",
+    "echo",
+    "logit_bias",
+    "allowed_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "stream_options",
+    "model",
+    "user",
+]
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
     st.sampled_from([0, 1, 2, -1, VOCAB - 1, VOCAB, 2**31, 2**63, 2**64]),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
     st.sampled_from(["\ud800", "a\udfffb", "\x00", "<|im_end|>", "é" * 10, "🙂"]),
 )
-values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                      st.dictionaries(st.text(max_size=6), kids, max_size=4)),
-                      max_leaves=12)
+values = st.recursive(
+    scalars,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=6), kids, max_size=4)),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=70, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -465,8 +578,9 @@ def test_engine_fault_of_one_request_is_a_500_for_it_alone(embedded_dir):
     with launched(embedded_dir, code=FAULTS) as (url, proc):
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http:
             solo = http.post("/v1/completions", json=WITNESS).json()["choices"][0]["text"]
-            text, (bad,) = asyncio.run(_witness_and(url, "/v1/completions",
-                                                    [{"prompt": "Hello", "max_tokens": 4, "seed": 4242}]))
+            text, (bad,) = asyncio.run(
+                _witness_and(url, "/v1/completions", [{"prompt": "Hello", "max_tokens": 4, "seed": 4242}])
+            )
             err = assert_openai_error(bad, 500)
             assert err["type"] == "server_error" and "injected sampling fault" in err["message"]
             assert text == solo
@@ -481,8 +595,10 @@ def test_engine_fault_of_one_request_is_a_500_for_it_alone(embedded_dir):
 
 def test_dead_engine_loop_503_pending_clients_error_and_nonzero_exit(embedded_dir):
     with launched(embedded_dir, code=FAULTS) as (url, proc):
+
         async def scenario():
             async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+
                 async def pending():
                     body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
                     async with c.stream("POST", "/v1/completions", json=body) as resp:
@@ -490,8 +606,9 @@ def test_dead_engine_loop_503_pending_clients_error_and_nonzero_exit(embedded_di
 
                 task = asyncio.create_task(pending())
                 await asyncio.sleep(0.5)
-                killer = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
-                                                                              "seed": 666}))
+                killer = asyncio.create_task(
+                    c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "seed": 666})
+                )
                 return await asyncio.wait_for(task, 60), await asyncio.wait_for(killer, 60)
 
         streamed, killer = asyncio.run(scenario())

@@ -11,7 +11,6 @@ import time
 from contextlib import contextmanager
 
 import httpx
-
 import pytest
 
 from baige.errors import BaigeError
@@ -29,9 +28,12 @@ LONG = 240  # tokens of the request that streams while adapters come and go
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_server")
     base = write_tiny_tokenizer(make_checkpoint(root / "base", "llama", seed=4))
-    return {"base": base, "sql": make_lora_adapter(base, root / "sql", 2, ["q_proj", "v_proj"], seed=31),
-            "chat": make_lora_adapter(base, root / "chat", 5, ["o_proj", "down_proj", "up_proj"], seed=32),
-            "code": make_lora_adapter(base, root / "code", 8, ["q_proj", "k_proj"], seed=33)}
+    return {
+        "base": base,
+        "sql": make_lora_adapter(base, root / "sql", 2, ["q_proj", "v_proj"], seed=31),
+        "chat": make_lora_adapter(base, root / "chat", 5, ["o_proj", "down_proj", "up_proj"], seed=32),
+        "code": make_lora_adapter(base, root / "code", 8, ["q_proj", "k_proj"], seed=33),
+    }
 
 
 def _words(ids: list[int]) -> list[str]:
@@ -68,10 +70,16 @@ def test_adapters_through_the_openai_client(dirs, monkeypatch):
 
     llm = LLM(str(dirs["base"]), enable_lora=True, max_loras=2, max_lora_rank=5, dtype="float32", **ENGINE)
     names = [None, "sql", "chat"]
-    want = {n: llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=LONG if n == "sql" else 12,
-                                                   ignore_eos=True),
-                            lora_request=LoRARequest(n, 1, str(dirs[n])) if n else None)[0].outputs[0].token_ids
-            for n in names}
+    want = {
+        n: llm.generate(
+            PROMPT,
+            SamplingParams(temperature=0, max_tokens=LONG if n == "sql" else 12, ignore_eos=True),
+            lora_request=LoRARequest(n, 1, str(dirs[n])) if n else None,
+        )[0]
+        .outputs[0]
+        .token_ids
+        for n in names
+    }
     assert len({str(v[:12]) for v in want.values()}) == 3  # the adapters change the tokens
     llm.engine.unload_lora_adapter("chat")  # loaded again at run time below
     # 10 ms per engine step while serving: the streamed request stays in flight for >= 2.4 s however
@@ -83,8 +91,9 @@ def test_adapters_through_the_openai_client(dirs, monkeypatch):
         listed = {m.id: m for m in client.models.list().data}
         assert list(listed) == ["tiny", "sql"] and listed["sql"].parent == "tiny" and listed["tiny"].parent is None
         extra = {"ignore_eos": True}
-        stream = client.completions.create(model="sql", prompt=PROMPT, max_tokens=LONG, temperature=0,
-                                           stream=True, extra_body=extra)
+        stream = client.completions.create(
+            model="sql", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True, extra_body=extra
+        )
         pieces = [next(iter(stream)).choices[0].text]  # in flight from here on
         post = lambda path, body: httpx.post(f"{url}/v1/{path}", json=body, timeout=30)  # noqa: E731
         assert post("load_lora_adapter", {"lora_name": "chat", "lora_path": str(dirs["chat"])}).status_code == 200
@@ -94,8 +103,9 @@ def test_adapters_through_the_openai_client(dirs, monkeypatch):
         assert bad.status_code == 400 and "rank 8 exceeds --max-lora-rank 5" in bad.json()["error"]["message"]
         assert post("load_lora_adapter", {"lora_name": "sql", "lora_path": str(dirs["sql"])}).status_code == 400
         for n in names:  # the base and both adapters, one batch with the stream
-            r = client.completions.create(model=n or "tiny", prompt=PROMPT, max_tokens=12, temperature=0,
-                                          extra_body=extra)
+            r = client.completions.create(
+                model=n or "tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra
+            )
             assert r.model == (n or "tiny") and r.choices[0].text.split() == _words(want[n][:12]), n
         pieces += [c.choices[0].text for c in stream]
         assert "".join(pieces).split() == _words(want["sql"])  # unharmed by the loads and unloads around it
@@ -135,7 +145,14 @@ def test_a_request_never_loads_an_adapter_the_server_unloaded(dirs):
         llm.engine.lora.load(LoRARequest("sql", 1, str(dirs["sql"])))
         with pytest.raises(BaigeError, match=r"'sql' is loaded from .*sql, not .*chat: unload it first"):
             llm.generate(PROMPT, SamplingParams(max_tokens=2), lora_request=LoRARequest("sql", 2, str(dirs["chat"])))
-        assert llm.generate(PROMPT, SamplingParams(max_tokens=2),  # the same directory spelled differently
-                            lora_request=LoRARequest("sql", 3, str(dirs["sql"]) + "/"))[0].outputs[0].token_ids
+        assert (
+            llm.generate(
+                PROMPT,
+                SamplingParams(max_tokens=2),  # the same directory spelled differently
+                lora_request=LoRARequest("sql", 3, str(dirs["sql"]) + "/"),
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
     finally:
         driver.shutdown()

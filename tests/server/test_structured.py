@@ -38,9 +38,20 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def url(embedded_dir):
-    with launched(embedded_dir, "--served-model-name", "x", "--max-model-len", "1024", "--kv-cache-memory", "200MB",
-                  "--max-num-seqs", "32",
-                  "--log-level", "warning", api_key=KEY) as (url, _):
+    with launched(
+        embedded_dir,
+        "--served-model-name",
+        "x",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "200MB",
+        "--max-num-seqs",
+        "32",
+        "--log-level",
+        "warning",
+        api_key=KEY,
+    ) as (url, _):
         yield url
 
 
@@ -59,8 +70,9 @@ ASK = [{"role": "user", "content": "Describe the city of Paris as JSON."}]
 
 
 def test_parse_nested_schema_20_of_20_at_temperature_1(client):
-    r = client.chat.completions.parse(model="x", messages=ASK, response_format=City, temperature=1.0, n=20,
-                                      max_tokens=400, seed=1)
+    r = client.chat.completions.parse(
+        model="x", messages=ASK, response_format=City, temperature=1.0, n=20, max_tokens=400, seed=1
+    )
     answers = r.choices
     assert len(answers) == 20
     for c in answers:
@@ -71,8 +83,15 @@ def test_parse_nested_schema_20_of_20_at_temperature_1(client):
 
 def test_streamed_json_schema_joins_to_valid_json(client):
     schema = {"name": "city", "schema": City.model_json_schema(), "strict": True}
-    stream = client.chat.completions.create(model="x", messages=ASK, temperature=1.0, max_tokens=400, stream=True,
-                                            seed=3, response_format={"type": "json_schema", "json_schema": schema})
+    stream = client.chat.completions.create(
+        model="x",
+        messages=ASK,
+        temperature=1.0,
+        max_tokens=400,
+        stream=True,
+        seed=3,
+        response_format={"type": "json_schema", "json_schema": schema},
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     City.model_validate_json(text)
 
@@ -81,8 +100,9 @@ def test_json_object_is_valid_json_every_time(client):
     """Free-form JSON: at high temperature the 135M model can write one string forever (then it
     stops at max_tokens, incomplete, as OpenAI documents for "length"); at 0.5 it answers."""
     ask = [{"role": "user", "content": "Give a JSON object with the keys name and age for a person."}]
-    r = client.chat.completions.create(model="x", messages=ask, temperature=0.5, n=8, max_tokens=200, seed=4,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model="x", messages=ask, temperature=0.5, n=8, max_tokens=200, seed=4, response_format={"type": "json_object"}
+    )
     for c in r.choices:
         assert c.finish_reason == "stop"
         assert isinstance(json.loads(c.message.content), dict)
@@ -90,8 +110,15 @@ def test_json_object_is_valid_json_every_time(client):
 
 def test_choice_over_50_samples(client):
     options = ["red", "green", "blue", "dark purple"]
-    r = client.completions.create(model="x", prompt="My favourite colour is", temperature=1.0, n=50, max_tokens=10,
-                                  seed=5, extra_body={"structured_outputs": {"choice": options}})
+    r = client.completions.create(
+        model="x",
+        prompt="My favourite colour is",
+        temperature=1.0,
+        n=50,
+        max_tokens=10,
+        seed=5,
+        extra_body={"structured_outputs": {"choice": options}},
+    )
     texts = [c.text for c in r.choices]
     assert len(texts) == 50 and all(t in options for t in texts), texts
     assert len(set(texts)) > 1  # sampling really samples among the choices
@@ -99,32 +126,52 @@ def test_choice_over_50_samples(client):
 
 def test_regex_over_50_samples(client):
     pattern = r"[A-Z][a-z]{1,8} [0-9]{2,4}"
-    r = client.completions.create(model="x", prompt="Name and number:", temperature=1.0, n=50, max_tokens=20,
-                                  seed=6, extra_body={"structured_outputs": {"regex": pattern}})
-    assert all(re.fullmatch(pattern, c.text) and c.finish_reason == "stop" for c in r.choices), \
-        [c.text for c in r.choices]
+    r = client.completions.create(
+        model="x",
+        prompt="Name and number:",
+        temperature=1.0,
+        n=50,
+        max_tokens=20,
+        seed=6,
+        extra_body={"structured_outputs": {"regex": pattern}},
+    )
+    assert all(re.fullmatch(pattern, c.text) and c.finish_reason == "stop" for c in r.choices), [
+        c.text for c in r.choices
+    ]
 
 
 def test_choice_past_the_parsers_row_limit(http):
     """2500 choices: llguidance caps a parser row at 2000 items, so choices are one lexeme."""
     words = [f"item{i}" for i in range(2500)]
-    r = http.post("/v1/completions", json={"prompt": "Pick one:", "max_tokens": 8, "temperature": 1.0, "n": 5,
-                                           "seed": 2, "structured_outputs": {"choice": words}})
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "Pick one:",
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "n": 5,
+            "seed": 2,
+            "structured_outputs": {"choice": words},
+        },
+    )
     assert r.status_code == 200, r.text
     assert all(c["text"] in words and c["finish_reason"] == "stop" for c in r.json()["choices"]), r.text
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "nonsense"),
-    ({"structured_outputs": {"regex": "(ab"}}, "regex"),
-    ({"structured_outputs": {"grammar": "start: ???"}}, "structured_outputs"),
-    ({"structured_outputs": {"choice": []}}, "choice"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
-    ({"structured_outputs": {}}, "exactly one"),
-    ({"response_format": {"type": "json_schema"}}, "json_schema"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"structured_outputs": {"json": {"type": "nonsense"}}}, "nonsense"),
+        ({"structured_outputs": {"regex": "(ab"}}, "regex"),
+        ({"structured_outputs": {"grammar": "start: ???"}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+        ({"structured_outputs": {}}, "exactly one"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
+    ],
+)
 def test_bad_constraints_are_400_naming_the_problem(http, body, needle):
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
@@ -134,11 +181,21 @@ def test_bad_constraints_are_400_naming_the_problem(http, body, needle):
 
 
 def test_free_requests_unchanged_beside_constrained_ones(url, http):
-    free = [{"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-            for p in ("The capital of France is", "def add(a, b):", "Once upon a time")]
+    free = [
+        {"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        for p in ("The capital of France is", "def add(a, b):", "Once upon a time")
+    ]
     solo = [http.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in free]
-    constrained = [{"prompt": "Answer:", "max_tokens": 30, "temperature": 1.0, "seed": i,
-                    "structured_outputs": {"regex": "(yes|no)( because [a-z ]{1,20})?"}} for i in range(4)]
+    constrained = [
+        {
+            "prompt": "Answer:",
+            "max_tokens": 30,
+            "temperature": 1.0,
+            "seed": i,
+            "structured_outputs": {"regex": "(yes|no)( because [a-z ]{1,20})?"},
+        }
+        for i in range(4)
+    ]
 
     async def main():
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as c:
@@ -151,8 +208,11 @@ def test_free_requests_unchanged_beside_constrained_ones(url, http):
 
 
 def _metrics(http) -> dict[str, float]:
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in http.get("/metrics").text.splitlines()
-            if line.startswith("baige:") and " " in line}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in http.get("/metrics").text.splitlines()
+        if line.startswith("baige:") and " " in line
+    }
 
 
 def test_structured_metrics_count_requests_compiles_and_masked_tokens(http):

@@ -59,7 +59,7 @@ def call(c: dict, key: str = "arguments") -> tuple[str, str]:
 
 
 def hermes_block(c: dict) -> str:
-    return f'<tool_call>\n{json.dumps(c)}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps(c)}\n</tool_call>"
 
 
 HERMES = [
@@ -69,8 +69,10 @@ HERMES = [
     ("  " + hermes_block(A) + "\n\n", (None, [call(A)])),
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', (None, [call(A)])),  # unclosed at the end
     ('<tool_call>{"name": "add"}</tool_call>', (None, [("add", "{}")])),  # no arguments: {}
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich \\u00e9"}}</tool_call>',
-     (None, [("get_weather", '{"city": "Zürich é"}')])),
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich \\u00e9"}}</tool_call>',
+        (None, [("get_weather", '{"city": "Zürich é"}')]),
+    ),
 ]
 HERMES_CONTENT = [  # not valid calls: everything stays content, markup included
     'Text <tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call> more',
@@ -170,18 +172,23 @@ def test_ids_and_deltas_are_openai_shaped():
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
     assert all(c["id"].startswith("call_") and len(c["id"]) == 29 for c in calls)
     assert calls[0]["id"] != calls[1]["id"]
-    assert delta_of(events[0]) == {"tool_calls": [{"index": 0, "id": calls[0]["id"], "type": "function",
-                                                   "function": {"name": "get_weather", "arguments": ""}}]}
-    assert delta_of(events[1]) == {"tool_calls": [{"index": 0, "function": {"arguments": calls[0]["function"]
-                                                                            ["arguments"]}}]}
+    assert delta_of(events[0]) == {
+        "tool_calls": [
+            {"index": 0, "id": calls[0]["id"], "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+        ]
+    }
+    assert delta_of(events[1]) == {
+        "tool_calls": [{"index": 0, "function": {"arguments": calls[0]["function"]["arguments"]}}]
+    }
     _, calls = assemble(run(ToolCallStream(MistralToolParser(NAMES)), ["[TOOL_CALLS]" + json.dumps([W])]))
     assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()  # Mistral's templates insist on 9 characters
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
     text = hermes_block(W) + "\n" + hermes_block(A)
-    expect_same_for_every_chunking(lambda: ToolCallStream(HermesToolParser(NAMES), max_calls=1), text,
-                                   (None, [call(W)]))
+    expect_same_for_every_chunking(
+        lambda: ToolCallStream(HermesToolParser(NAMES), max_calls=1), text, (None, [call(W)])
+    )
 
 
 def test_plain_stream_is_the_text():
@@ -192,12 +199,15 @@ FORCED_ONE = '{"name": "get_weather", "arguments": {"city": "Paris {x}", "unit":
 FORCED_LIST = '[{"name": "add", "arguments": {"a": 1, "b": [2, {"c": "}"}]}}, {"name": "get_weather", "arguments": {}}]'
 
 
-@pytest.mark.parametrize("text,array,expected", [
-    (FORCED_ONE, False, (None, [("get_weather", '{"city": "Paris {x}", "unit": "celsius"}')])),
-    (FORCED_LIST, True, (None, [("add", '{"a": 1, "b": [2, {"c": "}"}]}'), ("get_weather", "{}")])),
-    (FORCED_ONE[:40], False, (None, [("get_weather", '{"c')])),  # cut off by max_tokens: partial arguments
-    ('{"name": "get_w', False, ('{"name": "get_w', [])),  # no call began: the text is content
-])
+@pytest.mark.parametrize(
+    "text,array,expected",
+    [
+        (FORCED_ONE, False, (None, [("get_weather", '{"city": "Paris {x}", "unit": "celsius"}')])),
+        (FORCED_LIST, True, (None, [("add", '{"a": 1, "b": [2, {"c": "}"}]}'), ("get_weather", "{}")])),
+        (FORCED_ONE[:40], False, (None, [("get_weather", '{"c')])),  # cut off by max_tokens: partial arguments
+        ('{"name": "get_w', False, ('{"name": "get_w', [])),  # no call began: the text is content
+    ],
+)
 def test_forced_calls_stream_arguments_as_generated(text, array, expected):
     expect_same_for_every_chunking(lambda: ForcedCallStream(array), text, expected)
     events = run(ForcedCallStream(array), list(text))

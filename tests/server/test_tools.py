@@ -18,16 +18,36 @@ from baige.errors import BaigeError
 
 KEY = "tools-key"
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-                                                     "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
-                   "required": ["a", "b"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -35,8 +55,20 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def url(embedded_dir):
-    with launched(embedded_dir, "--served-model-name", "x", "--max-model-len", "1024", "--kv-cache-memory", "150MB",
-                  "--max-num-seqs", "16", "--log-level", "warning", api_key=KEY) as (url, _):
+    with launched(
+        embedded_dir,
+        "--served-model-name",
+        "x",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "150MB",
+        "--max-num-seqs",
+        "16",
+        "--log-level",
+        "warning",
+        api_key=KEY,
+    ) as (url, _):
         yield url
 
 
@@ -95,8 +127,15 @@ def streamed_calls(client, **kwargs) -> tuple[list[tuple[str, str]], str, str]:
 
 
 def test_required_calls_validate_and_stream_the_same(client):
-    args = {"model": "x", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
-            "max_tokens": 80, "seed": 0}
+    args = {
+        "model": "x",
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 80,
+        "seed": 0,
+    }
     r = client.chat.completions.create(**args)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -107,16 +146,31 @@ def test_required_calls_validate_and_stream_the_same(client):
 
 
 def test_required_single_call_samples_validate(client):
-    r = client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, temperature=1.0, n=6, max_tokens=60, seed=2)
+    r = client.chat.completions.create(
+        model="x",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        n=6,
+        max_tokens=60,
+        seed=2,
+    )
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and len(check_calls(c.message)) == 1
 
 
 def test_named_tool_choice(client):
-    args = {"model": "x", "messages": [{"role": "user", "content": "What is 2 plus 3?"}], "tools": TOOLS,
-            "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "add"}}, "max_tokens": 40,
-            "seed": 1}
+    args = {
+        "model": "x",
+        "messages": [{"role": "user", "content": "What is 2 plus 3?"}],
+        "tools": TOOLS,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "add"}},
+        "max_tokens": 40,
+        "seed": 1,
+    }
     r = client.chat.completions.create(**args)
     assert r.choices[0].finish_reason == "tool_calls"
     calls = check_calls(r.choices[0].message, names=("add",))
@@ -126,8 +180,15 @@ def test_named_tool_choice(client):
 
 
 def test_follow_up_turn_with_the_tool_result_answers(client):
-    first = client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="required",
-                                           parallel_tool_calls=False, temperature=0, max_tokens=60)
+    first = client.chat.completions.create(
+        model="x",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=60,
+    )
     call = first.choices[0].message.tool_calls[0]
     messages = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -145,8 +206,9 @@ def test_follow_up_turn_with_the_tool_result_answers(client):
 def test_auto_and_none(client):
     plain = client.chat.completions.create(model="x", messages=ASK, temperature=0, max_tokens=24)
     auto = client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, temperature=0, max_tokens=24)
-    none = client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0,
-                                          max_tokens=24)
+    none = client.chat.completions.create(
+        model="x", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=24
+    )
     # the default tool prompt is rendered for auto and, as vLLM does, for none too
     assert auto.usage.prompt_tokens == none.usage.prompt_tokens > plain.usage.prompt_tokens + 100
     msg = auto.choices[0].message
@@ -165,31 +227,64 @@ def tool(**function) -> dict:
     return {"type": "function", "function": {"name": "f", **function}}
 
 
-@pytest.mark.parametrize("body,param,needle", [
-    (bad(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
-    (bad(tool_choice="sometimes"), "tool_choice", "tool_choice"),
-    (bad(tools=WEATHER), "tools", "list"),
-    (bad(tools=[tool(parameters={"type": "nonsense"})]), "tools", "parameters"),
-    (bad(tools=[tool(parameters={"type": "object", "properties": {"a": {"type": 5}}})]), "tools", "parameters"),
-    (bad(tools=[tool(parameters={"type": "object", "required": "a"})]), "tools", "parameters"),
-    (bad(tools=[tool(parameters="a string")]), "tools", "parameters"),
-    (bad(tools=[tool(), tool()]), "tools", "twice"),
-    (bad(tools=[tool(name="no spaces allowed")]), "tools", "name"),
-    (bad(tools=[tool()] * 129), "tools", "tools"),
-    (bad(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools", "type"),
-    (bad(tools=[tool(parameters={"type": "array", "uniqueItems": True})], tool_choice="required"), "tools",
-     "uniqueItems"),
-    (bad(tool_choice="required", response_format={"type": "json_object"}), "tool_choice", "response_format"),
-    ({"messages": ASK, "tool_choice": "required"}, "tool_choice", "tools"),
-    (bad(messages=ASK + [{"role": "tool", "content": "18 C"}]), "messages", "tool_call_id"),
-    (bad(messages=[{"role": "user", "content": "x", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]), "messages", "assistant"),
-    (bad(messages=ASK + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]), "messages",
-     "arguments"),
-    (bad(messages=ASK + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "add"}}]}]),
-     "messages", "arguments"),
-])
+@pytest.mark.parametrize(
+    "body,param,needle",
+    [
+        (bad(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
+        (bad(tool_choice="sometimes"), "tool_choice", "tool_choice"),
+        (bad(tools=WEATHER), "tools", "list"),
+        (bad(tools=[tool(parameters={"type": "nonsense"})]), "tools", "parameters"),
+        (bad(tools=[tool(parameters={"type": "object", "properties": {"a": {"type": 5}}})]), "tools", "parameters"),
+        (bad(tools=[tool(parameters={"type": "object", "required": "a"})]), "tools", "parameters"),
+        (bad(tools=[tool(parameters="a string")]), "tools", "parameters"),
+        (bad(tools=[tool(), tool()]), "tools", "twice"),
+        (bad(tools=[tool(name="no spaces allowed")]), "tools", "name"),
+        (bad(tools=[tool()] * 129), "tools", "tools"),
+        (bad(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools", "type"),
+        (
+            bad(tools=[tool(parameters={"type": "array", "uniqueItems": True})], tool_choice="required"),
+            "tools",
+            "uniqueItems",
+        ),
+        (bad(tool_choice="required", response_format={"type": "json_object"}), "tool_choice", "response_format"),
+        ({"messages": ASK, "tool_choice": "required"}, "tool_choice", "tools"),
+        (bad(messages=ASK + [{"role": "tool", "content": "18 C"}]), "messages", "tool_call_id"),
+        (
+            bad(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}],
+                    }
+                ]
+            ),
+            "messages",
+            "assistant",
+        ),
+        (
+            bad(
+                messages=ASK
+                + [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{not json"}}
+                        ],
+                    }
+                ]
+            ),
+            "messages",
+            "arguments",
+        ),
+        (
+            bad(messages=ASK + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "add"}}]}]),
+            "messages",
+            "arguments",
+        ),
+    ],
+)
 def test_bad_tool_input_is_a_400_in_openai_shape(http, body, param, needle):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
@@ -223,8 +318,13 @@ def plan_of(tokenizer, body: dict, **config):
 
 
 HISTORY = ASK + [
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
     {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
 ]
@@ -236,14 +336,17 @@ def test_default_tool_prompt_lists_tools_and_renders_the_history(tokenizer):
     assert "<tools>\n" + json.dumps(WEATHER) + "\n" + json.dumps(ADD) + "\n</tools>" in text
     assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in text
     assert text.count("<|im_start|>system") == 1 and "SmolLM" not in text  # the tool prompt is the system turn
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            "</tool_call><|im_end|>") in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>"
+    ) in text
     assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response>" in text
     # a system message keeps its text, the tool block follows it
     _, text = plan_of(tokenizer, {"messages": [{"role": "system", "content": "Be brief."}] + ASK, "tools": TOOLS})
     assert "<|im_start|>system\nBe brief.\n\n# Tools\n" in text
-    _, text = plan_of(tokenizer, {"messages": ASK, "tools": TOOLS, "tool_choice": "none"},
-                      exclude_none=True)  # --exclude-tools-when-tool-choice-none
+    _, text = plan_of(
+        tokenizer, {"messages": ASK, "tools": TOOLS, "tool_choice": "none"}, exclude_none=True
+    )  # --exclude-tools-when-tool-choice-none
     assert "# Tools" not in text
 
 
@@ -287,29 +390,51 @@ def test_a_tool_aware_chat_template_gets_the_tools(tmp_path, embedded_dir):
 
 
 def test_serve_refuses_a_missing_chat_template_before_loading():
-    r = subprocess.run([sys.executable, "-m", "baige", "serve", "--chat-template", "/nonexistent.jinja"],
-                       capture_output=True, text=True, timeout=120, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "baige", "serve", "--chat-template", "/nonexistent.jinja"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        "error: --chat-template: /nonexistent.jinja is not a file (nor a jinja template)"]
+        "error: --chat-template: /nonexistent.jinja is not a file (nor a jinja template)"
+    ]
 
 
 def test_forced_constraint_schema(tokenizer):
-    nested = {"type": "function", "function": {"name": "book", "parameters": {
-        "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}, "tags": {"allOf": [
-            {"properties": {"x": {"type": "string"}}}]}},
-        "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string"}}}}}}}
+    nested = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "guest": {"$ref": "#/$defs/Guest"},
+                    "tags": {"allOf": [{"properties": {"x": {"type": "string"}}}]},
+                },
+                "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string"}}}},
+            },
+        },
+    }
     plan, _ = plan_of(tokenizer, {"messages": ASK, "tools": [WEATHER, nested], "tool_choice": "required"})
     schema = plan.constraint.json
     assert plan.mode == "forced" and plan.array and schema["type"] == "array" and schema["minItems"] == 1
-    assert schema["items"]["anyOf"][1]["properties"] == {"name": {"const": "book"},
-                                                         "arguments": {"$ref": "#/$defs/tool1"}}
+    assert schema["items"]["anyOf"][1]["properties"] == {
+        "name": {"const": "book"},
+        "arguments": {"$ref": "#/$defs/tool1"},
+    }
     book = schema["$defs"]["tool1"]
-    assert book["additionalProperties"] is False and book["properties"]["guest"] == {"$ref": "#/$defs/tool1/$defs/Guest"}
+    assert book["additionalProperties"] is False and book["properties"]["guest"] == {
+        "$ref": "#/$defs/tool1/$defs/Guest"
+    }
     assert book["$defs"]["Guest"]["additionalProperties"] is False
     assert "additionalProperties" not in book["properties"]["tags"]["allOf"][0]  # allOf branches stay open
-    plan, _ = plan_of(tokenizer, {"messages": ASK, "tools": TOOLS, "tool_choice": "required",
-                                  "parallel_tool_calls": False})
+    plan, _ = plan_of(
+        tokenizer, {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    )
     assert not plan.array and len(plan.constraint.json["anyOf"]) == 2
-    plan, _ = plan_of(tokenizer, {"messages": ASK, "tools": TOOLS,
-                                  "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    plan, _ = plan_of(
+        tokenizer, {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    )
     assert plan.constraint.json["properties"]["name"] == {"const": "add"} and "anyOf" not in plan.constraint.json

@@ -49,16 +49,25 @@ def _children(pid: int) -> list[int]:
 def test_tp2_server_greedy_equals_one_process_through_the_openai_client(tmp_path, case):
     model_dir = _model(tmp_path / case, case)
     llm = LLM(str(model_dir), max_num_batched_tokens=32, max_num_seqs=8, kv_cache_memory="8MB")
-    ref = [o.outputs[0].text for o in llm.generate(
-        PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS])]
+    ref = [
+        o.outputs[0].text
+        for o in llm.generate(
+            PROMPTS, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+        )
+    ]
     assert all(len(t.split()) == n for t, n in zip(ref, MAX_TOKENS))
     with launched(model_dir, "--tensor-parallel-size", "2", *ENGINE) as (url, proc):
         assert len(_children(proc.pid)) == 1  # one worker process beside rank 0
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
         def one(i: int) -> str:
-            r = client.completions.create(model=str(model_dir), prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i],
-                                          temperature=0, extra_body={"ignore_eos": True})
+            r = client.completions.create(
+                model=str(model_dir),
+                prompt=PROMPTS[i],
+                max_tokens=MAX_TOKENS[i],
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return r.choices[0].text
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:  # all at once: batched, prefill chunks mixed

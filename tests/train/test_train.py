@@ -20,7 +20,6 @@ from baige.runtime.train.config import load_train_config
 from baige.runtime.train.lr_scheduler import lr_lambda
 from baige.runtime.train.trainer import run_training
 
-
 # ---- loss ----------------------------------------------------------------------------------------
 
 
@@ -61,10 +60,13 @@ def test_lr_schedules():
 
 def test_config_file_flags_and_set_overrides(tmp_path):
     (tmp_path / "run.toml").write_text(
-        'output = "o"\n[data]\ntrain = ["a.txt"]\n[training]\nsteps = 50\nseq_len = 128\n[optimizer]\nlr = 1e-3\n')
-    cfg = load_train_config(tmp_path / "run.toml", {"training.steps": 70, "training.batch_size": None},
-                            ["optimizer.betas=[0.9, 0.99]", "model.name=/models/x", "training.max_norm=2",
-                             "lr_scheduler.name=wsd"])
+        'output = "o"\n[data]\ntrain = ["a.txt"]\n[training]\nsteps = 50\nseq_len = 128\n[optimizer]\nlr = 1e-3\n'
+    )
+    cfg = load_train_config(
+        tmp_path / "run.toml",
+        {"training.steps": 70, "training.batch_size": None},
+        ["optimizer.betas=[0.9, 0.99]", "model.name=/models/x", "training.max_norm=2", "lr_scheduler.name=wsd"],
+    )
     assert (cfg.training.steps, cfg.training.seq_len, cfg.training.batch_size) == (70, 128, 8)
     assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.betas == [0.9, 0.99] and cfg.model.name == "/models/x"
     assert cfg.training.max_norm == 2.0 and isinstance(cfg.training.max_norm, float)
@@ -86,8 +88,10 @@ def test_config_file_flags_and_set_overrides(tmp_path):
 def test_windows_and_rank_sharding(tmp_path):
     from baige.runtime.train.data import DataLoader, PackedWindows, TokenFile
 
-    files = [TokenFile(np.arange(0, 50, dtype=np.uint32), None, 49),
-             TokenFile(np.arange(50, 103, dtype=np.uint32), None, 102)]
+    files = [
+        TokenFile(np.arange(0, 50, dtype=np.uint32), None, 49),
+        TokenFile(np.arange(50, 103, dtype=np.uint32), None, 102),
+    ]
     w = PackedWindows(files, seq_len=10)
     assert w.num_windows == 10  # (103 - 1) // 10
     x, y = w.window(4)  # crosses the file boundary at token 50
@@ -112,13 +116,21 @@ def test_windows_and_rank_sharding(tmp_path):
 
 def _chats():
     return [
-        {"messages": [{"role": "system", "content": "You answer in verse."},
-                      {"role": "user", "content": "Who is the Duke?"},
-                      {"role": "assistant", "content": "The Duke of Venice, sir."},
-                      {"role": "user", "content": "And Antonio?"},
-                      {"role": "assistant", "content": "A merchant, sad of heart."}]},
-        {"messages": [{"role": "user", "content": "Say hello."},
-                      {"role": "assistant", "content": "Hello, good friend!"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "You answer in verse."},
+                {"role": "user", "content": "Who is the Duke?"},
+                {"role": "assistant", "content": "The Duke of Venice, sir."},
+                {"role": "user", "content": "And Antonio?"},
+                {"role": "assistant", "content": "A merchant, sad of heart."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "Say hello."},
+                {"role": "assistant", "content": "Hello, good friend!"},
+            ]
+        },
     ]
 
 
@@ -154,10 +166,21 @@ def test_sft_loss_mask_covers_exactly_assistant_tokens(tmp_path, embedded_dir):
 def test_sft_from_scratch_preset(tmp_path, embedded_dir, one_thread):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in _chats() * 8))
-    cfg = load_train_config(None, {"model.config": "debug", "model.tokenizer": str(embedded_dir),
-                                   "data.train": [str(path)], "output": str(tmp_path / "out"), "training.steps": 2,
-                                   "training.seq_len": 64, "training.batch_size": 2, "metrics.log_every": 1,
-                                   "metrics.tensorboard": False, "training.compile": False})  # compile: its own test
+    cfg = load_train_config(
+        None,
+        {
+            "model.config": "debug",
+            "model.tokenizer": str(embedded_dir),
+            "data.train": [str(path)],
+            "output": str(tmp_path / "out"),
+            "training.steps": 2,
+            "training.seq_len": 64,
+            "training.batch_size": 2,
+            "metrics.log_every": 1,
+            "metrics.tensorboard": False,
+            "training.compile": False,
+        },
+    )  # compile: its own test
     result = run_training(cfg)
     assert sorted(result.losses) == [1, 2]
     # Seeded N(0, 0.02) init: the first loss is close to ln(vocab) = ln(49152) = 10.80.
@@ -173,8 +196,9 @@ def test_grad_accum_equals_one_big_batch_with_unequal_valid_tokens(tmp_path, one
     model = tiny_model(tmp_path / "model")
     data = tmp_path / "chat.jsonl"
     chat_data(data, 40)
-    accum = tiny_config(model, data, tmp_path / "accum", **{"training.steps": 3, "training.batch_size": 2,
-                                                             "training.grad_accum": 2})
+    accum = tiny_config(
+        model, data, tmp_path / "accum", **{"training.steps": 3, "training.batch_size": 2, "training.grad_accum": 2}
+    )
     big = tiny_config(model, data, tmp_path / "big", **{"training.steps": 3, "training.batch_size": 4})
     from baige.runtime.train.trainer import Trainer
 
@@ -188,7 +212,10 @@ def test_grad_accum_equals_one_big_batch_with_unequal_valid_tokens(tmp_path, one
         assert abs(a.losses[step] - b.losses[step]) < 1e-6, (step, a.losses[step], b.losses[step])
     from safetensors.torch import load_file
 
-    pa, pb = load_file(str(tmp_path / "accum/hf/model.safetensors")), load_file(str(tmp_path / "big/hf/model.safetensors"))
+    pa, pb = (
+        load_file(str(tmp_path / "accum/hf/model.safetensors")),
+        load_file(str(tmp_path / "big/hf/model.safetensors")),
+    )
     for name in pa:
         assert (pa[name] - pb[name]).abs().mean() < 1e-6, name
 
@@ -199,7 +226,9 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, one_thread):
     data.write_text(shakespeare(5_000))
     base = {"training.steps": 3, "training.batch_size": 2, "checkpoint.export_hf": False}
     plain = run_training(tiny_config(model, data, tmp_path / "plain", **base))
-    ac = run_training(tiny_config(model, data, tmp_path / "ac", **base, **{"training.activation_checkpointing": "full"}))
+    ac = run_training(
+        tiny_config(model, data, tmp_path / "ac", **base, **{"training.activation_checkpointing": "full"})
+    )
     assert plain.losses == ac.losses
 
 
@@ -212,8 +241,9 @@ def test_nonfinite_loss_stops_without_a_checkpoint(tmp_path, one_thread):
     save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
     data = tmp_path / "train.txt"
     data.write_text(shakespeare(5_000))
-    cfg = tiny_config(model, data, tmp_path / "out", **{"training.steps": 3, "training.batch_size": 2,
-                                                         "checkpoint.interval": 1})
+    cfg = tiny_config(
+        model, data, tmp_path / "out", **{"training.steps": 3, "training.batch_size": 2, "checkpoint.interval": 1}
+    )
     with pytest.raises(BaigeError, match=r"step 1: loss nan .* not finite"):
         run_training(cfg)
     assert CheckpointManager(tmp_path / "out" / "checkpoints", True, 0).complete_steps() == []
@@ -272,7 +302,9 @@ def test_cli_user_errors_are_one_line(tmp_path):
 
     runner = CliRunner()
     r = runner.invoke(app, ["train", "--data", str(tmp_path / "missing.txt"), "--output", str(tmp_path / "o")])
-    assert isinstance(r.exception, BaigeError) and str(r.exception) == f"{tmp_path / 'missing.txt'}: data file not found"
+    assert (
+        isinstance(r.exception, BaigeError) and str(r.exception) == f"{tmp_path / 'missing.txt'}: data file not found"
+    )
     r = runner.invoke(app, ["train", "--data", "x.txt", "--set", "training.bogus=1"])
     assert isinstance(r.exception, BaigeError) and "unknown config field 'training.bogus'" in str(r.exception)
     r = runner.invoke(app, ["train", "--data", "x.txt", "--ac", "sometimes"])
@@ -331,7 +363,10 @@ def test_clipping_folded_into_fused_adamw_matches_explicit_clipping(tmp_path, on
         steps = [trainer.train_step() for _ in range(4)]
         assert all(norm > 0.05 for _, norm, _ in steps)  # every step clipped
         assert not hasattr(trainer.optimizer, "grad_scale")
-        runs[fold] = ([loss for loss, _, _ in steps], {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        runs[fold] = (
+            [loss for loss, _, _ in steps],
+            {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        )
     for a, b in zip(runs[True][0], runs[False][0]):
         assert abs(a - b) <= 1e-6 * abs(b), (a, b)
     for name, p in runs[False][1].items():

@@ -10,10 +10,10 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
@@ -34,46 +34,128 @@ def runs(tmp_path_factory):
     step10 = root / "fsdp" / "checkpoints" / "step_00000010"
     jobs = [
         # 20 steps with a save at 10 (FSDP2, 2 ranks x batch 2).
-        (job_train, dict(common, output=str(root / "fsdp"), **{"training.steps": STEPS, "training.batch_size": 2,
-                                                              "checkpoint.interval": 10})),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "fsdp"),
+                **{"training.steps": STEPS, "training.batch_size": 2, "checkpoint.interval": 10},
+            ),
+        ),
         # Resume the step-10 checkpoint on 2 ranks and train to 20.
-        (job_train, dict(common, output=str(root / "fsdp_resumed"), copy_checkpoint=str(step10),
-                         **{"training.steps": STEPS, "training.batch_size": 2})),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "fsdp_resumed"),
+                copy_checkpoint=str(step10),
+                **{"training.steps": STEPS, "training.batch_size": 2},
+            ),
+        ),
         # HSDP (2 replicas x 1 shard) with activation checkpointing on every block.
-        (job_train, dict(common, output=str(root / "hsdp_ac"), **{
-            "training.steps": 3, "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
-            "training.activation_checkpointing": "full", "checkpoint.export_hf": False,
-            "data.eval": [str(data)], "training.eval_batches": 2})),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "hsdp_ac"),
+                **{
+                    "training.steps": 3,
+                    "training.batch_size": 2,
+                    "parallelism.data_parallel_replicate_degree": 2,
+                    "training.activation_checkpointing": "full",
+                    "checkpoint.export_hf": False,
+                    "data.eval": [str(data)],
+                    "training.eval_batches": 2,
+                },
+            ),
+        ),
         # LoRA under FSDP2 (frozen base sharded, adapters trained), with the merged export gathered.
         (job_train, dict(common, output=str(root / "lora_fsdp"), **LORA, **{"training.batch_size": 2})),
         # LoRA under HSDP (2 replicas x 1 shard) with activation checkpointing on every block.
-        (job_train, dict(common, output=str(root / "lora_hsdp_ac"), **{**LORA,
-            "training.batch_size": 2, "parallelism.data_parallel_replicate_degree": 2,
-            "training.activation_checkpointing": "full", "lora.merge": False})),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "lora_hsdp_ac"),
+                **{
+                    **LORA,
+                    "training.batch_size": 2,
+                    "parallelism.data_parallel_replicate_degree": 2,
+                    "training.activation_checkpointing": "full",
+                    "lora.merge": False,
+                },
+            ),
+        ),
         # LoRA under tensor parallelism (TP 2, each rank the whole batch of 4): adapters follow the projections.
-        (job_train, dict(common, output=str(root / "lora_tp"), **LORA, **{"training.batch_size": 4,
-                                                                         "parallelism.tensor_parallel_degree": 2})),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "lora_tp"),
+                **LORA,
+                **{"training.batch_size": 4, "parallelism.tensor_parallel_degree": 2},
+            ),
+        ),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     # Tensor parallel through the documented launch form: torchrun --no-python baige train (TP=2,
     # each rank sees the whole batch of 4).
     bindir = Path(sys.executable).parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "--no-python", str(bindir / "baige"), "train", "--model", str(untied), "--data", str(data),
-           "--output", str(root / "tp"), "--steps", "3", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2",
-           "--tp", "2", "--set", "lr_scheduler.warmup_steps=2", "--set", "metrics.log_every=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--no-python",
+        str(bindir / "baige"),
+        "train",
+        "--model",
+        str(untied),
+        "--data",
+        str(data),
+        "--output",
+        str(root / "tp"),
+        "--steps",
+        "3",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--tp",
+        "2",
+        "--set",
+        "lr_scheduler.warmup_steps=2",
+        "--set",
+        "metrics.log_every=1",
+    ]
     tp = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert tp.returncode == 0, tp.stderr[-3000:]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        job_train(**common, output=str(root / "single"), **{"training.steps": STEPS, "training.batch_size": 4,
-                                                            "data.eval": [str(data)], "training.eval_batches": 2})
-        job_train(**common, output=str(root / "single_from_2ranks"), copy_checkpoint=str(step10),
-                  **{"training.steps": STEPS, "training.batch_size": 4})
-        job_train(model=str(untied), data=str(data), output=str(root / "single_tp"),
-                  **{"training.steps": 3, "training.batch_size": 4})
+        job_train(
+            **common,
+            output=str(root / "single"),
+            **{"training.steps": STEPS, "training.batch_size": 4, "data.eval": [str(data)], "training.eval_batches": 2},
+        )
+        job_train(
+            **common,
+            output=str(root / "single_from_2ranks"),
+            copy_checkpoint=str(step10),
+            **{"training.steps": STEPS, "training.batch_size": 4},
+        )
+        job_train(
+            model=str(untied),
+            data=str(data),
+            output=str(root / "single_tp"),
+            **{"training.steps": 3, "training.batch_size": 4},
+        )
         job_train(**common, output=str(root / "lora_single"), **LORA, **{"training.batch_size": 4})
     finally:
         torch.set_num_threads(threads)
@@ -161,8 +243,10 @@ def test_lora_two_ranks_match_one_process(runs, run):
     for step in (1, 2, 3):
         assert abs(two[step] - single[step]) < 1e-5, (step, two[step], single[step])
     # Adam hides a gradient scaled by a constant; the global gradient norm does not
-    norms = [[json.loads(r)["grad_norm"] for r in (runs / d / "metrics.jsonl").read_text().splitlines()]
-             for d in (run, "lora_single")]
+    norms = [
+        [json.loads(r)["grad_norm"] for r in (runs / d / "metrics.jsonl").read_text().splitlines()]
+        for d in (run, "lora_single")
+    ]
     assert max(abs(x - y) for x, y in zip(*norms)) < 1e-5 * max(norms[1]), norms
     a = load_file(str(runs / run / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(runs / "lora_single" / "adapter" / "adapter_model.safetensors"))

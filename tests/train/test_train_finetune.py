@@ -35,11 +35,23 @@ def test_finetune_smollm2_on_tinyshakespeare(tmp_path, embedded_dir, hf_embedded
     (tmp_path / "train.txt").write_text(text[:cut])
     (tmp_path / "heldout.txt").write_text(text[cut:])
     out = tmp_path / "run"
-    cfg = load_train_config(None, {
-        "data.train": [str(tmp_path / "train.txt")], "data.eval": [str(tmp_path / "heldout.txt")],
-        "output": str(out), "training.steps": 24, "training.seq_len": SEQ_LEN, "training.batch_size": BATCH,
-        "training.eval_batches": EVAL_BATCHES, "optimizer.lr": 2e-4, "lr_scheduler.warmup_steps": 3,
-        "metrics.log_every": 1, "checkpoint.interval": 0, "metrics.tensorboard": False})
+    cfg = load_train_config(
+        None,
+        {
+            "data.train": [str(tmp_path / "train.txt")],
+            "data.eval": [str(tmp_path / "heldout.txt")],
+            "output": str(out),
+            "training.steps": 24,
+            "training.seq_len": SEQ_LEN,
+            "training.batch_size": BATCH,
+            "training.eval_batches": EVAL_BATCHES,
+            "optimizer.lr": 2e-4,
+            "lr_scheduler.warmup_steps": 3,
+            "metrics.log_every": 1,
+            "checkpoint.interval": 0,
+            "metrics.tensorboard": False,
+        },
+    )
     result = run_training(cfg)  # model.name unset: the embedded default
 
     # The step-0 held-out loss equals transformers' loss on the same windows (an independent oracle).
@@ -47,7 +59,7 @@ def test_finetune_smollm2_on_tinyshakespeare(tmp_path, embedded_dir, hf_embedded
     tokenizer = Tokenizer.from_dir(embedded_dir)
     ids = tokenizer.encode(text[cut:])
     n = EVAL_BATCHES * BATCH
-    windows = torch.tensor([ids[i * SEQ_LEN: (i + 1) * SEQ_LEN + 1] for i in range(n)])  # (n, T + 1)
+    windows = torch.tensor([ids[i * SEQ_LEN : (i + 1) * SEQ_LEN + 1] for i in range(n)])  # (n, T + 1)
     assert abs(result.eval_losses[0] - _hf_loss(hf_model, windows)) < 1e-3, result.eval_losses
 
     # Held-out loss falls.
@@ -60,11 +72,13 @@ def test_finetune_smollm2_on_tinyshakespeare(tmp_path, embedded_dir, hf_embedded
     from baige.runtime.train.data import DataLoader, load_windows
     from baige.runtime.weights.hub import cache_dir
 
-    train_windows = load_windows([str(tmp_path / "train.txt")], tokenizer, embedded_dir, cache_dir() / "tokens", SEQ_LEN)
+    train_windows = load_windows(
+        [str(tmp_path / "train.txt")], tokenizer, embedded_dir, cache_dir() / "tokens", SEQ_LEN
+    )
     loader = DataLoader(train_windows, BATCH, 1, 1, 0, seed=0, shuffle=True)  # the run's order (seed 0)
     seen = []
     for _ in range(4):
-        (x, y), = loader.next_step()
+        ((x, y),) = loader.next_step()
         seen.append(torch.cat([x, y[:, -1:]], dim=1))  # back to (B, T + 1) windows
     seen = torch.cat(seen)
     export = out / "hf"
@@ -84,7 +98,8 @@ def test_finetune_smollm2_on_tinyshakespeare(tmp_path, embedded_dir, hf_embedded
     assert (ref - original).abs().max() > 1e-2  # the export holds the fine-tuned weights, not the originals
 
     # ... and `baige generate` runs on it.
-    run = CliRunner().invoke(app, ["generate", "-m", str(export), "-p", "ROMEO:", "--max-tokens", "4",
-                                   "--temperature", "0", "--no-chat"])
+    run = CliRunner().invoke(
+        app, ["generate", "-m", str(export), "-p", "ROMEO:", "--max-tokens", "4", "--temperature", "0", "--no-chat"]
+    )
     assert run.exit_code == 0, run.output
     assert run.stdout.strip()

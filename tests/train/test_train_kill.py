@@ -40,12 +40,33 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path):
     data = tmp_path / "train.txt"
     data.write_text(shakespeare(20_000))
     out = tmp_path / "run"
-    args = ["--model", str(model), "--data", str(data), "--output", str(out), "--steps", "10", "--seq-len", "32",
-            "--batch-size", "4", "--lr", "1e-2", "--set", "checkpoint.interval=5", "--set", "metrics.log_every=1",
-            "--set", "checkpoint.keep_latest=0", "--no-compile"]
+    args = [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--steps",
+        "10",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--set",
+        "checkpoint.interval=5",
+        "--set",
+        "metrics.log_every=1",
+        "--set",
+        "checkpoint.keep_latest=0",
+        "--no-compile",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HOLD_STEP="step_00000010", HOLD_MARKER=str(tmp_path / "held"))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "held").exists():

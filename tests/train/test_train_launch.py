@@ -23,16 +23,28 @@ def test_expand_hostlist():
 
 
 def test_slurm_env_mapping_one_task_per_gpu():
-    env = {"SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_NTASKS": "16",
-           "SLURM_JOB_NODELIST": "gpu-a[017-018]", "SLURM_STEP_NODELIST": "gpu-a[017-018]"}
-    assert dist_env_from_slurm(env) == {"RANK": "13", "LOCAL_RANK": "5", "WORLD_SIZE": "16",
-                                        "MASTER_ADDR": "gpu-a017", "MASTER_PORT": "29500"}
+    env = {
+        "SLURM_PROCID": "13",
+        "SLURM_LOCALID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_JOB_NODELIST": "gpu-a[017-018]",
+        "SLURM_STEP_NODELIST": "gpu-a[017-018]",
+    }
+    assert dist_env_from_slurm(env) == {
+        "RANK": "13",
+        "LOCAL_RANK": "5",
+        "WORLD_SIZE": "16",
+        "MASTER_ADDR": "gpu-a017",
+        "MASTER_PORT": "29500",
+    }
     # An explicit MASTER_ADDR / MASTER_PORT (e.g. exported by the sbatch script) wins.
     env.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="6000")
     got = dist_env_from_slurm(env)
     assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("10.0.0.1", "6000")
     # SLURM_NODELIST alone (older SLURM) is enough.
-    got = dist_env_from_slurm({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n1,n2"})
+    got = dist_env_from_slurm(
+        {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n1,n2"}
+    )
     assert got["MASTER_ADDR"] == "n1"
 
 
@@ -72,12 +84,21 @@ def test_sbatch_multi_node_pp_runs_torchrun_once_per_node_with_pp(tmp_path):
     bindir.mkdir()
     # scontrol writes line by line: the template must read them all (a reader that stops early would
     # SIGPIPE it, a 141 exit under pipefail)
-    for tool, body in (("scontrol", "echo node1; sleep 0.2; echo node2"), ("srun", 'echo "srun $*"; shift 2; "$@"'),
-                       ("torchrun", 'echo "torchrun $*"')):
+    for tool, body in (
+        ("scontrol", "echo node1; sleep 0.2; echo node2"),
+        ("srun", 'echo "srun $*"; shift 2; "$@"'),
+        ("torchrun", 'echo "torchrun $*"'),
+    ):
         (bindir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bindir / tool).chmod(0o755)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "PP": "2", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_JOB_ID": "7", "GPUS_PER_NODE": "8"}
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "PP": "2",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_ID": "7",
+        "GPUS_PER_NODE": "8",
+    }
     out = subprocess.run(["bash", str(SBATCH), "--config", "run.toml"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     srun, torchrun = out.stdout.splitlines()
@@ -92,15 +113,26 @@ def test_serve_sbatch_runs_one_torchrun_per_node_with_tp_over_every_gpu(tmp_path
     sbatch = SBATCH.with_name("serve.sbatch")
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for tool, body in (("scontrol", "echo node1; echo node2"),
-                       ("srun", 'shift 2; SLURM_NODEID=1 "$@"'), ("torchrun", 'echo "torchrun $*"')):
+    for tool, body in (
+        ("scontrol", "echo node1; echo node2"),
+        ("srun", 'shift 2; SLURM_NODEID=1 "$@"'),
+        ("torchrun", 'echo "torchrun $*"'),
+    ):
         (bindir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bindir / tool).chmod(0o755)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_JOB_ID": "7", "GPUS_PER_NODE": "4"}
-    out = subprocess.run(["bash", str(sbatch), "--model", "m dir", "--max-num-seqs", "8"], env=env,
-                         capture_output=True, text=True)
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_ID": "7",
+        "GPUS_PER_NODE": "4",
+    }
+    out = subprocess.run(
+        ["bash", str(sbatch), "--model", "m dir", "--max-num-seqs", "8"], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("torchrun --nnodes=2 --node-rank=1 --nproc-per-node=4 --master-addr=node1 "
-                                  "--master-port=29500 --no-python baige serve --host 0.0.0.0 --port 8000 "
-                                  "--tensor-parallel-size 8 --model m dir --max-num-seqs 8")
+    assert out.stdout.strip() == (
+        "torchrun --nnodes=2 --node-rank=1 --nproc-per-node=4 --master-addr=node1 "
+        "--master-port=29500 --no-python baige serve --host 0.0.0.0 --port 8000 "
+        "--tensor-parallel-size 8 --model m dir --max-num-seqs 8"
+    )

@@ -19,9 +19,18 @@ from train_utils import read_metrics, shakespeare, tiny_config, tiny_model
 from baige.runtime.model.lora import LORA_TARGETS, lora_modules
 
 STEPS, LR, RANK = 5, 1e-3, 8
-FLAGS = {"training.steps": STEPS, "training.batch_size": 1, "training.grad_accum": 2, "optimizer.lr": LR,
-         "lr_scheduler.name": "constant", "lr_scheduler.warmup_steps": 0, "lora.rank": RANK, "lora.alpha": 16.0,
-         "checkpoint.interval": 2, "metrics.peak_tflops": 1.0}
+FLAGS = {
+    "training.steps": STEPS,
+    "training.batch_size": 1,
+    "training.grad_accum": 2,
+    "optimizer.lr": LR,
+    "lr_scheduler.name": "constant",
+    "lr_scheduler.warmup_steps": 0,
+    "lora.rank": RANK,
+    "lora.alpha": 16.0,
+    "checkpoint.interval": 2,
+    "metrics.peak_tflops": 1.0,
+}
 
 
 def _sft_data(path: Path) -> Path:
@@ -29,7 +38,9 @@ def _sft_data(path: Path) -> Path:
     lines = [ln for ln in shakespeare(12_000).splitlines() if ln.strip()]
     with path.open("w") as f:
         for q, a in zip(lines[::2], lines[1::2]):
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+            f.write(
+                json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            )
     return path
 
 
@@ -96,8 +107,10 @@ def test_lora_matches_peft(setup, single):
     assert max(abs(a - b) for a, b in zip(ours, peft_losses)) < 1e-5, (ours, peft_losses)
     for name, m in lora_modules(trainer.model):
         peft_mod = pm.get_submodule(f"base_model.model.{name}")
-        for ours_w, theirs in ((m.lora_A.weight, peft_mod.lora_A["default"].weight),
-                               (m.lora_B.weight, peft_mod.lora_B["default"].weight)):
+        for ours_w, theirs in (
+            (m.lora_A.weight, peft_mod.lora_A["default"].weight),
+            (m.lora_B.weight, peft_mod.lora_B["default"].weight),
+        ):
             assert (ours_w - theirs).abs().max() < 1e-5, name
         assert m.lora_B.weight.abs().max() > 1e-4  # B moved off its zero init
 
@@ -161,11 +174,19 @@ def test_resume_with_another_lora_config_is_one_line(setup, tmp_path, single):
     root, model_dir, data = setup
     step2 = root / "single" / "checkpoints" / "step_00000002"
     full = {k: v for k, v in FLAGS.items() if not k.startswith("lora.")}
-    cases = [({**FLAGS, "lora.rank": 4}, r"holds model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight of shape \(8, 64\), "
-                                r"this run's is \(4, 64\)"),
-             ({**FLAGS, "lora.targets": ["q_proj"]}, r"holds model\.layers\.0\.mlp\.down_proj\.lora_A\.weight "
-                                                   r"\(and \d+ more\) that this run does not train"),
-             (full, r"does not hold model\.embed_tokens\.weight, which this run trains")]
+    cases = [
+        (
+            {**FLAGS, "lora.rank": 4},
+            r"holds model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight of shape \(8, 64\), "
+            r"this run's is \(4, 64\)",
+        ),
+        (
+            {**FLAGS, "lora.targets": ["q_proj"]},
+            r"holds model\.layers\.0\.mlp\.down_proj\.lora_A\.weight "
+            r"\(and \d+ more\) that this run does not train",
+        ),
+        (full, r"does not hold model\.embed_tokens\.weight, which this run trains"),
+    ]
     for i, (flags, match) in enumerate(cases):
         out = tmp_path / f"r{i}" / "checkpoints"
         shutil.copytree(step2, out / step2.name)
@@ -186,8 +207,11 @@ def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
     _, model_dir, data = setup
     qdir = tmp_path / "int8"
     quantize_checkpoint(QuantizeConfig(model=str(model_dir), method="int8", output=str(qdir)))
-    trainer = Trainer(tiny_config(qdir, data, tmp_path / "run", **{**FLAGS, "training.steps": 3, "lora.merge": True,
-                                                                      "checkpoint.interval": 0}))
+    trainer = Trainer(
+        tiny_config(
+            qdir, data, tmp_path / "run", **{**FLAGS, "training.steps": 3, "lora.merge": True, "checkpoint.interval": 0}
+        )
+    )
     result = trainer.train()
     assert type(trainer.model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
     assert all(m.lora_B.weight.abs().max() > 0 for _, m in lora_modules(trainer.model))  # gradients reached layer 0
@@ -201,16 +225,19 @@ def test_qlora_int8_base_trains_and_merges(setup, tmp_path):
     assert (want - got).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--lora-rank", "0"], "lora.rank must be an integer >= 1 (got 0)"),
-    (["--lora-rank", "-3"], "lora.rank must be an integer >= 1 (got -3)"),
-    (["--lora-rank", "4", "--lora-targets", "q_proj,qkv_proj"], "lora.targets: unknown module 'qkv_proj'"),
-    (["--lora-rank", "4", "--lora-dropout", "1"], "lora.dropout must be < 1"),
-    (["--lora-rank", "4", "--lora-alpha", "0"], "lora.alpha must be a finite number > 0"),
-    (["--lora-alpha", "16"], "lora options need lora.rank"),
-    (["--merge"], "lora options need lora.rank"),
-    (["--model-config", "debug", "--lora-rank", "4"], "lora.rank needs pretrained weights (--model)"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--lora-rank", "0"], "lora.rank must be an integer >= 1 (got 0)"),
+        (["--lora-rank", "-3"], "lora.rank must be an integer >= 1 (got -3)"),
+        (["--lora-rank", "4", "--lora-targets", "q_proj,qkv_proj"], "lora.targets: unknown module 'qkv_proj'"),
+        (["--lora-rank", "4", "--lora-dropout", "1"], "lora.dropout must be < 1"),
+        (["--lora-rank", "4", "--lora-alpha", "0"], "lora.alpha must be a finite number > 0"),
+        (["--lora-alpha", "16"], "lora options need lora.rank"),
+        (["--merge"], "lora options need lora.rank"),
+        (["--model-config", "debug", "--lora-rank", "4"], "lora.rank needs pretrained weights (--model)"),
+    ],
+)
 def test_lora_bad_flags(cli_error, tmp_path, args, needle):
     (tmp_path / "t.txt").write_text("To be, or not to be.\n")
     base = ["train", "--data", tmp_path / "t.txt", "-o", tmp_path / "run", "--steps", "1", "--no-compile"]
@@ -221,9 +248,26 @@ def test_lora_target_absent_from_the_model(cli_error, tmp_path):
     # a Qwen3-MoE with every layer sparse: its experts are stacked, so it has no gate_proj Linear
     model = tiny_model(tmp_path / "moe", "qwen3-moe", vocab_size=98, mlp_only_layers=[])
     (tmp_path / "t.txt").write_text(shakespeare(2000))
-    err = cli_error("train", "--model", model, "--data", tmp_path / "t.txt", "-o", tmp_path / "run", "--steps", "1",
-                    "--seq-len", "8", "--batch-size", "1", "--no-compile", "--lora-rank", "4",
-                    "--lora-targets", "q_proj,gate_proj")
+    err = cli_error(
+        "train",
+        "--model",
+        model,
+        "--data",
+        tmp_path / "t.txt",
+        "-o",
+        tmp_path / "run",
+        "--steps",
+        "1",
+        "--seq-len",
+        "8",
+        "--batch-size",
+        "1",
+        "--no-compile",
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "q_proj,gate_proj",
+    )
     assert "lora target 'gate_proj' is not a linear module of this model (qwen3_moe: " in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -236,13 +280,35 @@ def test_lora_flags_reach_the_config(monkeypatch, tmp_path):
     monkeypatch.setattr(trainer, "run_training", seen.append)
     (tmp_path / "t.txt").write_text("To be, or not to be.\n")
     with pytest.raises(SystemExit) as e:
-        main(["train", "--data", str(tmp_path / "t.txt"), "-o", str(tmp_path / "run"), "--lora-rank", "8",
-              "--lora-alpha", "32", "--lora-dropout", "0.05", "--lora-targets", "q_proj, v_proj", "--lora-use-rslora",
-              "--merge"])
+        main(
+            [
+                "train",
+                "--data",
+                str(tmp_path / "t.txt"),
+                "-o",
+                str(tmp_path / "run"),
+                "--lora-rank",
+                "8",
+                "--lora-alpha",
+                "32",
+                "--lora-dropout",
+                "0.05",
+                "--lora-targets",
+                "q_proj, v_proj",
+                "--lora-use-rslora",
+                "--merge",
+            ]
+        )
     assert e.value.code in (0, None)
     lo = seen[0].lora
-    assert (lo.rank, lo.alpha, lo.dropout, lo.targets, lo.use_rslora, lo.merge) == (8, 32.0, 0.05, ["q_proj", "v_proj"],
-                                                                                   True, True)
+    assert (lo.rank, lo.alpha, lo.dropout, lo.targets, lo.use_rslora, lo.merge) == (
+        8,
+        32.0,
+        0.05,
+        ["q_proj", "v_proj"],
+        True,
+        True,
+    )
     assert "[lora]\nrank = 8\nalpha = 32.0" in seen[0].to_toml()
 
 

@@ -20,8 +20,6 @@ from baige.runtime.train.moe import MoEBalancer, RouterLogits, load_balancing_lo
 from baige.runtime.train.trainer import run_training
 
 
-
-
 def _logits(n_layers: int, rows: int, experts: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [(2.0 * torch.randn(rows, experts, generator=g)).requires_grad_() for _ in range(n_layers)]
@@ -127,8 +125,13 @@ def test_bias_balancing_resumes_exactly(tmp_path, one_thread):
     model = tiny_model(tmp_path / "m", "qwen3-moe")
     data = tmp_path / "train.txt"
     data.write_text(shakespeare(8_000))
-    flags = {"training.steps": 4, "training.batch_size": 2, "moe.load_balance": "bias",
-             "moe.bias_update_rate": 0.05, "checkpoint.export_hf": False}
+    flags = {
+        "training.steps": 4,
+        "training.batch_size": 2,
+        "moe.load_balance": "bias",
+        "moe.bias_update_rate": 0.05,
+        "checkpoint.export_hf": False,
+    }
     run_training(tiny_config(model, data, tmp_path / "full", **flags, **{"checkpoint.interval": 2}))
     step2 = tmp_path / "full" / "checkpoints" / "step_00000002"
     meta = dcp.FileSystemReader(str(step2)).read_metadata()
@@ -151,11 +154,25 @@ def moe_tiny_run(tmp_path_factory):
     vocab = write_char_tokenizer(tok, shakespeare(200_000))
     data = root / "train.txt"
     data.write_text(shakespeare(100_000))
-    cfg = load_train_config(None, {
-        "model.config": "moe-tiny", "model.tokenizer": str(tok), "data.train": [str(data)],
-        "output": str(root / "out"), "training.steps": 40, "training.seq_len": 64, "training.batch_size": 8,
-        "optimizer.lr": 3e-3, "lr_scheduler.warmup_steps": 4, "metrics.log_every": 1, "metrics.tensorboard": False,
-        "metrics.peak_tflops": 1.0, "checkpoint.interval": 0, "checkpoint.export_dtype": "float32"})
+    cfg = load_train_config(
+        None,
+        {
+            "model.config": "moe-tiny",
+            "model.tokenizer": str(tok),
+            "data.train": [str(data)],
+            "output": str(root / "out"),
+            "training.steps": 40,
+            "training.seq_len": 64,
+            "training.batch_size": 8,
+            "optimizer.lr": 3e-3,
+            "lr_scheduler.warmup_steps": 4,
+            "metrics.log_every": 1,
+            "metrics.tensorboard": False,
+            "metrics.peak_tflops": 1.0,
+            "checkpoint.interval": 0,
+            "checkpoint.export_dtype": "float32",
+        },
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -215,11 +232,15 @@ def test_moe_tiny_export_is_served(moe_tiny_run):
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
     hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     with torch.no_grad():
-        want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
-    with launched(export, "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "16MB",
-                  "--log-level", "warning") as (url, _):
-        r = httpx.post(f"{url}/v1/completions", json={"model": str(export), "prompt": prompt, "max_tokens": 8,
-                                                     "temperature": 0, "ignore_eos": True}, timeout=60)
+        want = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1] :]
+    with launched(
+        export, "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "16MB", "--log-level", "warning"
+    ) as (url, _):
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": str(export), "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == 8
@@ -254,14 +275,21 @@ def test_moe_config_and_expert_parallel_errors(tmp_path):
 
     (tmp_path / "d.txt").write_text("x")
     base = {"data.train": [str(tmp_path / "d.txt")], "output": str(tmp_path / "o")}
-    cfg = load_train_config(None, base, ["moe.router_aux_loss_coef=0.05", "moe.load_balance=bias",
-                                         "parallelism.expert_parallel_degree=2"])
-    assert (cfg.moe.router_aux_loss_coef, cfg.moe.load_balance, cfg.parallelism.expert_parallel_degree) == (0.05, "bias", 2)
+    cfg = load_train_config(
+        None, base, ["moe.router_aux_loss_coef=0.05", "moe.load_balance=bias", "parallelism.expert_parallel_degree=2"]
+    )
+    assert (cfg.moe.router_aux_loss_coef, cfg.moe.load_balance, cfg.parallelism.expert_parallel_degree) == (
+        0.05,
+        "bias",
+        2,
+    )
     assert "[moe]" in cfg.to_toml() and "expert_parallel_degree = 2" in cfg.to_toml()
-    for override, field in (("moe.load_balance=loss_free", "moe.load_balance"),
-                            ("moe.router_z_loss_coef=-1", "moe.router_z_loss_coef"),
-                            ("moe.bias_update_rate=nan", "moe.bias_update_rate"),
-                            ("parallelism.expert_parallel_degree=0", "parallelism.expert_parallel_degree")):
+    for override, field in (
+        ("moe.load_balance=loss_free", "moe.load_balance"),
+        ("moe.router_z_loss_coef=-1", "moe.router_z_loss_coef"),
+        ("moe.bias_update_rate=nan", "moe.bias_update_rate"),
+        ("parallelism.expert_parallel_degree=0", "parallelism.expert_parallel_degree"),
+    ):
         with pytest.raises(BaigeError, match=field):
             load_train_config(None, base, [override])
     assert ParallelDims.resolve(4, 1, -1, 1, 2) == ParallelDims(1, 4, 1, 2)

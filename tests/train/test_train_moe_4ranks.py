@@ -24,17 +24,49 @@ def runs(tmp_path_factory):
     shared = tiny_model(root / "qwen2_moe", "qwen2-moe-shared", seed=1, num_experts=4)  # layers 0, 2 dense
     data = root / "train.txt"
     data.write_text(shakespeare(20_000))
-    common = {"data": str(data), "training.steps": STEPS, "checkpoint.export_hf": False,
-              "moe.router_aux_loss_coef": 0.02, "moe.router_z_loss_coef": 1e-3}
+    common = {
+        "data": str(data),
+        "training.steps": STEPS,
+        "checkpoint.export_hf": False,
+        "moe.router_aux_loss_coef": 0.02,
+        "moe.router_z_loss_coef": 1e-3,
+    }
     jobs = [
-        (job_train, dict(common, model=str(qwen3), output=str(root / "ep_efsdp"), **{
-            "training.batch_size": 1, "parallelism.expert_parallel_degree": 2})),
-        (job_train, dict(common, model=str(qwen3), output=str(root / "ep_hsdp"), **{
-            "training.batch_size": 1, "parallelism.expert_parallel_degree": 2,
-            "parallelism.data_parallel_replicate_degree": 2})),
-        (job_train, dict(common, model=str(shared), output=str(root / "ep_tp"), **{
-            "training.batch_size": 2, "parallelism.expert_parallel_degree": 2,
-            "parallelism.tensor_parallel_degree": 2})),
+        (
+            job_train,
+            dict(
+                common,
+                model=str(qwen3),
+                output=str(root / "ep_efsdp"),
+                **{"training.batch_size": 1, "parallelism.expert_parallel_degree": 2},
+            ),
+        ),
+        (
+            job_train,
+            dict(
+                common,
+                model=str(qwen3),
+                output=str(root / "ep_hsdp"),
+                **{
+                    "training.batch_size": 1,
+                    "parallelism.expert_parallel_degree": 2,
+                    "parallelism.data_parallel_replicate_degree": 2,
+                },
+            ),
+        ),
+        (
+            job_train,
+            dict(
+                common,
+                model=str(shared),
+                output=str(root / "ep_tp"),
+                **{
+                    "training.batch_size": 2,
+                    "parallelism.expert_parallel_degree": 2,
+                    "parallelism.tensor_parallel_degree": 2,
+                },
+            ),
+        ),
     ]
     mp.spawn(spawn_worker, args=(4, free_port(), jobs), nprocs=4, join=True)
     threads = torch.get_num_threads()
@@ -51,8 +83,9 @@ def _records(run_dir):
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("run, single", [("ep_efsdp", "single_qwen3"), ("ep_hsdp", "single_qwen3"),
-                                         ("ep_tp", "single_shared")])
+@pytest.mark.parametrize(
+    "run, single", [("ep_efsdp", "single_qwen3"), ("ep_hsdp", "single_qwen3"), ("ep_tp", "single_shared")]
+)
 def test_four_rank_moe_matches_one_process(runs, run, single):
     a, b = _records(runs / run), _records(runs / single)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))

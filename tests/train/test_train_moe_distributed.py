@@ -43,19 +43,59 @@ def runs(tmp_path_factory):
     bias = {"moe.load_balance": "bias", "moe.bias_update_rate": 0.01, "training.grad_accum": 2}
     jobs = [
         # EP=2 x FSDP2 (dp_shard=2): 2 ranks x batch 2, a checkpoint at step 3.
-        (job_train_dump_experts, dict(common, output=str(root / "ep"), **ep, **{
-            "training.steps": STEPS, "training.batch_size": 2, "checkpoint.interval": 3})),
+        (
+            job_train_dump_experts,
+            dict(
+                common,
+                output=str(root / "ep"),
+                **ep,
+                **{"training.steps": STEPS, "training.batch_size": 2, "checkpoint.interval": 3},
+            ),
+        ),
         # EP=2 with 2 micro-batches, activation checkpointing, DeepSeek-V3 bias balancing, evaluation.
-        (job_train, dict(common, output=str(root / "ep_bias_ac"), **ep, **bias, **{
-            "training.steps": 3, "training.batch_size": 2, "training.activation_checkpointing": "full",
-            "checkpoint.export_hf": False, "data.eval": [str(data)], "training.eval_batches": 2})),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "ep_bias_ac"),
+                **ep,
+                **bias,
+                **{
+                    "training.steps": 3,
+                    "training.batch_size": 2,
+                    "training.activation_checkpointing": "full",
+                    "checkpoint.export_hf": False,
+                    "data.eval": [str(data)],
+                    "training.eval_batches": 2,
+                },
+            ),
+        ),
         # ERNIE-4.5 under EP=2 x FSDP: bias balancing updates its own (FSDP-sharded) e_score_correction_bias.
-        (job_train, dict(common, model=str(ernie), output=str(root / "ernie_ep"), **ep, **bias, **{
-            "training.steps": 3, "training.batch_size": 2})),
+        (
+            job_train,
+            dict(
+                common,
+                model=str(ernie),
+                output=str(root / "ernie_ep"),
+                **ep,
+                **bias,
+                **{"training.steps": 3, "training.batch_size": 2},
+            ),
+        ),
         # TP=2 (attention split, router and routed experts replicated), each rank the whole batch.
-        (job_train, dict(common, output=str(root / "tp"), **{
-            "training.steps": STEPS, "training.batch_size": 4, "parallelism.tensor_parallel_degree": 2,
-            "checkpoint.export_hf": False})),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "tp"),
+                **{
+                    "training.steps": STEPS,
+                    "training.batch_size": 4,
+                    "parallelism.tensor_parallel_degree": 2,
+                    "checkpoint.export_hf": False,
+                },
+            ),
+        ),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
 
@@ -63,21 +103,41 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         job_train(**common, output=str(root / "single"), **{"training.steps": STEPS, "training.batch_size": 4})
-        job_train(**common, output=str(root / "single_from_ep"), copy_checkpoint=str(step3),
-                  **{"training.steps": STEPS, "training.batch_size": 4})
-        job_train(**common, output=str(root / "single_bias"), **bias, **{
-            "training.steps": 3, "training.batch_size": 4, "checkpoint.export_hf": False,
-            "data.eval": [str(data)], "training.eval_batches": 2})
-        job_train(**dict(common, model=str(ernie)), output=str(root / "single_ernie"), **bias, **{
-            "training.steps": 3, "training.batch_size": 4})
+        job_train(
+            **common,
+            output=str(root / "single_from_ep"),
+            copy_checkpoint=str(step3),
+            **{"training.steps": STEPS, "training.batch_size": 4},
+        )
+        job_train(
+            **common,
+            output=str(root / "single_bias"),
+            **bias,
+            **{
+                "training.steps": 3,
+                "training.batch_size": 4,
+                "checkpoint.export_hf": False,
+                "data.eval": [str(data)],
+                "training.eval_batches": 2,
+            },
+        )
+        job_train(
+            **dict(common, model=str(ernie)),
+            output=str(root / "single_ernie"),
+            **bias,
+            **{"training.steps": 3, "training.batch_size": 4},
+        )
     finally:
         torch.set_num_threads(threads)
     return root
 
 
 def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["split"] == "train"]
+    return [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["split"] == "train"
+    ]
 
 
 def _assert_same_run(a_dir, b_dir, steps, tol=1e-5):
@@ -120,8 +180,10 @@ def test_ep_checkpoint_resumes_in_one_process(runs):
     assert sorted(resumed) == list(range(4, STEPS + 1))
     for step in resumed:
         assert abs(resumed[step] - full[step]) < 1e-5, (step, resumed[step], full[step])
-    a, b = load_file(str(runs / "ep" / "hf" / "model.safetensors")), load_file(
-        str(runs / "single_from_ep" / "hf" / "model.safetensors"))
+    a, b = (
+        load_file(str(runs / "ep" / "hf" / "model.safetensors")),
+        load_file(str(runs / "single_from_ep" / "hf" / "model.safetensors")),
+    )
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] - b[name]).abs().mean() < 2e-5, name

@@ -26,8 +26,7 @@ STEPS = 5
 
 
 def _flags(**extra) -> dict:
-    return {"training.steps": STEPS, "training.batch_size": 4, "optimizer.lr": 3e-3, "training.max_norm": 0.5,
-            **extra}
+    return {"training.steps": STEPS, "training.batch_size": 4, "optimizer.lr": 3e-3, "training.max_norm": 0.5, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +62,33 @@ def runs(setup):
     step3_single = root / "single" / "checkpoints" / "step_00000003"
     step3_pp = root / "pp_1f1b" / "checkpoints" / "step_00000003"
     jobs = [
-        (job_train, dict(common, output=str(root / "pp_1f1b"), **_flags(**{
-            "parallelism.pipeline_parallel_degree": 2, "checkpoint.interval": 3,
-            "parallelism.pipeline_parallel_microbatches": 2, **evaluate}))),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "pp_1f1b"),
+                **_flags(
+                    **{
+                        "parallelism.pipeline_parallel_degree": 2,
+                        "checkpoint.interval": 3,
+                        "parallelism.pipeline_parallel_microbatches": 2,
+                        **evaluate,
+                    }
+                ),
+            ),
+        ),
         # a 1-process checkpoint resumes on two pipeline ranks (GPipe, one window per micro-batch)
-        (job_train, dict(common, output=str(root / "pp_from_single"), copy_checkpoint=str(step3_single), **_flags(**{
-            "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "gpipe"}))),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(root / "pp_from_single"),
+                copy_checkpoint=str(step3_single),
+                **_flags(
+                    **{"parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "gpipe"}
+                ),
+            ),
+        ),
     ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     _single(common, root / "single_from_pp", copy_checkpoint=str(step3_pp), **_flags())
@@ -146,18 +166,38 @@ EVAL = {"training.eval_batches": 2}  # + data.eval: the reference "single" run e
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,microbatches,tied,extra", [
-    ("GPipe", 4, False, {"training.activation_checkpointing": "full"}),
-    ("1F1B", 2, False, {"training.batch_size": 2, "training.grad_accum": 2}),  # the same 4 windows per step
-    ("Interleaved1F1B", 2, True, EVAL), ("ZBVZeroBubble", 4, True, {}), ("ZBVZeroBubble", 2, False, {})])
+@pytest.mark.parametrize(
+    "schedule,microbatches,tied,extra",
+    [
+        ("GPipe", 4, False, {"training.activation_checkpointing": "full"}),
+        ("1F1B", 2, False, {"training.batch_size": 2, "training.grad_accum": 2}),  # the same 4 windows per step
+        ("Interleaved1F1B", 2, True, EVAL),
+        ("ZBVZeroBubble", 4, True, {}),
+        ("ZBVZeroBubble", 2, False, {}),
+    ],
+)
 def test_schedule_matches_one_process(setup, runs, tmp_path, schedule, microbatches, tied, extra):
     root, common = setup
     out, ref = tmp_path / schedule, runs / "single" if tied else _single_untied(setup)
     if extra is EVAL:
         extra = dict(EVAL, **{"data.eval": [common["data"]]})
-    jobs = [(job_train, dict(common if tied else _untied(common, root), output=str(out), **_flags(**{
-        "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": schedule,
-        "parallelism.pipeline_parallel_microbatches": microbatches, **extra})))]
+    jobs = [
+        (
+            job_train,
+            dict(
+                common if tied else _untied(common, root),
+                output=str(out),
+                **_flags(
+                    **{
+                        "parallelism.pipeline_parallel_degree": 2,
+                        "parallelism.pipeline_parallel_schedule": schedule,
+                        "parallelism.pipeline_parallel_microbatches": microbatches,
+                        **extra,
+                    }
+                ),
+            ),
+        )
+    ]
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     _assert_losses_equal(read_metrics(out), read_metrics(ref), range(1, STEPS + 1))
     _assert_params_close(_params(out), _params(ref))
@@ -174,14 +214,44 @@ def test_pp_with_fsdp_and_tp_on_four_ranks(setup, runs, tmp_path):
     GPipe, tied) and PP=2 x TP=2 (1F1B, untied), each on 4 ranks, against one process."""
     root, common = setup
     jobs = [
-        (job_train, dict(common, output=str(tmp_path / "pp_fsdp"), **_flags(**{
-            "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
-            "training.batch_size": 2, "parallelism.pipeline_parallel_microbatches": 2}))),
-        (job_train, dict(common, output=str(tmp_path / "pp_hsdp"), **_flags(**{
-            "parallelism.pipeline_parallel_degree": 2, "parallelism.pipeline_parallel_schedule": "GPipe",
-            "parallelism.data_parallel_replicate_degree": 2, "training.batch_size": 2}))),
-        (job_train, dict(_untied(common, root), output=str(tmp_path / "pp_tp"), **_flags(**{
-            "parallelism.pipeline_parallel_degree": 2, "parallelism.tensor_parallel_degree": 2}))),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(tmp_path / "pp_fsdp"),
+                **_flags(
+                    **{
+                        "parallelism.pipeline_parallel_degree": 2,
+                        "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
+                        "training.batch_size": 2,
+                        "parallelism.pipeline_parallel_microbatches": 2,
+                    }
+                ),
+            ),
+        ),
+        (
+            job_train,
+            dict(
+                common,
+                output=str(tmp_path / "pp_hsdp"),
+                **_flags(
+                    **{
+                        "parallelism.pipeline_parallel_degree": 2,
+                        "parallelism.pipeline_parallel_schedule": "GPipe",
+                        "parallelism.data_parallel_replicate_degree": 2,
+                        "training.batch_size": 2,
+                    }
+                ),
+            ),
+        ),
+        (
+            job_train,
+            dict(
+                _untied(common, root),
+                output=str(tmp_path / "pp_tp"),
+                **_flags(**{"parallelism.pipeline_parallel_degree": 2, "parallelism.tensor_parallel_degree": 2}),
+            ),
+        ),
     ]
     mp.spawn(spawn_worker, args=(4, free_port(), jobs), nprocs=4, join=True)
     for name, ref in (("pp_fsdp", runs / "single"), ("pp_hsdp", runs / "single"), ("pp_tp", _single_untied(setup))):
@@ -195,15 +265,46 @@ def test_more_stages_than_layers_under_torchrun_is_one_line(setup, tmp_path):
     error line and exits 1 (torchrun then reports the failed workers)."""
     root, common = setup
     two = tiny_model(tmp_path / "two", "llama", vocab_size=98)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "--no-python", str(Path(sys.executable).parent / "baige"), "train", "--model", str(two), "--data",
-           common["data"], "--output", str(tmp_path / "run"), "--steps", "1", "--seq-len", "32", "--batch-size", "4",
-           "--no-compile", "--pp", "2", "--pp-schedule", "Interleaved1F1B"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--no-python",
+        str(Path(sys.executable).parent / "baige"),
+        "train",
+        "--model",
+        str(two),
+        "--data",
+        common["data"],
+        "--output",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--no-compile",
+        "--pp",
+        "2",
+        "--pp-schedule",
+        "Interleaved1F1B",
+    ]
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert errors == ["error: 4 pipeline stages for 2 layers: more stages than layers (lower --pp, or use "
-                      "GPipe/1F1B: one stage per rank)"] * 2, proc.stderr[-3000:]
+    assert (
+        errors
+        == [
+            "error: 4 pipeline stages for 2 layers: more stages than layers (lower --pp, or use "
+            "GPipe/1F1B: one stage per rank)"
+        ]
+        * 2
+    ), proc.stderr[-3000:]
     assert "baige/runtime" not in proc.stderr  # no traceback through baige's code
     # 1F1B needs at least as many micro-batches as stages: the schedule's check, as one line
     cmd[cmd.index("Interleaved1F1B")], cmd[cmd.index("--pp-schedule")] = "1", "--pp-microbatches"
@@ -228,8 +329,6 @@ def test_split_layers_puts_fewer_layers_beside_embedding_and_head():
     assert stage_ids(0, 2, 4, v_shape=True) == (0, 3) and stage_ids(1, 2, 4, v_shape=True) == (1, 2)
 
 
-
-
 def test_checkpoint_from_before_the_flattened_optimizer_state_resumes(setup, tmp_path, one_thread):
     """Checkpoints written before PP hold the optimizer state nested (param groups by index): one
     process still resumes them, exactly as an uninterrupted run."""
@@ -246,6 +345,8 @@ def test_checkpoint_from_before_the_flattened_optimizer_state_resumes(setup, tmp
     for _ in range(2):
         old.train_step()
     path = old.ckpt.save(old.step, old._state(flat_optimizer=False), old.cfg.to_toml())  # the old layout
-    assert not optimizer_state_is_flat(path) and optimizer_state_is_flat(tmp_path / "full" / "checkpoints" / "step_00000003")
+    assert not optimizer_state_is_flat(path) and optimizer_state_is_flat(
+        tmp_path / "full" / "checkpoints" / "step_00000003"
+    )
     resumed = run_training(tiny_config(model, data, tmp_path / "old", **flags))
     assert resumed.start_step == 2 and resumed.losses[3] == full.losses[3]

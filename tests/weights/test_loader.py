@@ -19,7 +19,10 @@ from baige.runtime.weights.loader import load_model
 
 def run_cli(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "baige", *args], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "baige", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, **(env or {})},
     )
 
@@ -112,8 +115,10 @@ def test_pickle_only_and_unknown_config_are_refused(ckpt, tmp_path):
     with pytest.raises(BaigeError, match="safetensors only"):
         load_model(d)
     cfg = json.loads((ckpt / "config.json").read_text())
-    for key, value, needle in [("model_type", "gpt2", "'gpt2'"),
-                               ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "'longrope'")]:
+    for key, value, needle in [
+        ("model_type", "gpt2", "'gpt2'"),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "'longrope'"),
+    ]:
         bad = tmp_path / f"bad-{key}"
         bad.mkdir()
         (bad / "config.json").write_text(json.dumps({**cfg, key: value}))
@@ -184,7 +189,9 @@ def test_written_checkpoint_has_the_umask_modes(ckpt, tmp_path):
         assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
         files = [p for p in out.rglob("*") if p.is_file()]
         assert any(p.name == "model.safetensors" for p in files) and len(files) >= 3
-        assert {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~mask}, [(p.name, oct(p.stat().st_mode)) for p in files]
+        assert {p.stat().st_mode & 0o777 for p in files} == {0o666 & ~mask}, [
+            (p.name, oct(p.stat().st_mode)) for p in files
+        ]
 
 
 def test_spec_errors(tmp_path):
@@ -197,8 +204,12 @@ def test_spec_errors(tmp_path):
 
 
 def test_offline_uncached_repo_is_one_line(tmp_path):
-    proc = run_cli("convert", "some-org/not-a-cached-model", str(tmp_path / "out"),
-                   env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    proc = run_cli(
+        "convert",
+        "some-org/not-a-cached-model",
+        str(tmp_path / "out"),
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
     assert_one_line_error(proc, "some-org/not-a-cached-model")
 
 

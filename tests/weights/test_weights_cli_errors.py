@@ -13,7 +13,7 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt", "llama")
 
 
-@pytest.mark.parametrize("content", [b"garbage", b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":"])
+@pytest.mark.parametrize("content", [b"garbage", b'\x08\x00\x00\x00\x00\x00\x00\x00{"a":'])
 def test_corrupt_safetensors(cli_error, ckpt, tmp_path, content):
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
@@ -26,7 +26,8 @@ def test_corrupt_safetensors(cli_error, ckpt, tmp_path, content):
 def test_a_file_that_is_not_a_model(cli_error, ckpt, tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     assert "notes.txt: a file that is not a model: give an HF directory with config.json or a .gguf file" in cli_error(
-        "convert", tmp_path / "notes.txt", tmp_path / "out")
+        "convert", tmp_path / "notes.txt", tmp_path / "out"
+    )
     assert f"(its directory {ckpt} is one)" in cli_error("convert", ckpt / "config.json", tmp_path / "out")
 
 
@@ -34,8 +35,9 @@ def test_convert_outputs(cli_error, ckpt, tmp_path):
     (tmp_path / "afile").write_text("x")
     assert f"OUT {tmp_path / 'afile'}: a file, not a directory" in cli_error("convert", ckpt, tmp_path / "afile")
     assert f"{tmp_path / 'afile'} is a file, not a directory" in cli_error("convert", ckpt, tmp_path / "afile" / "o")
-    assert "--max-shard-size '0' must be at least 1 byte" in cli_error("convert", ckpt, tmp_path / "o",
-                                                                        "--max-shard-size", "0")
+    assert "--max-shard-size '0' must be at least 1 byte" in cli_error(
+        "convert", ckpt, tmp_path / "o", "--max-shard-size", "0"
+    )
     assert "--max-shard-size: bad size 'lots'" in cli_error("convert", ckpt, tmp_path / "o", "--max-shard-size", "lots")
     assert not (tmp_path / "o").exists()
 

@@ -65,7 +65,7 @@ class Arena:
         with self._lock:
             if self._buf is None or self._off + nbytes > self._buf.numel():
                 self._new_chunk(nbytes)
-            view = self._buf[self._off:self._off + nbytes]
+            view = self._buf[self._off : self._off + nbytes]
             self._off += (nbytes + 63) // 64 * 64
         out = view.view(t.dtype).view(t.shape)
         out.copy_(t)
@@ -125,7 +125,8 @@ def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 <<
         return False
     try:
         libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
-                                                                                          trim_threshold))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+        )
     except (OSError, AttributeError):
         return False

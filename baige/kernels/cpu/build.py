@@ -90,8 +90,9 @@ def compile_variant(variant: str) -> Path:
                     Path(src_dir, name).write_bytes(data)
                 sources = [str(Path(src_dir, name)) for name in files if name.endswith(".c")]
                 # --no-undefined: a library missing one of its own functions fails here, not at load
-                r = subprocess.run([cc, *flags, *sources, "-o", tmp, "-lm", "-Wl,--no-undefined"],
-                                   capture_output=True, text=True)
+                r = subprocess.run(
+                    [cc, *flags, *sources, "-o", tmp, "-lm", "-Wl,--no-undefined"], capture_output=True, text=True
+                )
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
             os.replace(tmp, out)
@@ -107,12 +108,44 @@ def _build(variant: str) -> ctypes.CDLL:
     lib.baige_isa.argtypes, lib.baige_isa.restype = [], ctypes.c_char_p
     lib.baige_qlinear_int8.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]
     lib.baige_qlinear_int8.restype = None
-    lib.baige_qlinear_int4.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int]
+    lib.baige_qlinear_int4.argtypes = [
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _int,
+    ]
     lib.baige_qlinear_int4.restype = None
     lib.baige_qdot_int8.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int]
     lib.baige_qdot_int8.restype = _int
-    lib.baige_qdot_int4.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _i64, _i64, _ptr, _ptr, _i64,
-                                    _int, _int]
+    lib.baige_qdot_int4.argtypes = [
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _int,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _int,
+        _int,
+    ]
     lib.baige_qdot_int4.restype = _int
     f32 = ctypes.c_float
     for name, args, res in [
@@ -122,8 +155,11 @@ def _build(variant: str) -> ctypes.CDLL:
         ("baige_store_kv", [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int], None),
         ("baige_store_kv_same", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr], None),
         ("baige_dequant_int4_bf16", [_ptr, _i64, _i64, _i64, _ptr, _int, _ptr, _i64, _i64, _ptr, _int], None),
-        ("baige_prefill_attention_amx", [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr,
-                                         _i64, f32, _ptr, _int], _int),
+        (
+            "baige_prefill_attention_amx",
+            [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, f32, _ptr, _int],
+            _int,
+        ),
         ("baige_silu_mul", [_ptr, _ptr, _i64, _ptr], None),
         ("baige_argmax_rows", [_ptr, _i64, _i64, _i64, _ptr], None),
         ("baige_silu_mul_bf16", [_ptr, _ptr, _i64, _ptr, _int], None),
@@ -136,16 +172,81 @@ def _build(variant: str) -> ctypes.CDLL:
         ("baige_linear_bf16_widen", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
         ("baige_bf16_dot", [], _int),
         ("baige_qdot_amx_rows", [], _int),
-        ("baige_decode_layers", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _ptr,
-                                 _ptr, _ptr, _ptr, _i64, _ptr, _int, _ptr, _int], _int),
-        ("baige_decode_step", [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, f32, f32, _i64, _i64, _ptr, _int,
-                               _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int,
-                               _ptr, _int], _int),
+        (
+            "baige_decode_layers",
+            [
+                _ptr,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                f32,
+                f32,
+                _i64,
+                _i64,
+                _ptr,
+                _ptr,
+                _ptr,
+                _ptr,
+                _ptr,
+                _i64,
+                _ptr,
+                _int,
+                _ptr,
+                _int,
+            ],
+            _int,
+        ),
+        (
+            "baige_decode_step",
+            [
+                _ptr,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                _i64,
+                f32,
+                f32,
+                _i64,
+                _i64,
+                _ptr,
+                _int,
+                _i64,
+                _ptr,
+                _ptr,
+                _ptr,
+                _ptr,
+                _i64,
+                _ptr,
+                _ptr,
+                _ptr,
+                _ptr,
+                _ptr,
+                _i64,
+                _ptr,
+                _int,
+                _ptr,
+                _int,
+            ],
+            _int,
+        ),
         ("baige_moe_experts_f32", [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int], _int),
-        ("baige_moe_experts_bf16", [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int],
-         _int),
-        ("baige_paged_decode_attention", [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                                          _ptr, f32, _ptr, _int, _int], _int),
+        (
+            "baige_moe_experts_bf16",
+            [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int],
+            _int,
+        ),
+        (
+            "baige_paged_decode_attention",
+            [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, f32, _ptr, _int, _int],
+            _int,
+        ),
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res

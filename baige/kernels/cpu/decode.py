@@ -26,23 +26,54 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("w", _p), ("ldw", _i64), ("scale", _p),
-                ("zero_point", _p), ("groups", _i64), ("group_size", _i64), ("bias", _p),
-                ("lora_a", _p), ("lora_b", _p), ("lora_scale", _p), ("lora_slots", _i64), ("lora_r", _i64),
-                ("scaled_zero", _p), ("act_passes", _i64), ("scale_bf16", _i64)]
+    _fields_ = [
+        ("kind", _i64),
+        ("n", _i64),
+        ("k", _i64),
+        ("w", _p),
+        ("ldw", _i64),
+        ("scale", _p),
+        ("zero_point", _p),
+        ("groups", _i64),
+        ("group_size", _i64),
+        ("bias", _p),
+        ("lora_a", _p),
+        ("lora_b", _p),
+        ("lora_scale", _p),
+        ("lora_slots", _i64),
+        ("lora_r", _i64),
+        ("scaled_zero", _p),
+        ("act_passes", _i64),
+        ("scale_bf16", _i64),
+    ]
 
 
 class _Moe(ctypes.Structure):
-    _fields_ = [("num_experts", _i64), ("top_k", _i64), ("renormalize", _i64), ("inter", _i64),
-                ("shared_inter", _i64), ("norm_min", ctypes.c_float), ("correction_bias", _p)] + [
-        (name, _Linear) for name in ("router", "gate_up", "down", "shared_gate_proj", "shared_up", "shared_down",
-                                     "shared_gate")] + [("experts", ctypes.POINTER(_Linear))]
+    _fields_ = (
+        [
+            ("num_experts", _i64),
+            ("top_k", _i64),
+            ("renormalize", _i64),
+            ("inter", _i64),
+            ("shared_inter", _i64),
+            ("norm_min", ctypes.c_float),
+            ("correction_bias", _p),
+        ]
+        + [
+            (name, _Linear)
+            for name in ("router", "gate_up", "down", "shared_gate_proj", "shared_up", "shared_down", "shared_gate")
+        ]
+        + [("experts", ctypes.POINTER(_Linear))]
+    )
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _Linear) for name in PROJECTIONS] + [
-        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p), ("v_cache", _p)] + [
-        (name, _Linear) for name in JOINED] + [("moe", ctypes.POINTER(_Moe))]
+    _fields_ = (
+        [(name, _Linear) for name in PROJECTIONS]
+        + [("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("k_cache", _p), ("v_cache", _p)]
+        + [(name, _Linear) for name in JOINED]
+        + [("moe", ctypes.POINTER(_Moe))]
+    )
 
 
 @dataclass
@@ -55,7 +86,8 @@ class LinearDesc:
     bf16: the module's own, so the repacked int4 tiles keep a bf16 model's bf16 scales),
     optional int32 ``zero_point`` (n, groups). ``bias``: fp32 (n,) or None. With ``BAIGE_CPU_INT_DOT``
     on (read when :class:`DecodeLayers` is built, with ``BAIGE_CPU_INT_DOT_PASSES``) int8 and int4 (group
-    size a multiple of 32) run as integer dot products on the weights' repacked tiles (:func:`baige.kernels.cpu.qlinear.repacked`,
+    size a multiple of 32) run as integer dot products on the weights' repacked tiles
+    (:func:`baige.kernels.cpu.qlinear.repacked`,
     shared with the per-op path), as the per-op path does.
 
     LoRA (multi-adapter serving, all three or none): ``lora_a`` fp32 (L, r, k), ``lora_b`` fp32 (L, n, r),
@@ -158,8 +190,11 @@ class DecodeLayers:
             row.input_norm, row.post_norm = _ptr(desc.input_norm), _ptr(desc.post_norm)
             row.q_norm, row.k_norm = _ptr(desc.q_norm), _ptr(desc.k_norm)
             row.k_cache, row.v_cache = _ptr(desc.k_cache), _ptr(desc.v_cache)
-            self._keep += [t for t in (desc.input_norm, desc.post_norm, desc.q_norm, desc.k_norm,
-                                       desc.k_cache, desc.v_cache) if t is not None]
+            self._keep += [
+                t
+                for t in (desc.input_norm, desc.post_norm, desc.q_norm, desc.k_norm, desc.k_cache, desc.v_cache)
+                if t is not None
+            ]
         self._dims, self._eps, self._scale = dims, eps, scale
         # every projection bf16 or an integer dot: kernels that block many rows (see cpu_decode.MAX_STEP_ROWS)
         self.blocked = kinds <= {LINEAR_BF16, _INT8_DOT, _INT4_DOT}
@@ -234,8 +269,12 @@ class DecodeLayers:
         """Point ``lin`` (an int8 / int4 ``kind``) at integer-dot tiles (:func:`repacked` or
         :func:`repacked_together`); int8 reads ``int8_scale`` (fp32 per row) beside them."""
         self._keep += [t for t in (*tiles, int8_scale) if t is not None]
-        lin.kind, lin.w, lin.ldw, lin.act_passes = (_INT8_DOT if kind == LINEAR_INT8 else _INT4_DOT,
-                                                     tiles[0].data_ptr(), 0, int_dot_passes())
+        lin.kind, lin.w, lin.ldw, lin.act_passes = (
+            _INT8_DOT if kind == LINEAR_INT8 else _INT4_DOT,
+            tiles[0].data_ptr(),
+            0,
+            int_dot_passes(),
+        )
         if kind == LINEAR_INT8:
             lin.scale = int8_scale.data_ptr()
         else:
@@ -256,20 +295,34 @@ class DecodeLayers:
             self._dot(lin, d.kind, repacked(d.w, d.scale, d.zero_point), scale)
         if d.lora_a is not None:
             L, r, k = d.lora_a.shape
-            ok = (k == d.k and d.lora_b.shape == (L, d.n, r) and d.lora_scale.shape == (L,)
-                  and all(t.dtype == torch.float32 and t.is_contiguous() for t in (d.lora_a, d.lora_b, d.lora_scale)))
+            ok = (
+                k == d.k
+                and d.lora_b.shape == (L, d.n, r)
+                and d.lora_scale.shape == (L,)
+                and all(t.dtype == torch.float32 and t.is_contiguous() for t in (d.lora_a, d.lora_b, d.lora_scale))
+            )
             if not ok:
-                raise ValueError(f"LinearDesc: LoRA A {tuple(d.lora_a.shape)}, B {tuple(d.lora_b.shape)}, scale "
-                                 f"{tuple(d.lora_scale.shape)} do not fit a {d.k} -> {d.n} projection as contiguous fp32")
+                raise ValueError(
+                    f"LinearDesc: LoRA A {tuple(d.lora_a.shape)}, B {tuple(d.lora_b.shape)}, scale "
+                    f"{tuple(d.lora_scale.shape)} do not fit a {d.k} -> {d.n} projection as contiguous fp32"
+                )
             lin.lora_a, lin.lora_b, lin.lora_scale = _ptr(d.lora_a), _ptr(d.lora_b), _ptr(d.lora_scale)
             lin.lora_slots, lin.lora_r = L, r
-        self._keep += [t for t in (d.w, d.scale, d.zero_point, d.bias, d.lora_a, d.lora_b, d.lora_scale)
-                       if t is not None]
+        self._keep += [
+            t for t in (d.w, d.scale, d.zero_point, d.bias, d.lora_a, d.lora_b, d.lora_scale) if t is not None
+        ]
         return lin
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 lora_ids: torch.Tensor | None = None) -> None:
+    def __call__(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        lora_ids: torch.Tensor | None = None,
+    ) -> None:
         """Run every layer on ``h`` in place.
 
         Args:
@@ -288,17 +341,45 @@ class DecodeLayers:
         if lora_ids is not None:
             lora_ids = lora_ids.to(torch.int64).contiguous()
         rc = library().baige_decode_layers(
-            ctypes.addressof(self._table), n_layers, h.shape[0], hidden, hq, hk, d, inter, self._eps, self._scale,
-            self._num_blocks, self._block_size, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            slot_mapping.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1],
-            context_lens.contiguous().data_ptr(), self._kv_dtype, _ptr(lora_ids), torch.get_num_threads())
+            ctypes.addressof(self._table),
+            n_layers,
+            h.shape[0],
+            hidden,
+            hq,
+            hk,
+            d,
+            inter,
+            self._eps,
+            self._scale,
+            self._num_blocks,
+            self._block_size,
+            h.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slot_mapping.contiguous().data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            context_lens.contiguous().data_ptr(),
+            self._kv_dtype,
+            _ptr(lora_ids),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise MemoryError("native decode step: could not allocate its scratch buffers")
 
-    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos_table: torch.Tensor,
-             sin_table: torch.Tensor, final_norm: torch.Tensor, slot_mapping: torch.Tensor,
-             block_tables: torch.Tensor, context_lens: torch.Tensor,
-             lora_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        embed: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        final_norm: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        lora_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """The whole step in one call (``baige_decode_step``): embedding rows, rotary rows, every layer,
         the final norm.
 
@@ -321,12 +402,37 @@ class DecodeLayers:
         if lora_ids is not None:
             lora_ids = lora_ids.to(torch.int64).contiguous()
         rc = library().baige_decode_step(
-            ctypes.addressof(self._table), n_layers, M, hidden, hq, hk, d, inter, self._eps, self._scale,
-            self._num_blocks, self._block_size, embed.data_ptr(), int(embed.dtype == torch.bfloat16), embed.shape[0],
-            ids.data_ptr(), pos.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), cos_table.shape[0],
-            final_norm.data_ptr(), h.data_ptr(), out.data_ptr(), slot_mapping.contiguous().data_ptr(), tables.data_ptr(),
-            tables.shape[1], context_lens.contiguous().data_ptr(), self._kv_dtype, _ptr(lora_ids),
-            torch.get_num_threads())
+            ctypes.addressof(self._table),
+            n_layers,
+            M,
+            hidden,
+            hq,
+            hk,
+            d,
+            inter,
+            self._eps,
+            self._scale,
+            self._num_blocks,
+            self._block_size,
+            embed.data_ptr(),
+            int(embed.dtype == torch.bfloat16),
+            embed.shape[0],
+            ids.data_ptr(),
+            pos.data_ptr(),
+            cos_table.data_ptr(),
+            sin_table.data_ptr(),
+            cos_table.shape[0],
+            final_norm.data_ptr(),
+            h.data_ptr(),
+            out.data_ptr(),
+            slot_mapping.contiguous().data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            context_lens.contiguous().data_ptr(),
+            self._kv_dtype,
+            _ptr(lora_ids),
+            torch.get_num_threads(),
+        )
         if rc == -2:
             if bool(((ids < 0) | (ids >= embed.shape[0])).any()):
                 raise ValueError(f"native decode step: a token id is outside the vocabulary of {embed.shape[0]}")

@@ -31,21 +31,63 @@ import torch
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     "avx2_vnni": (("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
-    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
-               ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl")),
-    "avx512_vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
-    "avx512_bf16": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
-                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                     "-mavx512bf16")),
-    "avx512_amx": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                    "amx_tile", "amx_bf16", "amx_int8"),
-                   ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                    "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")),
+    "avx512": (
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"),
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"),
+    ),
+    "avx512_vnni": (
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+    ),
+    "avx512_bf16": (
+        ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"),
+    ),
+    "avx512_amx": (
+        (
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512_vnni",
+            "avx512_bf16",
+            "amx_tile",
+            "amx_bf16",
+            "amx_int8",
+        ),
+        (
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512vnni",
+            "-mavx512bf16",
+            "-mamx-tile",
+            "-mamx-bf16",
+            "-mamx-int8",
+        ),
+    ),
 }
 # the flags worth recording beside a benchmark number
-REPORTED = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-            "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+REPORTED = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,8 +139,10 @@ def resolve(requested: str | None, flags: frozenset[str] | None = None) -> str |
     have = supported(flags)
     if requested not in have:
         missing = sorted(set(VARIANTS[requested][0]) - (cpu_flags() if flags is None else flags))
-        raise ValueError(f"BAIGE_CPU_ISA={requested} needs CPU flags this machine lacks ({', '.join(missing)}); "
-                         f"supported here: {', '.join(have) or 'none (no AVX2)'}")
+        raise ValueError(
+            f"BAIGE_CPU_ISA={requested} needs CPU flags this machine lacks ({', '.join(missing)}); "
+            f"supported here: {', '.join(have) or 'none (no AVX2)'}"
+        )
     return requested
 
 

@@ -56,8 +56,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moe_experts(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, skip_rows: int,
-                ys: torch.Tensor) -> bool:
+def moe_experts(
+    xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, skip_rows: int, ys: torch.Tensor
+) -> bool:
     """The routed SwiGLU experts in fp32 on rows sorted by expert (``moe.c``): ``ys[i] = w2[e] @ (silu(w13[e, :I]
     @ xs[i]) * (w13[e, I:] @ xs[i]))`` for ``offsets[e] <= i < offsets[e + 1]``, for every expert with
     more than ``skip_rows`` rows (the rows of the others are left as they are), fp32 accumulation, on
@@ -71,16 +72,35 @@ def moe_experts(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: 
     Raises:
         MemoryError: the kernel's scratch (a chunk of rows transposed: ~512 KiB) could not be allocated.
     """
-    rc = library().baige_moe_experts_f32(xs.data_ptr(), xs.stride(0), offsets.data_ptr(), w13.shape[0],
-                                         w13.data_ptr(), w2.data_ptr(), xs.shape[1], w2.shape[-1], skip_rows,
-                                         ys.data_ptr(), ys.stride(0), torch.get_num_threads())
+    rc = library().baige_moe_experts_f32(
+        xs.data_ptr(),
+        xs.stride(0),
+        offsets.data_ptr(),
+        w13.shape[0],
+        w13.data_ptr(),
+        w2.data_ptr(),
+        xs.shape[1],
+        w2.shape[-1],
+        skip_rows,
+        ys.data_ptr(),
+        ys.stride(0),
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise MemoryError("baige_moe_experts_f32: no memory for its scratch")
     return rc == 0
 
 
-def moe_experts_combine(x: torch.Tensor, tok: torch.Tensor, wts: torch.Tensor, offsets: torch.Tensor,
-                        w13: torch.Tensor, w2: torch.Tensor, skip_rows: int, out: torch.Tensor) -> bool:
+def moe_experts_combine(
+    x: torch.Tensor,
+    tok: torch.Tensor,
+    wts: torch.Tensor,
+    offsets: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    skip_rows: int,
+    out: torch.Tensor,
+) -> bool:
     """The routed SwiGLU experts in bf16 on AMX tiles, gather and weighted combine included (``moe_amx.c``):
     ``out[tok[i]] += wts[i] * w2[e] @ (silu(w13[e, :I] @ x[tok[i]]) * (w13[e, I:] @ x[tok[i]]))`` for
     ``offsets[e] <= i < offsets[e + 1]``, for every expert with more than ``skip_rows`` pairs (the others'
@@ -98,10 +118,22 @@ def moe_experts_combine(x: torch.Tensor, tok: torch.Tensor, wts: torch.Tensor, o
     Raises:
         MemoryError: the kernel's scratch (a chunk of rows packed: up to 1 MiB) could not be allocated.
     """
-    rc = library().baige_moe_experts_bf16(x.data_ptr(), x.stride(0), tok.data_ptr(), wts.data_ptr(),
-                                          offsets.data_ptr(), w13.shape[0], w13.data_ptr(), w2.data_ptr(),
-                                          x.shape[1], w2.shape[-1], skip_rows, out.data_ptr(), out.stride(0),
-                                          torch.get_num_threads())
+    rc = library().baige_moe_experts_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        tok.data_ptr(),
+        wts.data_ptr(),
+        offsets.data_ptr(),
+        w13.shape[0],
+        w13.data_ptr(),
+        w2.data_ptr(),
+        x.shape[1],
+        w2.shape[-1],
+        skip_rows,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise MemoryError("baige_moe_experts_bf16: no memory for its scratch")
     return rc == 0
@@ -127,8 +159,16 @@ def add_rms_norm(
     x, residual = x.contiguous(), residual.contiguous()
     out, summed = torch.empty_like(x), torch.empty_like(x)
     lib = library()
-    args = (x.data_ptr(), residual.data_ptr(), x.numel() // n, n, weight.contiguous().data_ptr(), eps, out.data_ptr(),
-            summed.data_ptr())
+    args = (
+        x.data_ptr(),
+        residual.data_ptr(),
+        x.numel() // n,
+        n,
+        weight.contiguous().data_ptr(),
+        eps,
+        out.data_ptr(),
+        summed.data_ptr(),
+    )
     if x.dtype == torch.bfloat16:
         lib.baige_add_rms_norm_bf16(*args, torch.get_num_threads())
     else:
@@ -145,8 +185,18 @@ def apply_rope(
     sin = sin.expand(*q.shape[:-2], d).contiguous()
     q, k = q.contiguous(), k.contiguous()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    args = (q.data_ptr(), k.data_ptr(), tokens, q.shape[-2], k.shape[-2], d, cos.data_ptr(), sin.data_ptr(),
-            q_out.data_ptr(), k_out.data_ptr())
+    args = (
+        q.data_ptr(),
+        k.data_ptr(),
+        tokens,
+        q.shape[-2],
+        k.shape[-2],
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+    )
     if q.dtype == torch.bfloat16:  # all four bf16 (kernels.apply_rope's dispatch): act_bf16.c
         library().baige_rope_bf16(*args, torch.get_num_threads())
     else:
@@ -161,12 +211,31 @@ def store_kv(
     k, v = k.contiguous(), v.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     if k.dtype == k_cache.dtype != torch.float32:  # bf16 K/V into a bf16 cache: row copies
-        library().baige_store_kv_same(k.data_ptr(), v.data_ptr(), k.shape[0], hk, d, k.element_size(),
-                                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() // (hk * d),
-                                      slots.data_ptr())
+        library().baige_store_kv_same(
+            k.data_ptr(),
+            v.data_ptr(),
+            k.shape[0],
+            hk,
+            d,
+            k.element_size(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.numel() // (hk * d),
+            slots.data_ptr(),
+        )
         return
-    library().baige_store_kv(k.data_ptr(), v.data_ptr(), k.shape[0], hk, d, k_cache.data_ptr(), v_cache.data_ptr(),
-                             k_cache.numel() // (hk * d), slots.data_ptr(), kv_dtype_code(k_cache.dtype))
+    library().baige_store_kv(
+        k.data_ptr(),
+        v.data_ptr(),
+        k.shape[0],
+        hk,
+        d,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.numel() // (hk * d),
+        slots.data_ptr(),
+        kv_dtype_code(k_cache.dtype),
+    )
 
 
 # Where the avx512_amx variant is in force, the scores of bf16 K caches come from AMX tiles when the
@@ -182,8 +251,14 @@ def amx_scores(kv_dtype: torch.dtype, head_dim: int, block_size: int, group: int
     them): the avx512_amx variant in force, a bf16 cache, ``head_dim`` a multiple of 32 up to 256,
     ``block_size`` a multiple of 16 and at most 16 query heads per KV head (``group``); the OS may
     still refuse the tiles, and then the fp32 path runs."""
-    return (current_isa() in AMX_SCORES_ISAS and kv_dtype == torch.bfloat16 and head_dim % 32 == 0
-            and head_dim <= 256 and block_size % 16 == 0 and 1 <= group <= 16)
+    return (
+        current_isa() in AMX_SCORES_ISAS
+        and kv_dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and block_size % 16 == 0
+        and 1 <= group <= 16
+    )
 
 
 def paged_decode_attention(
@@ -209,10 +284,25 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int64).contiguous()
     rows = None if table_of_row is None else table_of_row.to(torch.int64).contiguous()
     out = torch.empty_like(q32)
-    rc = library().baige_paged_decode_attention(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D,
-                                                nb, bs, tables.data_ptr(), tables.shape[1],
-                                                None if rows is None else rows.data_ptr(), lens.data_ptr(), scale,
-                                                out.data_ptr(), kv_dtype_code(k_cache.dtype), torch.get_num_threads())
+    rc = library().baige_paged_decode_attention(
+        q32.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        S,
+        H,
+        hk,
+        D,
+        nb,
+        bs,
+        tables.data_ptr(),
+        tables.shape[1],
+        None if rows is None else rows.data_ptr(),
+        lens.data_ptr(),
+        scale,
+        out.data_ptr(),
+        kv_dtype_code(k_cache.dtype),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate the score buffer")
     return out.to(q.dtype)
@@ -236,8 +326,13 @@ def amx_prefill(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, bloc
     """True when bf16 prefill chunks run prefill_amx.c: the avx512_amx variant in force, bf16 queries and
     cache, ``head_dim`` a multiple of 32 up to 256, ``block_size`` a multiple of 16 (the OS may still
     refuse the tiles, and then torch's SDPA runs)."""
-    return (current_isa() in SDPA_BF16_PREFILL_ISAS and q_dtype == kv_dtype == torch.bfloat16
-            and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0)
+    return (
+        current_isa() in SDPA_BF16_PREFILL_ISAS
+        and q_dtype == kv_dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and block_size % 16 == 0
+    )
 
 
 def paged_prefill_attention(
@@ -263,8 +358,9 @@ def paged_prefill_attention(
         out = _prefill_amx(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens_all, scale)
         if out is not None:
             return out
-    if (lens_all.numel() and int(lens_all.max()) * D * 2 * k_cache.element_size() > PREFILL_NATIVE_MAX_BYTES) or \
-            (q.dtype == torch.bfloat16 and current_isa() in SDPA_BF16_PREFILL_ISAS):
+    if (lens_all.numel() and int(lens_all.max()) * D * 2 * k_cache.element_size() > PREFILL_NATIVE_MAX_BYTES) or (
+        q.dtype == torch.bfloat16 and current_isa() in SDPA_BF16_PREFILL_ISAS
+    ):
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
     seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)  # (N,) sequence of each token
@@ -283,10 +379,24 @@ def _prefill_amx(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, 
     cu = cu_seqlens_q.to(torch.int64).contiguous()
     lens = context_lens.contiguous()
     out = torch.empty_like(qc)
-    rc = library().baige_prefill_attention_amx(qc.data_ptr(), q.shape[1], hk, D, k_cache.data_ptr(),
-                                               v_cache.data_ptr(), nb * bs, bs, tables.data_ptr(), tables.shape[1],
-                                               cu.data_ptr(), lens.data_ptr(), lens.shape[0], scale, out.data_ptr(),
-                                               torch.get_num_threads())
+    rc = library().baige_prefill_attention_amx(
+        qc.data_ptr(),
+        q.shape[1],
+        hk,
+        D,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        nb * bs,
+        bs,
+        tables.data_ptr(),
+        tables.shape[1],
+        cu.data_ptr(),
+        lens.data_ptr(),
+        lens.shape[0],
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise MemoryError("prefill attention: no memory for the AMX kernel's scratch")
     return out if rc == 0 else None

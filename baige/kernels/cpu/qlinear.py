@@ -51,8 +51,9 @@ def repack_int8(qweight: torch.Tensor) -> torch.Tensor:
     return u.view(t, TILE_ROWS, nb * 8, 4).transpose(1, 2).contiguous().view(t, nb, 8, TILE_ROWS, 4)
 
 
-def repack_int4(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def repack_int4(
+    qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """compressed-tensors int4 -> ``qdot.c``'s tiles.
 
     Args:
@@ -73,8 +74,11 @@ def repack_int4(qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
         return p.view(t, TILE_ROWS, -1).transpose(1, 2).contiguous()
 
     s = scale.float()
-    return (w.view(t, TILE_ROWS, nw).transpose(1, 2).contiguous(), tiles(scale if scale.dtype == torch.bfloat16 else s),
-            None if zero_point is None else tiles(s * zero_point.float()))
+    return (
+        w.view(t, TILE_ROWS, nw).transpose(1, 2).contiguous(),
+        tiles(scale if scale.dtype == torch.bfloat16 else s),
+        None if zero_point is None else tiles(s * zero_point.float()),
+    )
 
 
 _repacks: dict[int, tuple] = {}  # id(qweight) -> (versions, repacked tensors)
@@ -122,7 +126,8 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
         The joined tensors in :func:`repacked`'s form (int8: ``(tiles,)``; int4: ``(words, scales,
         scaled_zeros)``), tile rows in member order; each member's :func:`repacked` entry becomes a view
         into them (no second copy). None when they cannot be joined: fewer than two members, mixed bits or
-        ``in_features``, int4 group counts, scale dtypes (bf16 or not) or zero points that differ, or a member other than the last
+        ``in_features``, int4 group counts, scale dtypes (bf16 or not) or zero points that differ, or a member other
+        than the last
         whose rows are not a multiple of 16 (its padding rows would land inside the joined output).
     """
     q0, s0, z0 = parts[0] if parts else (None, None, None)
@@ -131,8 +136,12 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if any(q.shape[0] % TILE_ROWS for q, _, _ in parts[:-1]):
         return None
     int8 = q0.dtype == torch.int8
-    if not int8 and any(s.shape[1] != s0.shape[1] or (s.dtype == torch.bfloat16) != (s0.dtype == torch.bfloat16)
-                        or (z is None) != (z0 is None) for _, s, z in parts):
+    if not int8 and any(
+        s.shape[1] != s0.shape[1]
+        or (s.dtype == torch.bfloat16) != (s0.dtype == torch.bfloat16)
+        or (z is None) != (z0 is None)
+        for _, s, z in parts
+    ):
         return None
     key = tuple(id(q) for q, _, _ in parts)
     versions = tuple((q.data_ptr(), q._version) for q, _, _ in parts)
@@ -140,13 +149,14 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if hit is not None and hit[0] == versions:
         return hit[1]
     raw = [(repack_int8(q),) if int8 else repack_int4(q, s, z) for q, s, z in parts]
-    joined = tuple(None if raw[0][i] is None else arena.weights.place(torch.cat([r[i] for r in raw]))
-                   for i in range(len(raw[0])))
+    joined = tuple(
+        None if raw[0][i] is None else arena.weights.place(torch.cat([r[i] for r in raw])) for i in range(len(raw[0]))
+    )
     with _repack_lock:
         row = 0
         for (q, _, _), r in zip(parts, raw):
             tiles = r[0].shape[0]
-            _remember(q, tuple(None if j is None else j[row:row + tiles] for j in joined))
+            _remember(q, tuple(None if j is None else j[row : row + tiles] for j in joined))
             row += tiles
         if key not in _groups:
             for q, _, _ in parts:
@@ -172,12 +182,16 @@ def takes_amx_dequant(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     as dequantize-to-bf16 + ``F.linear`` (see :data:`AMX_DEQUANT_ISAS`): a variant of it in force and at
     least :data:`AMX_DEQUANT_MIN_ROWS` rows."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (x.dtype == torch.bfloat16 and rows >= AMX_DEQUANT_MIN_ROWS.get(qweight.dtype, 1 << 62)
-            and current_isa() in AMX_DEQUANT_ISAS)
+    return (
+        x.dtype == torch.bfloat16
+        and rows >= AMX_DEQUANT_MIN_ROWS.get(qweight.dtype, 1 << 62)
+        and current_isa() in AMX_DEQUANT_ISAS
+    )
 
 
-def dequantized_bf16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                     group_size: int | None) -> torch.Tensor:
+def dequantized_bf16(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int | None
+) -> torch.Tensor:
     """The weight of ``baige.kernels.quantized_linear`` as bf16 (out, in): ``reference.dequantize_weight``
     (q - zp) * scale in the scale's dtype, rounded to bf16, bit for bit; int4 (int32 ``qweight`` (out,
     ceil(in / 8)), a group size that is a multiple of 8) unpacked natively (``qlinear.c``, one pass: torch's
@@ -189,12 +203,26 @@ def dequantized_bf16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
         q = qweight if qweight.dtype == torch.int8 else reference.unpack_int4(qweight, k)
         return reference.dequantize_weight(q, scale, zero_point, group_size).to(torch.bfloat16)
     wp = qweight if qweight.stride(-1) == 1 and qweight.stride(0) >= qweight.shape[1] else qweight.contiguous()
-    s = scale if scale.dtype in (torch.bfloat16, torch.float32) and scale.is_contiguous() else scale.float().contiguous()
+    s = (
+        scale
+        if scale.dtype in (torch.bfloat16, torch.float32) and scale.is_contiguous()
+        else scale.float().contiguous()
+    )
     z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
     out = torch.empty(wp.shape[0], k, dtype=torch.bfloat16)
-    library().baige_dequant_int4_bf16(wp.data_ptr(), wp.shape[0], k, wp.stride(0), s.data_ptr(),
-                                      int(s.dtype == torch.bfloat16), None if z is None else z.data_ptr(), s.shape[1],
-                                      group_size, out.data_ptr(), torch.get_num_threads())
+    library().baige_dequant_int4_bf16(
+        wp.data_ptr(),
+        wp.shape[0],
+        k,
+        wp.stride(0),
+        s.data_ptr(),
+        int(s.dtype == torch.bfloat16),
+        None if z is None else z.data_ptr(),
+        s.shape[1],
+        group_size,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -205,8 +233,13 @@ def takes_int_dot(qweight: torch.Tensor, group_size: int | None, int_dot: bool |
     return bool(on) and (qweight.dtype == torch.int8 or (group_size or 0) % 32 == 0)
 
 
-def supports(x: torch.Tensor, qweight: torch.Tensor, group_size: int | None, bias: torch.Tensor | None,
-             int_dot: bool | None = None) -> bool:
+def supports(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    group_size: int | None,
+    bias: torch.Tensor | None,
+    int_dot: bool | None = None,
+) -> bool:
     """Whether :func:`quantized_linear` takes these arguments: CPU fp32 ``x`` with no gradient needed
     (and at most :data:`MAX_ROWS` rows unless the integer-dot kernels run it: :func:`takes_int_dot`),
     an int8 per-channel or int4 weight whose group size is a multiple of 8, and a buildable kernel."""
@@ -263,7 +296,8 @@ def quantized_linear(
     passes = (int_dot_passes() if passes is None else passes) if dot else 1  # read only where it matters
     if passes not in (1, 2):
         raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
-    # the int4 integer-dot kernel reads the repacked scales (fp32, or a bf16 model's bf16), the others these; repacked() is keyed by
+    # the int4 integer-dot kernel reads the repacked scales (fp32, or a bf16 model's bf16), the others these;
+    # repacked() is keyed by
     # the weight tensor itself, so only the exact kernels get a contiguous copy
     fp32_scale = scale.dtype == torch.float32 and scale.is_contiguous()
     s = scale if fp32_scale or (dot and qweight.dtype == torch.int32) else scale.float().contiguous()
@@ -272,29 +306,77 @@ def quantized_linear(
         x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded int4 nibbles multiply 0
     rc = 0
     # the integer-dot kernels in chunks of DOT_CHUNK_ROWS rows: (x pointer, y pointer, rows) per call
-    chunks = [(x2.data_ptr() + 4 * i * x2.stride(0), y.data_ptr() + 4 * i * n, min(DOT_CHUNK_ROWS, m - i))
-              for i in range(0, m, DOT_CHUNK_ROWS)] if dot else []
+    chunks = (
+        [
+            (x2.data_ptr() + 4 * i * x2.stride(0), y.data_ptr() + 4 * i * n, min(DOT_CHUNK_ROWS, m - i))
+            for i in range(0, m, DOT_CHUNK_ROWS)
+        ]
+        if dot
+        else []
+    )
     if qweight.dtype == torch.int8:
         if dot:
             (wr,) = repacked(qweight, scale, None)
             for xp, yp, rows in chunks:
-                rc |= lib.baige_qdot_int8(xp, rows, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr,
-                                          yp, n, passes, nthreads)
+                rc |= lib.baige_qdot_int8(
+                    xp, rows, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr, yp, n, passes, nthreads
+                )
         else:
-            lib.baige_qlinear_int8(x2.data_ptr(), m, k, x2.stride(0), qc.data_ptr(), n, qc.stride(0),
-                                   s.data_ptr(), b_ptr, y.data_ptr(), n, nthreads)
+            lib.baige_qlinear_int8(
+                x2.data_ptr(),
+                m,
+                k,
+                x2.stride(0),
+                qc.data_ptr(),
+                n,
+                qc.stride(0),
+                s.data_ptr(),
+                b_ptr,
+                y.data_ptr(),
+                n,
+                nthreads,
+            )
     else:
         if dot:
             wr, sr, zr = repacked(qweight, scale, zero_point)
             for xp, yp, rows in chunks:
-                rc |= lib.baige_qdot_int4(xp, rows, x2.shape[1], x2.stride(0), wr.data_ptr(), n, sr.data_ptr(),
-                                          int(sr.dtype == torch.bfloat16), None if zr is None else zr.data_ptr(),
-                                          sr.shape[1], group_size, b_ptr, yp, n, passes, nthreads)
+                rc |= lib.baige_qdot_int4(
+                    xp,
+                    rows,
+                    x2.shape[1],
+                    x2.stride(0),
+                    wr.data_ptr(),
+                    n,
+                    sr.data_ptr(),
+                    int(sr.dtype == torch.bfloat16),
+                    None if zr is None else zr.data_ptr(),
+                    sr.shape[1],
+                    group_size,
+                    b_ptr,
+                    yp,
+                    n,
+                    passes,
+                    nthreads,
+                )
         else:
             z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
-            lib.baige_qlinear_int4(x2.data_ptr(), m, x2.shape[1], x2.stride(0), qc.data_ptr(), n,
-                                   qc.stride(0), s.data_ptr(), None if z is None else z.data_ptr(), s.shape[1],
-                                   group_size, b_ptr, y.data_ptr(), n, nthreads)
+            lib.baige_qlinear_int4(
+                x2.data_ptr(),
+                m,
+                x2.shape[1],
+                x2.stride(0),
+                qc.data_ptr(),
+                n,
+                qc.stride(0),
+                s.data_ptr(),
+                None if z is None else z.data_ptr(),
+                s.shape[1],
+                group_size,
+                b_ptr,
+                y.data_ptr(),
+                n,
+                nthreads,
+            )
     if rc != 0:
         raise MemoryError("native integer-dot linear: could not allocate its scratch buffers")
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
@@ -303,8 +385,14 @@ def quantized_linear(
 def supports_f16(x: torch.Tensor) -> bool:
     """Whether :func:`linear_f16` takes ``x``: (rows, in) CPU fp32, at most :data:`MAX_ROWS` rows, no
     gradient needed, ``BAIGE_KERNELS`` unset or ``auto``, outside a ``torch.compile`` trace, library built."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
-            and not (torch.is_grad_enabled() and x.requires_grad) and native_allowed() and library() is not None)
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.shape[0] <= MAX_ROWS
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and native_allowed()
+        and library() is not None
+    )
 
 
 def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -326,8 +414,21 @@ def linear_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         lib = library()
-        fn = {torch.float32: lib.baige_linear_f32, torch.bfloat16: lib.baige_linear_bf16}.get(weight.dtype,
-                                                                                              lib.baige_linear_f16)
-        fn(x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), None,
-           None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+        fn = {torch.float32: lib.baige_linear_f32, torch.bfloat16: lib.baige_linear_bf16}.get(
+            weight.dtype, lib.baige_linear_f16
+        )
+        fn(
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            weight.data_ptr(),
+            n,
+            weight.stride(0),
+            None,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
     return y

@@ -5,7 +5,8 @@ hidden dtype; a Triton kernel then makes two passes over each row: an online log
 the row's loss ``lse - logit[target]``, and, in place of the logits, the gradient
 ``(softmax - one_hot(target)) / normalizer`` (zero on ignored rows). Two more matmuls turn that into
 the chunk's input gradient and its share of the weight gradient (accumulated over chunks in the
-weight's dtype, Liger's trade of a little bf16 rounding for half the memory of an fp32 accumulator). Forward therefore already holds both
+weight's dtype, Liger's trade of a little bf16 rounding for half the memory of an fp32 accumulator). Forward therefore
+already holds both
 gradients; backward only scales them by the incoming gradient. Peak extra memory is one chunk of
 logits, sized so a chunk holds about as many elements as the hidden states.
 """
@@ -23,8 +24,15 @@ from baige.kernels.triton_ops.common import new_empty
 
 @triton.jit
 def _ce_rows_kernel(
-    LOGITS, TARGETS, LOSS, NORM, s_row, vocab, ignore_index,
-    WANT_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS,
+    TARGETS,
+    LOSS,
+    NORM,
+    s_row,
+    vocab,
+    ignore_index,
+    WANT_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * s_row
@@ -71,6 +79,7 @@ def _launch_options(vocab: int, device: torch.device) -> tuple[int, dict]:
 
 class _FusedLinearCrossEntropy(reference.FusedLinearCrossEntropyGrads):
     """Forward computes the loss and both gradients; backward (inherited) scales them."""
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, normalizer):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -81,19 +90,31 @@ class _FusedLinearCrossEntropy(reference.FusedLinearCrossEntropyGrads):
         # accumulator for a bf16 lm_head would cost twice the weight's memory again at vocab 128k
         grad_w = torch.zeros_like(weight) if want_w else None
         loss_rows = new_empty((n_tokens,), torch.float32, hidden.device)
-        norm = normalizer.reshape(1) if isinstance(normalizer, torch.Tensor) else \
-            torch.tensor([float(normalizer)], dtype=torch.float32, device=hidden.device)
+        norm = (
+            normalizer.reshape(1)
+            if isinstance(normalizer, torch.Tensor)
+            else torch.tensor([float(normalizer)], dtype=torch.float32, device=hidden.device)
+        )
         targets = targets.contiguous()
         chunk = _chunk_rows(n_tokens, vocab, hidden.shape[1]) if n_tokens else 1
         block_v, opts = _launch_options(vocab, hidden.device)
         for s in range(0, n_tokens, chunk):
-            h = hidden[s:s + chunk]
+            h = hidden[s : s + chunk]
             logits = h @ weight.t()  # (n, vocab) in the hidden dtype; becomes the gradient in place
             _ce_rows_kernel[(h.shape[0],)](
-                logits, targets[s:], loss_rows[s:], norm, logits.stride(0), vocab, ignore_index,
-                WANT_GRAD=want_grad, BLOCK_V=block_v, **opts)
+                logits,
+                targets[s:],
+                loss_rows[s:],
+                norm,
+                logits.stride(0),
+                vocab,
+                ignore_index,
+                WANT_GRAD=want_grad,
+                BLOCK_V=block_v,
+                **opts,
+            )
             if want_h:
-                grad_h[s:s + chunk] = logits @ weight  # (n, hidden)
+                grad_h[s : s + chunk] = logits @ weight  # (n, hidden)
             if want_w:
                 grad_w.addmm_(logits.t(), h)  # (vocab, hidden), in place: no temporary of the weight's size
         ctx.save_for_backward(grad_h, grad_w)

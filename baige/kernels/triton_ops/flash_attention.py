@@ -32,8 +32,25 @@ def _seq_bounds(CU_Q, CU_K, seq):
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask, len_k, diag,
-              qk_scale, MASKED: tl.constexpr):
+def _fwd_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    sk_t,
+    sv_t,
+    start_n,
+    offs_m,
+    offs_n,
+    offs_d,
+    d_mask,
+    len_k,
+    diag,
+    qk_scale,
+    MASKED: tl.constexpr,
+):
     """One key tile of the online softmax; ``MASKED`` applies the causal and sequence-length masks."""
     cols = start_n + offs_n
     if MASKED:
@@ -56,10 +73,28 @@ def _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, off
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K, qk_scale,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, slse_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU_Q,
+    CU_K,
+    qk_scale,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    so_t,
+    so_h,
+    slse_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start, len_q, k_start, len_k = _seq_bounds(CU_Q, CU_K, seq)
@@ -73,8 +108,11 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < len_q
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + (q_start + offs_m)[:, None] * sq_t + head * sq_h + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + (q_start + offs_m)[:, None] * sq_t + head * sq_h + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -85,20 +123,82 @@ def _fwd_kernel(
     n_full = tl.minimum(diag + pid_m * BLOCK_M + 1, len_k) // BLOCK_N * BLOCK_N
     hi = tl.minimum(len_k, diag + (pid_m + 1) * BLOCK_M)  # keys past hi are masked for every row here
     for start_n in range(0, n_full, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d,
-                                  d_mask, len_k, diag, qk_scale, MASKED=False)
+        acc, m_i, l_i = _fwd_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            sk_t,
+            sv_t,
+            start_n,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_mask,
+            len_k,
+            diag,
+            qk_scale,
+            MASKED=False,
+        )
     for start_n in range(n_full, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d,
-                                  d_mask, len_k, diag, qk_scale, MASKED=True)
+        acc, m_i, l_i = _fwd_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            sk_t,
+            sv_t,
+            start_n,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_mask,
+            len_k,
+            diag,
+            qk_scale,
+            MASKED=True,
+        )
     acc = acc / l_i[:, None]
-    tl.store(O + (q_start + offs_m)[:, None] * so_t + head * so_h + offs_d[None, :],
-             acc.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        O + (q_start + offs_m)[:, None] * so_t + head * so_h + offs_d[None, :],
+        acc.to(O.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
     tl.store(LSE + head * slse_h + q_start + offs_m, m_i + tl.log2(l_i), mask=m_mask)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, head, sq_t, sq_h, sdo_t, sdo_h, slse_h,
-               start_m, offs_m, offs_n, offs_d, d_mask, n_mask, len_q, diag, qk_scale, MASKED: tl.constexpr):
+def _dkdv_tile(
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    q_start,
+    head,
+    sq_t,
+    sq_h,
+    sdo_t,
+    sdo_h,
+    slse_h,
+    start_m,
+    offs_m,
+    offs_n,
+    offs_d,
+    d_mask,
+    n_mask,
+    len_q,
+    diag,
+    qk_scale,
+    MASKED: tl.constexpr,
+):
     """One query tile's contribution to a key tile's dK (unscaled) and dV."""
     rows = start_m + offs_m
     m_mask = rows < len_q
@@ -121,10 +221,36 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, head, sq_t, sq_h, sdo_t
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, qk_scale, sm_scale,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, slse_h, sdk_t, sdk_h, sdv_t, sdv_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    CU_Q,
+    CU_K,
+    qk_scale,
+    sm_scale,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sdo_t,
+    sdo_h,
+    slse_h,
+    sdk_t,
+    sdk_h,
+    sdv_t,
+    sdv_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_n, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start, len_q, k_start, len_k = _seq_bounds(CU_Q, CU_K, seq)
@@ -150,20 +276,95 @@ def _bwd_dkdv_kernel(
     for g in range(GROUP):
         head = kvh * GROUP + g
         for start_m in range(lo, m_full, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, head, sq_t, sq_h, sdo_t, sdo_h, slse_h,
-                                start_m, offs_m, offs_n, offs_d, d_mask, n_mask, len_q, diag, qk_scale, MASKED=True)
+            dk, dv = _dkdv_tile(
+                dk,
+                dv,
+                k,
+                v,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                q_start,
+                head,
+                sq_t,
+                sq_h,
+                sdo_t,
+                sdo_h,
+                slse_h,
+                start_m,
+                offs_m,
+                offs_n,
+                offs_d,
+                d_mask,
+                n_mask,
+                len_q,
+                diag,
+                qk_scale,
+                MASKED=True,
+            )
         for start_m in range(m_full, len_q, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_start, head, sq_t, sq_h, sdo_t, sdo_h, slse_h,
-                                start_m, offs_m, offs_n, offs_d, d_mask, n_mask, len_q, diag, qk_scale, MASKED=False)
-    tl.store(DK + (k_start + offs_n)[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + (k_start + offs_n)[:, None] * sdv_t + kvh * sdv_h + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+            dk, dv = _dkdv_tile(
+                dk,
+                dv,
+                k,
+                v,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                q_start,
+                head,
+                sq_t,
+                sq_h,
+                sdo_t,
+                sdo_h,
+                slse_h,
+                start_m,
+                offs_m,
+                offs_n,
+                offs_d,
+                d_mask,
+                n_mask,
+                len_q,
+                diag,
+                qk_scale,
+                MASKED=False,
+            )
+    tl.store(
+        DK + (k_start + offs_n)[:, None] * sdk_t + kvh * sdk_h + offs_d[None, :],
+        (dk * sm_scale).to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + (k_start + offs_n)[:, None] * sdv_t + kvh * sdv_h + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask, m_mask,
-             len_k, diag, qk_scale, MASKED: tl.constexpr):
+def _dq_tile(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    sk_t,
+    sv_t,
+    start_n,
+    offs_m,
+    offs_n,
+    offs_d,
+    d_mask,
+    m_mask,
+    len_k,
+    diag,
+    qk_scale,
+    MASKED: tl.constexpr,
+):
     """One key tile's contribution to a query tile's dQ (unscaled)."""
     cols = start_n + offs_n
     if MASKED:
@@ -185,10 +386,33 @@ def _dq_tile(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, start_n, offs_m,
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, qk_scale, sm_scale,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, slse_h, sdq_t, sdq_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    CU_Q,
+    CU_K,
+    qk_scale,
+    sm_scale,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sdo_t,
+    sdo_h,
+    slse_h,
+    sdq_t,
+    sdq_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start, len_q, k_start, len_k = _seq_bounds(CU_Q, CU_K, seq)
@@ -214,13 +438,54 @@ def _bwd_dq_kernel(
     n_full = tl.minimum(diag + pid_m * BLOCK_M + 1, len_k) // BLOCK_N * BLOCK_N
     hi = tl.minimum(len_k, diag + (pid_m + 1) * BLOCK_M)
     for start_n in range(0, n_full, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask,
-                      m_mask, len_k, diag, qk_scale, MASKED=False)
+        dq = _dq_tile(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            sk_t,
+            sv_t,
+            start_n,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_mask,
+            m_mask,
+            len_k,
+            diag,
+            qk_scale,
+            MASKED=False,
+        )
     for start_n in range(n_full, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, sk_t, sv_t, start_n, offs_m, offs_n, offs_d, d_mask,
-                      m_mask, len_k, diag, qk_scale, MASKED=True)
-    tl.store(DQ + (q_start + offs_m)[:, None] * sdq_t + head * sdq_h + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
+        dq = _dq_tile(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            sk_t,
+            sv_t,
+            start_n,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_mask,
+            m_mask,
+            len_k,
+            diag,
+            qk_scale,
+            MASKED=True,
+        )
+    tl.store(
+        DQ + (q_start + offs_m)[:, None] * sdq_t + head * sdq_h + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=qd_mask,
+    )
 
 
 def _blocks(head_dim: int, device: torch.device, backward: bool) -> tuple[int, int, dict]:
@@ -239,8 +504,10 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _check(q, k, v, cu_q, cu_k):
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"flash attention expects q (Nq, H, D) and k, v (Nk, Hkv, D); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"flash attention expects q (Nq, H, D) and k, v (Nk, Hkv, D); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]} with equal head_dim")
     if cu_q.shape != cu_k.shape:
@@ -261,10 +528,30 @@ class _FlashAttnVarlen(torch.autograd.Function):
         bm, bn, opts = _blocks(head_dim, q.device, backward=False)
         if n_q and n_seq:
             _fwd_kernel[(triton.cdiv(max_q, bm), n_seq, n_heads)](
-                q, k, v, o, lse, cu_q, cu_k, scale * LOG2E,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                o.stride(0), o.stride(1), lse.stride(0),
-                GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_for(head_dim), BLOCK_M=bm, BLOCK_N=bn, **opts)
+                q,
+                k,
+                v,
+                o,
+                lse,
+                cu_q,
+                cu_k,
+                scale * LOG2E,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                o.stride(0),
+                o.stride(1),
+                lse.stride(0),
+                GROUP=group,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_for(head_dim),
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                **opts,
+            )
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
         return o
@@ -287,16 +574,59 @@ class _FlashAttnVarlen(torch.autograd.Function):
         common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_for(head_dim), BLOCK_M=bm, BLOCK_N=bn, **opts)
         if n_seq and k.shape[0]:
             _bwd_dkdv_kernel[(triton.cdiv(ctx.max_k, bn), n_seq, n_kv)](
-                q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, ctx.scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                **common)
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dk,
+                dv,
+                cu_q,
+                cu_k,
+                qk_scale,
+                ctx.scale,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                do.stride(0),
+                do.stride(1),
+                lse.stride(0),
+                dk.stride(0),
+                dk.stride(1),
+                dv.stride(0),
+                dv.stride(1),
+                **common,
+            )
         if n_seq and n_q:
             _bwd_dq_kernel[(triton.cdiv(ctx.max_q, bm), n_seq, n_heads)](
-                q, k, v, do, lse, delta, dq, cu_q, cu_k, qk_scale, ctx.scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-                **common)
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dq,
+                cu_q,
+                cu_k,
+                qk_scale,
+                ctx.scale,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                do.stride(0),
+                do.stride(1),
+                lse.stride(0),
+                dq.stride(0),
+                dq.stride(1),
+                **common,
+            )
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -314,9 +644,7 @@ def flash_attention_varlen(
     return _FlashAttnVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0
-) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
     """Triton twin of :func:`baige.kernels.attention`: (B, T, H, D) queries over (B, S, Hkv, D) keys,
     run as B packed sequences of T queries and ``q_offset + T`` keys (later keys are masked anyway)."""
     B, T, H, D = q.shape
@@ -328,6 +656,7 @@ def attention(
     k, v = k[:, :S], v[:, :S]
     cu_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
-    out = flash_attention_varlen(q.reshape(B * T, H, D), k.reshape(B * S, *k.shape[2:]),
-                                 v.reshape(B * S, *v.shape[2:]), cu_q, cu_k, T, S, scale)
+    out = flash_attention_varlen(
+        q.reshape(B * T, H, D), k.reshape(B * S, *k.shape[2:]), v.reshape(B * S, *v.shape[2:]), cu_q, cu_k, T, S, scale
+    )
     return out.view(B, T, H, D)

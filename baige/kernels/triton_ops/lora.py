@@ -27,14 +27,22 @@ def _next_id(pending):
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, x_sm,  # (T, IN), unit column stride
-    a_ptr, a_sl, a_sr,  # (L, R, IN), unit column stride
+    x_ptr,
+    x_sm,  # (T, IN), unit column stride
+    a_ptr,
+    a_sl,
+    a_sr,  # (L, R, IN), unit column stride
     s_ptr,  # (L,) fp32
     ids_ptr,  # (T,)
     v_ptr,  # (T, R) fp32 contiguous
-    T, R, IN,
-    NO_ID: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    T,
+    R,
+    IN,
+    NO_ID: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rr = tl.arange(0, BLOCK_R)
@@ -50,8 +58,11 @@ def _lora_shrink_kernel(
             rk = k0 + tl.arange(0, BLOCK_K)
             k_mask = rk < IN
             x = tl.load(x_ptr + rm[:, None] * x_sm + rk[None, :], mask=sel[:, None] & k_mask[None, :], other=0.0)
-            a = tl.load(a_ptr + cur.to(tl.int64) * a_sl + rr[None, :] * a_sr + rk[:, None],
-                        mask=(rr[None, :] < R) & k_mask[:, None], other=0.0)  # (BLOCK_K, BLOCK_R): A_i^T
+            a = tl.load(
+                a_ptr + cur.to(tl.int64) * a_sl + rr[None, :] * a_sr + rk[:, None],
+                mask=(rr[None, :] < R) & k_mask[:, None],
+                other=0.0,
+            )  # (BLOCK_K, BLOCK_R): A_i^T
             acc = tl.dot(x, a, acc, input_precision=INPUT_PRECISION)
         out = tl.where(sel[:, None], acc * tl.load(s_ptr + cur), out)
         pending = tl.where(sel, NO_ID, pending)
@@ -62,12 +73,20 @@ def _lora_shrink_kernel(
 @triton.jit
 def _lora_expand_kernel(
     v_ptr,  # (T, R) fp32 contiguous
-    b_ptr, b_sl, b_sn,  # (L, OUT, R), unit column stride
+    b_ptr,
+    b_sl,
+    b_sn,  # (L, OUT, R), unit column stride
     ids_ptr,  # (T,)
-    y_ptr, y_sm,  # (T, OUT), unit column stride; updated in place
-    T, R, OUT,
-    NO_ID: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y_ptr,
+    y_sm,  # (T, OUT), unit column stride; updated in place
+    T,
+    R,
+    OUT,
+    NO_ID: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -81,8 +100,11 @@ def _lora_expand_kernel(
     cur = _next_id(pending)
     while cur < NO_ID:
         sel = pending == cur
-        b = tl.load(b_ptr + cur.to(tl.int64) * b_sl + rn[None, :] * b_sn + rr[:, None],
-                    mask=n_mask[None, :] & (rr[:, None] < R), other=0.0)  # (BLOCK_R, BLOCK_N): B_i^T
+        b = tl.load(
+            b_ptr + cur.to(tl.int64) * b_sl + rn[None, :] * b_sn + rr[:, None],
+            mask=n_mask[None, :] & (rr[:, None] < R),
+            other=0.0,
+        )  # (BLOCK_R, BLOCK_N): B_i^T
         part = tl.dot(tl.where(sel[:, None], v, 0.0), b.to(tl.float32), input_precision=INPUT_PRECISION)
         delta = tl.where(sel[:, None], part, delta)
         pending = tl.where(sel, NO_ID, pending)
@@ -115,10 +137,41 @@ def lora_apply(y, x, lora_a_stack, lora_b_stack, scalings, token_lora_ids):
     block_m, block_r = _block_m(T), block_for(R)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     _lora_shrink_kernel[(triton.cdiv(T, block_m),)](
-        x, x.stride(0), a, a.stride(0), a.stride(1), s, ids, v, T, R, n_in,
-        NO_ID=_NO_ID, INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, num_warps=4)
+        x,
+        x.stride(0),
+        a,
+        a.stride(0),
+        a.stride(1),
+        s,
+        ids,
+        v,
+        T,
+        R,
+        n_in,
+        NO_ID=_NO_ID,
+        INPUT_PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=64,
+        num_warps=4,
+    )
     block_n = 64
     _lora_expand_kernel[(triton.cdiv(T, block_m), triton.cdiv(n_out, block_n))](
-        v, b, b.stride(0), b.stride(1), ids, y, y.stride(0), T, R, n_out,
-        NO_ID=_NO_ID, INPUT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)
+        v,
+        b,
+        b.stride(0),
+        b.stride(1),
+        ids,
+        y,
+        y.stride(0),
+        T,
+        R,
+        n_out,
+        NO_ID=_NO_ID,
+        INPUT_PRECISION="ieee",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        num_warps=4,
+    )
     return y

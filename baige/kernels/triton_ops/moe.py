@@ -30,8 +30,18 @@ ALIGN_CHUNK = 128  # pairs per program of the alignment's histogram and scatter 
 
 @triton.jit
 def _topk_kernel(
-    LOGITS, BIAS, W, IDS, num_experts, s_t, top_k, norm_min,
-    HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOGITS,
+    BIAS,
+    W,
+    IDS,
+    num_experts,
+    s_t,
+    top_k,
+    norm_min,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -83,9 +93,19 @@ def moe_topk(
     if T:
         bias = correction_bias.contiguous() if correction_bias is not None else logits
         _topk_kernel[(T,)](
-            logits, bias, weights, ids, E, logits.stride(0), top_k, float(norm_min),
-            HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-            BLOCK_E=block_for(E, 2), BLOCK_K=block_for(top_k, 2))
+            logits,
+            bias,
+            weights,
+            ids,
+            E,
+            logits.stride(0),
+            top_k,
+            float(norm_min),
+            HAS_BIAS=correction_bias is not None,
+            RENORMALIZE=renormalize,
+            BLOCK_E=block_for(E, 2),
+            BLOCK_K=block_for(top_k, 2),
+        )
     return weights, ids
 
 
@@ -101,8 +121,17 @@ def _align_count_kernel(IDS, COUNTS, num_pairs, num_experts, CHUNK: tl.constexpr
 
 @triton.jit
 def _align_offsets_kernel(
-    COUNTS, CHUNK_OFF, EXPERT_START, EXPERT_IDS, NTPP, n_chunks, num_experts, block_size, n_blocks,
-    BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    COUNTS,
+    CHUNK_OFF,
+    EXPERT_START,
+    EXPERT_IDS,
+    NTPP,
+    n_chunks,
+    num_experts,
+    block_size,
+    n_blocks,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < num_experts
@@ -157,11 +186,21 @@ def moe_align_block_size(
     block_e = block_for(num_experts, 2)
     if n_chunks:
         _align_count_kernel[(n_chunks,)](flat, counts, n, num_experts, CHUNK=ALIGN_CHUNK, BLOCK_E=block_e)
-    _align_offsets_kernel[(1,)](counts, chunk_off, expert_start, expert_ids, ntpp, n_chunks, num_experts,
-                                block_size, n_blocks, BLOCK_E=block_e, BLOCK_B=64)
+    _align_offsets_kernel[(1,)](
+        counts,
+        chunk_off,
+        expert_start,
+        expert_ids,
+        ntpp,
+        n_chunks,
+        num_experts,
+        block_size,
+        n_blocks,
+        BLOCK_E=block_e,
+        BLOCK_B=64,
+    )
     if n_chunks:
-        _align_scatter_kernel[(n_chunks,)](flat, sorted_ids, chunk_off, expert_start, n, num_experts,
-                                           CHUNK=ALIGN_CHUNK)
+        _align_scatter_kernel[(n_chunks,)](flat, sorted_ids, chunk_off, expert_start, n, num_experts, CHUNK=ALIGN_CHUNK)
     return sorted_ids, expert_ids, ntpp
 
 
@@ -187,11 +226,15 @@ def _routing(topk_ids: torch.Tensor, num_experts: int, device: torch.device) -> 
 def _check(x, w13, w2, topk_weights, topk_ids):
     E, two_i, H = w13.shape
     if x.dim() != 2 or x.shape[1] != H or w2.shape != (E, H, two_i // 2) or two_i % 2:
-        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit "
-                         "(T, H), (E, 2I, H), (E, H, I)")
+        raise ValueError(
+            f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit "
+            "(T, H), (E, 2I, H), (E, H, I)"
+        )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} / topk_ids {tuple(topk_ids.shape)} "
-                         f"are not both ({x.shape[0]}, top_k)")
+        raise ValueError(
+            f"fused_moe: topk_weights {tuple(topk_weights.shape)} / topk_ids {tuple(topk_ids.shape)} "
+            f"are not both ({x.shape[0]}, top_k)"
+        )
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"fused_moe: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype} must share a dtype")
 

@@ -40,8 +40,22 @@ def _block_pairs(SORTED, pid_m, num_pairs, top_k, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(A, rows, m_mask, B, cols, n_mask, K, sa_m, sb_n, sb_k, PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rows_dot(
+    A,
+    rows,
+    m_mask,
+    B,
+    cols,
+    n_mask,
+    K,
+    sa_m,
+    sb_n,
+    sb_k,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """(BLOCK_M, BLOCK_N) fp32 ``A[rows, :K] @ B[:K, cols]`` with ``B[k, n]`` at ``B + n * sb_n + k * sb_k``."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = A + rows[:, None] * sa_m + offs_k[None, :]
@@ -59,10 +73,26 @@ def _rows_dot(A, rows, m_mask, B, cols, n_mask, K, sa_m, sb_n, sb_k, PRECISION: 
 
 @triton.jit
 def _gate_up_kernel(
-    X, W13, ACT, HPRE, SORTED, EXPERTS, NTPP, num_pairs, top_k, inter, hidden,
-    sx_t, sw_e, sw_n, sw_k,
-    SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X,
+    W13,
+    ACT,
+    HPRE,
+    SORTED,
+    EXPERTS,
+    NTPP,
+    num_pairs,
+    top_k,
+    inter,
+    hidden,
+    sx_t,
+    sw_e,
+    sw_n,
+    sw_k,
+    SAVE_PRE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTPP):  # past the padded total: sorted_token_ids ends before this block
@@ -97,10 +127,26 @@ def _gate_up_kernel(
 
 @triton.jit
 def _grouped_rows_kernel(
-    A, B, C, WEIGHTS, SORTED, EXPERTS, NTPP, num_pairs, top_k, N, K,
-    sa_m, sb_e, sb_n, sb_k,
-    MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A,
+    B,
+    C,
+    WEIGHTS,
+    SORTED,
+    EXPERTS,
+    NTPP,
+    num_pairs,
+    top_k,
+    N,
+    K,
+    sa_m,
+    sb_e,
+    sb_n,
+    sb_k,
+    MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTPP):  # past the padded total: sorted_token_ids ends before this block
@@ -109,8 +155,9 @@ def _grouped_rows_kernel(
     e = tl.load(EXPERTS + pid_m).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
-    acc = _rows_dot(A, pairs, m_mask, B + e * sb_e, cols, n_mask, K, sa_m, sb_n, sb_k,
-                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _rows_dot(
+        A, pairs, m_mask, B + e * sb_e, cols, n_mask, K, sa_m, sb_n, sb_k, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     if MUL_WEIGHT:
         acc *= tl.load(WEIGHTS + pairs, mask=m_mask, other=0.0)[:, None]
     tl.store(C + pairs[:, None] * N + cols[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -118,9 +165,29 @@ def _grouped_rows_kernel(
 
 @triton.jit
 def _down_backward_kernel(
-    DOUT, W2, ACT, HPRE, WEIGHTS, DH, DW_PART, SORTED, EXPERTS, NTPP, num_pairs, top_k, inter, hidden,
-    sdo_t, sw_e, sw_h, sw_i, n_parts,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOUT,
+    W2,
+    ACT,
+    HPRE,
+    WEIGHTS,
+    DH,
+    DW_PART,
+    SORTED,
+    EXPERTS,
+    NTPP,
+    num_pairs,
+    top_k,
+    inter,
+    hidden,
+    sdo_t,
+    sw_e,
+    sw_h,
+    sw_i,
+    n_parts,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTPP):  # past the padded total: sorted_token_ids ends before this block
@@ -130,8 +197,9 @@ def _down_backward_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < inter
     # g[p, i] = sum_h dout[t, h] * w2[e, h, i]: d(unweighted down output) back through w2
-    g = _rows_dot(DOUT, tok, m_mask, W2 + e * sw_e, cols, n_mask, hidden, sdo_t, sw_i, sw_h,
-                  PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    g = _rows_dot(
+        DOUT, tok, m_mask, W2 + e * sw_e, cols, n_mask, hidden, sdo_t, sw_i, sw_h, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     mask = m_mask[:, None] & n_mask[None, :]
     act = tl.load(ACT + pairs[:, None] * inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h_ptrs = HPRE + pairs[:, None] * (2 * inter) + cols[None, :]
@@ -148,10 +216,28 @@ def _down_backward_kernel(
 
 @triton.jit
 def _expert_outer_kernel(
-    A, B, DW, WEIGHTS, SORTED, BOUNDS, num_pairs, top_k, N, K,
-    sa_m, sb_m, sd_e, sd_n, sd_k,
-    A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A,
+    B,
+    DW,
+    WEIGHTS,
+    SORTED,
+    BOUNDS,
+    num_pairs,
+    top_k,
+    N,
+    K,
+    sa_m,
+    sb_m,
+    sd_e,
+    sd_n,
+    sd_k,
+    A_BY_TOKEN: tl.constexpr,
+    B_BY_TOKEN: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     e, pid = tl.program_id(0), tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -171,8 +257,11 @@ def _expert_outer_kernel(
         bt = tl.load(B + rows_b[:, None] * sb_m + cols_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), bt, acc, input_precision=PRECISION)
     e64 = e.to(tl.int64)
-    tl.store(DW + e64 * sd_e + cols_n[:, None] * sd_n + cols_k[None, :] * sd_k, acc.to(DW.dtype.element_ty),
-             mask=n_mask[:, None] & k_mask[None, :])
+    tl.store(
+        DW + e64 * sd_e + cols_n[:, None] * sd_n + cols_k[None, :] * sd_k,
+        acc.to(DW.dtype.element_ty),
+        mask=n_mask[:, None] & k_mask[None, :],
+    )
 
 
 @triton.jit
@@ -208,9 +297,28 @@ def gate_up(x, w13, routing, save_pre: bool) -> tuple[torch.Tensor, torch.Tensor
     hpre = new_empty((n_pairs, 2 * inter), x.dtype, x.device) if save_pre else act
     bn, bk, opts = tiles(x.dtype, x.device, inter)
     _gate_up_kernel[(grid_m, triton.cdiv(inter, bn))](
-        x, w13, act, hpre, sorted_ids, expert_ids, ntpp, n_pairs, top_k, inter, x.shape[1],
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
-        SAVE_PRE=save_pre, PRECISION=precision(x.dtype), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, **opts)
+        x,
+        w13,
+        act,
+        hpre,
+        sorted_ids,
+        expert_ids,
+        ntpp,
+        n_pairs,
+        top_k,
+        inter,
+        x.shape[1],
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        SAVE_PRE=save_pre,
+        PRECISION=precision(x.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        **opts,
+    )
     return act, hpre if save_pre else None
 
 
@@ -221,10 +329,26 @@ def grouped_rows(a, b, b_strides, n_cols, routing, weights=None) -> torch.Tensor
     c = new_empty((n_pairs, n_cols), torch.float32, a.device)
     bn, bk, opts = tiles(a.dtype, a.device, n_cols)
     _grouped_rows_kernel[(grid_m, triton.cdiv(n_cols, bn))](
-        a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, ntpp, n_pairs, top_k,
-        n_cols, a.shape[1], a.stride(0), *b_strides,
-        MUL_WEIGHT=weights is not None, PRECISION=precision(a.dtype), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-        **opts)
+        a,
+        b,
+        c,
+        weights if weights is not None else c,
+        sorted_ids,
+        expert_ids,
+        ntpp,
+        n_pairs,
+        top_k,
+        n_cols,
+        a.shape[1],
+        a.stride(0),
+        *b_strides,
+        MUL_WEIGHT=weights is not None,
+        PRECISION=precision(a.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        **opts,
+    )
     return c
 
 
@@ -247,9 +371,31 @@ def down_backward(dout, w2, act, hpre, weights, routing) -> tuple[torch.Tensor, 
     dh = new_empty((n_pairs, 2 * inter), act.dtype, act.device)
     parts = new_empty((n_pairs, n_parts), torch.float32, act.device)
     _down_backward_kernel[(grid_m, n_parts)](
-        dout, w2, act, hpre, weights, dh, parts, sorted_ids, expert_ids, ntpp, n_pairs, top_k, inter,
-        w2.shape[1], dout.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), n_parts,
-        PRECISION=precision(act.dtype), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, **opts)
+        dout,
+        w2,
+        act,
+        hpre,
+        weights,
+        dh,
+        parts,
+        sorted_ids,
+        expert_ids,
+        ntpp,
+        n_pairs,
+        top_k,
+        inter,
+        w2.shape[1],
+        dout.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        n_parts,
+        PRECISION=precision(act.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        **opts,
+    )
     return dh, parts.sum(1)
 
 
@@ -262,8 +408,28 @@ def expert_outer(a, b, out_shape, out_dtype, routing, bounds, a_by_token, b_by_t
     bn, _, opts = tiles(a.dtype, a.device, N)
     bk, _, _ = tiles(a.dtype, a.device, K)
     _expert_outer_kernel[(n_exp, triton.cdiv(N, bn) * triton.cdiv(K, bk))](
-        a, b, dw, weights if weights is not None else dw, sorted_ids, bounds, n_pairs, top_k, N, K,
-        a.stride(0), b.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-        A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, MUL_WEIGHT=weights is not None,
-        PRECISION=precision(a.dtype), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, **opts)
+        a,
+        b,
+        dw,
+        weights if weights is not None else dw,
+        sorted_ids,
+        bounds,
+        n_pairs,
+        top_k,
+        N,
+        K,
+        a.stride(0),
+        b.stride(0),
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+        A_BY_TOKEN=a_by_token,
+        B_BY_TOKEN=b_by_token,
+        MUL_WEIGHT=weights is not None,
+        PRECISION=precision(a.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        **opts,
+    )
     return dw

@@ -20,11 +20,14 @@ from baige.kernels.triton_ops.common import block_for, new_empty
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, x_row_stride,
+    x_ptr,
+    x_row_stride,
     w_ptr,
-    y_ptr, y_row_stride,
+    y_ptr,
+    y_row_stride,
     rstd_ptr,
-    n_cols, eps,
+    n_cols,
+    eps,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -42,13 +45,17 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    dy_ptr, dy_row_stride,
-    x_ptr, x_row_stride,
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
     w_ptr,
     rstd_ptr,
-    dx_ptr, dx_row_stride,
+    dx_ptr,
+    dx_row_stride,
     dw_partial_ptr,  # (n_programs, n_cols) fp32, contiguous
-    n_rows, n_cols,
+    n_rows,
+    n_cols,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -73,11 +80,15 @@ def _rms_norm_bwd_kernel(
 
 @triton.jit
 def _add_rms_norm_fwd_kernel(
-    x_ptr, x_row_stride,
-    r_ptr, r_row_stride,
+    x_ptr,
+    x_row_stride,
+    r_ptr,
+    r_row_stride,
     w_ptr,
-    y_ptr, s_ptr,  # contiguous (n_rows, n_cols) outputs: normed, summed
-    n_cols, eps,
+    y_ptr,
+    s_ptr,  # contiguous (n_rows, n_cols) outputs: normed, summed
+    n_cols,
+    eps,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -147,8 +158,19 @@ class _RMSNorm(torch.autograd.Function):
         dw_partial = new_empty((n_programs, n_cols), torch.float32, x2.device)
         block = block_for(n_cols)
         _rms_norm_bwd_kernel[(n_programs,)](
-            dy2, dy2.stride(0), x2, x2.stride(0), w, rstd, dx, dx.stride(0), dw_partial, n_rows, n_cols,
-            BLOCK=block, num_warps=_num_warps(block),
+            dy2,
+            dy2.stride(0),
+            x2,
+            x2.stride(0),
+            w,
+            rstd,
+            dx,
+            dx.stride(0),
+            dw_partial,
+            n_rows,
+            n_cols,
+            BLOCK=block,
+            num_warps=_num_warps(block),
         )
         dw = dw_partial.sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.x_shape), dw, None

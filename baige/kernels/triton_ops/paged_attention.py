@@ -27,10 +27,39 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_attn_kernel(
-    Q, KC, VC, O, BT, CU_Q, CTX, WS_M, WS_L, WS_ACC, qk_scale, split_len, n_kv, n_splits,
-    sq_t, sq_h, so_t, so_h, skc_h, skc_b, skc_s, svc_h, svc_b, svc_s, sbt,
-    IS_DECODE: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    Q,
+    KC,
+    VC,
+    O,
+    BT,
+    CU_Q,
+    CTX,
+    WS_M,
+    WS_L,
+    WS_ACC,
+    qk_scale,
+    split_len,
+    n_kv,
+    n_splits,
+    sq_t,
+    sq_h,
+    so_t,
+    so_h,
+    skc_h,
+    skc_b,
+    skc_s,
+    svc_h,
+    svc_b,
+    svc_s,
+    sbt,
+    IS_DECODE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid0, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -56,8 +85,11 @@ def _paged_attn_kernel(
     head = kvh * GROUP + g
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + (q_start + tok)[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + (q_start + tok)[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     qpos = first_pos + tok
 
     m_i = tl.full([BLOCK_T * G_PAD], float("-inf"), tl.float32)
@@ -74,8 +106,11 @@ def _paged_attn_kernel(
         n_mask = pos < ctx
         blk = tl.load(BT + seq * sbt + pos // KV_BLOCK, mask=n_mask, other=0)
         slot = pos % KV_BLOCK
-        kt = tl.load(KC + kvh * skc_h + blk[None, :] * skc_b + slot[None, :] * skc_s + offs_d[:, None],
-                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # (D, N)
+        kt = tl.load(
+            KC + kvh * skc_h + blk[None, :] * skc_b + slot[None, :] * skc_s + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )  # (D, N)
         qk = tl.dot(q, kt, input_precision="ieee") * qk_scale
         visible = (pos[None, :] <= qpos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -83,8 +118,11 @@ def _paged_attn_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + kvh * svc_h + blk[:, None] * svc_b + slot[:, None] * svc_s + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(
+            VC + kvh * svc_h + blk[:, None] * svc_b + slot[:, None] * svc_s + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     if SPLIT:  # unnormalised partials of this key range; _decode_reduce_kernel combines the splits
@@ -94,15 +132,29 @@ def _paged_attn_kernel(
         tl.store(WS_ACC + ws[:, None] * BLOCK_D + offs_d[None, :], acc)
     else:
         acc = acc / l_i[:, None]
-        tl.store(O + (q_start + tok)[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
-                 acc.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(
+            O + (q_start + tok)[:, None] * so_t + head[:, None] * so_h + offs_d[None, :],
+            acc.to(O.dtype.element_ty),
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    WS_M, WS_L, WS_ACC, O, so_t, so_h, n_kv, n_splits,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    WS_M,
+    WS_L,
+    WS_ACC,
+    O,
+    so_t,
+    so_h,
+    n_kv,
+    n_splits,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """Combine the per-split (max, sum, unnormalised output) of one sequence's KV head: the query's
     rows are the first G_PAD rows of each split's tile (token 0 of the decode)."""
@@ -125,14 +177,32 @@ def _decode_reduce_kernel(
         acc += part * tl.exp2(ms - m_max)[:, None]
     out = acc / l_tot[:, None]
     head = kvh * GROUP + g
-    tl.store(O + seq * so_t + head[:, None] * so_h + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=(g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(
+        O + seq * so_t + head[:, None] * so_h + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=(g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
 
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KC, VC, SLOTS, sk_t, sk_h, sv_t, sv_h, skc_h, skc_s, svc_h, svc_s,
-    N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    K,
+    V,
+    KC,
+    VC,
+    SLOTS,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    skc_h,
+    skc_s,
+    svc_h,
+    svc_s,
+    N_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0)
     slot = tl.load(SLOTS + tok).to(tl.int64)
@@ -182,16 +252,20 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
     n_tok, n_heads, head_dim = q.shape
     n_kv, _, kv_block, _ = k_cache.shape
     if n_heads % n_kv or k_cache.shape[-1] != head_dim:
-        raise ValueError(f"paged attention: {n_heads} query heads over a cache of {n_kv} KV heads, "
-                         f"head_dim {head_dim} vs {k_cache.shape[-1]}")
+        raise ValueError(
+            f"paged attention: {n_heads} query heads over a cache of {n_kv} KV heads, "
+            f"head_dim {head_dim} vs {k_cache.shape[-1]}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged attention needs contiguous K/V block pools")
     group = n_heads // n_kv
     n_seq = block_tables.shape[0]
     if context_lens.shape != (n_seq,) or (not decode and cu_q.shape != (n_seq + 1,)):
-        raise ValueError(f"paged attention: {n_seq} block-table rows need {n_seq} context_lens"
-                         f"{'' if decode else f' and {n_seq + 1} cu_seqlens_q'}; got {tuple(context_lens.shape)}"
-                         f"{'' if decode else f' and {tuple(cu_q.shape)}'}")
+        raise ValueError(
+            f"paged attention: {n_seq} block-table rows need {n_seq} context_lens"
+            f"{'' if decode else f' and {n_seq + 1} cu_seqlens_q'}; got {tuple(context_lens.shape)}"
+            f"{'' if decode else f' and {tuple(cu_q.shape)}'}"
+        )
     if decode and q.shape[0] != n_seq:
         raise ValueError(f"paged decode: {q.shape[0]} queries for {n_seq} block-table rows")
     # the kernel indexes these with unit strides
@@ -215,18 +289,59 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
         ws_m = ws_l = ws_acc = out  # unused
         grid = (triton.cdiv(max_q, block_t), n_seq, n_kv)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_q, context_lens, ws_m, ws_l, ws_acc, scale * LOG2E,
-        split_len, n_kv, n_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        IS_DECODE=decode, SPLIT=n_splits > 1, GROUP=group, G_PAD=g_pad, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_T=block_t, BLOCK_N=block_n, **opts)
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        cu_q,
+        context_lens,
+        ws_m,
+        ws_l,
+        ws_acc,
+        scale * LOG2E,
+        split_len,
+        n_kv,
+        n_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        IS_DECODE=decode,
+        SPLIT=n_splits > 1,
+        GROUP=group,
+        G_PAD=g_pad,
+        KV_BLOCK=kv_block,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        **opts,
+    )
     if n_splits > 1:
         _decode_reduce_kernel[(n_seq, n_kv)](
-            ws_m, ws_l, ws_acc, out, out.stride(0), out.stride(1), n_kv, n_splits,
-            GROUP=group, G_PAD=g_pad, ROWS=rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            SPLITS_PAD=triton.next_power_of_2(n_splits))
+            ws_m,
+            ws_l,
+            ws_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            n_kv,
+            n_splits,
+            GROUP=group,
+            G_PAD=g_pad,
+            ROWS=rows,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            SPLITS_PAD=triton.next_power_of_2(n_splits),
+        )
     return out
 
 
@@ -278,6 +393,21 @@ def store_kv(
     slot_mapping = slot_mapping.contiguous()
     if n_tok:
         _store_kv_kernel[(n_tok,)](
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
-            N_KV=n_kv, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(n_kv), BLOCK_D=block_for(head_dim))
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(2),
+            N_KV=n_kv,
+            HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(n_kv),
+            BLOCK_D=block_for(head_dim),
+        )

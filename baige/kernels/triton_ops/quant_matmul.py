@@ -25,17 +25,29 @@ from baige.kernels.triton_ops.common import new_empty
 
 @triton.jit
 def _quant_matmul_kernel(
-    x_ptr, x_sm,  # (M, K), unit column stride
-    qw_ptr, qw_sn,  # (N, K) int8 or (N, ceil(K / 8)) int32, unit column stride
-    s_ptr, s_sn, s_sg,  # (N, n_groups)
-    zp_ptr, zp_sn, zp_sg,  # (N, n_groups) or unused
+    x_ptr,
+    x_sm,  # (M, K), unit column stride
+    qw_ptr,
+    qw_sn,  # (N, K) int8 or (N, ceil(K / 8)) int32, unit column stride
+    s_ptr,
+    s_sn,
+    s_sg,  # (N, n_groups)
+    zp_ptr,
+    zp_sn,
+    zp_sg,  # (N, n_groups) or unused
     b_ptr,  # (N,) or unused
     y_ptr,  # (M, N) contiguous
-    M, N, K,
+    M,
+    N,
+    K,
     GROUP_SIZE: tl.constexpr,
-    INT4: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -123,16 +135,29 @@ def quantized_linear(
     block_m, block_n, block_k = _block_m(M), 64, 64
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _quant_matmul_kernel[grid](
-        x2, x2.stride(0),
-        qw, qw.stride(0),
-        scale, scale.stride(0), scale.stride(1),
-        zp, zp.stride(0), zp.stride(1),
+        x2,
+        x2.stride(0),
+        qw,
+        qw.stride(0),
+        scale,
+        scale.stride(0),
+        scale.stride(1),
+        zp,
+        zp.stride(0),
+        zp.stride(1),
         bias if bias is not None else scale,  # placeholder pointer when there is no bias
-        y, M, N, K,
+        y,
+        M,
+        N,
+        K,
         GROUP_SIZE=group_size or K,
-        INT4=int4, HAS_ZP=zero_point is not None, HAS_BIAS=bias is not None,
+        INT4=int4,
+        HAS_ZP=zero_point is not None,
+        HAS_BIAS=bias is not None,
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         num_warps=4,
     )
     return y.view(*x.shape[:-1], N)

@@ -23,8 +23,17 @@ from baige.kernels.triton_ops.common import block_for, new_empty
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, x_sh, o_ptr, n_heads, c1, c2, sa, sb,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    x_sh,
+    o_ptr,
+    n_heads,
+    c1,
+    c2,
+    sa,
+    sb,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     """Rotate a (n_heads, 2 * HALF) tile: ``o1 = x1 * c1 + x2 * sa``, ``o2 = x2 * c2 + x1 * sb``.
     ``x_ptr`` points at head 0 (head stride ``x_sh``, unit column stride); ``o_ptr`` is contiguous."""
@@ -43,15 +52,30 @@ def _rotate_heads(
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, q_sa, q_st, q_sh,
-    k_ptr, k_sa, k_st, k_sh,
-    cos_ptr, c_sa, c_st,
-    sin_ptr, s_sa, s_st,
-    qo_ptr, ko_ptr,  # contiguous (A * T, n_heads, D) / (A * T, n_kv_heads, D)
-    T, n_q_heads, n_k_heads,
+    q_ptr,
+    q_sa,
+    q_st,
+    q_sh,
+    k_ptr,
+    k_sa,
+    k_st,
+    k_sh,
+    cos_ptr,
+    c_sa,
+    c_st,
+    sin_ptr,
+    s_sa,
+    s_st,
+    qo_ptr,
+    ko_ptr,  # contiguous (A * T, n_heads, D) / (A * T, n_kv_heads, D)
+    T,
+    n_q_heads,
+    n_k_heads,
     HALF: tl.constexpr,
     BACKWARD: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     a = pid // T
@@ -70,10 +94,32 @@ def _rope_kernel(
     else:
         sa = -s1
         sb = s2
-    _rotate_heads(q_ptr + a * q_sa + t * q_st, q_sh, qo_ptr + pid * n_q_heads * (2 * HALF), n_q_heads,
-                  c1, c2, sa, sb, HALF, BLOCK_QH, BLOCK_HALF)
-    _rotate_heads(k_ptr + a * k_sa + t * k_st, k_sh, ko_ptr + pid * n_k_heads * (2 * HALF), n_k_heads,
-                  c1, c2, sa, sb, HALF, BLOCK_KH, BLOCK_HALF)
+    _rotate_heads(
+        q_ptr + a * q_sa + t * q_st,
+        q_sh,
+        qo_ptr + pid * n_q_heads * (2 * HALF),
+        n_q_heads,
+        c1,
+        c2,
+        sa,
+        sb,
+        HALF,
+        BLOCK_QH,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        k_ptr + a * k_sa + t * k_st,
+        k_sh,
+        ko_ptr + pid * n_k_heads * (2 * HALF),
+        n_k_heads,
+        c1,
+        c2,
+        sa,
+        sb,
+        HALF,
+        BLOCK_KH,
+        BLOCK_HALF,
+    )
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -99,13 +145,30 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos3: torch.Tensor, sin3: torch.Tens
     ko = new_empty(k.shape, k.dtype, k.device)
     half = D // 2
     _rope_kernel[(A * T,)](
-        q4, q4.stride(0), q4.stride(1), q4.stride(2),
-        k4, k4.stride(0), k4.stride(1), k4.stride(2),
-        cos3, cos3.stride(0), cos3.stride(1),
-        sin3, sin3.stride(0), sin3.stride(1),
-        qo, ko, T, Hq, Hk,
-        HALF=half, BACKWARD=backward,
-        BLOCK_QH=block_for(Hq, 1), BLOCK_KH=block_for(Hk, 1), BLOCK_HALF=block_for(half),
+        q4,
+        q4.stride(0),
+        q4.stride(1),
+        q4.stride(2),
+        k4,
+        k4.stride(0),
+        k4.stride(1),
+        k4.stride(2),
+        cos3,
+        cos3.stride(0),
+        cos3.stride(1),
+        sin3,
+        sin3.stride(0),
+        sin3.stride(1),
+        qo,
+        ko,
+        T,
+        Hq,
+        Hk,
+        HALF=half,
+        BACKWARD=backward,
+        BLOCK_QH=block_for(Hq, 1),
+        BLOCK_KH=block_for(Hk, 1),
+        BLOCK_HALF=block_for(half),
         num_warps=4 if (Hq + Hk) * D <= 8192 else 8,
     )
     return qo, ko

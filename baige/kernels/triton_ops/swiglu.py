@@ -21,7 +21,12 @@ MAX_BLOCK = 1024  # columns per program; a row wider than this spans several pro
 
 @triton.jit
 def _silu_mul_fwd_kernel(
-    g_ptr, g_row_stride, u_ptr, u_row_stride, y_ptr, n_cols,
+    g_ptr,
+    g_row_stride,
+    u_ptr,
+    u_row_stride,
+    y_ptr,
+    n_cols,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -35,8 +40,15 @@ def _silu_mul_fwd_kernel(
 
 @triton.jit
 def _silu_mul_bwd_kernel(
-    dy_ptr, dy_row_stride, g_ptr, g_row_stride, u_ptr, u_row_stride,
-    dg_ptr, du_ptr, n_cols,  # dg, du: contiguous (n_rows, n_cols)
+    dy_ptr,
+    dy_row_stride,
+    g_ptr,
+    g_row_stride,
+    u_ptr,
+    u_row_stride,
+    dg_ptr,
+    du_ptr,
+    n_cols,  # dg, du: contiguous (n_rows, n_cols)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -85,9 +97,7 @@ class _SiluMul(torch.autograd.Function):
         dg = new_empty(ctx.shape, g2.dtype, g2.device)
         du = new_empty(ctx.shape, u2.dtype, u2.device)
         grid, block = _grid(n_rows, n_cols)
-        _silu_mul_bwd_kernel[grid](
-            dy2, dy2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, n_cols, BLOCK=block
-        )
+        _silu_mul_bwd_kernel[grid](dy2, dy2.stride(0), g2, g2.stride(0), u2, u2.stride(0), dg, du, n_cols, BLOCK=block)
         return dg, du
 
 

@@ -122,8 +122,9 @@ def median_time(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
-def random_token_prompts(vocab_size: int, num_prompts: int, input_len: int, output_len: int,
-                         range_ratio: float = 0.0, seed: int = 0) -> list[tuple[list[int], int]]:
+def random_token_prompts(
+    vocab_size: int, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[tuple[list[int], int]]:
     """vLLM's random dataset as token ids: ``(prompt ids, output_len)`` pairs, lengths uniform in
     ``[len * (1 - r), len * (1 + r)]``, ids uniform over the vocabulary above its first 32 ids
     (where special tokens live). Raises BaigeError for ``range_ratio`` outside [0, 1)."""

@@ -16,9 +16,11 @@ Peers (``peers``, vLLM-style names ``hf`` and ``llama.cpp``; both by default): H
 (``generate``) in float32 and bfloat16; llama-cpp-python on the same GGUF when installed (decode only,
 the same thread count), as shipped and re-quantized by llama.cpp to baige's bit widths
 (:mod:`baige.runtime.bench.llama_peer`). The quantized rows are baige on int8 / int4 (RTN, group 128) /
-int4-g32 (group 32, the group of llama.cpp's Q4_0) copies of the model quantized into a temporary directory, baige with ``--quantization fp16-weight``
+int4-g32 (group 32, the group of llama.cpp's Q4_0) copies of the model quantized into a temporary directory, baige with
+``--quantization fp16-weight``
 (fp16-stored weights, fp32 math; CPU fp32 only), and ``int8+fp16-weight`` (the int8 copy with its
-remaining fp32 Linear, the tied lm_head, stored fp16); decode and throughput for each. Every repeat runs each system once in turn
+remaining fp32 Linear, the tied lm_head, stored fp16); decode and throughput for each. Every repeat runs each system
+once in turn
 and the report keeps the median per system. Ratios are baige / peer, keyed
 ``<workload>_<baige row>_over_<peer row>`` (``hf-best``: the fastest HF dtype).
 """
@@ -47,8 +49,17 @@ PEERS = ("hf", "llama.cpp")
 # baige variants: a dtype (fp32 / bf16: the model's other floats, whatever --dtype auto picked for the
 # "baige" row), a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0), a
 # serving-time rewrite (--quantization fp16-weight / int8-weight), or a combination ("+")
-VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-g32", "fp16-weight", "int8+fp16-weight", "int8+int8-weight",
-            "int4-g32+int8-weight")
+VARIANTS = (
+    "fp32",
+    "bf16",
+    "int8",
+    "int4",
+    "int4-g32",
+    "fp16-weight",
+    "int8+fp16-weight",
+    "int8+int8-weight",
+    "int4-g32+int8-weight",
+)
 DTYPE_VARIANTS = {"fp32": "float32", "bf16": "bfloat16"}
 # baige checkpoint -> the llama.cpp type it is timed against at about the same bits per weight
 REQUANT_FOR = {"int8": "Q8_0", "int4-g32": "Q4_0"}
@@ -103,8 +114,14 @@ class Rows:
     steps: dict[str, list[StepShape]] = field(default_factory=dict)
     counts: dict[str, dict] = field(default_factory=dict)
 
-    def add(self, name: str, decode: Callable[[], None], batch: Callable[[], None] | None, weight_bytes: int,
-            dtype_bytes: int) -> None:
+    def add(
+        self,
+        name: str,
+        decode: Callable[[], None],
+        batch: Callable[[], None] | None,
+        weight_bytes: int,
+        dtype_bytes: int,
+    ) -> None:
         self.decode[name] = decode
         if batch is not None:
             self.batch[name] = batch
@@ -135,8 +152,13 @@ def _add_baige(rows: Rows, name: str, llm, prompt: list[int], reqs: Requests, n:
         finally:
             llm.engine.step_shapes = None
 
-    rows.add(name, lambda: llm.generate([{"prompt_token_ids": prompt}], decode_params), batch, batch1_bytes,
-             llm.engine.kv_cache.k[0].element_size())
+    rows.add(
+        name,
+        lambda: llm.generate([{"prompt_token_ids": prompt}], decode_params),
+        batch,
+        batch1_bytes,
+        llm.engine.kv_cache.k[0].element_size(),
+    )
 
 
 def _hf_generate(model, batch: list[list[int]], n: int, pad_id: int) -> None:
@@ -144,8 +166,9 @@ def _hf_generate(model, batch: list[list[int]], n: int, pad_id: int) -> None:
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # (B, width), left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id
+        )
 
 
 def _hf_static(model, reqs: Requests, batch_size: int, pad_id: int) -> Callable[[], None]:
@@ -172,19 +195,25 @@ def _transformers():
     return AutoModelForCausalLM
 
 
-def _add_hf(rows: Rows, auto_model, cfg: CompareConfig, model_dir: Path, prompt: list[int], reqs: Requests,
-            pad_id: int) -> None:
+def _add_hf(
+    rows: Rows, auto_model, cfg: CompareConfig, model_dir: Path, prompt: list[int], reqs: Requests, pad_id: int
+) -> None:
     """Rows ``hf-<dtype>``: ``auto_model`` (``AutoModelForCausalLM``) ``generate`` in each of
     ``cfg.hf_dtypes``; throughput in static batches of ``cfg.hf_batch_size``, left-padded with ``pad_id``."""
     for dt in cfg.hf_dtypes:
         hf = auto_model.from_pretrained(model_dir, dtype=getattr(torch, dt)).eval()
-        rows.add(f"hf-{dt}", lambda m=hf: _hf_generate(m, [prompt], cfg.output_len, pad_id),
-                 _hf_static(hf, reqs, cfg.hf_batch_size, pad_id), roofline.weight_bytes(hf),
-                 torch.tensor([], dtype=getattr(torch, dt)).element_size())
+        rows.add(
+            f"hf-{dt}",
+            lambda m=hf: _hf_generate(m, [prompt], cfg.output_len, pad_id),
+            _hf_static(hf, reqs, cfg.hf_batch_size, pad_id),
+            roofline.weight_bytes(hf),
+            torch.tensor([], dtype=getattr(torch, dt)).element_size(),
+        )
 
 
-def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, prompt: list[int], reqs: Requests,
-                   notes: list[str]) -> None:
+def _add_quantized(
+    rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, prompt: list[int], reqs: Requests, notes: list[str]
+) -> None:
     """Rows ``baige-<variant>`` for each of ``cfg.quantized``: int8 / int4 copies quantized into ``tmp``
     (each once), fp16-weight, or both; a variant the engine refuses becomes a note."""
     from baige.errors import BaigeError
@@ -204,8 +233,15 @@ def _add_quantized(rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, p
             if checkpoint not in checkpoints:
                 checkpoints[checkpoint] = tmp / checkpoint
                 method, _, group = checkpoint.partition("-g")
-                quantize_checkpoint(QuantizeConfig(model=str(model_dir), method=method, group_size=int(group or 128),
-                                                   output=str(checkpoints[checkpoint]), device=cfg.engine.device))
+                quantize_checkpoint(
+                    QuantizeConfig(
+                        model=str(model_dir),
+                        method=method,
+                        group_size=int(group or 128),
+                        output=str(checkpoints[checkpoint]),
+                        device=cfg.engine.device,
+                    )
+                )
             engine = replace(engine, model=str(checkpoints[checkpoint]))
         if runtime is not None:
             engine = replace(engine, quantization=runtime)
@@ -249,8 +285,13 @@ def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: lis
         except (RuntimeError, OSError) as e:
             notes.append(f"llama.cpp-{qtype} skipped: {e}")
     for qtype, path in files.items():
-        rows.add(f"llama.cpp-{qtype}", llama_peer.llama_cpp_decode(path, prompt, cfg.output_len, threads), None,
-                 path.stat().st_size, 2)
+        rows.add(
+            f"llama.cpp-{qtype}",
+            llama_peer.llama_cpp_decode(path, prompt, cfg.output_len, threads),
+            None,
+            path.stat().st_size,
+            2,
+        )
 
 
 def _context_len(cfg: CompareConfig) -> int:
@@ -311,20 +352,38 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
     for name, ts in samples["decode"].items():
         if ts:
             tps = cfg.output_len / statistics.median(ts)
-            summary["decode"][name] = {"tokens_per_s": tps, "roofline": roofline.decode_roofline(
-                tps, 1, rows.weight_bytes[name], mc.kv_bytes_per_token(rows.dtype_bytes[name]),
-                cfg.input_len + cfg.output_len / 2, limits.bandwidth)}
+            summary["decode"][name] = {
+                "tokens_per_s": tps,
+                "roofline": roofline.decode_roofline(
+                    tps,
+                    1,
+                    rows.weight_bytes[name],
+                    mc.kv_bytes_per_token(rows.dtype_bytes[name]),
+                    cfg.input_len + cfg.output_len / 2,
+                    limits.bandwidth,
+                ),
+            }
     for name, ts in samples["throughput"].items():
         if ts:
             tps = tp_tokens / statistics.median(ts)
-            flops = roofline.forward_flops_per_token(counts["num_params_active"], counts["attn_dims"],
-                                                     tp_tokens / len(reqs))
-            summary["throughput"][name] = {"tokens_per_s": tps, "roofline": roofline.compute_roofline(
-                tps, flops, limits.matmul_peak)}
+            flops = roofline.forward_flops_per_token(
+                counts["num_params_active"], counts["attn_dims"], tp_tokens / len(reqs)
+            )
+            summary["throughput"][name] = {
+                "tokens_per_s": tps,
+                "roofline": roofline.compute_roofline(tps, flops, limits.matmul_peak),
+            }
             if rows.steps.get(name):
                 summary["throughput"][name]["workload_roofline"] = roofline.workload_summary(
-                    rows.steps[name], rows.counts[name], mc.kv_bytes_per_token(rows.dtype_bytes[name]), limits,
-                    tp_tokens, flops, statistics.median(ts), requests=[(len(p), n) for p, n in reqs])
+                    rows.steps[name],
+                    rows.counts[name],
+                    mc.kv_bytes_per_token(rows.dtype_bytes[name]),
+                    limits,
+                    tp_tokens,
+                    flops,
+                    statistics.median(ts),
+                    requests=[(len(p), n) for p, n in reqs],
+                )
     summary["ratios"] = ratios(summary)
     return summary
 
@@ -357,8 +416,17 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
             limits = roofline.remeasure_limits(limits)
     counts = roofline.model_counts(baige.engine.model)
     summary = _summary(cfg, rows, samples, reqs, counts, baige.engine.model.config, limits)
-    return {"benchmark": "compare", "args": run_args(cfg, baige), "environment": environment(), "limits": limits.to_dict(),
-            "model": counts, "interrupted": interrupted, "notes": notes, "samples": samples, "summary": summary}
+    return {
+        "benchmark": "compare",
+        "args": run_args(cfg, baige),
+        "environment": environment(),
+        "limits": limits.to_dict(),
+        "model": counts,
+        "interrupted": interrupted,
+        "notes": notes,
+        "samples": samples,
+        "summary": summary,
+    }
 
 
 # (baige row, llama.cpp row) at about the same bits per weight: int8 per channel vs Q8_0 (8.5 bits),
@@ -366,11 +434,17 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
 # Qwen2.5-Coder-1.5B's GGUF as shipped). llama.cpp quantizes the output matrix too (a tied lm_head
 # included), so the "+int8-weight" rows, whose remaining float linears (the tied lm_head) are int8,
 # are the closer match in bytes read per token.
-EQUAL_BITS = (("baige-int8", "llama.cpp-Q8_0"), ("baige-int8+int8-weight", "llama.cpp-Q8_0"),
-              ("baige-int4-g32", "llama.cpp-Q4_0"), ("baige-int4-g32+int8-weight", "llama.cpp-Q4_0"),
-              ("baige-int4-g32", "llama.cpp-Q4_1"), ("baige-int4-g32+int8-weight", "llama.cpp-Q4_1"),
-              ("baige-int4", "llama.cpp-Q4_K_M"), ("baige-int4-g32", "llama.cpp-Q4_K_M"),
-              ("baige-int4-g32+int8-weight", "llama.cpp-Q4_K_M"))
+EQUAL_BITS = (
+    ("baige-int8", "llama.cpp-Q8_0"),
+    ("baige-int8+int8-weight", "llama.cpp-Q8_0"),
+    ("baige-int4-g32", "llama.cpp-Q4_0"),
+    ("baige-int4-g32+int8-weight", "llama.cpp-Q4_0"),
+    ("baige-int4-g32", "llama.cpp-Q4_1"),
+    ("baige-int4-g32+int8-weight", "llama.cpp-Q4_1"),
+    ("baige-int4", "llama.cpp-Q4_K_M"),
+    ("baige-int4-g32", "llama.cpp-Q4_K_M"),
+    ("baige-int4-g32+int8-weight", "llama.cpp-Q4_K_M"),
+)
 
 
 def ratio_key(kind: str, ours: str, peer: str) -> str:

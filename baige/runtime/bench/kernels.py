@@ -50,8 +50,15 @@ SHAPES = {
 }
 
 # ops with a backward (timed as forward + backward with --backward)
-GRAD_OPS = ("rms_norm", "apply_rope", "silu_mul", "attention", "flash_attention_varlen", "fused_linear_cross_entropy",
-            "fused_moe")
+GRAD_OPS = (
+    "rms_norm",
+    "apply_rope",
+    "silu_mul",
+    "attention",
+    "flash_attention_varlen",
+    "fused_linear_cross_entropy",
+    "fused_moe",
+)
 
 
 @dataclass
@@ -95,16 +102,27 @@ def _r(*shape, dt, dev):
     return torch.randn(*shape, dtype=dt, device=dev)
 
 
-def _cache(sh: Shape, blocks: int, block_size: int, dt: torch.dtype, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache(
+    sh: Shape, blocks: int, block_size: int, dt: torch.dtype, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V block pools in whatever layout the engine's :class:`KVCache` uses
     (random contents; the pool's extra scratch block included)."""
     from baige.runtime.infer.kv_cache import KVCache
     from baige.runtime.model.config import ModelConfig
 
-    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": sh.vocab, "hidden_size": sh.hidden,
-                                 "intermediate_size": sh.intermediate, "num_hidden_layers": 1,
-                                 "num_attention_heads": sh.heads, "num_key_value_heads": sh.kv_heads,
-                                 "head_dim": sh.head_dim, "max_position_embeddings": 1 << 20})
+    cfg = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": sh.vocab,
+            "hidden_size": sh.hidden,
+            "intermediate_size": sh.intermediate,
+            "num_hidden_layers": 1,
+            "num_attention_heads": sh.heads,
+            "num_key_value_heads": sh.kv_heads,
+            "head_dim": sh.head_dim,
+            "max_position_embeddings": 1 << 20,
+        }
+    )
     kv = KVCache(cfg, blocks, block_size, dt, dev)
     return kv.k[0].normal_(), kv.v[0].normal_()
 
@@ -121,8 +139,11 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
     if op == "rms_norm":
         return Case((_r(n, h, dt=dt, dev=dev), _r(h, dt=dt, dev=dev), 1e-5), (2 * n * h + h) * e, 4 * n * h)
     if op == "add_rms_norm":
-        return Case((_r(n, h, dt=dt, dev=dev), _r(n, h, dt=dt, dev=dev), _r(h, dt=dt, dev=dev), 1e-5),
-                    (4 * n * h + h) * e, 5 * n * h)
+        return Case(
+            (_r(n, h, dt=dt, dev=dev), _r(n, h, dt=dt, dev=dev), _r(h, dt=dt, dev=dev), 1e-5),
+            (4 * n * h + h) * e,
+            5 * n * h,
+        )
     if op == "silu_mul":
         return Case((_r(n, inter, dt=dt, dev=dev), _r(n, inter, dt=dt, dev=dev)), 3 * n * inter * e, 5 * n * inter)
     if op == "apply_rope":
@@ -140,8 +161,11 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
         cu = torch.arange(0, P * T + 1, T, dtype=torch.int32, device=dev)
         q = _r(P * T, H, D, dt=dt, dev=dev)
         k, v = _r(P * T, Hkv, D, dt=dt, dev=dev), _r(P * T, Hkv, D, dt=dt, dev=dev)
-        return Case((q, k, v, cu, cu, T, T, D**-0.5), (2 * P * T * H + 2 * P * T * Hkv) * D * e,
-                    2 * 2 * H * D * P * (T * (T + 1) // 2))
+        return Case(
+            (q, k, v, cu, cu, T, T, D**-0.5),
+            (2 * P * T * H + 2 * P * T * Hkv) * D * e,
+            2 * 2 * H * D * P * (T * (T + 1) // 2),
+        )
     if op == "store_kv":
         blocks = n // 16 + 1
         kc, vc = _cache(sh, blocks, 16, dt, dev)
@@ -154,8 +178,11 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
         kc, vc = _cache(sh, S * W, bs, dt, dev)
         tables = torch.arange(S * W, device=dev).view(S, W)
         lens = torch.full((S,), n, dtype=torch.int64, device=dev)
-        return Case((_r(S, H, D, dt=dt, dev=dev), kc, vc, tables, lens, D**-0.5),
-                    (2 * S * n * Hkv + 2 * S * H) * D * e, 4 * S * H * D * n)
+        return Case(
+            (_r(S, H, D, dt=dt, dev=dev), kc, vc, tables, lens, D**-0.5),
+            (2 * S * n * Hkv + 2 * S * H) * D * e,
+            4 * S * H * D * n,
+        )
     if op == "paged_prefill_attention":  # 4 sequences prefilling n/4 new tokens each (no cached prefix)
         P, bs = 4, 16
         T = max(1, n // P)
@@ -164,24 +191,39 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
         tables = torch.arange(P * W, device=dev).view(P, W)
         cu = torch.arange(0, P * T + 1, T, device=dev)
         lens = torch.full((P,), T, dtype=torch.int64, device=dev)
-        return Case((_r(P * T, H, D, dt=dt, dev=dev), kc, vc, tables, cu, lens, D**-0.5),
-                    (2 * P * T * H + 2 * P * T * Hkv) * D * e, 2 * 2 * H * D * P * (T * (T + 1) // 2))
+        return Case(
+            (_r(P * T, H, D, dt=dt, dev=dev), kc, vc, tables, cu, lens, D**-0.5),
+            (2 * P * T * H + 2 * P * T * Hkv) * D * e,
+            2 * 2 * H * D * P * (T * (T + 1) // 2),
+        )
     if op == "fused_linear_cross_entropy":  # n tokens through the (vocab, hidden) head
-        return Case((_r(n, h, dt=dt, dev=dev), _r(sh.vocab, h, dt=dt, dev=dev) * 0.02,
-                     torch.randint(0, sh.vocab, (n,), device=dev)), (n * h + sh.vocab * h) * e + 8 * n,
-                    2 * n * h * sh.vocab)
+        return Case(
+            (
+                _r(n, h, dt=dt, dev=dev),
+                _r(sh.vocab, h, dt=dt, dev=dev) * 0.02,
+                torch.randint(0, sh.vocab, (n,), device=dev),
+            ),
+            (n * h + sh.vocab * h) * e + 8 * n,
+            2 * n * h * sh.vocab,
+        )
     if op == "quantized_linear":  # int4 group-128 symmetric weight (the up projection), n tokens
         groups = -(-h // 128)
-        qweight = torch.randint(-2**31, 2**31 - 1, (inter, -(-h // 8)), dtype=torch.int32, device=dev)
+        qweight = torch.randint(-(2**31), 2**31 - 1, (inter, -(-h // 8)), dtype=torch.int32, device=dev)
         scale = torch.rand(inter, groups, dtype=dt, device=dev) * 0.01
-        return Case((_r(n, h, dt=dt, dev=dev), qweight, scale, None, 128, None),
-                    n * h * e + qweight.numel() * 4 + scale.numel() * e + n * inter * e, 2 * n * h * inter)
+        return Case(
+            (_r(n, h, dt=dt, dev=dev), qweight, scale, None, 128, None),
+            n * h * e + qweight.numel() * 4 + scale.numel() * e + n * inter * e,
+            2 * n * h * inter,
+        )
     if op == "lora_apply":  # 4 adapters of rank 16 on a (hidden -> hidden) projection, n tokens in 4 segments
         L, R = 4, 16
         ids = torch.arange(n, device=dev) * L // n
         a, b = _r(L, R, h, dt=dt, dev=dev) * h**-0.5, _r(L, h, R, dt=dt, dev=dev)
-        return Case((_r(n, h, dt=dt, dev=dev), _r(n, h, dt=dt, dev=dev), a, b, torch.ones(L, device=dev), ids),
-                    (3 * n * h + 2 * L * R * h) * e + 8 * n, 4 * n * R * h + n * h)
+        return Case(
+            (_r(n, h, dt=dt, dev=dev), _r(n, h, dt=dt, dev=dev), a, b, torch.ones(L, device=dev), ids),
+            (3 * n * h + 2 * L * R * h) * e + 8 * n,
+            4 * n * R * h + n * h,
+        )
     return _moe_case(op, n, dt, dev, sh)
 
 
@@ -206,8 +248,11 @@ def _moe_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape) ->
         w13 = _r(E, 2 * inter, h, dt=dt, dev=dev) * h**-0.5
         w2 = _r(E, h, inter, dt=dt, dev=dev) * inter**-0.5
         used = topk_ids.unique().numel()
-        return Case((_r(n, h, dt=dt, dev=dev), w13, w2, topk_weights, topk_ids),
-                    (2 * n * h + 3 * used * inter * h) * e + n * k * 12, 2 * n * k * 3 * inter * h)
+        return Case(
+            (_r(n, h, dt=dt, dev=dev), w13, w2, topk_weights, topk_ids),
+            (2 * n * h + 3 * used * inter * h) * e + n * k * 12,
+            2 * n * k * 3 * inter * h,
+        )
     return None
 
 
@@ -300,17 +345,37 @@ def run_kernels(cfg: KernelsConfig, progress: Progress | None = None) -> dict:
                     work = 3 if cfg.backward else 1  # backward ~ 2x the forward's FLOPs and traffic
                     gb_s, tflop_s = work * case.bytes / t / 1e9, work * case.flops / t / 1e12
                     pct = max(100 * gb_s * 1e9 / limits.bandwidth, 100 * tflop_s * 1e12 / limits.matmul_peak)
-                    rows.append({"op": op, "tokens": n, "impl": impl, "pass": "fwd+bwd" if cfg.backward else "fwd",
-                                 "time_s": t, "bytes": case.bytes * work, "flops": case.flops * work, "gb_s": gb_s,
-                                 "tflop_s": tflop_s, "pct_of_limit": pct, "peak_mem_bytes": peak})
+                    rows.append(
+                        {
+                            "op": op,
+                            "tokens": n,
+                            "impl": impl,
+                            "pass": "fwd+bwd" if cfg.backward else "fwd",
+                            "time_s": t,
+                            "bytes": case.bytes * work,
+                            "flops": case.flops * work,
+                            "gb_s": gb_s,
+                            "tflop_s": tflop_s,
+                            "pct_of_limit": pct,
+                            "peak_mem_bytes": peak,
+                        }
+                    )
                 if progress:
                     progress(done, total, f"{op} n={n}")
     except KeyboardInterrupt:
         interrupted = True
-    return {"benchmark": "kernels", "args": asdict(cfg), "environment": environment(), "limits": limits.to_dict(),
-            "shape": asdict(sh), "interrupted": interrupted, "skipped": skipped, "forward_only": forward_only,
-            "samples": rows, "summary": {"ops": sorted({r["op"] for r in rows}), "rows": len(rows),
-                                         "speedup_vs_reference": _speedups(rows)}}
+    return {
+        "benchmark": "kernels",
+        "args": asdict(cfg),
+        "environment": environment(),
+        "limits": limits.to_dict(),
+        "shape": asdict(sh),
+        "interrupted": interrupted,
+        "skipped": skipped,
+        "forward_only": forward_only,
+        "samples": rows,
+        "summary": {"ops": sorted({r["op"] for r in rows}), "rows": len(rows), "speedup_vs_reference": _speedups(rows)},
+    }
 
 
 def _speedups(rows: list[dict]) -> dict:

@@ -84,14 +84,21 @@ def requantize(src: Path, qtype: str, threads: int, cache: Path) -> Path:
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         try:
-            proc = subprocess.run(child_argv(src, tmp, qtype, threads), capture_output=True, text=True,
-                                  timeout=REQUANT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                child_argv(src, tmp, qtype, threads),
+                capture_output=True,
+                text=True,
+                timeout=REQUANT_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"llama_model_quantize to {qtype} took over {REQUANT_TIMEOUT_S} s") from None
         last = next((ln.strip() for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
         if proc.returncode != 0:
-            raise RuntimeError(f"the llama_model_quantize process (to {qtype}) {_exit_reason(proc.returncode)}"
-                               + (f": {last[:200]}" if last else ""))
+            raise RuntimeError(
+                f"the llama_model_quantize process (to {qtype}) {_exit_reason(proc.returncode)}"
+                + (f": {last[:200]}" if last else "")
+            )
         with open(tmp, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise RuntimeError(f"llama_model_quantize (to {qtype}) wrote no GGUF file")
@@ -106,8 +113,9 @@ def llama_cpp_decode(gguf: Path, prompt: list[int], n: int, threads: int) -> Cal
     banned), prompt processing and generation both on ``threads`` threads."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+    llm = Llama(
+        model_path=str(gguf), n_ctx=len(prompt) + n + 8, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
     bias = {llm.token_eos(): -1e9}
 
     def run() -> None:

@@ -84,8 +84,12 @@ def build_llm(engine: EngineConfig, max_model_len: int, max_num_seqs: int):
     tokens per step."""
     from baige.runtime.infer.llm import LLM
 
-    sized = replace(engine, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max(engine.max_num_batched_tokens, max_num_seqs))
+    sized = replace(
+        engine,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(engine.max_num_batched_tokens, max_num_seqs),
+    )
     return LLM(**asdict(sized))
 
 
@@ -123,8 +127,10 @@ def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
     from baige.runtime.infer.sampling import SamplingParams
 
     llm = build_llm(cfg.engine, cfg.input_len + cfg.output_len, cfg.batch_size)
-    prompts = [{"prompt_token_ids": ids} for ids, _ in
-               random_token_prompts(llm.engine.vocab_size, cfg.batch_size, cfg.input_len, 1, 0.0, cfg.seed)]
+    prompts = [
+        {"prompt_token_ids": ids}
+        for ids, _ in random_token_prompts(llm.engine.vocab_size, cfg.batch_size, cfg.input_len, 1, 0.0, cfg.seed)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=cfg.output_len, ignore_eos=True)
     limits, dtype_bytes = _limits(llm)
     samples: list[dict] = []
@@ -146,8 +152,13 @@ def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
         limits = roofline.remeasure_limits(limits)
     info = _model_info(llm, dtype_bytes)
     return {
-        "benchmark": "latency", "args": run_args(cfg, llm), "environment": environment(), "model": info,
-        "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
+        "benchmark": "latency",
+        "args": run_args(cfg, llm),
+        "environment": environment(),
+        "model": info,
+        "limits": limits.to_dict(),
+        "interrupted": interrupted,
+        "samples": samples,
         "summary": latency_summary(samples, cfg, info, limits) if samples else {},
         "spec_decode": spec_decode_result(llm),
     }
@@ -163,16 +174,24 @@ def latency_summary(samples: list[dict], cfg: LatencyConfig, info: dict, limits)
     prefill_tps = B * n_in / ttft
     decode_tps = B * (n_out - 1) / decode_time if n_out > 1 and decode_time > 0 else 0.0
     out = {f"{k}_latency_s": v for k, v in summarize(lat, LATENCY_PERCENTILES).items()}
-    out.update({
-        "avg_latency_s": mean_lat,  # vLLM's key
-        "ttft_s": ttft, "tpot_s": decode_time / (n_out - 1) if n_out > 1 else 0.0,
-        "prefill_tokens_per_s": prefill_tps, "decode_tokens_per_s": decode_tps,
-    })
-    out["prefill_roofline"] = roofline.compute_roofline(
-        prefill_tps, _fwd_flops(info, n_in), limits.matmul_peak)
+    out.update(
+        {
+            "avg_latency_s": mean_lat,  # vLLM's key
+            "ttft_s": ttft,
+            "tpot_s": decode_time / (n_out - 1) if n_out > 1 else 0.0,
+            "prefill_tokens_per_s": prefill_tps,
+            "decode_tokens_per_s": decode_tps,
+        }
+    )
+    out["prefill_roofline"] = roofline.compute_roofline(prefill_tps, _fwd_flops(info, n_in), limits.matmul_peak)
     out["decode_roofline"] = roofline.decode_roofline(
-        decode_tps, B, roofline.step_weight_bytes(info, B), info["kv_bytes_per_token"], n_in + n_out / 2,
-        limits.bandwidth)
+        decode_tps,
+        B,
+        roofline.step_weight_bytes(info, B),
+        info["kv_bytes_per_token"],
+        n_in + n_out / 2,
+        limits.bandwidth,
+    )
     return out
 
 
@@ -187,8 +206,10 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
 
     if cfg.dataset_path:
         tok = Tokenizer.from_dir(resolve_model(cfg.engine.model))
-        reqs = [(tok.encode(r.prompt, add_special_tokens=False), r.output_len)
-                for r in sharegpt_requests(cfg.dataset_path, tok, cfg.num_prompts, cfg.seed)]
+        reqs = [
+            (tok.encode(r.prompt, add_special_tokens=False), r.output_len)
+            for r in sharegpt_requests(cfg.dataset_path, tok, cfg.num_prompts, cfg.seed)
+        ]
     else:
         vocab = ModelConfig.from_file(resolve_model(cfg.engine.model) / "config.json").vocab_size
         reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.range_ratio, cfg.seed)
@@ -223,21 +244,40 @@ def run_throughput(cfg: ThroughputConfig, progress: Progress | None = None) -> d
     for rid, (prompt, _) in zip(ids, reqs):
         out = done.get(rid)
         if out is not None:
-            samples.append({"prompt_len": len(prompt), "output_len": len(out.outputs[0].token_ids),
-                            "e2el_s": out.finished_time - out.arrival_time,
-                            "ttft_s": out.first_token_time - out.arrival_time})
+            samples.append(
+                {
+                    "prompt_len": len(prompt),
+                    "output_len": len(out.outputs[0].token_ids),
+                    "e2el_s": out.finished_time - out.arrival_time,
+                    "ttft_s": out.first_token_time - out.arrival_time,
+                }
+            )
     info = _model_info(llm, dtype_bytes)
     return {
-        "benchmark": "throughput", "args": run_args(cfg, llm), "environment": environment(), "model": info,
-        "limits": limits.to_dict(), "interrupted": interrupted, "samples": samples,
-        "summary": throughput_summary(samples, elapsed, info, limits, eng.step_shapes,
-                                      speculative=eng.proposer is not None) if samples else {},
+        "benchmark": "throughput",
+        "args": run_args(cfg, llm),
+        "environment": environment(),
+        "model": info,
+        "limits": limits.to_dict(),
+        "interrupted": interrupted,
+        "samples": samples,
+        "summary": throughput_summary(
+            samples, elapsed, info, limits, eng.step_shapes, speculative=eng.proposer is not None
+        )
+        if samples
+        else {},
         "spec_decode": spec_decode_result(llm),
     }
 
 
-def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
-                       steps: list[StepShape] | None = None, speculative: bool = False) -> dict:
+def throughput_summary(
+    samples: list[dict],
+    elapsed: float,
+    info: dict,
+    limits,
+    steps: list[StepShape] | None = None,
+    speculative: bool = False,
+) -> dict:
     """requests/s, total tokens/s, output tokens/s over ``elapsed`` seconds, and the compute
     roofline with FLOPs/token at the mean sequence length (prompt + output); with the run's
     ``steps``, also ``workload_roofline`` (:func:`roofline.workload_summary`: the least time this
@@ -249,14 +289,25 @@ def throughput_summary(samples: list[dict], elapsed: float, info: dict, limits,
     mean_len = (n_in + n_out) / len(samples)
     flops = _fwd_flops(info, mean_len)
     out = {
-        "elapsed_time_s": elapsed, "num_requests": len(samples), "total_num_tokens": n_in + n_out,
-        "total_output_tokens": n_out, "requests_per_second": len(samples) / elapsed,
-        "tokens_per_second": total_tps, "output_tokens_per_second": n_out / elapsed,
+        "elapsed_time_s": elapsed,
+        "num_requests": len(samples),
+        "total_num_tokens": n_in + n_out,
+        "total_output_tokens": n_out,
+        "requests_per_second": len(samples) / elapsed,
+        "tokens_per_second": total_tps,
+        "output_tokens_per_second": n_out / elapsed,
         "compute_roofline": roofline.compute_roofline(total_tps, flops, limits.matmul_peak),
     }
     if steps:
         lengths = [(s["prompt_len"], s["output_len"]) for s in samples if s["output_len"] > 0]
-        out["workload_roofline"] = roofline.workload_summary(steps, info, info["kv_bytes_per_token"], limits,
-                                                             n_in + n_out, flops, elapsed,
-                                                             requests=None if speculative else lengths)
+        out["workload_roofline"] = roofline.workload_summary(
+            steps,
+            info,
+            info["kv_bytes_per_token"],
+            limits,
+            n_in + n_out,
+            flops,
+            elapsed,
+            requests=None if speculative else lengths,
+        )
     return out

@@ -28,8 +28,10 @@ def metric_table(title: str, rows: list[tuple[str, str, str, float | None]]) -> 
 
 
 def _limit_rows(limits: dict) -> list[tuple[str, str, str, None]]:
-    return [("limit: memory bandwidth (copy)", f"{limits['bandwidth'] / 1e9:.1f}", "GB/s", None),
-            (f"limit: matmul peak ({limits['dtype']})", f"{limits['matmul_peak'] / 1e12:.4g}", "TFLOP/s", None)]
+    return [
+        ("limit: memory bandwidth (copy)", f"{limits['bandwidth'] / 1e9:.1f}", "GB/s", None),
+        (f"limit: matmul peak ({limits['dtype']})", f"{limits['matmul_peak'] / 1e12:.4g}", "TFLOP/s", None),
+    ]
 
 
 def spec_rows(r: dict) -> list[tuple[str, str, str, None]]:
@@ -37,25 +39,33 @@ def spec_rows(r: dict) -> list[tuple[str, str, str, None]]:
     sd = r.get("spec_decode")
     if not sd:
         return []
-    return [("spec decode: drafts", f"{sd['num_drafts']}", "steps", None),
-            ("spec decode: draft tokens", f"{sd['num_draft_tokens']}", "tokens", None),
-            ("spec decode: accepted tokens", f"{sd['num_accepted_tokens']}", "tokens", None),
-            ("spec decode: acceptance rate", f"{100 * sd['acceptance_rate']:.1f}", "%", None),
-            ("spec decode: mean acceptance length", f"{sd['mean_acceptance_length']:.2f}", "tokens/step", None)]
+    return [
+        ("spec decode: drafts", f"{sd['num_drafts']}", "steps", None),
+        ("spec decode: draft tokens", f"{sd['num_draft_tokens']}", "tokens", None),
+        ("spec decode: accepted tokens", f"{sd['num_accepted_tokens']}", "tokens", None),
+        ("spec decode: acceptance rate", f"{100 * sd['acceptance_rate']:.1f}", "%", None),
+        ("spec decode: mean acceptance length", f"{sd['mean_acceptance_length']:.2f}", "tokens/step", None),
+    ]
 
 
 def latency_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     s = r["summary"]
     if not s:
         return []
-    rows = [("avg latency", f"{s['avg_latency_s']:.4f}", "s", None), ("std latency", f"{s['std_latency_s']:.4f}", "s", None)]
+    rows = [
+        ("avg latency", f"{s['avg_latency_s']:.4f}", "s", None),
+        ("std latency", f"{s['std_latency_s']:.4f}", "s", None),
+    ]
     rows += [(f"p{p} latency", f"{s[f'p{p}_latency_s']:.4f}", "s", None) for p in (10, 25, 50, 75, 90, 99)]
     pre, dec = s["prefill_roofline"], s["decode_roofline"]
-    rows += [("TTFT", f"{s['ttft_s'] * 1e3:.2f}", "ms", None), ("TPOT", f"{s['tpot_s'] * 1e3:.2f}", "ms", None),
-             ("prefill throughput", f"{s['prefill_tokens_per_s']:.1f}", "tokens/s", pre["pct_of_limit"]),
-             ("prefill compute", f"{pre['achieved_tflop_s']:.4g}", "TFLOP/s", pre["pct_of_limit"]),
-             ("decode throughput", f"{s['decode_tokens_per_s']:.1f}", "tokens/s", dec["pct_of_limit"]),
-             ("decode bandwidth (weights + KV)", f"{dec['achieved_gb_s']:.2f}", "GB/s", dec["pct_of_limit"])]
+    rows += [
+        ("TTFT", f"{s['ttft_s'] * 1e3:.2f}", "ms", None),
+        ("TPOT", f"{s['tpot_s'] * 1e3:.2f}", "ms", None),
+        ("prefill throughput", f"{s['prefill_tokens_per_s']:.1f}", "tokens/s", pre["pct_of_limit"]),
+        ("prefill compute", f"{pre['achieved_tflop_s']:.4g}", "TFLOP/s", pre["pct_of_limit"]),
+        ("decode throughput", f"{s['decode_tokens_per_s']:.1f}", "tokens/s", dec["pct_of_limit"]),
+        ("decode bandwidth (weights + KV)", f"{dec['achieved_gb_s']:.2f}", "GB/s", dec["pct_of_limit"]),
+    ]
     return rows + spec_rows(r) + _limit_rows(r["limits"])
 
 
@@ -64,13 +74,19 @@ def throughput_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     if not s:
         return []
     c = s["compute_roofline"]
-    return [("requests", f"{s['num_requests']}", "requests", None),
+    return (
+        [
+            ("requests", f"{s['num_requests']}", "requests", None),
             ("elapsed", f"{s['elapsed_time_s']:.2f}", "s", None),
             ("request throughput", f"{s['requests_per_second']:.2f}", "requests/s", None),
             ("total token throughput", f"{s['tokens_per_second']:.1f}", "tokens/s", c["pct_of_limit"]),
             ("output token throughput", f"{s['output_tokens_per_second']:.1f}", "tokens/s", None),
-            ("achieved compute", f"{c['achieved_tflop_s']:.4g}", "TFLOP/s", c["pct_of_limit"])] + \
-        _workload_rows(s.get("workload_roofline")) + spec_rows(r) + _limit_rows(r["limits"])
+            ("achieved compute", f"{c['achieved_tflop_s']:.4g}", "TFLOP/s", c["pct_of_limit"]),
+        ]
+        + _workload_rows(s.get("workload_roofline"))
+        + spec_rows(r)
+        + _limit_rows(r["limits"])
+    )
 
 
 def _workload_rows(w: dict | None) -> list[tuple[str, str, str, float | None]]:
@@ -78,28 +94,36 @@ def _workload_rows(w: dict | None) -> list[tuple[str, str, str, float | None]]:
     time over the run's), and the most of the matmul peak it allows; the same for any schedule."""
     if not w:
         return []
-    rows = [("least time for this schedule (roofline)", f"{w['min_time_s']:.2f}", "s", w["pct_of_limit"]),
-            ("  of which bandwidth-bound steps", f"{w['bandwidth_bound_s']:.2f}", "s", None),
-            ("most of the matmul peak it allows", f"{w['limit_pct_of_peak']:.1f}", "%", None)]
+    rows = [
+        ("least time for this schedule (roofline)", f"{w['min_time_s']:.2f}", "s", w["pct_of_limit"]),
+        ("  of which bandwidth-bound steps", f"{w['bandwidth_bound_s']:.2f}", "s", None),
+        ("most of the matmul peak it allows", f"{w['limit_pct_of_peak']:.1f}", "%", None),
+    ]
     if "any_schedule_min_time_s" in w:
-        rows += [("least time for any schedule", f"{w['any_schedule_min_time_s']:.2f}", "s", None),
-                 ("most of the peak any schedule allows", f"{w['any_schedule_pct_of_peak']:.1f}", "%", None)]
+        rows += [
+            ("least time for any schedule", f"{w['any_schedule_min_time_s']:.2f}", "s", None),
+            ("most of the peak any schedule allows", f"{w['any_schedule_pct_of_peak']:.1f}", "%", None),
+        ]
     return rows
 
 
 def serve_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     dec = (r.get("roofline") or {}).get("decode") or {}
     pct = dec.get("pct_of_limit")
-    rows = [("successful requests", f"{r['completed']}", "requests", None),
-            ("failed requests", f"{r['failed']}", "requests", None),
-            ("benchmark duration", f"{r['duration']:.2f}", "s", None),
-            ("total input tokens", f"{r['total_input_tokens']}", "tokens", None),
-            ("total output tokens", f"{r['total_output_tokens']}", "tokens", None),
-            ("request throughput", f"{r['request_throughput']:.2f}", "requests/s", None)]
+    rows = [
+        ("successful requests", f"{r['completed']}", "requests", None),
+        ("failed requests", f"{r['failed']}", "requests", None),
+        ("benchmark duration", f"{r['duration']:.2f}", "s", None),
+        ("total input tokens", f"{r['total_input_tokens']}", "tokens", None),
+        ("total output tokens", f"{r['total_output_tokens']}", "tokens", None),
+        ("request throughput", f"{r['request_throughput']:.2f}", "requests/s", None),
+    ]
     if r.get("request_goodput") is not None:
         rows.append(("request goodput", f"{r['request_goodput']:.2f}", "requests/s", None))
-    rows += [("output token throughput", f"{r['output_throughput']:.1f}", "tokens/s", pct),
-             ("total token throughput", f"{r['total_token_throughput']:.1f}", "tokens/s", None)]
+    rows += [
+        ("output token throughput", f"{r['output_throughput']:.1f}", "tokens/s", pct),
+        ("total token throughput", f"{r['total_token_throughput']:.1f}", "tokens/s", None),
+    ]
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
         keys = [k for k in r if k.endswith(f"_{name}_ms") and not k.startswith(("std", "p50_"))]  # p50 = median
         for k in keys:
@@ -115,13 +139,15 @@ def train_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     s = r["summary"]
     if not s:
         return []
-    return [("throughput", f"{s['tokens_per_s_per_device']:.1f}", "tokens/s/device", s["mfu_pct"]),
-            ("step time", f"{s['step_time_s']:.3f}", "s", None),
-            ("MFU", f"{s['mfu_pct']:.2f}", "%", s["mfu_pct"]),
-            ("achieved compute", f"{s['roofline']['achieved_tflop_s']:.4g}", "TFLOP/s", s["mfu_pct"]),
-            (f"peak for MFU ({s['peak_source']})", f"{s['peak_flops'] / 1e12:.4g}", "TFLOP/s", None),
-            ("peak memory", f"{s['peak_memory_bytes'] / 2**30:.2f}", "GiB", None),
-            ("last loss", f"{r['samples'][-1]['loss']:.4f}", "nats/token", None)]
+    return [
+        ("throughput", f"{s['tokens_per_s_per_device']:.1f}", "tokens/s/device", s["mfu_pct"]),
+        ("step time", f"{s['step_time_s']:.3f}", "s", None),
+        ("MFU", f"{s['mfu_pct']:.2f}", "%", s["mfu_pct"]),
+        ("achieved compute", f"{s['roofline']['achieved_tflop_s']:.4g}", "TFLOP/s", s["mfu_pct"]),
+        (f"peak for MFU ({s['peak_source']})", f"{s['peak_flops'] / 1e12:.4g}", "TFLOP/s", None),
+        ("peak memory", f"{s['peak_memory_bytes'] / 2**30:.2f}", "GiB", None),
+        ("last loss", f"{r['samples'][-1]['loss']:.4f}", "nats/token", None),
+    ]
 
 
 def kernels_table(r: dict) -> Table:
@@ -132,9 +158,17 @@ def kernels_table(r: dict) -> Table:
         table.add_column(col, justify="right")
     for row in r["samples"]:
         peak = row.get("peak_mem_bytes")
-        table.add_row(row["op"], str(row["tokens"]), row["impl"], row.get("pass", "fwd"), f"{row['time_s'] * 1e6:.1f}",
-                      f"{row['gb_s']:.2f}", f"{row['tflop_s']:.4g}", _pct(row["pct_of_limit"]),
-                      "" if peak is None else f"{peak / 2**20:.1f}")
+        table.add_row(
+            row["op"],
+            str(row["tokens"]),
+            row["impl"],
+            row.get("pass", "fwd"),
+            f"{row['time_s'] * 1e6:.1f}",
+            f"{row['gb_s']:.2f}",
+            f"{row['tflop_s']:.4g}",
+            _pct(row["pct_of_limit"]),
+            "" if peak is None else f"{peak / 2**20:.1f}",
+        )
     return table
 
 
@@ -154,19 +188,29 @@ def compare_table(r: dict) -> Table:
         table.add_row(f"[bold]{label}[/bold]", "", "", "", "")
         for j, (name, row) in enumerate(rows.items()):
             rf = row["roofline"]
-            achieved = f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4g} TFLOP/s"
+            achieved = (
+                f"{rf['achieved_gb_s']:.2f} GB/s" if kind == "decode" else f"{rf['achieved_tflop_s']:.4g} TFLOP/s"
+            )
             ratio = f"{ours / row['tokens_per_s']:.2f}x" if ours else ""
             w = row.get("workload_roofline")
             pct = _pct(rf["pct_of_limit"])
             if w:  # (the schedule's bound[ / any schedule's])
                 anys = f" / {_pct(w['any_schedule_pct_of_peak'])}" if "any_schedule_pct_of_peak" in w else ""
                 pct += f" ({_pct(w['limit_pct_of_peak'])}{anys})"
-            table.add_row(f"  {name}", f"{row['tokens_per_s']:.1f}", achieved, pct, ratio,
-                          end_section=j == len(rows) - 1 and i < len(kinds) - 1)
+            table.add_row(
+                f"  {name}",
+                f"{row['tokens_per_s']:.1f}",
+                achieved,
+                pct,
+                ratio,
+                end_section=j == len(rows) - 1 and i < len(kinds) - 1,
+            )
     if any("workload_roofline" in row for row in s.get("throughput", {}).values()):
-        table.caption = ("(x% / y%): the most of the matmul peak baige's offline schedule allows on this machine (each "
-                         "step at least max(FLOPs / peak, bytes / bandwidth)) / that any schedule of the same requests "
-                         "allows (at least as many steps as the longest output, each reading every weight)")
+        table.caption = (
+            "(x% / y%): the most of the matmul peak baige's offline schedule allows on this machine (each "
+            "step at least max(FLOPs / peak, bytes / bandwidth)) / that any schedule of the same requests "
+            "allows (at least as many steps as the longest output, each reading every weight)"
+        )
     return table
 
 

@@ -60,8 +60,9 @@ class RequestResult:
 # ----------------------------------------------------------------------------- datasets
 
 
-def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[RequestInput]:
+def random_requests(
+    tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[RequestInput]:
     """vLLM's random dataset as text: :func:`common.random_token_prompts` decoded by ``tokenizer``.
 
     Raises BaigeError for a range_ratio outside [0, 1).
@@ -70,8 +71,9 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
     return [RequestInput(tokenizer.decode(ids), len(ids), n_out) for ids, n_out in pairs]
 
 
-def sharegpt_requests(path: str | Path, tokenizer, num_prompts: int, seed: int = 0,
-                      output_len: int | None = None) -> list[RequestInput]:
+def sharegpt_requests(
+    path: str | Path, tokenizer, num_prompts: int, seed: int = 0, output_len: int | None = None
+) -> list[RequestInput]:
     """Prompts from a ShareGPT-format JSON (``[{"conversations": [{"value": ...}, ...]}]``), with
     vLLM's filters: the first turn is the prompt, the second sets the output length; pairs with a
     prompt or completion under 4 tokens, a prompt over 1024 tokens, or a total over 2048 are skipped.
@@ -90,8 +92,10 @@ def sharegpt_requests(path: str | Path, tokenizer, num_prompts: int, seed: int =
             break
         prompt, completion = conv[0].get("value"), conv[1].get("value")
         if not (isinstance(prompt, str) and isinstance(completion, str)):
-            raise BaigeError(f"{path}: each conversation's turns need a string \"value\" (got "
-                             f"{type(prompt).__name__} and {type(completion).__name__})")
+            raise BaigeError(
+                f'{path}: each conversation\'s turns need a string "value" (got '
+                f"{type(prompt).__name__} and {type(completion).__name__})"
+            )
         p_len = len(tokenizer.encode(prompt, add_special_tokens=False))
         o_len = output_len or len(tokenizer.encode(completion, add_special_tokens=False))
         if p_len < 4 or o_len < 4 or p_len > 1024 or p_len + o_len > 2048:
@@ -123,12 +127,18 @@ def arrival_intervals(n: int, request_rate: float, burstiness: float = 1.0, seed
 # ----------------------------------------------------------------------------- the client
 
 
-async def send_completion(client, url: str, model: str, req: RequestInput, headers: dict[str, str],
-                          ignore_eos: bool = True) -> RequestResult:
+async def send_completion(
+    client, url: str, model: str, req: RequestInput, headers: dict[str, str], ignore_eos: bool = True
+) -> RequestResult:
     """POST one streaming ``/v1/completions`` request and time its chunks."""
     body = {
-        "model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
-        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
     }
     res = RequestResult()
     start = last = time.perf_counter()
@@ -169,10 +179,18 @@ async def send_completion(client, url: str, model: str, req: RequestInput, heade
     return res
 
 
-async def run_requests(base_url: str, model: str, requests: Sequence[RequestInput], request_rate: float = float("inf"),
-                       burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                       api_key: str | None = None, ignore_eos: bool = True,
-                       on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    base_url: str,
+    model: str,
+    requests: Sequence[RequestInput],
+    request_rate: float = float("inf"),
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+    ignore_eos: bool = True,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send ``requests`` with the given arrival process and concurrency cap.
 
     Returns ``(results in request order, benchmark duration in seconds)``. Requests not yet sent
@@ -189,6 +207,7 @@ async def run_requests(base_url: str, model: str, requests: Sequence[RequestInpu
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
         async def one(i: int) -> None:
             if limit:
                 async with limit:
@@ -236,9 +255,14 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return out
 
 
-def calculate_metrics(inputs: Sequence[RequestInput], results: Sequence[RequestResult], duration: float,
-                      tokenizer=None, percentiles: Sequence[float] = (50, 90, 99),
-                      slo: dict[str, float] | None = None) -> dict[str, Any]:
+def calculate_metrics(
+    inputs: Sequence[RequestInput],
+    results: Sequence[RequestResult],
+    duration: float,
+    tokenizer=None,
+    percentiles: Sequence[float] = (50, 90, 99),
+    slo: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """Aggregate per-request results into ``vllm bench serve``'s result fields.
 
     Latency fields are in milliseconds (``mean_ttft_ms``, ``p99_itl_ms``, ...), throughputs per
@@ -293,6 +317,12 @@ def calculate_metrics(inputs: Sequence[RequestInput], results: Sequence[RequestR
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         for stat, value in summarize([v * 1000 for v in values], percentiles).items():
             out[f"{stat}_{name}_ms"] = value
-    out.update(input_lens=input_lens, output_lens=output_lens, ttfts=[r.ttft for r in results],
-               itls=[r.itl for r in results], generated_texts=texts, errors=errors)
+    out.update(
+        input_lens=input_lens,
+        output_lens=output_lens,
+        ttfts=[r.ttft for r in results],
+        itls=[r.itl for r in results],
+        generated_texts=texts,
+        errors=errors,
+    )
     return out

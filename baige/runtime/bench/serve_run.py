@@ -23,7 +23,6 @@ from pathlib import Path
 
 from baige.errors import BaigeError
 from baige.runtime.bench.common import environment
-from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int
 from baige.runtime.bench.serve import (
     RequestResult,
     calculate_metrics,
@@ -32,6 +31,7 @@ from baige.runtime.bench.serve import (
     run_requests,
     sharegpt_requests,
 )
+from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int
 
 
 @dataclass
@@ -88,8 +88,9 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float, l
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log and log.exists() else []
-            raise BaigeError(f"`baige serve` exited with code {proc.returncode} before it was healthy: "
-                             + " | ".join(tail))
+            raise BaigeError(
+                f"`baige serve` exited with code {proc.returncode} before it was healthy: " + " | ".join(tail)
+            )
         try:
             if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
                 return
@@ -113,12 +114,24 @@ def server_env(api_key: str | None = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def launch_server(model: str | None, max_model_len: int, extra_args: list[str], timeout: float,
-                  api_key: str | None = None) -> Iterator[str]:
+def launch_server(
+    model: str | None, max_model_len: int, extra_args: list[str], timeout: float, api_key: str | None = None
+) -> Iterator[str]:
     """Run ``baige serve`` on a free port for the duration of the ``with``; yields its base URL."""
     port = free_port()
-    cmd = [sys.executable, "-m", "baige", "serve", "--port", str(port), "--max-model-len", str(max_model_len),
-           "--log-level", "warning", *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "baige",
+        "serve",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--log-level",
+        "warning",
+        *extra_args,
+    ]
     if model:
         cmd += ["--model", model]
     env = server_env(api_key)
@@ -185,14 +198,25 @@ def serve_roofline(model_dir: Path, metrics: dict, results: list[RequestResult],
         m = mc.moe
         routed = len(m.sparse_layers) * m.num_experts * 3 * mc.hidden_size * m.intermediate_size
         counts.update(num_experts=m.num_experts, top_k=m.top_k, routed_expert_bytes=wbytes * routed / mc.num_params())
-    return {"limits": limits.to_dict(), "mean_concurrency": conc,
-            "decode": roofline.decode_roofline(metrics["output_throughput"], max(conc, 1e-9),
-                                               roofline.step_weight_bytes(counts, max(conc, 1e-9)),
-                                               mc.kv_bytes_per_token(dtype_bytes), ctx, limits.bandwidth)}
+    return {
+        "limits": limits.to_dict(),
+        "mean_concurrency": conc,
+        "decode": roofline.decode_roofline(
+            metrics["output_throughput"],
+            max(conc, 1e-9),
+            roofline.step_weight_bytes(counts, max(conc, 1e-9)),
+            mc.kv_bytes_per_token(dtype_bytes),
+            ctx,
+            limits.bandwidth,
+        ),
+    }
 
 
-SPEC_COUNTERS = {"baige:spec_decode_num_drafts": "num_drafts", "baige:spec_decode_num_draft_tokens": "num_draft_tokens",
-                 "baige:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+SPEC_COUNTERS = {
+    "baige:spec_decode_num_drafts": "num_drafts",
+    "baige:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "baige:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
 
 
 def scrape_spec_decode(base_url: str, api_key: str | None = None) -> dict | None:
@@ -203,22 +227,28 @@ def scrape_spec_decode(base_url: str, api_key: str | None = None) -> dict | None
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        r = httpx.get(f"{base_url}/metrics", timeout=10.0,
-                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+        r = httpx.get(
+            f"{base_url}/metrics", timeout=10.0, headers={"Authorization": f"Bearer {api_key}"} if api_key else None
+        )
     except httpx.HTTPError:
         return None
     found = {}
     try:
         for family in text_string_to_metric_families(r.text if r.status_code == 200 else ""):
             if family.name in SPEC_COUNTERS:
-                found[SPEC_COUNTERS[family.name]] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+                found[SPEC_COUNTERS[family.name]] = int(
+                    sum(s.value for s in family.samples if s.name.endswith("_total"))
+                )
     except ValueError:  # not Prometheus text (another server's /metrics)
         return None
     if len(found) < len(SPEC_COUNTERS):
         return None
     drafts, proposed, accepted = found["num_drafts"], found["num_draft_tokens"], found["num_accepted_tokens"]
-    return {**found, "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+    return {
+        **found,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+    }
 
 
 def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | None = None) -> dict:
@@ -259,9 +289,19 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
 
         t0 = time.perf_counter()
         try:
-            results, duration = asyncio.run(run_requests(
-                base_url, name, inputs, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, cfg.seed,
-                cfg.api_key, on_done=record))
+            results, duration = asyncio.run(
+                run_requests(
+                    base_url,
+                    name,
+                    inputs,
+                    cfg.request_rate,
+                    cfg.burstiness,
+                    cfg.max_concurrency,
+                    cfg.seed,
+                    cfg.api_key,
+                    on_done=record,
+                )
+            )
         except KeyboardInterrupt:
             interrupted, results, duration = True, done, time.perf_counter() - t0
         spec = scrape_spec_decode(base_url, cfg.api_key)
@@ -285,6 +325,16 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
     args = asdict(cfg)
     if args["request_rate"] == float("inf"):
         args["request_rate"] = "inf"  # JSON has no infinity
-    return {"benchmark": "serve", "args": args, "environment": environment(), "interrupted": interrupted,
-            "model_id": name, "num_prompts": len(inputs), "request_rate": args["request_rate"],
-            "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency, **metrics, "spec_decode": spec}
+    return {
+        "benchmark": "serve",
+        "args": args,
+        "environment": environment(),
+        "interrupted": interrupted,
+        "model_id": name,
+        "num_prompts": len(inputs),
+        "request_rate": args["request_rate"],
+        "burstiness": cfg.burstiness,
+        "max_concurrency": cfg.max_concurrency,
+        **metrics,
+        "spec_decode": spec,
+    }

@@ -26,10 +26,18 @@ def suite_configs(model: str | None, kv_cache_dtype: str = "auto", peers: tuple[
     return {
         "latency": LatencyConfig(eng, input_len=32, output_len=32, batch_size=1, num_iters_warmup=1, num_iters=3),
         "throughput": ThroughputConfig(eng, num_prompts=16, input_len=64, output_len=32, range_ratio=0.5),
-        "serve": ServeBenchConfig(model, num_prompts=16, input_len=64, output_len=32, request_rate=4.0,
-                                  server_args=server_args),
-        "compare": CompareConfig(eng, input_len=32, output_len=32, num_prompts=32, tp_input_len=64, tp_output_len=32,
-                                 peers=PEERS if peers is None else peers),
+        "serve": ServeBenchConfig(
+            model, num_prompts=16, input_len=64, output_len=32, request_rate=4.0, server_args=server_args
+        ),
+        "compare": CompareConfig(
+            eng,
+            input_len=32,
+            output_len=32,
+            num_prompts=32,
+            tp_input_len=64,
+            tp_output_len=32,
+            peers=PEERS if peers is None else peers,
+        ),
     }
 
 
@@ -37,32 +45,52 @@ def headline(name: str, r: dict) -> list[tuple[str, float, str, float | None]]:
     """(metric, value, unit, % of limit) rows of one part's result."""
     s = r.get("summary") or {}
     if name == "latency" and s:
-        return [("batch-1 decode", s["decode_tokens_per_s"], "tokens/s", s["decode_roofline"]["pct_of_limit"]),
-                ("TTFT", s["ttft_s"] * 1e3, "ms", None), ("TPOT", s["tpot_s"] * 1e3, "ms", None)]
+        return [
+            ("batch-1 decode", s["decode_tokens_per_s"], "tokens/s", s["decode_roofline"]["pct_of_limit"]),
+            ("TTFT", s["ttft_s"] * 1e3, "ms", None),
+            ("TPOT", s["tpot_s"] * 1e3, "ms", None),
+        ]
     if name == "throughput" and s:
         rows = [("total tokens", s["tokens_per_second"], "tokens/s", s["compute_roofline"]["pct_of_limit"])]
         w = s.get("workload_roofline")
         if w:  # the schedule's roofline: the most tokens/s (and % of the matmul peak) this machine allows
             rows.append(("roofline bound", w["limit_tokens_per_s"], "tokens/s", w["limit_pct_of_peak"]))
             if "any_schedule_min_time_s" in w:  # the same for any schedule of these requests
-                rows.append(("any-schedule bound", s["total_num_tokens"] / w["any_schedule_min_time_s"], "tokens/s",
-                             w["any_schedule_pct_of_peak"]))
+                rows.append(
+                    (
+                        "any-schedule bound",
+                        s["total_num_tokens"] / w["any_schedule_min_time_s"],
+                        "tokens/s",
+                        w["any_schedule_pct_of_peak"],
+                    )
+                )
         return rows + [("requests", s["requests_per_second"], "requests/s", None)]
     if name == "serve":
         dec = (r.get("roofline") or {}).get("decode") or {}
-        return [("output tokens", r["output_throughput"], "tokens/s", dec.get("pct_of_limit")),
-                ("median TTFT", r["median_ttft_ms"], "ms", None), ("median TPOT", r["median_tpot_ms"], "ms", None),
-                ("failed", r["failed"], "requests", None)]
+        return [
+            ("output tokens", r["output_throughput"], "tokens/s", dec.get("pct_of_limit")),
+            ("median TTFT", r["median_ttft_ms"], "ms", None),
+            ("median TPOT", r["median_tpot_ms"], "ms", None),
+            ("failed", r["failed"], "requests", None),
+        ]
     if name == "compare" and s:  # "<workload>: <baige row> / <peer row>": baige vs the best HF dtype, baige and
         # its plain checkpoints vs llama.cpp (the "+" combinations are in compare's own tables: too wide here)
         labels = {k: ratio_label(k) for k in s.get("ratios", {})}
-        return [(f"{kind}: {label}", s["ratios"][k], "x", None) for k, (kind, label) in labels.items()
-                if label == "baige / hf-best" or ("/ llama.cpp" in label and "+" not in label)]
+        return [
+            (f"{kind}: {label}", s["ratios"][k], "x", None)
+            for k, (kind, label) in labels.items()
+            if label == "baige / hf-best" or ("/ llama.cpp" in label and "+" not in label)
+        ]
     return []
 
 
-def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_cache_dtype: str = "auto",
-              peers: tuple[str, ...] | None = None) -> dict:
+def run_suite(
+    model: str | None,
+    output_dir: str | Path,
+    plot: bool = False,
+    kv_cache_dtype: str = "auto",
+    peers: tuple[str, ...] | None = None,
+) -> dict:
     """Run the parts in order; stops after an interrupted part (its JSON is still written).
 
     Raises BaigeError at once for an ``output_dir`` that cannot be a writable directory or an unknown peer."""
@@ -74,8 +102,12 @@ def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_
     check_output_path("--output-dir", output_dir, "dir")
 
     err = Console(stderr=True)
-    runners = {"latency": run_latency, "throughput": run_throughput, "compare": run_compare,
-               "serve": lambda cfg, progress: run_serve(cfg, None)}
+    runners = {
+        "latency": run_latency,
+        "throughput": run_throughput,
+        "compare": run_compare,
+        "serve": lambda cfg, progress: run_serve(cfg, None),
+    }
     cfgs = suite_configs(model, kv_cache_dtype, peers)
     rows: dict[str, list] = {}
     files: dict[str, str] = {}
@@ -99,9 +131,15 @@ def run_suite(model: str | None, output_dir: str | Path, plot: bool = False, kv_
                 interrupted = True
                 break
         bar.update(task, completed=len(rows))
-    summary = {"benchmark": "suite", "environment": environment(), "interrupted": interrupted, "files": files,
-               "summary": {k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), row)) for row in v]
-                           for k, v in rows.items()}}
+    summary = {
+        "benchmark": "suite",
+        "environment": environment(),
+        "interrupted": interrupted,
+        "files": files,
+        "summary": {
+            k: [dict(zip(("metric", "value", "unit", "pct_of_limit"), row)) for row in v] for k, v in rows.items()
+        },
+    }
     summary["file"] = str(write_result(output_dir, "suite", summary))
     return summary
 
@@ -127,6 +165,10 @@ def suite_table(result: dict) -> Table:
         table.add_row(f"[bold]{title}[/bold]", "", "", "")
         for metric, row in rows:
             v, pct = row["value"], row["pct_of_limit"]
-            table.add_row(f"  {metric}", f"{v:.2f}" if isinstance(v, float) else str(v), row["unit"],
-                          "" if pct is None else f"{pct:.1f}%")
+            table.add_row(
+                f"  {metric}",
+                f"{v:.2f}" if isinstance(v, float) else str(v),
+                row["unit"],
+                "" if pct is None else f"{pct:.1f}%",
+            )
     return table

@@ -83,8 +83,9 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
             data = str(Path(tmp) / "synthetic.txt")
             tok = Tokenizer.from_dir(resolve_model(None if from_scratch else cfg.model))
             # decoded random ids re-tokenize to roughly as many tokens; 2x margin
-            _synthetic_text(tok, 2 * (cfg.steps * cfg.batch_size * cfg.grad_accum + 1) * (cfg.seq_len + 1),
-                            Path(data), cfg.seed)
+            _synthetic_text(
+                tok, 2 * (cfg.steps * cfg.batch_size * cfg.grad_accum + 1) * (cfg.seq_len + 1), Path(data), cfg.seed
+            )
         tc = TrainConfig(output=str(Path(tmp) / "run"))
         if from_scratch:
             tc.model.config, tc.model.tokenizer = cfg.model, str(resolve_model(None))
@@ -92,7 +93,13 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
             tc.model.name = cfg.model
         tc.data.train = [data]
         t = tc.training
-        t.steps, t.seq_len, t.batch_size, t.grad_accum, t.seed = cfg.steps, cfg.seq_len, cfg.batch_size, cfg.grad_accum, cfg.seed
+        t.steps, t.seq_len, t.batch_size, t.grad_accum, t.seed = (
+            cfg.steps,
+            cfg.seq_len,
+            cfg.batch_size,
+            cfg.grad_accum,
+            cfg.seed,
+        )
         t.device, t.activation_checkpointing, t.compile = cfg.device, cfg.activation_checkpointing, cfg.compile
         tc.parallelism.mixed_precision_param = cfg.dtype
         tc.metrics.tensorboard = False
@@ -120,16 +127,33 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
         compiled = trainer.compile  # what training.compile (auto by default) resolved to
         fpt = trainer.model.flops_per_token(cfg.seq_len)
         mc = trainer.model_config
-        counts = {"num_params": mc.num_params(), "num_params_non_embedding": mc.num_params(non_embedding=True),
-                  "num_params_active": mc.num_params(non_embedding=True, active=True)}  # roofline.model_counts
+        counts = {
+            "num_params": mc.num_params(),
+            "num_params_non_embedding": mc.num_params(non_embedding=True),
+            "num_params_active": mc.num_params(non_embedding=True, active=True),
+        }  # roofline.model_counts
     summary = {}
     if samples:
         step_s = statistics.median(s["time_s"] for s in samples)
         tps = cfg.batch_size * cfg.seq_len * cfg.grad_accum / step_s
-        summary = {"step_time_s": step_s, "tokens_per_s_per_device": tps, "peak_memory_bytes": mem,
-                   "peak_flops": peak, "peak_source": peak_source,
-                   "roofline": roofline.compute_roofline(tps, fpt, peak)}
+        summary = {
+            "step_time_s": step_s,
+            "tokens_per_s_per_device": tps,
+            "peak_memory_bytes": mem,
+            "peak_flops": peak,
+            "peak_source": peak_source,
+            "roofline": roofline.compute_roofline(tps, fpt, peak),
+        }
         summary["mfu_pct"] = summary["roofline"]["pct_of_limit"]
-    return {"benchmark": "train", "args": asdict(cfg), "environment": environment(), "limits": limits.to_dict(),
-            "model": counts, "dtype": str(dtype).removeprefix("torch."), "compiled": compiled, "interrupted": interrupted,
-            "samples": samples, "summary": summary}
+    return {
+        "benchmark": "train",
+        "args": asdict(cfg),
+        "environment": environment(),
+        "limits": limits.to_dict(),
+        "model": counts,
+        "dtype": str(dtype).removeprefix("torch."),
+        "compiled": compiled,
+        "interrupted": interrupted,
+        "samples": samples,
+        "summary": summary,
+    }

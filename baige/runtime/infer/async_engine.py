@@ -26,6 +26,7 @@ from baige.runtime.infer.sampling import SamplingParams
 
 logger = logging.getLogger("baige.engine")
 
+
 class AsyncEngine:
     """Drives an :class:`Engine` from one background thread; asyncio callers stream its outputs.
 
@@ -35,8 +36,12 @@ class AsyncEngine:
         on_dead: called once, in the loop thread, if the loop stops for any reason but :meth:`shutdown`.
     """
 
-    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None] | None = None,
-                 on_dead: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        on_dead: Callable[[], None] | None = None,
+    ):
         self.engine = engine
         self.on_output = on_output
         self.on_dead = on_dead
@@ -77,9 +82,13 @@ class AsyncEngine:
             self._cv.notify()
         return await asyncio.wrap_future(future)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; leaving early (or cancellation) aborts it.
         ``lora_request``: the adapter it runs with (None: the base model).
 
@@ -97,8 +106,9 @@ class AsyncEngine:
             if self.dead is not None:
                 raise EngineDeadError("the engine loop has stopped; restart the server")
             self._streams[request_id] = (loop, queue)
-            self._adds.append((request_id, prompt if isinstance(prompt, str) else ids, params, time.monotonic(),
-                               lora_request))
+            self._adds.append(
+                (request_id, prompt if isinstance(prompt, str) else ids, params, time.monotonic(), lora_request)
+            )
             self._cv.notify()
         finished = False
         try:
@@ -151,8 +161,9 @@ class AsyncEngine:
         """One round: take adds and aborts, run a step, deliver. False once shut down."""
         engine = self.engine
         with self._cv:
-            while not (self._stopped or self._fatal or self._adds or self._aborts or self._calls
-                       or engine.has_unfinished()):
+            while not (
+                self._stopped or self._fatal or self._adds or self._aborts or self._calls or engine.has_unfinished()
+            ):
                 self._cv.wait()
             if self._stopped:
                 return False
@@ -179,8 +190,9 @@ class AsyncEngine:
             self._deliver(rid, error)
         return True
 
-    def _add(self, rid: str, prompt: str | list[int], params: SamplingParams, arrival: float,
-             lora: LoRARequest | None = None) -> None:
+    def _add(
+        self, rid: str, prompt: str | list[int], params: SamplingParams, arrival: float, lora: LoRARequest | None = None
+    ) -> None:
         try:
             self.engine.add_request(rid, prompt, params, arrival, lora_request=lora)
         except BaigeError as e:
@@ -224,8 +236,13 @@ class AsyncEngine:
             calls, self._calls = self._calls, []
         for _, future in calls:
             future.set_exception(EngineDeadError(f"the engine loop stopped ({type(error).__name__})"))
-        logger.critical("the engine loop stopped (%s: %s); failing %d waiting requests: %s", type(error).__name__,
-                        error, len(streams), ", ".join(streams))
+        logger.critical(
+            "the engine loop stopped (%s: %s); failing %d waiting requests: %s",
+            type(error).__name__,
+            error,
+            len(streams),
+            ", ".join(streams),
+        )
         for rid in streams:
             self._deliver(rid, EngineDeadError(f"the engine loop stopped ({type(error).__name__}); restart the server"))
         if self.on_dead is not None:

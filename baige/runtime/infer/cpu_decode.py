@@ -3,7 +3,8 @@
 For decode steps of an fp32 or bf16 model on CPU, and prefill chunks and mixed steps of up to
 :data:`MAX_STEP_ROWS` token rows (:meth:`FusedDecoder.takes_rows`; each row a decode row of its own
 context, so a chunk's causal mask is each row's context length), the engine's runner hands the whole layer stack to
-``baige_decode_layers`` (:class:`baige.kernels.NativeDecodeLayers`): each layer's norms, projections (fp32 ``nn.Linear``, or int8 / int4
+``baige_decode_layers`` (:class:`baige.kernels.NativeDecodeLayers`): each layer's norms, projections (fp32
+``nn.Linear``, or int8 / int4
 ``QuantizedLinear`` through the native weight-only kernels), RoPE, KV store, paged attention and MLP
 run in C, the tensors read in place through the pointers gathered here; so do the embedding lookup,
 the rotary rows (from tables by position) and the final norm where the model allows
@@ -50,7 +51,6 @@ from baige.runtime.quant.fp16_weight import Fp16WeightLinear
 from baige.runtime.quant.linear import QuantizedLinear
 from baige.runtime.settings import settings
 
-
 # Prefill chunks and mixed steps of at most this many token rows run through the native step too (each
 # row a decode row of its own context; the runner's _run_mixed); larger ones keep the per-op path, whose
 # GEMMs (oneDNN, MKL) block for many rows. Measured on the dev VM (AMD EPYC Zen 4, 1 thread, SmolLM2-135M,
@@ -66,7 +66,8 @@ class FusedDecoder:
 
     The kernel's layer table points into the model's and the cache's own storage; every tensor
     it points to (weights, norms, biases, pools, the unpacked int4 zero points made here and the fp32
-    scale copies made by the kernel's table) stays referenced by it, so swapping a module afterwards leaves stale values,
+    scale copies made by the kernel's table) stays referenced by it, so swapping a module afterwards leaves stale
+    values,
     never a dangling pointer; build a new decoder after changing the model.
     """
 
@@ -77,8 +78,12 @@ class FusedDecoder:
         # the rotary rows (a table by position, computed here by the model's own rotary module so its
         # values are the per-op path's) and the final norm then cost no PyTorch ops per step.
         emb, norm = model.model.embed_tokens, model.model.norm
-        self._whole = (type(emb) is nn.Embedding and emb.weight.is_contiguous() and not model.rotary_emb.dynamic
-                       and norm.eps == model.model.layers[0].input_layernorm.eps)
+        self._whole = (
+            type(emb) is nn.Embedding
+            and emb.weight.is_contiguous()
+            and not model.rotary_emb.dynamic
+            and norm.eps == model.model.layers[0].input_layernorm.eps
+        )
         self._final_norm = _f32(norm.weight) if self._whole else None
         if self._whole:
             self._grow_rope(torch.zeros(1, dtype=torch.int64))
@@ -130,27 +135,51 @@ class FusedDecoder:
                 for j, heads in ((0, a.n_heads), (1, a.n_kv_heads)):
                     linears[j] = _head_dims_permuted(linears[j], perm, heads)
                     if linears[j] is None:
-                        return None, (f"layer {i}: interleaved RoPE takes the native step with plain fp32 / bf16 "
-                                      "q and k projections only")
+                        return None, (
+                            f"layer {i}: interleaved RoPE takes the native step with plain fp32 / bf16 "
+                            "q and k projections only"
+                        )
                 norms = [None if w is None else w[perm].contiguous() for w in norms]
             if not (kv.k[i].is_contiguous() and kv.v[i].is_contiguous()):
                 return None, "a KV pool is not contiguous"
-            descs.append(kernels.DecodeLayerDesc(
-                linears, _f32(layer.input_layernorm.weight), _f32(layer.post_attention_layernorm.weight),
-                *norms, kv.k[i], kv.v[i], moe))
+            descs.append(
+                kernels.DecodeLayerDesc(
+                    linears,
+                    _f32(layer.input_layernorm.weight),
+                    _f32(layer.post_attention_layernorm.weight),
+                    *norms,
+                    kv.k[i],
+                    kv.v[i],
+                    moe,
+                )
+            )
         head = model.lm_head
         if type(head) is nn.Linear and head.weight.dtype in (torch.float32, torch.bfloat16):
             _to_arena(head.weight)  # read right after the last layer (logits)
         c = model.config
-        dims = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                c.intermediate_size)
+        dims = (
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+        )
         layer0 = model.model.layers[0]
-        table = kernels.NativeDecodeLayers(descs, dims, float(layer0.input_layernorm.eps), float(layer0.self_attn.scale))
+        table = kernels.NativeDecodeLayers(
+            descs, dims, float(layer0.input_layernorm.eps), float(layer0.self_attn.scale)
+        )
         return cls(model, table, kv.k[0]), ""
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 lora_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        lora_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One decode step.
 
         Args:
@@ -168,10 +197,21 @@ class FusedDecoder:
         """
         model = self.model
         if self._whole:
+
             def step():
-                return self._layers.step(input_ids[0], positions[0], model.model.embed_tokens.weight, self._cos,
-                                         self._sin, self._final_norm, slot_mapping, block_tables, context_lens,
-                                         lora_ids)
+                return self._layers.step(
+                    input_ids[0],
+                    positions[0],
+                    model.model.embed_tokens.weight,
+                    self._cos,
+                    self._sin,
+                    self._final_norm,
+                    slot_mapping,
+                    block_tables,
+                    context_lens,
+                    lora_ids,
+                )
+
             out = step()
             if out is None:  # a position past the rotary tables
                 if int(positions.min()) < 0:
@@ -196,8 +236,10 @@ class FusedDecoder:
         its step ran natively, which depends on the step's other rows."""
         k = self._kv_k
         kv_bytes = longest_prefill * k.shape[-1] * 2 * k.element_size()
-        return rows <= (MAX_STEP_ROWS if self._layers.blocked else MAX_STEP_ROWS_FP32) and \
-            kv_bytes <= kernels.NATIVE_ATTENTION_MAX_BYTES
+        return (
+            rows <= (MAX_STEP_ROWS if self._layers.blocked else MAX_STEP_ROWS_FP32)
+            and kv_bytes <= kernels.NATIVE_ATTENTION_MAX_BYTES
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) fp32 -> (M, vocab) logits; an fp32 or bf16 ``lm_head`` runs the native kernel (one
@@ -229,15 +271,15 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
         scheme = mod.scheme
         scale = mod.weight_scale.contiguous()  # fp32 or bf16 (the model's), as the per-op path passes it
         if scheme.num_bits == 8:
-            desc = kernels.DecodeLinearDesc(kernels.LINEAR_INT8, mod.out_features, mod.in_features, mod.weight,
-                                            scale)
+            desc = kernels.DecodeLinearDesc(kernels.LINEAR_INT8, mod.out_features, mod.in_features, mod.weight, scale)
         else:
             if mod.in_features % 8 or scheme.group_size % 8:
                 return None, "int4 needs in_features and group_size multiples of 8"
             zp = mod.zero_point()
             zp = None if zp is None else zp.to(torch.int32).contiguous()
-            desc = kernels.DecodeLinearDesc(kernels.LINEAR_INT4, mod.out_features, mod.in_features,
-                                            mod.weight_packed, scale, zp, scheme.group_size)
+            desc = kernels.DecodeLinearDesc(
+                kernels.LINEAR_INT4, mod.out_features, mod.in_features, mod.weight_packed, scale, zp, scheme.group_size
+            )
     else:
         return None, f"{type(mod).__name__} has no native kernel"
     if bias is not None:
@@ -251,8 +293,7 @@ def _describe(mod: nn.Module) -> tuple[kernels.DecodeLinearDesc | None, str]:
     return desc, ""
 
 
-def _head_dims_permuted(d: kernels.DecodeLinearDesc, perm: torch.Tensor, heads: int
-                        ) -> kernels.DecodeLinearDesc | None:
+def _head_dims_permuted(d: kernels.DecodeLinearDesc, perm: torch.Tensor, heads: int) -> kernels.DecodeLinearDesc | None:
     """A copy of the fp32 / bf16 projection ``d`` whose output rows are each head's dims in ``perm`` order
     (row h * D + i of the copy = row h * D + perm[i]), or None for other kinds or with LoRA. Interleaved
     RoPE (ERNIE-4.5) is half-split RoPE on q and k permuted so (model/transformer.py's ``rope_perm``; q.k
@@ -291,8 +332,9 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
     if any(getattr(mod, "lora_stack", None) is not None for mod in m.modules()):
         return None, "LoRA adapters on its projections run on the per-op path"
     bias = m.moe_statics.e_score_correction_bias[0] if m.moe_statics is not None else None
-    desc = kernels.DecodeMoEDesc(_f32(m.gate.weight), None, None, m.top_k, m.renormalize, float(m.norm_min),
-                                 None if bias is None else _f32(bias))
+    desc = kernels.DecodeMoEDesc(
+        _f32(m.gate.weight), None, None, m.top_k, m.renormalize, float(m.norm_min), None if bias is None else _f32(bias)
+    )
     if isinstance(m.experts, QuantizedExperts):  # per-expert projections (quantized, or float ones kept)
         desc.experts = []
         for j, expert in enumerate(m.experts):
@@ -304,7 +346,9 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
         gate_up, down = getattr(m.experts, "gate_up_proj", None), getattr(m.experts, "down_proj", None)
         if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
             return None, f"its experts ({type(m.experts).__name__}) have no native kernel"
-        if gate_up.dtype not in (torch.float32, torch.bfloat16) or not (gate_up.is_contiguous() and down.is_contiguous()):
+        if gate_up.dtype not in (torch.float32, torch.bfloat16) or not (
+            gate_up.is_contiguous() and down.is_contiguous()
+        ):
             return None, "the stacked experts are not contiguous fp32 / bf16"
         desc.gate_up, desc.down = _to_arena(gate_up).detach(), _to_arena(down).detach()
     shared = m.shared_expert if m.shared_expert is not None else m.shared_experts

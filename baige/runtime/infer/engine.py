@@ -22,8 +22,8 @@ from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig, parse_size
 from baige.runtime.infer.block_manager import BlockManager
-from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.kv_cache import KVCache, num_blocks_for, profile_activation_peak, resolve_kv_cache_dtype
+from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.outputs import CompletionOutput, EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
@@ -70,17 +70,22 @@ class Engine:
         max_num_batched_tokens < max_num_seqs, ...).
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, cfg: EngineConfig,
-                 tp: TensorParallelGroup | None = None):
+    def __init__(
+        self, model: Transformer, tokenizer: Tokenizer, cfg: EngineConfig, tp: TensorParallelGroup | None = None
+    ):
         mc = model.config
         self.model, self.tokenizer, self.cfg, self.tp = model, tokenizer, cfg, tp
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
-            raise BaigeError(f"--max-model-len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({mc.max_position_embeddings})")
+            raise BaigeError(
+                f"--max-model-len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings})"
+            )
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
-            raise BaigeError(f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= "
-                             f"--max-num-seqs ({cfg.max_num_seqs})")
+            raise BaigeError(
+                f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= "
+                f"--max-num-seqs ({cfg.max_num_seqs})"
+            )
         if cfg.block_size < 1 or cfg.max_num_seqs < 1:
             raise BaigeError("--block-size and --max-num-seqs must be >= 1")
         if isinstance(cfg.kv_cache_memory, str):
@@ -92,11 +97,15 @@ class Engine:
         peak = 0
         kv_cfg = kv_config(model)  # this rank's KV heads
         if cfg.kv_cache_memory is None and tp is None:  # size the cache from what is free after a warm-up step
-            peak = profile_activation_peak(model, min(cfg.max_num_batched_tokens, self.max_model_len),
-                                           min(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len))
+            peak = profile_activation_peak(
+                model,
+                min(cfg.max_num_batched_tokens, self.max_model_len),
+                min(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len),
+            )
         kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, p.dtype, p.device)
-        num_blocks = num_blocks_for(kv_cfg, cfg.block_size, kv_dtype, p.device, cfg.kv_cache_memory, self.max_model_len,
-                                    activation_peak=peak)
+        num_blocks = num_blocks_for(
+            kv_cfg, cfg.block_size, kv_dtype, p.device, cfg.kv_cache_memory, self.max_model_len, activation_peak=peak
+        )
         self.kv_cache = KVCache(kv_cfg, num_blocks, cfg.block_size, kv_dtype, p.device)
         if tp is not None:
             tp.send_kv_cache(num_blocks, cfg.block_size, kv_dtype)
@@ -104,11 +113,23 @@ class Engine:
         self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
         self.spec_stats = SpecDecodeStats()
         self.num_speculative_tokens = cfg.speculative_config.num_speculative_tokens if self.proposer else 0
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-                                   on_release=self.proposer.release if self.proposer else None,
-                                   max_loras=cfg.max_loras if cfg.enable_lora else None)
-        self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len, cfg.enforce_eager,
-                                  self.num_speculative_tokens, tp)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            self.max_model_len,
+            on_release=self.proposer.release if self.proposer else None,
+            max_loras=cfg.max_loras if cfg.enable_lora else None,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.kv_cache,
+            cfg.max_num_seqs,
+            self.max_model_len,
+            cfg.enforce_eager,
+            self.num_speculative_tokens,
+            tp,
+        )
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
         if cfg.enable_lora:
             self.lora = self.runner.lora = LoRAManager(model, cfg.max_lora_rank)
@@ -126,10 +147,14 @@ class Engine:
         self.step_shapes: list[StepShape] | None = None
         self.num_prompt_tokens = 0
         self.num_constrained_requests = 0
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)", num_blocks, cfg.block_size,
-                    num_blocks * cfg.block_size,
-                    num_blocks * KVCache.bytes_per_block(kv_cfg, cfg.block_size, kv_dtype) / 1e6,
-                    str(kv_dtype).removeprefix("torch."))
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)",
+            num_blocks,
+            cfg.block_size,
+            num_blocks * cfg.block_size,
+            num_blocks * KVCache.bytes_per_block(kv_cfg, cfg.block_size, kv_dtype) / 1e6,
+            str(kv_dtype).removeprefix("torch."),
+        )
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "Engine":
@@ -172,13 +197,17 @@ class Engine:
         if params.structured_outputs is not None:
             first = self.grammars().first_mask(params.structured_outputs)  # compiles (cached) or raises now
             if params.allowed_token_ids is not None and not bool(first[params.allowed_token_ids].any()):
-                raise BaigeError("allowed_token_ids leave no token that the structured-output constraint allows "
-                                 "first", param="allowed_token_ids")
+                raise BaigeError(
+                    "allowed_token_ids leave no token that the structured-output constraint allows first",
+                    param="allowed_token_ids",
+                )
         if isinstance(prompt, str):
             _check_text(prompt, "prompt")
             if len(prompt) > self.max_prompt_chars:
-                raise BaigeError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                                 f"has {len(prompt)} characters, far more than that many tokens can hold")
+                raise BaigeError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                    f"has {len(prompt)} characters, far more than that many tokens can hold"
+                )
             text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         else:
             text, ids = None, list(prompt)
@@ -189,18 +218,29 @@ class Engine:
             raise BaigeError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         n = len(ids)
         if n >= self.max_model_len:
-            raise BaigeError(f"this model's maximum context length is {self.max_model_len} tokens; "
-                             f"the prompt has {n} tokens, which leaves no room to generate")
+            raise BaigeError(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {n} tokens, which leaves no room to generate"
+            )
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - n)
         elif n + params.max_tokens > self.max_model_len:
-            raise BaigeError(f"this model's maximum context length is {self.max_model_len} tokens, but "
-                             f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
-                             f"in the completion); reduce the prompt or max_tokens")
+            raise BaigeError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
+                f"in the completion); reduce the prompt or max_tokens"
+            )
         return text, ids, params
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, *, lora_request: LoRARequest | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Queue a request (``params.n`` sequences), with ``lora_request``'s adapter (loaded from its
         path on first use) or the base model. Raises BaigeError as :meth:`prepare`, for a request id
         already in flight, or for an adapter without ``enable_lora`` or that cannot load
@@ -209,7 +249,9 @@ class Engine:
             raise BaigeError(f"request id {request_id!r} is already in use")
         text, ids, params = self.prepare(prompt, params)
         lora_id = self.resolve_lora(lora_request)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        )
         matcher = StopMatcher(params.stop) if params.stop else None
         so = params.structured_outputs
         seqs = []
@@ -219,18 +261,32 @@ class Engine:
                 gen = torch.Generator(device=self.runner.device).manual_seed(params.seed_for(i))
             elif not params.greedy:
                 gen = self.generator
-            seq = Sequence(list(ids), params.max_tokens, params.min_tokens, stop_ids, request_id, i,
-                           payload=SeqText(self.tokenizer, params, gen, matcher,
-                                           self.grammars().matcher(so) if so is not None else None),
-                           prompt_logprobs=params.prompt_logprobs if i == 0 else None,  # one scorer per request
-                           lora_int_id=lora_id)
+            seq = Sequence(
+                list(ids),
+                params.max_tokens,
+                params.min_tokens,
+                stop_ids,
+                request_id,
+                i,
+                payload=SeqText(
+                    self.tokenizer, params, gen, matcher, self.grammars().matcher(so) if so is not None else None
+                ),
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,  # one scorer per request
+                lora_int_id=lora_id,
+            )
             seqs.append(seq)
         for seq in seqs:  # queued only once all are built: a failure above leaves nothing behind
             self.scheduler.add(seq)
-        self.requests[request_id] = _Request(request_id, text, ids, params, seqs,
-                                             time.monotonic() if arrival_time is None else arrival_time,
-                                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                                             spec_stats=SpecDecodeStats() if self.proposer is not None else None)
+        self.requests[request_id] = _Request(
+            request_id,
+            text,
+            ids,
+            params,
+            seqs,
+            time.monotonic() if arrival_time is None else arrival_time,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            spec_stats=SpecDecodeStats() if self.proposer is not None else None,
+        )
         self.num_prompt_tokens += len(ids)
         self.num_constrained_requests += so is not None
 
@@ -240,8 +296,11 @@ class Engine:
         if lora_request is None:
             return 0
         if self.lora is None:
-            raise BaigeError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
-                             "(--enable-lora / LLM(enable_lora=True))", param="model")
+            raise BaigeError(
+                f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                "(--enable-lora / LLM(enable_lora=True))",
+                param="model",
+            )
         return self.lora.engine_id(lora_request)
 
     def unload_lora_adapter(self, lora_name: str) -> None:
@@ -336,8 +395,14 @@ class Engine:
 
     def _propose(self) -> None:
         """Draft tokens for the running sequences that decode next step (:func:`assign_drafts`)."""
-        assign_drafts(self.proposer, self.scheduler.running, self.num_speculative_tokens, self.max_model_len,
-                      _sampler_row, self.cfg.speculative_config.disable_by_batch_size)
+        assign_drafts(
+            self.proposer,
+            self.scheduler.running,
+            self.num_speculative_tokens,
+            self.max_model_len,
+            _sampler_row,
+            self.cfg.speculative_config.disable_by_batch_size,
+        )
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer and vocabulary."""
@@ -349,8 +414,11 @@ class Engine:
         """Start the grammar masks of the constrained sequences that sample this step (on the
         compiler's worker thread, overlapping the forward); returns the callable that waits for
         them, or None."""
-        constrained = {i: s.payload.grammar for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                       if s.payload.grammar is not None and s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)}
+        constrained = {
+            i: s.payload.grammar
+            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+            if s.payload.grammar is not None and s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)
+        }
         drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
         return self._grammars.start_masks(constrained, drafts).result if constrained else None
 
@@ -393,9 +461,11 @@ class Engine:
         n = seq.num_new_output
         first = len(seq.token_ids) - n
         for j in range(n):
-            ended = self._process_token(seq, seq.token_ids[first + j], lps[j] if j < len(lps) else None, last=j == n - 1)
+            ended = self._process_token(
+                seq, seq.token_ids[first + j], lps[j] if j < len(lps) else None, last=j == n - 1
+            )
             if ended and j < n - 1:
-                del seq.token_ids[first + j + 1:]
+                del seq.token_ids[first + j + 1 :]
                 return j + 1
         return n
 
@@ -417,9 +487,12 @@ class Engine:
             # An error while computing this step's mask (an engine limit: then the mask allowed only
             # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).
             if st.grammar.is_error() or not st.grammar.consume_token(token):
-                raise BaigeError(f"structured_outputs: the constraint cannot go on after {len(seq.output_token_ids) - 1} "
-                                 f"tokens ({engine_error(st.grammar)}); allowed_token_ids, if given, must keep tokens "
-                                 "the constraint allows", param="structured_outputs")
+                raise BaigeError(
+                    f"structured_outputs: the constraint cannot go on after {len(seq.output_token_ids) - 1} "
+                    f"tokens ({engine_error(st.grammar)}); allowed_token_ids, if given, must keep tokens "
+                    "the constraint allows",
+                    param="structured_outputs",
+                )
             if st.grammar.is_stopped() and not seq.is_finished:  # the language is complete: end here
                 self.scheduler.finish(seq, "stop")
                 return True
@@ -431,33 +504,48 @@ class Engine:
             st: SeqText = seq.payload
             upto = st.emit_upto(seq.is_finished)
             out_ids = seq.output_token_ids
-            outs.append(CompletionOutput(
-                index=seq.index,
-                text=st.text[:upto],
-                token_ids=list(out_ids),
-                finish_reason=seq.finish_reason,
-                stop_reason=None if seq.stop_reason in self._eos_only else seq.stop_reason,  # EOS: None (vLLM)
-                logprobs=list(st.logprobs) if st.logprobs is not None else None,
-                delta_text=st.text[st.sent:upto],
-                delta_token_ids=out_ids[st.sent_tokens:],
-                delta_logprobs=st.logprobs[st.sent_logprobs:] if st.logprobs is not None else [],
-            ))
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=st.text[:upto],
+                    token_ids=list(out_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=None if seq.stop_reason in self._eos_only else seq.stop_reason,  # EOS: None (vLLM)
+                    logprobs=list(st.logprobs) if st.logprobs is not None else None,
+                    delta_text=st.text[st.sent : upto],
+                    delta_token_ids=out_ids[st.sent_tokens :],
+                    delta_logprobs=st.logprobs[st.sent_logprobs :] if st.logprobs is not None else [],
+                )
+            )
             st.sent, st.sent_tokens = upto, len(out_ids)
             st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
         finished = all(s.is_finished for s in req.seqs)
-        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                            num_cached_tokens=req.seqs[0].num_cached_tokens,
-                            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-                            arrival_time=req.arrival_time,
-                            first_token_time=req.first_token_time, finished_time=now if finished else None,
-                            spec_decode=replace(req.spec_stats, accepted_per_pos=list(req.spec_stats.accepted_per_pos))
-                            if req.spec_stats is not None else None)
+        out = RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outs,
+            finished,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=now if finished else None,
+            spec_decode=replace(req.spec_stats, accepted_per_pos=list(req.spec_stats.accepted_per_pos))
+            if req.spec_stats is not None
+            else None,
+        )
         if finished:
             del self.requests[req.request_id]
             n_out = sum(len(o.token_ids) for o in outs)
-            logger.info("request %s: %d prompt tokens, %d output tokens, %.3f s, finish %s", req.request_id,
-                        len(req.prompt_token_ids), n_out, now - req.arrival_time,
-                        ",".join(str(o.finish_reason) for o in outs))
+            logger.info(
+                "request %s: %d prompt tokens, %d output tokens, %.3f s, finish %s",
+                req.request_id,
+                len(req.prompt_token_ids),
+                n_out,
+                now - req.arrival_time,
+                ",".join(str(o.finish_reason) for o in outs),
+            )
         return out
 
     # ---- offline ---------------------------------------------------------------------------
@@ -482,10 +570,13 @@ class Engine:
 def _sampler_row(s: Sequence) -> SamplerRow:
     st: SeqText = s.payload
     p = st.params
-    return SamplerRow(p, st.generator,
-                      prompt_ids=s.token_ids[: s.num_prompt_tokens] if p.repetition_penalty != 1 else None,
-                      output_ids=s.output_token_ids if (p.has_penalties or p.min_tokens) else None,
-                      stop_ids=list(s.stop_token_ids) if p.min_tokens else None)
+    return SamplerRow(
+        p,
+        st.generator,
+        prompt_ids=s.token_ids[: s.num_prompt_tokens] if p.repetition_penalty != 1 else None,
+        output_ids=s.output_token_ids if (p.has_penalties or p.min_tokens) else None,
+        stop_ids=list(s.stop_token_ids) if p.min_tokens else None,
+    )
 
 
 def _check_text(text: str, field: str) -> None:

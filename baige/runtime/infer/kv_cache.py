@@ -39,8 +39,7 @@ class KVCache:
         device: where the pool lives.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
@@ -75,8 +74,10 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     dtype = KV_CACHE_DTYPES[name]
     if device.type != "cpu" and dtype != model_dtype:
         model = str(model_dtype).removeprefix("torch.")
-        raise BaigeError(f"--kv-cache-dtype {name} under a {model} model is supported on CPU only; "
-                         f"use auto or {model} on {device.type}")
+        raise BaigeError(
+            f"--kv-cache-dtype {name} under a {model} model is supported on CPU only; "
+            f"use auto or {model} on {device.type}"
+        )
     return dtype
 
 
@@ -116,8 +117,15 @@ def profile_activation_peak(model: torch.nn.Module, num_tokens: int, num_logits:
     return int(peak)
 
 
-def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   kv_cache_memory: int | None, max_model_len: int, activation_peak: int = 0) -> int:
+def num_blocks_for(
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_memory: int | None,
+    max_model_len: int,
+    activation_peak: int = 0,
+) -> int:
     """Blocks that fit in ``kv_cache_memory`` bytes. Default budget: a fraction of the free memory
     measured now (after the warm-up, on CUDA), less ``activation_peak`` bytes kept free for the
     activations of the largest step (:func:`profile_activation_peak`).
@@ -127,8 +135,10 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device
     """
     per_block = KVCache.bytes_per_block(cfg, block_size, dtype)
     if kv_cache_memory is not None and kv_cache_memory > (free := available_memory(device)):
-        raise BaigeError(f"--kv-cache-memory {kv_cache_memory} bytes is more than the {free} bytes free on "
-                         f"{device.type}; lower it (or leave it out to use a fraction of what is free)")
+        raise BaigeError(
+            f"--kv-cache-memory {kv_cache_memory} bytes is more than the {free} bytes free on "
+            f"{device.type}; lower it (or leave it out to use a fraction of what is free)"
+        )
     if kv_cache_memory is None:
         frac = GPU_KV_FRACTION if device.type == "cuda" else CPU_KV_FRACTION
         kv_cache_memory = max(0, int(available_memory(device) * frac) - activation_peak)

@@ -33,10 +33,16 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def chat(self, messages: Conversation | list[Conversation],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             tools: list[dict] | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Generate a reply to each conversation through the model's chat template (vLLM's ``LLM.chat``).
 
         Args:
@@ -69,13 +75,17 @@ class LLM:
             except BaigeError:
                 raise
             except Exception as e:  # the template met fields it cannot render (jinja2 type errors)
-                raise BaigeError(f"messages[{k}]: the chat template cannot render it "
-                                 f"({type(e).__name__}: {str(e)[:200]})") from None
+                raise BaigeError(
+                    f"messages[{k}]: the chat template cannot render it ({type(e).__name__}: {str(e)[:200]})"
+                ) from None
         return self.generate(prompts, sampling_params)
 
-    def generate(self, prompts: PromptType | list[PromptType],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order.
 
         Args:

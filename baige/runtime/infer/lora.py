@@ -78,15 +78,19 @@ class LoRAManager:
         """
         name = request.lora_name
         if not isinstance(name, str) or not name or name == self.base_name:
-            raise BaigeError(f"lora_name {name!r}: an adapter needs a non-empty name other than the base "
-                             "model's", param="lora_name")
+            raise BaigeError(
+                f"lora_name {name!r}: an adapter needs a non-empty name other than the base model's", param="lora_name"
+            )
         if name in self.loaded:
             raise BaigeError(f"the LoRA adapter {name!r} is already loaded", param="lora_name")
         with self._read_lock:
             adapter = load_peft_adapter(Path(request.lora_path), self.model, self.dtype)
         if adapter.rank > self.max_lora_rank:
-            raise BaigeError(f"LoRA adapter {name!r} ({request.lora_path}): rank {adapter.rank} exceeds "
-                             f"--max-lora-rank {self.max_lora_rank}", param="lora_path")
+            raise BaigeError(
+                f"LoRA adapter {name!r} ({request.lora_path}): rank {adapter.rank} exceeds "
+                f"--max-lora-rank {self.max_lora_rank}",
+                param="lora_path",
+            )
         return adapter
 
     def add(self, request: LoRARequest, adapter: LoRAAdapter) -> int:
@@ -113,8 +117,10 @@ class LoRAManager:
         """
         busy = in_flight.count(self.get(name).engine_id)
         if busy:
-            raise BaigeError(f"the LoRA adapter {name!r} is in use by {busy} request(s) in flight; unload it "
-                             "once they finish", param="lora_name")
+            raise BaigeError(
+                f"the LoRA adapter {name!r} is in use by {busy} request(s) in flight; unload it once they finish",
+                param="lora_name",
+            )
         del self.loaded[name]
         self._rebuild()
 
@@ -140,9 +146,11 @@ class LoRAManager:
                 raise LoRANotFound(f"the LoRA adapter {request.lora_name!r} is not loaded", param="model")
             return self.load(request)
         if request.lora_path and not _same_path(request.lora_path, found.request.lora_path):
-            raise BaigeError(f"the LoRA adapter {request.lora_name!r} is loaded from {found.request.lora_path}, "
-                             f"not {request.lora_path}: unload it first or give this one another name",
-                             param="lora_path")
+            raise BaigeError(
+                f"the LoRA adapter {request.lora_name!r} is loaded from {found.request.lora_path}, "
+                f"not {request.lora_path}: unload it first or give this one another name",
+                param="lora_path",
+            )
         return found.engine_id
 
     def _rebuild(self) -> None:

@@ -34,8 +34,14 @@ import torch.nn.functional as F
 
 from baige import kernels
 from baige.runtime.infer.kv_cache import KVCache
-from baige.runtime.infer.sampling import (Logprobs, SamplerRow, sample_batch, target_logprobs, target_probs,
-                                          token_logprobs)
+from baige.runtime.infer.sampling import (
+    Logprobs,
+    SamplerRow,
+    sample_batch,
+    target_logprobs,
+    target_probs,
+    token_logprobs,
+)
 from baige.runtime.infer.scheduler import ScheduledBatch
 from baige.runtime.infer.spec_decode.rejection import verify
 from baige.runtime.model.transformer import Transformer
@@ -68,11 +74,14 @@ class PagedAttentionMetadata:
         row = 0
         for tables, lens in self.decode_groups:
             n = tables.shape[0]
-            parts.append(kernels.paged_decode_attention(q[row:row + n], kc, vc, tables, lens, scale))
+            parts.append(kernels.paged_decode_attention(q[row : row + n], kc, vc, tables, lens, scale))
             row += n
         if nd < q.shape[0]:
-            parts.append(kernels.paged_prefill_attention(q[nd:], kc, vc, self.prefill_block_tables,
-                                                         self.prefill_cu_seqlens, self.prefill_context_lens, scale))
+            parts.append(
+                kernels.paged_prefill_attention(
+                    q[nd:], kc, vc, self.prefill_block_tables, self.prefill_cu_seqlens, self.prefill_context_lens, scale
+                )
+            )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[None]  # (1, T, H, D)
 
@@ -98,8 +107,16 @@ def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.T
     """Run the model on one step's flat tokens over the paged cache ``kv`` (writing their K/V);
     returns per ``s.logit_rows`` entry the logits ``(rows, vocab)`` in the model dtype (on a
     tensor-parallel worker: its vocabulary slice, discarded)."""
-    md = PagedAttentionMetadata(kv.k, kv.v, s.slot_mapping, s.num_decodes, s.decode_groups, s.prefill_block_tables,
-                                s.prefill_cu_seqlens, s.prefill_context_lens)
+    md = PagedAttentionMetadata(
+        kv.k,
+        kv.v,
+        s.slot_mapping,
+        s.num_decodes,
+        s.decode_groups,
+        s.prefill_block_tables,
+        s.prefill_cu_seqlens,
+        s.prefill_context_lens,
+    )
     hidden = model(s.input_ids, s.positions, md)[0]  # (T, hidden)
     return [model.compute_logits(hidden if rows is None else hidden[rows]) for rows in s.logit_rows]
 
@@ -174,8 +191,16 @@ class ModelRunner:
             per-op (no captured graph, no native one-call decode: both lack the all-reduces).
     """
 
-    def __init__(self, model: Transformer, kv_cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, num_speculative_tokens: int = 0, tp=None):
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache: KVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        enforce_eager: bool = False,
+        num_speculative_tokens: int = 0,
+        tp=None,
+    ):
         self.model = model
         self.tp = tp
         self.kv = kv_cache
@@ -211,11 +236,17 @@ class ModelRunner:
         """``t[rows]``; a view when the rows are consecutive (one decoding row per sequence, the usual
         step), where an index gather would copy them (~30 us for one 49152-wide fp32 row, 1 thread)."""
         if rows == list(range(rows[0], rows[0] + len(rows))):
-            return t[rows[0]:rows[0] + len(rows)]
+            return t[rows[0] : rows[0] + len(rows)]
         return t[self._tensor(rows)]
 
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                        groups: list[tuple[torch.Tensor, torch.Tensor]], native: bool = True) -> torch.Tensor:
+    def _decode_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        groups: list[tuple[torch.Tensor, torch.Tensor]],
+        native: bool = True,
+    ) -> torch.Tensor:
         """Decode: (1, B) ids/positions, (B,) slots, groups of ((B_g, W_g) tables, (B_g,) lengths)
         covering the B rows in order -> (B, vocab) logits. ``native`` False: never the native CPU step."""
         if self.fused_decode is not None and native:
@@ -284,8 +315,9 @@ class ModelRunner:
                 owner.append(i)
         return ids, pos, slots, owner
 
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]
-                       ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _decode_groups(
+        self, tables: list[list[int]], lens: list[int]
+    ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Order decode rows by context length and group them (see :func:`group_by_width`).
 
         Args:
@@ -297,8 +329,9 @@ class ModelRunner:
         order = _by_length(lens)
         return order, self._groups_in(order, tables, lens)
 
-    def _groups_in(self, order: list[int], tables: list[list[int]], lens: list[int]
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _groups_in(
+        self, order: list[int], tables: list[list[int]], lens: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The groups of :meth:`_decode_groups` for rows already in ``order`` (ascending length)."""
         bs, scratch = self.block_size, self.kv.scratch_block
         widths = [-(-lens[i] // bs) for i in order]
@@ -324,8 +357,13 @@ class ModelRunner:
             # with adapters: the native step with their stacks, else the module path (their hooks)
             self._set_lora([seqs[owner[i]].lora_int_id for i in order] if lora else [])
             fn = self._decode_forward if lora else self._decode_fn
-            logits = fn(self._tensor([[ids[i] for i in order]]), self._tensor([[pos[i] for i in order]]),
-                        self._tensor([slots[i] for i in order]), groups, native=not lora or self._native_lora())
+            logits = fn(
+                self._tensor([[ids[i] for i in order]]),
+                self._tensor([[pos[i] for i in order]]),
+                self._tensor([slots[i] for i in order]),
+                groups,
+                native=not lora or self._native_lora(),
+            )
             if order == sorted(order):  # already in row order (one row, or lengths ascending): no gather
                 return logits, spans
             inverse = [0] * R
@@ -345,12 +383,14 @@ class ModelRunner:
         slots += [scratch * bs] * pad
         tables += [[scratch] * W] * pad
         lens += [1] * pad
-        logits = self._decode_fn(self._tensor([ids]), self._tensor([pos]), self._tensor(slots),
-                                 [(self._tensor(tables), self._tensor(lens))])
+        logits = self._decode_fn(
+            self._tensor([ids]), self._tensor([pos]), self._tensor(slots), [(self._tensor(tables), self._tensor(lens))]
+        )
         return logits[:R], spans
 
-    def _run_mixed(self, batch: ScheduledBatch
-                   ) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict[int, tuple[int, list]]]:
+    def _run_mixed(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict[int, tuple[int, list]]]:
         """Any mix of decodes (with their draft tokens) and prefill chunks, unpadded. Returns the logits
         of the rows that sample (each sequence's consecutively), per such sequence ``(batch index,
         first row, rows)``, and prompt logprobs: a batch index whose sequence asks for them maps to
@@ -365,7 +405,11 @@ class ModelRunner:
         sample_at = list(flat_of_row)  # every decode row samples (its rows are consecutive in `owner`)
         spans = _spans(owner)
         ids, pos, slots = [ids[r] for r in order], [pos[r] for r in order], [slots[r] for r in order]
-        score_at, score_targets, score_spans = [], [], []  # prompt logprobs: flat positions, next tokens, (row, first, n)
+        score_at, score_targets, score_spans = (
+            [],
+            [],
+            [],
+        )  # prompt logprobs: flat positions, next tokens, (row, first, n)
         pre_tables, pre_cu, pre_lens = [], [0], []
         for i in range(nd, len(batch)):
             s, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -379,7 +423,7 @@ class ModelRunner:
                 if last > start:
                     score_spans.append((i, start + 1, last - start))
                     score_at += range(len(ids) - n, len(ids) - n + last - start)
-                    score_targets += s.token_ids[start + 1:last + 1]
+                    score_targets += s.token_ids[start + 1 : last + 1]
             pre_tables.append(s.block_table)
             pre_cu.append(pre_cu[-1] + n)
             pre_lens.append(end)
@@ -389,26 +433,41 @@ class ModelRunner:
 
         lora = False
         if self.lora is not None:
-            lora = self._set_lora([batch.seqs[owner[r]].lora_int_id for r in order]
-                                  + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:])
-                                     for _ in range(n)])
-        if (self.fused_decode is not None and self.fused_decode.takes_rows(len(ids), max(pre_lens))
-                and (not lora or self._native_lora())):
+            lora = self._set_lora(
+                [batch.seqs[owner[r]].lora_int_id for r in order]
+                + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]) for _ in range(n)]
+            )
+        if (
+            self.fused_decode is not None
+            and self.fused_decode.takes_rows(len(ids), max(pre_lens))
+            and (not lora or self._native_lora())
+        ):
             # every row a decode row of its own context: the causal mask of a prefill chunk is each
             # row's context length, its K/V stored before the layer's attention reads it
             row_tables = [batch.seqs[owner[r]].block_table for r in order] + [
-                batch.seqs[i].block_table for i in range(nd, len(batch)) for _ in range(batch.num_new_tokens[i])]
+                batch.seqs[i].block_table for i in range(nd, len(batch)) for _ in range(batch.num_new_tokens[i])
+            ]
             w, scratch = max(len(t) for t in row_tables), self.kv.scratch_block
-            hidden = self.fused_decode(self._tensor([ids]), self._tensor([pos]), self._tensor(slots),
-                                       self._tensor([t + [scratch] * (w - len(t)) for t in row_tables]),
-                                       self._tensor([p + 1 for p in pos]),
-                                       self.lora.batch.token_lora_ids if lora else None)[0]
+            hidden = self.fused_decode(
+                self._tensor([ids]),
+                self._tensor([pos]),
+                self._tensor(slots),
+                self._tensor([t + [scratch] * (w - len(t)) for t in row_tables]),
+                self._tensor([p + 1 for p in pos]),
+                self.lora.batch.token_lora_ids if lora else None,
+            )[0]
             out = self.fused_decode.logits(hidden[self._tensor(sample_at + score_at)])
-            logits, scored = out[:len(sample_at)], [out[len(sample_at):]]
+            logits, scored = out[: len(sample_at)], [out[len(sample_at) :]]
             return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
         groups = self._groups_in(order, [batch.seqs[o].block_table for o in owner], decode_lens) if nd else []
-        step = StepInputs(self._tensor([ids]), self._tensor([pos]), self._tensor(slots), len(order), groups,
-                          logit_rows=[self._tensor(sample_at)] + ([self._tensor(score_at)] if score_at else []))
+        step = StepInputs(
+            self._tensor([ids]),
+            self._tensor([pos]),
+            self._tensor(slots),
+            len(order),
+            groups,
+            logit_rows=[self._tensor(sample_at)] + ([self._tensor(score_at)] if score_at else []),
+        )
         if pre_lens:
             w = max(len(t) for t in pre_tables)
             step.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
@@ -416,8 +475,14 @@ class ModelRunner:
         logits, *scored = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring
         return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, scored: list[torch.Tensor], score_at: list[int],
-                         score_targets: list[int], score_spans: list) -> dict[int, tuple[int, list]]:
+    def _prompt_logprobs(
+        self,
+        batch: ScheduledBatch,
+        scored: list[torch.Tensor],
+        score_at: list[int],
+        score_targets: list[int],
+        score_spans: list,
+    ) -> dict[int, tuple[int, list]]:
         """:meth:`_run_mixed`'s prompt logprobs from the scored rows' logits (``scored[0]``)."""
         prompt_lps: dict[int, tuple[int, list]] = {}
         if score_at:
@@ -426,7 +491,7 @@ class ModelRunner:
             at = 0
             for i, first, n in score_spans:
                 want = batch.seqs[i].prompt_logprobs
-                prompt_lps[i] = (first, [Logprobs(lp.token_id, lp.logprob, lp.top[:want]) for lp in lps[at:at + n]])
+                prompt_lps[i] = (first, [Logprobs(lp.token_id, lp.logprob, lp.top[:want]) for lp in lps[at : at + n]])
                 at += n
         return prompt_lps
 
@@ -438,9 +503,12 @@ class ModelRunner:
         return self._run_mixed(batch)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, rows: list[SamplerRow | None],
-                token_masks: Callable[[], dict[int, torch.Tensor]] | None = None,
-                ) -> tuple[list[list[int]], list[list[Logprobs | None]], dict[int, tuple[int, list[Logprobs]]]]:
+    def execute(
+        self,
+        batch: ScheduledBatch,
+        rows: list[SamplerRow | None],
+        token_masks: Callable[[], dict[int, torch.Tensor]] | None = None,
+    ) -> tuple[list[list[int]], list[list[Logprobs | None]], dict[int, tuple[int, list[Logprobs]]]]:
         """Run the step, sample, and verify draft tokens.
 
         Args:
@@ -472,24 +540,36 @@ class ModelRunner:
             self._verify(batch, rows, logits, spec, tokens, logprobs)
         return tokens, logprobs, prompt_lps
 
-    def _verify(self, batch: ScheduledBatch, rows: list[SamplerRow | None], logits: torch.Tensor,
-                spec: list[tuple[int, int, int]], tokens: list[list[int]], logprobs: list[list[Logprobs | None]]) -> None:
+    def _verify(
+        self,
+        batch: ScheduledBatch,
+        rows: list[SamplerRow | None],
+        logits: torch.Tensor,
+        spec: list[tuple[int, int, int]],
+        tokens: list[list[int]],
+        logprobs: list[list[Logprobs | None]],
+    ) -> None:
         """Verify the draft tokens of the speculating sequences (``spec``: batch index, first logits
         row, rows = drafts + 1), filling ``tokens`` and ``logprobs`` in place."""
         pos_rows, at = [], []
         for i, first, n in spec:
             drafts, mask = batch.seqs[i].spec_token_ids, rows[i].token_mask
-            pos_rows += [rows[i].with_outputs(drafts[:j]) if mask is None else
-                         replace(rows[i].with_outputs(drafts[:j]), token_mask=mask[j]) for j in range(n)]
+            pos_rows += [
+                rows[i].with_outputs(drafts[:j])
+                if mask is None
+                else replace(rows[i].with_outputs(drafts[:j]), token_mask=mask[j])
+                for j in range(n)
+            ]
             at += range(first, first + n)
         sub = logits[self._tensor(at)]
         probs = target_probs(sub, pos_rows)  # (sum n, vocab)
         off = 0
         for i, first, n in spec:
             seq, row = batch.seqs[i], rows[i]
-            emitted = verify(probs[off:off + n], seq.spec_token_ids, seq.spec_draft_probs, row.params.greedy,
-                             row.generator)
+            emitted = verify(
+                probs[off : off + n], seq.spec_token_ids, seq.spec_draft_probs, row.params.greedy, row.generator
+            )
             tokens[i] = emitted
             k = row.params.logprobs
-            logprobs[i] = token_logprobs(sub[off:off + len(emitted)], emitted, [k] * len(emitted))
+            logprobs[i] = token_logprobs(sub[off : off + len(emitted)], emitted, [k] * len(emitted))
             off += n

@@ -107,8 +107,9 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise BaigeError(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
         if self.repetition_penalty <= 0:
-            raise BaigeError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                             param="repetition_penalty")
+            raise BaigeError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}", param="repetition_penalty"
+            )
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise BaigeError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", param="min_tokens")
         if isinstance(self.stop, str):
@@ -118,8 +119,9 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise BaigeError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise BaigeError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
-                             param="prompt_logprobs")
+            raise BaigeError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}", param="prompt_logprobs"
+            )
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise BaigeError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}", param="seed")
         self._check_stops()
@@ -130,10 +132,14 @@ class SamplingParams:
             raise BaigeError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", param="stop")
         for s in self.stop:
             if not isinstance(s, str) or len(s) > MAX_STOP_LEN:
-                raise BaigeError(f"stop: each entry must be a string of at most {MAX_STOP_LEN} characters", param="stop")
+                raise BaigeError(
+                    f"stop: each entry must be a string of at most {MAX_STOP_LEN} characters", param="stop"
+                )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise BaigeError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
-                             param="stop_token_ids")
+            raise BaigeError(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+                param="stop_token_ids",
+            )
 
     def _check_token_fields(self) -> None:
         ids = list(self.stop_token_ids) + list(self.allowed_token_ids or []) + list(self.logit_bias or {})
@@ -144,8 +150,9 @@ class SamplingParams:
             raise BaigeError("allowed_token_ids must not be empty", param="allowed_token_ids")
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
-                raise BaigeError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
-                                 param="logit_bias")
+                raise BaigeError(
+                    f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}", param="logit_bias"
+                )
             for t, b in self.logit_bias.items():
                 if not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
                     raise BaigeError(f"logit_bias[{t}] must be a number in [-100, 100], got {b!r}", param="logit_bias")
@@ -154,10 +161,15 @@ class SamplingParams:
         """Raise BaigeError for a token id (stop_token_ids, logit_bias, allowed_token_ids) or a
         top_k outside a vocabulary of ``vocab_size`` tokens."""
         if self.top_k > vocab_size:
-            raise BaigeError(f"top_k must be at most the vocabulary size {vocab_size} (or -1/0 for off), "
-                             f"got {self.top_k}", param="top_k")
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids or []),
-                          ("logit_bias", list(self.logit_bias or {}))):
+            raise BaigeError(
+                f"top_k must be at most the vocabulary size {vocab_size} (or -1/0 for off), got {self.top_k}",
+                param="top_k",
+            )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
                 raise BaigeError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
@@ -270,8 +282,13 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list
 
 def _needs_adjust(r: SamplerRow) -> bool:
     p = r.params
-    return bool(p.has_penalties or p.logit_bias or p.allowed_token_ids is not None or r.token_mask is not None
-                or (p.min_tokens and len(r.output_ids or ()) < p.min_tokens))
+    return bool(
+        p.has_penalties
+        or p.logit_bias
+        or p.allowed_token_ids is not None
+        or r.token_mask is not None
+        or (p.min_tokens and len(r.output_ids or ()) < p.min_tokens)
+    )
 
 
 def _adjust_row(row: torch.Tensor, r: SamplerRow) -> torch.Tensor:

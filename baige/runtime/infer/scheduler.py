@@ -4,7 +4,8 @@ Policy (vLLM's, simplified):
 
 - Every running sequence is scheduled each step, in admission order: a decoding sequence for its
   one new token plus its draft tokens when it speculates (``spec_token_ids``; the drafts are cut
-  to the token budget, and dropped before anything is preempted for their KV slots), a sequence in the middle of a chunked prefill for as much of the rest of its
+  to the token budget, and dropped before anything is preempted for their KV slots), a sequence in the middle of a
+  chunked prefill for as much of the rest of its
   prompt as the token budget (``max_num_batched_tokens``) allows.
 - When the pool has no block for a running sequence, the most recently admitted running sequence
   is preempted by *recompute*: its blocks are freed and it goes back to the front of the waiting
@@ -27,8 +28,8 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from baige.runtime.infer.block_manager import BlockManager
@@ -158,11 +159,19 @@ class Scheduler:
         max_loras: most distinct LoRA adapters among the running sequences (None: no limit).
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, on_release: Callable[[Sequence], None] | None = None,
-                 max_loras: int | None = None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        on_release: Callable[[Sequence], None] | None = None,
+        max_loras: int | None = None,
+    ):
         if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})")
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})"
+            )
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -235,8 +244,12 @@ class Scheduler:
             if seq.is_finished:
                 self._waiting.popleft()
                 continue
-            if (self.max_loras is not None and seq.lora_int_id and seq.lora_int_id not in loras
-                    and len(loras) >= self.max_loras):
+            if (
+                self.max_loras is not None
+                and seq.lora_int_id
+                and seq.lora_int_id not in loras
+                and len(loras) >= self.max_loras
+            ):
                 passed.append(self._waiting.popleft())
                 continue
             want = min(len(seq.token_ids), budget)

@@ -59,11 +59,21 @@ class ChatSession:
         mc = ModelConfig.from_file(model_dir / "config.json")
         block_size, max_len = 16, mc.max_position_embeddings
         # the whole model's KV bytes: under tensor parallelism a rank's share holds more than one sequence
-        kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(mc, block_size, resolve_dtype(cfg.dtype, mc, resolve_device(cfg.device)))
-        engine = Engine.from_config(EngineConfig(
-            model=str(model_dir), dtype=cfg.dtype, device=cfg.device, max_num_seqs=1, block_size=block_size,
-            kv_cache_memory=kv_bytes, speculative_config=cfg.speculative_config,
-            tensor_parallel_size=cfg.tensor_parallel_size))
+        kv_bytes = -(-max_len // block_size) * KVCache.bytes_per_block(
+            mc, block_size, resolve_dtype(cfg.dtype, mc, resolve_device(cfg.device))
+        )
+        engine = Engine.from_config(
+            EngineConfig(
+                model=str(model_dir),
+                dtype=cfg.dtype,
+                device=cfg.device,
+                max_num_seqs=1,
+                block_size=block_size,
+                kv_cache_memory=kv_bytes,
+                speculative_config=cfg.speculative_config,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+            )
+        )
         tokenizer = engine.tokenizer
         defaults = generation_defaults(model_dir)
         params = SamplingParams(
@@ -133,4 +143,3 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages.clear()
-

@@ -60,13 +60,21 @@ class StructuredOutputsParams:
         set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
-            raise BaigeError(f"structured outputs need exactly one of json, json_object, regex, choice, grammar "
-                             f"(got {', '.join(set_) or 'none'})", param="structured_outputs")
+            raise BaigeError(
+                f"structured outputs need exactly one of json, json_object, regex, choice, grammar "
+                f"(got {', '.join(set_) or 'none'})",
+                param="structured_outputs",
+            )
         if self.choice is not None:
-            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
-                    not all(isinstance(c, str) and c for c in self.choice):
-                raise BaigeError("structured_outputs.choice must be a non-empty list of non-empty strings",
-                                 param="structured_outputs")
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise BaigeError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings",
+                    param="structured_outputs",
+                )
             object.__setattr__(self, "choice", tuple(self.choice))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -78,21 +86,28 @@ class StructuredOutputsParams:
             try:
                 schema = json.loads(self.json)
             except (ValueError, RecursionError) as e:
-                raise BaigeError(f"structured_outputs.json is not valid JSON ({_one_line(e)})",
-                                 param="structured_outputs") from None
+                raise BaigeError(
+                    f"structured_outputs.json is not valid JSON ({_one_line(e)})", param="structured_outputs"
+                ) from None
             if not isinstance(schema, dict):
                 raise BaigeError("structured_outputs.json: a JSON schema must be an object", param="structured_outputs")
             object.__setattr__(self, "json", schema)
 
     def key(self) -> str:
         """sha256 of the canonical constraint: the compiled-grammar cache key."""
-        body = {"json": self.json, "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
-                "grammar": self.grammar}
+        body = {
+            "json": self.json,
+            "json_object": self.json_object,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+        }
         try:
             text = json.dumps(body, sort_keys=True, default=list)
         except (TypeError, ValueError, RecursionError) as e:  # a schema dict of non-JSON values / too deep
-            raise BaigeError(f"structured_outputs.json is not a JSON document ({_one_line(e)})",
-                             param="structured_outputs") from None
+            raise BaigeError(
+                f"structured_outputs.json is not a JSON document ({_one_line(e)})", param="structured_outputs"
+            ) from None
         return hashlib.sha256(text.encode()).hexdigest()
 
     def source(self) -> str:
@@ -108,7 +123,9 @@ class StructuredOutputsParams:
         if self.choice is not None:
             # one lexeme (a regex alternation) rather than a rule of alternatives: the parser's rows
             # are capped at 2000 items, the lexer has no such limit
-            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice))
+            return LLMatcher.grammar_from_lark(
+                "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice)
+            )
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
@@ -165,26 +182,36 @@ class GrammarCompiler:
             try:
                 source = params.source()
             except (ValueError, RecursionError) as e:
-                raise BaigeError(f"structured_outputs: invalid constraint ({_one_line(e)})",
-                                 param="structured_outputs") from None
+                raise BaigeError(
+                    f"structured_outputs: invalid constraint ({_one_line(e)})", param="structured_outputs"
+                ) from None
             if len(source) > MAX_CONSTRAINT_CHARS:
-                raise BaigeError(f"structured_outputs: the constraint compiles to more than {MAX_CONSTRAINT_CHARS} "
-                                 "characters", param="structured_outputs")
+                raise BaigeError(
+                    f"structured_outputs: the constraint compiles to more than {MAX_CONSTRAINT_CHARS} characters",
+                    param="structured_outputs",
+                )
             proto = LLMatcher(tok, source, log_level=0)
             if proto.is_error():
-                raise BaigeError(f"structured_outputs: invalid constraint ({_one_line(proto.get_error())})",
-                                 param="structured_outputs")
+                raise BaigeError(
+                    f"structured_outputs: invalid constraint ({_one_line(proto.get_error())})",
+                    param="structured_outputs",
+                )
             # The first step, on a copy: limits the engine only meets when it parses (rows of more
             # than 2000 alternatives, too many lexer expressions) and languages without any string
             # (a schema that is only a $ref cycle, a rule that only refers to itself) fail here.
             probe = proto.deep_copy()
             first = self._bits(torch.frombuffer(bytearray(probe.compute_bitmask()), dtype=torch.int32)[None])[0]
             if probe.is_error() and not probe.get_error().startswith("NoExtensionBias"):
-                raise BaigeError(f"structured_outputs: the grammar engine cannot run this constraint "
-                                 f"({engine_error(probe)})", param="structured_outputs")
+                raise BaigeError(
+                    f"structured_outputs: the grammar engine cannot run this constraint ({engine_error(probe)})",
+                    param="structured_outputs",
+                )
             if probe.is_error() or not bool(first.any()):  # NoExtensionBias: no token can extend the empty text
-                raise BaigeError("structured_outputs: the constraint accepts no output at all (no string satisfies "
-                                 "it, or none is made of this model's tokens)", param="structured_outputs")
+                raise BaigeError(
+                    "structured_outputs: the constraint accepts no output at all (no string satisfies "
+                    "it, or none is made of this model's tokens)",
+                    param="structured_outputs",
+                )
             self.stats["compiles"] += 1
             self.stats["compile_seconds"] += time.perf_counter() - start
             self._protos[key] = (proto, first)
@@ -205,8 +232,11 @@ class GrammarCompiler:
         return self._pool.submit(self._masks, matchers, drafts or {})
 
     def _masks(self, matchers: dict[int, Any], drafts: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        from llguidance.torch import (allocate_token_bitmask, fill_next_token_bitmask_par,
-                                      fill_next_token_bitmask_par_with_draft_tokens)
+        from llguidance.torch import (
+            allocate_token_bitmask,
+            fill_next_token_bitmask_par,
+            fill_next_token_bitmask_par_with_draft_tokens,
+        )
 
         start = time.perf_counter()
         rows = list(matchers)
@@ -223,7 +253,7 @@ class GrammarCompiler:
         allowed = self._bits(bitmask)
         self.stats["mask_seconds"] += time.perf_counter() - start
         self.stats["masked_tokens"] += at
-        return {r: allowed[i] if r not in drafts else allowed[i:i + 1 + len(d)] for r, (_, i, d) in zip(rows, spans)}
+        return {r: allowed[i] if r not in drafts else allowed[i : i + 1 + len(d)] for r, (_, i, d) in zip(rows, spans)}
 
 
 def engine_error(matcher) -> str:

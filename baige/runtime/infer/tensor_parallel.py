@@ -11,7 +11,8 @@ its shard, in place (Shoeybi et al. 2019, "Megatron-LM", section 3; vLLM's ``Col
 - dense MLP: ``gate_proj`` / ``up_proj`` column-parallel, ``down_proj`` row-parallel + all-reduce.
 - MoE: every routed expert's intermediate dimension split like a dense MLP (the shared expert too),
   one all-reduce after the block; or, with ``expert_parallel``, whole experts placed on ranks
-  (``E // N`` each, the first ``E % N`` ranks one more): every rank routes all tokens (the router is replicated), runs only the (token,
+  (``E // N`` each, the first ``E % N`` ranks one more): every rank routes all tokens (the router is replicated), runs
+  only the (token,
   expert) pairs of its own experts, and the block's output is summed by the same all-reduce.
 - ``embed_tokens`` vocab-parallel (each rank looks up its vocabulary rows, zeros elsewhere, then
   all-reduce) and ``lm_head`` vocab-parallel (each rank's logits gathered on rank 0 and
@@ -55,8 +56,9 @@ def check_shardable(cfg: ModelConfig, world_size: int, expert_parallel: bool = F
     _split(cfg.num_attention_heads, world_size, "num_attention_heads")
     k = cfg.num_key_value_heads
     if k % world_size and world_size % k:
-        raise BaigeError(f"--tensor-parallel-size {world_size}: num_key_value_heads ({k}) must be a multiple or a "
-                         "divisor of it")
+        raise BaigeError(
+            f"--tensor-parallel-size {world_size}: num_key_value_heads ({k}) must be a multiple or a divisor of it"
+        )
     sparse = [cfg.moe is not None and cfg.moe.is_sparse(i) for i in range(cfg.num_hidden_layers)]
     if not all(sparse):
         _split(cfg.intermediate_size, world_size, "intermediate_size")
@@ -153,8 +155,10 @@ class LocalExperts(nn.Module):
     def __init__(self, experts: Experts, first: int, count: int):
         super().__init__()
         self.first, self.num_experts, self.intermediate_size = first, count, experts.intermediate_size
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + count].clone(), requires_grad=False)
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + count].clone(), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(
+            experts.gate_up_proj.detach()[first : first + count].clone(), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[first : first + count].clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: (N, H); topk_weights (N, k) fp32; topk_ids (N, k) int64 over all experts -> (N, H)."""
@@ -162,8 +166,13 @@ class LocalExperts(nn.Module):
         tok, slot = local.nonzero(as_tuple=True)  # (P,) each: the pairs routed to this rank
         out = torch.zeros_like(x)
         if tok.numel():
-            y = kernels.fused_moe(x[tok], self.gate_up_proj, self.down_proj, topk_weights[tok, slot][:, None],
-                                  (topk_ids[tok, slot] - self.first)[:, None])  # (P, H)
+            y = kernels.fused_moe(
+                x[tok],
+                self.gate_up_proj,
+                self.down_proj,
+                topk_weights[tok, slot][:, None],
+                (topk_ids[tok, slot] - self.first)[:, None],
+            )  # (P, H)
             out.index_add_(0, tok, y)
         return out
 
@@ -177,10 +186,13 @@ def _shard_moe(mlp: SparseMoeBlock, comm: Comm, expert_parallel: bool) -> None:
     else:
         i, n = ex.intermediate_size, ex.intermediate_size // world_size
         gu = ex.gate_up_proj.detach()  # (E, 2I, H): gate rows [0, I), up rows [I, 2I)
-        ex.gate_up_proj = nn.Parameter(torch.cat([gu[:, rank * n:(rank + 1) * n], gu[:, i + rank * n:i + (rank + 1) * n]],
-                                                 dim=1).contiguous(), requires_grad=False)  # (E, 2n, H)
-        ex.down_proj = nn.Parameter(ex.down_proj.detach()[:, :, rank * n:(rank + 1) * n].contiguous(),
-                                    requires_grad=False)  # (E, H, n)
+        ex.gate_up_proj = nn.Parameter(
+            torch.cat([gu[:, rank * n : (rank + 1) * n], gu[:, i + rank * n : i + (rank + 1) * n]], dim=1).contiguous(),
+            requires_grad=False,
+        )  # (E, 2n, H)
+        ex.down_proj = nn.Parameter(
+            ex.down_proj.detach()[:, :, rank * n : (rank + 1) * n].contiguous(), requires_grad=False
+        )  # (E, H, n)
         ex.intermediate_size = n
     for shared in (mlp.shared_expert, mlp.shared_experts):
         if shared is not None:  # partial sums (the gate scales each rank's share), reduced with the block
@@ -241,10 +253,14 @@ def shard_model(model: Transformer, comm: Comm, expert_parallel: bool = False) -
     for quantized MoE experts, and for int4 groups a rank would split."""
     cfg, rank, world_size = model.config, comm.rank, comm.world_size
     check_shardable(cfg, world_size, expert_parallel)
-    if any(isinstance(layer.mlp, SparseMoeBlock) and not isinstance(layer.mlp.experts, Experts)
-           for layer in model.model.layers):
-        raise BaigeError("tensor-parallel serving of quantized MoE experts is not supported; serve the float "
-                         "checkpoint or use --tensor-parallel-size 1")
+    if any(
+        isinstance(layer.mlp, SparseMoeBlock) and not isinstance(layer.mlp.experts, Experts)
+        for layer in model.model.layers
+    ):
+        raise BaigeError(
+            "tensor-parallel serving of quantized MoE experts is not supported; serve the float "
+            "checkpoint or use --tensor-parallel-size 1"
+        )
     for layer in model.model.layers:
         attn = layer.self_attn
         H, K, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -263,7 +279,7 @@ def shard_model(model: Transformer, comm: Comm, expert_parallel: bool = False) -
     ranges = vocab_ranges(cfg.vocab_size, world_size)
     start, n = ranges[rank]
     emb = model.model.embed_tokens
-    model.model.embed_tokens = VocabParallelEmbedding(emb.weight.detach()[start:start + n].clone(), start, comm)
+    model.model.embed_tokens = VocabParallelEmbedding(emb.weight.detach()[start : start + n].clone(), start, comm)
     if cfg.tie_word_embeddings:
         proj = nn.Linear(cfg.hidden_size, n, bias=False, device="meta")
         proj.weight = model.model.embed_tokens.weight

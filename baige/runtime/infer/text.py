@@ -21,8 +21,14 @@ class SeqText:
         grammar: this sequence's structured-output matcher (llguidance ``LLMatcher``), or None.
     """
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, generator: torch.Generator | None,
-                 matcher: StopMatcher | None, grammar=None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        matcher: StopMatcher | None,
+        grammar=None,
+    ):
         self.params = params
         self.generator = generator
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)

@@ -101,12 +101,21 @@ def kv_config(model: Transformer) -> ModelConfig:
 
 def _to(s: StepInputs, device: torch.device) -> StepInputs:
     """The step's tensors moved to ``device`` (CPU for the broadcast, the model's after it)."""
-    mv = (lambda t: None if t is None else t.to(device))
+
+    def mv(t):
+        return None if t is None else t.to(device)
+
     return dataclasses.replace(
-        s, input_ids=mv(s.input_ids), positions=mv(s.positions), slot_mapping=mv(s.slot_mapping),
-        decode_groups=[(mv(t), mv(n)) for t, n in s.decode_groups], prefill_block_tables=mv(s.prefill_block_tables),
-        prefill_cu_seqlens=mv(s.prefill_cu_seqlens), prefill_context_lens=mv(s.prefill_context_lens),
-        logit_rows=[mv(r) for r in s.logit_rows])
+        s,
+        input_ids=mv(s.input_ids),
+        positions=mv(s.positions),
+        slot_mapping=mv(s.slot_mapping),
+        decode_groups=[(mv(t), mv(n)) for t, n in s.decode_groups],
+        prefill_block_tables=mv(s.prefill_block_tables),
+        prefill_cu_seqlens=mv(s.prefill_cu_seqlens),
+        prefill_context_lens=mv(s.prefill_context_lens),
+        logit_rows=[mv(r) for r in s.logit_rows],
+    )
 
 
 def _broadcast(obj, comm: Comm) -> object:
@@ -114,18 +123,18 @@ def _broadcast(obj, comm: Comm) -> object:
     buf = torch.zeros(STEP_BYTES, dtype=torch.uint8)
     if comm.rank == 0:
         data = pickle.dumps(obj)
-        head = len(data).to_bytes(8, "little") + data[:STEP_BYTES - 8]
-        buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        head = len(data).to_bytes(8, "little") + data[: STEP_BYTES - 8]
+        buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     comm.broadcast(buf)
     n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
     rest = torch.zeros(max(0, n - (STEP_BYTES - 8)), dtype=torch.uint8)
     if rest.numel():
         if comm.rank == 0:
-            rest[:] = torch.frombuffer(bytearray(data[STEP_BYTES - 8:]), dtype=torch.uint8)
+            rest[:] = torch.frombuffer(bytearray(data[STEP_BYTES - 8 :]), dtype=torch.uint8)
         comm.broadcast(rest)
     if comm.rank == 0:
         return obj
-    return pickle.loads(buf[8:8 + n].numpy().tobytes() + rest.numpy().tobytes())
+    return pickle.loads(buf[8 : 8 + n].numpy().tobytes() + rest.numpy().tobytes())
 
 
 class TensorParallelGroup:
@@ -249,8 +258,11 @@ def _torchrun_env() -> tuple[int, int] | None:
         os.environ.setdefault("MASTER_PORT", "29500")
         if "MASTER_ADDR" not in os.environ:
             raise BaigeError("srun launch of tensor-parallel serving: set MASTER_ADDR (the first node)")
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        os.environ.update(
+            RANK=os.environ["SLURM_PROCID"],
+            WORLD_SIZE=os.environ["SLURM_NTASKS"],
+            LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+        )
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
 
@@ -258,8 +270,9 @@ def _torchrun_env() -> tuple[int, int] | None:
 def _groups(store, rank: int, world_size: int, device_type: str) -> tuple[Comm, Comm]:
     """This engine's process groups over ``store``: (the model's: NCCL on CUDA, else gloo; the gloo
     group steps travel on, the same one on CPU)."""
-    gloo = Comm(dist.ProcessGroupGloo(dist.PrefixStore("baige-tp-gloo", store), rank, world_size, TIMEOUT),
-                rank, world_size)
+    gloo = Comm(
+        dist.ProcessGroupGloo(dist.PrefixStore("baige-tp-gloo", store), rank, world_size, TIMEOUT), rank, world_size
+    )
     if device_type != "cuda":
         return gloo, gloo
     opts = dist.ProcessGroupNCCL.Options()
@@ -292,11 +305,23 @@ def start_tensor_parallel(cfg: EngineConfig, model_dir: Path) -> TensorParallelG
     torch.set_num_threads(threads)
     rendezvous = Path(tempfile.mkdtemp(prefix="baige-tp-"))
     spec = rendezvous / "spec.pkl"
-    spec.write_bytes(pickle.dumps({"cfg": cfg, "model_dir": str(model_dir), "world_size": n, "threads": threads,
-                                   "store": str(rendezvous / "store"), "parent": os.getpid()}))
+    spec.write_bytes(
+        pickle.dumps(
+            {
+                "cfg": cfg,
+                "model_dir": str(model_dir),
+                "world_size": n,
+                "threads": threads,
+                "store": str(rendezvous / "store"),
+                "parent": os.getpid(),
+            }
+        )
+    )
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    procs = [subprocess.Popen([sys.executable, "-m", "baige.runtime.infer.tp_worker", str(spec), str(r)], env=env)
-             for r in range(1, n)]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "baige.runtime.infer.tp_worker", str(spec), str(r)], env=env)
+        for r in range(1, n)
+    ]
     try:
         if device_type == "cuda":
             torch.cuda.set_device(0)

@@ -94,12 +94,11 @@ class ModelConfig:
             raise BaigeError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise BaigeError(
-                f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+            raise BaigeError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         hidden, n_heads, vocab_size, intermediate, n_layers = (
-            _int_field(cfg, name, minimum=1) for name in
-            ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers"))
+            _int_field(cfg, name, minimum=1)
+            for name in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
+        )
         for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             if cfg.get(name) is not None:
                 _int_field(cfg, name, minimum=1)
@@ -112,9 +111,7 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise BaigeError(
-                f"unsupported rope type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
+            raise BaigeError(f"unsupported rope type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         rope_scaling = None
         if rope_type != "default":
             rope_scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
@@ -230,8 +227,14 @@ def _moe_config(cfg: dict[str, Any], model_type: str, n_layers: int) -> MoEConfi
     coef = float(cfg.get("router_aux_loss_coef") or 0.0)
     if model_type == "mixtral":
         e = _int_field(cfg, "num_local_experts", default=8)
-        return MoEConfig(e, _int_field(cfg, "num_experts_per_tok", default=2), _int_field(cfg, "intermediate_size"),
-                         tuple(range(n_layers)), renormalize=True, router_aux_loss_coef=coef)
+        return MoEConfig(
+            e,
+            _int_field(cfg, "num_experts_per_tok", default=2),
+            _int_field(cfg, "intermediate_size"),
+            tuple(range(n_layers)),
+            renormalize=True,
+            router_aux_loss_coef=coef,
+        )
     if model_type == "ernie4_5_moe":
         return _ernie_moe(cfg, n_layers, coef)
     e = _int_field(cfg, "num_experts", "num_local_experts")  # transformers 5 saves the second name
@@ -239,9 +242,16 @@ def _moe_config(cfg: dict[str, Any], model_type: str, n_layers: int) -> MoEConfi
     dense = set(cfg.get("mlp_only_layers") or [])
     sparse = tuple(i for i in range(n_layers) if i not in dense and e > 0 and (i + 1) % step == 0)
     shared = _int_field(cfg, "shared_expert_intermediate_size", default=0) if model_type == "qwen2_moe" else 0
-    return MoEConfig(e, _int_field(cfg, "num_experts_per_tok"), _int_field(cfg, "moe_intermediate_size"), sparse,
-                     renormalize=bool(cfg.get("norm_topk_prob", False)), shared_intermediate_size=shared,
-                     shared_gate=shared > 0, router_aux_loss_coef=coef)
+    return MoEConfig(
+        e,
+        _int_field(cfg, "num_experts_per_tok"),
+        _int_field(cfg, "moe_intermediate_size"),
+        sparse,
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
+        shared_gate=shared > 0,
+        router_aux_loss_coef=coef,
+    )
 
 
 def _ernie_moe(cfg: dict[str, Any], n_layers: int, coef: float) -> MoEConfig:
@@ -250,16 +260,25 @@ def _ernie_moe(cfg: dict[str, Any], n_layers: int, coef: float) -> MoEConfig:
     ``(i + 1) % interval == 0``, transformers' rule); shared experts of ``moe_num_shared_experts``
     times the expert width, no gate; selection through ``e_score_correction_bias``."""
     if isinstance(cfg.get("moe_num_experts"), list) or isinstance(cfg.get("moe_layer_start_index"), list):
-        raise BaigeError("ernie4_5_moe with several expert groups (list-valued moe_num_experts / "
-                         "moe_layer_start_index, the VL layout) is not supported")
+        raise BaigeError(
+            "ernie4_5_moe with several expert groups (list-valued moe_num_experts / "
+            "moe_layer_start_index, the VL layout) is not supported"
+        )
     start = _int_field(cfg, "moe_layer_start_index", default=1)
     end = _int_field(cfg, "moe_layer_end_index", default=-1)
     end = n_layers - 1 if end == -1 else end
     interval = _int_field(cfg, "moe_layer_interval", default=1)
     inter = _int_field(cfg, "moe_intermediate_size")
     sparse = tuple(i for i in range(n_layers) if (i + 1) % interval == 0 and start <= i <= end)
-    return MoEConfig(_int_field(cfg, "moe_num_experts", "num_experts"), _int_field(cfg, "moe_k", "num_experts_per_tok"),
-                     inter, sparse, renormalize=True,
-                     shared_intermediate_size=inter * _int_field(cfg, "moe_num_shared_experts", default=2),
-                     correction_bias=True, norm_min=float(cfg.get("moe_norm_min", 1e-12)), router_fp32=True,
-                     router_aux_loss_coef=coef)
+    return MoEConfig(
+        _int_field(cfg, "moe_num_experts", "num_experts"),
+        _int_field(cfg, "moe_k", "num_experts_per_tok"),
+        inter,
+        sparse,
+        renormalize=True,
+        shared_intermediate_size=inter * _int_field(cfg, "moe_num_shared_experts", default=2),
+        correction_bias=True,
+        norm_min=float(cfg.get("moe_norm_min", 1e-12)),
+        router_fp32=True,
+        router_aux_loss_coef=coef,
+    )

@@ -46,7 +46,8 @@ def is_linear(module: nn.Module) -> bool:
     """A projection LoRA can adapt: ``nn.Linear`` or a weight-only quantized linear (``in_features``,
     ``out_features`` and a ``forward(x) -> (..., out)``)."""
     return isinstance(module, nn.Linear) or (
-        hasattr(module, "in_features") and hasattr(module, "out_features") and hasattr(module, "scheme"))
+        hasattr(module, "in_features") and hasattr(module, "out_features") and hasattr(module, "scheme")
+    )
 
 
 def find_targets(model: nn.Module, targets: list[str] | tuple[str, ...]) -> list[tuple[str, nn.Module]]:
@@ -60,13 +61,22 @@ def find_targets(model: nn.Module, targets: list[str] | tuple[str, ...]) -> list
     for t in targets:
         if not any(n.rpartition(".")[2] == t for n, _ in found):
             present = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if is_linear(m)} - {"lm_head"})
-            raise BaigeError(f"lora target {t!r} is not a linear module of this model "
-                             f"({model.config.model_type}: {', '.join(present)})")
+            raise BaigeError(
+                f"lora target {t!r} is not a linear module of this model "
+                f"({model.config.model_type}: {', '.join(present)})"
+            )
     return found
 
 
-def add_lora(module: nn.Module, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
-             generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> None:
+def add_lora(
+    module: nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_rslora: bool = False,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Give ``module`` a trainable adapter, in place: ``lora_A`` = ``nn.Linear(in, rank)``
     (kaiming-uniform, ``a = sqrt(5)``, drawn from ``generator``), ``lora_B`` = ``nn.Linear(rank,
     out)`` (zeros), both without bias, in ``dtype`` on the module's device; ``lora_dropout``
@@ -84,8 +94,9 @@ def add_lora(module: nn.Module, rank: int, alpha: float, dropout: float = 0.0, u
     a = nn.Linear(module.in_features, rank, bias=False, device="meta").to_empty(device=device).to(dtype)
     b = nn.Linear(rank, module.out_features, bias=False, device="meta").to_empty(device=device).to(dtype)
     with torch.no_grad():
-        a.weight.copy_(nn.init.kaiming_uniform_(torch.empty_like(a.weight, device="cpu"), a=math.sqrt(5),
-                                                generator=generator))
+        a.weight.copy_(
+            nn.init.kaiming_uniform_(torch.empty_like(a.weight, device="cpu"), a=math.sqrt(5), generator=generator)
+        )
         b.weight.zero_()
     module.lora_A, module.lora_B = a, b
     module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -102,8 +113,9 @@ class LoRABatch:
     token_lora_ids: torch.Tensor | None = None
 
 
-def attach_lora_stack(module: nn.Module, lora_a_stack: torch.Tensor, lora_b_stack: torch.Tensor,
-                      scalings: torch.Tensor, batch: LoRABatch) -> None:
+def attach_lora_stack(
+    module: nn.Module, lora_a_stack: torch.Tensor, lora_b_stack: torch.Tensor, scalings: torch.Tensor, batch: LoRABatch
+) -> None:
     """Serve many adapters on ``module``: ``lora_a_stack`` (L, R_max, in), ``lora_b_stack`` (L, out,
     R_max) in the activations' dtype (adapters of lower rank zero-padded), ``scalings`` (L,) fp32;
     which adapter each token uses is read from ``batch`` at every forward. Replaces an earlier stack.
@@ -113,9 +125,11 @@ def attach_lora_stack(module: nn.Module, lora_a_stack: torch.Tensor, lora_b_stac
     """
     L, r, n_in = lora_a_stack.shape
     if n_in != module.in_features or lora_b_stack.shape != (L, module.out_features, r) or scalings.shape != (L,):
-        raise ValueError(f"attach_lora_stack: A {tuple(lora_a_stack.shape)}, B {tuple(lora_b_stack.shape)}, "
-                         f"scalings {tuple(scalings.shape)} do not fit a {module.in_features} -> "
-                         f"{module.out_features} linear")
+        raise ValueError(
+            f"attach_lora_stack: A {tuple(lora_a_stack.shape)}, B {tuple(lora_b_stack.shape)}, "
+            f"scalings {tuple(scalings.shape)} do not fit a {module.in_features} -> "
+            f"{module.out_features} linear"
+        )
     module.lora_stack = (lora_a_stack, lora_b_stack, scalings.float(), batch)
     _install_hook(module)
 
@@ -137,8 +151,9 @@ def lora_forward_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> t
     x = args[0]
     if hasattr(module, "lora_A"):
         term = getattr(module, "lora_term", None)  # set by a parallelism that places the adapter itself (TP)
-        output = output + (term(x) if term is not None else module.lora_B(module.lora_A(lora_dropout(module, x)))
-                           * module.lora_scaling)
+        output = output + (
+            term(x) if term is not None else module.lora_B(module.lora_A(lora_dropout(module, x))) * module.lora_scaling
+        )
     stack = getattr(module, "lora_stack", None)
     if stack is not None and stack[3].token_lora_ids is not None:
         a, b, s, batch = stack
@@ -157,9 +172,12 @@ def peft_key(module_name: str, which: str) -> str:
     return f"base_model.model.{module_name}.lora_{which}.weight"
 
 
-
-def attach_adapters(model: nn.Module, adapters: list[dict[str, tuple[torch.Tensor, torch.Tensor, float]]],
-                    batch: LoRABatch, dtype: torch.dtype) -> None:
+def attach_adapters(
+    model: nn.Module,
+    adapters: list[dict[str, tuple[torch.Tensor, torch.Tensor, float]]],
+    batch: LoRABatch,
+    dtype: torch.dtype,
+) -> None:
     """Serve ``adapters`` on ``model``: slot ``i`` is ``adapters[i]`` (module name -> ``(A (r, in), B
     (out, r), scaling)``, as :func:`baige.runtime.weights.peft.load_peft_adapter` reads them). Every
     module any adapter touches gets a stack (:func:`attach_lora_stack`) zero-padded to the largest

@@ -73,8 +73,9 @@ class MoEStatics(nn.Module):
 
     def __init__(self, num_experts: int):
         super().__init__()
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(1, num_experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(1, num_experts, dtype=torch.float32), requires_grad=False
+        )
 
 
 class SparseMoeBlock(nn.Module):

@@ -64,8 +64,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson HTML-escapes; chat templates expect plain JSON (as HF renders it).
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -97,8 +98,13 @@ class Tokenizer:
         add_bos_token: whether `encode` and `apply_chat_template` put BOS first.
     """
 
-    def __init__(self, backend: HFTokenizer, config: dict, generation_config: dict | None = None,
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        config: dict,
+        generation_config: dict | None = None,
+        chat_template: str | None = None,
+    ) -> None:
         """Wrap a `tokenizers.Tokenizer` with the settings of `tokenizer_config.json` (`config`).
 
         `chat_template`, when given, overrides `config["chat_template"]`; `generation_config` is the
@@ -133,8 +139,9 @@ class Tokenizer:
         self.chat_template: str | None = chat_template
         self._compiled: jinja2.Template | None = None
 
-        specials = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special),
-                          key=len, reverse=True)  # longest first: the leftmost-longest match, as tokenizers does
+        specials = sorted(
+            (t.content for t in backend.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
+        )  # longest first: the leftmost-longest match, as tokenizers does
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     def to_json(self) -> str:
@@ -216,8 +223,9 @@ class Tokenizer:
         """Text of token ids `ids`; special tokens are left out when `skip_special_tokens`."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                             **template_vars: Any) -> str:
+    def render_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
+    ) -> str:
         """The prompt string the chat template makes of `messages`, as HF's
         `apply_chat_template(messages, tokenize=False)` renders it.
 
@@ -241,8 +249,9 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise BaigeError(f"chat template error: {e}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_vars: Any) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
+    ) -> list[int]:
         """Token ids of the rendered chat prompt (see `render_chat_template`).
 
         Only the template's own text can produce special tokens: special-token text inside the
@@ -255,8 +264,9 @@ class Tokenizer:
             BaigeError: as `render_chat_template`.
         """
         if self._special_re is None:
-            return self._with_bos(self.encode(self.render_chat_template(messages, add_generation_prompt,
-                                                                        **template_vars), False), True)
+            return self._with_bos(
+                self.encode(self.render_chat_template(messages, add_generation_prompt, **template_vars), False), True
+            )
         # Hide special-token text in the messages behind placeholders that cannot match a special
         # token, render, cut the result at the (now template-only) special tokens, then restore the
         # hidden text inside the plain spans and tokenize those with special matching off.
@@ -323,14 +333,14 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Text still held back at the end of the stream (e.g. bytes of an unfinished character)."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self.token_ids))
         self._prefix_offset = self._read_offset = len(self.token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
 
 def read_tokens(tokenizer: Tokenizer, path: str | Path, max_tokens: int | None = None) -> torch.Tensor:

@@ -28,9 +28,7 @@ from baige.runtime.model.rope import RotaryEmbedding
 
 
 class AttentionMetadata(Protocol):
-    def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: (B, T, n_heads, D); k, v: (B, T, n_kv_heads, D) for the new tokens -> (B, T, n_heads, D)."""
         ...
 
@@ -64,8 +62,9 @@ class Attention(nn.Module):
         # interleaved RoPE (pairs 2i, 2i+1) is half-split RoPE (pairs i, i + D/2) on q and k with
         # their head dims permuted [0, 2, 4, ..., 1, 3, 5, ...]; q.k is unchanged by the shared
         # permutation, so the weights keep their layout and the cache holds the permuted keys
-        self.rope_perm = (list(range(0, self.head_dim, 2)) + list(range(1, self.head_dim, 2))
-                          if cfg.rope_interleaved else None)
+        self.rope_perm = (
+            list(range(0, self.head_dim, 2)) + list(range(1, self.head_dim, 2)) if cfg.rope_interleaved else None
+        )
         self._perm: dict[torch.device, torch.Tensor] = {}  # rope_perm as an index tensor per device
 
     def forward(self, x, cos, sin, attn_metadata: AttentionMetadata | None) -> torch.Tensor:

@@ -30,6 +30,7 @@ def _routed_rows_hooks(model: nn.Module, rows: dict[str, torch.Tensor]) -> list:
         def fn(module: QuantizedExperts, args: tuple) -> None:
             for j, r in enumerate(module.routed_rows(args[2])):
                 rows[f"{name}.{j}"] = r
+
         return fn
 
     return [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, QuantizedExperts)]
@@ -77,6 +78,7 @@ def input_sq_means(
             x = x.float()  # (tokens, in)
             sums[name] = sums.get(name, 0) + (x * x).sum(dim=0)
             counts[name] = counts.get(name, 0) + x.shape[0]
+
         return fn
 
     hooks = _routed_rows_hooks(model, rows)
@@ -92,8 +94,14 @@ def input_sq_means(
     return {n: sums[n] / counts[n] for n in names if counts.get(n)}
 
 
-def _rtn(model: nn.Module, targets: list[tuple[str, nn.Linear]], scheme: QuantScheme, clip_search: bool,
-         calib_ids: torch.Tensor | None, progress: ProgressFn | None) -> list[dict]:
+def _rtn(
+    model: nn.Module,
+    targets: list[tuple[str, nn.Linear]],
+    scheme: QuantScheme,
+    clip_search: bool,
+    calib_ids: torch.Tensor | None,
+    progress: ProgressFn | None,
+) -> list[dict]:
     """Round-to-nearest of every target (see :func:`quantize_model`); returns the report rows."""
     col_weights = None
     if clip_search and calib_ids is not None:
@@ -147,7 +155,8 @@ def quantize_model(
             SmolLM2-135M int4 g128 (README): weighted lowers wikitext perplexity, unweighted raises it.
             GPTQ: the same search at the point GPTQ fixes each group's parameters, weighted by the
             layer Hessian's diagonal (:func:`gptq.gptq_quantize_weight`).
-        gptq_kwargs: ``percdamp``, ``block_size``, ``batch_size``, ``sink_weight``, ``down_percdamp`` for :func:`gptq.gptq_quantize_model`.
+        gptq_kwargs: ``percdamp``, ``block_size``, ``batch_size``, ``sink_weight``, ``down_percdamp`` for
+        :func:`gptq.gptq_quantize_model`.
     Returns:
         the per-layer report rows (:func:`layer_report`; one per expert projection), named as
         published (the checkpoint's tensor prefixes).

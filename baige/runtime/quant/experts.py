@@ -51,7 +51,7 @@ def published_name(cfg: ModelConfig | None, name: str) -> str:
     m = re.match(r"model\.layers\.(\d+)\.mlp\.", name)
     if m is None or int(m.group(1)) not in cfg.moe.sparse_layers:
         return name
-    return f"model.layers.{m.group(1)}.block_sparse_moe." + name[m.end():]
+    return f"model.layers.{m.group(1)}.block_sparse_moe." + name[m.end() :]
 
 
 def stacked_expert_linears(model: nn.Module) -> list[str]:
@@ -61,9 +61,13 @@ def stacked_expert_linears(model: nn.Module) -> list[str]:
     cfg = getattr(model, "config", None)
     if cfg is None or cfg.moe is None:
         return []
-    return [f"model.layers.{i}.mlp.experts.{j}.{n}" for i in cfg.moe.sparse_layers
-            if isinstance(model.model.layers[i].mlp.experts, Experts)
-            for j in range(cfg.moe.num_experts) for n in expert_names(cfg, i)[1]]
+    return [
+        f"model.layers.{i}.mlp.experts.{j}.{n}"
+        for i in cfg.moe.sparse_layers
+        if isinstance(model.model.layers[i].mlp.experts, Experts)
+        for j in range(cfg.moe.num_experts)
+        for n in expert_names(cfg, i)[1]
+    ]
 
 
 def router_ignore(cfg: ModelConfig | None) -> list[str]:
@@ -78,8 +82,14 @@ class ExpertMLP(nn.Module):
     published names (``gate_proj``/``up_proj``/``down_proj`` or Mixtral's ``w1``/``w3``/``w2``), each an
     ``nn.Linear`` or a ``QuantizedLinear``."""
 
-    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str],
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        names: tuple[str, str, str],
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.names = names
         g, u, d = names
@@ -109,8 +119,15 @@ class QuantizedExperts(nn.ModuleList):
         self.num_experts, self.intermediate_size = len(experts), intermediate
 
     @classmethod
-    def empty(cls, num_experts: int, hidden: int, intermediate: int, names: tuple[str, str, str],
-              dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> QuantizedExperts:
+    def empty(
+        cls,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        names: tuple[str, str, str],
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> QuantizedExperts:
         """Float (uninitialised) experts of the given shapes, e.g. on meta for a strict load."""
         return cls([ExpertMLP(hidden, intermediate, names, dtype, device) for _ in range(num_experts)], intermediate)
 
@@ -154,7 +171,7 @@ class QuantizedExperts(nn.ModuleList):
         pieces, start = [], 0
         for expert, c in zip(self, counts):
             if c:
-                pieces.append(expert(xs[start:start + c]))  # (c, H)
+                pieces.append(expert(xs[start : start + c]))  # (c, H)
                 start += c
         y = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])  # (N * k, H) sorted order
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -114,10 +114,14 @@ def _unstack_targeted_experts(model: nn.Module, targets: list[str], ignore: list
         if not isinstance(stacked, Experts):
             continue
         w = stacked.gate_up_proj
-        per_expert = QuantizedExperts.empty(stacked.num_experts, w.shape[2], stacked.intermediate_size,
-                                            expert_names(cfg, i)[1], w.dtype, w.device)
-        if any(_targeted(published_name(cfg, f"{name}.{n}"), m, targets, ignore)
-               for n, m in per_expert.named_modules() if isinstance(m, nn.Linear)):
+        per_expert = QuantizedExperts.empty(
+            stacked.num_experts, w.shape[2], stacked.intermediate_size, expert_names(cfg, i)[1], w.dtype, w.device
+        )
+        if any(
+            _targeted(published_name(cfg, f"{name}.{n}"), m, targets, ignore)
+            for n, m in per_expert.named_modules()
+            if isinstance(m, nn.Linear)
+        ):
             set_submodule(model, name, per_expert)
 
 
@@ -135,9 +139,13 @@ def prepare_quantized_model(model: nn.Module, qcfg: dict, where: str = "config.j
         or a group that matches no module.
     """
     if qcfg.get("quant_method") != "compressed-tensors":
-        raise BaigeError(f"{where}: quantization method {qcfg.get('quant_method')!r} is not supported (compressed-tensors)")
+        raise BaigeError(
+            f"{where}: quantization method {qcfg.get('quant_method')!r} is not supported (compressed-tensors)"
+        )
     if qcfg.get("quantization_status", "compressed") != "compressed":
-        raise BaigeError(f"{where}: quantization_status {qcfg.get('quantization_status')!r}; baige loads compressed checkpoints")
+        raise BaigeError(
+            f"{where}: quantization_status {qcfg.get('quantization_status')!r}; baige loads compressed checkpoints"
+        )
     ignore = qcfg.get("ignore") or []
     groups = qcfg.get("config_groups") or {}
     _unstack_targeted_experts(model, [t for g in groups.values() for t in g.get("targets", [])], ignore)
@@ -150,9 +158,14 @@ def prepare_quantized_model(model: nn.Module, qcfg: dict, where: str = "config.j
         scheme = _scheme_from_weights(group.get("weights") or {}, where_g)
         fmt = group.get("format") or qcfg.get("format")
         if fmt != scheme.format:
-            raise BaigeError(f"{where_g}: format {fmt!r} with int{scheme.num_bits} weights (baige reads {scheme.format})")
-        hits = [(name, m) for name, m in model.named_modules()
-                if isinstance(m, nn.Linear) and _targeted(rename(name), m, group.get("targets", []), ignore)]
+            raise BaigeError(
+                f"{where_g}: format {fmt!r} with int{scheme.num_bits} weights (baige reads {scheme.format})"
+            )
+        hits = [
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and _targeted(rename(name), m, group.get("targets", []), ignore)
+        ]
         if not hits:
             raise BaigeError(f"{where_g}: targets {group.get('targets')} match no Linear layer")
         for name, m in hits:
@@ -163,8 +176,9 @@ def prepare_quantized_model(model: nn.Module, qcfg: dict, where: str = "config.j
     return swapped
 
 
-def quantized_checkpoint(model: nn.Module, scheme: QuantScheme, report: list[dict],
-                         clip_search: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, dict[str, str]]:
+def quantized_checkpoint(
+    model: nn.Module, scheme: QuantScheme, report: list[dict], clip_search: dict | None = None
+) -> tuple[dict[str, torch.Tensor], dict, dict[str, str]]:
     """What a quantized model's HF directory holds: ``(state dict, config.json dict, extra files)``,
     the extra files being ``quantization_report.json`` (the per-layer report).
 
@@ -173,18 +187,24 @@ def quantized_checkpoint(model: nn.Module, scheme: QuantScheme, report: list[dic
     as the ``mse`` observer.
     """
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    ignored = [published_name(model.config, name) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and name not in quantized]
+    ignored = [
+        published_name(model.config, name)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name not in quantized
+    ]
     ignored += [published_name(model.config, name) for name in stacked_expert_linears(model)]
     config = dict(model.config.raw)
-    config["quantization_config"] = quantization_config(scheme, ignored + router_ignore(model.config),
-                                                        clip_search is not None)
+    config["quantization_config"] = quantization_config(
+        scheme, ignored + router_ignore(model.config), clip_search is not None
+    )
     state = dict(model.state_dict())
     summary = {
         "scheme": scheme.describe(),
         "format": scheme.format,
         "clip_search": None if clip_search is None else {**CLIP_KWARGS, **clip_search},
         "layers": report,
-        "quantized_bytes": sum(v.numel() * v.element_size() for k, v in state.items() if k.rsplit(".", 1)[0] in quantized),
+        "quantized_bytes": sum(
+            v.numel() * v.element_size() for k, v in state.items() if k.rsplit(".", 1)[0] in quantized
+        ),
     }
     return state, config, {REPORT_FILE: json.dumps(summary, indent=2)}

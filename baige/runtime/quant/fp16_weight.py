@@ -2,7 +2,8 @@
 
 ``fp16-weight``: weights stored as fp16, activations and accumulation fp32 (baige's native F16C
 kernel for decode-sized batches, fbgemm's ``torch.ops.quantized.linear_dynamic_fp16`` for larger
-ones; both widen fp16 weights to fp32 in registers). A decode step is bound by weight bytes (540 MB per token in fp32 for the 135M
+ones; both widen fp16 weights to fp32 in registers). A decode step is bound by weight bytes (540 MB per token in fp32
+for the 135M
 model), and this halves them; the only error is rounding each weight to fp16 (11-bit mantissa). On
 the embedded SmolLM2-135M: wikitext-2 perplexity 39.972 in both, top-1 agreement with fp32 99.95%
 over 2048 tokens, greedy batch-1 decode 1.4x faster (9.3 vs 6.7 tokens/s, 1 thread, load ~6).
@@ -104,13 +105,18 @@ def apply_quantization(model: nn.Module, method: str, ignore: tuple[str, ...] = 
     dtypes = (torch.float32,) if method == FP16_WEIGHT else (torch.float32, torch.bfloat16)
     if p.device.type != "cpu" or p.dtype not in dtypes:
         need = "a float32" if method == FP16_WEIGHT else "a float32 or bfloat16"
-        raise BaigeError(f"--quantization {method} needs {need} model on the CPU "
-                         f"(got {p.dtype} on {p.device.type}); pass --dtype float32 --device cpu")
+        raise BaigeError(
+            f"--quantization {method} needs {need} model on the CPU "
+            f"(got {p.dtype} on {p.device.type}); pass --dtype float32 --device cpu"
+        )
     if method == FP16_WEIGHT and "fbgemm" not in torch.backends.quantized.supported_engines:
         raise BaigeError(f"--quantization {method} needs PyTorch's fbgemm engine, absent on this CPU/build")
     make = Fp16WeightLinear if method == FP16_WEIGHT else _int8_weight
-    targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)]
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+    ]
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, make(m))

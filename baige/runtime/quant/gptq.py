@@ -138,7 +138,9 @@ def gptq_quantize_weight(
 
     perm = torch.argsort(torch.diag(H), descending=True) if scheme.actorder else torch.arange(in_f, device=dev)
     Wf, H = Wf[:, perm], H[perm][:, perm]
-    group_of = (perm // g) if g is not None else torch.zeros(in_f, dtype=torch.long, device=dev)  # permuted col -> group
+    group_of = (
+        (perm // g) if g is not None else torch.zeros(in_f, dtype=torch.long, device=dev)
+    )  # permuted col -> group
     Hinv = _inverse_hessian_factor(H, percdamp, name)
 
     Q = torch.zeros(out_f, in_f, dtype=torch.int8, device=dev)
@@ -153,8 +155,9 @@ def gptq_quantize_weight(
             if g is not None and not scheme.actorder and col % g == 0:
                 grp = W1[:, i : i + g]  # (out, <=g) the whole group lies in this block
                 # no act-order here, so permuted column == original column
-                scale[:, gid], zp[:, gid] = _group_qparams(grp, scheme, W.dtype, hdiag[col : col + grp.shape[1]],
-                                                           clip_search)
+                scale[:, gid], zp[:, gid] = _group_qparams(
+                    grp, scheme, W.dtype, hdiag[col : col + grp.shape[1]], clip_search
+                )
             w = W1[:, i]
             q = quantize_with(w, scale[:, gid], zp[:, gid], scheme)
             Q[:, col] = q
@@ -254,15 +257,21 @@ def gptq_quantize_model(
     cos, sin = model.rotary_emb(positions, dtype)  # (1, T, head_dim)
     wanted = set(names)
     rows: dict[str, dict] = {}
-    damping = {"percdamp": percdamp, "down_percdamp": down_percdamp, "block_size": block_size,
-               "clip_search": clip_search}
+    damping = {
+        "percdamp": percdamp,
+        "down_percdamp": down_percdamp,
+        "block_size": block_size,
+        "clip_search": clip_search,
+    }
 
     for li, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{li}."
         linears = [(n_, m) for n_, m in layer.named_modules() if isinstance(m, nn.Linear) and prefix + n_ in wanted]
         attn_in = ("q_proj", "k_proj", "v_proj")
-        accs = {n_: _HessianAccumulator(m.in_features, device, sink_weight if n_.endswith(attn_in) else 1.0)
-                for n_, m in linears}
+        accs = {
+            n_: _HessianAccumulator(m.in_features, device, sink_weight if n_.endswith(attn_in) else 1.0)
+            for n_, m in linears
+        }
         hooks = [m.register_forward_pre_hook(accs[n_]) for n_, m in linears]
         for x in hidden:
             layer(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1), None)
@@ -283,9 +292,18 @@ def gptq_quantize_model(
     return [rows[n_] for n_ in names]
 
 
-def _quantize_layer_linear(layer: nn.Module, name: str, full: str, linear: nn.Linear, acc: _HessianAccumulator,
-                           scheme: QuantScheme, percdamp: float, down_percdamp: float, block_size: int,
-                           clip_search: bool) -> dict:
+def _quantize_layer_linear(
+    layer: nn.Module,
+    name: str,
+    full: str,
+    linear: nn.Linear,
+    acc: _HessianAccumulator,
+    scheme: QuantScheme,
+    percdamp: float,
+    down_percdamp: float,
+    block_size: int,
+    clip_search: bool,
+) -> dict:
     """GPTQ of one Linear of a decoder layer from its accumulated Hessian, swapped in place; its
     report row with ``calibration_tokens`` (the rows its Hessian summed). A Linear that saw no token
     (a routed expert the router never chose) gets min/max round-to-nearest and a ``fallback`` note."""

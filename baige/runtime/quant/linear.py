@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from baige import kernels
-from baige.kernels import dequantize_weight, unpack_int4
 from baige.errors import BaigeError
+from baige.kernels import dequantize_weight, unpack_int4
 from baige.runtime.quant.scheme import QuantScheme, pack_int4
 
 
@@ -50,7 +50,12 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_quantized(
-        cls, linear: nn.Linear, scheme: QuantScheme, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+        cls,
+        linear: nn.Linear,
+        scheme: QuantScheme,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor | None,
     ) -> "QuantizedLinear":
         """Wrap integer weights (from :func:`quantize_weight` or GPTQ) for ``linear``; reuses its bias Parameter."""
         m = cls(linear.in_features, linear.out_features, False, scheme, scale.dtype, device=q.device)
@@ -89,15 +94,17 @@ class QuantizedLinear(nn.Module):
         q, scale, zp, g = self.int_weight(), self.weight_scale, self.zero_point(), self.scheme.group_size
         bias = self.bias
         if dim == 0:
-            q, scale = q[start:start + length], scale[start:start + length]
-            zp = None if zp is None else zp[start:start + length]
-            bias = None if bias is None else bias[start:start + length]
+            q, scale = q[start : start + length], scale[start : start + length]
+            zp = None if zp is None else zp[start : start + length]
+            bias = None if bias is None else bias[start : start + length]
         else:
             end = start + length
             if g is not None:
                 if start % g or (end % g and end != self.in_features):
-                    raise BaigeError(f"cannot split in_features={self.in_features} at [{start}, {end}): "
-                                     f"int4 groups of {g} columns must stay whole on one rank")
+                    raise BaigeError(
+                        f"cannot split in_features={self.in_features} at [{start}, {end}): "
+                        f"int4 groups of {g} columns must stay whole on one rank"
+                    )
                 groups = slice(start // g, -(-end // g))
                 scale = scale[:, groups]
                 zp = None if zp is None else zp[:, groups]
@@ -128,7 +135,9 @@ class QuantizedLinear(nn.Module):
         frozen_bias = self.bias is None or not self.bias.requires_grad
         if torch.is_grad_enabled() and x.requires_grad and frozen_bias:
             return _FrozenQuantizedLinear.apply(x, self, qweight)
-        return kernels.quantized_linear(x, qweight, self.weight_scale, self.zero_point(), self.scheme.group_size, self.bias)
+        return kernels.quantized_linear(
+            x, qweight, self.weight_scale, self.zero_point(), self.scheme.group_size, self.bias
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme.describe()}"
@@ -145,8 +154,15 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, module: "QuantizedLinear", qweight: torch.Tensor) -> torch.Tensor:
         ctx.module = module
         with torch.no_grad():
-            return kernels.quantized_linear(x, qweight, module.weight_scale, module.zero_point(),
-                                            module.scheme.group_size, module.bias, int_dot=False)
+            return kernels.quantized_linear(
+                x,
+                qweight,
+                module.weight_scale,
+                module.zero_point(),
+                module.scheme.group_size,
+                module.bias,
+                int_dot=False,
+            )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -131,11 +131,18 @@ CLIP_MAXSHRINK = 0.5  # ... for i < CLIP_MAXSHRINK * CLIP_GRID: 1.0, 0.975, ...,
 CLIP_MAXEXPAND = 0.1  # then widening factors 1 + i / CLIP_GRID up to 1 + CLIP_MAXEXPAND: 1.025 ... 1.1
 ZP_OFFSETS = (0, -1, 1)  # asymmetric search: each range's own zero point, then its two neighbours
 # how the search runs, as config.json's observer_kwargs and the report record it
-CLIP_KWARGS = {"maxshrink": CLIP_MAXSHRINK, "maxexpand": CLIP_MAXEXPAND, "grid": CLIP_GRID, "norm": 2,
-               "zero_point_offsets": list(ZP_OFFSETS)}
+CLIP_KWARGS = {
+    "maxshrink": CLIP_MAXSHRINK,
+    "maxexpand": CLIP_MAXEXPAND,
+    "grid": CLIP_GRID,
+    "norm": 2,
+    "zero_point_offsets": list(ZP_OFFSETS),
+}
 
 
-def clip_factors(grid: int = CLIP_GRID, maxshrink: float = CLIP_MAXSHRINK, maxexpand: float = CLIP_MAXEXPAND) -> list[float]:
+def clip_factors(
+    grid: int = CLIP_GRID, maxshrink: float = CLIP_MAXSHRINK, maxexpand: float = CLIP_MAXEXPAND
+) -> list[float]:
     """The range factors of the clip search: 1.0 first, the shrink factors ``1 - i / grid`` for
     ``i = 1 .. round(maxshrink * grid) - 1`` (the grid of llm-compressor's ``mse`` observer, its
     ``grid`` and ``maxshrink`` arguments), then the widening factors ``1 + i / grid`` for
@@ -249,5 +256,3 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     packed = (u << shifts).sum(dim=2)  # (rows, words) in [0, 2**32)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # two's complement into int32
     return packed.to(torch.int32)
-
-

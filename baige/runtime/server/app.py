@@ -83,8 +83,11 @@ class BodyLimit:
         return await self.app(scope, limited, send)
 
     async def _refuse(self, scope, receive, send):
-        response = error_response(f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)",
-                                  413, code="request_too_large")
+        response = error_response(
+            f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)",
+            413,
+            code="request_too_large",
+        )
         await response(scope, receive, send)
 
 
@@ -100,8 +103,9 @@ class BearerAuth:
             given = [v for k, v in scope["headers"] if k == b"authorization"]
             # exactly one header: with two, proxies and frameworks disagree on which one counts
             if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
-                response = error_response("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
-                                          code="invalid_api_key")
+                response = error_response(
+                    "invalid or missing API key (send 'Authorization: Bearer <key>')", 401, code="invalid_api_key"
+                )
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -119,13 +123,19 @@ async def _lora_not_found(_: Request, e: LoRANotFound):
 
 
 async def _too_large(request: Request, e: BodyTooLarge):
-    return error_response(f"the request body is larger than {request.app.state.baige_max_bytes} bytes "
-                          "(--max-request-bytes)", 413, code="request_too_large")
+    return error_response(
+        f"the request body is larger than {request.app.state.baige_max_bytes} bytes (--max-request-bytes)",
+        413,
+        code="request_too_large",
+    )
 
 
 async def _body_timeout(request: Request, e: BodyTimeout):
-    return error_response(f"the request body stalled: no data for {request.app.state.baige_read_timeout:g} s "
-                          "(--read-timeout)", 408, code="request_timeout")
+    return error_response(
+        f"the request body stalled: no data for {request.app.state.baige_read_timeout:g} s (--read-timeout)",
+        408,
+        code="request_timeout",
+    )
 
 
 async def _client_left(request: Request, e: ClientDisconnect):
@@ -150,10 +160,17 @@ async def _internal_error(request: Request, e: Exception):
     return error_response(f"internal error ({type(e).__name__}); the server keeps running", 500, code="internal_error")
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_n: int = routes.DEFAULT_MAX_N, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              tool_call_parser: str = "auto", exclude_tools_when_tool_choice_none: bool = False,
-              enable_auto_tool_choice: bool = True, read_timeout: float = READ_TIMEOUT_S) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_n: int = routes.DEFAULT_MAX_N,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str = "auto",
+    exclude_tools_when_tool_choice_none: bool = False,
+    enable_auto_tool_choice: bool = True,
+    read_timeout: float = READ_TIMEOUT_S,
+) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
     ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
@@ -163,17 +180,27 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
     engine.on_output = metrics.on_output
-    tools = tool_config(engine.engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none,
-                        enable_auto_tool_choice)
+    tools = tool_config(
+        engine.engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none, enable_auto_tool_choice
+    )
     app.state.baige = routes.ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
     app.state.baige_max_bytes, app.state.baige_read_timeout = max_request_bytes, read_timeout
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout=read_timeout)  # outermost: before auth reads anything
-    for exc, handler in ((APIError, _api_error), (BaigeError, _baige_error), (LoRANotFound, _lora_not_found),
-                         (BodyTooLarge, _too_large),
-                         (BodyTimeout, _body_timeout), (ClientDisconnect, _client_left), (HTTPException, _http_error), (RequestValidationError, _validation_error),
-                         (Exception, _internal_error)):
+    app.add_middleware(
+        BodyLimit, max_bytes=max_request_bytes, timeout=read_timeout
+    )  # outermost: before auth reads anything
+    for exc, handler in (
+        (APIError, _api_error),
+        (BaigeError, _baige_error),
+        (LoRANotFound, _lora_not_found),
+        (BodyTooLarge, _too_large),
+        (BodyTimeout, _body_timeout),
+        (ClientDisconnect, _client_left),
+        (HTTPException, _http_error),
+        (RequestValidationError, _validation_error),
+        (Exception, _internal_error),
+    ):
         app.add_exception_handler(exc, handler)
     app.add_api_route("/health", routes.health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
@@ -236,10 +263,17 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket, api_key: str | None = None,
-               log_level: str = "info", max_n: int = routes.DEFAULT_MAX_N,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, read_timeout: float = READ_TIMEOUT_S,
-               **tool_options) -> None:
+def run_server(
+    engine: AsyncEngine,
+    served_model_name: str,
+    sock: socket.socket,
+    api_key: str | None = None,
+    log_level: str = "info",
+    max_n: int = routes.DEFAULT_MAX_N,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    read_timeout: float = READ_TIMEOUT_S,
+    **tool_options,
+) -> None:
     """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
     interrupted; the engine thread is stopped on the way out. ``tool_options``: :func:`build_app`'s
     ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``;
@@ -251,11 +285,13 @@ def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket,
     """
     import uvicorn
 
-    app = build_app(engine, served_model_name, api_key, max_n, max_request_bytes, read_timeout=read_timeout,
-                    **tool_options)
+    app = build_app(
+        engine, served_model_name, api_key, max_n, max_request_bytes, read_timeout=read_timeout, **tool_options
+    )
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": read_timeout})
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=5,
-                                           http=protocol))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=5, http=protocol)
+    )
 
     def stop_later() -> None:
         threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
@@ -267,5 +303,7 @@ def run_server(engine: AsyncEngine, served_model_name: str, sock: socket.socket,
         engine.shutdown()
         sock.close()
     if engine.dead is not None:
-        raise BaigeError(f"the engine loop stopped ({type(engine.dead).__name__}: {engine.dead}); exiting so a "
-                         "supervisor can restart the server")
+        raise BaigeError(
+            f"the engine loop stopped ({type(engine.dead).__name__}: {engine.dead}); exiting so a "
+            "supervisor can restart the server"
+        )

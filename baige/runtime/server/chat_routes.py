@@ -41,8 +41,9 @@ def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict:
         text = tok.decode([t], skip_special_tokens=False)
         return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in lps]}
+    return {
+        "content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+    }
 
 
 def check_chat_size(st: ServerState, req: ChatCompletionRequest) -> None:
@@ -54,25 +55,33 @@ def check_chat_size(st: ServerState, req: ChatCompletionRequest) -> None:
     chars = 0
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        chars += len(content) + len(m.role) + sum(len(c.function.arguments) + len(c.function.name)
-                                                  for c in m.tool_calls or [])
+        chars += (
+            len(content)
+            + len(m.role)
+            + sum(len(c.function.arguments) + len(c.function.name) for c in m.tool_calls or [])
+        )
     if chars <= limit and req.tools:
         chars += len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
     if chars > limit:
-        raise APIError(f"this model's maximum context length is {engine.max_model_len} tokens; the conversation "
-                       f"has {chars} characters, far more than that many tokens can hold", param="messages")
+        raise APIError(
+            f"this model's maximum context length is {engine.max_model_len} tokens; the conversation "
+            f"has {chars} characters, far more than that many tokens can hold",
+            param="messages",
+        )
 
 
 async def chat_prompt(st: ServerState, plan: ToolPlan) -> list[int]:
     """Token ids of the rendered conversation (off the event loop). Raises APIError (400)."""
     try:
-        return await asyncio.to_thread(st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=True,
-                                       **plan.template_vars)
+        return await asyncio.to_thread(
+            st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=True, **plan.template_vars
+        )
     except BaigeError as e:
         raise APIError(str(e), param="messages") from None
     except Exception as e:  # the template met message fields it cannot render (jinja2 type errors)
-        raise APIError(f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})",
-                       param="messages") from None
+        raise APIError(
+            f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})", param="messages"
+        ) from None
 
 
 def finish_reason(o, reader) -> str | None:
@@ -94,9 +103,14 @@ async def chat_completions(request: Request):
     if plan.keep_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await chat_prompt(st, plan)
-    (ids, params), = await prepared(st, [ids], params, req)
+    ((ids, params),) = await prepared(st, [ids], params, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    base = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model or st.served_model_name}
+    base = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model or st.served_model_name,
+    }
     gen = st.engine.generate(ids, params, rid, st.lora_request(req.model))
     if req.stream:
         return event_stream(stream_chat(st, req, base, len(ids), params.n, gen, plan))
@@ -109,23 +123,42 @@ async def chat_completions(request: Request):
         reader = plan.stream()
         content, calls = assemble(reader.feed(o.text) + reader.finish())
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        choices.append({"index": o.index, "message": message,
-                        "logprobs": chat_logprobs(st.tokenizer, o.logprobs) if o.logprobs is not None else None,
-                        "finish_reason": finish_reason(o, reader), "stop_reason": o.stop_reason})
+        choices.append(
+            {
+                "index": o.index,
+                "message": message,
+                "logprobs": chat_logprobs(st.tokenizer, o.logprobs) if o.logprobs is not None else None,
+                "finish_reason": finish_reason(o, reader),
+                "stop_reason": o.stop_reason,
+            }
+        )
     n_out = sum(len(o.token_ids) for o in final.outputs)
     return {**base, "choices": choices, "usage": usage(len(ids), n_out)}
 
 
-async def stream_chat(st: ServerState, req: ChatCompletionRequest, base: dict, n_prompt: int, n: int,
-                      gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
+async def stream_chat(
+    st: ServerState,
+    req: ChatCompletionRequest,
+    base: dict,
+    n_prompt: int,
+    n: int,
+    gen: AsyncIterator[RequestOutput],
+    plan: ToolPlan,
+) -> AsyncIterator[str]:
     """Chunks of every choice: content deltas, and tool calls as OpenAI streams them (a header with the
     id and name, then argument fragments); the finish reason rides on each choice's last chunk."""
     chunk = {**base, "object": "chat.completion.chunk"}
     n_out = 0
     readers = [plan.stream() for _ in range(n)]
     for i in range(n):
-        yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
+        yield sse(
+            {
+                **chunk,
+                "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+            }
+        )
     async for _, out in merge([gen]):
         for o in out.outputs:
             if not (o.delta_text or o.delta_token_ids or o.finished):
@@ -141,9 +174,19 @@ async def stream_chat(st: ServerState, req: ChatCompletionRequest, base: dict, n
             deltas = [delta_of(e) for e in events] or [{}]
             for j, delta in enumerate(deltas):
                 last = j == len(deltas) - 1
-                yield sse({**chunk, "choices": [{"index": o.index, "delta": delta, "logprobs": lp if j == 0 else None,
-                                                 "finish_reason": finish_reason(o, reader) if o.finished and last
-                                                 else None}]})
+                yield sse(
+                    {
+                        **chunk,
+                        "choices": [
+                            {
+                                "index": o.index,
+                                "delta": delta,
+                                "logprobs": lp if j == 0 else None,
+                                "finish_reason": finish_reason(o, reader) if o.finished and last else None,
+                            }
+                        ],
+                    }
+                )
     if include_usage(req):
         yield sse({**chunk, "choices": [], "usage": usage(n_prompt, n_out)})
     yield "data: [DONE]\n\n"

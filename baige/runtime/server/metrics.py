@@ -21,48 +21,76 @@ class Metrics:
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.registry = r = CollectorRegistry()
         eng, bm = engine.engine, engine.engine.block_manager
-        Gauge("baige:num_requests_running", "Requests with sequences in the running queue.", registry=r
-              ).set_function(lambda: eng.num_running_requests)
-        Gauge("baige:num_requests_waiting", "Requests waiting to be scheduled.", registry=r
-              ).set_function(lambda: eng.num_waiting_requests + engine.num_pending)
-        Gauge("baige:kv_cache_blocks_used", "KV-cache blocks referenced by a sequence.", registry=r
-              ).set_function(lambda: bm.num_used_blocks)
+        Gauge("baige:num_requests_running", "Requests with sequences in the running queue.", registry=r).set_function(
+            lambda: eng.num_running_requests
+        )
+        Gauge("baige:num_requests_waiting", "Requests waiting to be scheduled.", registry=r).set_function(
+            lambda: eng.num_waiting_requests + engine.num_pending
+        )
+        Gauge("baige:kv_cache_blocks_used", "KV-cache blocks referenced by a sequence.", registry=r).set_function(
+            lambda: bm.num_used_blocks
+        )
         Gauge("baige:kv_cache_blocks_total", "KV-cache blocks in the pool.", registry=r).set(bm.num_blocks)
-        Gauge("baige:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", registry=r
-              ).set_function(lambda: bm.num_used_blocks / bm.num_blocks)
-        Gauge("baige:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.",
-              registry=r).set_function(lambda: bm.prefix_hit_rate)
-        Gauge("baige:num_preemptions", "Sequences preempted (recompute) so far.", registry=r
-              ).set_function(lambda: eng.scheduler.num_preemptions)
+        Gauge("baige:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", registry=r).set_function(
+            lambda: bm.num_used_blocks / bm.num_blocks
+        )
+        Gauge(
+            "baige:prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / prompt tokens looked up.",
+            registry=r,
+        ).set_function(lambda: bm.prefix_hit_rate)
+        Gauge("baige:num_preemptions", "Sequences preempted (recompute) so far.", registry=r).set_function(
+            lambda: eng.scheduler.num_preemptions
+        )
         self._structured_gauges(eng, r)
         if eng.proposer is not None:
             r.register(_SpecDecodeCollector(eng))
         self.prompt_tokens = Counter("baige:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("baige:generation_tokens", "Tokens generated.", registry=r)
-        self.requests = Counter("baige:request_success", "Finished requests by finish reason.",
-                                ["finished_reason"], registry=r)
-        self.ttft = Histogram("baige:time_to_first_token_seconds", "Time to first token (TTFT), seconds.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("baige:time_per_output_token_seconds",
-                              "Time per output token after the first (TPOT), seconds.", buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("baige:e2e_request_latency_seconds", "End-to-end request latency, seconds.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "baige:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "baige:time_to_first_token_seconds",
+            "Time to first token (TTFT), seconds.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "baige:time_per_output_token_seconds",
+            "Time per output token after the first (TPOT), seconds.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "baige:e2e_request_latency_seconds",
+            "End-to-end request latency, seconds.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     @staticmethod
     def _structured_gauges(eng, r: CollectorRegistry) -> None:
         """Structured outputs: constrained requests, grammar compiles and their time, mask time per token."""
+
         def stat(name: str):
             return lambda: eng.grammars().stats[name] if eng._grammars is not None else 0
 
-        Gauge("baige:structured_output_requests", "Requests with a structured-output constraint so far.",
-              registry=r).set_function(lambda: eng.num_constrained_requests)
-        Gauge("baige:grammar_compiles", "Constraints compiled (cache misses).", registry=r).set_function(stat("compiles"))
-        Gauge("baige:grammar_compile_seconds", "Seconds spent compiling constraints, in all.",
-              registry=r).set_function(stat("compile_seconds"))
-        Gauge("baige:structured_mask_seconds", "Seconds spent computing token masks, in all.",
-              registry=r).set_function(stat("mask_seconds"))
-        Gauge("baige:structured_masked_tokens", "Tokens sampled under a grammar mask.",
-              registry=r).set_function(stat("masked_tokens"))
+        Gauge(
+            "baige:structured_output_requests", "Requests with a structured-output constraint so far.", registry=r
+        ).set_function(lambda: eng.num_constrained_requests)
+        Gauge("baige:grammar_compiles", "Constraints compiled (cache misses).", registry=r).set_function(
+            stat("compiles")
+        )
+        Gauge("baige:grammar_compile_seconds", "Seconds spent compiling constraints, in all.", registry=r).set_function(
+            stat("compile_seconds")
+        )
+        Gauge("baige:structured_mask_seconds", "Seconds spent computing token masks, in all.", registry=r).set_function(
+            stat("mask_seconds")
+        )
+        Gauge("baige:structured_masked_tokens", "Tokens sampled under a grammar mask.", registry=r).set_function(
+            stat("masked_tokens")
+        )
 
     def on_output(self, out: RequestOutput) -> None:
         """Called by the engine thread with every output."""
@@ -91,19 +119,28 @@ class _SpecDecodeCollector:
 
     def collect(self):
         st = self.eng.spec_stats
-        yield CounterMetricFamily("baige:spec_decode_num_drafts", "Verify steps with at least one draft token.",
-                                  value=st.num_drafts)
-        yield CounterMetricFamily("baige:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
-                                  value=st.num_draft_tokens)
-        yield CounterMetricFamily("baige:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                  value=st.num_accepted_tokens)
-        per_pos = CounterMetricFamily("baige:spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted at each draft position (0-based).", labels=["position"])
+        yield CounterMetricFamily(
+            "baige:spec_decode_num_drafts", "Verify steps with at least one draft token.", value=st.num_drafts
+        )
+        yield CounterMetricFamily(
+            "baige:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", value=st.num_draft_tokens
+        )
+        yield CounterMetricFamily(
+            "baige:spec_decode_num_accepted_tokens", "Draft tokens accepted.", value=st.num_accepted_tokens
+        )
+        per_pos = CounterMetricFamily(
+            "baige:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0-based).",
+            labels=["position"],
+        )
         for pos, n in enumerate(st.accepted_per_pos):
             per_pos.add_metric([str(pos)], n)
         yield per_pos
-        yield GaugeMetricFamily("baige:spec_decode_acceptance_rate", "Accepted / draft tokens so far (0-1).",
-                                value=st.acceptance_rate)
-        yield GaugeMetricFamily("baige:spec_decode_mean_acceptance_length",
-                                "Tokens emitted per verify step, the target's own included (1 + accepted / drafts).",
-                                value=st.mean_acceptance_length)
+        yield GaugeMetricFamily(
+            "baige:spec_decode_acceptance_rate", "Accepted / draft tokens so far (0-1).", value=st.acceptance_rate
+        )
+        yield GaugeMetricFamily(
+            "baige:spec_decode_mean_acceptance_length",
+            "Tokens emitted per verify step, the target's own included (1 + accepted / drafts).",
+            value=st.mean_acceptance_length,
+        )

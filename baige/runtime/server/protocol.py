@@ -28,6 +28,7 @@ from baige.runtime.infer.sampling import (
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a request body
 MAX_TOKEN_ID = 2**31 - 1  # token ids beyond int32 are refused by type; the engine checks the vocabulary
 
+
 # ---- errors -------------------------------------------------------------------------------------
 class APIError(Exception):
     """A request error with its HTTP status (OpenAI's error shape)."""
@@ -37,15 +38,29 @@ class APIError(Exception):
         self.message, self.status, self.param, self.code = message, status, param, code
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-                422: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -89,8 +104,9 @@ def _check_unicode(s: str, where: str) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(f"{where}: not valid Unicode (a lone surrogate at character {e.start})",
-                       param=where.split(".")[0]) from None
+        raise APIError(
+            f"{where}: not valid Unicode (a lone surrogate at character {e.start})", param=where.split(".")[0]
+        ) from None
 
 
 # ---- request schemas ----------------------------------------------------------------------------
@@ -170,8 +186,9 @@ class SamplingFields(_Strict):
             raise APIError("give response_format or structured_outputs, not both", param="response_format")
         try:
             if so is not None:
-                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                               json_object=so.json_object)
+                return StructuredOutputsParams(
+                    json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object
+                )
             if rf is None or rf.type == "text":
                 return None
             if rf.type == "json_object":

@@ -73,8 +73,12 @@ class ServerState:
         found = lora.loaded.get(model) if lora is not None else None
         if found is None:
             also = f" or its LoRA adapters ({', '.join(map(repr, lora.loaded))})" if lora and lora.loaded else ""
-            raise APIError(f"the model `{model}` does not exist (this server serves `{self.served_model_name}`{also})",
-                           404, param="model", code="model_not_found")
+            raise APIError(
+                f"the model `{model}` does not exist (this server serves `{self.served_model_name}`{also})",
+                404,
+                param="model",
+                code="model_not_found",
+            )
         # without its path: an adapter unloaded before the request reaches the engine is a 404 there,
         # never loaded again from disk (the offline load-on-first-use)
         return dataclasses.replace(found.request, lora_path="")
@@ -134,6 +138,7 @@ async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) ->
 
     Raises APIError 500 when the engine failed one of them (RequestFailed), 503 when the engine
     loop has stopped."""
+
     async def run() -> list[RequestOutput]:
         final: list[RequestOutput | None] = [None] * len(gens)
         async for k, out in merge(gens):
@@ -194,8 +199,9 @@ async def parse(request: Request, schema: type[BaseModel]) -> Any:
     return req
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    num_prompts: int, max_n: int) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, num_prompts: int, max_n: int
+) -> SamplingParams:
     """The engine's parameters for a request's sampling fields. Raises APIError."""
     if max_tokens is not None and max_tokens <= 0:
         raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
@@ -204,22 +210,37 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         raise APIError(f"{what} asks for more than the {max_n} sequences a request may have (--max-n)", param="n")
     try:
         return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-            max_tokens=max_tokens, ignore_eos=req.ignore_eos, n=req.n, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias_ids(),
-            allowed_token_ids=req.allowed_token_ids, structured_outputs=req.constraint(),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            ignore_eos=req.ignore_eos,
+            n=req.n,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            logit_bias=req.logit_bias_ids(),
+            allowed_token_ids=req.allowed_token_ids,
+            structured_outputs=req.constraint(),
         )
     except BaigeError as e:
         raise APIError(str(e), param=e.param) from None
 
 
-async def prepared(st: ServerState, prompts: list[str | list[int]], params: SamplingParams,
-                   req: SamplingFields) -> list[tuple[list[int], SamplingParams]]:
+async def prepared(
+    st: ServerState, prompts: list[str | list[int]], params: SamplingParams, req: SamplingFields
+) -> list[tuple[list[int], SamplingParams]]:
     """Validate and tokenize every prompt before anything runs (the same 400 whether streaming or
     not), off the event loop so a long prompt does not stall other clients' streams. A constraint's
     error names the field the request gave it in (``response_format`` or ``structured_outputs``)."""
+
     def run() -> list[tuple[list[int], SamplingParams]]:
         out = []
         for p in prompts:
@@ -237,8 +258,11 @@ async def prepared(st: ServerState, prompts: list[str | list[int]], params: Samp
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def include_usage(req: SamplingFields) -> bool:
@@ -259,12 +283,30 @@ async def models(request: Request) -> dict:
     """The base model, then every loaded LoRA adapter with ``parent`` = the base (vLLM's listing)."""
     st = state_of(request)
     max_len = st.engine.engine.max_model_len
-    data = [{"id": st.served_model_name, "object": "model", "created": st.created, "owned_by": "baige",
-             "root": st.served_model_name, "parent": None, "max_model_len": max_len}]
+    data = [
+        {
+            "id": st.served_model_name,
+            "object": "model",
+            "created": st.created,
+            "owned_by": "baige",
+            "root": st.served_model_name,
+            "parent": None,
+            "max_model_len": max_len,
+        }
+    ]
     lora = st.engine.engine.lora
     for name, loaded in list(lora.loaded.items()) if lora is not None else []:
-        data.append({"id": name, "object": "model", "created": st.created, "owned_by": "baige",
-                     "root": loaded.request.lora_path, "parent": st.served_model_name, "max_model_len": max_len})
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": st.created,
+                "owned_by": "baige",
+                "root": loaded.request.lora_path,
+                "parent": st.served_model_name,
+                "max_model_len": max_len,
+            }
+        )
     return {"object": "list", "data": data}
 
 
@@ -288,8 +330,9 @@ class CompletionJob:
         return sum(len(ids) for ids, _ in self.jobs)
 
 
-def completion_logprobs(tok: Tokenizer, lps: list[Logprobs | None], offset0: int,
-                        token_ids: list[int] | None = None) -> dict:
+def completion_logprobs(
+    tok: Tokenizer, lps: list[Logprobs | None], offset0: int, token_ids: list[int] | None = None
+) -> dict:
     """OpenAI's completion ``logprobs`` object. ``token_ids`` default to each entry's own token; an
     entry of None (the first echoed prompt token, which nothing predicts) gives nulls."""
     ids = [lp.token_id for lp in lps] if token_ids is None else token_ids
@@ -334,9 +377,15 @@ async def completions(request: Request):
     jobs = await prepared(st, prompts, params, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     lora = st.lora_request(req.model)
-    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model or st.served_model_name}
-    job = CompletionJob(req, jobs, [x if isinstance(x, str) else st.tokenizer.decode(x) for x in prompts], base,
-                        score_prompt)
+    base = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or st.served_model_name,
+    }
+    job = CompletionJob(
+        req, jobs, [x if isinstance(x, str) else st.tokenizer.decode(x) for x in prompts], base, score_prompt
+    )
     if echo_only:
         return await echo_only_completion(request, st, job)
     gens = [st.engine.generate(ids, sp, f"{rid}-{k}", lora) for k, (ids, sp) in enumerate(jobs)]
@@ -350,17 +399,24 @@ async def echo_only_completion(request: Request, st: ServerState, job: Completio
     (its sampled token discarded)."""
     plps: list[dict | None] = [None] * len(job.jobs)
     if job.score_prompt:
-        gens = [st.engine.generate(ids, dataclasses.replace(sp, n=1), f"{job.base['id']}-{k}",
-                                   st.lora_request(job.req.model))
-                for k, (ids, sp) in enumerate(job.jobs)]
+        gens = [
+            st.engine.generate(
+                ids, dataclasses.replace(sp, n=1), f"{job.base['id']}-{k}", st.lora_request(job.req.model)
+            )
+            for k, (ids, sp) in enumerate(job.jobs)
+        ]
         finals = await collect(request, gens)
         if finals is None:
             return Response(status_code=499)
-        plps = [completion_logprobs(st.tokenizer, out.prompt_logprobs, 0, ids)
-                for (ids, _), out in zip(job.jobs, finals)]
+        plps = [
+            completion_logprobs(st.tokenizer, out.prompt_logprobs, 0, ids) for (ids, _), out in zip(job.jobs, finals)
+        ]
     n = job.n
-    choices = [{"index": k * n + i, "text": job.prompt_texts[k], "logprobs": plps[k], "finish_reason": "length"}
-               for k in range(len(job.jobs)) for i in range(n)]
+    choices = [
+        {"index": k * n + i, "text": job.prompt_texts[k], "logprobs": plps[k], "finish_reason": "length"}
+        for k in range(len(job.jobs))
+        for i in range(n)
+    ]
     if not job.req.stream:
         return {**job.base, "choices": choices, "usage": usage(job.num_prompt_tokens, 0)}
 
@@ -374,8 +430,9 @@ async def echo_only_completion(request: Request, st: ServerState, job: Completio
     return event_stream(echo_stream())
 
 
-async def plain_completion(request: Request, st: ServerState, job: CompletionJob,
-                           gens: list[AsyncIterator[RequestOutput]]):
+async def plain_completion(
+    request: Request, st: ServerState, job: CompletionJob, gens: list[AsyncIterator[RequestOutput]]
+):
     finals = await collect(request, gens)
     if finals is None:
         return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
@@ -386,14 +443,22 @@ async def plain_completion(request: Request, st: ServerState, job: CompletionJob
             lp = completion_logprobs(st.tokenizer, o.logprobs, len(prefix)) if o.logprobs is not None else None
             if job.score_prompt:
                 lp = join_logprobs(completion_logprobs(st.tokenizer, out.prompt_logprobs, 0, job.jobs[k][0]), lp)
-            choices.append({"index": k * job.n + o.index, "text": prefix + o.text, "logprobs": lp,
-                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            choices.append(
+                {
+                    "index": k * job.n + o.index,
+                    "text": prefix + o.text,
+                    "logprobs": lp,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            )
             n_out += len(o.token_ids)
     return {**job.base, "choices": choices, "usage": usage(job.num_prompt_tokens, n_out)}
 
 
-async def stream_completion(st: ServerState, job: CompletionJob,
-                            gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+async def stream_completion(
+    st: ServerState, job: CompletionJob, gens: list[AsyncIterator[RequestOutput]]
+) -> AsyncIterator[str]:
     n, n_out = job.n, 0
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
@@ -404,8 +469,16 @@ async def stream_completion(st: ServerState, job: CompletionJob,
         chunks = []
         for i in range(n):
             offsets[k * n + i] = len(job.prompt_texts[k])
-            chunks.append(sse({**job.base, "choices": [{"index": k * n + i, "text": job.prompt_texts[k],
-                                                        "logprobs": lp, "finish_reason": None}]}))
+            chunks.append(
+                sse(
+                    {
+                        **job.base,
+                        "choices": [
+                            {"index": k * n + i, "text": job.prompt_texts[k], "logprobs": lp, "finish_reason": None}
+                        ],
+                    }
+                )
+            )
         return chunks
 
     if job.req.echo and not job.score_prompt:  # the echo goes first; with prompt logprobs, once they exist
@@ -425,8 +498,19 @@ async def stream_completion(st: ServerState, job: CompletionJob,
             if o.logprobs is not None:
                 lp = completion_logprobs(st.tokenizer, o.delta_logprobs, offsets.get(idx, 0))
             offsets[idx] = offsets.get(idx, 0) + len(o.delta_text)
-            yield sse({**job.base, "choices": [{"index": idx, "text": o.delta_text, "logprobs": lp,
-                                                "finish_reason": o.finish_reason if o.finished else None}]})
+            yield sse(
+                {
+                    **job.base,
+                    "choices": [
+                        {
+                            "index": idx,
+                            "text": o.delta_text,
+                            "logprobs": lp,
+                            "finish_reason": o.finish_reason if o.finished else None,
+                        }
+                    ],
+                }
+            )
     if include_usage(job.req):
         yield sse({**job.base, "choices": [], "usage": usage(job.num_prompt_tokens, n_out)})
     yield "data: [DONE]\n\n"

@@ -144,9 +144,11 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
     markers = (START,)
-    instructions = ("For each function call, return a json object with function name and arguments within "
-                    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    instructions = (
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
     def __init__(self, tool_names: Collection[str]):
         super().__init__(tool_names)
@@ -162,7 +164,7 @@ class HermesToolParser(ToolParser):
                 if j < 0:
                     keep = 0 if final else _held_prefix(buf, self.START)
                     out.append(buf[: len(buf) - keep])
-                    self._buf = buf[len(buf) - keep:]
+                    self._buf = buf[len(buf) - keep :]
                     break
                 out.append(buf[:j])
                 self._buf, self._open, self._searched = buf[j:], True, len(self.START)
@@ -172,7 +174,7 @@ class HermesToolParser(ToolParser):
                 self._searched = max(len(self.START), len(buf) - len(self.END) + 1)
                 break
             end = len(buf) if k < 0 else k + len(self.END)  # an unclosed call at the end still counts
-            body = buf[len(self.START): len(buf) if k < 0 else k]
+            body = buf[len(self.START) : len(buf) if k < 0 else k]
             out.append(self._parse(body) or buf[:end])
             self._buf, self._open = buf[end:], False
         return out
@@ -185,8 +187,10 @@ class HermesToolParser(ToolParser):
 
     @staticmethod
     def render(calls: list[tuple[str, Any]]) -> str:
-        return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
-                         for n, a in calls)
+        return "\n".join(
+            f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
+            for n, a in calls
+        )
 
 
 class _JsonCallsParser(ToolParser):
@@ -297,8 +301,10 @@ class Llama3JsonToolParser(_JsonCallsParser):
     tag = "<|python_tag|>"
     markers = (tag, "<|eom_id|>")
     leading_brace, separator = True, ";"
-    instructions = ('To call a function, respond with only a JSON object of the form {"name": <function-name>, '
-                    '"parameters": <args-json-object>}; separate several calls with "; ".')
+    instructions = (
+        'To call a function, respond with only a JSON object of the form {"name": <function-name>, '
+        '"parameters": <args-json-object>}; separate several calls with "; ".'
+    )
 
     def _calls(self, value: Any) -> list[FunctionCall] | None:
         call = self._call(value, ("parameters", "arguments"))
@@ -315,8 +321,10 @@ class MistralToolParser(_JsonCallsParser):
     markers = (tag, "[AVAILABLE_TOOLS]")
     keep_special_tokens = True
     openers = "[{"
-    instructions = ("To call functions, respond with [TOOL_CALLS] followed by a JSON list of calls: "
-                    '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]')
+    instructions = (
+        "To call functions, respond with [TOOL_CALLS] followed by a JSON list of calls: "
+        '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
+    )
 
     def _calls(self, value: Any) -> list[FunctionCall] | None:
         items = value if isinstance(value, list) else [value]
@@ -333,8 +341,7 @@ class MistralToolParser(_JsonCallsParser):
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
-                                                            MistralToolParser)}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
 
 
 def parser_for_template(template: str | None) -> type[ToolParser]:

@@ -57,7 +57,7 @@ class ToolCallStream:
             if isinstance(item, str):
                 text = self._held + item
                 body = text.rstrip()
-                self._held = text[len(body):]
+                self._held = text[len(body) :]
                 if body:
                     out.append(("content", body))
             elif self.max_calls is None or self.calls < self.max_calls:
@@ -153,6 +153,9 @@ def delta_of(event: Event) -> dict:
     if event[0] == "content":
         return {"content": event[1]}
     if event[0] == "call":
-        return {"tool_calls": [{"index": event[1], "id": event[2], "type": "function",
-                                "function": {"name": event[3], "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {"index": event[1], "id": event[2], "type": "function", "function": {"name": event[3], "arguments": ""}}
+            ]
+        }
     return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}

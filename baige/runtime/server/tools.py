@@ -58,8 +58,10 @@ You are provided with function signatures within <tools></tools> XML tags:
 {instructions}"""
 
 _PROBE_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-_PROBE_TOOL = {"type": "function", "function": {"name": "baige_probe", "description": "Probe.",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "baige_probe", "description": "Probe.", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,9 @@ def template_renders_tools(tokenizer: Tokenizer) -> bool:
         return False
 
 
-def tool_config(tokenizer: Tokenizer, tool_call_parser: str = "auto", exclude_none: bool = False,
-                enable_auto: bool = True) -> ToolConfig:
+def tool_config(
+    tokenizer: Tokenizer, tool_call_parser: str = "auto", exclude_none: bool = False, enable_auto: bool = True
+) -> ToolConfig:
     """The settings for a tokenizer's chat template; ``tool_call_parser`` is ``auto`` or a key of PARSERS."""
     parser = parser_for_template(tokenizer.chat_template) if tool_call_parser == "auto" else PARSERS[tool_call_parser]
     return ToolConfig(parser, template_renders_tools(tokenizer), exclude_none, enable_auto)
@@ -115,8 +118,19 @@ def _one_line(text: str) -> str:
 
 _SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUB_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
-            "not", "contains", "propertyNames", "if", "then", "else")
+_SUB_ONE = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "not",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+)
 
 
 def _enforced(node: Any, ref_root: str, close: bool = True) -> Any:
@@ -136,15 +150,22 @@ def _enforced(node: Any, ref_root: str, close: bool = True) -> Any:
             out[key] = _enforced(value, ref_root, close)
         else:
             out[key] = value
-    if close and isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
-                                                                   "unevaluatedProperties"} & out.keys():
+    if (
+        close
+        and isinstance(out.get("properties"), dict)
+        and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys()
+    ):
         out["additionalProperties"] = False
     return out
 
 
 def _call_schema(k: int, name: str) -> dict:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{k}"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{k}"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def forced_constraint(req: ChatCompletionRequest, names: list[str]) -> tuple[StructuredOutputsParams, bool]:
@@ -154,14 +175,18 @@ def forced_constraint(req: ChatCompletionRequest, names: list[str]) -> tuple[Str
     defs = {}
     for name in names:
         k, tool = tools[name]
-        params = tool.function.parameters if tool.function.parameters is not None else {"type": "object",
-                                                                                       "properties": {}}
+        params = (
+            tool.function.parameters if tool.function.parameters is not None else {"type": "object", "properties": {}}
+        )
         defs[f"tool{k}"] = _enforced(params, f"#/$defs/tool{k}")
         alone = {"$defs": {f"tool{k}": defs[f"tool{k}"]}, "$ref": f"#/$defs/tool{k}"}
         error = _schema_error(json.dumps(alone, sort_keys=True), False)
         if error:
-            raise APIError(f"tools[{k}].function.parameters: tool_choice {_choice_name(req)} cannot enforce this "
-                           f"schema ({_one_line(error)})", param="tools")
+            raise APIError(
+                f"tools[{k}].function.parameters: tool_choice {_choice_name(req)} cannot enforce this "
+                f"schema ({_one_line(error)})",
+                param="tools",
+            )
     calls = [_call_schema(tools[n][0], n) for n in names]
     array = req.tool_choice == "required" and req.parallel_tool_calls is not False
     if array:
@@ -213,12 +238,16 @@ def resolve_tool_choice(req: ChatCompletionRequest, cfg: ToolConfig) -> str | No
         raise APIError('a tool_choice other than "none" needs tools', param="tool_choice")
     if isinstance(choice, str):
         if choice == "auto" and not cfg.enable_auto_tool_choice:
-            raise APIError('tool_choice "auto" is off on this server (--no-enable-auto-tool-choice); use "none", '
-                           '"required" or a named function', param="tool_choice")
+            raise APIError(
+                'tool_choice "auto" is off on this server (--no-enable-auto-tool-choice); use "none", '
+                '"required" or a named function',
+                param="tool_choice",
+            )
         return choice
     if choice.function.name not in {t.function.name for t in tools}:
-        raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
-                       param="tool_choice")
+        raise APIError(
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools", param="tool_choice"
+        )
     return None
 
 
@@ -233,8 +262,9 @@ def check_tools(req: ChatCompletionRequest) -> None:
         if f.parameters is not None:
             error = _schema_error(json.dumps(f.parameters, sort_keys=True), True)
             if error:
-                raise APIError(f"tools[{k}].function.parameters is not a valid JSON schema ({_one_line(error)})",
-                               param="tools")
+                raise APIError(
+                    f"tools[{k}].function.parameters is not a valid JSON schema ({_one_line(error)})", param="tools"
+                )
 
 
 def plan_tools(req: ChatCompletionRequest, cfg: ToolConfig) -> ToolPlan:
@@ -262,8 +292,11 @@ def plan_tools(req: ChatCompletionRequest, cfg: ToolConfig) -> ToolPlan:
         plan.mode, plan.max_calls = "auto", (1 if req.parallel_tool_calls is False else None)
         return plan
     if req.constraint() is not None:
-        raise APIError(f"tool_choice {_choice_name(req)} constrains the output itself; it cannot be combined "
-                       "with response_format or structured_outputs", param="tool_choice")
+        raise APIError(
+            f"tool_choice {_choice_name(req)} constrains the output itself; it cannot be combined "
+            "with response_format or structured_outputs",
+            param="tool_choice",
+        )
     forced = list(names) if choice == "required" else [req.tool_choice.function.name]
     plan.constraint, plan.array = forced_constraint(req, forced)
     plan.mode = "forced"
@@ -281,8 +314,9 @@ def _call_arguments(k: int, j: int, text: str) -> Any:
     try:
         return loads(text)
     except ValueError:
-        raise APIError(f"messages[{k}].tool_calls[{j}].function.arguments is not valid JSON",
-                       param="messages") from None
+        raise APIError(
+            f"messages[{k}].tool_calls[{j}].function.arguments is not valid JSON", param="messages"
+        ) from None
 
 
 def conversation(msgs: list[ChatMessage], parser: type[ToolParser], default_prompt: bool) -> list[dict]:
@@ -293,8 +327,10 @@ def conversation(msgs: list[ChatMessage], parser: type[ToolParser], default_prom
     responses = False  # the last message is a user turn of tool responses (consecutive ones join it)
     for k, m in enumerate(msgs):
         msg = {**(m.model_extra or {}), "role": m.role, "content": _text(m.content)}
-        calls = [(c.id, c.function.name, _call_arguments(k, j, c.function.arguments))
-                 for j, c in enumerate(m.tool_calls or [])]
+        calls = [
+            (c.id, c.function.name, _call_arguments(k, j, c.function.arguments))
+            for j, c in enumerate(m.tool_calls or [])
+        ]
         if default_prompt and m.role == "tool":
             response = f"<tool_response>\n{msg['content']}\n</tool_response>"
             if responses:
@@ -308,8 +344,9 @@ def conversation(msgs: list[ChatMessage], parser: type[ToolParser], default_prom
             rendered = parser.render([(n, a) for _, n, a in calls])
             msg["content"] = f"{msg['content']}\n{rendered}" if msg["content"] else rendered
         elif calls:
-            msg["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
-                                 for i, n, a in calls]
+            msg["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls
+            ]
         if m.tool_call_id is not None and not default_prompt:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
@@ -318,8 +355,9 @@ def conversation(msgs: list[ChatMessage], parser: type[ToolParser], default_prom
 
 def with_tool_prompt(messages: list[dict], specs: list[dict], parser: type[ToolParser]) -> list[dict]:
     """``messages`` with the default tool prompt in the first system message (a new one if none)."""
-    block = TOOL_PROMPT.format(tools="\n".join(json.dumps(s, ensure_ascii=False) for s in specs),
-                               instructions=parser.instructions)
+    block = TOOL_PROMPT.format(
+        tools="\n".join(json.dumps(s, ensure_ascii=False) for s in specs), instructions=parser.instructions
+    )
     if messages and messages[0]["role"] == "system":
         first = dict(messages[0], content=f"{messages[0]['content']}\n\n{block}" if messages[0]["content"] else block)
         return [first, *messages[1:]]

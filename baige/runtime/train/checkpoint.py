@@ -78,7 +78,9 @@ class CheckpointManager:
             return None
         path = Path(resume)
         if not (path / ".metadata").is_file():
-            raise BaigeError(f"{path}: not a complete checkpoint (no .metadata); expected a {self.root}/step_* directory")
+            raise BaigeError(
+                f"{path}: not a complete checkpoint (no .metadata); expected a {self.root}/step_* directory"
+            )
         return path
 
     def clean_partial(self) -> None:
@@ -141,21 +143,27 @@ def check_model_fits(path: Path, model_state: dict[str, Any], whole_model: bool 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+    saved = {k[len("model.") :]: v for k, v in meta.items() if k.startswith("model.")}
     hint = f"resume with the settings in {path / 'config.toml'}, or start a new --output"
     for name, t in model_state.items():
         m = saved.get(name)
         if m is None:
             what = f" ({len(saved)} model tensors, e.g. {next(iter(saved))})" if saved else ""
-            raise BaigeError(f"{path} does not hold {name}, which this run trains{what}: it was saved with "
-                             f"another model or [lora] config; {hint}")
+            raise BaigeError(
+                f"{path} does not hold {name}, which this run trains{what}: it was saved with "
+                f"another model or [lora] config; {hint}"
+            )
         if isinstance(m, TensorStorageMetadata) and hasattr(t, "shape") and tuple(m.size) != tuple(t.shape):
-            raise BaigeError(f"{path} holds {name} of shape {tuple(m.size)}, this run's is {tuple(t.shape)}: it "
-                             f"was saved with another model or [lora] config; {hint}")
+            raise BaigeError(
+                f"{path} holds {name} of shape {tuple(m.size)}, this run's is {tuple(t.shape)}: it "
+                f"was saved with another model or [lora] config; {hint}"
+            )
     extra = sorted(set(saved) - set(model_state)) if whole_model else []
     if extra:
-        raise BaigeError(f"{path} holds {extra[0]} (and {len(extra) - 1} more) that this run does not train: it "
-                         f"was saved with another model or [lora] config; {hint}")
+        raise BaigeError(
+            f"{path} holds {extra[0]} (and {len(extra) - 1} more) that this run does not train: it "
+            f"was saved with another model or [lora] config; {hint}"
+        )
 
 
 def optimizer_state_is_flat(path: Path) -> bool:
@@ -181,9 +189,15 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def export_hf(model: torch.nn.Module, config: dict, out_dir: Path, tokenizer_dir: Path | None,
-              dtype: torch.dtype, is_main: bool,
-              full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> Path | None:
+def export_hf(
+    model: torch.nn.Module,
+    config: dict,
+    out_dir: Path,
+    tokenizer_dir: Path | None,
+    dtype: torch.dtype,
+    is_main: bool,
+    full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None,
+) -> Path | None:
     """Gather the full model (collective) and write an HF directory from rank 0 (``save_hf_checkpoint``:
     safetensors, config.json, generation_config.json, tokenizer files; lm_head dropped when tied).
 
@@ -195,8 +209,11 @@ def export_hf(model: torch.nn.Module, config: dict, out_dir: Path, tokenizer_dir
 
     from baige.runtime.weights.safetensors_io import save_hf_checkpoint
 
-    full = (full_state_dict() if full_state_dict is not None else
-            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    full = (
+        full_state_dict()
+        if full_state_dict is not None
+        else get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    )
     result = None
     if is_main:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from baige.errors import BaigeError
 from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int, check_output_path
@@ -299,23 +300,30 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
     check_int("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1)
     names = {n.lower(): n for n in PIPELINE_SCHEDULES}
     if p.pipeline_parallel_schedule.lower() not in names:
-        raise BaigeError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(PIPELINE_SCHEDULES)} "
-                         f"(got {p.pipeline_parallel_schedule!r})")
+        raise BaigeError(
+            f"parallelism.pipeline_parallel_schedule must be one of {', '.join(PIPELINE_SCHEDULES)} "
+            f"(got {p.pipeline_parallel_schedule!r})"
+        )
     p.pipeline_parallel_schedule = names[p.pipeline_parallel_schedule.lower()]
     m, batch = p.pipeline_parallel_microbatches, cfg.training.batch_size
     check_int("parallelism.pipeline_parallel_microbatches", m, 0)
     if m and batch % m:
-        raise BaigeError(f"parallelism.pipeline_parallel_microbatches {m} must divide training.batch_size {batch} "
-                         "(each micro-batch of the pipeline holds batch_size / microbatches windows)")
+        raise BaigeError(
+            f"parallelism.pipeline_parallel_microbatches {m} must divide training.batch_size {batch} "
+            "(each micro-batch of the pipeline holds batch_size / microbatches windows)"
+        )
     if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule == "ZBVZeroBubble" and cfg.data.eval:
-        raise BaigeError("evaluation (--eval-data) under ZBVZeroBubble is not supported: torch 2.13's ZBV schedule "
-                         "fails in forward-only passes; use another pipeline_parallel_schedule or drop --eval-data")
+        raise BaigeError(
+            "evaluation (--eval-data) under ZBVZeroBubble is not supported: torch 2.13's ZBV schedule "
+            "fails in forward-only passes; use another pipeline_parallel_schedule or drop --eval-data"
+        )
     if p.pipeline_parallel_degree > 1 and p.expert_parallel_degree > 1:
-        raise BaigeError("pipeline parallel (--pp) does not compose with expert parallel (--ep) yet: "
-                         "use one of them")
+        raise BaigeError("pipeline parallel (--pp) does not compose with expert parallel (--ep) yet: use one of them")
     if p.pipeline_parallel_degree > 1 and cfg.lora.rank is not None:
-        raise BaigeError("pipeline parallel (--pp) does not compose with LoRA (--lora-rank) yet: the adapter "
-                         "export gathers one rank's model; use FSDP or TP")
+        raise BaigeError(
+            "pipeline parallel (--pp) does not compose with LoRA (--lora-rank) yet: the adapter "
+            "export gathers one rank's model; use FSDP or TP"
+        )
 
 
 def _validate_lora(cfg: TrainConfig) -> None:
@@ -345,10 +353,13 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("steps", "seq_len", "batch_size", "grad_accum"):
         if getattr(t, name) < 1:
             raise BaigeError(f"training.{name} must be >= 1 (got {getattr(t, name)})")
-    for where, value in (("training.eval_every", t.eval_every), ("training.eval_batches", t.eval_batches),
-                         ("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps),
-                         ("checkpoint.interval", cfg.checkpoint.interval),
-                         ("checkpoint.keep_latest", cfg.checkpoint.keep_latest)):
+    for where, value in (
+        ("training.eval_every", t.eval_every),
+        ("training.eval_batches", t.eval_batches),
+        ("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps),
+        ("checkpoint.interval", cfg.checkpoint.interval),
+        ("checkpoint.keep_latest", cfg.checkpoint.keep_latest),
+    ):
         if value < 0:
             raise BaigeError(f"{where} must be >= 0 (got {value})")
     check_int("training.seed", t.seed, *DATA_SEED_RANGE)  # torch.manual_seed and the data order's numpy seed
@@ -365,7 +376,9 @@ def validate(cfg: TrainConfig) -> None:
     _validate_lora(cfg)
     ac = t.activation_checkpointing
     if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):
-        raise BaigeError(f"training.activation_checkpointing must be none, full or a block interval N >= 1 (got {ac!r})")
+        raise BaigeError(
+            f"training.activation_checkpointing must be none, full or a block interval N >= 1 (got {ac!r})"
+        )
     if cfg.optimizer.name != "adamw":
         raise BaigeError(f"optimizer.name {cfg.optimizer.name!r} is not supported (adamw)")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):  # nan fails too

@@ -84,7 +84,7 @@ def chat_tokens(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], 
         ends = [j for j in range(len(before), len(through)) if ids[j] in eos]
         if ends:
             end = ends[-1] + 1
-        mask[len(before):end] = [1] * (end - len(before))
+        mask[len(before) : end] = [1] * (end - len(before))
     return ids, mask
 
 
@@ -115,7 +115,7 @@ def _records(path: Path, tokenizer: Tokenizer):
             elif isinstance(record, dict) and isinstance(record.get("messages"), list):
                 yield chat_tokens(tokenizer, record["messages"])
             else:
-                raise BaigeError(f"{path}:{lineno}: expected a JSON object with a \"text\" string or a \"messages\" list")
+                raise BaigeError(f'{path}:{lineno}: expected a JSON object with a "text" string or a "messages" list')
 
 
 @dataclass
@@ -193,8 +193,12 @@ class PackedWindows:
         while start < end:
             f, lo = self.files[i], int(self.offsets[i])
             hi = min(end, int(self.offsets[i + 1]))
-            tokens.append(np.asarray(f.tokens[start - lo: hi - lo], dtype=np.int64))
-            mask.append(np.ones(hi - start, dtype=bool) if f.mask is None else np.asarray(f.mask[start - lo: hi - lo], dtype=bool))
+            tokens.append(np.asarray(f.tokens[start - lo : hi - lo], dtype=np.int64))
+            mask.append(
+                np.ones(hi - start, dtype=bool)
+                if f.mask is None
+                else np.asarray(f.mask[start - lo : hi - lo], dtype=bool)
+            )
             start, i = hi, i + 1
         return np.concatenate(tokens), np.concatenate(mask)
 
@@ -205,11 +209,15 @@ class PackedWindows:
         return torch.from_numpy(tokens[:-1].copy()), torch.from_numpy(labels)
 
 
-def load_windows(paths: list[str], tokenizer: Tokenizer, tokenizer_dir: Path, cache_root: Path, seq_len: int) -> PackedWindows:
+def load_windows(
+    paths: list[str], tokenizer: Tokenizer, tokenizer_dir: Path, cache_root: Path, seq_len: int
+) -> PackedWindows:
     """Tokenize (or reuse the cache of) every file and pack them. Raises BaigeError when too short."""
     windows = PackedWindows([tokenize_file(p, tokenizer, tokenizer_dir, cache_root) for p in paths], seq_len)
     if windows.num_windows == 0:
-        raise BaigeError(f"{', '.join(paths)}: {windows.num_tokens} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+        raise BaigeError(
+            f"{', '.join(paths)}: {windows.num_tokens} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}"
+        )
     return windows
 
 
@@ -224,8 +232,16 @@ class DataLoader:
     on a different number of ranks with the same global batch.
     """
 
-    def __init__(self, windows: PackedWindows, batch_size: int, grad_accum: int, dp_size: int, dp_rank: int,
-                 seed: int, shuffle: bool):
+    def __init__(
+        self,
+        windows: PackedWindows,
+        batch_size: int,
+        grad_accum: int,
+        dp_size: int,
+        dp_rank: int,
+        seed: int,
+        shuffle: bool,
+    ):
         self.windows, self.batch_size, self.grad_accum = windows, batch_size, grad_accum
         self.dp_size, self.dp_rank, self.seed, self.shuffle = dp_size, dp_rank, seed, shuffle
         self.global_batch = dp_size * batch_size * grad_accum
@@ -252,7 +268,7 @@ class DataLoader:
         micro = []
         for a in range(self.grad_accum):
             start = self.position + (a * self.dp_size + self.dp_rank) * B
-            pairs = [self.windows.window(int(i)) for i in order[start:start + B]]
+            pairs = [self.windows.window(int(i)) for i in order[start : start + B]]
             micro.append((torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])))
         self.position += self.global_batch
         return micro
@@ -272,7 +288,9 @@ def eval_batches(windows: PackedWindows, batch_size: int, dp_size: int, dp_rank:
     """
     rounds = windows.num_windows // (dp_size * batch_size)
     if rounds == 0:
-        raise BaigeError(f"the eval data holds {windows.num_windows} windows; one evaluation batch needs {dp_size * batch_size}")
+        raise BaigeError(
+            f"the eval data holds {windows.num_windows} windows; one evaluation batch needs {dp_size * batch_size}"
+        )
     if max_batches > 0:
         rounds = min(rounds, max_batches)
     for r in range(rounds):

@@ -84,7 +84,7 @@ class ExpertParallelExperts(nn.Module):
         self.ep_size, self.group = ep, ep_mesh.get_group()
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(experts, name)
-            local = full.detach()[first:first + self.num_local_experts].clone()
+            local = full.detach()[first : first + self.num_local_experts].clone()
             dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(self, name, nn.Parameter(dt, requires_grad=full.requires_grad))
 
@@ -133,8 +133,10 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
     ep = ep_mesh.size()
     blocks = sparse_blocks(model)
     if not blocks:
-        raise BaigeError(f"expert_parallel_degree={ep} needs a Mixture-of-Experts model "
-                         f"({model.config.model_type} has no sparse layer)")
+        raise BaigeError(
+            f"expert_parallel_degree={ep} needs a Mixture-of-Experts model "
+            f"({model.config.model_type} has no sparse layer)"
+        )
     e = model.config.moe.num_experts
     if e % ep:
         raise BaigeError(f"num_experts={e} is not divisible by expert_parallel_degree={ep}")

@@ -111,8 +111,7 @@ def flops_per_token(model: nn.Module, n_lora: int, seq_len: int) -> int:
     return 4 * n_frozen + 6 * n_lora + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
 
 
-def train_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, lora: bool,
-                     options=None) -> tuple[dict, dict]:
+def train_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, lora: bool, options=None) -> tuple[dict, dict]:
     """``get_state_dict(model, optimizer, options)`` for the DCP checkpoint; with ``lora`` only the
     trained tensors (``options``: a ``StateDictOptions``, default ones when None).
 
@@ -139,8 +138,15 @@ def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def export_adapter(model: nn.Module, cfg: LoRASection, base_model: str | None, out_dir: Path,
-                   dtype: torch.dtype, is_main: bool, full: dict | None = None) -> Path | None:
+def export_adapter(
+    model: nn.Module,
+    cfg: LoRASection,
+    base_model: str | None,
+    out_dir: Path,
+    dtype: torch.dtype,
+    is_main: bool,
+    full: dict | None = None,
+) -> Path | None:
     """Write the PEFT adapter directory ``out_dir`` from rank 0 (collective: gathers the adapters).
     Returns ``out_dir`` on rank 0, None elsewhere."""
     full = _full_state(model) if full is None else full
@@ -168,8 +174,15 @@ def merged_state(model: nn.Module, full: dict[str, torch.Tensor], dtype: torch.d
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
 
 
-def export_merged(model: nn.Module, config: dict, out_dir: Path, tokenizer_dir: Path | None, dtype: torch.dtype,
-                  is_main: bool, full: dict) -> Path | None:
+def export_merged(
+    model: nn.Module,
+    config: dict,
+    out_dir: Path,
+    tokenizer_dir: Path | None,
+    dtype: torch.dtype,
+    is_main: bool,
+    full: dict,
+) -> Path | None:
     """Write the merged HF checkpoint from rank 0 with ``save_hf_checkpoint`` (the plain export's writer);
     an existing ``out_dir`` is replaced. Returns ``out_dir`` on rank 0, None elsewhere."""
     import shutil
@@ -196,8 +209,15 @@ def export_lora(trainer, dtype: torch.dtype) -> Path | None:
     if out is not None:
         trainer.log.print(f"exported LoRA adapter (PEFT) to {out}")
     if cfg.lora.merge:
-        merged = export_merged(trainer.model, dict(trainer.model_config.raw), trainer.output / "hf",
-                               trainer.tokenizer_dir, dtype, main, full)
+        merged = export_merged(
+            trainer.model,
+            dict(trainer.model_config.raw),
+            trainer.output / "hf",
+            trainer.tokenizer_dir,
+            dtype,
+            main,
+            full,
+        )
         if merged is not None:
             trainer.log.print(f"exported the merged HF checkpoint to {merged}")
     if torch.distributed.is_initialized():

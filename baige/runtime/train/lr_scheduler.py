@@ -33,9 +33,18 @@ def lr_lambda(step: int, *, name: str, warmup: int, total: int, min_ratio: float
     return 1.0 - (1 - min_ratio) * min(1.0, (s - decay_start) / decay_steps)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, sc: LRSchedulerSection,
-                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, sc: LRSchedulerSection, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over :func:`lr_lambda` with the ``lr_scheduler`` settings, to ``total_steps`` optimizer steps."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
-        lr_lambda, name=sc.name, warmup=sc.warmup_steps, total=total_steps, min_ratio=sc.min_lr_ratio,
-        decay_ratio=sc.decay_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        functools.partial(
+            lr_lambda,
+            name=sc.name,
+            warmup=sc.warmup_steps,
+            total=total_steps,
+            min_ratio=sc.min_lr_ratio,
+            decay_ratio=sc.decay_ratio,
+        ),
+    )

@@ -88,13 +88,18 @@ class MetricsLogger:
         if record["split"] == "train":
             moe = ""
             if "aux_loss" in record:  # MoE: balance loss, and the worst layer's expert load
-                moe = (f"  aux {record['aux_loss']:.3f}  expert load max/mean {max(record['expert_load_max_mean']):.2f} "
-                       f"cv {max(record['expert_load_cv']):.2f}")
+                moe = (
+                    f"  aux {record['aux_loss']:.3f}  expert load max/mean {max(record['expert_load_max_mean']):.2f} "
+                    f"cv {max(record['expert_load_cv']):.2f}"
+                )
             pp = ""
             if "pp_bubble_fraction" in record:  # pipeline: measured and ideal bubble, compute per stage rank
                 stages = "/".join(f"{t:.2f}" for t in record["pp_stage_compute_seconds"])
-                pp = (f"  pp bubble {record['pp_bubble_fraction']:.2f} (ideal {record['pp_bubble_fraction_schedule']:.2f})"
-                      f" compute {stages} s")
+                pp = (
+                    f"  pp bubble {record['pp_bubble_fraction']:.2f} (ideal "
+                    f"{record['pp_bubble_fraction_schedule']:.2f})"
+                    f" compute {stages} s"
+                )
             self.console.print(
                 f"step {record['step']:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
                 f"lr {record['lr']:.3e}  {record['tokens_per_second_per_device']:,.0f} tokens/s/device  "
@@ -102,8 +107,9 @@ class MetricsLogger:
                 highlight=False,
             )
         else:
-            self.console.print(f"step {record['step']:>6}  eval loss {record['loss']:.4f} "
-                               f"({record['tokens']} tokens)", highlight=False)
+            self.console.print(
+                f"step {record['step']:>6}  eval loss {record['loss']:.4f} ({record['tokens']} tokens)", highlight=False
+            )
 
     def print(self, text: str) -> None:
         if self.enabled:

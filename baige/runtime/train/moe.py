@@ -52,8 +52,7 @@ class RouterLogits:
         self.tensors.append(logits)
 
 
-def balance_statistics(router_logits: Sequence[torch.Tensor], top_k: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def balance_statistics(router_logits: Sequence[torch.Tensor], top_k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-expert top-k counts ``C`` (E,) fp32 (no gradient), probability sums ``S`` (E,) fp32
     (differentiable) and the row count ``R`` over all layers' (N, E) logits (any float dtype)."""
     counts = prob_sum = None
@@ -85,8 +84,10 @@ def load_stats(load: torch.Tensor) -> dict[str, list[float]]:
     """Expert load per layer from tokens per expert ``load`` (L, E): ``max / mean`` (1 = balanced,
     ``E / k`` at worst) and the coefficient of variation ``std / mean`` (population std, 0 = balanced)."""
     mean = load.mean(1).clamp(min=1e-12)
-    return {"expert_load_max_mean": (load.max(1).values / mean).tolist(),
-            "expert_load_cv": (load.std(1, correction=0) / mean).tolist()}
+    return {
+        "expert_load_max_mean": (load.max(1).values / mean).tolist(),
+        "expert_load_cv": (load.std(1, correction=0) / mean).tolist(),
+    }
 
 
 class SelectionBias(nn.Module):
@@ -118,8 +119,9 @@ class MoEBalancer:
     optimizer step.
     """
 
-    def __init__(self, model: nn.Module, cfg: MoESection, grad_accum: int,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(
+        self, model: nn.Module, cfg: MoESection, grad_accum: int, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    ):
         """``all_reduce``: sums a fp64 tensor over the data-parallel ranks (world sum / TP degree)."""
         m = model.config.moe
         self.layers = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
@@ -164,8 +166,13 @@ class MoEBalancer:
                 scores, bias = torch.softmax(x.detach().float(), dim=-1), self._selection_bias(j)
                 ids = torch.topk(scores if bias is None else scores + bias, self.top_k, dim=-1).indices
                 chosen.append(torch.bincount(ids.reshape(-1), minlength=self.num_experts))
-            local = torch.cat([torch.stack(chosen).reshape(-1).double(), counts.double(),
-                               torch.tensor([float(rows)], dtype=torch.float64, device=counts.device)])
+            local = torch.cat(
+                [
+                    torch.stack(chosen).reshape(-1).double(),
+                    counts.double(),
+                    torch.tensor([float(rows)], dtype=torch.float64, device=counts.device),
+                ]
+            )
             total = self.all_reduce(local).cpu()
         n_load = self.step_load.numel()
         self.step_load += total[:n_load].view_as(self.step_load)

@@ -1,7 +1,8 @@
 """torch.distributed set-up and the parallelisms, applied to the plain :class:`Transformer`.
 
 Order (as torchtitan applies them): :func:`apply_tp` -> :func:`apply_ep` (``expert_parallel.py``) ->
-:func:`apply_ac` -> :func:`apply_compile` -> :func:`apply_fsdp`. Each transforms the model in place and keeps every parameter's fully qualified
+:func:`apply_ac` -> :func:`apply_compile` -> :func:`apply_fsdp`. Each transforms the model in place and keeps every
+parameter's fully qualified
 name, so state dicts stay in the HF layout.
 
 Launch forms: torchrun (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) or
@@ -61,7 +62,7 @@ def _expand_one(name: str) -> list[str]:
     m = re.search(r"\[([^\]]*)\]", name)
     if m is None:
         return [name]
-    head, tail = name[: m.start()], name[m.end():]
+    head, tail = name[: m.start()], name[m.end() :]
     out = []
     for part in m.group(1).split(","):
         lo, _, hi = part.partition("-")
@@ -145,8 +146,9 @@ class ParallelDims:
     pp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, ep: int = 1,
-                pp: int = 1) -> "ParallelDims":
+    def resolve(
+        cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, ep: int = 1, pp: int = 1
+    ) -> "ParallelDims":
         """``dp_shard = -1`` takes what the others leave. Raises BaigeError when the product is wrong
         or ``ep`` does not divide ``dp_shard``."""
         if dp_replicate < 1 or tp < 1 or ep < 1 or pp < 1 or dp_shard == 0 or dp_shard < -1:
@@ -166,8 +168,10 @@ class ParallelDims:
                 f"!= world_size {world_size}"
             )
         if dp_shard % ep:
-            raise BaigeError(f"expert_parallel_degree {ep} must divide data_parallel_shard_degree {dp_shard} "
-                             "(EP borrows ranks from the data-parallel shard dimension)")
+            raise BaigeError(
+                f"expert_parallel_degree {ep} must divide data_parallel_shard_degree {dp_shard} "
+                "(EP borrows ranks from the data-parallel shard dimension)"
+            )
         return cls(dp_replicate, dp_shard, tp, ep, pp)
 
     @property
@@ -204,8 +208,11 @@ class ParallelDims:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
-                                mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"))
+        return init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
+            mesh_dim_names=("dp_replicate", "efsdp", "ep", "tp"),
+        )
 
     def dp_rank(self, mesh) -> int:
         """This rank's index among the data-parallel ranks (``replicate_idx * dp_shard + shard_idx``)."""
@@ -243,13 +250,20 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
             raise BaigeError(f"{name}={n} is not divisible by tensor_parallel_degree={tp}")
 
     def swiglu(prefix: str) -> dict:
-        return {f"{prefix}.gate_proj": ColwiseParallel(), f"{prefix}.up_proj": ColwiseParallel(),
-                f"{prefix}.down_proj": RowwiseParallel()}
+        return {
+            f"{prefix}.gate_proj": ColwiseParallel(),
+            f"{prefix}.up_proj": ColwiseParallel(),
+            f"{prefix}.down_proj": RowwiseParallel(),
+        }
 
     group = tp_mesh.get_group()
     for layer in model.model.layers:
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+        }
         mlp = layer.mlp
         if not isinstance(mlp, SparseMoeBlock):
             plan.update(swiglu("mlp"))
@@ -348,8 +362,14 @@ def apply_tied_embedding_grad(model: nn.Module) -> None:
     embed.forward = functools.partial(_embed_into_tied_grad, embed)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh=None, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    expert_mesh=None,
+    reshard_after_forward: bool = True,
+) -> None:
     """FSDP2 ``fully_shard`` on every decoder block, then on the root (embeddings, final norm, lm_head).
 
     ``dp_mesh`` is 1-D (FSDP) or 2-D ``(dp_replicate, dp_shard)`` (HSDP: replicate across the first
@@ -385,8 +405,17 @@ def data_parallel_mesh(dims: ParallelDims, mesh):
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile: bool,
-                param_dtype: torch.dtype, reduce_dtype: torch.dtype, sparse_mesh=None) -> None:
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh,
+    *,
+    ac: str,
+    compile: bool,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    sparse_mesh=None,
+) -> None:
     """Apply TP, EP, AC, compile and FSDP in that order (each only when enabled; with pipeline
     parallel, FSDP is left to :func:`~baige.runtime.train.pipeline.build_pipeline`, per stage);
     without FSDP, TP and PP, route a tied embedding's gradient into the lm_head's
@@ -411,8 +440,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, *, ac: str, compile:
 # ---- gradient clipping -----------------------------------------------------------------------------
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None,
-                    not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, pp_group=None, not_counted: Iterable[torch.Tensor] = ()
+) -> torch.Tensor:
     """Clip gradients by their global L2 norm; correct when they are DTensors sharded by FSDP and/or TP.
 
     Norms are taken per group of gradients on the same mesh and placements, then made global with

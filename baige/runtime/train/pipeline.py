@@ -40,16 +40,25 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 
 from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.train import parallel
 
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-             "ZBVZeroBubble": ScheduleZBVZeroBubble}
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+}
 STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}
 
 
@@ -65,8 +74,10 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
         BaigeError: more stages than layers.
     """
     if num_stages > num_layers:
-        raise BaigeError(f"{num_stages} pipeline stages for {num_layers} layers: more stages than layers "
-                         "(lower --pp, or use GPipe/1F1B: one stage per rank)")
+        raise BaigeError(
+            f"{num_stages} pipeline stages for {num_layers} layers: more stages than layers "
+            "(lower --pp, or use GPipe/1F1B: one stage per rank)"
+        )
     counts = [1] * num_stages
 
     def cost(s: int) -> int:
@@ -90,8 +101,9 @@ class StageModule(nn.Module):
     """One pipeline stage: a contiguous run of decoder layers, with the embedding on the first
     stage and the final norm and lm_head on the last, held under the unsplit model's names."""
 
-    def __init__(self, model: Transformer, layers: range, first: bool, last: bool,
-                 autocast_dtype: torch.dtype | None = None):
+    def __init__(
+        self, model: Transformer, layers: range, first: bool, last: bool, autocast_dtype: torch.dtype | None = None
+    ):
         super().__init__()
         self.model = nn.Module()
         if first:
@@ -109,8 +121,9 @@ class StageModule(nn.Module):
         loss applies lm_head), activations for the next stage otherwise. Positions are 0 .. T-1
         (packed training windows, causal attention)."""
         device_type = x.device.type
-        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
+        with torch.autocast(
+            device_type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+        ):
             if self.is_first:
                 x = self.model.embed_tokens(x)  # (B, T, hidden)
             B, T = x.shape[:2]
@@ -219,10 +232,15 @@ class PipelineLoss:
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """hidden (B_mb, T, hidden), labels (B_mb, T) int64 (-100 = no loss) -> () fp32."""
-        with self.timer(), torch.autocast(hidden.device.type, dtype=self.autocast_dtype or torch.float32,
-                                          enabled=self.autocast_dtype is not None):  # as the unpipelined step
-            loss = kernels.fused_linear_cross_entropy(hidden, self.last.lm_head.weight, labels,
-                                                      normalizer=self.normalizer)
+        with (
+            self.timer(),
+            torch.autocast(
+                hidden.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+            ),
+        ):  # as the unpipelined step
+            loss = kernels.fused_linear_cross_entropy(
+                hidden, self.last.lm_head.weight, labels, normalizer=self.normalizer
+            )
         self.values.append(loss.detach())
         return loss * self.scale
 
@@ -231,9 +249,19 @@ class Pipeline:
     """This rank's stages and the schedule that drives them. Every method is collective over the
     pipeline group (``step`` and ``eval_loss`` over the whole world, like the unpipelined step)."""
 
-    def __init__(self, schedule, stages: list[TimedPipelineStage], loss: PipelineLoss, model: PipelinedModel,
-                 pp_group, device: torch.device, microbatches: int, ideal_bubble: float, embedding_group=None,
-                 description: str = ""):
+    def __init__(
+        self,
+        schedule,
+        stages: list[TimedPipelineStage],
+        loss: PipelineLoss,
+        model: PipelinedModel,
+        pp_group,
+        device: torch.device,
+        microbatches: int,
+        ideal_bubble: float,
+        embedding_group=None,
+        description: str = "",
+    ):
         self.schedule, self.stages, self.loss, self.model = schedule, stages, loss, model
         self.microbatches, self.embedding_group = microbatches, embedding_group
         self.pp_group, self.device, self.ideal_bubble = pp_group, device, ideal_bubble
@@ -250,7 +278,7 @@ class Pipeline:
         args = (input_ids.to(self.device),) if self.has_first else ()
         fn(*args, target=labels.to(self.device) if self.has_last else None, losses=[])
         # the last n: a schedule's first step also runs the loss once to infer the stages' shapes
-        values = self.loss.values[-self.microbatches:] if self.has_last else []
+        values = self.loss.values[-self.microbatches :] if self.has_last else []
         return float(sum(v.item() for v in values))
 
     def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], normalizer: float, scale: float) -> float:
@@ -287,8 +315,9 @@ class Pipeline:
         """:func:`parallel.clip_grad_norm_` over the stages (``pp_group``), the tied copy on the last
         stage's rank clipped but not counted (the first stage's rank counts it)."""
         copy = self._tied_copy() if self.has_last and not self.has_first else None
-        return parallel.clip_grad_norm_(parameters, max_norm, self.pp_group,
-                                        not_counted=[copy] if copy is not None else [])
+        return parallel.clip_grad_norm_(
+            parameters, max_norm, self.pp_group, not_counted=[copy] if copy is not None else []
+        )
 
     @torch.no_grad()
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
@@ -314,8 +343,12 @@ class Pipeline:
         dist.all_gather(every, mine, group=self.pp_group)
         compute, wall = [float(t[0]) for t in every], [float(t[1]) for t in every]
         idle = [max(0.0, 1.0 - c / w) if w > 0 else 0.0 for c, w in zip(compute, wall)]
-        return {"pp_stage_compute_seconds": compute, "pp_step_seconds": max(wall),
-                "pp_bubble_fraction": sum(idle) / len(idle), "pp_bubble_fraction_schedule": self.ideal_bubble}
+        return {
+            "pp_stage_compute_seconds": compute,
+            "pp_step_seconds": max(wall),
+            "pp_bubble_fraction": sum(idle) / len(idle),
+            "pp_bubble_fraction_schedule": self.ideal_bubble,
+        }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's unsharded CPU state dict on global rank 0 ({} elsewhere); collective.
@@ -340,6 +373,7 @@ def schedule_bubble_fraction(name: str, schedule, pp: int, microbatches: int, pp
     v = STAGES_PER_RANK[name]
     if name != "ZBVZeroBubble":
         return (pp - 1) / (v * microbatches + pp - 1)
+
     def trimmed(actions: list) -> list:
         while actions and actions[-1] is None:
             actions = actions[:-1]
@@ -350,9 +384,19 @@ def schedule_bubble_fraction(name: str, schedule, pp: int, microbatches: int, pp
     return 1.0 - sum(a is not None for a in timelines[pp_rank]) / longest
 
 
-def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device: torch.device, *,
-                   schedule: str, microbatches: int, batch_size: int, param_dtype: torch.dtype,
-                   reduce_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> Pipeline:
+def build_pipeline(
+    model: Transformer,
+    dims: parallel.ParallelDims,
+    mesh,
+    device: torch.device,
+    *,
+    schedule: str,
+    microbatches: int,
+    batch_size: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    autocast_dtype: torch.dtype | None,
+) -> Pipeline:
     """Split ``model`` (already on ``device``, TP/AC/compile applied) into this rank's stages, shard
     each with FSDP when data parallel (no resharding between micro-batches), and build the schedule.
 
@@ -369,12 +413,16 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
     """
     cfg = model.config
     if cfg.moe is not None:
-        raise BaigeError("pipeline parallel (--pp) does not support Mixture-of-Experts models yet: the router "
-                         "losses need every layer's router logits at the last stage")
+        raise BaigeError(
+            "pipeline parallel (--pp) does not support Mixture-of-Experts models yet: the router "
+            "losses need every layer's router logits at the last stage"
+        )
     v_shape, tied = schedule == "ZBVZeroBubble", model.lm_head.weight is model.model.embed_tokens.weight
     if tied and v_shape and dims.fsdp_enabled:
-        raise BaigeError("ZBVZeroBubble with tied embeddings and FSDP is not supported (rank 0 would shard the "
-                         "tied tensor in two FSDP units): use Interleaved1F1B or 1F1B")
+        raise BaigeError(
+            "ZBVZeroBubble with tied embeddings and FSDP is not supported (rank 0 would shard the "
+            "tied tensor in two FSDP units): use Interleaved1F1B or 1F1B"
+        )
     v = STAGES_PER_RANK[schedule]
     num_stages = dims.pp * v
     ranges = split_layers(cfg.num_hidden_layers, num_stages)
@@ -396,14 +444,18 @@ def build_pipeline(model: Transformer, dims: parallel.ParallelDims, mesh, device
         sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss, scale_grads=False)
     except ValueError as e:  # the schedule's own constraints on m (1F1B: m >= stages; interleaved: rounds)
         reason = " ".join(str(e).split())
-        raise BaigeError(f"{m} pipeline micro-batches do not fit {schedule} with {num_stages} stages on "
-                         f"{dims.pp} ranks (parallelism.pipeline_parallel_microbatches): {reason}") from None
+        raise BaigeError(
+            f"{m} pipeline micro-batches do not fit {schedule} with {num_stages} stages on "
+            f"{dims.pp} ranks (parallelism.pipeline_parallel_microbatches): {reason}"
+        ) from None
     ideal = schedule_bubble_fraction(schedule, sched, dims.pp, m, pp_rank)
     group = _embedding_group(mesh) if tied and not v_shape else None
     rank_of = {s: q for q in range(dims.pp) for s in stage_ids(q, dims.pp, num_stages, v_shape)}
     layout = " | ".join(f"{r.start}-{r.stop - 1}@{rank_of[s]}" for s, r in enumerate(ranges))
-    text = (f"pipeline: {schedule}, {num_stages} stages (layers@pp rank: {layout}), {m} micro-batches per "
-            f"batch, ideal bubble {ideal:.3f}")
+    text = (
+        f"pipeline: {schedule}, {num_stages} stages (layers@pp rank: {layout}), {m} micro-batches per "
+        f"batch, ideal bubble {ideal:.3f}"
+    )
     return Pipeline(sched, stages, loss, parts, pp_group, device, m, ideal, group, text)
 
 

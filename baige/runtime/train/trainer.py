@@ -28,14 +28,20 @@ from baige.runtime.model.device import DTYPES
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.settings import settings
 from baige.runtime.train import lora, parallel
-from baige.runtime.train.checkpoint import (CheckpointManager, export_hf, optimizer_state_is_flat, rng_state,
-                                            set_rng_state)
+from baige.runtime.train.checkpoint import (
+    CheckpointManager,
+    export_hf,
+    optimizer_state_is_flat,
+    rng_state,
+    set_rng_state,
+)
 from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
 from baige.runtime.train.lr_scheduler import build_lr_scheduler
 from baige.runtime.train.metrics import MetricsLogger, mfu, peak_flops, peak_memory_bytes
 from baige.runtime.train.moe import MoEBalancer, RouterLogits
 from baige.runtime.train.presets import init_weights, scratch_config
+
 
 @dataclass
 class TrainResult:
@@ -96,9 +102,14 @@ class Trainer:
         p = self.cfg.parallelism
         self.device = resolve_device(self.cfg.training.device)
         self.dist = parallel.init_distributed(self.device.type)
-        self.dims = parallel.ParallelDims.resolve(self.dist.world_size, p.data_parallel_replicate_degree,
-                                                  p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                                                  p.expert_parallel_degree, p.pipeline_parallel_degree)
+        self.dims = parallel.ParallelDims.resolve(
+            self.dist.world_size,
+            p.data_parallel_replicate_degree,
+            p.data_parallel_shard_degree,
+            p.tensor_parallel_degree,
+            p.expert_parallel_degree,
+            p.pipeline_parallel_degree,
+        )
         self.mesh = self.dims.build_mesh(self.device.type)
         self.sparse_mesh = self.dims.build_sparse_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank(self.mesh)
@@ -142,8 +153,12 @@ class Trainer:
 
             model = load_model(self.model_dir, dtype=torch.float32, device="cpu")
         else:
-            mcfg = scratch_config(self.cfg.model.config, self.tokenizer.vocab_size, self.tokenizer.bos_token_id,
-                                  self.tokenizer.eos_token_ids)
+            mcfg = scratch_config(
+                self.cfg.model.config,
+                self.tokenizer.vocab_size,
+                self.tokenizer.bos_token_id,
+                self.tokenizer.eos_token_ids,
+            )
             model = Transformer(mcfg)
             init_weights(model, float(mcfg.raw.get("initializer_range", 0.02)))
         model.train()
@@ -164,16 +179,20 @@ class Trainer:
         if self.dist.local_rank != 0:
             self._barrier()
         self.train_windows = load_windows(cfg.data.train, self.tokenizer, self.tokenizer_dir, cache, t.seq_len)
-        self.eval_windows = load_windows(cfg.data.eval, self.tokenizer, self.tokenizer_dir, cache,
-                                         t.seq_len) if cfg.data.eval else None
+        self.eval_windows = (
+            load_windows(cfg.data.eval, self.tokenizer, self.tokenizer_dir, cache, t.seq_len) if cfg.data.eval else None
+        )
         if self.dist.local_rank == 0:
             self._barrier()
         for w in (self.train_windows, self.eval_windows):
             if w is not None and w.max_id >= self.model_config.vocab_size:
-                raise BaigeError(f"the data holds token id {w.max_id} but the model's vocab_size is "
-                                 f"{self.model_config.vocab_size}: tokenizer and model do not match")
-        self.loader = DataLoader(self.train_windows, t.batch_size, t.grad_accum, self.dims.dp_size, self.dp_rank,
-                                 t.seed, cfg.data.shuffle)
+                raise BaigeError(
+                    f"the data holds token id {w.max_id} but the model's vocab_size is "
+                    f"{self.model_config.vocab_size}: tokenizer and model do not match"
+                )
+        self.loader = DataLoader(
+            self.train_windows, t.batch_size, t.grad_accum, self.dims.dp_size, self.dp_rank, t.seed, cfg.data.shuffle
+        )
 
     def _apply_parallelisms(self, model: Transformer) -> Transformer:
         """The MoE balancer (on the plain model), then TP -> EP -> AC -> compile -> FSDP
@@ -181,16 +200,27 @@ class Trainer:
         Sets ``moe``, ``param_dtype``, ``compile`` and ``autocast``."""
         p = self.cfg.parallelism
         mp = p.mixed_precision_param
-        self.param_dtype = DTYPES["bfloat16" if mp == "auto" and self.device.type == "cuda" else
-                                   ("float32" if mp == "auto" else mp)]
+        self.param_dtype = DTYPES[
+            "bfloat16" if mp == "auto" and self.device.type == "cuda" else ("float32" if mp == "auto" else mp)
+        ]
         reduce_dtype = DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
-        self.moe = (MoEBalancer(model, self.cfg.moe, self.cfg.training.grad_accum, self._dp_sum)
-                    if model.config.moe is not None else None)
+        self.moe = (
+            MoEBalancer(model, self.cfg.moe, self.cfg.training.grad_accum, self._dp_sum)
+            if model.config.moe is not None
+            else None
+        )
         self.compile = self._resolve_compile()
         dims = dataclasses.replace(self.dims, tp=1) if self.lora_params else self.dims  # TP already applied
-        parallel.parallelize(model, dims, self.mesh, ac=self.cfg.training.activation_checkpointing,
-                             compile=self.compile, param_dtype=self.param_dtype, reduce_dtype=reduce_dtype,
-                             sparse_mesh=self.sparse_mesh)
+        parallel.parallelize(
+            model,
+            dims,
+            self.mesh,
+            ac=self.cfg.training.activation_checkpointing,
+            compile=self.compile,
+            param_dtype=self.param_dtype,
+            reduce_dtype=reduce_dtype,
+            sparse_mesh=self.sparse_mesh,
+        )
         if not self.dims.fsdp_enabled:
             model.to(self.device)
         # Without FSDP's MixedPrecisionPolicy, low-precision compute comes from autocast.
@@ -200,10 +230,17 @@ class Trainer:
             from baige.runtime.train.pipeline import build_pipeline
 
             self.pipeline = build_pipeline(
-                model, self.dims, self.mesh, self.device, schedule=p.pipeline_parallel_schedule,
-                microbatches=p.pipeline_parallel_microbatches, batch_size=self.cfg.training.batch_size,
-                param_dtype=self.param_dtype, reduce_dtype=reduce_dtype,
-                autocast_dtype=self.param_dtype if self.autocast else None)
+                model,
+                self.dims,
+                self.mesh,
+                self.device,
+                schedule=p.pipeline_parallel_schedule,
+                microbatches=p.pipeline_parallel_microbatches,
+                batch_size=self.cfg.training.batch_size,
+                param_dtype=self.param_dtype,
+                reduce_dtype=reduce_dtype,
+                autocast_dtype=self.param_dtype if self.autocast else None,
+            )
             return self.pipeline.model
         return model
 
@@ -215,14 +252,23 @@ class Trainer:
             BaigeError: compile forced on a CPU without a C++ compiler.
         """
         c = self.cfg.training.compile
-        enabled = c if isinstance(c, bool) else (
-            self.device.type == "cpu" and not self.dims.fsdp_enabled and self.dims.model_parallel_size == 1
-            and self.moe is None
-            and _has_cxx_compiler())  # Inductor's CPU backend builds C++; without a compiler, stay eager
+        enabled = (
+            c
+            if isinstance(c, bool)
+            else (
+                self.device.type == "cpu"
+                and not self.dims.fsdp_enabled
+                and self.dims.model_parallel_size == 1
+                and self.moe is None
+                and _has_cxx_compiler()
+            )
+        )  # Inductor's CPU backend builds C++; without a compiler, stay eager
         if enabled is True and self.device.type == "cpu" and not _has_cxx_compiler():
-            raise BaigeError("--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
-                             "(g++, c++, clang++ or $CXX) for torch.compile's Inductor backend; install one "
-                             "or use --no-compile")
+            raise BaigeError(
+                "--compile (training.compile = true) on CPU needs a C++ compiler on PATH "
+                "(g++, c++, clang++ or $CXX) for torch.compile's Inductor backend; install one "
+                "or use --no-compile"
+            )
         return enabled
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -236,8 +282,10 @@ class Trainer:
             # fused/foreach kernels take one kind per group: DTensors (FSDP/TP/EP, any mesh) apart from
             # plain tensors; the same groups on every layout, so checkpoints reshard between them
             groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
-        groups = [{"params": params, "weight_decay": o.weight_decay if decay else 0.0}
-                  for (decay, _), params in sorted(groups.items(), reverse=True)]
+        groups = [
+            {"params": params, "weight_decay": o.weight_decay if decay else 0.0}
+            for (decay, _), params in sorted(groups.items(), reverse=True)
+        ]
         fused = o.fused != "false"  # auto: torch has fused AdamW kernels for CUDA and CPU
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
 
@@ -251,7 +299,8 @@ class Trainer:
         from torch.distributed.tensor import DTensor
 
         return getattr(self.optimizer, "_step_supports_amp_scaling", False) and not any(
-            isinstance(p, DTensor) for p in self.model.parameters())
+            isinstance(p, DTensor) for p in self.model.parameters()
+        )
 
     # ---- set-up helpers ---------------------------------------------------------------------------
 
@@ -289,8 +338,9 @@ class Trainer:
         dist.all_reduce(t)
         return t / self.dims.model_parallel_size
 
-    def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                  normalizer: float) -> tuple[torch.Tensor, RouterLogits | None]:
+    def _loss_sum(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, normalizer: float
+    ) -> tuple[torch.Tensor, RouterLogits | None]:
         """Summed token cross-entropy of one micro-batch / ``normalizer``; (B, T) int64 inputs. With
         gradients on an MoE model, also each sparse layer's (B*T, E) router logits."""
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
@@ -305,10 +355,20 @@ class Trainer:
     # ---- checkpoint state -------------------------------------------------------------------------
 
     def _state(self, flat_optimizer: bool = True) -> dict:
-        model_sd, optim_sd = lora.train_state_dict(self.model, self.optimizer, bool(self.lora_params),
-                                                   _state_dict_options(flatten_optimizer_state_dict=flat_optimizer))
-        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
-                 "data": self.loader.state_dict(), "rng": rng_state(self.device), "step": self.step}
+        model_sd, optim_sd = lora.train_state_dict(
+            self.model,
+            self.optimizer,
+            bool(self.lora_params),
+            _state_dict_options(flatten_optimizer_state_dict=flat_optimizer),
+        )
+        state = {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": rng_state(self.device),
+            "step": self.step,
+        }
         moe = self.moe.state_dict() if self.moe is not None else {}
         return {**state, "moe": moe} if moe else state
 
@@ -322,12 +382,19 @@ class Trainer:
 
         flat = optimizer_state_is_flat(path)
         if not flat and self.pipeline is not None:
-            raise BaigeError(f"{path} predates pipeline parallel (nested optimizer state): resume it once without "
-                             "--pp; its next checkpoints reshard to any PP degree")
+            raise BaigeError(
+                f"{path} predates pipeline parallel (nested optimizer state): resume it once without "
+                "--pp; its next checkpoints reshard to any PP degree"
+            )
         state = self._state(flat)
         self.ckpt.load(path, state, whole_model=self.pipeline is None)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=_state_dict_options(strict=not self.lora_params, flatten_optimizer_state_dict=flat))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_state_dict_options(strict=not self.lora_params, flatten_optimizer_state_dict=flat),
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"], self.device)
@@ -368,8 +435,10 @@ class Trainer:
         grad_norm = norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            raise BaigeError(f"step {self.step + 1}: loss {loss_value} / grad norm {grad_norm} is not finite; "
-                             "stopping without a checkpoint (lower optimizer.lr or check the data)")
+            raise BaigeError(
+                f"step {self.step + 1}: loss {loss_value} / grad norm {grad_norm} is not finite; "
+                "stopping without a checkpoint (lower optimizer.lr or check the data)"
+            )
         lr = self.optimizer.param_groups[0]["lr"]
         # clipping multiplies by max_norm / (norm + 1e-6) when that is below 1 (clip_grads_with_norm_'s
         # coefficient); folded into fused AdamW it is a division by the inverse
@@ -393,10 +462,14 @@ class Trainer:
         """Mean token loss over the eval data (``training.eval_batches`` rounds, 0 = all), nats/token."""
         t = self.cfg.training
         total, count = 0.0, 0.0
-        for input_ids, labels in eval_batches(self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank,
-                                              t.eval_batches):
-            total += (self.pipeline.eval_loss(input_ids, labels) if self.pipeline is not None
-                      else self._loss_sum(input_ids, labels, 1.0)[0].item())
+        for input_ids, labels in eval_batches(
+            self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank, t.eval_batches
+        ):
+            total += (
+                self.pipeline.eval_loss(input_ids, labels)
+                if self.pipeline is not None
+                else self._loss_sum(input_ids, labels, 1.0)[0].item()
+            )
             count += float((labels != -100).sum())
         total, count = self._all_reduce_sum([total, count])
         total, count = total / self.dims.tp, count / self.dims.model_parallel_size
@@ -421,7 +494,8 @@ class Trainer:
         active += f" (LoRA r={cfg.lora.rank}: {self.lora_params:,} trainable)" if self.lora_params else ""
         self.log.print(
             f"{mc.model_type} {mc.num_params() / 1e6:.1f}M params{active} | world_size "
-            f"{self.dist.world_size} (pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard {self.dims.dp_shard} x tp "
+            f"{self.dist.world_size} (pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard "
+            f"{self.dims.dp_shard} x tp "
             f"{self.dims.tp}, ep {self.dims.ep}) | {self.train_windows.num_tokens} training tokens | global batch "
             f"{self.loader.global_batch} x {t.seq_len} tokens | peak {self.peak_flops / 1e12:.2f} TFLOP/s per "
             f"device ({self.peak_source})"
@@ -442,17 +516,27 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - window_t0
                 tps = window_steps * tokens_per_step_per_device / elapsed
-                self.log.log({
-                    "split": "train", "step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                    "tokens_per_second_per_device": tps, "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
-                    "peak_memory_gib": peak_memory_bytes(self.device) / 2**30, "seconds": elapsed,
-                    "trainable_params": self.lora_params or mc.num_params(),
-                    **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
-                    **(self.pipeline.metrics() if self.pipeline is not None else {}),
-                })
+                self.log.log(
+                    {
+                        "split": "train",
+                        "step": self.step,
+                        "loss": loss,
+                        "grad_norm": grad_norm,
+                        "lr": lr,
+                        "tokens_per_second_per_device": tps,
+                        "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
+                        "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
+                        "seconds": elapsed,
+                        "trainable_params": self.lora_params or mc.num_params(),
+                        **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
+                        **(self.pipeline.metrics() if self.pipeline is not None else {}),
+                    }
+                )
                 window_t0, window_steps = time.perf_counter(), 0
             evaluated = False
-            if self.eval_windows is not None and ((t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps):
+            if self.eval_windows is not None and (
+                (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
+            ):
                 result.eval_losses[self.step] = self.evaluate()
                 evaluated = True
             interval = cfg.checkpoint.interval
@@ -469,16 +553,29 @@ class Trainer:
     def export(self) -> Path | None:
         """Write ``<output>/hf`` from the current weights (collective)."""
         want = self.cfg.checkpoint.export_dtype
-        dtype = DTYPES.get(self.model_config.torch_dtype.replace("torch.", ""), torch.float32) if want == "auto" else DTYPES[want]
+        dtype = (
+            DTYPES.get(self.model_config.torch_dtype.replace("torch.", ""), torch.float32)
+            if want == "auto"
+            else DTYPES[want]
+        )
         if self.lora_params:  # the PEFT adapter (and the merged model with lora.merge)
             return lora.export_lora(self, dtype)
-        out = export_hf(self.model, dict(self.model_config.raw), self.output / "hf", self.tokenizer_dir, dtype,
-                        self.dist.is_main, self.pipeline.full_state_dict if self.pipeline is not None else None)
+        out = export_hf(
+            self.model,
+            dict(self.model_config.raw),
+            self.output / "hf",
+            self.tokenizer_dir,
+            dtype,
+            self.dist.is_main,
+            self.pipeline.full_state_dict if self.pipeline is not None else None,
+        )
         if out is not None:
             self.log.print(f"exported HF checkpoint to {out}")
             if self.moe is not None and self.moe.bias_mode and not self.moe.own_bias:
-                self.log.print(f"note: {self.model_config.model_type} checkpoints have no expert-selection bias: "
-                               "the export routes without the moe.load_balance=bias biases (kept in the DCP checkpoint)")
+                self.log.print(
+                    f"note: {self.model_config.model_type} checkpoints have no expert-selection bias: "
+                    "the export routes without the moe.load_balance=bias biases (kept in the DCP checkpoint)"
+                )
         return out
 
 

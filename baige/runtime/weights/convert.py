@@ -18,7 +18,8 @@ def convert_checkpoint(src: str, out: str | Path, dtype: str = "auto", max_shard
     """Write ``out`` as an HF directory from ``src`` (any model spec; a .gguf is imported directly).
 
     The source goes through the same strict load as ``baige generate``, so only a checkpoint that
-    baige can run is written. Raises BaigeError for bad input, a bad ``max_shard_size`` or an ``out`` that exists and is not
+    baige can run is written. Raises BaigeError for bad input, a bad ``max_shard_size`` or an ``out`` that exists and
+    is not
     empty (or cannot be created).
     """
     out = Path(out)

@@ -74,7 +74,9 @@ def gguf_config(reader) -> dict:
     names = {t.name for t in reader.tensors}
     vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     cfg = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        ],
         "model_type": _ARCHS[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,

@@ -53,8 +53,10 @@ def _imported_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise BaigeError(f"cannot create {out.parent} for the imported model ({e.strerror or e}); "
-                             "set BAIGE_CACHE to a writable directory") from None
+            raise BaigeError(
+                f"cannot create {out.parent} for the imported model ({e.strerror or e}); "
+                "set BAIGE_CACHE to a writable directory"
+            ) from None
         import_gguf(gguf_path, out)
     return out
 
@@ -80,8 +82,9 @@ def resolve_model(spec: str | None) -> Path:
         return _imported_gguf_dir(alias_gguf_path(spec.lower()), spec.lower())
     if path.is_file():
         where = f" (its directory {path.parent} is one)" if path.name == "config.json" else ""
-        raise BaigeError(f"{path}: a file that is not a model: give an HF directory with config.json{where} "
-                         "or a .gguf file")
+        raise BaigeError(
+            f"{path}: a file that is not a model: give an HF directory with config.json{where} or a .gguf file"
+        )
     if spec.startswith((".", "/", "~")) or path.suffix in (".safetensors", ".bin", ".pt", ".json"):
         raise BaigeError(f"{spec}: no such model directory or file")
     return _download(spec)
@@ -100,12 +103,16 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except HFValidationError:
-        raise BaigeError(f"{repo_id!r} is not a local model path, a built-in alias ({', '.join(ALIASES)}) or an HF repo id") from None
+        raise BaigeError(
+            f"{repo_id!r} is not a local model path, a built-in alias ({', '.join(ALIASES)}) or an HF repo id"
+        ) from None
     except GatedRepoError:
         raise BaigeError(f"HF repo {repo_id!r} is gated: accept its terms and set HF_TOKEN") from None
     except RepositoryNotFoundError:
         raise BaigeError(f"HF repo {repo_id!r} not found (or private: set HF_TOKEN)") from None
     except LocalEntryNotFoundError:
-        raise BaigeError(f"HF repo {repo_id!r} is not in the local HF cache and the Hub cannot be reached (offline)") from None
+        raise BaigeError(
+            f"HF repo {repo_id!r} is not in the local HF cache and the Hub cannot be reached (offline)"
+        ) from None
     except OSError as e:
         raise BaigeError(f"HF repo {repo_id!r} could not be downloaded: {e}") from None

@@ -48,7 +48,9 @@ def load_model(
         state.pop("lm_head.weight", None)
         expected.pop("lm_head.weight")
     elif "lm_head.weight" not in state:
-        raise BaigeError(f"{model_dir}: untied model (tie_word_embeddings=false) but no lm_head.weight in the checkpoint")
+        raise BaigeError(
+            f"{model_dir}: untied model (tie_word_embeddings=false) but no lm_head.weight in the checkpoint"
+        )
     for name, ref in expected.items():
         if name not in state:
             raise BaigeError(f"{model_dir}: tensor {name!r} missing from the checkpoint")
@@ -58,7 +60,9 @@ def load_model(
             )
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise BaigeError(f"{model_dir}: unexpected tensor {unexpected[0]!r} in the checkpoint ({len(unexpected)} in all)")
+        raise BaigeError(
+            f"{model_dir}: unexpected tensor {unexpected[0]!r} in the checkpoint ({len(unexpected)} in all)"
+        )
     state = {k: v.to(device) for k, v in state.items()}
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -24,15 +24,14 @@ from baige.runtime.quant.experts import expert_names
 def _is_quantized(state: dict[str, torch.Tensor], prefix: str) -> bool:
     """Whether the per-expert tensors under ``prefix`` (``...experts.``) are compressed-tensors
     quantized: a ``weight_packed``/``weight_scale``/... tensor, or an integer ``weight`` (int8)."""
-    return any(k.startswith(prefix) and (not k.endswith(".weight") or not state[k].is_floating_point())
-               for k in state)
+    return any(k.startswith(prefix) and (not k.endswith(".weight") or not state[k].is_floating_point()) for k in state)
 
 
 def _move(state: dict[str, torch.Tensor], src: str, dst: str) -> None:
     """Rename every key starting with ``src`` to start with ``dst`` instead (in place)."""
     if src != dst:
         for k in [k for k in state if k.startswith(src)]:
-            state[dst + k[len(src):]] = state.pop(k)
+            state[dst + k[len(src) :]] = state.pop(k)
 
 
 def to_internal(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str = "checkpoint") -> dict[str, torch.Tensor]:
@@ -63,8 +62,10 @@ def to_internal(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str = "
             keys = [f"{hf}experts.{j}.{n}.weight" for n in (g, u, d)]
             missing = [k for k in keys if k not in state]
             if missing:
-                raise BaigeError(f"{where}: tensor {missing[0]!r} missing from the checkpoint "
-                                 f"({cfg.moe.num_experts} experts expected in layer {i})")
+                raise BaigeError(
+                    f"{where}: tensor {missing[0]!r} missing from the checkpoint "
+                    f"({cfg.moe.num_experts} experts expected in layer {i})"
+                )
             w_g, w_u, w_d = (state.pop(k) for k in keys)
             gate_up.append(torch.cat([w_g, w_u], dim=0))  # (2I, H)
             down.append(w_d)  # (H, I)

@@ -5,11 +5,11 @@ atomically (:func:`save_hf_checkpoint`, the one writer of HF directories in baig
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -71,7 +71,6 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype | None = None) -> dict[s
                 t = f.get_tensor(name)
                 state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return state
-
 
 
 @contextmanager

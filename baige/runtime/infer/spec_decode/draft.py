@@ -56,8 +56,11 @@ def check_same_vocab(target: Tokenizer, draft: Tokenizer) -> None:
     else:
         tok = next(t for t in sorted(a) if b.get(t) != a[t])
         detail = f"token {tok!r} is id {a[tok]} in the target, {b.get(tok)} in the draft"
-    raise BaigeError(f"--speculative-config: the draft model's tokenizer differs from the target's ({detail}); "
-                     "a draft must share the target's vocabulary", param="speculative_config")
+    raise BaigeError(
+        f"--speculative-config: the draft model's tokenizer differs from the target's ({detail}); "
+        "a draft must share the target's vocabulary",
+        param="speculative_config",
+    )
 
 
 class DraftModelProposer(Proposer):
@@ -75,12 +78,24 @@ class DraftModelProposer(Proposer):
         BaigeError: the draft's context is shorter than ``max_model_len``.
     """
 
-    def __init__(self, model: Transformer, num_speculative_tokens: int, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, max_num_seqs: int, max_model_len: int, vocab_size: int,
-                 enforce_eager: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        num_speculative_tokens: int,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        max_num_seqs: int,
+        max_model_len: int,
+        vocab_size: int,
+        enforce_eager: bool = False,
+    ):
         if model.config.max_position_embeddings < max_model_len:
-            raise BaigeError(f"--speculative-config: the draft model's context ({model.config.max_position_embeddings} "
-                             f"tokens) is shorter than --max-model-len {max_model_len}", param="speculative_config")
+            raise BaigeError(
+                f"--speculative-config: the draft model's context ({model.config.max_position_embeddings} "
+                f"tokens) is shorter than --max-model-len {max_model_len}",
+                param="speculative_config",
+            )
         device = next(model.parameters()).device
         self.k, self.vocab_size = num_speculative_tokens, vocab_size
         self.kv = KVCache(model.config, num_blocks, block_size, kv_dtype, device)
@@ -104,7 +119,7 @@ class DraftModelProposer(Proposer):
         while j < limit and ds.token_ids[j] == t[j]:
             j += 1
         ds.num_computed_tokens = min(ds.num_computed_tokens, j)
-        ds.token_ids = ds.token_ids[:ds.num_computed_tokens] + t[ds.num_computed_tokens:]
+        ds.token_ids = ds.token_ids[: ds.num_computed_tokens] + t[ds.num_computed_tokens :]
         self.block_manager.trim(ds)
         return ds
 
@@ -131,8 +146,14 @@ class DraftModelProposer(Proposer):
             out[i] = Proposal(toks, torch.stack(probs[i]) if probs[i] else None)
         return out
 
-    def _step(self, seqs: list[Sequence], rows: list[SamplerRow], active: list[int], drafts: dict[int, list[int]],
-              probs: dict[int, list[torch.Tensor]]) -> None:
+    def _step(
+        self,
+        seqs: list[Sequence],
+        rows: list[SamplerRow],
+        active: list[int],
+        drafts: dict[int, list[int]],
+        probs: dict[int, list[torch.Tensor]],
+    ) -> None:
         """One draft forward for the ``active`` sequences: the next draft token of each."""
         states = [self.states[seqs[i].seq_id] for i in active]
         new = [len(ds.token_ids) - ds.num_computed_tokens for ds in states]
@@ -141,8 +162,11 @@ class DraftModelProposer(Proposer):
         logits, spans, _ = self.runner.logits(batch)
         V = self.vocab_size
         if logits.shape[1] != V:  # a draft whose embedding is padded differently: same ids, other width
-            logits = logits[:, :V] if logits.shape[1] > V else torch.nn.functional.pad(
-                logits, (0, V - logits.shape[1]), value=float("-inf"))
+            logits = (
+                logits[:, :V]
+                if logits.shape[1] > V
+                else torch.nn.functional.pad(logits, (0, V - logits.shape[1]), value=float("-inf"))
+            )
         picked = [active[order[b]] for b, _, _ in spans]  # sequence index of each logits row
         step_rows = [rows[i].with_outputs(drafts[i]) for i in picked]
         greedy = [rows[i].params.greedy for i in picked]

@@ -15,8 +15,14 @@ from baige.runtime.weights.hub import resolve_model
 from baige.runtime.weights.loader import load_model
 
 
-def build_proposer(cfg: EngineConfig, max_model_len: int, tokenizer: Tokenizer, model: Transformer,
-                   num_blocks: int, kv_dtype: torch.dtype) -> Proposer | None:
+def build_proposer(
+    cfg: EngineConfig,
+    max_model_len: int,
+    tokenizer: Tokenizer,
+    model: Transformer,
+    num_blocks: int,
+    kv_dtype: torch.dtype,
+) -> Proposer | None:
     """None without ``cfg.speculative_config``; else its proposer.
 
     A draft model is loaded like the target (same dtype and device) and gets a KV pool of as many
@@ -40,5 +46,14 @@ def build_proposer(cfg: EngineConfig, max_model_len: int, tokenizer: Tokenizer, 
     p = next(model.parameters())
     draft = load_model(draft_dir, p.dtype, p.device)
     blocks = num_blocks + cfg.max_num_seqs * -(-k // cfg.block_size) + 1
-    return DraftModelProposer(draft, k, blocks, cfg.block_size, kv_dtype, cfg.max_num_seqs, max_model_len,
-                              model.config.vocab_size, cfg.enforce_eager)
+    return DraftModelProposer(
+        draft,
+        k,
+        blocks,
+        cfg.block_size,
+        kv_dtype,
+        cfg.max_num_seqs,
+        max_model_len,
+        model.config.vocab_size,
+        cfg.enforce_eager,
+    )

@@ -29,10 +29,10 @@ def lookup(tokens: np.ndarray, n_max: int, n_min: int, k: int) -> list[int]:
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         # windows starting at i < L - n, so at least one token follows each and the suffix itself is excluded
         windows = sliding_window_view(tokens[: L - 1], n)
-        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
+        hits = np.flatnonzero((windows == tokens[L - n :]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -43,5 +43,7 @@ class NgramProposer(Proposer):
         self.k, self.n_max, self.n_min = num_speculative_tokens, prompt_lookup_max, prompt_lookup_min
 
     def propose(self, seqs: list[Sequence], budgets: list[int], rows: list[SamplerRow]) -> list[Proposal]:
-        return [Proposal(lookup(np.asarray(s.token_ids, dtype=np.int64), self.n_max, self.n_min, min(b, self.k)))
-                for s, b in zip(seqs, budgets)]
+        return [
+            Proposal(lookup(np.asarray(s.token_ids, dtype=np.int64), self.n_max, self.n_min, min(b, self.k)))
+            for s, b in zip(seqs, budgets)
+        ]

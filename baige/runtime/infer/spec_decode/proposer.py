@@ -72,7 +72,7 @@ class DraftBudget:
         p = self.accepted / (self.accepted + self.rejected)
         best, n_best, expected = 1.0, 0, 1.0
         for n in range(1, self.k + 1):
-            expected += p ** n
+            expected += p**n
             value = expected / (1.0 + self.row_cost * n)
             if value > best:
                 best, n_best = value, n
@@ -111,8 +111,14 @@ class Proposer(ABC):
         """Forget ``seq`` (finished or preempted): free whatever the proposer holds for it."""
 
 
-def assign_drafts(proposer: Proposer, running: list[Sequence], k: int, max_model_len: int,
-                  sampler_row: Callable[[Sequence], SamplerRow], disable_by_batch_size: int | None = None) -> None:
+def assign_drafts(
+    proposer: Proposer,
+    running: list[Sequence],
+    k: int,
+    max_model_len: int,
+    sampler_row: Callable[[Sequence], SamplerRow],
+    disable_by_batch_size: int | None = None,
+) -> None:
     """Ask ``proposer`` for the drafts of the ``running`` sequences that decode next step and set
     their ``spec_token_ids`` / ``spec_draft_probs``.
 

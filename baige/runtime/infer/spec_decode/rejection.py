@@ -21,8 +21,13 @@ def accept_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p / q).clamp(max=1.0)
 
 
-def verify(target: torch.Tensor, draft_ids: list[int], draft_probs: torch.Tensor | None, greedy: bool,
-           generator: torch.Generator | None = None) -> list[int]:
+def verify(
+    target: torch.Tensor,
+    draft_ids: list[int],
+    draft_probs: torch.Tensor | None,
+    greedy: bool,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """The tokens a sequence emits this step: the accepted drafts, then one of the target's.
 
     Args:
@@ -56,7 +61,11 @@ def verify(target: torch.Tensor, draft_ids: list[int], draft_probs: torch.Tensor
     if j == n:
         dist = target[n]
     else:
-        q_j = draft_probs[j] if draft_probs is not None else torch.zeros_like(target[j]).index_fill(0, ids[j:j + 1], 1.0)
+        q_j = (
+            draft_probs[j]
+            if draft_probs is not None
+            else torch.zeros_like(target[j]).index_fill(0, ids[j : j + 1], 1.0)
+        )
         dist = (target[j] - q_j).clamp(min=0)
         if not float(dist.sum()) > 0:  # p == q up to rounding: a rejection had probability 0
             dist = target[j]

@@ -45,7 +45,11 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def as_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
-                "mean_acceptance_length": self.mean_acceptance_length,
-                "accepted_per_pos": list(self.accepted_per_pos)}
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_pos": list(self.accepted_per_pos),
+        }
