@@ -448,6 +448,17 @@ def fused_moe(
 # Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
 from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402
 
+# What the native CPU library runs on here.
+from baige.kernels.cpu.info import (  # noqa: E402
+    cpu_has_native_bf16,
+    cpu_int_dot,
+    cpu_int_dot_passes,
+    cpu_isa,
+    cpu_isa_flags,
+    native_allowed,
+    native_cpu_available,
+)
+
 # The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
 from baige.kernels.cpu.decode import LINEAR_BF16, LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
 from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS  # noqa: E402
