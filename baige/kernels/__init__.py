@@ -445,8 +445,15 @@ def fused_moe(
 
 
 # Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
-# Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
 from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402
+
+# The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
+from baige.kernels.cpu.decode import LINEAR_BF16, LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
+from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS  # noqa: E402
+from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers  # noqa: E402
+from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc  # noqa: E402
+from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc  # noqa: E402
+from baige.kernels.cpu.decode import MoEDesc as DecodeMoEDesc  # noqa: E402
 
 # What the native CPU library runs on here.
 from baige.kernels.cpu.info import (  # noqa: E402
@@ -458,14 +465,6 @@ from baige.kernels.cpu.info import (  # noqa: E402
     native_allowed,
     native_cpu_available,
 )
-
-# The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
-from baige.kernels.cpu.decode import LINEAR_BF16, LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
-from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS  # noqa: E402
-from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers  # noqa: E402
-from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc  # noqa: E402
-from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc  # noqa: E402
-from baige.kernels.cpu.decode import MoEDesc as DecodeMoEDesc  # noqa: E402
 
 # Above this many bytes of K + V per KV head a row's context streams too much for one-row-per-token attention.
 from baige.kernels.cpu.ops import PREFILL_NATIVE_MAX_BYTES as NATIVE_ATTENTION_MAX_BYTES  # noqa: E402
