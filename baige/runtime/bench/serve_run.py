@@ -87,10 +87,7 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float, l
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log and log.exists() else []
-            raise BaigeError(
-                f"`baige serve` exited with code {proc.returncode} before it was healthy: " + " | ".join(tail)
-            )
+            raise BaigeError(f"`baige serve` exited with code {proc.returncode} before it was healthy: {log_tail(log)}")
         try:
             if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
                 return
@@ -98,6 +95,23 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float, l
             pass
         time.sleep(0.25)
     raise BaigeError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def log_tail(log: Path | None, lines: int = 5) -> str:
+    """The last ``lines`` non-blank lines of a child process's ``log``, joined by `` | `` (one line)."""
+    text = log.read_text(errors="replace") if log is not None and log.exists() else ""
+    return " | ".join([t for t in text.splitlines() if t.strip()][-lines:])
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a launched server: SIGINT (a clean shutdown), then SIGKILL after 15 s; nothing when it has exited."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def server_env(api_key: str | None = None) -> dict[str, str]:
@@ -144,13 +158,7 @@ def launch_server(
             wait_healthy(base_url, proc, timeout, log)
             yield base_url
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_server(proc)
 
 
 def server_option(args: list[str], name: str) -> str | None:
