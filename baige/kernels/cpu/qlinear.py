@@ -297,89 +297,101 @@ def quantized_linear(
     if passes not in (1, 2):
         raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
     # the int4 integer-dot kernel reads the repacked scales (fp32, or a bf16 model's bf16), the others these;
-    # repacked() is keyed by
-    # the weight tensor itself, so only the exact kernels get a contiguous copy
+    # repacked() is keyed by the weight tensor itself, so only the exact kernels get a contiguous copy
     fp32_scale = scale.dtype == torch.float32 and scale.is_contiguous()
     s = scale if fp32_scale or (dot and qweight.dtype == torch.int32) else scale.float().contiguous()
-    qc = qweight if dot or qweight.stride(-1) == 1 else qweight.contiguous()
     if qweight.dtype == torch.int32 and k % 8:
         x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded int4 nibbles multiply 0
-    rc = 0
-    # the integer-dot kernels in chunks of DOT_CHUNK_ROWS rows: (x pointer, y pointer, rows) per call
-    chunks = (
-        [
-            (x2.data_ptr() + 4 * i * x2.stride(0), y.data_ptr() + 4 * i * n, min(DOT_CHUNK_ROWS, m - i))
-            for i in range(0, m, DOT_CHUNK_ROWS)
-        ]
-        if dot
-        else []
-    )
-    if qweight.dtype == torch.int8:
-        if dot:
-            (wr,) = repacked(qweight, scale, None)
-            for xp, yp, rows in chunks:
-                rc |= lib.baige_qdot_int8(
-                    xp, rows, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr, yp, n, passes, nthreads
-                )
-        else:
-            lib.baige_qlinear_int8(
-                x2.data_ptr(),
-                m,
-                k,
-                x2.stride(0),
-                qc.data_ptr(),
-                n,
-                qc.stride(0),
-                s.data_ptr(),
-                b_ptr,
-                y.data_ptr(),
-                n,
-                nthreads,
-            )
-    else:
-        if dot:
-            wr, sr, zr = repacked(qweight, scale, zero_point)
-            for xp, yp, rows in chunks:
-                rc |= lib.baige_qdot_int4(
-                    xp,
-                    rows,
-                    x2.shape[1],
-                    x2.stride(0),
-                    wr.data_ptr(),
-                    n,
-                    sr.data_ptr(),
-                    int(sr.dtype == torch.bfloat16),
-                    None if zr is None else zr.data_ptr(),
-                    sr.shape[1],
-                    group_size,
-                    b_ptr,
-                    yp,
-                    n,
-                    passes,
-                    nthreads,
-                )
-        else:
-            z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
-            lib.baige_qlinear_int4(
-                x2.data_ptr(),
-                m,
-                x2.shape[1],
-                x2.stride(0),
-                qc.data_ptr(),
-                n,
-                qc.stride(0),
-                s.data_ptr(),
-                None if z is None else z.data_ptr(),
-                s.shape[1],
-                group_size,
-                b_ptr,
-                y.data_ptr(),
-                n,
-                nthreads,
-            )
-    if rc != 0:
+    if not dot:
+        _run_exact(lib, x2, y, qweight, s, zero_point, group_size, b_ptr, nthreads)
+    elif _run_int_dot(lib, x2, y, qweight, scale, s, zero_point, group_size, b_ptr, passes, nthreads) != 0:
         raise MemoryError("native integer-dot linear: could not allocate its scratch buffers")
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
+
+
+def _run_int_dot(lib, x2, y, qweight, scale, s, zero_point, group_size, b_ptr, passes, nthreads) -> int:
+    """The integer-dot kernels (``qdot.c``) of :func:`quantized_linear`: ``x2`` (m, k) fp32 rows (k padded
+    to whole int4 words), :data:`DOT_CHUNK_ROWS` rows per call, into ``y`` (m, n) fp32. They read the
+    weight repacked (:func:`repacked`): int8 with the scales ``s``, int4 with its repacked scales and
+    zero points. Returns the calls' return codes OR-ed: non-zero when a kernel could not allocate its
+    scratch."""
+    m, n = y.shape
+    k = x2.shape[1]
+    rc = 0
+    # (x pointer, y pointer, rows) per call
+    chunks = [
+        (x2.data_ptr() + 4 * i * x2.stride(0), y.data_ptr() + 4 * i * n, min(DOT_CHUNK_ROWS, m - i))
+        for i in range(0, m, DOT_CHUNK_ROWS)
+    ]
+    if qweight.dtype == torch.int8:
+        (wr,) = repacked(qweight, scale, None)
+        for xp, yp, rows in chunks:
+            rc |= lib.baige_qdot_int8(
+                xp, rows, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr, yp, n, passes, nthreads
+            )
+    else:
+        wr, sr, zr = repacked(qweight, scale, zero_point)
+        for xp, yp, rows in chunks:
+            rc |= lib.baige_qdot_int4(
+                xp,
+                rows,
+                k,
+                x2.stride(0),
+                wr.data_ptr(),
+                n,
+                sr.data_ptr(),
+                int(sr.dtype == torch.bfloat16),
+                None if zr is None else zr.data_ptr(),
+                sr.shape[1],
+                group_size,
+                b_ptr,
+                yp,
+                n,
+                passes,
+                nthreads,
+            )
+    return rc
+
+
+def _run_exact(lib, x2, y, qweight, s, zero_point, group_size, b_ptr, nthreads) -> None:
+    """The exact dequantizing kernels (``qlinear.c``) of :func:`quantized_linear`: ``x2`` (m, k) fp32
+    rows (k padded to whole int4 words) into ``y`` (m, n) fp32, with ``s`` the fp32 contiguous scales."""
+    m, n = y.shape
+    qc = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    if qweight.dtype == torch.int8:
+        lib.baige_qlinear_int8(
+            x2.data_ptr(),
+            m,
+            x2.shape[1],
+            x2.stride(0),
+            qc.data_ptr(),
+            n,
+            qc.stride(0),
+            s.data_ptr(),
+            b_ptr,
+            y.data_ptr(),
+            n,
+            nthreads,
+        )
+    else:
+        z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
+        lib.baige_qlinear_int4(
+            x2.data_ptr(),
+            m,
+            x2.shape[1],
+            x2.stride(0),
+            qc.data_ptr(),
+            n,
+            qc.stride(0),
+            s.data_ptr(),
+            None if z is None else z.data_ptr(),
+            s.shape[1],
+            group_size,
+            b_ptr,
+            y.data_ptr(),
+            n,
+            nthreads,
+        )
 
 
 def supports_f16(x: torch.Tensor) -> bool:
