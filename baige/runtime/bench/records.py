@@ -19,13 +19,16 @@ from pathlib import Path
 RECORDS_DIR = Path("docs/benchmarks/records")
 
 
+PACKAGE = Path(__file__).resolve().parents[2]  # the baige package directory
+
+
 def _git(*args: str) -> str | None:
-    """``git <args>`` run in the directory baige is imported from; None when that is not a git work
+    """``git <args>`` run in the baige package directory; None when that is not inside a git work
     tree or git is missing (an installed wheel)."""
     try:
         r = subprocess.run(
             ["git", *args],
-            cwd=Path(__file__).resolve().parent,
+            cwd=PACKAGE,
             capture_output=True,
             text=True,
             timeout=10,
@@ -36,11 +39,12 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> tuple[str | None, bool | None]:
-    """(full commit hash of HEAD, whether tracked files differ from it); (None, None) outside a git tree."""
+    """(full commit hash of HEAD, whether the package's tracked files differ from it: the code that ran
+    is not exactly the commit's); (None, None) outside a git tree. Documentation edits do not count."""
     commit = _git("rev-parse", "HEAD")
     if commit is None:
         return None, None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".")
     return commit, None if status is None else bool(status)
 
 
