@@ -181,8 +181,9 @@ def _serve(rs, labels, prefix) -> list[str]:
         rate = r.get("request_rate")
         lines.append(
             f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {r.get('num_prompts', DASH)} | "
-            f"{rate if rate is not None else DASH} | {_f(r.get('output_throughput'))} | {_f(r.get('median_ttft_ms'))} | "
-            f"{_f(r.get('median_tpot_ms'))} | {_f(r.get('median_itl_ms'))} | {r.get('failed', DASH)} | {_link(r, prefix)} |"
+            f"{rate if rate is not None else DASH} | {_f(r.get('output_throughput'))} | "
+            f"{_f(r.get('median_ttft_ms'))} | {_f(r.get('median_tpot_ms'))} | {_f(r.get('median_itl_ms'))} | "
+            f"{r.get('failed', DASH)} | {_link(r, prefix)} |"
         )
     return lines
 
@@ -269,7 +270,16 @@ def performance_page(records: list[dict]) -> str:
         if not rs:
             continue
         shown.add(kind)
-        out += [f"## {heading}", "", *table(rs, labels, prefix), "", "How each was run:", "", *_provenance(rs, prefix), ""]
+        out += [
+            f"## {heading}",
+            "",
+            *table(rs, labels, prefix),
+            "",
+            "How each was run:",
+            "",
+            *_provenance(rs, prefix),
+            "",
+        ]
     rest = [r for r in records if _kind(r) not in shown]
     if rest:
         out += ["## Other records", "", *_other(rest, labels, prefix), "", *_provenance(rest, prefix), ""]
