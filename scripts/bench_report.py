@@ -90,6 +90,11 @@ def _link(r: dict, prefix: str) -> str:
     return f"[{r['_file']}]({prefix}{r['_file']})"
 
 
+def _threads(r: dict) -> str:
+    n = _env(r).get("torch_num_threads")
+    return f"{n} thread" + ("" if n == 1 else "s") if n is not None else "threads not recorded"
+
+
 def _load(r: dict) -> str:
     e = _env(r)
     load = (e.get("load_average") or [None])[0]
@@ -108,7 +113,9 @@ def _machine_table(records: list[dict], labels: dict[tuple, str]) -> list[str]:
         peaks = sorted(
             (_limits(r)["matmul_peak"] / 1e9, _limits(r).get("dtype")) for r in rs if _limits(r).get("matmul_peak")
         )
-        bw = DASH if not bws else f"{bws[-1]:.1f} GB/s" + (f" ({bws[0]:.1f}-{bws[-1]:.1f})" if len(bws) > 1 else "")
+        bw = (
+            DASH if not bws else f"{bws[-1]:.1f} GB/s" + (f" ({bws[0]:.1f}-{bws[-1]:.1f})" if bws[0] != bws[-1] else "")
+        )
         peak = DASH if not peaks else f"{peaks[-1][0]:.1f} GFLOP/s ({peaks[-1][1]})"
         device, cpu, cores, flags = key
         isa = _env(rs[0]).get("cpu_isa") or "off"
@@ -127,7 +134,7 @@ def _provenance(rs: list[dict], prefix: str) -> list[str]:
         cmd = e.get("command")
         out.append(
             f"- {_link(r, prefix)}: {f'`{cmd}`' if cmd else 'command not recorded'}; commit {_commit(r)}, "
-            f"{_date(r)} UTC, {e.get('torch_num_threads', DASH)} thread(s), load {_load(r)} on "
+            f"{_date(r)} UTC, {_threads(r)}, load {_load(r)} on "
             f"{e.get('cpu_count', DASH)} cores"
         )
     return out
@@ -327,7 +334,7 @@ def headline(records: list[dict]) -> str:
 def _where(r: dict) -> str:
     e = _env(r)
     return (
-        f"{e.get('cpu_model') or e.get('device')}, {e.get('torch_num_threads', DASH)} thread(s), load "
+        f"{e.get('cpu_model') or e.get('device')}, {_threads(r)}, load "
         f"{_load(r)} on {e.get('cpu_count', DASH)} cores, {_date(r)[:10]}, commit {_commit(r)}"
     )
 

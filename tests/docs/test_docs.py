@@ -18,6 +18,7 @@ output must contain, ``timeout`` seconds (default 120).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -261,3 +262,65 @@ def test_readme_links_resolve():
         assert path.exists(), f"README links to {link}: no such file"
         if anchor and path.suffix == ".md":
             assert anchor in set(_anchors(path)), f"README links to {link}: no such heading"
+
+
+def _record(tmp: Path, name: str, record: dict) -> None:
+    env = {
+        "device": "cpu",
+        "cpu_model": "Test CPU",
+        "cpu_count": 2,
+        "cpu_flags": ["avx2", "fma"],
+        "cpu_isa": "avx2",
+        "torch_num_threads": 1,
+        "load_average": [0.5, 0.5, 0.5],
+        "date": "2026-12-07T10:00:00+0000",
+        "git_commit": "0123456789abcdef0123456789abcdef01234567",
+        "git_dirty": True,
+        "command": "baige bench latency --batch-size 1",
+    }
+    (tmp / name).write_text(json.dumps({**record, "environment": env}))
+
+
+def test_bench_report_reads_the_numbers_of_hand_made_records(tmp_path):
+    report = _bench_report()
+    limits = {"dtype": "float32", "bandwidth": 20.0e9, "matmul_peak": 100.0e9}
+    _record(
+        tmp_path,
+        "latency-1.json",
+        {
+            "benchmark": "latency",
+            "args": {"batch_size": 1, "input_len": 32, "output_len": 16, "engine": {"model": None}},
+            "limits": limits,
+            "summary": {
+                "ttft_s": 0.125,
+                "tpot_s": 0.04,
+                "decode_tokens_per_s": 25.0,
+                "decode_roofline": {"pct_of_limit": 62.5},
+            },
+        },
+    )
+    _record(
+        tmp_path,
+        "compare-1.json",
+        {
+            "benchmark": "compare",
+            "args": {"engine": {"model": "q/int8"}},
+            "limits": limits,
+            "summary": {
+                "decode": {"baige": {"tokens_per_s": 30.0}, "hf-float32": {"tokens_per_s": 10.0}},
+                "throughput": {"baige": {"tokens_per_s": 200.0}, "hf-float32": {"tokens_per_s": 80.0}},
+                "ratios": {"decode_baige_over_hf-best": 3.0, "throughput_baige_over_hf-best": 2.5},
+            },
+        },
+    )
+    records = report.load_records(tmp_path)
+    page = report.performance_page(records)
+    assert "| M1 | Test CPU | 2 | avx2 fma | avx2 | 20.0 GB/s | 100.0 GFLOP/s (float32) | 2 |" in page
+    assert "| 1 | 32 / 16 | 125.0 | 40.0 | 25.0 | 62.5 | [latency-1.json](benchmarks/records/latency-1.json) |" in page
+    assert "| baige | 30.0 | — | 3.00x | 200.0 | 2.50x |" in page
+    assert "commit 0123456+, 2026-12-07 10:00 UTC, 1 thread, load 0.5 on 2 cores" in page
+    head = report.headline(records)
+    assert "**3.00x HF transformers' batch-1 decode**" in head and "2.50x its offline throughput" in head
+    assert "(docs/benchmarks/records/compare-1.json)" in head
+    with pytest.raises(ValueError, match="no .* block"):
+        report.with_headline("a README without markers", records)
