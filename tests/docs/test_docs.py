@@ -324,3 +324,18 @@ def test_bench_report_reads_the_numbers_of_hand_made_records(tmp_path):
     assert "(docs/benchmarks/records/compare-1.json)" in head
     with pytest.raises(ValueError, match="no .* block"):
         report.with_headline("a README without markers", records)
+
+
+REPO_PATH = re.compile(r"`((?:baige|scripts|tests|docs)/[\w./*<>-]*)")  # globs and <placeholders> skipped
+
+
+@pytest.mark.parametrize(
+    "path",
+    [README, *(p for p in markdown_pages() if p.parent.name != "benchmarks")],  # the archive is history
+    ids=lambda p: str(p.relative_to(REPO)),
+)
+def test_paths_named_in_the_docs_exist(path: Path):
+    """A module, script or test the text names by its path is still there (a move updates the docs)."""
+    names = {m for m in REPO_PATH.findall(path.read_text()) if not set(m) & set("*<>")}
+    missing = sorted(m for m in names if not (REPO / m).exists())
+    assert not missing, f"{path.relative_to(REPO)} names paths that do not exist: {missing}"
