@@ -228,6 +228,26 @@ def _compare(rs, labels, prefix) -> list[str]:
     return lines[:-1]
 
 
+def _train(rs, labels, prefix) -> list[str]:
+    lines = [
+        "| date (UTC) | model | machine | dtype | batch x seq | compiled | tokens/s per device | MFU (%) | "
+        "peak for MFU | peak memory (GiB) | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        s, a = r.get("summary") or {}, r.get("args") or {}
+        peak, mem = s.get("peak_flops"), s.get("peak_memory_bytes")
+        peak_text = DASH if peak is None else f"{peak / 1e9:.1f} GFLOP/s ({s.get('peak_source', DASH)})"
+        mem_text = DASH if mem is None else f"{mem / 2**30:.2f}"
+        lines.append(
+            f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {r.get('dtype', DASH)} | "
+            f"{a.get('batch_size', DASH)} x {a.get('seq_len', DASH)} | {r.get('compiled', DASH)} | "
+            f"{_f(s.get('tokens_per_s_per_device'))} | {_f(s.get('mfu_pct'))} | {peak_text} | {mem_text} | "
+            f"{_link(r, prefix)} |"
+        )
+    return lines
+
+
 def _ratio(x) -> str:
     return DASH if x is None else f"{x:.2f}x"
 
@@ -244,6 +264,7 @@ SECTIONS = [  # (benchmark, heading, table builder)
     ("latency", "Latency and batch-1 decode: `baige bench latency`", _latency),
     ("throughput", "Offline throughput: `baige bench throughput`", _throughput),
     ("serve", "Online serving: `baige bench serve`", _serve),
+    ("train", "Training: `baige bench train`", _train),
 ]
 
 INTRO = """\
