@@ -10,13 +10,12 @@ huge-page arena of :mod:`baige.kernels.cpu.arena`: one more copy of the packed b
 quantized weight; the checkpoint layout is unchanged).
 
 On CPU, PyTorch has no fast int8/int4 weight-only matmul for fp32 activations
-(``torch._weight_int8pack_mm`` measured 5-20x slower than fp32 ``F.linear`` on the AVX2 dev box), so
-without this a quantized checkpoint dequantizes every weight on every call. The integer-dot kernels
-take any number of rows (in chunks of :data:`DOT_CHUNK_ROWS`, so a chunk's activation blocks stay in
-cache): with the residual pass they round nothing a perplexity sees, and they ran 1.3-1.9x faster
-than dequantize + sgemm at 512-2048 rows (1 thread, SmolLM2-135M shapes, AMD EPYC AVX-512 VNNI). The
-exact kernels take at most :data:`MAX_ROWS` rows; above that, dequantize + PyTorch's sgemm is as fast
-(compute-bound).
+(``torch._weight_int8pack_mm`` measured slower than fp32 ``F.linear``), so without this a quantized
+checkpoint dequantizes every weight on every call. The integer-dot kernels take any number of rows (in
+chunks of :data:`DOT_CHUNK_ROWS`, so a chunk's activation blocks stay in cache): with the residual pass
+they round nothing a perplexity sees, and they ran faster than dequantize + sgemm at 512-2048 rows too
+(measured: docs/benchmarks/archive.md, "The residual activation pass"). The exact kernels take at
+most :data:`MAX_ROWS` rows; above that, dequantize + PyTorch's sgemm is as fast (compute-bound).
 """
 
 from __future__ import annotations
@@ -31,9 +30,9 @@ from baige.kernels.cpu import arena
 from baige.kernels.cpu.build import current_isa, library, native_allowed
 from baige.kernels.settings import int_dot_passes, settings
 
-# Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
-# core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
-# at 256, 556 vs 574 at 512; int4 g128 18 vs 88 at 6 rows, 281 vs 364 at 256, 518 vs 562 at 512).
+# Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on an AVX2 core: the
+# native kernels' lead, each weight read once for all rows, shrinks as the rows make the call
+# compute-bound).
 MAX_ROWS = 512
 DOT_CHUNK_ROWS = 512  # rows per integer-dot kernel call: 2 x 512 x 1536 activation bytes stay in L2/L3
 TILE_ROWS = 16  # weight rows per repacked tile (qdot.c's RT)
@@ -115,8 +114,8 @@ _groups: dict[tuple[int, ...], tuple] = {}  # member ids -> (member versions, jo
 def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> tuple | None:
     """The repacked tiles of weights that read the same input (a layer's q/k/v, or its gate/up), joined
     so one kernel call reads them as one weight of ``sum(N)`` rows: one call quantizes the activations
-    once and streams one run of tiles instead of restarting per matrix (SmolLM2-135M's 210 int4 g32
-    projections at one row as 120 joined ones, one process alternating, AMD EPYC: 4.49 -> 3.49 ms).
+    once and streams one run of tiles instead of restarting per matrix (measured faster at one row:
+    docs/benchmarks/archive.md, "Joined projections, native prefill chunks, bf16 int4 scales").
 
     Args:
         parts: ``(qweight, scale, zero_point)`` per member in output order, as :func:`repacked` takes them;
@@ -168,11 +167,10 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
 # Under these variants a bf16 model's int8 / int4 linears of at least AMX_DEQUANT_MIN_ROWS rows (prefill
 # chunks) dequantize the weight to bf16 and run F.linear, i.e. oneDNN's AMX bf16 matmul -- the reference's
 # own math -- instead of the integer dots, whose AVX-512 VNNI products cannot keep up with the tiles at
-# many rows. Measured (Intel Xeon, Emerald Rapids class, 1 thread, bf16 rows, weights cache-resident, ms
-# integer dot / dequantize + AMX): int8 3072 x 576 at 64 rows 1.44 / 1.29, 128 rows 2.87 / 1.46, 512 rows
-# 11.6 / 2.5; int4 g32 (unpacked by dequantized_bf16's native pass) at 64 rows 1.52 / 1.48, 128 rows 2.98 /
-# 1.61, 512 rows 12.0 / 2.7. The prefill of 32 prompts (4196 tokens) of SmolLM2 int8: 7.2-9.4 s -> 1.6-2.0 s;
-# int4 g32: 7.9-8.9 -> 1.9-2.2 s with torch's unpacking (alternating in one process).
+# many rows: from about AMX_DEQUANT_MIN_ROWS rows on the dequantize + AMX call is the faster, int8 and
+# int4 (unpacked by dequantized_bf16's native pass) alike, and the quantized prefill gains several times
+# over (measured: docs/benchmarks/archive.md, "bf16 prefill on AMX: attention, RoPE, K/V stores,
+# quantized prefill").
 AMX_DEQUANT_ISAS = ("avx512_amx",)
 AMX_DEQUANT_MIN_ROWS = {torch.int8: 128, torch.int32: 128}  # by qweight dtype: int8, int4 (packed in int32)
 
@@ -194,8 +192,8 @@ def dequantized_bf16(
 ) -> torch.Tensor:
     """The weight of ``baige.kernels.quantized_linear`` as bf16 (out, in): ``reference.dequantize_weight``
     (q - zp) * scale in the scale's dtype, rounded to bf16, bit for bit; int4 (int32 ``qweight`` (out,
-    ceil(in / 8)), a group size that is a multiple of 8) unpacked natively (``qlinear.c``, one pass: torch's
-    nibble unpacking took ~3 ns per weight), int8 by torch's ops. ``x`` (..., in) gives ``in``."""
+    ceil(in / 8)), a group size that is a multiple of 8) unpacked natively (``qlinear.c``, one pass, where
+    torch's nibble unpacking was the slow part of the call), int8 by torch's ops. ``x`` (..., in) gives ``in``."""
     k = x.shape[-1]
     if qweight.dtype != torch.int32 or group_size is None or group_size % 8 or library() is None:
         from baige.kernels import reference
