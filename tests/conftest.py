@@ -127,7 +127,7 @@ def cli_error(capsys):
 
 @pytest.fixture
 def one_thread():
-    """torch on one thread for the test, restored afterwards (tiny models run ~50x faster on one thread
+    """torch on one thread for the test, restored afterwards (tiny models run far faster on one thread
     than on two contended ones)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The layout's rules (DESIGN.md, README "Layout"), enforced on the import statements of baige/.
+"""The layout's rules (docs/design.md, docs/architecture.md), enforced on the import statements of baige/.
 
 Every import counts, function-level ones included. Imports are resolved to baige modules: ``from
 baige.x import y`` is an edge to ``baige.x.y`` when that is a module, else to ``baige.x``.
@@ -210,7 +210,7 @@ def test_model_stays_plain():
 
 
 def test_modules_and_functions_stay_small():
-    """No module over 500 lines, no function body over 80 (DESIGN.md: split at ~400 / one screen).
+    """No module over 500 lines, no function body over 80 (docs/design.md: split at ~400 / one screen).
 
     A function is measured from its first body statement (its docstring) to its end: the formatter puts
     each parameter of a long signature (a Typer command's options, a Triton kernel's pointers and strides)

@@ -1,4 +1,4 @@
-"""The native CPU decode step (baige/runtime/cpu_decode.py + kernels/cpu/decode.c) against the
+"""The native CPU decode step (baige/runtime/infer/cpu_decode.py + kernels/cpu/decode.c) against the
 module path on the PyTorch reference kernels: same hidden states and KV writes for a batch of
 decoding sequences with scattered blocks, on every tiny architecture and on int8 / int4 copies,
 and with multi-LoRA serving stacks (the kernel's own grouped shrink/expand against the hooks)."""
