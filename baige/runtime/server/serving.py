@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
-from baige.runtime.infer.lora import LoRARequest
+from baige.runtime.infer.lora import LoRANotFound, LoRARequest
 from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import Logprobs, SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
@@ -205,8 +205,7 @@ async def until_disconnect(request: Request) -> None:
 async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput] | None:
     """Final outputs of each stream; None when the client disconnected (which aborts them).
 
-    Raises APIError 500 when the engine failed one of them (RequestFailed), 503 when the engine
-    loop has stopped."""
+    Raises APIError (:func:`engine_error`) when the engine refused or failed one of them."""
 
     async def run() -> list[RequestOutput]:
         final: list[RequestOutput | None] = [None] * len(gens)
@@ -224,14 +223,19 @@ async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) ->
         return None
     try:
         return task.result()
-    except (RequestFailed, EngineDeadError) as e:
+    except (RequestFailed, EngineDeadError, BaigeError) as e:
         raise engine_error(e) from None
 
 
-def engine_error(e: RequestFailed | EngineDeadError) -> APIError:
+def engine_error(e: RequestFailed | EngineDeadError | BaigeError) -> APIError:
+    """The HTTP error of a request the engine refused or failed after the route had checked it: 404
+    for an adapter unloaded meanwhile (LoRANotFound), 400 for another user error, 500 for a failure
+    inside the engine, 503 once the engine loop has stopped."""
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, code="engine_dead")
-    if e.status == 400:
+    if isinstance(e, LoRANotFound):
+        return APIError(str(e), 404, param=e.param, code="model_not_found")
+    if isinstance(e, BaigeError) or e.status == 400:
         return APIError(str(e), 400, param=e.param)
     return APIError(str(e), 500, code="internal_error")
 
@@ -242,14 +246,15 @@ def sse(obj: Any) -> str:
 
 
 async def guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A server-sent-event stream that ends with an error event and ``[DONE]`` when the engine
-    fails the request (or stops) mid-stream, instead of a cut connection."""
+    """A server-sent-event stream that ends with an error event (OpenAI's error body,
+    :func:`engine_error`) and ``[DONE]`` when the engine refuses or fails the request (or stops)
+    once the stream has begun, instead of a cut connection."""
     try:
         async for chunk in chunks:
             yield chunk
-    except (RequestFailed, EngineDeadError) as e:
+    except (RequestFailed, EngineDeadError, BaigeError) as e:
         err = engine_error(e)
-        yield sse(error_body(err.message, err.status, code=err.code))
+        yield sse(error_body(err.message, err.status, err.param, err.code))
         yield DONE
 
 
