@@ -62,6 +62,9 @@ class EngineStats:
 class AsyncEngine:
     """Drives an :class:`Engine` from one background thread; asyncio callers stream its outputs.
 
+    The HTTP server uses this class's public methods only, never the wrapped ``engine``
+    (``tests/test_architecture.py`` enforces it): what it needs of the Engine gets a method here.
+
     Args:
         engine: the engine (used only from the loop thread after this).
         on_output: called in the loop thread with every output (metrics); its errors are logged.
@@ -138,7 +141,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's counters now (read from any thread; each number is read once, not under a lock)."""
         engine, bm = self.engine, self.engine.block_manager
-        spec = engine.spec_stats if engine.proposer is not None else None
+        spec = None
+        if engine.proposer is not None:  # a copy: the loop thread goes on counting
+            spec = dataclasses.replace(engine.spec_stats, accepted_per_pos=list(engine.spec_stats.accepted_per_pos))
         return EngineStats(
             num_requests_running=engine.num_running_requests,
             num_requests_waiting=engine.num_waiting_requests + self.num_pending,
@@ -148,9 +153,7 @@ class AsyncEngine:
             num_preemptions=engine.scheduler.num_preemptions,
             num_structured_output_requests=engine.num_constrained_requests,
             grammar=engine.grammar_stats,
-            spec_decode=None
-            if spec is None
-            else dataclasses.replace(spec, accepted_per_pos=list(spec.accepted_per_pos)),
+            spec_decode=spec,
         )
 
     @property
