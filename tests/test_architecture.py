@@ -277,8 +277,15 @@ def async_engine_api() -> set[str]:
     """What the server may touch on an AsyncEngine: its public methods and properties and the public
     attributes ``__init__`` sets, less ``engine`` (the Engine it wraps) and ``call`` (runs any function
     on that Engine: the server asks for a named method instead)."""
-    tree = ast.parse((PKG / "runtime" / "infer" / "async_engine.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AsyncEngine")
+    classes = [
+        n
+        for m, path in MODULES.items()
+        if m.startswith("baige.runtime.infer")
+        for n in ast.parse(path.read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "AsyncEngine"
+    ]
+    assert len(classes) == 1, f"{len(classes)} AsyncEngine classes in baige.runtime.infer"
+    (cls,) = classes
     names = set()
     for node in cls.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
