@@ -410,6 +410,12 @@ class Engine:
             self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
         return self._grammars
 
+    @property
+    def grammar_stats(self) -> dict[str, float]:
+        """The constraint compiler's counters (:attr:`GrammarCompiler.stats`, a copy); empty before
+        the first constrained request, so reading them never builds the compiler."""
+        return {} if self._grammars is None else dict(self._grammars.stats)
+
     def _start_masks(self, batch: ScheduledBatch):
         """Start the grammar masks of the constrained sequences that sample this step (on the
         compiler's worker thread, overlapping the forward); returns the callable that waits for

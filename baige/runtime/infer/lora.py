@@ -54,11 +54,10 @@ class LoRAManager:
     Args:
         model: the served Transformer (its projections get the stacks).
         max_lora_rank: largest adapter rank accepted (vLLM's ``--max-lora-rank``).
-        base_name: the name the base model is served under (no adapter may take it), or None.
     """
 
-    def __init__(self, model: Transformer, max_lora_rank: int, base_name: str | None = None):
-        self.model, self.max_lora_rank, self.base_name = model, max_lora_rank, base_name
+    def __init__(self, model: Transformer, max_lora_rank: int):
+        self.model, self.max_lora_rank = model, max_lora_rank
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.batch = LoRABatch()
@@ -72,12 +71,12 @@ class LoRAManager:
         """Read and check an adapter directory (any thread; the model is only read).
 
         Raises:
-            BaigeError (one line): an empty name or the base model's name, a name already loaded, an
+            BaigeError (one line): an empty name, a name already loaded, an
             adapter that does not fit the base (targets, shapes: see ``load_peft_adapter``) or whose
             rank exceeds ``max_lora_rank``.
         """
         name = request.lora_name
-        if not isinstance(name, str) or not name or name == self.base_name:
+        if not isinstance(name, str) or not name:
             raise BaigeError(
                 f"lora_name {name!r}: an adapter needs a non-empty name other than the base model's", param="lora_name"
             )
