@@ -28,6 +28,7 @@ from baige.runtime.infer.lora import LoRANotFound
 from baige.runtime.server import chat_routes, lora_routes, routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
+from baige.runtime.server.rl_routes import add_rl_routes
 from baige.runtime.server.tools import tool_config
 
 logger = logging.getLogger("baige.server")
@@ -170,12 +171,14 @@ def build_app(
     exclude_tools_when_tool_choice_none: bool = False,
     enable_auto_tool_choice: bool = True,
     read_timeout: float = READ_TIMEOUT_S,
+    enable_rl_endpoints: bool = False,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
     ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
     ``read_timeout``: seconds each piece of a body may take (408 after it);
-    ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...).
+    ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...);
+    ``enable_rl_endpoints``: the RL hooks (:mod:`.rl_routes`, ``baige serve --enable-rl-endpoints``).
     """
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
@@ -211,6 +214,8 @@ def build_app(
         engine.engine.lora.base_name = served_model_name  # no adapter may take the base's name
         app.add_api_route("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"])
         app.add_api_route("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"])
+    if enable_rl_endpoints:
+        add_rl_routes(app, engine, api_key)
     return app
 
 
@@ -272,12 +277,14 @@ def run_server(
     max_n: int = routes.DEFAULT_MAX_N,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     read_timeout: float = READ_TIMEOUT_S,
+    enable_rl_endpoints: bool = False,
     **tool_options,
 ) -> None:
     """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
     interrupted; the engine thread is stopped on the way out. ``tool_options``: :func:`build_app`'s
     ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``;
-    ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`).
+    ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`);
+    ``enable_rl_endpoints``: :func:`build_app`'s.
 
     Raises:
         BaigeError: the engine loop stopped while serving (after /health has answered 503 for
@@ -286,7 +293,14 @@ def run_server(
     import uvicorn
 
     app = build_app(
-        engine, served_model_name, api_key, max_n, max_request_bytes, read_timeout=read_timeout, **tool_options
+        engine,
+        served_model_name,
+        api_key,
+        max_n,
+        max_request_bytes,
+        read_timeout=read_timeout,
+        enable_rl_endpoints=enable_rl_endpoints,
+        **tool_options,
     )
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": read_timeout})
     server = uvicorn.Server(
