@@ -9,17 +9,19 @@ import weakref
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.engine import Engine
+from baige.runtime.infer.lora import LoRANotFound, LoRARequest
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.quant.fp16_weight import apply_quantization
 from baige.runtime.weights.loader import load_model
 from baige.runtime.weights.safetensors_io import load_state_dict
-from tests.tiny import make_checkpoint, write_tiny_tokenizer
+from tests.tiny import make_checkpoint, make_lora_adapter, write_tiny_tokenizer
 
 CFG = dict(max_model_len=96, max_num_seqs=8, block_size=4, kv_cache_memory=2_000_000)
 PROMPTS = [[5, 17, 33, 2, 91, 40, 12, 7, 150, 3], [60, 61, 62], [5, 17, 33, 2, 91, 40, 12, 7, 9, 9, 9, 14, 20]]
@@ -244,3 +246,40 @@ def test_bad_updates_leave_the_model_unchanged(ckpts, tmp_path):
     quantized = Engine(model, Tokenizer.from_dir(old), EngineConfig(**CFG))
     with pytest.raises(BaigeError, match="q_proj is a Fp16WeightLinear"):
         quantized.update_weights(load_state_dict(new).items())
+
+
+def test_lora_update_syncs_only_the_adapter(ckpts, tmp_path):
+    """``update_weights(pairs, lora_name=...)`` replaces a loaded adapter's lora_A/lora_B in place
+    (PEFT's keys, or a training model's without the ``base_model.model.`` prefix): its requests then
+    equal a fresh engine serving the new adapter from disk, on the native decode with adapter stacks."""
+    base = ckpts["llama"][0]
+    targets = ["q_proj", "v_proj", "down_proj"]
+    old, new = (make_lora_adapter(base, tmp_path / f"a{s}", 4, targets, seed=s) for s in (40, 41))
+
+    def served(adapter) -> Engine:
+        eng = _engine(base, enable_lora=True, max_lora_rank=4)
+        eng.lora.load(LoRARequest("policy", 1, str(adapter)))
+        return eng
+
+    def run(eng: Engine) -> list:
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"r{i}", p, _params(i, prompt_logprobs=False), lora_request=LoRARequest("policy", 1, ""))
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eng.run_to_completion(["r0", "r1", "r2"])]
+
+    eng = served(old)
+    before = run(eng)
+    pairs = sorted(load_file(str(new / "adapter_model.safetensors")).items())
+    pairs = [(k.removeprefix("base_model.model.") if j % 2 else k, t) for j, (k, t) in enumerate(pairs)]
+    eng.update_weights(pairs, lora_name="policy")
+    assert eng.runner.fused_decode is not None
+    got = run(eng)
+    assert got == run(served(new)) and got != before
+    with pytest.raises(BaigeError, match="'model.layers.0.self_attn.k_proj.lora_A.weight' is not a lora_A/lora_B"):
+        eng.update_weights([("model.layers.0.self_attn.k_proj.lora_A.weight", torch.zeros(4, 64))], lora_name="policy")
+    with pytest.raises(BaigeError, match=r"q_proj.lora_B.weight is \(64, 2\), the adapter's is \(64, 4\)"):
+        eng.update_weights([("model.layers.0.self_attn.q_proj.lora_B.weight", torch.zeros(64, 2))], lora_name="policy")
+    with pytest.raises(LoRANotFound):
+        eng.update_weights(pairs, lora_name="other")
+    with pytest.raises(BaigeError, match="LoRA is not enabled"):
+        _engine(base).update_weights(pairs, lora_name="policy")
+    assert run(eng) == got  # the refused updates changed nothing

@@ -95,11 +95,13 @@ class AsyncEngine:
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None
+    ) -> None:
         """:meth:`Engine.update_weights` once the requests in flight have finished with the old weights
         (requests that arrive meanwhile wait and run with the new ones). Raises BaigeError."""
         pairs = list(named_tensors)
-        await self.call(lambda engine: engine.update_weights(pairs), drain=True)
+        await self.call(lambda engine: engine.update_weights(pairs, lora_name), drain=True)
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Read the checkpoint at ``model_path`` off the engine's thread (the engine keeps serving), then

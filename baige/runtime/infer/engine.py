@@ -400,16 +400,21 @@ class Engine:
         return out
 
     # ---- weights and memory (RL) -------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None) -> None:
         """Copy new weights into the model in place (RL weight sync; ``weight_sync.copy_weights``: names,
         layouts, DTensors), rebuild what is derived from them, and reset the prefix cache. Runs between
         steps, as every engine call does: sequences in flight take the new weights from their next step
         on (their K/V so far stays the old weights'); ``AsyncEngine.update_weights`` drains them first.
-        Works while asleep. Raises BaigeError (see ``copy_weights``; tensor parallelism)."""
+        Works while asleep. ``lora_name``: the pairs are that loaded adapter's lora_A/lora_B weights
+        instead (``LoRAManager.update``). Raises BaigeError (as those; tensor parallelism; no LoRA)."""
         self._check_local("update_weights")
-        weight_sync.copy_weights(self.model, named_tensors)
-        if not self.is_sleeping:
-            self.runner.rebuild_native()
+        if lora_name is not None:
+            self.resolve_lora(LoRARequest(lora_name, 1, ""))  # raises without LoRA or for a name not loaded
+            self.lora.update(lora_name, named_tensors)
+        else:
+            weight_sync.copy_weights(self.model, named_tensors)
+            if not self.is_sleeping:
+                self.runner.rebuild_native()
         self.reset_prefix_cache()
 
     def update_weights_from_disk(self, model_path: str) -> None:

@@ -123,10 +123,12 @@ class LLM:
         return self.engine.run_to_completion(ids)
 
     # ---- weights and memory (RL: the trainer's side of weight sync and colocation) ----------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None) -> None:
         """Copy ``(state-dict name, tensor)`` pairs (a trainer's ``named_parameters()``) into the engine's
-        model in place and reset the prefix cache (:meth:`Engine.update_weights`). Raises BaigeError."""
-        self.engine.update_weights(named_tensors)
+        model in place and reset the prefix cache (:meth:`Engine.update_weights`); with ``lora_name``,
+        the lora_A/lora_B weights of that loaded adapter instead (a LoRA run syncs only those).
+        Raises BaigeError."""
+        self.engine.update_weights(named_tensors, lora_name)
 
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache until :meth:`wake_up` (:meth:`Engine.sleep`). Raises BaigeError."""
