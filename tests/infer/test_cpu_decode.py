@@ -11,7 +11,7 @@ import torch
 from baige.kernels.cpu import build as cpu_build
 from baige.runtime.infer.cpu_decode import FusedDecoder
 from baige.runtime.infer.kv_cache import KVCache
-from baige.runtime.infer.runner import PagedAttentionMetadata
+from baige.runtime.infer.step_inputs import PagedAttentionMetadata
 from baige.runtime.quant.apply import quantize_model
 from baige.runtime.quant.scheme import QuantScheme
 from baige.runtime.settings import reload_settings

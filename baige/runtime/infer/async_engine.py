@@ -17,10 +17,13 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+
 from baige.errors import BaigeError
+from baige.runtime.infer import weight_sync
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
@@ -85,6 +88,8 @@ class AsyncEngine:
         self._adds: list[tuple[str, str | list[int], SamplingParams, float, LoRARequest | None]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
+        # run once no request is in flight; until then new requests wait (update_weights, sleep)
+        self._drains: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
@@ -191,16 +196,51 @@ class AsyncEngine:
         """
         await self.call(lambda engine: engine.unload_lora_adapter(lora_name))
 
-    async def call(self, fn: Callable[[Engine], object]) -> object:
+    async def call(self, fn: Callable[[Engine], object], drain: bool = False) -> object:
         """Run ``fn(engine)`` on the loop thread between two steps (what changes the model, such as
-        loading a LoRA adapter, must not overlap a forward); returns its result or raises its error."""
+        loading a LoRA adapter, must not overlap a forward); returns its result or raises its error.
+        ``drain``: first stop admitting requests and let those in flight finish (requests that arrive
+        meanwhile wait, and are admitted after ``fn``), so no request sees the engine both before and
+        after ``fn``."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped; restart the server")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
-            self._calls.append((fn, future))
+            (self._drains if drain else self._calls).append((fn, future))
             self._cv.notify()
         return await asyncio.wrap_future(future)
+
+    # ---- weights and memory (RL hooks; the server's /update_weights_from_disk, /sleep, ...) -------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None
+    ) -> None:
+        """:meth:`Engine.update_weights` once the requests in flight have finished with the old weights
+        (requests that arrive meanwhile wait and run with the new ones). Raises BaigeError."""
+        pairs = list(named_tensors)
+        await self.call(lambda engine: engine.update_weights(pairs, lora_name), drain=True)
+
+    async def update_weights_from_disk(self, model_path: str) -> None:
+        """Read the checkpoint at ``model_path`` off the engine's thread (the engine keeps serving), then
+        :meth:`update_weights` with it. Raises BaigeError (``weight_sync.read_checkpoint``)."""
+        state = await asyncio.to_thread(weight_sync.read_checkpoint, model_path, self.engine.model)
+        await self.update_weights(state.items())
+
+    async def sleep(self, level: int = 1) -> None:
+        """:meth:`Engine.sleep` once the requests in flight have finished; requests are then refused
+        (BaigeError) until :meth:`wake_up`. Raises BaigeError as :meth:`Engine.sleep`."""
+        await self.call(lambda engine: engine.sleep(level), drain=True)
+
+    async def wake_up(self) -> None:
+        """:meth:`Engine.wake_up`."""
+        await self.call(lambda engine: engine.wake_up())
+
+    async def reset_prefix_cache(self) -> None:
+        """:meth:`Engine.reset_prefix_cache` between two steps (requests in flight go on)."""
+        await self.call(lambda engine: engine.reset_prefix_cache())
 
     async def generate(
         self,
@@ -278,36 +318,43 @@ class AsyncEngine:
             self._die(e)
 
     def _iterate(self) -> bool:
-        """One round: take adds and aborts, run a step, deliver. False once shut down."""
+        """One round: take calls, aborts and adds (adds wait while a drain is pending), run a step,
+        deliver; run the pending drains once nothing is in flight. False once shut down."""
         engine = self.engine
         with self._cv:
             while not (
-                self._stopped or self._fatal or self._adds or self._aborts or self._calls or engine.has_unfinished()
+                self._stopped
+                or self._fatal
+                or self._adds
+                or self._aborts
+                or self._calls
+                or self._drains
+                or engine.has_unfinished()
             ):
                 self._cv.wait()
             if self._stopped:
                 return False
             if self._fatal is not None:
                 raise self._fatal
-            adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             calls, self._calls = self._calls, []
-        for fn, future in calls:
-            try:
-                future.set_result(fn(engine))
-            except Exception as e:  # the caller's to handle (a BaigeError is its 4xx)
-                future.set_exception(e)
+            aborted = set(aborts)
+            self._adds = [a for a in self._adds if a[0] not in aborted]
+            adds, self._adds = (self._adds, []) if not self._drains else ([], self._adds)
+        _run_calls(engine, calls)
         for rid in aborts:
             engine.abort(rid)
-        aborted = set(aborts)
         for rid, prompt, params, arrival, lora in adds:
-            if rid not in aborted:
-                self._add(rid, prompt, params, arrival, lora)
+            self._add(rid, prompt, params, arrival, lora)
         if engine.has_unfinished():
             for out in self._step():
                 self._emit(out)
         for rid, error in engine.take_failures():
             self._deliver(rid, error)
+        if not engine.has_unfinished():
+            with self._cv:
+                drains, self._drains = self._drains, []
+            _run_calls(engine, drains)
         return True
 
     def _add(
@@ -353,7 +400,8 @@ class AsyncEngine:
         with self._cv:
             self.dead = error
             streams = list(self._streams)
-            calls, self._calls = self._calls, []
+            calls, self._calls = self._calls + self._drains, []
+            self._drains = []
         for _, future in calls:
             future.set_exception(EngineDeadError(f"the engine loop stopped ({type(error).__name__})"))
         logger.critical(
@@ -367,3 +415,13 @@ class AsyncEngine:
             self._deliver(rid, EngineDeadError(f"the engine loop stopped ({type(error).__name__}); restart the server"))
         if self.on_dead is not None:
             self.on_dead()
+
+
+def _run_calls(engine: Engine, calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]]) -> None:
+    """Run each ``fn(engine)`` and settle its future with the result or the error (the caller's to
+    handle: a BaigeError is its 4xx)."""
+    for fn, future in calls:
+        try:
+            future.set_result(fn(engine))
+        except Exception as e:
+            future.set_exception(e)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,34 @@ class LoRAManager:
                 param="lora_name",
             )
         del self.loaded[name]
+        self._rebuild()
+
+    def update(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace weights of the loaded adapter ``name`` (between steps; RL weight sync of a LoRA run):
+        ``(key, tensor)`` pairs named ``<module>.lora_A.weight`` (r, in) / ``<module>.lora_B.weight``
+        (out, r), as a training model's ``named_parameters()`` or PEFT's file (``base_model.model.``
+        prefix) name them, for modules the adapter has (its ranks and scalings stay). All pairs are
+        checked before any is used; then the stacks are rebuilt.
+
+        Raises:
+            LoRANotFound: ``name`` is not loaded.
+            BaigeError: a key that is not one of the adapter's lora_A/lora_B weights, or a shape that
+            differs from the adapter's (each names the key).
+        """
+        modules = self.get(name).adapter.modules
+        new: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for key, t in named_tensors:
+            module, _, which = key.removeprefix("base_model.model.").rpartition(".lora_")
+            if module not in modules or which not in ("A.weight", "B.weight"):
+                raise BaigeError(f"update_weights: {key!r} is not a lora_A/lora_B weight of the adapter {name!r}")
+            a, b, scaling = new.get(module, modules[module])
+            old = a if which == "A.weight" else b
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(old.shape):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise BaigeError(f"update_weights: {key} is {shape}, the adapter's is {tuple(old.shape)}")
+            t = t.detach().to(old.device, old.dtype)
+            new[module] = (t, b, scaling) if which == "A.weight" else (a, t, scaling)
+        modules.update(new)
         self._rebuild()
 
     def get(self, name: str) -> LoadedLoRA:

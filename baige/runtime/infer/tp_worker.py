@@ -13,7 +13,7 @@ Launch (:func:`start_tensor_parallel`):
 
 Each engine has its own process groups (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a
 ``FileStore`` or torchrun's store; torch.distributed's default group is never initialised). Each step
-rank 0 sends the step's flat inputs (:class:`~baige.runtime.infer.runner.StepInputs`: token ids,
+rank 0 sends the step's flat inputs (:class:`~baige.runtime.infer.step_inputs.StepInputs`: token ids,
 positions, slots, block tables -- a few KB, pickled) as one gloo broadcast of a
 :data:`STEP_BYTES`-byte tensor (a second one only for a larger step), then every rank runs the same
 forward. A tensor broadcast, not a shared-memory ring, because it is the one transport that also
@@ -56,7 +56,7 @@ from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.outputs import EngineDeadError
-from baige.runtime.infer.runner import StepInputs, forward_step
+from baige.runtime.infer.step_inputs import StepInputs, forward_step
 from baige.runtime.infer.tensor_parallel import Comm, check_shardable, shard_model
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.device import resolve_device

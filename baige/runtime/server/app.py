@@ -26,7 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.lora import LoRANotFound
-from baige.runtime.server import chat_routes, completion_routes, lora_routes, routes
+from baige.runtime.server import chat_routes, completion_routes, lora_routes, rl_routes, routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
 from baige.runtime.server.serving import DEFAULT_MAX_N, ServerState
@@ -96,14 +96,15 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (401 otherwise),
-    compared in constant time. Not a BaseHTTPMiddleware: that wrapper hides client disconnects."""
+    """Pure ASGI middleware: /v1/* and the ``guarded`` paths need ``Authorization: Bearer <api_key>``
+    (401 otherwise), compared in constant time. Not a BaseHTTPMiddleware: that wrapper hides client
+    disconnects."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str, guarded: tuple[str, ...] = ()):
+        self.app, self.expected, self.guarded = app, f"Bearer {api_key}".encode(), frozenset(guarded)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in self.guarded):
             given = [v for k, v in scope["headers"] if k == b"authorization"]
             # exactly one header: with two, proxies and frameworks disagree on which one counts
             if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
@@ -174,12 +175,14 @@ def build_app(
     exclude_tools_when_tool_choice_none: bool = False,
     enable_auto_tool_choice: bool = True,
     read_timeout: float = READ_TIMEOUT_S,
+    enable_rl_endpoints: bool = False,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
     ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
     ``read_timeout``: seconds each piece of a body may take (408 after it);
-    ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...).
+    ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...);
+    ``enable_rl_endpoints``: the RL hooks (:mod:`.rl_routes`, ``baige serve --enable-rl-endpoints``).
     """
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
@@ -190,7 +193,7 @@ def build_app(
     app.state.baige = ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
     app.state.baige_max_bytes, app.state.baige_read_timeout = max_request_bytes, read_timeout
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key, guarded=rl_routes.RL_PATHS if enable_rl_endpoints else ())
     app.add_middleware(
         BodyLimit, max_bytes=max_request_bytes, timeout=read_timeout
     )  # outermost: before auth reads anything
@@ -210,6 +213,8 @@ def build_app(
         app.include_router(router)
     if engine.lora_enabled:  # --enable-lora: vLLM's runtime adapter endpoints
         app.include_router(lora_routes.router)
+    if enable_rl_endpoints:  # --enable-rl-endpoints: the RL drivers' hooks (vLLM's / SGLang's names)
+        app.include_router(rl_routes.router)
     return app
 
 
@@ -271,12 +276,14 @@ def run_server(
     max_n: int = DEFAULT_MAX_N,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     read_timeout: float = READ_TIMEOUT_S,
+    enable_rl_endpoints: bool = False,
     **tool_options,
 ) -> None:
     """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
     interrupted; the engine thread is stopped on the way out. ``tool_options``: :func:`build_app`'s
     ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``;
-    ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`).
+    ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`);
+    ``enable_rl_endpoints``: :func:`build_app`'s.
 
     Raises:
         BaigeError: the engine loop stopped while serving (after /health has answered 503 for
@@ -285,7 +292,14 @@ def run_server(
     import uvicorn
 
     app = build_app(
-        engine, served_model_name, api_key, max_n, max_request_bytes, read_timeout=read_timeout, **tool_options
+        engine,
+        served_model_name,
+        api_key,
+        max_n,
+        max_request_bytes,
+        read_timeout=read_timeout,
+        enable_rl_endpoints=enable_rl_endpoints,
+        **tool_options,
     )
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": read_timeout})
     server = uvicorn.Server(
