@@ -101,9 +101,9 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self._decode_fn = self._decode_forward
         # Capture on GPU only: torch.compile "reduce-overhead" records CUDA graphs of the fixed-shape
-        # decode. On CPU the step is bound by fp32 GEMV memory traffic, and a compiled graph measured
-        # no faster (8.2 vs 9.0 tokens/s at batch 1 on the 2-core dev box) for ~30 s of compile per
-        # bucket, so the CPU decode runs eager; the shapes are fixed either way.
+        # decode. On CPU the step is bound by weight-streaming memory traffic, which a compiled graph does
+        # not reduce, while each width bucket would pay a long compile: the CPU decode runs eager (measured:
+        # docs/benchmarks/archive.md); the shapes are fixed either way.
         self.captures = not enforce_eager and self.device.type == "cuda" and tp is None
         if self.captures:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
@@ -157,7 +157,7 @@ class ModelRunner:
 
     def _rows_of(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``t[rows]``; a view when the rows are consecutive (one decoding row per sequence, the usual
-        step), where an index gather would copy them (~30 us for one 49152-wide fp32 row, 1 thread)."""
+        step), where an index gather would copy a vocabulary-wide row per sequence."""
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return t[rows[0] : rows[0] + len(rows)]
         return t[self._tensor(rows)]

@@ -93,7 +93,7 @@ def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.T
 
 # Cost of one extra decode group relative to one padded (sequence, block) of attention work, in
 # (sequence, block) units: ~10 small ops per layer against ~25 KB of fp32 K/V per block read
-# twice (gather + matmul). Measured on the 2-core dev box; only shapes the grouping, not results.
+# twice (gather + matmul). A tuning constant: it shapes the grouping, never the results.
 GROUP_OVERHEAD_BLOCKS = 6
 
 
