@@ -976,8 +976,8 @@ def test_help_lists_every_subcommand():
 
 
 def test_bench_serve_against_baige_serve(tmp_path, embedded_dir):
-    """The acceptance run at a size the suite can afford (the 64-request run is in the README). The
-    timing math on a fake clock and a fake server: tests/bench/test_bench_serve.py."""
+    """The acceptance run at a size the suite can afford (full-size runs are benchmark records:
+    docs/performance.md). The timing math on a fake clock and a fake server: tests/bench/test_bench_serve.py."""
     res = _cli(
         [
             "bench",

@@ -50,7 +50,7 @@ class TrainingSection:
     device: str = "auto"  # auto | cpu | cuda
     activation_checkpointing: str = "none"  # none | full | N (every N-th block)
     # torch.compile each block; auto = on for single-device CPU training (no FSDP/TP), where the blocks'
-    # reference norms/RoPE/SwiGLU otherwise run as many small eager ops (README, Performance)
+    # reference norms/RoPE/SwiGLU otherwise run as many small eager ops (docs/benchmarks/archive.md)
     compile: bool | str = "auto"  # auto | true | false
 
 
