@@ -189,6 +189,8 @@ class ModelRunner:
         tp: rank 0's :class:`~baige.runtime.infer.tp_worker.TensorParallelGroup` when the model is a
             tensor-parallel shard: every forward is sent to the workers first; steps run eager and
             per-op (no captured graph, no native one-call decode: both lack the all-reduces).
+        batch_invariant: run every forward in ``kernels.batch_invariant`` mode, per-op (no native
+            one-call decode: its kernels block by row count).
     """
 
     def __init__(
@@ -200,8 +202,10 @@ class ModelRunner:
         enforce_eager: bool = False,
         num_speculative_tokens: int = 0,
         tp=None,
+        batch_invariant: bool = False,
     ):
         self.model = model
+        self.batch_invariant = batch_invariant
         self.tp = tp
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
@@ -224,6 +228,8 @@ class ModelRunner:
         self.fused_decode, self.fused_decode_why = None, "not on the CPU"
         if tp is not None:
             self.fused_decode_why = "tensor parallel (the native step has no all-reduce)"
+        elif batch_invariant:
+            self.fused_decode_why = "batch-invariant mode (the native step's kernels block by row count)"
         elif self.device.type == "cpu":
             from baige.runtime.infer.cpu_decode import FusedDecoder
 
@@ -498,9 +504,10 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict]:
         """Run the step's forward: ``(logits, spans, prompt logprobs)`` as :meth:`_run_mixed`."""
-        if batch.num_decodes == len(batch):
-            return (*self._run_decode(batch), {})
-        return self._run_mixed(batch)
+        with kernels.batch_invariant(self.batch_invariant):
+            if batch.num_decodes == len(batch):
+                return (*self._run_decode(batch), {})
+            return self._run_mixed(batch)
 
     @torch.inference_mode()
     def execute(
