@@ -10,7 +10,15 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import MODEL_HELP, Device, DType, ExpertParallelOpt, SpeculativeConfigOpt, TensorParallelOpt
+from baige.cli.options import (
+    MODEL_HELP,
+    BatchInvariantOpt,
+    Device,
+    DType,
+    ExpertParallelOpt,
+    SpeculativeConfigOpt,
+    TensorParallelOpt,
+)
 from baige.errors import BaigeError
 
 
@@ -224,6 +232,7 @@ def serve(
     lora_modules: LoraModulesOpt = None,
     max_loras: MaxLorasOpt = 1,
     max_lora_rank: MaxLoraRankOpt = 16,
+    batch_invariant: BatchInvariantOpt = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -250,6 +259,7 @@ def serve(
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
+        batch_invariant=batch_invariant,
         **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
     )
     template = read_chat_template(chat_template) if chat_template is not None else None
