@@ -5,11 +5,13 @@
  * Machines Lab 2025, "Defeating Nondeterminism in LLM Inference": split work over rows and columns, never over
  * the reduction).
  *
- * The fixed orders (8-lane AVX2 code in every instruction-set variant, built with -ffp-contract=off, so the
- * scalar tails are a multiply and an add, two roundings):
- *   dot products (linear y[m][n], attention scores, sums of squares): one 8-lane FMA accumulator over the
- *     first K & ~7 terms in order, its lanes summed by hsum256 (vec_math.h), then the K % 8 last terms
- *     added one by one;
+ * The fixed orders (8-lane AVX2 code, built with -ffp-contract=off, so the scalar tails are a multiply and an add,
+ * two roundings):
+ *   dot products (attention scores, sums of squares; linear y[m][n] in the AVX2 variants): one 8-lane FMA
+ *     accumulator over the first K & ~7 terms in order, its lanes summed by hsum256 (vec_math.h), then the
+ *     K % 8 last terms added one by one; linear y[m][n] in the AVX-512 variants: one 16-lane FMA accumulator
+ *     over K in steps of 16 (the last step's missing lanes zero), its lanes summed by _mm512_reduce_add_ps
+ *     (each variant is invariant on its own; the variants differ from each other in the last bits);
  *   softmax over a row's L keys: scores s_j = dot * scale; m = max_j s_j; p_j = exp256(s_j - m) lane by lane
  *     (one polynomial per value, whatever its lane); l = p_0 + p_1 + ... in key order;
  *     out[c] = (sum_j p_j v_j[c] in key order, one FMA chain per column) / l;
@@ -32,7 +34,6 @@
 #include "vec_math.h"
 
 #define BI_NR 4   /* output columns (weight rows) per linear tile */
-#define BI_MR 3   /* input rows per linear tile: 12 accumulators */
 #define BI_MB 48  /* input rows kept hot (in L2) while a thread sweeps its weight tiles */
 
 /* 8 (one) weights from element i of an fp32 (bf16 == 0) or bf16 (bf16 == 1) matrix, as fp32 (exact). */
@@ -44,10 +45,55 @@ static inline __attribute__((always_inline)) float ldw1(const void *w, int bf16,
     return bf16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
-/* y[m * ldy + n] = dot(x row m, w row n) (+ bias[n]) for m < mr, n < nr; x rows K apart, w rows K apart. pf: the
- * next tile's weights, streamed into cache while this one computes (a weight read from memory: the hardware
- * prefetcher alone leaves the loads and the FMAs serialised, as qlinear.c measured), or NULL. Always inlined
- * with constant bf16 (and, for full tiles, constant mr / nr). */
+#if defined(__AVX512F__)
+#define BI_MR 4  /* input rows per linear tile: 16 accumulators of 32 registers */
+
+/* 16 weights from element i of an fp32 / bf16 matrix as fp32, lanes at or past `left` zero. */
+static inline __attribute__((always_inline)) __m512 ldw16(const void *w, int bf16, int64_t i, int64_t left) {
+    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    if (!bf16) return _mm512_maskz_loadu_ps(mk, (const float *)w + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)w + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* y[m * ldy + n] = dot(x row m, w row n) (+ bias[n]) for m < mr, n < nr (AVX-512 variants: one 16-lane FMA
+ * chain per dot product over K in steps of 16, the last step's missing lanes zero, its lanes summed by
+ * _mm512_reduce_add_ps); x and w rows K apart. pf: as the AVX2 version below. */
+static inline __attribute__((always_inline)) void lin_tile(const float *x, int64_t K, int mr, const void *w, int bf16,
+                                                           int nr, const float *bias, float *y, int64_t ldy,
+                                                           const char *pf) {
+    const int64_t es = bf16 ? 2 : 4;
+    __m512 acc[BI_MR][BI_NR];
+    for (int m = 0; m < BI_MR; m++)
+        for (int n = 0; n < BI_NR; n++) acc[m][n] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        if (pf && ((k * es) & 63) == 0)
+            for (int n = 0; n < BI_NR; n++) _mm_prefetch(pf + (n * K + k) * es, _MM_HINT_T0);
+        __m512 wv[BI_NR];
+        for (int n = 0; n < BI_NR; n++)
+            if (n < nr) wv[n] = ldw16(w, bf16, n * K + k, K - k);
+        for (int m = 0; m < BI_MR; m++) {
+            if (m < mr) {
+                const __m512 xv = ldw16(x + m * K, 0, k, K - k);
+                for (int n = 0; n < BI_NR; n++)
+                    if (n < nr) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) {
+            float s = _mm512_reduce_add_ps(acc[m][n]);
+            if (bias) s += bias[n];
+            y[m * ldy + n] = s;
+        }
+}
+#else
+#define BI_MR 3  /* input rows per linear tile: 12 accumulators of 16 registers */
+
+/* y[m * ldy + n] = dot(x row m, w row n) (+ bias[n]) for m < mr, n < nr (AVX2 variants: the 8-lane order of the
+ * header); x and w rows K apart. pf: the next tile's weights, streamed into cache while this one computes (a
+ * weight read from memory: the hardware prefetcher alone leaves the loads and the FMAs serialised, as qlinear.c
+ * measured), or NULL. Always inlined with constant bf16 (and, for full tiles, constant mr / nr). */
 static inline __attribute__((always_inline)) void lin_tile(const float *x, int64_t K, int mr, const void *w, int bf16,
                                                            int nr, const float *bias, float *y, int64_t ldy,
                                                            const char *pf) {
@@ -78,6 +124,7 @@ static inline __attribute__((always_inline)) void lin_tile(const float *x, int64
             y[m * ldy + n] = s;
         }
 }
+#endif
 
 static void lin_tiles(const float *x, int64_t M, int64_t K, const void *w, int bf16, int64_t N, const float *bias,
                       float *y, int64_t t0, int64_t t1) {

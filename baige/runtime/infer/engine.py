@@ -35,7 +35,6 @@ from baige.runtime.infer.stop import StopMatcher
 from baige.runtime.infer.structured import GrammarCompiler, engine_error
 from baige.runtime.infer.text import SeqText
 from baige.runtime.infer.tp_worker import TensorParallelGroup, kv_config, load_engine_model, start_tensor_parallel
-from baige.runtime.model.logprobs import check_batch_invariant
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.settings import settings
@@ -104,8 +103,6 @@ class Engine:
                 min(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len),
             )
         kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, p.dtype, p.device)
-        if cfg.batch_invariant:
-            check_batch_invariant(model, kv_dtype)
         num_blocks = num_blocks_for(
             kv_cfg, cfg.block_size, kv_dtype, p.device, cfg.kv_cache_memory, self.max_model_len, activation_peak=peak
         )

@@ -44,6 +44,7 @@ from baige.runtime.infer.sampling import (
 )
 from baige.runtime.infer.scheduler import ScheduledBatch
 from baige.runtime.infer.spec_decode.rejection import verify
+from baige.runtime.model.logprobs import check_batch_invariant
 from baige.runtime.model.transformer import Transformer
 
 
@@ -190,7 +191,8 @@ class ModelRunner:
             tensor-parallel shard: every forward is sent to the workers first; steps run eager and
             per-op (no captured graph, no native one-call decode: both lack the all-reduces).
         batch_invariant: run every forward in ``kernels.batch_invariant`` mode, per-op (no native
-            one-call decode: its kernels block by row count).
+            one-call decode: its kernels block by row count). Raises BaigeError for a model or cache
+            the mode cannot run (``model.logprobs.check_batch_invariant``).
     """
 
     def __init__(
@@ -229,6 +231,7 @@ class ModelRunner:
         if tp is not None:
             self.fused_decode_why = "tensor parallel (the native step has no all-reduce)"
         elif batch_invariant:
+            check_batch_invariant(model, kv_cache.k[0].dtype)  # BaigeError: a model the mode cannot run
             self.fused_decode_why = "batch-invariant mode (the native step's kernels block by row count)"
         elif self.device.type == "cpu":
             from baige.runtime.infer.cpu_decode import FusedDecoder
