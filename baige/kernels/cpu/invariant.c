@@ -67,8 +67,8 @@ static inline __attribute__((always_inline)) void lin_tile(const float *x, int64
     for (int m = 0; m < BI_MR; m++)
         for (int n = 0; n < BI_NR; n++) acc[m][n] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-        if (pf && ((k * es) & 63) == 0)
-            for (int n = 0; n < BI_NR; n++) _mm_prefetch(pf + (n * K + k) * es, _MM_HINT_T0);
+        if (pf)  /* the next tile (BI_NR rows back to back) at BI_NR times this tile's pace: read by the end */
+            for (int64_t l = 0; l < BI_NR * 16 * es; l += 64) _mm_prefetch(pf + BI_NR * k * es + l, _MM_HINT_T0);
         __m512 wv[BI_NR];
         for (int n = 0; n < BI_NR; n++)
             if (n < nr) wv[n] = ldw16(w, bf16, n * K + k, K - k);
@@ -103,8 +103,8 @@ static inline __attribute__((always_inline)) void lin_tile(const float *x, int64
         for (int n = 0; n < BI_NR; n++) acc[m][n] = _mm256_setzero_ps();
     const int64_t K8 = K & ~(int64_t)7;
     for (int64_t k = 0; k < K8; k += 8) {
-        if (pf && ((k * es) & 63) == 0)
-            for (int n = 0; n < BI_NR; n++) _mm_prefetch(pf + (n * K + k) * es, _MM_HINT_T0);
+        if (pf && (k & 15) == 0)  /* the next tile (BI_NR rows back to back) at BI_NR times this tile's pace */
+            for (int64_t l = 0; l < BI_NR * 16 * es; l += 64) _mm_prefetch(pf + BI_NR * k * es + l, _MM_HINT_T0);
         __m256 wv[BI_NR];
         for (int n = 0; n < BI_NR; n++)
             if (n < nr) wv[n] = ldw8(w, bf16, n * K + k);

@@ -233,6 +233,9 @@ class ModelRunner:
         elif batch_invariant:
             check_batch_invariant(model, kv_cache.k[0].dtype)  # BaigeError: a model the mode cannot run
             self.fused_decode_why = "batch-invariant mode (the native step's kernels block by row count)"
+            from baige.runtime.infer.cpu_decode import place_weights
+
+            place_weights(model)
         elif self.device.type == "cpu":
             from baige.runtime.infer.cpu_decode import FusedDecoder
 
