@@ -82,7 +82,7 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
 
 def _linear_values(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """(M, K) @ (N, K)^T + bias -> (M, N) fp32."""
-    if _native(x) and weight.dtype in (torch.float32, torch.bfloat16):
+    if _native(x) and weight.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype:
         b = None if bias is None else bias.detach().float()
         return native.linear(x.detach().float(), weight.detach(), b)
     return ref.linear(x.detach(), weight.detach(), None if bias is None else bias.detach())

@@ -11,7 +11,8 @@
  *     accumulator over the first K & ~7 terms in order, its lanes summed by hsum256 (vec_math.h), then the
  *     K % 8 last terms added one by one; linear y[m][n] in the AVX-512 variants: one 16-lane FMA accumulator
  *     over K in steps of 16 (the last step's missing lanes zero), its lanes summed by _mm512_reduce_add_ps
- *     (each variant is invariant on its own; the variants differ from each other in the last bits);
+ *     (under AVX-512 BF16, bf16 weights: vdpbf16ps over 32-element steps; each variant is invariant on its own,
+ *     the variants differ from each other in the last bits);
  *   softmax over a row's L keys: scores s_j = dot * scale; m = max_j s_j; p_j = exp256(s_j - m) lane by lane
  *     (one polynomial per value, whatever its lane); l = p_0 + p_1 + ... in key order;
  *     out[c] = (sum_j p_j v_j[c] in key order, one FMA chain per column) / l;
@@ -50,7 +51,7 @@ static inline __attribute__((always_inline)) float ldw1(const void *w, int bf16,
 
 /* 16 weights from element i of an fp32 / bf16 matrix as fp32, lanes at or past `left` zero. */
 static inline __attribute__((always_inline)) __m512 ldw16(const void *w, int bf16, int64_t i, int64_t left) {
-    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
     if (!bf16) return _mm512_maskz_loadu_ps(mk, (const float *)w + i);
     const __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)w + i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -58,7 +59,9 @@ static inline __attribute__((always_inline)) __m512 ldw16(const void *w, int bf1
 
 /* y[m * ldy + n] = dot(x row m, w row n) (+ bias[n]) for m < mr, n < nr (AVX-512 variants: one 16-lane FMA
  * chain per dot product over K in steps of 16, the last step's missing lanes zero, its lanes summed by
- * _mm512_reduce_add_ps); x and w rows K apart. pf: as the AVX2 version below. */
+ * _mm512_reduce_add_ps; bf16 weights under AVX-512 BF16: x rounded to bf16 -- exact for a bf16 model's
+ * activations -- and one vdpbf16ps chain over K in steps of 32, each lane adding its two products, the same
+ * final sum); x and w rows K apart. pf: as the AVX2 version below. */
 static inline __attribute__((always_inline)) void lin_tile(const float *x, int64_t K, int mr, const void *w, int bf16,
                                                            int nr, const float *bias, float *y, int64_t ldy,
                                                            const char *pf) {
@@ -66,7 +69,30 @@ static inline __attribute__((always_inline)) void lin_tile(const float *x, int64
     __m512 acc[BI_MR][BI_NR];
     for (int m = 0; m < BI_MR; m++)
         for (int n = 0; n < BI_NR; n++) acc[m][n] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (bf16) {
+        for (int64_t k = 0; k < K; k += 32) {
+            if (pf)
+                for (int64_t l = 0; l < BI_NR * 32 * 2; l += 64) _mm_prefetch(pf + BI_NR * k * 2 + l, _MM_HINT_T0);
+            const int64_t left = K - k;
+            const __mmask32 mk = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+            __m512bh wv[BI_NR];
+            for (int n = 0; n < BI_NR; n++)
+                if (n < nr) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mk, (const uint16_t *)w + n * K + k);
+            for (int m = 0; m < BI_MR; m++) {
+                if (m < mr) {
+                    const __m512 lo = ldw16(x + m * K, 0, k, left), hi = ldw16(x + m * K, 0, k + 16, left - 16);
+                    const __m512bh xv = _mm512_cvtne2ps_pbh(hi, lo);
+                    for (int n = 0; n < BI_NR; n++)
+                        if (n < nr) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+                }
+            }
+        }
+    }
+    for (int64_t k = 0; !bf16 && k < K; k += 16) {
+#else
     for (int64_t k = 0; k < K; k += 16) {
+#endif
         if (pf)  /* the next tile (BI_NR rows back to back) at BI_NR times this tile's pace: read by the end */
             for (int64_t l = 0; l < BI_NR * 16 * es; l += 64) _mm_prefetch(pf + BI_NR * k * es + l, _MM_HINT_T0);
         __m512 wv[BI_NR];

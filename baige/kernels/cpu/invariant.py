@@ -18,7 +18,8 @@ def available() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(M, K) fp32 @ (N, K) fp32 or bf16 weight ^T (+ (N,) fp32 bias) -> (M, N) fp32, contiguous."""
+    """(M, K) fp32 @ (N, K) fp32 or bf16 weight ^T (+ (N,) fp32 bias) -> (M, N) fp32, contiguous. Under AVX-512
+    BF16 a bf16 weight takes x rounded to bf16: pass bf16 values (a bf16 model's activations, widened)."""
     x, weight = x.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     M, K = x.shape
