@@ -26,8 +26,8 @@ Turning it on: ``with batch_invariant():`` around a forward (a context variable:
 task, so one process can run an invariant engine beside a plain one). The engine's runner enters it for
 each step when ``EngineConfig.batch_invariant`` is set, ``runtime.model.logprobs.sequence_logprobs`` for
 the trainer's forward. Not covered (callers refuse them in the mode): quantized / fp16-weight linears,
-Mixture-of-Experts, LoRA, tensor parallelism, the native one-call decode step, Triton (CUDA) and
-``flash_attention_varlen`` / ``fused_linear_cross_entropy``.
+Mixture-of-Experts, LoRA, tensor parallelism, the native one-call decode step, Triton (CUDA), ``torch.compile``
+(the mode runs eagerly) and ``flash_attention_varlen`` / ``fused_linear_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -61,9 +61,16 @@ def batch_invariant(on: bool = True) -> Iterator[None]:
 
 
 def _native(t: torch.Tensor) -> bool:
-    """Whether ``t``'s op runs the native kernels (else the PyTorch twins). Raises ValueError off the CPU."""
+    """Whether ``t``'s op runs the native kernels (else the PyTorch twins).
+
+    Raises:
+        ValueError: off the CPU, or inside a ``torch.compile`` trace (the twins' fixed orders would be fused
+            away, the native calls cannot be traced): the mode runs eagerly.
+    """
     if t.device.type != "cpu":
         raise ValueError(f"batch-invariant mode runs on CPU tensors only, got a {t.device.type} tensor")
+    if torch.compiler.is_compiling():
+        raise ValueError("batch-invariant mode runs eagerly, not inside torch.compile")
     return native.available()
 
 

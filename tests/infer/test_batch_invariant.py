@@ -142,6 +142,10 @@ def test_what_the_mode_cannot_run_is_refused(ckpt, tmp_path):
     moe = load_model(write_tiny_tokenizer(make_checkpoint(tmp_path / "moe", "qwen3-moe")), "float32")
     with pytest.raises(BaigeError, match="Mixture-of-Experts"):
         _engine(tmp_path / "moe", moe)
+    model.model.layers[1].compile()
+    with pytest.raises(BaigeError, match="runs eagerly; model.layers.1 is compiled"):
+        sequence_logprobs(model, torch.tensor([1, 2, 3]), batch_invariant=True)
+    model = load_model(ckpt, "float32")
     add_lora(model.model.layers[0].self_attn.q_proj, rank=2, alpha=4)
     with pytest.raises(BaigeError, match="LoRA"):
         sequence_logprobs(model, torch.tensor([1, 2, 3]), batch_invariant=True)

@@ -27,7 +27,8 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def check_batch_invariant(model: Transformer, kv_cache_dtype: torch.dtype | None = None) -> None:
     """Raise BaigeError (one line) when batch-invariant mode cannot hold for ``model``: parameters off the
-    CPU, Mixture-of-Experts layers, a linear projection that is not a plain ``nn.Linear`` without hooks
+    CPU, compiled modules (``torch.compile`` would fuse the fixed-order ops and round differently),
+    Mixture-of-Experts layers, a linear projection that is not a plain ``nn.Linear`` without hooks
     (quantized, fp16-weight, LoRA, tensor-parallel shards), or a KV cache dtype other than the model's (its
     rounding would differ from the trainer's)."""
     p = next(model.parameters())
@@ -38,6 +39,8 @@ def check_batch_invariant(model: Transformer, kv_cache_dtype: torch.dtype | None
             f"batch-invariant mode needs the KV cache in the model's dtype ({p.dtype}), not {kv_cache_dtype}"
         )
     for name, mod in model.named_modules():
+        if getattr(mod, "_compiled_call_impl", None) is not None or hasattr(mod, "_orig_mod"):
+            raise BaigeError(f"batch-invariant mode runs eagerly; {name or 'the model'} is compiled (torch.compile)")
         if isinstance(mod, SparseMoeBlock):
             raise BaigeError(f"batch-invariant mode does not support Mixture-of-Experts layers ({name})")
         if not hasattr(mod, "in_features"):
