@@ -48,9 +48,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty(M, N, dtype=torch.float32, device=x.device)
-    step = max(1, _CHUNK // max(1, M * K))
-    for n0 in range(0, N, step):
-        out[:, n0 : n0 + step] = tree_sum(x[:, None, :] * weight[None, n0 : n0 + step, :])  # (M, n, K) -> (M, n)
+    cols = max(1, min(N, _CHUNK // max(1, K)))
+    rows = max(1, _CHUNK // (cols * max(1, K)))
+    for m0 in range(0, M, rows):
+        for n0 in range(0, N, cols):
+            xs, ws = x[m0 : m0 + rows, None, :], weight[None, n0 : n0 + cols, :]
+            out[m0 : m0 + rows, n0 : n0 + cols] = tree_sum(xs * ws)  # (m, n, K) -> (m, n)
     return out if bias is None else out + bias.float()
 
 
