@@ -17,7 +17,9 @@ projection and ``lm_head``, any number of rows), one attention kernel for decode
 the training forward's contiguous K/V (:func:`paged_decode_attention`, :func:`paged_prefill_attention`,
 :func:`attention`), RMSNorm's sum of squares, SiLU; RoPE and the residual adds are elementwise arithmetic
 (reference ops), and rotary cos/sin go through :func:`pointwise`. Values keep the model dtype between ops
-as on the reference path (bf16 rounded after each op; fp32 inside each kernel).
+as on the reference path (bf16 rounded after each op; fp32 inside each kernel). Native or twin is decided by
+the process's settings alone (``BAIGE_KERNELS``, the library of ``BAIGE_CPU_ISA``'s variant), never by a
+shape, so an engine and a trainer in one process take the same kernels.
 
 Autograd: with gradients wanted, the forward values come from the same kernels and the backward uses the
 ordinary formulas in PyTorch (the gradient of the non-invariant op, which equals it up to rounding).
