@@ -109,6 +109,7 @@ class Engine:
             cfg.enforce_eager,
             self.num_speculative_tokens,
             tp,
+            batch_invariant=cfg.batch_invariant,
         )
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
         if cfg.enable_lora:
