@@ -248,6 +248,28 @@ def _train(rs, labels, prefix) -> list[str]:
     return lines
 
 
+def _startup(rs, labels, prefix) -> list[str]:
+    lines = [
+        "| date (UTC) | model | machine | caches | `baige --help` (s) | serve ready (s) | generate first token (s) | "
+        "runs | record |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        s = r.get("summary") or {}
+        for cache in ("warm", "cold"):
+            cells = []
+            for key in ("help_s", "serve_ready_s", "generate_ttft_s"):
+                m = (s.get(key) or {}).get(cache)
+                cells.append(DASH if not m else f"{m['median']:.2f} (min {m['min']:.2f})")
+            runs = max(((s.get(k) or {}).get(cache) or {}).get("runs", 0) for k in ("serve_ready_s", "help_s"))
+            if runs:
+                lines.append(
+                    f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {cache} | {' | '.join(cells)} | "
+                    f"{runs} | {_link(r, prefix)} |"
+                )
+    return lines
+
+
 def _ratio(x) -> str:
     return DASH if x is None else f"{x:.2f}x"
 
@@ -265,6 +287,7 @@ SECTIONS = [  # (benchmark, heading, table builder)
     ("throughput", "Offline throughput: `baige bench throughput`", _throughput),
     ("serve", "Online serving: `baige bench serve`", _serve),
     ("train", "Training: `baige bench train`", _train),
+    ("startup", "Start-up: `baige bench startup` (medians from process start)", _startup),
 ]
 
 INTRO = """\
