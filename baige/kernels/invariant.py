@@ -48,7 +48,12 @@ _MODE: ContextVar[bool] = ContextVar("baige_batch_invariant", default=False)
 
 
 def enabled() -> bool:
-    """Whether batch-invariant mode is on in this thread / task (see :func:`batch_invariant`)."""
+    """Whether batch-invariant mode is on in this thread / task (see :func:`batch_invariant`). Always False
+    inside a ``torch.compile`` trace: Dynamo cannot read a ContextVar, and the mode runs eagerly (callers
+    refuse compiled modules in the mode: ``model.logprobs.check_batch_invariant``), so a compiled model's
+    ops are the ordinary ones."""
+    if torch.compiler.is_compiling():
+        return False
     return _MODE.get()
 
 
