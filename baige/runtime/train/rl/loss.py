@@ -88,7 +88,7 @@ def aggregate(
     Returns:
         a scalar.
     """
-    per_token = loss * mask
+    per_token = torch.where(mask.bool(), loss, 0.0)  # whatever sits off the mask (even inf) adds nothing
     if mode == "token-mean":
         return per_token.sum() / num_tokens
     seq_sums = per_token.sum(dim=1)  # (B,)
