@@ -39,9 +39,21 @@ def write_prompts(path: Path, n: int = 8, **fields) -> Path:
 
 
 def install_shims() -> None:
-    """The engine hooks (branch rlengine) and sequence_logprobs (branch batchinv), where still missing."""
+    """The engine hooks (branch rlengine), and sequence_logprobs and ``LLM(batch_invariant=...)`` (branch
+    batchinv), where still missing. The stand-in for the engine's batch-invariant mode is its ordinary
+    mode: the tests that use it assert only what holds either way (1e-5 between layouts)."""
+    import dataclasses
+
+    from baige.runtime.config import EngineConfig
     from baige.runtime.infer.llm import LLM
 
+    if "batch_invariant" not in {f.name for f in dataclasses.fields(EngineConfig)} and not hasattr(LLM, "_shim"):
+        init = LLM.__init__
+
+        def __init__(self, model=None, batch_invariant: bool = False, **engine_args):
+            init(self, model, **engine_args)
+
+        LLM.__init__, LLM._shim = __init__, True
     if not hasattr(LLM, "update_weights"):
         LLM.update_weights = _update_weights
         LLM.sleep = lambda self, level=1: None
@@ -77,3 +89,50 @@ def _sequence_logprobs(model, input_ids: torch.Tensor, *, batch_invariant: bool)
     hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])[0, :-1]  # (T - 1, hidden)
     logp = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
     return logp.gather(1, input_ids[1:, None])[:, 0]
+
+
+def grpo_config(model: Path, data: Path, output: Path, **flags):
+    """A GRPO TrainConfig for the tiny model: 4 prompts x 8 samples of <= 8 tokens per step, the
+    target_token reward, lr 1e-2 constant, no checkpoint but the last, no export."""
+    from baige.runtime.train.config import load_train_config
+
+    base = {
+        "method": "grpo",
+        "model.name": str(model),
+        "data.train": [str(data)],
+        "output": str(output),
+        "rl.rewards": ["rl_utils:target_token_reward"],
+        "rl.group_size": 8,
+        "rl.prompts_per_step": 4,
+        "rl.max_tokens": 8,
+        "training.batch_size": 16,
+        "training.steps": 12,
+        "optimizer.lr": 1e-2,
+        "lr_scheduler.name": "constant",
+        "metrics.tensorboard": False,
+        "checkpoint.interval": 0,
+        "checkpoint.keep_latest": 0,
+        "checkpoint.export_hf": False,
+    }
+    base.update(flags)
+    return load_train_config(None, base)
+
+
+def job_grpo(model: str, data: str, output: str, **flags) -> None:
+    """One GRPO run (every rank calls it; tests/train_utils.spawn_worker's job)."""
+    from baige.runtime.train.trainer import run_training
+
+    install_shims()
+    run_training(grpo_config(Path(model), Path(data), Path(output), **flags))
+
+
+TIMING = ("rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s", "rollout_s", "train_s", "peak_memory_gib")
+
+
+def read_records(output: Path) -> dict[int, dict]:
+    """step -> the GRPO record of metrics.jsonl without its timing fields (later records of a step win)."""
+    out = {}
+    for line in (output / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = {k: v for k, v in r.items() if k not in TIMING}
+    return out
