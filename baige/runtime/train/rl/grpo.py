@@ -141,7 +141,8 @@ class GRPOTrainer(TrainerBase):
             diff = mb.engine_logprobs - old  # log(engine / trainer) on the sampled tokens
             sums["entropy"] += float((entropy * mask).sum())
             sums["mismatch"] += float((diff.abs() * mask).sum())
-            sums["engine_kl"] += float((L.kl_k3(mb.engine_logprobs, old) * mask).sum())
+            # fp64: for the tiny differences of a matched engine, fp32's exp() rounding would swamp the estimate
+            sums["engine_kl"] += float((L.kl_k3(mb.engine_logprobs.double(), old.double()) * mask).sum())
             if self.reference is not None:
                 sums["kl"] += float((kl.detach() * mask).sum())
         sums["clipped"] += float((clipped.float() * mask).sum())
