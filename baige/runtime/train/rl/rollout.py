@@ -3,9 +3,10 @@
 Each data-parallel rank owns one :class:`~baige.runtime.infer.llm.LLM` (continuous batching, prefix
 caching: a prompt's ``n = rl.group_size`` samples share its KV blocks; the native CPU decode or the
 Triton path on GPU) over its share of the step's prompts. The step's phases on the engine:
-generate -> ``sleep(level=1)`` (the KV cache released while the trainer runs) -> ``wake_up()`` ->
-``update_weights`` from the trainer's parameters -> ``reset_prefix_cache()`` (cached prefixes were
-computed with the old weights).
+generate -> ``sleep(level=1)`` (the KV cache released while the trainer runs) -> ``update_weights``
+from the trainer's parameters -> ``reset_prefix_cache()`` (cached prefixes were computed with the old
+weights) -> ``wake_up()``. The engine runs eager (``enforce_eager``): captured CUDA graphs hold the KV
+pools' addresses, which a sleep moves.
 
 The engine's logprobs are those of the raw model distribution (vLLM's: before temperature, top-p and
 any processor), the same quantity the trainer's loss uses, so the ratio, the KL and the engine /
@@ -80,6 +81,7 @@ def build_engine(
         max_num_batched_tokens=max(2048, num_seqs),
         block_size=BLOCK_SIZE,
         kv_cache_memory=kv_bytes,
+        enforce_eager=True,
         **extra,
     )
 
@@ -135,7 +137,8 @@ def policy_weights(model: nn.Module, lora: bool, dtype: torch.dtype) -> Iterator
 
 
 def sync_weights(llm: LLM, model: nn.Module, lora: bool, dtype: torch.dtype) -> None:
-    """Wake the engine, load the trainer's weights into it in place, reset its prefix cache (collective)."""
-    llm.wake_up()
+    """Load the trainer's weights into the engine in place (while it sleeps, so that what the engine
+    derives from them is rebuilt once, when it wakes), reset its prefix cache, wake it (collective)."""
     llm.update_weights(policy_weights(model, lora, dtype))
     llm.reset_prefix_cache()
+    llm.wake_up()
