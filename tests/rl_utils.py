@@ -68,10 +68,18 @@ def install_shims() -> None:
 
 
 @torch.no_grad()
-def _update_weights(self, named_tensors) -> None:
-    params = dict(self.engine.model.named_parameters())
-    for name, tensor in named_tensors:
-        params[name].copy_(tensor)
+def _update_weights(self, named_tensors, lora_name: str | None = None) -> None:
+    if lora_name is None:
+        params = dict(self.engine.model.named_parameters())
+        for name, tensor in named_tensors:
+            params[name].copy_(tensor)
+        return
+    modules = self.engine.lora.get(lora_name).adapter.modules  # module -> (A, B, scaling)
+    for key, tensor in named_tensors:
+        module, _, which = key.rpartition(".lora_")
+        a, b, scaling = modules[module]
+        modules[module] = (tensor.to(a.dtype), b, scaling) if which == "A.weight" else (a, tensor.to(b.dtype), scaling)
+    self.engine.lora._rebuild()
 
 
 def _reset_prefix_cache(self) -> None:

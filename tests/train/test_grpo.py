@@ -55,23 +55,29 @@ def test_reward_rises_and_the_engine_follows_the_trainer(tiny, tmp_path, one_thr
         assert torch.equal(engine[name], p.detach()), name
 
 
-def test_lora_syncs_the_merged_adapters(tiny, tmp_path, one_thread):
+def test_lora_syncs_only_the_adapter(tiny, tmp_path, one_thread):
+    """The engine serves the run's adapter; after training it holds the trainer's A and B exactly and
+    the base weights it loaded, untouched."""
     from baige.runtime.model.lora import lora_modules
     from baige.runtime.train.rl.grpo import GRPOTrainer
+    from baige.runtime.train.rl.rollout import ADAPTER
 
     model, data = tiny
     trainer = GRPOTrainer(grpo_config(model, data, tmp_path / "lora", **{"training.steps": 3, "lora.rank": 4}))
-    before = {n: p.detach().clone() for n, p in _engine_params(trainer).items()}
-    trainer.train()
-    engine = _engine_params(trainer)
-    adapted = {f"{name}.weight" for name, _ in lora_modules(trainer.model)}
+    base = {n: p.detach().clone() for n, p in _engine_params(trainer).items()}
+    result = trainer.train()
+    served = trainer.llm.engine.lora.get(ADAPTER).adapter.modules
+    assert sorted(served) == sorted(name for name, _ in lora_modules(trainer.model))
     for name, module in lora_modules(trainer.model):
-        a, b = module.lora_A.weight.detach(), module.lora_B.weight.detach()
-        assert b.abs().max() > 0, name  # the adapter trained
-        torch.testing.assert_close(engine[f"{name}.weight"], module.weight + (b @ a) * module.lora_scaling)
-    for name, p in engine.items():
-        if name not in adapted:
-            assert torch.equal(p, before[name]), name  # only the adapted projections were sent
+        a, b, scaling = served[name]
+        assert module.lora_B.weight.abs().max() > 0, name  # the adapter trained
+        assert torch.equal(a, module.lora_A.weight.detach()) and torch.equal(b, module.lora_B.weight.detach()), name
+        assert scaling == module.lora_scaling
+    assert all(torch.equal(p, base[n]) for n, p in _engine_params(trainer).items())
+    records = read_records(tmp_path / "lora")
+    assert result.losses and set(records) == {1, 2, 3}
+    # the rollouts ran through the adapter: engine and trainer agree after it moved
+    assert records[3]["logprob_mismatch"] < 1e-5
 
 
 def test_resume_is_exact(tiny, tmp_path, one_thread):

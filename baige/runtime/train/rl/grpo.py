@@ -16,8 +16,9 @@ The set-up, FSDP2, LoRA, the optimizer and its clipping, the schedule (over ``st
 epochs_per_step`` optimizer steps), DCP checkpoints and the HF export are the shared ones
 (:class:`~baige.runtime.train.base.TrainerBase`). Resume is exact: a step's prompts and sampling seeds
 depend only on the step (:mod:`.prompts`), and the engine takes the resumed weights before the first
-rollout. Not supported: tensor / pipeline / expert parallelism, Mixture-of-Experts models (the router
-losses are not part of this loss), LoRA on a quantized base.
+rollout. A LoRA run serves its adapter on the engine (multi-LoRA serving) and syncs only the
+adapter. Not supported: tensor / pipeline / expert parallelism, Mixture-of-Experts models (the router
+losses are not part of this loss).
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ from baige.runtime.train.rl import loss as L
 from baige.runtime.train.rl.batch import MicroBatch, micro_batches, policy_logprobs
 from baige.runtime.train.rl.prompts import read_prompts, sampling_seed, step_prompts, tokenize_prompt
 from baige.runtime.train.rl.rewards import load_rewards, score
-from baige.runtime.train.rl.rollout import Sample, build_engine, generate, sync_weights
+from baige.runtime.train.rl.rollout import (
+    Sample,
+    build_engine,
+    generate,
+    remove_adapter,
+    sync_weights,
+    write_adapter,
+)
 
 
 class GRPOTrainer(TrainerBase):
@@ -50,16 +58,23 @@ class GRPOTrainer(TrainerBase):
         self.records = read_prompts(cfg.data.train, needs)
         self.reference: Transformer | None = None
         super().__init__(cfg)
-        self.llm = build_engine(
-            str(self.model_dir),
-            self.model_config,
-            cfg.rl,
-            self.device,
-            self.param_dtype,
-            max(map(len, self.prompt_ids)),
-            self.local_prompts,
-            cfg.training.seed,
-        )
+        adapter = write_adapter(self.model, cfg.lora) if self.lora_params else None
+        try:
+            self.llm = build_engine(
+                str(self.model_dir),
+                self.model_config,
+                cfg.rl,
+                self.device,
+                self.param_dtype,
+                max(map(len, self.prompt_ids)),
+                self.local_prompts,
+                cfg.training.seed,
+                adapter,
+                cfg.lora.rank or 1,
+            )
+        finally:
+            if adapter is not None:  # loaded (or failed): the engine does not read it again
+                remove_adapter(adapter)
 
     @property
     def num_optimizer_steps(self) -> int:
@@ -73,8 +88,6 @@ class GRPOTrainer(TrainerBase):
         """Refuse what GRPO does not support; keep the frozen reference policy when ``rl.kl_coef`` > 0."""
         if model.config.moe is not None:
             raise BaigeError("--method grpo does not train Mixture-of-Experts models yet (no router losses)")
-        if self.cfg.lora.rank and any(hasattr(m, "scheme") for m in model.modules()):
-            raise BaigeError("--method grpo with LoRA needs a float base model (the engine takes merged weights)")
         if self.cfg.rl.kl_coef > 0:
             self.reference = copy.deepcopy(model).requires_grad_(False).eval().to(self.device)
 
@@ -100,7 +113,7 @@ class GRPOTrainer(TrainerBase):
             self.cfg.data.shuffle,
         )  # fmt: skip
         seeds = [sampling_seed(t.seed, position, rl.group_size) for position, _ in picks]
-        samples = generate(self.llm, [self.prompt_ids[i] for _, i in picks], seeds, rl)
+        samples = generate(self.llm, [self.prompt_ids[i] for _, i in picks], seeds, rl, bool(self.lora_params))
         return samples, [i for _, i in picks]
 
     def _score(self, samples: list[Sample], records: list[int]) -> dict[str, list[float]]:

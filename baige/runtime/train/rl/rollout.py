@@ -16,21 +16,29 @@ the sampling only.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from baige.errors import BaigeError
 from baige.runtime.infer.llm import LLM
+from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.lora import lora_modules
+from baige.runtime.train.config import LoRASection
 from baige.runtime.train.rl.config import RLSection
+from baige.runtime.weights.peft import adapter_config, save_peft_adapter
 
 MAX_NUM_SEQS = 256  # most sequences the engine runs at once (vLLM's default max_num_seqs)
 BLOCK_SIZE = 16
+ADAPTER = "policy"  # the engine's name for a LoRA run's adapter
+POLICY_ADAPTER = LoRARequest(ADAPTER, 1, "")  # every rollout of a LoRA run: the loaded adapter, by name
 
 
 @dataclass
@@ -54,9 +62,12 @@ def build_engine(
     max_prompt_len: int,
     num_prompts: int,
     seed: int,
+    adapter: Path | None = None,
+    max_lora_rank: int = 1,
 ) -> LLM:
     """This rank's engine for ``num_prompts`` prompts of at most ``max_prompt_len`` tokens per step:
     ``max_model_len`` = that + ``rl.max_tokens``, a KV cache that holds every sequence of a step whole.
+    ``adapter``: a LoRA run's initial adapter (:func:`write_adapter`), served as :data:`ADAPTER`.
 
     Raises:
         BaigeError: the longest prompt plus ``rl.max_tokens`` exceeds the model's context.
@@ -71,6 +82,8 @@ def build_engine(
     blocks = num_seqs * -(-max_model_len // BLOCK_SIZE)
     kv_bytes = blocks * BLOCK_SIZE * mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
     extra = {"batch_invariant": True} if rl.batch_invariant else {}
+    if adapter is not None:
+        extra.update(enable_lora=True, max_lora_rank=max_lora_rank, lora_modules={ADAPTER: str(adapter)})
     return LLM(
         model_dir,
         dtype=str(dtype).removeprefix("torch."),
@@ -86,9 +99,11 @@ def build_engine(
     )
 
 
-def generate(llm: LLM, prompt_ids: list[list[int]], seeds: list[int], rl: RLSection) -> list[Sample]:
+def generate(
+    llm: LLM, prompt_ids: list[list[int]], seeds: list[int], rl: RLSection, lora: bool = False
+) -> list[Sample]:
     """``rl.group_size`` samples of each prompt (one request with ``n`` = G and its own seed), with the
-    engine's logprob of every sampled token; groups in prompt order."""
+    engine's logprob of every sampled token; groups in prompt order. ``lora``: through :data:`ADAPTER`."""
     params = [
         SamplingParams(
             n=rl.group_size,
@@ -102,7 +117,8 @@ def generate(llm: LLM, prompt_ids: list[list[int]], seeds: list[int], rl: RLSect
         for seed in seeds
     ]
     samples = []
-    for group, (ids, out) in enumerate(zip(prompt_ids, llm.generate(prompt_ids, params))):
+    outs = llm.generate(prompt_ids, params, lora_request=POLICY_ADAPTER if lora else None)
+    for group, (ids, out) in enumerate(zip(prompt_ids, outs)):
         for c in out.outputs:
             if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(
@@ -121,24 +137,47 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def policy_weights(model: nn.Module, lora: bool, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine's new weights, by state-dict name, in ``dtype``: every trained parameter (a tied
-    embedding once), or with LoRA only the adapted projections, merged (``W + scaling * B @ A``, fp32
-    arithmetic). Gathers FSDP shards one parameter at a time: every rank must consume the iterator
+    embedding once). Gathers FSDP shards one parameter at a time: every rank must consume the iterator
     whole, in the same order (collective)."""
-    if not lora:
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                yield name, _full(p).detach().to(dtype)
-        return
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            yield name, _full(p).detach().to(dtype)
+
+
+@torch.no_grad()
+def adapter_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA run's adapters, fp32, by their training names (``<module>.lora_A.weight`` (r, in),
+    ``<module>.lora_B.weight`` (out, r)), gathered as :func:`policy_weights` (collective)."""
     for name, module in lora_modules(model):
-        a, b = _full(module.lora_A.weight).float(), _full(module.lora_B.weight).float()
-        yield f"{name}.weight", (_full(module.weight).float() + (b @ a) * module.lora_scaling).to(dtype)
+        yield f"{name}.lora_A.weight", _full(module.lora_A.weight).detach().float()
+        yield f"{name}.lora_B.weight", _full(module.lora_B.weight).detach().float()
+
+
+def write_adapter(model: nn.Module, cfg: LoRASection) -> Path:
+    """The adapters as a PEFT directory in a new temporary directory of this rank, for the engine to
+    load at start (collective: gathers them). The caller removes it (:func:`remove_adapter`)."""
+    weights: dict[str, list[torch.Tensor]] = {}
+    for key, t in adapter_weights(model):
+        module, _, which = key.rpartition(".lora_")
+        weights.setdefault(module, []).append(t.cpu())
+    config = adapter_config(cfg.rank, cfg.alpha, cfg.dropout, cfg.targets, cfg.use_rslora, None)
+    out = Path(tempfile.mkdtemp(prefix="baige-grpo-adapter-")) / ADAPTER
+    return save_peft_adapter({m: (a, b) for m, (a, b) in weights.items()}, config, out, torch.float32)
+
+
+def remove_adapter(path: Path) -> None:
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def sync_weights(llm: LLM, model: nn.Module, lora: bool, dtype: torch.dtype) -> None:
     """Load the trainer's weights into the engine in place (while it sleeps, so that what the engine
-    derives from them is rebuilt once, when it wakes), reset its prefix cache, wake it (collective)."""
-    llm.update_weights(policy_weights(model, lora, dtype))
+    derives from them is rebuilt once, when it wakes), reset its prefix cache, wake it (collective).
+    A LoRA run sends only its adapters (:data:`ADAPTER`'s lora_A / lora_B); the base never changes."""
+    if lora:
+        llm.update_weights(adapter_weights(model), lora_name=ADAPTER)
+    else:
+        llm.update_weights(policy_weights(model, dtype))
     llm.reset_prefix_cache()
     llm.wake_up()
