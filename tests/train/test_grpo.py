@@ -4,6 +4,7 @@ after every step (full and LoRA), resume is exact, 2 data-parallel ranks match 1
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +12,13 @@ import torch.multiprocessing as mp
 from rl_utils import grpo_config, install_shims, job_grpo, read_records, write_prompts
 from train_utils import free_port, spawn_worker, tiny_model
 
-from baige.runtime.train.rl.loss import group_advantages
+from baige.runtime.config import EngineConfig
 
+# the real batch-invariant mode (branch batchinv): the engine's kernels and model.logprobs.sequence_logprobs
+BATCH_INVARIANT = (
+    "batch_invariant" in EngineConfig.__dataclass_fields__
+    and (Path(__file__).resolve().parents[2] / "baige" / "runtime" / "model" / "logprobs.py").is_file()
+)
 KEYS = ("reward", "reward_std", "kl", "logprob_mismatch", "engine_trainer_kl", "clip_fraction", "entropy")
 KEYS += ("response_length", "loss", "grad_norm", "lr", "rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s")
 
@@ -130,10 +136,18 @@ def test_two_ranks_match_one(tiny, tmp_path, one_thread):
     assert max(one[s]["reward"] for s in one) > one[1]["reward"]  # the run learned something to compare
 
 
-def test_advantages_of_a_step_are_per_group():
-    # a step's rewards are grouped by prompt (rows) before normalising: a group of equal rewards is no signal
-    adv = group_advantages(torch.tensor([[1.0, 1.0], [0.0, 1.0]]))
-    assert adv[0].tolist() == [0.0, 0.0] and adv[1, 1] > 0 > adv[1, 0]
+@pytest.mark.skipif(
+    not BATCH_INVARIANT, reason="needs the batch-invariant engine and sequence_logprobs (branch batchinv)"
+)
+def test_batch_invariant_engine_and_trainer_logprobs_are_equal(tiny, tmp_path, one_thread):
+    """--batch-invariant: the trainer's recomputation of every sampled token's logprob equals the
+    engine's bitwise, at every step (the weights change between them)."""
+    from baige.runtime.train.trainer import run_training
+
+    model, data = tiny
+    run_training(grpo_config(model, data, tmp_path / "bi", **{"training.steps": 3, "rl.batch_invariant": True}))
+    for step, r in read_records(tmp_path / "bi").items():
+        assert r["logprob_mismatch"] == 0.0 and r["engine_trainer_kl"] == 0.0, (step, r)
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------
