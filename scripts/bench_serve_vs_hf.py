@@ -31,7 +31,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 
 def make_prompts(tok, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    from data_files import data_dir  # scripts/: $BAIGE_DATA, ../shared/data or the cache setup.sh fills
+    from data_files import data_dir  # scripts/: $BAIGE_DATA, else tests/data
 
     text = (data_dir() / "wikitext-2-raw-test.txt").read_text()
     ids = tok.encode(text[:400_000], add_special_tokens=False)

@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="n-gram num_speculative_tokens")
     ap.add_argument("--draft-k", type=int, default=4, help="draft-model num_speculative_tokens")
     ap.add_argument("--int4-dir", type=Path, default=Path("bench-results/smollm2-int4"))
-    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "data")
     ap.add_argument("--rows", default="fp32,ngram,int4,draft", help="comma-separated rows to run")
     ap.add_argument("--sets", default="grounded,open")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each prompt per row (the fastest is kept)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from data_files import data_dir  # scripts/: $BAIGE_DATA, ../shared/data or the cache setup.sh fills
+from data_files import data_dir  # scripts/: $BAIGE_DATA, else tests/data
 
 DATA = data_dir() / "tinyshakespeare.txt"
 

@@ -9,8 +9,8 @@ and animals, and the held-out set adds two question templates the training data 
 
 Prints one JSON object: the share of held-out greedy answers that start with ``ANSWER:`` before and
 after (the base model with and without the merged adapter, both through ``baige.LLM``), a few
-example answers, the run's losses, and the memory table of the README (parameters + gradients +
-AdamW state, bytes). Takes a few minutes on one CPU core.
+example answers, the run's losses, and the memory table of docs/commands/train.md, "LoRA fine-tuning"
+(parameters + gradients + AdamW state, bytes). Takes a few minutes on one CPU core.
 """
 
 from __future__ import annotations

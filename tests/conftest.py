@@ -39,9 +39,8 @@ def _load_script(name: str):
     return module
 
 
-# The text files (tinyshakespeare.txt, wikitext-2-raw-test.txt): $BAIGE_DATA, else ../shared/data, else
-# $BAIGE_CACHE/data as scripts/setup.sh fills it (scripts/data_files.py). Resolved at import, before the
-# session fixture below points BAIGE_CACHE at a temporary directory.
+# The text files (tinyshakespeare.txt, wikitext-2-raw-test.txt): $BAIGE_DATA, else the copies shipped in
+# tests/data (scripts/data_files.py).
 data_files = _load_script("data_files")
 DATA_DIR = data_files.data_dir()
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,7 +55,7 @@ def embedded_gguf() -> Path:
 def pytest_report_header(config):
     absent = data_files.missing(DATA_DIR)
     return f"data: {DATA_DIR}" + (
-        f" (missing {', '.join(absent)}: run scripts/setup.sh or set BAIGE_DATA)" if absent else ""
+        f" (missing {', '.join(absent)}: unset BAIGE_DATA to use tests/data)" if absent else ""
     )
 
 
@@ -128,7 +127,7 @@ def cli_error(capsys):
 
 @pytest.fixture
 def one_thread():
-    """torch on one thread for the test, restored afterwards (tiny models run ~50x faster on one thread
+    """torch on one thread for the test, restored afterwards (tiny models run far faster on one thread
     than on two contended ones)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

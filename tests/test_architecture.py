@@ -1,10 +1,11 @@
-"""The layout's rules (DESIGN.md, README "Layout"), enforced on the import statements of baige/.
+"""The layout's rules (docs/design.md, docs/architecture.md), enforced on the import statements of baige/.
 
 Every import counts, function-level ones included. Imports are resolved to baige modules: ``from
 baige.x import y`` is an edge to ``baige.x.y`` when that is a module, else to ``baige.x``.
 """
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -211,7 +212,7 @@ def test_model_stays_plain():
 
 
 def test_modules_and_functions_stay_small():
-    """No module over 500 lines, no function body over 80 (DESIGN.md: split at ~400 / one screen).
+    """No module over 500 lines, no function body over 80 (docs/design.md: split at ~400 / one screen).
 
     A function is measured from its first body statement (its docstring) to its end: the formatter puts
     each parameter of a long signature (a Typer command's options, a Triton kernel's pointers and strides)
@@ -248,3 +249,203 @@ def test_environment_is_read_in_the_settings_modules_only():
                 and node.value.id == "os"
             ):
                 pytest.fail(f"{mod}:{node.lineno} reads the environment; add it to a settings module")
+
+
+# ---- the server's seams -------------------------------------------------------------------------
+# Route modules (``routes``, ``*_routes``) share plumbing through ``server.serving`` and are imported by
+# the app alone; the server reaches the engine through AsyncEngine's public API only and writes no
+# engine state (DESIGN.md "server/"; vLLM's serving_engine seam).
+SERVER = "baige.runtime.server"
+SERVER_APP = f"{SERVER}.app"
+
+
+def is_route_module(mod: str) -> bool:
+    return mod.startswith(f"{SERVER}.") and mod.rpartition(".")[2].endswith("routes")
+
+
+def route_import_violations(g: dict[str, set[str]]) -> list[str]:
+    """Imports of a route module by anything but the app (another route module above all)."""
+    out = []
+    for mod, edges in sorted(g.items()):
+        for dep in sorted(edges):
+            if is_route_module(dep) and mod != SERVER_APP:
+                who = "route module" if is_route_module(mod) else "module"
+                out.append(f"{mod} imports {dep}: a {who} may not import a route module (share code via serving)")
+    return out
+
+
+def async_engine_api() -> set[str]:
+    """What the server may touch on an AsyncEngine: its public methods and properties and the public
+    attributes ``__init__`` sets, less ``engine`` (the Engine it wraps) and ``call`` (runs any function
+    on that Engine: the server asks for a named method instead)."""
+    classes = [
+        n
+        for m, path in MODULES.items()
+        if m.startswith("baige.runtime.infer")
+        for n in ast.parse(path.read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "AsyncEngine"
+    ]
+    assert len(classes) == 1, f"{len(classes)} AsyncEngine classes in baige.runtime.infer"
+    (cls,) = classes
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+            if node.name == "__init__":
+                names |= {
+                    t.attr
+                    for t in ast.walk(node)
+                    if isinstance(t, ast.Attribute)
+                    and isinstance(t.ctx, ast.Store)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                }
+    return {n for n in names if not n.startswith("_")} - {"engine", "call"}
+
+
+def _engine_like(name: str) -> bool:
+    return name == "engine" or name.endswith("_engine")
+
+
+class EngineRefs:
+    """Which expressions of one module are an AsyncEngine: a name or attribute called ``engine`` or
+    ``*_engine`` (``st.engine``, ``self._engine``), a parameter annotated ``AsyncEngine``, and any name
+    assigned from one of these (``eng = st.engine``)."""
+
+    def __init__(self, tree: ast.AST):
+        self.names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.annotation is not None:
+                if {"AsyncEngine", "Engine"} & set(re.findall(r"\w+", ast.unparse(node.annotation))):
+                    self.names.add(node.arg)
+        grew = True
+        while grew:  # aliases of aliases
+            before = len(self.names)
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                    for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                        self._bind(target, node.value)
+            grew = len(self.names) > before
+
+    def _bind(self, target: ast.AST, value: ast.AST) -> None:
+        if isinstance(target, ast.Name) and self.is_engine(value):
+            self.names.add(target.id)
+        elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts):  # eng, bm = st.engine, ...
+                self._bind(t, v)
+
+    def is_engine(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return _engine_like(node.id) or node.id in self.names
+        return isinstance(node, ast.Attribute) and _engine_like(node.attr)
+
+    def chain_has_engine(self, node: ast.AST) -> bool:
+        """``node`` or anything it is taken from (``a.b[c].d()`` -> ``a.b[c]``, ``a.b``, ``a``) is an engine."""
+        while True:
+            if self.is_engine(node):
+                return True
+            if isinstance(node, (ast.Attribute, ast.Subscript)):
+                node = node.value
+            elif isinstance(node, ast.Call):
+                node = node.func
+            else:
+                return False
+
+
+_ATTR_BUILTINS = ("getattr", "setattr", "delattr", "vars")
+
+
+def engine_reach_violations(src: str, api: set[str]) -> list[str]:
+    """Attribute chains that go past AsyncEngine's public API: into the Engine it wraps
+    (``st.engine.engine``), its private state (``engine._engine``), its ``call`` (a function run on the
+    Engine), or by name (``getattr(engine, ...)``)."""
+    tree = ast.parse(src)
+    refs, out = EngineRefs(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and refs.is_engine(node.value) and node.attr not in api:
+            out.append(f"line {node.lineno}: {ast.unparse(node)} is not AsyncEngine's public API")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _ATTR_BUILTINS
+            and node.args
+            and refs.chain_has_engine(node.args[0])
+        ):
+            out.append(f"line {node.lineno}: {ast.unparse(node)} reaches into the engine by name")
+    return out
+
+
+def engine_write_violations(src: str) -> list[str]:
+    """Assignments (``=``, ``+=``, ``del``, ``setattr``) to an attribute or item of an engine or of
+    anything reached through one (``engine.on_output = f``, ``st.engine.engine.lora.base_name = x``)."""
+    tree = ast.parse(src)
+    refs, out = EngineRefs(tree), []
+    for node in ast.walk(tree):
+        stored = isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del))
+        if stored and refs.chain_has_engine(node.value):
+            out.append(f"line {node.lineno}: {ast.unparse(node)} writes engine state; call a public method")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and node.args
+            and refs.chain_has_engine(node.args[0])
+        ):
+            out.append(f"line {node.lineno}: {ast.unparse(node)} writes engine state; call a public method")
+    return out
+
+
+SERVER_MODULES = {m: p for m, p in MODULES.items() if m == SERVER or m.startswith(f"{SERVER}.")}
+
+
+def test_server_route_modules_do_not_import_each_other():
+    assert route_import_violations(graph(MODULES)) == []
+    routes = [m for m in SERVER_MODULES if is_route_module(m)]
+    assert {f"{SERVER}.routes", f"{SERVER}.chat_routes", f"{SERVER}.lora_routes"} <= set(routes)
+    for mod in routes:
+        assert f"{SERVER}.serving" in graph(MODULES)[mod], f"{mod} should use the shared plumbing of serving"
+
+
+def test_server_reaches_the_engine_through_the_public_api_only():
+    api = async_engine_api()
+    for mod, path in SERVER_MODULES.items():
+        assert engine_reach_violations(path.read_text(), api) == [], mod
+        assert "baige.runtime.infer.engine" not in baige_edges(path, MODULES), f"{mod}: talk to AsyncEngine"
+
+
+def test_server_writes_no_engine_state():
+    for mod, path in SERVER_MODULES.items():
+        assert engine_write_violations(path.read_text()) == [], mod
+
+
+def test_server_seam_checks_catch_what_they_forbid():
+    # the three checks above could pass by seeing nothing: each must flag these snippets
+    api = async_engine_api()
+    assert {"generate", "is_alive", "tokenizer", "abort"} <= api and not api & {"engine", "call", "_thread"}
+    bad_graph = {f"{SERVER}.chat_routes": {f"{SERVER}.routes"}, f"{SERVER}.serving": {f"{SERVER}.lora_routes"}}
+    assert len(route_import_violations(bad_graph)) == 2
+    assert route_import_violations({SERVER_APP: {f"{SERVER}.routes", f"{SERVER}.chat_routes"}}) == []
+    reaches = [
+        "def f(st):\n    return st.engine.engine.tokenizer",
+        "def f(request):\n    return request.app.state.baige.engine._engine",
+        "def f(engine):\n    return engine.engine.lora.loaded",
+        "async def f(st):\n    await st.engine.call(lambda e: e.lora.add(1))",
+        "def f(st):\n    eng = st.engine\n    return eng.scheduler.running",
+        "def f(st):\n    n, eng = 1, st.engine\n    return eng.block_manager",
+        "def f(core: AsyncEngine):\n    return core.block_manager",
+        "def f(st):\n    return getattr(st.engine, 'engine')",
+    ]
+    for snippet in reaches:
+        assert engine_reach_violations(snippet, api), snippet
+    fine = "async def f(st):\n    st.engine.abort('x')\n    return st.engine.tokenizer, st.engine.generate(1, 2)"
+    assert engine_reach_violations(fine, api) == []
+    writes = [
+        "def f(engine, g):\n    engine.on_output = g",
+        "def f(st):\n    st.engine.engine.lora.base_name = 'm'",
+        "def f(st):\n    st.engine.stats().grammar['compiles'] += 1",
+        "def f(st):\n    del st.engine.on_dead",
+        "def f(st):\n    setattr(st.engine, 'dead', None)",
+    ]
+    for snippet in writes:
+        assert engine_write_violations(snippet), snippet
+    assert engine_write_violations("def f(self, engine):\n    self.engine = engine\n    x = engine.stats()") == []

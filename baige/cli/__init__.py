@@ -39,9 +39,6 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: every user mistake prints one line (``error: ...``) and exits
     non-zero (1 for bad values and files, 2 for bad command-line usage); Ctrl-C exits 130."""
     try:
-        from baige import kernels
-
-        kernels.check_startup()  # a bad BAIGE_KERNELS before any model loads, not at the first op
         code = app(args=expand_multi_value(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False)
     except TyperException as e:  # click's usage errors (unknown option, bad value, missing argument)
         if type(e).__name__ == "NoArgsIsHelpError":

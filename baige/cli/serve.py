@@ -106,7 +106,11 @@ def serve(
         Optional[str], typer.Option(help="Model name clients send (default: --model).")
     ] = None,
     api_key: Annotated[
-        Optional[str], typer.Option(envvar="BAIGE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")
+        Optional[str],
+        typer.Option(
+            envvar="BAIGE_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on /v1/* (and on the RL endpoints, --enable-rl-endpoints).",
+        ),
     ] = None,
     max_model_len: Annotated[
         Optional[int],
@@ -224,6 +228,14 @@ def serve(
     lora_modules: LoraModulesOpt = None,
     max_loras: MaxLorasOpt = 1,
     max_lora_rank: MaxLoraRankOpt = 16,
+    enable_rl_endpoints: Annotated[
+        bool,
+        typer.Option(
+            "--enable-rl-endpoints/--no-enable-rl-endpoints",
+            help="Serve the RL hooks (vLLM's / SGLang's names): POST /update_weights_from_disk {\"model_path\": DIR}, "
+            "POST /sleep, POST /wake_up, POST /reset_prefix_cache, GET /is_sleeping. With --api-key they need it.",
+        ),
+    ] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -269,4 +281,5 @@ def serve(
         tool_call_parser=tool_call_parser.value,
         enable_auto_tool_choice=enable_auto_tool_choice,
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+        enable_rl_endpoints=enable_rl_endpoints,
     )

@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from baige.kernels import moe_cpu, reference
+from baige.kernels import moe_cpu, native, reference
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
     DENSE_NATIVE_MAX_ROWS,
     FEW_ROWS,
@@ -31,6 +31,7 @@ from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears
 )
 from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
 from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
+from baige.kernels.native import *  # noqa: F403  (re-exported: the native CPU library's names besides the ops)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
 
 # The hot ops: each has a reference twin of the same name and signature (``baige bench kernels`` times them).
@@ -444,31 +445,6 @@ def fused_moe(
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
-# Host memory: the step's streamed weights, the KV pools' lazily zeroed pages, malloc's freed heap.
-from baige.kernels.cpu.arena import keep_freed_heap, to_weight_arena, zeroed_pages  # noqa: E402
-
-# The one-call native decode step's ABI (the runtime describes the layers, the kernel runs them).
-from baige.kernels.cpu.decode import LINEAR_BF16, LINEAR_F16, LINEAR_F32, LINEAR_INT4, LINEAR_INT8  # noqa: E402
-from baige.kernels.cpu.decode import PROJECTIONS as DECODE_PROJECTIONS  # noqa: E402
-from baige.kernels.cpu.decode import DecodeLayers as NativeDecodeLayers  # noqa: E402
-from baige.kernels.cpu.decode import LayerDesc as DecodeLayerDesc  # noqa: E402
-from baige.kernels.cpu.decode import LinearDesc as DecodeLinearDesc  # noqa: E402
-from baige.kernels.cpu.decode import MoEDesc as DecodeMoEDesc  # noqa: E402
-
-# What the native CPU library runs on here.
-from baige.kernels.cpu.info import (  # noqa: E402
-    cpu_has_native_bf16,
-    cpu_int_dot,
-    cpu_int_dot_passes,
-    cpu_isa,
-    cpu_isa_flags,
-    native_allowed,
-    native_cpu_available,
-)
-
-# Above this many bytes of K + V per KV head a row's context streams too much for one-row-per-token attention.
-from baige.kernels.cpu.ops import PREFILL_NATIVE_MAX_BYTES as NATIVE_ATTENTION_MAX_BYTES  # noqa: E402
-
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
 from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
 
@@ -479,27 +455,7 @@ __all__ += [
     "few_rows_linear",
     "onednn_linear",
     "FEW_ROWS",
-    "native_cpu_available",
-    "native_allowed",
-    "cpu_isa",
-    "cpu_isa_flags",
-    "cpu_int_dot",
-    "cpu_int_dot_passes",
-    "cpu_has_native_bf16",
-    "LINEAR_BF16",
-    "LINEAR_F16",
-    "LINEAR_F32",
-    "LINEAR_INT4",
-    "LINEAR_INT8",
-    "DECODE_PROJECTIONS",
-    "NativeDecodeLayers",
-    "DecodeLayerDesc",
-    "DecodeLinearDesc",
-    "DecodeMoEDesc",
-    "NATIVE_ATTENTION_MAX_BYTES",
-    "to_weight_arena",
-    "zeroed_pages",
-    "keep_freed_heap",
+    *native.__all__,
     "dequantize_weight",
     "expand_groups",
     "unpack_int4",

@@ -10,21 +10,21 @@ expert's matmuls picked by its row count:
 - more fp32 rows with the native library's AVX-512 variants: ``moe.c`` (:func:`baige.kernels.cpu.ops.
   moe_experts`), every such expert in one call: rows transposed into 16-wide columns, gate/up and
   SwiGLU in registers, the down product from the activations the first product left, no padded
-  rows past each expert's count but the last vector's lanes. Measured, 1 thread, AMD EPYC with
-  full-width AVX-512 (flags avx2 avx512f avx512_vnni avx512_bf16 avx512_vp2intersect ...), 16
-  experts 1024 x 512 + 512 x 512 streamed from memory, 64 rows each: 6.3 ms (256 GFLOP/s) against
-  7.4 ms for the oneDNN path below; at 1-2 rows per expert 2.0 against 1.3 ms for few_rows_linear,
-  at 8 rows 2.0 against 2.4 (hence the threshold);
+  rows past each expert's count but the last vector's lanes. Measured on an AMD EPYC with full-width
+  AVX-512: faster than the oneDNN path below at tens of rows per expert, slower than few_rows_linear
+  at one or two rows per expert but faster at eight (hence the threshold between);
 - more bf16 rows with the ``avx512_amx`` variant: ``moe_amx.c``, the same transposed scheme on AMX
   tiles (TDPBF16PS: 16 x 16 fp32 += 16 x 32 bf16 by 32 x 16 bf16), the weights read in place as the
-  tiles' A operand; measured in the README ("AMX experts");
+  tiles' A operand; measured in docs/benchmarks/archive.md ("AMX experts: MoE forward vs
+  transformers");
 - more fp32 rows elsewhere (AVX2 variants, no native library): oneDNN's matmul computing the
   transposed products ``W13_e @ rows.T`` (2I, c) and ``W2_e @ act.T`` (H, c), ``c`` rounded up to a
   multiple of :data:`ROW_PAD` (the pad rows are the next expert's rows or zeros; their columns are
   dropped): oneDNN's fp32 kernels run these shapes faster with the expert's weight as the left
   operand and a column count a multiple of 16, and the gate and up halves of ``W13_e @ rows.T`` are
-  contiguous row blocks, so SwiGLU writes its activations in place without a copy (same host: 7.4
-  ms against 8.6 ms for ``rows @ W.T`` through oneDNN and 18 ms through PyTorch's ``F.linear``, MKL);
+  contiguous row blocks, so SwiGLU writes its activations in place without a copy (on the same host
+  faster than ``rows @ W.T`` through oneDNN, and than PyTorch's ``F.linear``, whose MKL sgemm runs its
+  AVX2 code on AMD: docs/benchmarks/archive.md, "MoE forward vs transformers through oneDNN");
 - anything else (bf16/fp16 past the native rows, oneDNN missing): ``F.linear`` in the weight's dtype.
 """
 

@@ -254,7 +254,7 @@ class SpeculativeConfig:
         disable_by_batch_size: a step with more decoding sequences than this speculates none of them
             (vLLM's key; vLLM decides per incoming request from the queue, baige per step from the
             running batch). None: always speculate. Under load a verify row is no longer nearly
-            free (README Performance, speculative decoding under load).
+            free (docs/benchmarks/archive.md, "Speculative decoding").
     """
 
     method: str

@@ -21,7 +21,7 @@ from baige.runtime.weights.loader import load_model
 from baige.runtime.weights.safetensors_io import save_hf_checkpoint
 
 # --method gptq without --clip-search/--no-clip-search: whether group parameters come from the
-# Hessian-weighted clip search (README "Quantization (perplexity)" has the measurements)
+# Hessian-weighted clip search (docs/benchmarks/archive.md, "Quantization (perplexity)", has the measurements)
 GPTQ_CLIP_SEARCH_DEFAULT = True
 
 

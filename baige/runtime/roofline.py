@@ -10,8 +10,9 @@ bounds a workload by ``min(peak FLOP/s, bandwidth * arithmetic intensity)``. Her
   ``2 * N**3 / time`` (one multiply and one add per inner-product term), best of at least 5 trials
   and of as many as fit in 2 s on the CPU, and offline benchmarks measure both limits again after
   their timed runs and keep the better (:func:`remeasure_limits`): on a shared VM the same GEMM can
-  run at a third of its rate for seconds (seen on an Intel host, oneDNN on AMX: 0.40 vs 1.17
-  TFLOP/s, one thread), and a limit is what the machine can do.
+  run at a fraction of its rate for seconds (seen on an Intel host, oneDNN on AMX:
+  docs/benchmarks/archive.md, "Workload roofline, SDPA bf16 prefill on AMX"), and a limit is what the
+  machine can do.
 - **Decode** at batch ``B`` reads every weight once per step and each sequence's K/V cache once:
   ``bytes/step = weight_bytes + B * context_len * kv_bytes_per_token``; achieved bandwidth is
   ``bytes/step * steps/s`` (gpt-fast's "memory bandwidth achieved" counts weights only; we add the KV).

@@ -41,10 +41,8 @@ def test_output_dir_that_cannot_be_a_directory(cli_error, tmp_path):
 def test_load_note_discounts_the_runs_own_threads(tmp_path, capsys, load, threads, noted):
     """The "other work shared the machine" note on 2 CPUs: a --threads 2 run alone reads a load of ~2.0
     and gets none; half a CPU or more of load beyond the run's threads (and above the CPU count) gets it."""
-    from baige.cli.bench import _execute
+    from baige.cli.bench.group import execute
 
     env = {"device": "cpu", "cpu_count": 2, "torch_num_threads": threads, "load_average": [load, 1.0, 1.0]}
-    _execute(
-        "throughput", lambda cfg, progress: {"environment": env, "limits": {}}, None, tmp_path, False, lambda r: ""
-    )
+    execute("throughput", lambda cfg, progress: {"environment": env, "limits": {}}, None, tmp_path, False, lambda r: "")
     assert ("other work shared the machine" in capsys.readouterr().err) == noted

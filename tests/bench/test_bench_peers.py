@@ -159,11 +159,11 @@ def test_gguf_file_type_of_the_embedded_model():
 
 
 def test_peers_and_variants_parsing():
-    from baige.cli.bench import _names
+    from baige.cli.bench.options import split_names
     from baige.errors import BaigeError
 
-    assert _names("hf,llama.cpp") == ("hf", "llama.cpp") and _names(" llama.cpp , ") == ("llama.cpp",)
-    assert _names("none") == () and _names("") == ()
+    assert split_names("hf,llama.cpp") == ("hf", "llama.cpp") and split_names(" llama.cpp , ") == ("llama.cpp",)
+    assert split_names("none") == () and split_names("") == ()
     cfg = compare.CompareConfig(bench_engine(), peers=("llama.cpp", "llama.cpp"), quantized=("int8", "int4-g32"))
     assert cfg.peers == ("llama.cpp",) and cfg.quantized == ("int8", "int4-g32")
     assert compare.CompareConfig(bench_engine()).peers == ("hf", "llama.cpp")

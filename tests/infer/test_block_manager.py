@@ -146,3 +146,36 @@ def test_prefix_cache_keys_include_the_lora_adapter():
         assert bm.allocate(other, 13) == 13 - hit and other.num_cached_tokens == hit
         assert len(set(other.block_table) & set(first.block_table)) == hit // 4
         bm.free(other)
+
+
+def test_reset_prefix_cache_drops_keys_and_never_recaches_blocks_in_use():
+    """After a reset (new weights) no block computed before it is found again: cached free blocks
+    are free, and the blocks of a sequence still running are not hashed again as it goes on (nor the
+    blocks after them); a sequence started after the reset caches normally."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    done, running = seq(range(8)), seq(range(100, 112))
+    for s in (done, running):
+        bm.allocate(s, len(s.token_ids))
+        s.num_computed_tokens = len(s.token_ids)
+        bm.cache_computed_blocks(s)
+    bm.free(done)  # two evictable cached blocks
+    assert bm.reset_prefix_cache() == 5  # 2 of `done`, 3 of `running`
+    assert bm.num_free_blocks == 9 and bm.num_used_blocks == 3
+    again = seq(range(9))
+    assert bm.allocate(again, 9) == 9 and again.num_cached_tokens == 0
+    running.token_ids += [112, 113, 114, 115]
+    bm.append_slots(running, 4)
+    running.num_computed_tokens = 16
+    bm.cache_computed_blocks(running)  # its 4 full blocks: 3 stale, then one chained after them
+    assert all(bm.blocks[b].hash is None for b in running.block_table)
+    again.num_computed_tokens = 9
+    bm.cache_computed_blocks(again)  # a sequence admitted after the reset caches its full blocks
+    assert [bm.blocks[b].hash is not None for b in again.block_table] == [True, True, False]
+    bm.free(running)
+    bm.free(again)
+    follower = seq(range(100, 117))
+    bm.allocate(follower, 17)
+    assert follower.num_cached_tokens == 0  # none of `running`'s old-weights blocks is reused
+    later = seq(range(10))
+    bm.allocate(later, 10)
+    assert later.num_cached_tokens == 8  # `again`'s blocks, computed after the reset, are

@@ -1,4 +1,4 @@
-"""The native CPU decode step (baige/runtime/cpu_decode.py + kernels/cpu/decode.c) against the
+"""The native CPU decode step (baige/runtime/infer/cpu_decode.py + kernels/cpu/decode.c) against the
 module path on the PyTorch reference kernels: same hidden states and KV writes for a batch of
 decoding sequences with scattered blocks, on every tiny architecture and on int8 / int4 copies,
 and with multi-LoRA serving stacks (the kernel's own grouped shrink/expand against the hooks)."""
@@ -11,7 +11,7 @@ import torch
 from baige.kernels.cpu import build as cpu_build
 from baige.runtime.infer.cpu_decode import FusedDecoder
 from baige.runtime.infer.kv_cache import KVCache
-from baige.runtime.infer.runner import PagedAttentionMetadata
+from baige.runtime.infer.step_inputs import PagedAttentionMetadata
 from baige.runtime.quant.apply import quantize_model
 from baige.runtime.quant.scheme import QuantScheme
 from baige.runtime.settings import reload_settings

@@ -95,14 +95,14 @@ def test_run_to_completion_raises_for_a_failed_request_after_the_others(loaded):
 
 def test_a_detokenizer_failure_fails_its_request_alone(loaded, solo, monkeypatch):
     eng = make_engine(loaded)
-    real = eng._process_token
+    real = eng.output_processor.process_token
 
     def process(seq, token, lp, last=True):
         if seq.request_id == "bad":
             raise UnicodeError("broken detokenizer")
         return real(seq, token, lp, last)
 
-    monkeypatch.setattr(eng, "_process_token", process)
+    monkeypatch.setattr(eng.output_processor, "process_token", process)
     eng.add_request("ok", PROMPTS[2], SamplingParams(max_tokens=10, **GREEDY))
     eng.add_request("bad", PROMPTS[0], SamplingParams(max_tokens=10, **GREEDY))
     finals, failures = drain(eng)

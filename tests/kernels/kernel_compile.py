@@ -19,9 +19,18 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from baige import kernels
-from baige.kernels.triton_ops import cross_entropy, flash_attention, norm, paged_attention, quant_matmul, rope, swiglu
+from baige.kernels.triton_ops import (
+    cross_entropy,
+    flash_attention_bwd,
+    flash_attention_fwd,
+    norm,
+    paged_attention,
+    quant_matmul,
+    rope,
+    swiglu,
+)
 
-MODULES = (norm, rope, swiglu, flash_attention, paged_attention, cross_entropy, quant_matmul)
+MODULES = (norm, rope, swiglu, flash_attention_fwd, flash_attention_bwd, paged_attention, cross_entropy, quant_matmul)
 TYPES = {
     torch.float32: "fp32",
     torch.float16: "fp16",
@@ -53,8 +62,9 @@ def _record() -> list:
             obj = getattr(mod, name)
             if name.startswith("_") and name.endswith("_kernel") and hasattr(obj, "fn"):
                 setattr(mod, name, _Recorder(f"{mod.__name__.rsplit('.', 1)[1]}.{name}", obj, calls))
-    blocks, tiles, ce_opts = flash_attention._blocks, paged_attention._tiles, cross_entropy._launch_options
-    flash_attention._blocks = lambda d, dev, backward: blocks(d, CUDA, backward)
+    blocks, tiles, ce_opts = flash_attention_fwd.tile_sizes, paged_attention._tiles, cross_entropy._launch_options
+    for mod in (flash_attention_fwd, flash_attention_bwd):  # the backward imported the name
+        mod.tile_sizes = lambda d, dev, backward: blocks(d, CUDA, backward)
     paged_attention._tiles = lambda g, d, dev, decode: tiles(g, d, CUDA, decode)
     cross_entropy._launch_options = lambda vocab, dev: ce_opts(vocab, CUDA)
     norm._dw_programs = lambda x, n_rows: min(n_rows, 132)  # H100/H200: 132 SMs

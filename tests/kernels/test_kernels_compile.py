@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("triton")
 
 
-# fp32 (IEEE dots, ~45 s of ptxas for the attention kernels on a cold Triton cache) is slow-marked
+# fp32 (IEEE dots, a long ptxas run for the attention kernels on a cold Triton cache) is slow-marked
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_every_kernel_compiles_for_sm90(dtype):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "BAIGE_KERNELS")}

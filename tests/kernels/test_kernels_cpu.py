@@ -363,9 +363,9 @@ def test_zeroed_pages_are_zero_writable_and_outlive_their_buffer():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
 def test_keep_freed_heap_is_accepted_by_glibc():
-    """keep_freed_heap: glibc's mallopt takes both settings (True). (Its effect, ~300,000 -> ~2 page faults per
-    offline-throughput run, depends on the whole
-    allocation pattern of an engine and is recorded in the README, not asserted here.)"""
+    """keep_freed_heap: glibc's mallopt takes both settings (True). (Its effect, far fewer page faults per
+    offline-throughput run, depends on the whole allocation pattern of an engine and is recorded in
+    docs/benchmarks/archive.md, not asserted here.)"""
     from baige.kernels import keep_freed_heap
 
     assert keep_freed_heap() is True

@@ -41,7 +41,7 @@ def test_model_logits_same_on_triton_and_reference_kernels(model_and_ids, monkey
 
 
 def test_engine_greedy_tokens_same_on_triton_paged_kernels(tmp_path, monkeypatch):
-    """A tiny llama (the embedded model's 30 layers took 60 s in the interpreter for 3 tokens): two
+    """A tiny llama (the embedded model's 30 layers are far too slow in the interpreter): two
     prompts of 5 and 11 tokens in one batch, 4-token blocks, 9 greedy tokens each, so prefill and
     decode both write and read K/V across block boundaries (no prefix caching: the Triton run recomputes
     every prompt block)."""

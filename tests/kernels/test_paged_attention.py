@@ -4,7 +4,7 @@ runner's grouping of decodes by context length."""
 import torch
 
 from baige import kernels
-from baige.runtime.infer.runner import group_by_width
+from baige.runtime.infer.step_inputs import group_by_width
 
 
 def test_decode_and_prefill_match_contiguous_attention():

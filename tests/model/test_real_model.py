@@ -73,7 +73,7 @@ def test_greedy_32_tokens_and_logits_match_transformers(prompt, baige_model, hf_
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     with torch.no_grad():
         ref = hf_greedy(hf, ids, 32)
-    if prompt == CHAT_PROMPTS[0]:  # the plain oracle loop, once (~3 s a prompt)
+    if prompt == CHAT_PROMPTS[0]:  # the plain oracle loop, once (a full forward per token: slow)
         assert list(generate_tokens(model, ids, params)) == ref
     # what `baige generate` / `chat` / `serve` run: the Engine (paged KV, native CPU decode step)
     engine = Engine(model, tok, EngineConfig(max_num_seqs=4, max_model_len=512, kv_cache_memory="64MiB"))

@@ -2,7 +2,8 @@
 engine: no second interpreter to start), through the official `openai` client: /v1/models
 lists the adapters under their base; a request's `model` picks its adapter (streaming and not, the
 same tokens as the offline engine with that adapter); an unknown name is a 404; adapters loaded and
-unloaded at run time while a request streams, which finishes unharmed; bad loads are 400s."""
+unloaded at run time while a request streams, which finishes unharmed; bad loads are 400s (the base
+model's name among them), an unload of a name not loaded a 404, all in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -102,6 +103,21 @@ def test_adapters_through_the_openai_client(dirs, monkeypatch):
         bad = post("load_lora_adapter", {"lora_name": "code", "lora_path": str(dirs["code"])})
         assert bad.status_code == 400 and "rank 8 exceeds --max-lora-rank 5" in bad.json()["error"]["message"]
         assert post("load_lora_adapter", {"lora_name": "sql", "lora_path": str(dirs["sql"])}).status_code == 400
+        refused = [  # every refusal in OpenAI's error shape, naming the field at fault
+            (post("load_lora_adapter", {"lora_name": "tiny", "lora_path": str(dirs["chat"])}), 400, "lora_name"),
+            (post("load_lora_adapter", {"lora_name": "", "lora_path": str(dirs["chat"])}), 400, "lora_name"),
+            (post("load_lora_adapter", {"lora_name": "x", "lora_path": str(dirs["base"] / "nope")}), 400, None),
+            (post("load_lora_adapter", {"lora_name": "x"}), 400, "lora_path"),
+            (post("unload_lora_adapter", {"lora_name": "nope"}), 404, "lora_name"),
+            (httpx.post(f"{url}/v1/load_lora_adapter", content=b"{", timeout=30), 400, None),
+        ]
+        for r, status, param in refused:
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"]
+            assert param is None or err["param"] == param, err
+        assert "other than the base model's" in refused[0][0].json()["error"]["message"]
+        assert refused[4][0].json()["error"]["code"] == "model_not_found"
         for n in names:  # the base and both adapters, one batch with the stream
             r = client.completions.create(
                 model=n or "tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=extra
@@ -133,7 +149,7 @@ def test_a_request_never_loads_an_adapter_the_server_unloaded(dirs):
     try:
         st = build_app(driver, "tiny").state.baige
         request = st.lora_request("sql")  # the route's check, while "sql" is loaded
-        asyncio.run(driver.call(lambda engine: engine.unload_lora_adapter("sql")))  # then the unload
+        asyncio.run(driver.unload_lora_adapter("sql"))  # then the unload
 
         async def first():
             return await anext(driver.generate(PROMPT, SamplingParams(max_tokens=2), lora_request=request))

@@ -313,7 +313,7 @@ def test_cli_user_errors_are_one_line(tmp_path):
 
 def test_default_compile_auto_trains_like_eager(tmp_path, one_thread):
     """The default training path: training.compile = auto resolves to compiled blocks on one CPU
-    device (g++ on PATH), and Inductor's compiled steps give the eager run's losses. ~30 s cold
+    device (g++ on PATH), and Inductor's compiled steps give the eager run's losses. Slow when cold
     (one Inductor build of the block's forward and backward; less with a warm Inductor cache)."""
     from torch._dynamo.utils import counters
 

@@ -19,7 +19,7 @@ def _hf_loss(model, windows: torch.Tensor) -> float:
     return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten()).item()
 
 
-# ~25k training tokens through a 135M model: ~1 minute on 2 idle cores, far more on a loaded machine.
+# ~25k training tokens through a 135M model: too slow for the default suite, hence slow-marked.
 @pytest.mark.slow
 def test_finetune_smollm2_on_tinyshakespeare(tmp_path, embedded_dir, hf_embedded):
     from typer.testing import CliRunner

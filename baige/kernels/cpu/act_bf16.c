@@ -1,8 +1,8 @@
 /* The elementwise ops of a bf16 model's prefill on bf16 tensors: SwiGLU's silu(gate) * up, RMSNorm,
  * residual add + RMSNorm and rotate-half RoPE. Each replaces 4-8 eager PyTorch ops, each a full pass over a (tokens, hidden
- * or intermediate) bf16 tensor (profiled, 1 thread, SmolLM2-135M in bf16, 4096 prompt tokens: silu_mul
- * 0.65 s and the norms 0.78 s of a 14 s offline-throughput run; RoPE's mul/neg/cat/add 0.12 s of a 1.1 s
- * 2048-token prefill step on an Intel Xeon, Sapphire Rapids class), with one pass in fp32 registers.
+ * or intermediate) bf16 tensor (together a visible share of a bf16 offline-throughput run in the profiles:
+ * docs/benchmarks/archive.md, "Start-up, page faults and bf16 prefill ops" and "bf16 prefill on AMX:
+ * attention, RoPE, K/V stores, quantized prefill"), with one pass in fp32 registers.
  *
  * Roundings follow baige/kernels/reference.py on bf16 tensors, which rounds each torch op's fp32 result
  * to bf16 (nearest even): silu(g) is rounded before the multiply by u; the norm rounds x * inv before

@@ -7,9 +7,8 @@ Why: a batch-1 decode step reads every weight once, as ~200 separate matrices of
 separate allocations on 4 KiB pages the stream pays a TLB miss per page and a prefetcher restart per
 matrix; placed back to back, in the order of first use (= execution order), in chunks advised as
 transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux; works where THP is ``always`` or
-``madvise``), the same reads took 22% less time on the dev box (1 thread, 210 int4 g32 matrices of
-SmolLM2-135M's shapes at one row: 5.09 -> 3.99 ms; int8 16%, 7.27 -> 6.10 ms; AMD EPYC Zen 4, THP
-``madvise``).
+``madvise``), the same reads take less time, int4 and int8 alike (measured: docs/benchmarks/archive.md,
+"Repacked integer-dot tiles and the weight arena").
 
 Each placed tensor is a view into a chunk; a chunk is freed when its last view is. Chunks are
 reserved with ``torch.empty`` (untouched pages cost no memory), so the unused tail of the last chunk
@@ -84,8 +83,9 @@ def to_weight_arena(t: torch.Tensor) -> torch.Tensor:
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor on fresh anonymous memory (``mmap``): the OS hands out zero pages and allocates
     each one on its first write, so nothing is touched up front (``torch.zeros`` writes every page at
-    once: a 2.25 GiB KV pool took 12.7 s on the dev VM, whose first touches run at ~180 MB/s) and the
-    pages never written cost no memory. Small pages (see the comment in the code).
+    once, which dominated an engine's start-up on a VM with slow first touches; measured:
+    docs/benchmarks/archive.md, "Start-up, page faults and bf16 prefill ops") and the pages never
+    written cost no memory. Small pages (see the comment in the code).
 
     Args:
         shape: the tensor's shape; dtype: its dtype (CPU).
@@ -96,10 +96,10 @@ def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # Python's mmap(-1) is a shared anonymous mapping (shmem), page aligned, which Linux does not back
-    # with anonymous huge pages. Kept so: a private, huge-page-advised pool (MAP_PRIVATE + madvise) was
-    # measured on the dev VM (Firecracker, THP madvise) with the offline-throughput workload of
-    # SmolLM2-135M in bf16: the first run 3.5 s slower (12.1 -> 15.5 s; 2 MiB first touches, 630 vs 260
-    # MiB of huge pages), later runs no faster (474-510 vs 497-543 tokens/s).
+    # with anonymous huge pages. Kept so: a private, huge-page-advised pool (MAP_PRIVATE + madvise) made
+    # the first offline-throughput run slower (each first touch zeroes a 2 MiB page, and more memory is
+    # backed) and later runs no faster (measured: docs/benchmarks/archive.md, "AVX-512 paged attention,
+    # native prefill attention, one-call decode step").
     t = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
     return t.view(dtype).view(shape)
 
@@ -112,11 +112,11 @@ def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 <<
     the heap instead of a fresh ``mmap`` each, and up to ``trim_threshold`` free bytes stay mapped.
 
     Why: a prefill step allocates and frees tens of activation tensors of 1-30 MB; by default each is a
-    fresh mapping whose every 4 KiB page faults on first write (measured: ~300,000 page faults per
-    offline-throughput run of SmolLM2-135M in bf16, 1 thread, ~2.4 us each on the dev VM; ~600 with
-    this). vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``. 32 MiB is the ceiling of
-    glibc's own dynamic threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit). Process-wide and
-    idempotent (every CPU engine calls it).
+    fresh mapping whose every 4 KiB page faults on first write, so an offline-throughput run takes
+    hundreds of thousands of page faults, and with this almost none (measured: docs/benchmarks/archive.md,
+    "Start-up, page faults and bf16 prefill ops"). vLLM's CPU backend gets the same from tcmalloc via
+    ``LD_PRELOAD``. 32 MiB is the ceiling of glibc's own dynamic threshold (``DEFAULT_MMAP_THRESHOLD_MAX``
+    on 64-bit). Process-wide and idempotent (every CPU engine calls it).
 
     Returns:
         True when both settings took (glibc on Linux), False elsewhere (nothing changed).

@@ -10,13 +10,13 @@
  *
  * Tiling (AVX-512 BF16): NR = 4 output rows x up to MR = 4 input rows share each loaded vector (16
  * zmm accumulators), so a weight row is read from memory once per call; the next tile (rows
- * contiguous) is prefetched in address order while this one computes (measured, 1 thread, Zen 4: 14
- * to 24 GB/s at one row, against 5-12 GB/s with the hardware prefetcher alone or per-row prefetches),
- * two tiles ahead (the 211 matrices of SmolLM2-135M's layers and lm_head, 270 MB of bf16 at one row,
- * one process alternating builds, median of 7: 17.1 -> 15.2 ms with two tiles rather than one, 16.6
- * with four; at four rows 17.2 -> 16.2).
- * A full tile's 16 sums leave through one tree of shuffles (reduce16; 1536 x 576, 1 thread, Zen 4: 148 ->
- * 184 GFLOP/s at 32 rows, 120 -> 150 at 4). K is covered in steps of 32 with a masked load for the tail
+ * contiguous) is prefetched in address order while this one computes (it streams faster than with the
+ * hardware prefetcher alone or with per-row prefetches), two tiles ahead (faster than one or four;
+ * measured: docs/benchmarks/archive.md, "AVX-512 paged attention, native prefill attention, one-call
+ * decode step").
+ * A full tile's 16 sums leave through one tree of shuffles (reduce16, faster than 16 separate
+ * reductions; measured: docs/benchmarks/archive.md, "Start-up, page faults and bf16 prefill ops").
+ * K is covered in steps of 32 with a masked load for the tail
  * (x is padded with zeros to a multiple of 32). Output tiles are split over `nthreads` OpenMP threads.
  */
 #include <immintrin.h>

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from baige.kernels.cpu import isa
+from baige.kernels.cpu.abi import SIGNATURES
 from baige.kernels.settings import settings
 
 _HERE = Path(__file__).parent
@@ -35,8 +36,6 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 _libs: dict[str, ctypes.CDLL | None] = {}  # variant -> its library (None: it could not be built)
 _resolved: dict[str, str | None] = {}  # BAIGE_CPU_ISA value -> the variant it selects
 _lock = threading.Lock()
-
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 def _cache_dir() -> Path:
@@ -103,154 +102,12 @@ def compile_variant(variant: str) -> Path:
 
 
 def _build(variant: str) -> ctypes.CDLL:
-    """Compile (or find) and load ``variant``'s library, its functions typed. Raises OSError/RuntimeError."""
+    """Compile (or find) and load ``variant``'s library, its functions typed (:data:`.abi.SIGNATURES`).
+    Raises OSError/RuntimeError."""
     lib = ctypes.CDLL(str(compile_variant(variant)))
-    lib.baige_isa.argtypes, lib.baige_isa.restype = [], ctypes.c_char_p
-    lib.baige_qlinear_int8.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]
-    lib.baige_qlinear_int8.restype = None
-    lib.baige_qlinear_int4.argtypes = [
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _int,
-    ]
-    lib.baige_qlinear_int4.restype = None
-    lib.baige_qdot_int8.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int]
-    lib.baige_qdot_int8.restype = _int
-    lib.baige_qdot_int4.argtypes = [
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _int,
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _int,
-        _int,
-    ]
-    lib.baige_qdot_int4.restype = _int
-    f32 = ctypes.c_float
-    for name, args, res in [
-        ("baige_rms_norm", [_ptr, _i64, _i64, _ptr, f32, _ptr], None),
-        ("baige_add_rms_norm", [_ptr, _ptr, _i64, _i64, _ptr, f32, _ptr, _ptr], None),
-        ("baige_rope", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr], None),
-        ("baige_store_kv", [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int], None),
-        ("baige_store_kv_same", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr], None),
-        ("baige_dequant_int4_bf16", [_ptr, _i64, _i64, _i64, _ptr, _int, _ptr, _i64, _i64, _ptr, _int], None),
-        (
-            "baige_prefill_attention_amx",
-            [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, f32, _ptr, _int],
-            _int,
-        ),
-        ("baige_silu_mul", [_ptr, _ptr, _i64, _ptr], None),
-        ("baige_argmax_rows", [_ptr, _i64, _i64, _i64, _ptr], None),
-        ("baige_silu_mul_bf16", [_ptr, _ptr, _i64, _ptr, _int], None),
-        ("baige_rms_norm_bf16", [_ptr, _i64, _i64, _ptr, f32, _ptr, _int], None),
-        ("baige_add_rms_norm_bf16", [_ptr, _ptr, _i64, _i64, _ptr, f32, _ptr, _ptr, _int], None),
-        ("baige_rope_bf16", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _int], None),
-        ("baige_linear_f32", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
-        ("baige_linear_f16", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
-        ("baige_linear_bf16", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
-        ("baige_linear_bf16_widen", [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int], None),
-        ("baige_bf16_dot", [], _int),
-        ("baige_qdot_amx_rows", [], _int),
-        (
-            "baige_decode_layers",
-            [
-                _ptr,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                f32,
-                f32,
-                _i64,
-                _i64,
-                _ptr,
-                _ptr,
-                _ptr,
-                _ptr,
-                _ptr,
-                _i64,
-                _ptr,
-                _int,
-                _ptr,
-                _int,
-            ],
-            _int,
-        ),
-        (
-            "baige_decode_step",
-            [
-                _ptr,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                _i64,
-                f32,
-                f32,
-                _i64,
-                _i64,
-                _ptr,
-                _int,
-                _i64,
-                _ptr,
-                _ptr,
-                _ptr,
-                _ptr,
-                _i64,
-                _ptr,
-                _ptr,
-                _ptr,
-                _ptr,
-                _ptr,
-                _i64,
-                _ptr,
-                _int,
-                _ptr,
-                _int,
-            ],
-            _int,
-        ),
-        ("baige_moe_experts_f32", [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int], _int),
-        (
-            "baige_moe_experts_bf16",
-            [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int],
-            _int,
-        ),
-        (
-            "baige_paged_decode_attention",
-            [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, f32, _ptr, _int, _int],
-            _int,
-        ),
-    ]:
+    for name, args, res in SIGNATURES:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
-    lib.baige_set_int8_prefetch.argtypes, lib.baige_set_int8_prefetch.restype = [_int], None
     lib.baige_set_int8_prefetch(int(isa.int8_prefetch()))
     return lib
 

@@ -3,10 +3,12 @@
  * RMSNorm, gate/up projections, SiLU * up, down projection and residual add (or a Mixture-of-Experts MLP:
  * baige_moe below), for M decoding tokens.
  * It calls the same kernels the per-op path calls (qlinear.c or qdot.c, ops.c), in the model's order, so the
- * results match the module path up to SiLU's exp; what it removes is Python: the module path spends
- * ~0.4 ms per layer dispatching ~40 small ops, this is one call per step.
+ * results match the module path up to SiLU's exp; what it removes is Python: the module path dispatches
+ * ~40 small ops per layer, each with its interpreter and dispatcher overhead; this is one call per step
+ * (measured: docs/benchmarks/archive.md, "AVX-512 paged attention, native prefill attention, one-call
+ * decode step").
  *
- * Layout: baige/runtime/cpu_decode.py fills the structs below from the loaded model (pointers into
+ * Layout: baige/runtime/infer/cpu_decode.py fills the structs below from the loaded model (pointers into
  * the model's own tensors) and calls baige_decode_layers once per decode step. Activations and the
  * residual stream are fp32 whatever the model's dtype. Projections: fp32, int8 per channel, int4
  * group-wise, fp16 weights (fp32 math) or bf16 weights (bf16.c), each optionally with a stack of

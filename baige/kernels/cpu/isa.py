@@ -151,11 +151,10 @@ def cpu_vendor() -> str:
     return _cpuinfo().get("vendor_id", "")
 
 
-# CPUs whose int8 weight tiles stream faster with qdot.c's software prefetch (int4's always have it).
-# Measured, SmolLM2-135M int8 (+ int8 lm_head) batch-1 decode, 1 thread, best of 3, runs alternated:
-# Intel Xeon (Sapphire Rapids class VM) 14.1 / 16.5 / 17.0 ms per token without, 10.7 / 10.7 / 14.4
-# with; on AMD (the Zen 4 dev VM, qdot.c's note) one 212 MB int8 matrix streamed 23 GB/s without and
-# 15 with, so AMD and any vendor not measured keep int8 without.
+# CPUs whose int8 weight tiles stream faster with qdot.c's software prefetch (int4's always have it):
+# int8 batch-1 decode is faster with it on an Intel Xeon (Sapphire Rapids class) and an int8 matrix
+# streams slower with it on an AMD EPYC (Zen 4), so AMD and any vendor not measured keep int8 without
+# (measured: docs/benchmarks/archive.md, "AMX attention scores, int8 prefetch on Intel").
 INT8_PREFETCH_VENDORS = ("GenuineIntel",)
 
 

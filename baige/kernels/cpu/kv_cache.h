@@ -9,10 +9,10 @@
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 /* How many blocks ahead the 16-lane attention (attention.c) and the AMX scores (attention_amx.c)
- * prefetch K (then V's first blocks) and V. On the dev VM (Firecracker, Zen 4) 0, 1, 2, 4 and 8 all
- * measured the same, within its noise: there the kernel reads a 192 MB KV set at ~8 GB/s with blocks in
- * order, ~4.5 GB/s shuffled, where loads alone run at 16 and 9 GB/s and the kernel alone (KV in L2) at
- * ~14 GB/s; on a Sapphire Rapids-class VM 2 and 4 blocks, T0 or T1/T2 hints, measured the same too. */
+ * prefetch K (then V's first blocks) and V. On an AMD EPYC (Zen 4) VM 0, 1, 2, 4 and 8 all measured the
+ * same within the noise (the kernel is bound by the scattered blocks' memory reads, not by how far
+ * ahead they are asked for), and on an Intel Xeon (Sapphire Rapids class) VM 2 and 4 blocks, T0 or
+ * T1/T2 hints, measured the same too: 2 is a choice, not a tuned optimum. */
 enum { PF_BLOCKS = 2 };
 
 /* Ask for the n values of a cache block at offset to be brought into cache (one prefetch per 64-byte

@@ -17,8 +17,8 @@
  * layer rarely fit in the caches: every chunk streams its expert's 3 H I floats from memory).
  *
  * Why not oneDNN (PyTorch's mkldnn matmul): per expert it pads the rows to a multiple of 16 with
- * wasted columns and runs gate/up, SwiGLU and down as separate passes. Measured numbers are in the
- * README ("MoE forward vs transformers"), against that path on the same machine.
+ * wasted columns and runs gate/up, SwiGLU and down as separate passes. Measured numbers are in
+ * docs/benchmarks/archive.md (the "MoE forward vs transformers" sections).
  *
  * Threads: OpenMP over the output tiles of each product (static split), barriers between the packing,
  * the gate/up product and the down product of a chunk; results do not depend on the thread count

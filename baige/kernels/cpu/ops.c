@@ -1,5 +1,5 @@
 /* fp32 CPU kernels for the small per-layer ops of a decode step. Each replaces 5-15 eager PyTorch
- * ops (a few microseconds of dispatch each) with one call; the arithmetic follows the reference in
+ * ops (each paying PyTorch's per-op dispatch) with one call; the arithmetic follows the reference in
  * baige/kernels/reference.py operation by operation (built with -ffp-contract=off so no FMA merges
  * two roundings where the reference has two). Single-threaded; the caller passes contiguous rows.
  */
@@ -157,7 +157,8 @@ void baige_silu_mul(const float *g, const float *u, int64_t n, float *out) {
  * ld, n >= 1), a NaN counting as larger than any number, so a row with NaNs gets its first NaN:
  * torch.argmax's result (its reduction treats NaN as the maximum; ties go to the first index).
  * Two passes of 8 lanes (the row's maximum, then where it first occurs) instead of PyTorch's
- * index-tracking reduction: ~43 -> ~8 us for one 49152-wide row on 1 thread (AMD EPYC Zen 4). */
+ * index-tracking reduction, which is several times slower on a vocabulary-wide row (measured:
+ * docs/benchmarks/archive.md, "Native MoE decode step, few-row per-op linears, constant tile rows"). */
 void baige_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *v = x + r * ld;

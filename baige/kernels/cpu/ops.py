@@ -240,9 +240,8 @@ def store_kv(
 
 # Where the avx512_amx variant is in force, the scores of bf16 K caches come from AMX tiles when the
 # shapes fit them (attention_amx.c): per 16 keys x up to 16 query heads one tile product, no lane
-# reductions. Measured (Intel Xeon, Sapphire Rapids class, 1 thread, 32 sequences x 160 keys x 30
-# layers of 9/3 heads x 64, bf16 cache, interleaved A/B runs): 17.7-23.2 -> 14.2-17.9 ms with blocks
-# in order, 27.1-36.0 -> 19.9-25.9 ms shuffled.
+# reductions, faster than the fp32 lanes whether the blocks are in order or shuffled (measured:
+# docs/benchmarks/archive.md, "AMX attention scores, int8 prefetch on Intel").
 AMX_SCORES_ISAS = ("avx512_amx",)
 
 
@@ -310,15 +309,15 @@ def paged_decode_attention(
 
 # The longest context whose K and V (per KV head) the prefill rows read natively, in bytes. Each query
 # row streams its sequence's whole K/V prefix, which pays while that stays in a core's L2; past it
-# torch's flash SDPA (query blocks, one K/V pass per block) is as fast or faster. Measured on the dev VM
-# (1 thread, bf16, 9/3 heads x 64, one 512-token chunk): native / SDPA 7.2 / 10.2 ms at 512 cached
-# tokens (128 KiB), 42.7 / 44.5 at 2048 (512 KiB), 83.5 / 80.8 at 4096 (1 MiB).
+# torch's flash SDPA (query blocks, one K/V pass per block) is as fast or faster (measured on an AMD
+# EPYC, Zen 4: docs/benchmarks/archive.md, "AVX-512 paged attention, native prefill attention, one-call
+# decode step").
 PREFILL_NATIVE_MAX_BYTES = 512 << 10
 # Where the AMX variant is in force, bf16 prefill chunks over a bf16 cache run prefill_amx.c (q . K and
 # P . V on the tiles) at any length, where its shape rule (:func:`amx_prefill`) holds; other bf16 chunks
-# there go to torch's flash SDPA, whose oneDNN AMX GEMMs beat the row-by-row kernel 3-4x (Intel Xeon,
-# Sapphire Rapids class, 1 thread, bf16, 9/3 heads x 64, ms native / SDPA: 16 prompts x 128 tokens 13.9 /
-# 4.6, 4 x 512 25.8 / 9.8, 1 x 2048 97.2 / 23.8). fp32 stays native there (7.5 / 9.0 at 16 x 128).
+# there go to torch's flash SDPA, whose oneDNN AMX GEMMs beat the row-by-row kernel; fp32 stays native
+# there, where it is the faster (measured on an Intel Xeon, Sapphire Rapids class:
+# docs/benchmarks/archive.md, "Workload roofline, SDPA bf16 prefill on AMX").
 SDPA_BF16_PREFILL_ISAS = ("avx512_amx",)
 
 

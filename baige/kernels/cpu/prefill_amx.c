@@ -1,9 +1,10 @@
 /* Causal prefill attention of a bf16 model over its bf16 paged KV cache on the AMX tiles (the avx512_amx
  * variant): q . K and P . V both as tile products, the softmax in fp32 AVX-512 lanes.
  *
- * Why: torch's flash SDPA, which these chunks took before, spends ~0.3 ms on one 128-token prompt of
- * SmolLM2 (9 query / 3 KV heads x 64, 1 thread, Intel Xeon, Sapphire Rapids class): ~60 GFLOP/s, a fifth of
- * the prefill step, most of it outside its matrix products.
+ * Why: torch's flash SDPA, which these chunks took before, runs one call per sequence and layer far below
+ * the AMX matmul rate, most of its time outside its matrix products, and was a large share of a bf16
+ * prefill step (measured: docs/benchmarks/archive.md, "bf16 prefill on AMX: attention, RoPE, K/V stores,
+ * quantized prefill").
  *
  * Work items are (sequence, KV head, block of 16 query columns), a column being one (token, query head)
  * pair of the group that shares the KV head. Per item, with every key up to the block's last position:

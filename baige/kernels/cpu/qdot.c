@@ -22,7 +22,8 @@
  * (fp32 product, fp32 difference) is quantized the same way to (q2, d2) and becomes the next activation
  * row, dotted with the same weight tiles (x ~ q d + q2 d2: |error| <= d2 / 2 <= amax / 64516, about
  * 16-bit activations for twice the dot products; one pass is llama.cpp's Q8_0 rounding, whose
- * perplexity cost on the embedded model was +0.2-0.5%, measured in the README).
+ * perplexity cost on the embedded model exceeded the +0.2% target; measured: docs/benchmarks/archive.md,
+ * "CPU against llama.cpp at equal bits").
  * kernels/reference.py (quantize_activation_residual, quantized_linear_int_dot) does the same fp32 ops,
  * so q and d are bit-identical there and the tests compare the rest of the math against fp64. For int4 each
  * group of 8 columns is stored as its 4 even columns then its 4 odd ones, the order of a word's low
@@ -48,10 +49,11 @@
 #include "qdot.h"
 #include "vec_math.h"
 /* The software prefetch distance in bytes along the tile stream (past a tile's end it reads the next
- * tile or the next matrix's neighbour: a prefetch never faults). On the Zen 4 dev VM, one 212 MB int4
- * matrix at one row streamed 19.2 GB/s without and 23.6 with it at 4096 bytes; int8 23 without and
- * 15 with it, while on an Intel Sapphire Rapids-class VM int8 decode gains ~25% with it: int4 always
- * prefetches, int8 where baige_set_int8_prefetch switched it on (isa.int8_prefetch, per CPU vendor). */
+ * tile or the next matrix's neighbour: a prefetch never faults). On an AMD EPYC (Zen 4) an int4 matrix
+ * streams faster with it and an int8 one slower, while on an Intel Xeon (Sapphire Rapids class) int8
+ * decode is faster with it (the int8 measurements: docs/benchmarks/archive.md, "AMX attention scores,
+ * int8 prefetch on Intel"): int4 always prefetches, int8 where baige_set_int8_prefetch switched it on
+ * (isa.int8_prefetch, per CPU vendor). */
 #ifndef PF_AHEAD
 #define PF_AHEAD 4096
 #endif

@@ -19,8 +19,9 @@
  * results (16 x 64 bytes), 4-5 A (16 rows x 32 bytes), 6-7 B (8 rows x 64 bytes): per block, two weight tiles
  * x 32 activation rows, four products from two A and two B loads. The tile work is short next to its
  * latency (load -> TDPBSUD -> store, in order); one weight tile x 32 rows, with or without the next block
- * issued before this one's store, ran no faster than the VNNI kernel; two weight tiles measured 1.3x it at
- * 16-64 rows (SmolLM2's 3072 x 576, 1 thread, Emerald Rapids-class VM; README).
+ * issued before this one's store, ran no faster than the VNNI kernel; two weight tiles ran faster than it
+ * at 16-64 rows (measured: docs/benchmarks/archive.md, "The least time any schedule needs, AMX-INT8
+ * integer dots").
  */
 #include <immintrin.h>
 #include <stdint.h>

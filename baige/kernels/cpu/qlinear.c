@@ -2,7 +2,7 @@
  * integer weight dequantized in registers, so a memory-bound decode step reads 1 byte (int8) or half
  * a byte (int4) per weight instead of 4.
  *
- * Layouts (compressed-tensors, see baige/runtime/quant.py):
+ * Layouts (compressed-tensors, see baige/runtime/quant/scheme.py):
  *   int8: w int8 (N, K) row-major with row stride ldw, scale fp32 (N): W[n,k] = w[n,k] * scale[n].
  *   int4: wp int32 (N, ldw) with ldw >= K / 8 words per row, element j of a word in bits 4j..4j+3
  *         stored as q + 8; scale fp32 (N, G), zp int32 (N, G) or NULL; groups of gs columns
@@ -64,7 +64,7 @@ static void row_##SUF(const float *x, int64_t ldx, int mr, const T *w, int64_t K
                                                                                                        \
 /* NR = 4 output rows against one x row; k unrolled by 16 (8 independent accumulators). The next     \
  * tile is streamed into cache while this one computes: the hardware prefetcher alone left the        \
- * DRAM reads and the convert/FMA work serialised (int8: 4.8 -> 10.2 GB/s on the dev box). */          \
+ * DRAM reads and the convert/FMA work serialised, at a fraction of the bandwidth. */                  \
 static void tile_m1_##SUF(const float *x, const T *w, int64_t ldw, int64_t K,                          \
                           const float *scale, const float *bias, float *y)                             \
 {                                                                                                      \

@@ -10,13 +10,12 @@ huge-page arena of :mod:`baige.kernels.cpu.arena`: one more copy of the packed b
 quantized weight; the checkpoint layout is unchanged).
 
 On CPU, PyTorch has no fast int8/int4 weight-only matmul for fp32 activations
-(``torch._weight_int8pack_mm`` measured 5-20x slower than fp32 ``F.linear`` on the AVX2 dev box), so
-without this a quantized checkpoint dequantizes every weight on every call. The integer-dot kernels
-take any number of rows (in chunks of :data:`DOT_CHUNK_ROWS`, so a chunk's activation blocks stay in
-cache): with the residual pass they round nothing a perplexity sees, and they ran 1.3-1.9x faster
-than dequantize + sgemm at 512-2048 rows (1 thread, SmolLM2-135M shapes, AMD EPYC AVX-512 VNNI). The
-exact kernels take at most :data:`MAX_ROWS` rows; above that, dequantize + PyTorch's sgemm is as fast
-(compute-bound).
+(``torch._weight_int8pack_mm`` measured slower than fp32 ``F.linear``), so without this a quantized
+checkpoint dequantizes every weight on every call. The integer-dot kernels take any number of rows (in
+chunks of :data:`DOT_CHUNK_ROWS`, so a chunk's activation blocks stay in cache): with the residual pass
+they round nothing a perplexity sees, and they ran faster than dequantize + sgemm at 512-2048 rows too
+(measured: docs/benchmarks/archive.md, "The residual activation pass"). The exact kernels take at
+most :data:`MAX_ROWS` rows; above that, dequantize + PyTorch's sgemm is as fast (compute-bound).
 """
 
 from __future__ import annotations
@@ -31,9 +30,9 @@ from baige.kernels.cpu import arena
 from baige.kernels.cpu.build import current_isa, library, native_allowed
 from baige.kernels.settings import int_dot_passes, settings
 
-# Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on the dev box's AVX2
-# core, 1 thread, 70 matrices of SmolLM2-135M shapes: int8 native 95 vs 121 ms at 96 rows, 251 vs 292
-# at 256, 556 vs 574 at 512; int4 g128 18 vs 88 at 6 rows, 281 vs 364 at 256, 518 vs 562 at 512).
+# Above this many input rows, dequantize + PyTorch's sgemm is as fast (measured on an AVX2 core: the
+# native kernels' lead, each weight read once for all rows, shrinks as the rows make the call
+# compute-bound).
 MAX_ROWS = 512
 DOT_CHUNK_ROWS = 512  # rows per integer-dot kernel call: 2 x 512 x 1536 activation bytes stay in L2/L3
 TILE_ROWS = 16  # weight rows per repacked tile (qdot.c's RT)
@@ -115,8 +114,8 @@ _groups: dict[tuple[int, ...], tuple] = {}  # member ids -> (member versions, jo
 def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> tuple | None:
     """The repacked tiles of weights that read the same input (a layer's q/k/v, or its gate/up), joined
     so one kernel call reads them as one weight of ``sum(N)`` rows: one call quantizes the activations
-    once and streams one run of tiles instead of restarting per matrix (SmolLM2-135M's 210 int4 g32
-    projections at one row as 120 joined ones, one process alternating, AMD EPYC: 4.49 -> 3.49 ms).
+    once and streams one run of tiles instead of restarting per matrix (measured faster at one row:
+    docs/benchmarks/archive.md, "Joined projections, native prefill chunks, bf16 int4 scales").
 
     Args:
         parts: ``(qweight, scale, zero_point)`` per member in output order, as :func:`repacked` takes them;
@@ -168,11 +167,10 @@ def repacked_together(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
 # Under these variants a bf16 model's int8 / int4 linears of at least AMX_DEQUANT_MIN_ROWS rows (prefill
 # chunks) dequantize the weight to bf16 and run F.linear, i.e. oneDNN's AMX bf16 matmul -- the reference's
 # own math -- instead of the integer dots, whose AVX-512 VNNI products cannot keep up with the tiles at
-# many rows. Measured (Intel Xeon, Emerald Rapids class, 1 thread, bf16 rows, weights cache-resident, ms
-# integer dot / dequantize + AMX): int8 3072 x 576 at 64 rows 1.44 / 1.29, 128 rows 2.87 / 1.46, 512 rows
-# 11.6 / 2.5; int4 g32 (unpacked by dequantized_bf16's native pass) at 64 rows 1.52 / 1.48, 128 rows 2.98 /
-# 1.61, 512 rows 12.0 / 2.7. The prefill of 32 prompts (4196 tokens) of SmolLM2 int8: 7.2-9.4 s -> 1.6-2.0 s;
-# int4 g32: 7.9-8.9 -> 1.9-2.2 s with torch's unpacking (alternating in one process).
+# many rows: from about AMX_DEQUANT_MIN_ROWS rows on the dequantize + AMX call is the faster, int8 and
+# int4 (unpacked by dequantized_bf16's native pass) alike, and the quantized prefill gains several times
+# over (measured: docs/benchmarks/archive.md, "bf16 prefill on AMX: attention, RoPE, K/V stores,
+# quantized prefill").
 AMX_DEQUANT_ISAS = ("avx512_amx",)
 AMX_DEQUANT_MIN_ROWS = {torch.int8: 128, torch.int32: 128}  # by qweight dtype: int8, int4 (packed in int32)
 
@@ -194,8 +192,8 @@ def dequantized_bf16(
 ) -> torch.Tensor:
     """The weight of ``baige.kernels.quantized_linear`` as bf16 (out, in): ``reference.dequantize_weight``
     (q - zp) * scale in the scale's dtype, rounded to bf16, bit for bit; int4 (int32 ``qweight`` (out,
-    ceil(in / 8)), a group size that is a multiple of 8) unpacked natively (``qlinear.c``, one pass: torch's
-    nibble unpacking took ~3 ns per weight), int8 by torch's ops. ``x`` (..., in) gives ``in``."""
+    ceil(in / 8)), a group size that is a multiple of 8) unpacked natively (``qlinear.c``, one pass, where
+    torch's nibble unpacking was the slow part of the call), int8 by torch's ops. ``x`` (..., in) gives ``in``."""
     k = x.shape[-1]
     if qweight.dtype != torch.int32 or group_size is None or group_size % 8 or library() is None:
         from baige.kernels import reference
@@ -297,89 +295,101 @@ def quantized_linear(
     if passes not in (1, 2):
         raise ValueError(f"integer-dot activation passes must be 1 or 2, got {passes!r}")
     # the int4 integer-dot kernel reads the repacked scales (fp32, or a bf16 model's bf16), the others these;
-    # repacked() is keyed by
-    # the weight tensor itself, so only the exact kernels get a contiguous copy
+    # repacked() is keyed by the weight tensor itself, so only the exact kernels get a contiguous copy
     fp32_scale = scale.dtype == torch.float32 and scale.is_contiguous()
     s = scale if fp32_scale or (dot and qweight.dtype == torch.int32) else scale.float().contiguous()
-    qc = qweight if dot or qweight.stride(-1) == 1 else qweight.contiguous()
     if qweight.dtype == torch.int32 and k % 8:
         x2 = F.pad(x2, (0, 8 - k % 8))  # zero columns: the padded int4 nibbles multiply 0
-    rc = 0
-    # the integer-dot kernels in chunks of DOT_CHUNK_ROWS rows: (x pointer, y pointer, rows) per call
-    chunks = (
-        [
-            (x2.data_ptr() + 4 * i * x2.stride(0), y.data_ptr() + 4 * i * n, min(DOT_CHUNK_ROWS, m - i))
-            for i in range(0, m, DOT_CHUNK_ROWS)
-        ]
-        if dot
-        else []
-    )
-    if qweight.dtype == torch.int8:
-        if dot:
-            (wr,) = repacked(qweight, scale, None)
-            for xp, yp, rows in chunks:
-                rc |= lib.baige_qdot_int8(
-                    xp, rows, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr, yp, n, passes, nthreads
-                )
-        else:
-            lib.baige_qlinear_int8(
-                x2.data_ptr(),
-                m,
-                k,
-                x2.stride(0),
-                qc.data_ptr(),
-                n,
-                qc.stride(0),
-                s.data_ptr(),
-                b_ptr,
-                y.data_ptr(),
-                n,
-                nthreads,
-            )
-    else:
-        if dot:
-            wr, sr, zr = repacked(qweight, scale, zero_point)
-            for xp, yp, rows in chunks:
-                rc |= lib.baige_qdot_int4(
-                    xp,
-                    rows,
-                    x2.shape[1],
-                    x2.stride(0),
-                    wr.data_ptr(),
-                    n,
-                    sr.data_ptr(),
-                    int(sr.dtype == torch.bfloat16),
-                    None if zr is None else zr.data_ptr(),
-                    sr.shape[1],
-                    group_size,
-                    b_ptr,
-                    yp,
-                    n,
-                    passes,
-                    nthreads,
-                )
-        else:
-            z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
-            lib.baige_qlinear_int4(
-                x2.data_ptr(),
-                m,
-                x2.shape[1],
-                x2.stride(0),
-                qc.data_ptr(),
-                n,
-                qc.stride(0),
-                s.data_ptr(),
-                None if z is None else z.data_ptr(),
-                s.shape[1],
-                group_size,
-                b_ptr,
-                y.data_ptr(),
-                n,
-                nthreads,
-            )
-    if rc != 0:
+    if not dot:
+        _run_exact(lib, x2, y, qweight, s, zero_point, group_size, b_ptr, nthreads)
+    elif _run_int_dot(lib, x2, y, qweight, scale, s, zero_point, group_size, b_ptr, passes, nthreads) != 0:
         raise MemoryError("native integer-dot linear: could not allocate its scratch buffers")
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
+
+
+def _run_int_dot(lib, x2, y, qweight, scale, s, zero_point, group_size, b_ptr, passes, nthreads) -> int:
+    """The integer-dot kernels (``qdot.c``) of :func:`quantized_linear`: ``x2`` (m, k) fp32 rows (k padded
+    to whole int4 words), :data:`DOT_CHUNK_ROWS` rows per call, into ``y`` (m, n) fp32. They read the
+    weight repacked (:func:`repacked`): int8 with the scales ``s``, int4 with its repacked scales and
+    zero points. Returns the calls' return codes OR-ed: non-zero when a kernel could not allocate its
+    scratch."""
+    m, n = y.shape
+    k = x2.shape[1]
+    rc = 0
+    # (x pointer, y pointer, rows) per call
+    chunks = [
+        (x2.data_ptr() + 4 * i * x2.stride(0), y.data_ptr() + 4 * i * n, min(DOT_CHUNK_ROWS, m - i))
+        for i in range(0, m, DOT_CHUNK_ROWS)
+    ]
+    if qweight.dtype == torch.int8:
+        (wr,) = repacked(qweight, scale, None)
+        for xp, yp, rows in chunks:
+            rc |= lib.baige_qdot_int8(
+                xp, rows, k, x2.stride(0), wr.data_ptr(), n, s.data_ptr(), b_ptr, yp, n, passes, nthreads
+            )
+    else:
+        wr, sr, zr = repacked(qweight, scale, zero_point)
+        for xp, yp, rows in chunks:
+            rc |= lib.baige_qdot_int4(
+                xp,
+                rows,
+                k,
+                x2.stride(0),
+                wr.data_ptr(),
+                n,
+                sr.data_ptr(),
+                int(sr.dtype == torch.bfloat16),
+                None if zr is None else zr.data_ptr(),
+                sr.shape[1],
+                group_size,
+                b_ptr,
+                yp,
+                n,
+                passes,
+                nthreads,
+            )
+    return rc
+
+
+def _run_exact(lib, x2, y, qweight, s, zero_point, group_size, b_ptr, nthreads) -> None:
+    """The exact dequantizing kernels (``qlinear.c``) of :func:`quantized_linear`: ``x2`` (m, k) fp32
+    rows (k padded to whole int4 words) into ``y`` (m, n) fp32, with ``s`` the fp32 contiguous scales."""
+    m, n = y.shape
+    qc = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    if qweight.dtype == torch.int8:
+        lib.baige_qlinear_int8(
+            x2.data_ptr(),
+            m,
+            x2.shape[1],
+            x2.stride(0),
+            qc.data_ptr(),
+            n,
+            qc.stride(0),
+            s.data_ptr(),
+            b_ptr,
+            y.data_ptr(),
+            n,
+            nthreads,
+        )
+    else:
+        z = None if zero_point is None else zero_point.to(torch.int32).contiguous()
+        lib.baige_qlinear_int4(
+            x2.data_ptr(),
+            m,
+            x2.shape[1],
+            x2.stride(0),
+            qc.data_ptr(),
+            n,
+            qc.stride(0),
+            s.data_ptr(),
+            None if z is None else z.data_ptr(),
+            s.shape[1],
+            group_size,
+            b_ptr,
+            y.data_ptr(),
+            n,
+            nthreads,
+        )
 
 
 def supports_f16(x: torch.Tensor) -> bool:

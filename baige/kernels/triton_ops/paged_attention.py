@@ -246,11 +246,16 @@ def _decode_splits(n_seq: int, n_kv: int, max_slots: int, device: torch.device) 
     return max(1, min(want, max_slots // 256, 64))
 
 
-def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q, decode) -> torch.Tensor:
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    n_tok, n_heads, head_dim = q.shape
-    n_kv, _, kv_block, _ = k_cache.shape
+def _check(q, k_cache, v_cache, block_tables, cu_q, context_lens, decode: bool) -> None:
+    """The launcher's argument checks (shapes as in :func:`paged_prefill_attention`).
+
+    Raises:
+        ValueError: the query heads are not a multiple of the cache's KV heads or head_dim differs; a
+            K/V pool is not contiguous; ``context_lens`` (and ``cu_q`` for prefill) does not match the
+            block-table rows; a decode has not one query per row.
+    """
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv = k_cache.shape[0]
     if n_heads % n_kv or k_cache.shape[-1] != head_dim:
         raise ValueError(
             f"paged attention: {n_heads} query heads over a cache of {n_kv} KV heads, "
@@ -258,7 +263,6 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged attention needs contiguous K/V block pools")
-    group = n_heads // n_kv
     n_seq = block_tables.shape[0]
     if context_lens.shape != (n_seq,) or (not decode and cu_q.shape != (n_seq + 1,)):
         raise ValueError(
@@ -268,6 +272,42 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
         )
     if decode and q.shape[0] != n_seq:
         raise ValueError(f"paged decode: {q.shape[0]} queries for {n_seq} block-table rows")
+
+
+def _merge_splits(ws_m, ws_l, ws_acc, out, group: int, g_pad: int, head_dim: int, block_d: int) -> None:
+    """Combine a split decode's partials into ``out`` (S, n_heads, head_dim): one program per (sequence,
+    KV head). ``ws_m``, ``ws_l``: (S, n_kv, n_splits, rows) fp32 running max and sum per split;
+    ``ws_acc``: (S, n_kv, n_splits, rows, block_d) fp32 unnormalised outputs."""
+    n_seq, n_kv, n_splits, rows = ws_m.shape
+    _decode_reduce_kernel[(n_seq, n_kv)](
+        ws_m,
+        ws_l,
+        ws_acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        n_kv,
+        n_splits,
+        GROUP=group,
+        G_PAD=g_pad,
+        ROWS=rows,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        SPLITS_PAD=triton.next_power_of_2(n_splits),
+    )
+
+
+def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q, decode) -> torch.Tensor:
+    """Paged attention of decode (``decode``: one query per block-table row, ``cu_q`` unread) or prefill
+    chunks (``max_q`` their longest); shapes as in :func:`paged_prefill_attention`, returns (N, n_heads,
+    head_dim) in q's dtype. A decode over long contexts is split over the keys, then merged."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    _check(q, k_cache, v_cache, block_tables, cu_q, context_lens, decode)
+    n_tok, n_heads, head_dim = q.shape
+    n_kv, _, kv_block, _ = k_cache.shape
+    group = n_heads // n_kv
+    n_seq = block_tables.shape[0]
     # the kernel indexes these with unit strides
     block_tables, cu_q, context_lens = block_tables.contiguous(), cu_q.contiguous(), context_lens.contiguous()
     out = new_empty(q.shape, q.dtype, q.device)
@@ -326,22 +366,7 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
         **opts,
     )
     if n_splits > 1:
-        _decode_reduce_kernel[(n_seq, n_kv)](
-            ws_m,
-            ws_l,
-            ws_acc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            n_kv,
-            n_splits,
-            GROUP=group,
-            G_PAD=g_pad,
-            ROWS=rows,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            SPLITS_PAD=triton.next_power_of_2(n_splits),
-        )
+        _merge_splits(ws_m, ws_l, ws_acc, out, group, g_pad, head_dim, block_d)
     return out
 
 

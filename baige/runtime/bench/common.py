@@ -54,12 +54,14 @@ def cpu_model() -> str:
 
 def environment() -> dict[str, Any]:
     """Versions and hardware a result was measured on: baige/torch/triton versions, device, CPU, its
-    instruction-set flags and the native kernel variant used, threads."""
+    instruction-set flags and the native kernel variant used, threads, date, and the commit and
+    command line (:func:`baige.runtime.bench.records.provenance`)."""
     from importlib.metadata import version
 
     import torch
 
     from baige import kernels
+    from baige.runtime.bench.records import provenance
 
     try:
         import triton
@@ -83,6 +85,7 @@ def environment() -> dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()),  # 1/5/15-minute run-queue averages: > cpu_count = noisy timings
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **provenance(),  # git_commit, git_dirty, command: what ran, and how it was asked for
     }
 
 

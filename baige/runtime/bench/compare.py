@@ -9,8 +9,9 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
   (``vllm bench throughput``). HF transformers runs *static batching*: ``hf_batch_size`` prompts at a
   time, left-padded, each batch generating its longest requested output; only requested tokens count;
   the first round times it in every HF dtype and later rounds only in the one that was fastest on
-  this workload (the "best dtype"; decode speed does not predict it: with 2 threads on the AVX2 dev
-  box bf16 decoded fastest but ran static batches at 41 total tokens/s).
+  this workload (the "best dtype"; decode speed does not predict it: on an AVX2-only CPU bf16 decoded
+  fastest but ran static batches far slower than fp32; docs/benchmarks/archive.md, "The first CPU
+  runs").
 
 Peers (``peers``, vLLM-style names ``hf`` and ``llama.cpp``; both by default): HF transformers
 (``generate``) in float32 and bfloat16; llama-cpp-python on the same GGUF when installed (decode only,

@@ -151,6 +151,42 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
         cos, sin = _r(1, n, D, dt=dt, dev=dev), _r(1, n, D, dt=dt, dev=dev)
         qk = n * (H + Hkv) * D
         return Case((q, k, cos, sin), (2 * qk + 2 * n * D) * e, 6 * qk)
+    if op == "fused_linear_cross_entropy":  # n tokens through the (vocab, hidden) head
+        return Case(
+            (
+                _r(n, h, dt=dt, dev=dev),
+                _r(sh.vocab, h, dt=dt, dev=dev) * 0.02,
+                torch.randint(0, sh.vocab, (n,), device=dev),
+            ),
+            (n * h + sh.vocab * h) * e + 8 * n,
+            2 * n * h * sh.vocab,
+        )
+    if op == "quantized_linear":  # int4 group-128 symmetric weight (the up projection), n tokens
+        groups = -(-h // 128)
+        qweight = torch.randint(-(2**31), 2**31 - 1, (inter, -(-h // 8)), dtype=torch.int32, device=dev)
+        scale = torch.rand(inter, groups, dtype=dt, device=dev) * 0.01
+        return Case(
+            (_r(n, h, dt=dt, dev=dev), qweight, scale, None, 128, None),
+            n * h * e + qweight.numel() * 4 + scale.numel() * e + n * inter * e,
+            2 * n * h * inter,
+        )
+    if op == "lora_apply":  # 4 adapters of rank 16 on a (hidden -> hidden) projection, n tokens in 4 segments
+        L, R = 4, 16
+        ids = torch.arange(n, device=dev) * L // n
+        a, b = _r(L, R, h, dt=dt, dev=dev) * h**-0.5, _r(L, h, R, dt=dt, dev=dev)
+        return Case(
+            (_r(n, h, dt=dt, dev=dev), _r(n, h, dt=dt, dev=dev), a, b, torch.ones(L, device=dev), ids),
+            (3 * n * h + 2 * L * R * h) * e + 8 * n,
+            4 * n * R * h + n * h,
+        )
+    return _attention_case(op, n, dt, dev, sh) or _moe_case(op, n, dt, dev, sh)
+
+
+def _attention_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape) -> Case | None:
+    """The attention ops and ``store_kv`` at ``n`` tokens (counts as in :func:`make_case`; the paged ops
+    over block pools of 16-token blocks in the engine's layout); None for any other op."""
+    e = torch.tensor([], dtype=dt).element_size()
+    H, Hkv, D = sh.heads, sh.kv_heads, sh.head_dim
     if op == "attention":  # causal prefill of one sequence of n tokens: QK^T and PV over ~n^2/2 pairs
         q = _r(1, n, H, D, dt=dt, dev=dev)
         k, v = _r(1, n, Hkv, D, dt=dt, dev=dev), _r(1, n, Hkv, D, dt=dt, dev=dev)
@@ -196,35 +232,7 @@ def make_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape = S
             (2 * P * T * H + 2 * P * T * Hkv) * D * e,
             2 * 2 * H * D * P * (T * (T + 1) // 2),
         )
-    if op == "fused_linear_cross_entropy":  # n tokens through the (vocab, hidden) head
-        return Case(
-            (
-                _r(n, h, dt=dt, dev=dev),
-                _r(sh.vocab, h, dt=dt, dev=dev) * 0.02,
-                torch.randint(0, sh.vocab, (n,), device=dev),
-            ),
-            (n * h + sh.vocab * h) * e + 8 * n,
-            2 * n * h * sh.vocab,
-        )
-    if op == "quantized_linear":  # int4 group-128 symmetric weight (the up projection), n tokens
-        groups = -(-h // 128)
-        qweight = torch.randint(-(2**31), 2**31 - 1, (inter, -(-h // 8)), dtype=torch.int32, device=dev)
-        scale = torch.rand(inter, groups, dtype=dt, device=dev) * 0.01
-        return Case(
-            (_r(n, h, dt=dt, dev=dev), qweight, scale, None, 128, None),
-            n * h * e + qweight.numel() * 4 + scale.numel() * e + n * inter * e,
-            2 * n * h * inter,
-        )
-    if op == "lora_apply":  # 4 adapters of rank 16 on a (hidden -> hidden) projection, n tokens in 4 segments
-        L, R = 4, 16
-        ids = torch.arange(n, device=dev) * L // n
-        a, b = _r(L, R, h, dt=dt, dev=dev) * h**-0.5, _r(L, h, R, dt=dt, dev=dev)
-        return Case(
-            (_r(n, h, dt=dt, dev=dev), _r(n, h, dt=dt, dev=dev), a, b, torch.ones(L, device=dev), ids),
-            (3 * n * h + 2 * L * R * h) * e + 8 * n,
-            4 * n * R * h + n * h,
-        )
-    return _moe_case(op, n, dt, dev, sh)
+    return None
 
 
 def _moe_case(op: str, n: int, dt: torch.dtype, dev: torch.device, sh: Shape) -> Case | None:

@@ -172,6 +172,28 @@ def kernels_table(r: dict) -> Table:
     return table
 
 
+STARTUP_LABELS = {
+    "serve_ready_s": "baige serve: time to ready (/health 200)",
+    "generate_ttft_s": "baige generate: time to first token",
+    "generate_exit_s": "baige generate: time to exit",
+    "help_s": "baige --help: time to exit",
+}
+
+
+def startup_table(r: dict) -> Table:
+    """One row per measurement and cache state: runs, median, min and max (seconds)."""
+    table = Table(title=f"baige bench startup ({r['model_id']}; from process start)")
+    table.add_column("measurement")
+    table.add_column("cache")
+    for col in ("runs", "median (s)", "min (s)", "max (s)"):
+        table.add_column(col, justify="right")
+    for name, by_cache in r["summary"].items():
+        for cache, st in by_cache.items():
+            stats = (f"{st[k]:.3f}" for k in ("median", "min", "max"))
+            table.add_row(STARTUP_LABELS.get(name, name), cache, str(st["runs"]), *stats)
+    return table
+
+
 def compare_table(r: dict) -> Table:
     """One section per workload (its name on a row of its own), one row per system: the system's name
     never wraps or gets cut (``no_wrap``: the numbers' columns give way on a narrow terminal)."""

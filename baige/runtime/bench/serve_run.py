@@ -24,6 +24,7 @@ from pathlib import Path
 from baige.errors import BaigeError
 from baige.runtime.bench.common import environment
 from baige.runtime.bench.serve import (
+    RequestInput,
     RequestResult,
     calculate_metrics,
     parse_slo,
@@ -87,10 +88,7 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float, l
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log and log.exists() else []
-            raise BaigeError(
-                f"`baige serve` exited with code {proc.returncode} before it was healthy: " + " | ".join(tail)
-            )
+            raise BaigeError(f"`baige serve` exited with code {proc.returncode} before it was healthy: {log_tail(log)}")
         try:
             if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
                 return
@@ -98,6 +96,23 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float, l
             pass
         time.sleep(0.25)
     raise BaigeError(f"{base_url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def log_tail(log: Path | None, lines: int = 5) -> str:
+    """The last ``lines`` non-blank lines of a child process's ``log``, joined by `` | `` (one line)."""
+    text = log.read_text(errors="replace") if log is not None and log.exists() else ""
+    return " | ".join([t for t in text.splitlines() if t.strip()][-lines:])
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a launched server: SIGINT (a clean shutdown), then SIGKILL after 15 s; nothing when it has exited."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def server_env(api_key: str | None = None) -> dict[str, str]:
@@ -144,13 +159,7 @@ def launch_server(
             wait_healthy(base_url, proc, timeout, log)
             yield base_url
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_server(proc)
 
 
 def server_option(args: list[str], name: str) -> str | None:
@@ -251,6 +260,48 @@ def scrape_spec_decode(base_url: str, api_key: str | None = None) -> dict | None
     }
 
 
+def _send_load(
+    cfg: ServeBenchConfig,
+    base_url: str,
+    name: str,
+    inputs: list[RequestInput],
+    on_done: Callable[[RequestResult], None] | None,
+) -> tuple[list[RequestResult], float, bool, dict | None]:
+    """Send ``inputs`` to the server at ``base_url`` as model ``name`` with the configured arrival
+    process, then read its speculative-decoding counters.
+
+    Returns ``(results, duration, interrupted, spec)``: the finished requests, the load's wall time in
+    seconds, whether a Ctrl-C stopped it (then ``results`` holds the requests that finished before it,
+    in finishing order) and :func:`scrape_spec_decode`'s counters.
+    """
+    done: list[RequestResult] = []
+
+    def record(r: RequestResult) -> None:
+        done.append(r)
+        if on_done:
+            on_done(r)
+
+    t0 = time.perf_counter()
+    interrupted = False
+    try:
+        results, duration = asyncio.run(
+            run_requests(
+                base_url,
+                name,
+                inputs,
+                cfg.request_rate,
+                cfg.burstiness,
+                cfg.max_concurrency,
+                cfg.seed,
+                cfg.api_key,
+                on_done=record,
+            )
+        )
+    except KeyboardInterrupt:
+        interrupted, results, duration = True, done, time.perf_counter() - t0
+    return results, duration, interrupted, scrape_spec_decode(base_url, cfg.api_key)
+
+
 def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | None = None) -> dict:
     """Run ``baige bench serve``; returns vLLM's result fields plus args, environment and roofline.
 
@@ -274,48 +325,15 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
     max_pos = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
     max_model_len = min(max(r.prompt_len + r.output_len for r in inputs) * 2 + 16, max_pos)
 
-    results: list[RequestResult] = []
-    interrupted = False
-    spec: dict | None = None
-
-    def load(base_url: str) -> float:
-        nonlocal results, interrupted, spec
-        done: list[RequestResult] = []
-
-        def record(r: RequestResult) -> None:
-            done.append(r)
-            if on_done:
-                on_done(r)
-
-        t0 = time.perf_counter()
-        try:
-            results, duration = asyncio.run(
-                run_requests(
-                    base_url,
-                    name,
-                    inputs,
-                    cfg.request_rate,
-                    cfg.burstiness,
-                    cfg.max_concurrency,
-                    cfg.seed,
-                    cfg.api_key,
-                    on_done=record,
-                )
-            )
-        except KeyboardInterrupt:
-            interrupted, results, duration = True, done, time.perf_counter() - t0
-        spec = scrape_spec_decode(base_url, cfg.api_key)
-        return duration
-
     if cfg.base_url:
         wait_healthy(cfg.base_url.rstrip("/"), None, 10.0)
-        duration = load(cfg.base_url.rstrip("/"))
+        results, duration, interrupted, spec = _send_load(cfg, cfg.base_url.rstrip("/"), name, inputs, on_done)
     else:
         extra = [*cfg.server_args]
         if cfg.served_model_name:
             extra += ["--served-model-name", cfg.served_model_name]
         with launch_server(cfg.model, max_model_len, extra, cfg.server_timeout, cfg.api_key) as url:
-            duration = load(url)
+            results, duration, interrupted, spec = _send_load(cfg, url, name, inputs, on_done)
     if interrupted:  # keep the requests that finished, with their own inputs
         results = sorted(results, key=lambda r: r.index)
         inputs = [inputs[r.index] for r in results]

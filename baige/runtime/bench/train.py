@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from baige.runtime import roofline
 from baige.runtime.bench.common import environment
 from baige.runtime.bench.offline import Progress
 from baige.runtime.config import DATA_SEED_RANGE, check_int
+
+if TYPE_CHECKING:
+    from baige.runtime.train.config import TrainConfig
 
 
 @dataclass
@@ -65,46 +69,60 @@ def _synthetic_text(tokenizer, n_tokens: int, path: Path, seed: int) -> None:
     path.write_text(tokenizer.decode(ids))
 
 
+def _train_config(cfg: TrainBenchConfig, tmp: Path) -> TrainConfig:
+    """The validated training config of the bench run: the model (a preset architecture from scratch, with
+    the default model's tokenizer, or a model spec), the data (``cfg.data_path`` or a synthetic text
+    written under ``tmp``), the run's shape and dtype; output under ``tmp``, no TensorBoard, no HF export.
+
+    Raises:
+        BaigeError: the training config is invalid (``validate``), or the model whose tokenizer writes the
+            synthetic text (or a preset's default tokenizer) cannot be resolved.
+    """
+    from baige.runtime.model.tokenizer import Tokenizer
+    from baige.runtime.train.config import TrainConfig, validate
+    from baige.runtime.train.presets import PRESETS
+    from baige.runtime.weights.hub import resolve_model
+
+    from_scratch = cfg.model in PRESETS  # a preset architecture, randomly initialised, default tokenizer
+    data = cfg.data_path
+    if data is None:
+        data = str(tmp / "synthetic.txt")
+        tok = Tokenizer.from_dir(resolve_model(None if from_scratch else cfg.model))
+        # decoded random ids re-tokenize to roughly as many tokens; 2x margin
+        _synthetic_text(
+            tok, 2 * (cfg.steps * cfg.batch_size * cfg.grad_accum + 1) * (cfg.seq_len + 1), Path(data), cfg.seed
+        )
+    tc = TrainConfig(output=str(tmp / "run"))
+    if from_scratch:
+        tc.model.config, tc.model.tokenizer = cfg.model, str(resolve_model(None))
+    else:
+        tc.model.name = cfg.model
+    tc.data.train = [data]
+    t = tc.training
+    t.steps, t.seq_len, t.batch_size, t.grad_accum, t.seed = (
+        cfg.steps,
+        cfg.seq_len,
+        cfg.batch_size,
+        cfg.grad_accum,
+        cfg.seed,
+    )
+    t.device, t.activation_checkpointing, t.compile = cfg.device, cfg.activation_checkpointing, cfg.compile
+    tc.parallelism.mixed_precision_param = cfg.dtype
+    tc.metrics.tensorboard = False
+    tc.checkpoint.export_hf = False
+    validate(tc)
+    return tc
+
+
 def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
     """Run ``baige bench train``; returns the JSON result (per-step samples in seconds, summary)."""
     import torch
 
-    from baige.runtime.model.tokenizer import Tokenizer
-    from baige.runtime.train.config import TrainConfig, validate
     from baige.runtime.train.metrics import peak_memory_bytes
-    from baige.runtime.train.presets import PRESETS
     from baige.runtime.train.trainer import Trainer
-    from baige.runtime.weights.hub import resolve_model
 
-    from_scratch = cfg.model in PRESETS  # a preset architecture, randomly initialised, default tokenizer
     with tempfile.TemporaryDirectory(prefix="baige-bench-train-") as tmp:
-        data = cfg.data_path
-        if data is None:
-            data = str(Path(tmp) / "synthetic.txt")
-            tok = Tokenizer.from_dir(resolve_model(None if from_scratch else cfg.model))
-            # decoded random ids re-tokenize to roughly as many tokens; 2x margin
-            _synthetic_text(
-                tok, 2 * (cfg.steps * cfg.batch_size * cfg.grad_accum + 1) * (cfg.seq_len + 1), Path(data), cfg.seed
-            )
-        tc = TrainConfig(output=str(Path(tmp) / "run"))
-        if from_scratch:
-            tc.model.config, tc.model.tokenizer = cfg.model, str(resolve_model(None))
-        else:
-            tc.model.name = cfg.model
-        tc.data.train = [data]
-        t = tc.training
-        t.steps, t.seq_len, t.batch_size, t.grad_accum, t.seed = (
-            cfg.steps,
-            cfg.seq_len,
-            cfg.batch_size,
-            cfg.grad_accum,
-            cfg.seed,
-        )
-        t.device, t.activation_checkpointing, t.compile = cfg.device, cfg.activation_checkpointing, cfg.compile
-        tc.parallelism.mixed_precision_param = cfg.dtype
-        tc.metrics.tensorboard = False
-        tc.checkpoint.export_hf = False
-        validate(tc)
+        tc = _train_config(cfg, Path(tmp))
         trainer = Trainer(tc)
         dtype = trainer.param_dtype
         limits = roofline.hardware_limits(trainer.device, dtype)

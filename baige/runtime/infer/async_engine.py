@@ -12,23 +12,61 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+import torch
 
 from baige.errors import BaigeError
+from baige.runtime.infer import weight_sync
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import SamplingParams
+from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
+from baige.runtime.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("baige.engine")
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (what ``/metrics`` exports; vLLM's metric names).
+
+    Attributes:
+        num_requests_running: requests with sequences in the running queue.
+        num_requests_waiting: requests waiting to be scheduled, those not yet handed to the loop included.
+        kv_cache_blocks_used: KV-cache blocks referenced by a sequence.
+        kv_cache_blocks_total: KV-cache blocks in the pool.
+        prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up (0-1).
+        num_preemptions: sequences preempted (recompute) so far.
+        num_structured_output_requests: requests with a structured-output constraint so far.
+        grammar: the constraint compiler's counters (``compiles``, ``compile_seconds``, ``mask_seconds``,
+            ``masked_tokens``); empty before its first use.
+        spec_decode: speculative decoding's acceptance counters (a copy); None without a proposer.
+    """
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_blocks_used: int
+    kv_cache_blocks_total: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_structured_output_requests: int
+    grammar: dict[str, float]
+    spec_decode: SpecDecodeStats | None
+
+
 class AsyncEngine:
     """Drives an :class:`Engine` from one background thread; asyncio callers stream its outputs.
+
+    The HTTP server uses this class's public methods only, never the wrapped ``engine``
+    (``tests/test_architecture.py`` enforces it): what it needs of the Engine gets a method here.
 
     Args:
         engine: the engine (used only from the loop thread after this).
@@ -50,6 +88,8 @@ class AsyncEngine:
         self._adds: list[tuple[str, str | list[int], SamplingParams, float, LoRARequest | None]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
+        # run once no request is in flight; until then new requests wait (update_weights, sleep)
+        self._drains: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
@@ -71,16 +111,136 @@ class AsyncEngine:
         """The loop thread is running and has not died."""
         return self.dead is None and self._thread.is_alive()
 
-    async def call(self, fn: Callable[[Engine], object]) -> object:
+    def set_on_output(self, fn: Callable[[RequestOutput], None] | None) -> None:
+        """Call ``fn`` in the loop thread with every output from now on (replaces the previous one)."""
+        self.on_output = fn
+
+    def set_on_dead(self, fn: Callable[[], None] | None) -> None:
+        """Call ``fn`` once, in the loop thread, if the loop stops for any reason but :meth:`shutdown`."""
+        self.on_dead = fn
+
+    # ---- what the server asks of the engine ---------------------------------------------
+    # Read-only views (any thread) and named operations; the server never touches the Engine itself.
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer (thread-safe to encode, decode and render templates with)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence, prompt plus completion, in tokens."""
+        return self.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit ``max_model_len`` whatever it tokenizes to
+        (:attr:`Engine.max_prompt_chars`)."""
+        return self.engine.max_prompt_chars
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """Tokenize and validate a prompt (any thread; :meth:`Engine.prepare`): its token ids and
+        ``params`` with ``max_tokens`` filled in. Raises BaigeError (see :meth:`Engine.prepare`)."""
+        _, ids, params = self.engine.prepare(prompt, params)
+        return ids, params
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now (read from any thread; each number is read once, not under a lock)."""
+        engine, bm = self.engine, self.engine.block_manager
+        spec = None
+        if engine.proposer is not None:  # a copy: the loop thread goes on counting
+            spec = dataclasses.replace(engine.spec_stats, accepted_per_pos=list(engine.spec_stats.accepted_per_pos))
+        return EngineStats(
+            num_requests_running=engine.num_running_requests,
+            num_requests_waiting=engine.num_waiting_requests + self.num_pending,
+            kv_cache_blocks_used=bm.num_used_blocks,
+            kv_cache_blocks_total=bm.num_blocks,
+            prefix_cache_hit_rate=bm.prefix_hit_rate,
+            num_preemptions=engine.scheduler.num_preemptions,
+            num_structured_output_requests=engine.num_constrained_requests,
+            grammar=engine.grammar_stats,
+            spec_decode=spec,
+        )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """LoRA adapters can be served (``--enable-lora``)."""
+        return self.engine.lora is not None
+
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        """The loaded LoRA adapters by name, in load order (empty without LoRA)."""
+        lora = self.engine.lora
+        return {} if lora is None else {name: a.request for name, a in list(lora.loaded.items())}
+
+    async def load_lora_adapter(self, lora_request: LoRARequest) -> None:
+        """Load a PEFT adapter directory: read and checked off the event loop and off the loop thread
+        (disk, shapes), then put on the model between two steps, so requests in flight go on unharmed.
+
+        Raises:
+            BaigeError: LoRA is not enabled, or as :meth:`LoRAManager.read` (a bad, mismatched or too
+            large adapter, an empty name, a name already loaded).
+            EngineDeadError: the loop has stopped.
+        """
+        lora = self.engine.lora
+        if lora is None:
+            raise BaigeError("LoRA is not enabled (--enable-lora)")
+        adapter = await asyncio.to_thread(lora.read, lora_request)
+        await self.call(lambda engine: engine.lora.add(lora_request, adapter))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload an adapter between two steps (:meth:`Engine.unload_lora_adapter`).
+
+        Raises:
+            LoRANotFound: no adapter of that name is loaded.
+            BaigeError: LoRA is not enabled, or requests in flight use the adapter (they finish).
+            EngineDeadError: the loop has stopped.
+        """
+        await self.call(lambda engine: engine.unload_lora_adapter(lora_name))
+
+    async def call(self, fn: Callable[[Engine], object], drain: bool = False) -> object:
         """Run ``fn(engine)`` on the loop thread between two steps (what changes the model, such as
-        loading a LoRA adapter, must not overlap a forward); returns its result or raises its error."""
+        loading a LoRA adapter, must not overlap a forward); returns its result or raises its error.
+        ``drain``: first stop admitting requests and let those in flight finish (requests that arrive
+        meanwhile wait, and are admitted after ``fn``), so no request sees the engine both before and
+        after ``fn``."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped; restart the server")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
-            self._calls.append((fn, future))
+            (self._drains if drain else self._calls).append((fn, future))
             self._cv.notify()
         return await asyncio.wrap_future(future)
+
+    # ---- weights and memory (RL hooks; the server's /update_weights_from_disk, /sleep, ...) -------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None
+    ) -> None:
+        """:meth:`Engine.update_weights` once the requests in flight have finished with the old weights
+        (requests that arrive meanwhile wait and run with the new ones). Raises BaigeError."""
+        pairs = list(named_tensors)
+        await self.call(lambda engine: engine.update_weights(pairs, lora_name), drain=True)
+
+    async def update_weights_from_disk(self, model_path: str) -> None:
+        """Read the checkpoint at ``model_path`` off the engine's thread (the engine keeps serving), then
+        :meth:`update_weights` with it. Raises BaigeError (``weight_sync.read_checkpoint``)."""
+        state = await asyncio.to_thread(weight_sync.read_checkpoint, model_path, self.engine.model)
+        await self.update_weights(state.items())
+
+    async def sleep(self, level: int = 1) -> None:
+        """:meth:`Engine.sleep` once the requests in flight have finished; requests are then refused
+        (BaigeError) until :meth:`wake_up`. Raises BaigeError as :meth:`Engine.sleep`."""
+        await self.call(lambda engine: engine.sleep(level), drain=True)
+
+    async def wake_up(self) -> None:
+        """:meth:`Engine.wake_up`."""
+        await self.call(lambda engine: engine.wake_up())
+
+    async def reset_prefix_cache(self) -> None:
+        """:meth:`Engine.reset_prefix_cache` between two steps (requests in flight go on)."""
+        await self.call(lambda engine: engine.reset_prefix_cache())
 
     async def generate(
         self,
@@ -158,36 +318,43 @@ class AsyncEngine:
             self._die(e)
 
     def _iterate(self) -> bool:
-        """One round: take adds and aborts, run a step, deliver. False once shut down."""
+        """One round: take calls, aborts and adds (adds wait while a drain is pending), run a step,
+        deliver; run the pending drains once nothing is in flight. False once shut down."""
         engine = self.engine
         with self._cv:
             while not (
-                self._stopped or self._fatal or self._adds or self._aborts or self._calls or engine.has_unfinished()
+                self._stopped
+                or self._fatal
+                or self._adds
+                or self._aborts
+                or self._calls
+                or self._drains
+                or engine.has_unfinished()
             ):
                 self._cv.wait()
             if self._stopped:
                 return False
             if self._fatal is not None:
                 raise self._fatal
-            adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             calls, self._calls = self._calls, []
-        for fn, future in calls:
-            try:
-                future.set_result(fn(engine))
-            except Exception as e:  # the caller's to handle (a BaigeError is its 4xx)
-                future.set_exception(e)
+            aborted = set(aborts)
+            self._adds = [a for a in self._adds if a[0] not in aborted]
+            adds, self._adds = (self._adds, []) if not self._drains else ([], self._adds)
+        _run_calls(engine, calls)
         for rid in aborts:
             engine.abort(rid)
-        aborted = set(aborts)
         for rid, prompt, params, arrival, lora in adds:
-            if rid not in aborted:
-                self._add(rid, prompt, params, arrival, lora)
+            self._add(rid, prompt, params, arrival, lora)
         if engine.has_unfinished():
             for out in self._step():
                 self._emit(out)
         for rid, error in engine.take_failures():
             self._deliver(rid, error)
+        if not engine.has_unfinished():
+            with self._cv:
+                drains, self._drains = self._drains, []
+            _run_calls(engine, drains)
         return True
 
     def _add(
@@ -233,7 +400,8 @@ class AsyncEngine:
         with self._cv:
             self.dead = error
             streams = list(self._streams)
-            calls, self._calls = self._calls, []
+            calls, self._calls = self._calls + self._drains, []
+            self._drains = []
         for _, future in calls:
             future.set_exception(EngineDeadError(f"the engine loop stopped ({type(error).__name__})"))
         logger.critical(
@@ -247,3 +415,13 @@ class AsyncEngine:
             self._deliver(rid, EngineDeadError(f"the engine loop stopped ({type(error).__name__}); restart the server"))
         if self.on_dead is not None:
             self.on_dead()
+
+
+def _run_calls(engine: Engine, calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]]) -> None:
+    """Run each ``fn(engine)`` and settle its future with the result or the error (the caller's to
+    handle: a BaigeError is its 4xx)."""
+    for fn, future in calls:
+        try:
+            future.set_result(fn(engine))
+        except Exception as e:
+            future.set_exception(e)

@@ -81,6 +81,9 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached; oldest first
         self._cached: dict[bytes, int] = {}  # chained sha256 key -> block id
+        # blocks in use when the prefix cache was reset (reset_prefix_cache): their K/V came from
+        # weights since replaced, so they are never cached again, nor anything chained after them
+        self._stale: set[int] = set()
         # prefix-cache statistics, in tokens
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -114,6 +117,7 @@ class BlockManager:
             del self._cached[block.hash]
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
+        self._stale.discard(block_id)  # handed out afresh: its slots are written before they are read
         return block_id
 
     def _ref(self, block_id: int) -> None:
@@ -203,6 +207,8 @@ class BlockManager:
             return
         parent = root_key(getattr(seq, "lora_int_id", 0))
         for i in range(seq.num_computed_tokens // self.block_size):
+            if seq.block_table[i] in self._stale:
+                return
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             if block.hash is None:
@@ -213,6 +219,22 @@ class BlockManager:
                 parent = h
             else:
                 parent = block.hash
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``; after the model's weights change,
+        cached K/V no longer match what the model computes). Unreferenced cached blocks become free;
+        blocks in use keep their sequences' K/V but lose their keys and are never cached again (nor
+        the blocks after them in those sequences), so no later sequence reuses K/V of the old weights.
+        Returns the number of keys dropped."""
+        dropped = len(self._cached)
+        for block_id in self._cached.values():
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = None, ()
+        self._cached.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._stale = {b.block_id for b in self.blocks if b.ref_count > 0}
+        return dropped
 
     def free(self, seq: SequenceLike) -> None:
         """Drop ``seq``'s references; cached blocks become evictable, the others free.

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig, parse_size
+from baige.runtime.infer import weight_sync
 from baige.runtime.infer.block_manager import BlockManager
-from baige.runtime.infer.kv_cache import KVCache, num_blocks_for, profile_activation_peak, resolve_kv_cache_dtype
+from baige.runtime.infer.input_processor import InputProcessor
+from baige.runtime.infer.kv_cache import allocate_kv_cache
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
-from baige.runtime.infer.outputs import CompletionOutput, EngineDeadError, RequestFailed, RequestOutput
+from baige.runtime.infer.output_processor import OutputProcessor, RequestState
+from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence, StepShape
@@ -32,7 +36,7 @@ from baige.runtime.infer.spec_decode.factory import build_proposer
 from baige.runtime.infer.spec_decode.proposer import assign_drafts
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
-from baige.runtime.infer.structured import GrammarCompiler, engine_error
+from baige.runtime.infer.structured import GrammarCompiler
 from baige.runtime.infer.text import SeqText
 from baige.runtime.infer.tp_worker import TensorParallelGroup, kv_config, load_engine_model, start_tensor_parallel
 from baige.runtime.model.tokenizer import Tokenizer
@@ -41,19 +45,6 @@ from baige.runtime.settings import settings
 from baige.runtime.weights.hub import resolve_model
 
 logger = logging.getLogger("baige.engine")
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival_time: float
-    first_token_time: float | None = None
-    prompt_logprobs: list[Logprobs | None] | None = None
-    spec_stats: SpecDecodeStats | None = None
 
 
 class Engine:
@@ -94,19 +85,8 @@ class Engine:
         kernels.backend(p)  # a bad BAIGE_KERNELS fails here, at start-up, not inside the first request
         if p.device.type == "cpu" and settings().cpu_keep_heap:
             kernels.keep_freed_heap()  # prefill temporaries reuse freed memory instead of faulting in new pages
-        peak = 0
-        kv_cfg = kv_config(model)  # this rank's KV heads
-        if cfg.kv_cache_memory is None and tp is None:  # size the cache from what is free after a warm-up step
-            peak = profile_activation_peak(
-                model,
-                min(cfg.max_num_batched_tokens, self.max_model_len),
-                min(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len),
-            )
-        kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, p.dtype, p.device)
-        num_blocks = num_blocks_for(
-            kv_cfg, cfg.block_size, kv_dtype, p.device, cfg.kv_cache_memory, self.max_model_len, activation_peak=peak
-        )
-        self.kv_cache = KVCache(kv_cfg, num_blocks, cfg.block_size, kv_dtype, p.device)
+        self.kv_cache = allocate_kv_cache(model, kv_config(model), cfg, self.max_model_len, profile=tp is None)
+        num_blocks, kv_dtype = self.kv_cache.num_blocks, self.kv_cache.dtype
         if tp is not None:
             tp.send_kv_cache(num_blocks, cfg.block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -137,24 +117,17 @@ class Engine:
                 self.lora.load(LoRARequest(name, len(self.lora.loaded) + 1, str(path)))
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(tokenizer.eos_token_ids or mc.eos_token_id)
-        self._eos_only = frozenset(self.eos_token_ids)
+        self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.grammars)
+        self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids)
         self.generator = torch.Generator(device=p.device).manual_seed(cfg.seed)  # unseeded requests
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._failures: list[tuple[str, RequestFailed]] = []
         self.num_generated_tokens = 0
         # a list (set by benchmarks): every step appends the scheduler.StepShape it ran
         self.step_shapes: list[StepShape] | None = None
         self.num_prompt_tokens = 0
         self.num_constrained_requests = 0
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)",
-            num_blocks,
-            cfg.block_size,
-            num_blocks * cfg.block_size,
-            num_blocks * KVCache.bytes_per_block(kv_cfg, cfg.block_size, kv_dtype) / 1e6,
-            str(kv_dtype).removeprefix("torch."),
-        )
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "Engine":
@@ -180,57 +153,15 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
     @property
     def max_prompt_chars(self) -> int:
-        """Characters beyond which a text cannot fit the context whatever it tokenizes to, so it is
-        refused without tokenizing: ``max_model_len`` tokens of at most ``max_token_chars`` each,
-        with a 4x margin for normalizers that drop characters."""
-        return 4 * self.max_model_len * self.tokenizer.max_token_chars
+        """:attr:`InputProcessor.max_prompt_chars` (the server's size check of a chat)."""
+        return self.input_processor.max_prompt_chars
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
-        """Tokenize and validate a prompt; fill in ``max_tokens`` (default: the rest of the context).
-
-        Raises:
-            BaigeError: empty prompt or not valid Unicode, token ids (prompt, stop_token_ids,
-            logit_bias, allowed_token_ids) or top_k outside the vocabulary, or a prompt plus
-            max_tokens longer than max_model_len (the message gives both numbers).
-        """
-        params.check_vocab(self.vocab_size)
-        if params.structured_outputs is not None:
-            first = self.grammars().first_mask(params.structured_outputs)  # compiles (cached) or raises now
-            if params.allowed_token_ids is not None and not bool(first[params.allowed_token_ids].any()):
-                raise BaigeError(
-                    "allowed_token_ids leave no token that the structured-output constraint allows first",
-                    param="allowed_token_ids",
-                )
-        if isinstance(prompt, str):
-            _check_text(prompt, "prompt")
-            if len(prompt) > self.max_prompt_chars:
-                raise BaigeError(
-                    f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                    f"has {len(prompt)} characters, far more than that many tokens can hold"
-                )
-            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
-        else:
-            text, ids = None, list(prompt)
-        if not ids:
-            raise BaigeError("the prompt is empty")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise BaigeError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        n = len(ids)
-        if n >= self.max_model_len:
-            raise BaigeError(
-                f"this model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {n} tokens, which leaves no room to generate"
-            )
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=self.max_model_len - n)
-        elif n + params.max_tokens > self.max_model_len:
-            raise BaigeError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
-                f"in the completion); reduce the prompt or max_tokens"
-            )
-        return text, ids, params
+        """Tokenize and validate a prompt (:meth:`InputProcessor.prepare`). Raises BaigeError as that
+        does, and while the engine is asleep (:meth:`sleep`)."""
+        if self.is_sleeping:
+            raise BaigeError("the engine is asleep (its KV cache is released); call wake_up() first")
+        return self.input_processor.prepare(prompt, params)
 
     def add_request(
         self,
@@ -277,7 +208,7 @@ class Engine:
             seqs.append(seq)
         for seq in seqs:  # queued only once all are built: a failure above leaves nothing behind
             self.scheduler.add(seq)
-        self.requests[request_id] = _Request(
+        self.requests[request_id] = RequestState(
             request_id,
             text,
             ids,
@@ -377,13 +308,13 @@ class Engine:
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
-        touched: dict[str, _Request] = {}
+        touched: dict[str, RequestState] = {}
         for seq in got:
             req = self.requests.get(seq.request_id)
             if req is None:  # failed earlier in this step
                 continue
             try:
-                self.num_generated_tokens += self._process_tokens(seq, lp_of[seq.seq_id])
+                self.num_generated_tokens += self.output_processor.process_tokens(seq, lp_of[seq.seq_id])
             except Exception as e:  # a detokenizer or stop-string problem of this request only
                 self._fail(seq.request_id, e)
                 touched.pop(seq.request_id, None)
@@ -409,6 +340,12 @@ class Engine:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
         return self._grammars
+
+    @property
+    def grammar_stats(self) -> dict[str, float]:
+        """The constraint compiler's counters (:attr:`GrammarCompiler.stats`, a copy); empty before
+        the first constrained request, so reading them never builds the compiler."""
+        return {} if self._grammars is None else dict(self._grammars.stats)
 
     def _start_masks(self, batch: ScheduledBatch):
         """Start the grammar masks of the constrained sequences that sample this step (on the
@@ -454,99 +391,87 @@ class Engine:
                 prompt_lps[i] = lps[0]
         return tokens, logprobs, prompt_lps
 
-    def _process_tokens(self, seq: Sequence, lps: list[Logprobs | None]) -> int:
-        """Text, stop strings and grammar for the tokens the last step appended to ``seq``, in order.
-        A stop string completed inside an accepted run of drafts ends the sequence there: the tokens
-        after it are dropped, as if they had never been generated. Returns the tokens kept."""
-        n = seq.num_new_output
-        first = len(seq.token_ids) - n
-        for j in range(n):
-            ended = self._process_token(
-                seq, seq.token_ids[first + j], lps[j] if j < len(lps) else None, last=j == n - 1
-            )
-            if ended and j < n - 1:
-                del seq.token_ids[first + j + 1 :]
-                return j + 1
-        return n
-
-    def _process_token(self, seq: Sequence, token: int, lp: Logprobs | None, last: bool = True) -> bool:
-        """One new token's text, stop strings and grammar; ``last``: the last token the step appended
-        (only then can the sequence's finish come from the scheduler). Returns whether a stop string
-        or the grammar ended the sequence at this token."""
-        st: SeqText = seq.payload
-        finished = seq.is_finished and last
-        is_stop_token = finished and seq.finish_reason == "stop" and seq.stop_reason == token
-        stop = st.add(token, is_stop_token, finished, lp)
-        if stop is not None:
-            if seq.is_finished:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                self.scheduler.finish(seq, "stop", stop)
-            return True
-        if st.grammar is not None:
-            # An error while computing this step's mask (an engine limit: then the mask allowed only
-            # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).
-            if st.grammar.is_error() or not st.grammar.consume_token(token):
-                raise BaigeError(
-                    f"structured_outputs: the constraint cannot go on after {len(seq.output_token_ids) - 1} "
-                    f"tokens ({engine_error(st.grammar)}); allowed_token_ids, if given, must keep tokens "
-                    "the constraint allows",
-                    param="structured_outputs",
-                )
-            if st.grammar.is_stopped() and not seq.is_finished:  # the language is complete: end here
-                self.scheduler.finish(seq, "stop")
-                return True
-        return False
-
-    def _output(self, req: _Request, now: float) -> RequestOutput:
-        outs = []
-        for seq in req.seqs:
-            st: SeqText = seq.payload
-            upto = st.emit_upto(seq.is_finished)
-            out_ids = seq.output_token_ids
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=st.text[:upto],
-                    token_ids=list(out_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=None if seq.stop_reason in self._eos_only else seq.stop_reason,  # EOS: None (vLLM)
-                    logprobs=list(st.logprobs) if st.logprobs is not None else None,
-                    delta_text=st.text[st.sent : upto],
-                    delta_token_ids=out_ids[st.sent_tokens :],
-                    delta_logprobs=st.logprobs[st.sent_logprobs :] if st.logprobs is not None else [],
-                )
-            )
-            st.sent, st.sent_tokens = upto, len(out_ids)
-            st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
-        finished = all(s.is_finished for s in req.seqs)
-        out = RequestOutput(
-            req.request_id,
-            req.prompt,
-            req.prompt_token_ids,
-            outs,
-            finished,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-            arrival_time=req.arrival_time,
-            first_token_time=req.first_token_time,
-            finished_time=now if finished else None,
-            spec_decode=replace(req.spec_stats, accepted_per_pos=list(req.spec_stats.accepted_per_pos))
-            if req.spec_stats is not None
-            else None,
-        )
-        if finished:
+    def _output(self, req: RequestState, now: float) -> RequestOutput:
+        out = self.output_processor.make_output(req, now)
+        if out.finished:
             del self.requests[req.request_id]
-            n_out = sum(len(o.token_ids) for o in outs)
             logger.info(
                 "request %s: %d prompt tokens, %d output tokens, %.3f s, finish %s",
                 req.request_id,
                 len(req.prompt_token_ids),
-                n_out,
+                sum(len(o.token_ids) for o in out.outputs),
                 now - req.arrival_time,
-                ",".join(str(o.finish_reason) for o in outs),
+                ",".join(str(o.finish_reason) for o in out.outputs),
             )
         return out
+
+    # ---- weights and memory (RL) -------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None) -> None:
+        """Copy new weights into the model in place (RL weight sync; ``weight_sync.copy_weights``: names,
+        layouts, DTensors), rebuild what is derived from them, and reset the prefix cache. Runs between
+        steps, as every engine call does: sequences in flight take the new weights from their next step
+        on (their K/V so far stays the old weights'); ``AsyncEngine.update_weights`` drains them first.
+        Works while asleep. ``lora_name``: the pairs are that loaded adapter's lora_A/lora_B weights
+        instead (``LoRAManager.update``). Raises BaigeError (as those; tensor parallelism; no LoRA)."""
+        self._check_local("update_weights")
+        if lora_name is not None:
+            self.resolve_lora(LoRARequest(lora_name, 1, ""))  # raises without LoRA or for a name not loaded
+            self.lora.update(lora_name, named_tensors)
+        else:
+            weight_sync.copy_weights(self.model, named_tensors)
+            if not self.is_sleeping:
+                self.runner.rebuild_native()
+        self.reset_prefix_cache()
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """:meth:`update_weights` with every tensor of a checkpoint of the same architecture (an HF
+        directory or ``.gguf``; ``weight_sync.read_checkpoint``, which raises BaigeError)."""
+        self._check_local("update_weights_from_disk")
+        self.update_weights(weight_sync.read_checkpoint(model_path, self.model).items())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache (``BlockManager.reset_prefix_cache``): no later request reuses K/V
+        computed so far; requests in flight keep theirs."""
+        self.block_manager.reset_prefix_cache()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return not self.kv_cache.allocated
+
+    def _runners(self) -> list[ModelRunner]:
+        return [self.runner] + ([self.proposer.runner] if hasattr(self.proposer, "runner") else [])
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (vLLM's sleep level 1: the paged pools, a draft model's too) until
+        :meth:`wake_up`; the weights stay, and :meth:`update_weights` works meanwhile. New requests are
+        refused while asleep. A no-op when already asleep.
+
+        Raises:
+            BaigeError: ``level`` not 1 (level 2, which also discards the weights, is not supported),
+            requests in flight (finish or abort them first), tensor parallelism, captured CUDA graphs.
+        """
+        if level != 1:
+            raise BaigeError(
+                f"sleep level {level} is not supported; level 1 releases the KV cache (the weights stay)",
+                param="level",
+            )
+        self._check_local("sleep")
+        if self.has_unfinished():
+            raise BaigeError(f"sleep: {len(self.requests)} request(s) in flight; let them finish or abort them first")
+        if not self.is_sleeping:
+            self.block_manager.reset_prefix_cache()
+            for runner in self._runners():
+                runner.release_kv()
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (empty) after :meth:`sleep`; a no-op when awake."""
+        if self.is_sleeping:
+            for runner in self._runners():
+                runner.restore_kv()
+
+    def _check_local(self, what: str) -> None:
+        if self.tp is not None:
+            raise BaigeError(f"{what} is not supported under tensor parallelism (--tensor-parallel-size > 1)")
 
     # ---- offline ---------------------------------------------------------------------------
     def run_to_completion(self, request_ids: Seq[str]) -> list[RequestOutput]:
@@ -577,11 +502,3 @@ def _sampler_row(s: Sequence) -> SamplerRow:
         output_ids=s.output_token_ids if (p.has_penalties or p.min_tokens) else None,
         stop_ids=list(s.stop_token_ids) if p.min_tokens else None,
     )
-
-
-def _check_text(text: str, field: str) -> None:
-    """Raise BaigeError for text that is not valid Unicode (a lone surrogate from a JSON escape)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BaigeError(f"{field}: not valid Unicode (a lone surrogate at character {e.start})", param=field) from None

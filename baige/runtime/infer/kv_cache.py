@@ -6,11 +6,16 @@ Which block holds which tokens is decided by :class:`baige.runtime.infer.block_m
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from baige import kernels
 from baige.errors import BaigeError
+from baige.runtime.config import EngineConfig
 from baige.runtime.model.config import ModelConfig
+
+logger = logging.getLogger("baige.engine")
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_KV_FRACTION = 0.1  # default share of available RAM for the cache on CPU
@@ -40,16 +45,39 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.scratch_block = num_blocks
-        shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
-        on_cpu = torch.device(device).type == "cpu"
+        self.device = torch.device(device)
+        self._shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
+        self._layers = cfg.num_hidden_layers
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create the pools, zero-filled (the engine's ``wake_up``): every block's K/V is gone."""
+        on_cpu = self.device.type == "cpu"
 
         def pool() -> torch.Tensor:
-            return kernels.zeroed_pages(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
+            if on_cpu:
+                return kernels.zeroed_pages(self._shape, self.dtype)
+            return torch.zeros(self._shape, dtype=self.dtype, device=self.device)
 
-        self.k = [pool() for _ in range(cfg.num_hidden_layers)]
-        self.v = [pool() for _ in range(cfg.num_hidden_layers)]
+        self.k = [pool() for _ in range(self._layers)]
+        self.v = [pool() for _ in range(self._layers)]
+
+    def release(self) -> None:
+        """Drop the pools (the engine's ``sleep``): their memory goes back to the OS (CPU: the pools'
+        own mappings) or to the CUDA caching allocator, which hands it back to the driver here, once
+        nothing else references them (a native decode table does: drop it first)."""
+        self.k, self.v = [], []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the pools exist (False between :meth:`release` and :meth:`allocate`)."""
+        return bool(self.k)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -151,3 +179,37 @@ def num_blocks_for(
             f"{need * per_block} bytes); raise --kv-cache-memory or lower --max-model-len"
         )
     return int(num_blocks)
+
+
+def allocate_kv_cache(
+    model: torch.nn.Module, kv_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int, profile: bool = True
+) -> KVCache:
+    """The engine's KV cache: ``cfg.kv_cache_memory`` bytes (an int), or without it a fraction of the memory
+    free after a warm-up step of the largest batch (:func:`profile_activation_peak`, skipped when not
+    ``profile``: tensor-parallel ranks), in blocks of ``cfg.block_size`` tokens of ``kv_cfg``'s shape
+    (this rank's KV heads) in the dtype :func:`resolve_kv_cache_dtype` picks. Logs its size.
+
+    Raises:
+        BaigeError: as :func:`resolve_kv_cache_dtype` and :func:`num_blocks_for`.
+    """
+    p = next(model.parameters())
+    peak = 0
+    if cfg.kv_cache_memory is None and profile:
+        peak = profile_activation_peak(
+            model,
+            min(cfg.max_num_batched_tokens, max_model_len),
+            min(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len),
+        )
+    dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, p.dtype, p.device)
+    num_blocks = num_blocks_for(
+        kv_cfg, cfg.block_size, dtype, p.device, cfg.kv_cache_memory, max_model_len, activation_peak=peak
+    )
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.1f MB, %s)",
+        num_blocks,
+        cfg.block_size,
+        num_blocks * cfg.block_size,
+        num_blocks * KVCache.bytes_per_block(kv_cfg, cfg.block_size, dtype) / 1e6,
+        str(dtype).removeprefix("torch."),
+    )
+    return KVCache(kv_cfg, num_blocks, cfg.block_size, dtype, p.device)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Iterable
+
+import torch
 
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
@@ -118,3 +121,23 @@ class LLM:
             self.engine.add_request(rid, prompt, p, lora_request=lora)
             ids.append(rid)
         return self.engine.run_to_completion(ids)
+
+    # ---- weights and memory (RL: the trainer's side of weight sync and colocation) ----------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None) -> None:
+        """Copy ``(state-dict name, tensor)`` pairs (a trainer's ``named_parameters()``) into the engine's
+        model in place and reset the prefix cache (:meth:`Engine.update_weights`); with ``lora_name``,
+        the lora_A/lora_B weights of that loaded adapter instead (a LoRA run syncs only those).
+        Raises BaigeError."""
+        self.engine.update_weights(named_tensors, lora_name)
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache until :meth:`wake_up` (:meth:`Engine.sleep`). Raises BaigeError."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again after :meth:`sleep`."""
+        self.engine.wake_up()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache (cached K/V of earlier prompts is not reused)."""
+        self.engine.reset_prefix_cache()

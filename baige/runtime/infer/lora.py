@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +55,10 @@ class LoRAManager:
     Args:
         model: the served Transformer (its projections get the stacks).
         max_lora_rank: largest adapter rank accepted (vLLM's ``--max-lora-rank``).
-        base_name: the name the base model is served under (no adapter may take it), or None.
     """
 
-    def __init__(self, model: Transformer, max_lora_rank: int, base_name: str | None = None):
-        self.model, self.max_lora_rank, self.base_name = model, max_lora_rank, base_name
+    def __init__(self, model: Transformer, max_lora_rank: int):
+        self.model, self.max_lora_rank = model, max_lora_rank
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.batch = LoRABatch()
@@ -72,12 +72,12 @@ class LoRAManager:
         """Read and check an adapter directory (any thread; the model is only read).
 
         Raises:
-            BaigeError (one line): an empty name or the base model's name, a name already loaded, an
+            BaigeError (one line): an empty name, a name already loaded, an
             adapter that does not fit the base (targets, shapes: see ``load_peft_adapter``) or whose
             rank exceeds ``max_lora_rank``.
         """
         name = request.lora_name
-        if not isinstance(name, str) or not name or name == self.base_name:
+        if not isinstance(name, str) or not name:
             raise BaigeError(
                 f"lora_name {name!r}: an adapter needs a non-empty name other than the base model's", param="lora_name"
             )
@@ -122,6 +122,34 @@ class LoRAManager:
                 param="lora_name",
             )
         del self.loaded[name]
+        self._rebuild()
+
+    def update(self, name: str, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace weights of the loaded adapter ``name`` (between steps; RL weight sync of a LoRA run):
+        ``(key, tensor)`` pairs named ``<module>.lora_A.weight`` (r, in) / ``<module>.lora_B.weight``
+        (out, r), as a training model's ``named_parameters()`` or PEFT's file (``base_model.model.``
+        prefix) name them, for modules the adapter has (its ranks and scalings stay). All pairs are
+        checked before any is used; then the stacks are rebuilt.
+
+        Raises:
+            LoRANotFound: ``name`` is not loaded.
+            BaigeError: a key that is not one of the adapter's lora_A/lora_B weights, or a shape that
+            differs from the adapter's (each names the key).
+        """
+        modules = self.get(name).adapter.modules
+        new: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for key, t in named_tensors:
+            module, _, which = key.removeprefix("base_model.model.").rpartition(".lora_")
+            if module not in modules or which not in ("A.weight", "B.weight"):
+                raise BaigeError(f"update_weights: {key!r} is not a lora_A/lora_B weight of the adapter {name!r}")
+            a, b, scaling = new.get(module, modules[module])
+            old = a if which == "A.weight" else b
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(old.shape):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise BaigeError(f"update_weights: {key} is {shape}, the adapter's is {tuple(old.shape)}")
+            t = t.detach().to(old.device, old.dtype)
+            new[module] = (t, b, scaling) if which == "A.weight" else (a, t, scaling)
+        modules.update(new)
         self._rebuild()
 
     def get(self, name: str) -> LoadedLoRA:

@@ -27,128 +27,18 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from baige import kernels
+from baige.errors import BaigeError
 from baige.runtime.infer.kv_cache import KVCache
-from baige.runtime.infer.sampling import (
-    Logprobs,
-    SamplerRow,
-    sample_batch,
-    target_logprobs,
-    target_probs,
-    token_logprobs,
-)
+from baige.runtime.infer.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
 from baige.runtime.infer.scheduler import ScheduledBatch
-from baige.runtime.infer.spec_decode.rejection import verify
+from baige.runtime.infer.spec_decode.rejection import verify_drafts
+from baige.runtime.infer.step_inputs import StepInputs, forward_step, group_by_width
 from baige.runtime.model.transformer import Transformer
-
-
-@dataclass
-class PagedAttentionMetadata:
-    """Attention metadata of one step (see ``model.AttentionMetadata``); owns the cache writes.
-
-    Tokens ``0 .. num_decodes-1`` are decodes (one per sequence), the rest prefill chunks.
-    """
-
-    k_cache: list[torch.Tensor]  # per layer (n_kv_heads, num_blocks + 1, block_size, head_dim)
-    v_cache: list[torch.Tensor]
-    slot_mapping: torch.Tensor  # (T,) int64
-    num_decodes: int
-    # consecutive groups of decode rows: (block_tables (S_g, W_g) int64, context_lens (S_g,) int64)
-    decode_groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    prefill_block_tables: torch.Tensor | None = None  # (P, W) int64
-    prefill_cu_seqlens: torch.Tensor | None = None  # (P + 1,) int64
-    prefill_context_lens: torch.Tensor | None = None  # (P,) int64
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: (1, T, n_heads, D); k, v: (1, T, n_kv_heads, D) -> (1, T, n_heads, D)."""
-        kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
-        q, k, v = q[0], k[0], v[0]  # (T, H, D), (T, Hkv, D)
-        kernels.store_kv(k, v, kc, vc, self.slot_mapping)
-        nd = self.num_decodes
-        parts = []
-        row = 0
-        for tables, lens in self.decode_groups:
-            n = tables.shape[0]
-            parts.append(kernels.paged_decode_attention(q[row : row + n], kc, vc, tables, lens, scale))
-            row += n
-        if nd < q.shape[0]:
-            parts.append(
-                kernels.paged_prefill_attention(
-                    q[nd:], kc, vc, self.prefill_block_tables, self.prefill_cu_seqlens, self.prefill_context_lens, scale
-                )
-            )
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return out[None]  # (1, T, H, D)
-
-
-@dataclass
-class StepInputs:
-    """One forward's inputs without the cache tensors: what rank 0 sends every tensor-parallel
-    worker each step (``tp_worker.py``), and what :func:`forward_step` runs on any rank."""
-
-    input_ids: torch.Tensor  # (1, T) int64
-    positions: torch.Tensor  # (1, T) int64
-    slot_mapping: torch.Tensor  # (T,) int64
-    num_decodes: int
-    decode_groups: list[tuple[torch.Tensor, torch.Tensor]]  # as PagedAttentionMetadata's
-    prefill_block_tables: torch.Tensor | None = None
-    prefill_cu_seqlens: torch.Tensor | None = None
-    prefill_context_lens: torch.Tensor | None = None
-    # per logits set the flattened token rows to project through lm_head (None: every row)
-    logit_rows: list[torch.Tensor | None] = field(default_factory=lambda: [None])
-
-
-def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.Tensor]:
-    """Run the model on one step's flat tokens over the paged cache ``kv`` (writing their K/V);
-    returns per ``s.logit_rows`` entry the logits ``(rows, vocab)`` in the model dtype (on a
-    tensor-parallel worker: its vocabulary slice, discarded)."""
-    md = PagedAttentionMetadata(
-        kv.k,
-        kv.v,
-        s.slot_mapping,
-        s.num_decodes,
-        s.decode_groups,
-        s.prefill_block_tables,
-        s.prefill_cu_seqlens,
-        s.prefill_context_lens,
-    )
-    hidden = model(s.input_ids, s.positions, md)[0]  # (T, hidden)
-    return [model.compute_logits(hidden if rows is None else hidden[rows]) for rows in s.logit_rows]
-
-
-# Cost of one extra decode group relative to one padded (sequence, block) of attention work, in
-# (sequence, block) units: ~10 small ops per layer against ~25 KB of fp32 K/V per block read
-# twice (gather + matmul). Measured on the 2-core dev box; only shapes the grouping, not results.
-GROUP_OVERHEAD_BLOCKS = 6
-
-
-def group_by_width(widths: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> list[int]:
-    """Split ascending block counts into consecutive groups minimising padded work.
-
-    Cost of a group = rows * (its widest row) + ``overhead`` (dynamic programming, O(n * distinct)).
-
-    Args:
-        widths: per row its block count, ascending.
-    Returns:
-        The end index of each group, ascending, the last one ``len(widths)``.
-    """
-    n = len(widths)
-    best, cut = [0] + [0] * n, [0] * (n + 1)
-    starts = [i for i in range(n) if i == 0 or widths[i] != widths[i - 1]]  # cut only where widths change
-    for j in range(1, n + 1):
-        if j < n and widths[j] == widths[j - 1]:
-            continue  # never end a group inside a run of equal widths
-        best[j], cut[j] = min((best[i] + (j - i) * widths[j - 1] + overhead, i) for i in starts if i < j)
-    ends, j = [], n
-    while j:
-        ends.append(j)
-        j = cut[j]
-    return ends[::-1]
 
 
 def _by_length(lens: list[int]) -> list[int]:
@@ -211,9 +101,9 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self._decode_fn = self._decode_forward
         # Capture on GPU only: torch.compile "reduce-overhead" records CUDA graphs of the fixed-shape
-        # decode. On CPU the step is bound by fp32 GEMV memory traffic, and a compiled graph measured
-        # no faster (8.2 vs 9.0 tokens/s at batch 1 on the 2-core dev box) for ~30 s of compile per
-        # bucket, so the CPU decode runs eager; the shapes are fixed either way.
+        # decode. On CPU the step is bound by weight-streaming memory traffic, which a compiled graph does
+        # not reduce, while each width bucket would pay a long compile: the CPU decode runs eager (measured:
+        # docs/benchmarks/archive.md); the shapes are fixed either way.
         self.captures = not enforce_eager and self.device.type == "cuda" and tp is None
         if self.captures:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
@@ -229,12 +119,45 @@ class ModelRunner:
 
             self.fused_decode, self.fused_decode_why = FusedDecoder.build(model, kv_cache)
 
+    def rebuild_native(self) -> None:
+        """Build the native CPU decode table again (a no-op where it cannot run): after the model's
+        weights were written in place (the table's derived copies -- a bf16 model's fp32 norms and
+        biases, joined biases, permuted q/k -- are made when it is built) or the KV pools reallocated.
+        A model that is no longer eligible (or whose LoRA stacks are not) runs every step per-op."""
+        if self.tp is not None or self.device.type != "cpu":
+            return
+        from baige.runtime.infer.cpu_decode import FusedDecoder
+
+        self.fused_decode, self.fused_decode_why = FusedDecoder.build(self.model, self.kv)
+        if self.lora is not None:
+            self._fused_lora_version, self._fused_lora_ok = self.lora.version, self.fused_decode is not None
+
+    def release_kv(self) -> None:
+        """Free the KV pools (the engine's ``sleep``); the runner cannot step until :meth:`restore_kv`.
+
+        Raises:
+            BaigeError: decode steps run as captured CUDA graphs, which read the pools' addresses (a
+            reallocated pool would not be where they write); run with ``enforce_eager``.
+        """
+        if self.captures:
+            raise BaigeError(
+                "sleep with captured CUDA graphs is not supported (they hold the KV pools' addresses); "
+                "start the engine with enforce_eager=True (--enforce-eager)"
+            )
+        self.fused_decode, self.fused_decode_why = None, "the KV cache is released (asleep)"
+        self.kv.release()
+
+    def restore_kv(self) -> None:
+        """Allocate the KV pools again, zero-filled (the engine's ``wake_up``), and the native table."""
+        self.kv.allocate()
+        self.rebuild_native()
+
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def _rows_of(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``t[rows]``; a view when the rows are consecutive (one decoding row per sequence, the usual
-        step), where an index gather would copy them (~30 us for one 49152-wide fp32 row, 1 thread)."""
+        step), where an index gather would copy a vocabulary-wide row per sequence."""
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return t[rows[0] : rows[0] + len(rows)]
         return t[self._tensor(rows)]
@@ -405,11 +328,8 @@ class ModelRunner:
         sample_at = list(flat_of_row)  # every decode row samples (its rows are consecutive in `owner`)
         spans = _spans(owner)
         ids, pos, slots = [ids[r] for r in order], [pos[r] for r in order], [slots[r] for r in order]
-        score_at, score_targets, score_spans = (
-            [],
-            [],
-            [],
-        )  # prompt logprobs: flat positions, next tokens, (row, first, n)
+        # prompt logprobs: flat positions, next tokens, (row, first, n)
+        score_at, score_targets, score_spans = [], [], []
         pre_tables, pre_cu, pre_lens = [], [0], []
         for i in range(nd, len(batch)):
             s, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -442,21 +362,7 @@ class ModelRunner:
             and self.fused_decode.takes_rows(len(ids), max(pre_lens))
             and (not lora or self._native_lora())
         ):
-            # every row a decode row of its own context: the causal mask of a prefill chunk is each
-            # row's context length, its K/V stored before the layer's attention reads it
-            row_tables = [batch.seqs[owner[r]].block_table for r in order] + [
-                batch.seqs[i].block_table for i in range(nd, len(batch)) for _ in range(batch.num_new_tokens[i])
-            ]
-            w, scratch = max(len(t) for t in row_tables), self.kv.scratch_block
-            hidden = self.fused_decode(
-                self._tensor([ids]),
-                self._tensor([pos]),
-                self._tensor(slots),
-                self._tensor([t + [scratch] * (w - len(t)) for t in row_tables]),
-                self._tensor([p + 1 for p in pos]),
-                self.lora.batch.token_lora_ids if lora else None,
-            )[0]
-            out = self.fused_decode.logits(hidden[self._tensor(sample_at + score_at)])
+            out = self._mixed_native(batch, [owner[r] for r in order], ids, pos, slots, sample_at + score_at, lora)
             logits, scored = out[: len(sample_at)], [out[len(sample_at) :]]
             return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
         groups = self._groups_in(order, [batch.seqs[o].block_table for o in owner], decode_lens) if nd else []
@@ -474,6 +380,35 @@ class ModelRunner:
             step.prefill_cu_seqlens, step.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
         logits, *scored = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring
         return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
+
+    def _mixed_native(
+        self,
+        batch: ScheduledBatch,
+        decode_owner: list[int],
+        ids: list[int],
+        pos: list[int],
+        slots: list[int],
+        rows: list[int],
+        lora: bool,
+    ) -> torch.Tensor:
+        """:meth:`_run_mixed`'s step through the native CPU decode: every row a decode row of its own
+        context (the causal mask of a prefill chunk is each row's context length, its K/V stored before
+        the layer's attention reads it). ``decode_owner``: the batch index of each decode row, in row
+        order; ``ids``, ``pos``, ``slots``: every flat row's; returns the logits of the flat ``rows``."""
+        nd = batch.num_decodes
+        row_tables = [batch.seqs[o].block_table for o in decode_owner] + [
+            batch.seqs[i].block_table for i in range(nd, len(batch)) for _ in range(batch.num_new_tokens[i])
+        ]
+        w, scratch = max(len(t) for t in row_tables), self.kv.scratch_block
+        hidden = self.fused_decode(
+            self._tensor([ids]),
+            self._tensor([pos]),
+            self._tensor(slots),
+            self._tensor([t + [scratch] * (w - len(t)) for t in row_tables]),
+            self._tensor([p + 1 for p in pos]),
+            self.lora.batch.token_lora_ids if lora else None,
+        )[0]
+        return self.fused_decode.logits(hidden[self._tensor(rows)])
 
     def _prompt_logprobs(
         self,
@@ -537,39 +472,5 @@ class ModelRunner:
                 tokens[i], logprobs[i] = [t], [lp]
         spec = [(i, first, n) for i, first, n in spans if batch.seqs[i].spec_token_ids]
         if spec:
-            self._verify(batch, rows, logits, spec, tokens, logprobs)
+            verify_drafts(batch, rows, logits, spec, tokens, logprobs)
         return tokens, logprobs, prompt_lps
-
-    def _verify(
-        self,
-        batch: ScheduledBatch,
-        rows: list[SamplerRow | None],
-        logits: torch.Tensor,
-        spec: list[tuple[int, int, int]],
-        tokens: list[list[int]],
-        logprobs: list[list[Logprobs | None]],
-    ) -> None:
-        """Verify the draft tokens of the speculating sequences (``spec``: batch index, first logits
-        row, rows = drafts + 1), filling ``tokens`` and ``logprobs`` in place."""
-        pos_rows, at = [], []
-        for i, first, n in spec:
-            drafts, mask = batch.seqs[i].spec_token_ids, rows[i].token_mask
-            pos_rows += [
-                rows[i].with_outputs(drafts[:j])
-                if mask is None
-                else replace(rows[i].with_outputs(drafts[:j]), token_mask=mask[j])
-                for j in range(n)
-            ]
-            at += range(first, first + n)
-        sub = logits[self._tensor(at)]
-        probs = target_probs(sub, pos_rows)  # (sum n, vocab)
-        off = 0
-        for i, first, n in spec:
-            seq, row = batch.seqs[i], rows[i]
-            emitted = verify(
-                probs[off : off + n], seq.spec_token_ids, seq.spec_draft_probs, row.params.greedy, row.generator
-            )
-            tokens[i] = emitted
-            k = row.params.logprobs
-            logprobs[i] = token_logprobs(sub[off : off + len(emitted)], emitted, [k] * len(emitted))
-            off += n

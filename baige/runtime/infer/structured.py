@@ -150,7 +150,7 @@ class GrammarCompiler:
     def _tokenizer(self):
         from llguidance import LLExecutor, LLTokenizer
 
-        if self._lltok is None:  # ~1.5 s for a 49k vocabulary: built on the first constrained request
+        if self._lltok is None:  # costly for a large vocabulary: built on the first constrained request
             self._lltok = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
             self._executor = LLExecutor()
         return self._lltok

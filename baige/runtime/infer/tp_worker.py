@@ -13,13 +13,13 @@ Launch (:func:`start_tensor_parallel`):
 
 Each engine has its own process groups (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a
 ``FileStore`` or torchrun's store; torch.distributed's default group is never initialised). Each step
-rank 0 sends the step's flat inputs (:class:`~baige.runtime.infer.runner.StepInputs`: token ids,
+rank 0 sends the step's flat inputs (:class:`~baige.runtime.infer.step_inputs.StepInputs`: token ids,
 positions, slots, block tables -- a few KB, pickled) as one gloo broadcast of a
 :data:`STEP_BYTES`-byte tensor (a second one only for a larger step), then every rank runs the same
 forward. A tensor broadcast, not a shared-memory ring, because it is the one transport that also
-spans machines; on the 2-core dev box one costs ~0.3 ms (README Performance), against ~20-130 ms for a
-decode step of a 135M model. On GPU the metadata stays on the gloo group (vLLM's ``cpu_group``); the
-model's collectives use NCCL.
+spans machines; on a CPU host one costs a small fraction of a decode step even of a 135M model
+(docs/benchmarks/archive.md, "Tensor-parallel serving on the CPU"). On GPU the metadata stays on the
+gloo group (vLLM's ``cpu_group``); the model's collectives use NCCL.
 
 Liveness: a step that raises on any rank is fatal for the group (the ranks' collectives could be out of
 step), so a worker exits non-zero on any error, and rank 0 raises :class:`WorkerDied`: the serving
@@ -56,7 +56,7 @@ from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.outputs import EngineDeadError
-from baige.runtime.infer.runner import StepInputs, forward_step
+from baige.runtime.infer.step_inputs import StepInputs, forward_step
 from baige.runtime.infer.tensor_parallel import Comm, check_shardable, shard_model
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.device import resolve_device

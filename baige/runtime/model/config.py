@@ -15,6 +15,9 @@ DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# The projections of a Llama-family block (HF names), the usual LoRA targets. Here, beside the other
+# torch-free facts of the architecture, so that option help and config checks need no torch.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass

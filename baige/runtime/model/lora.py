@@ -32,9 +32,7 @@ from torch import nn
 
 from baige import kernels
 from baige.errors import BaigeError
-
-# The projections of a Llama-family block (HF names), the usual LoRA targets.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from baige.runtime.model.config import LORA_TARGETS  # noqa: F401  (re-exported: the usual targets)
 
 
 def lora_scaling(rank: int, alpha: float, use_rslora: bool = False) -> float:

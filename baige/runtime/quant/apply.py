@@ -51,8 +51,9 @@ def input_sq_means(
     when the input columns are treated as uncorrelated -- the weighting of the clip search.
     ``skip_first``: the first position is the attention sink. On SmolLM2-135M its MLP intermediate
     (``down_proj``'s input) has a few channels so large that counting this one token multiplies
-    their mean square by up to 1151 (layer 11; 477 in layer 29; the attention and MLP input
-    projections change by at most 1.4x), so it would set those channels' weights alone.
+    their mean square by orders of magnitude (the attention and MLP input projections barely change;
+    docs/benchmarks/archive.md, "Quantization (perplexity)"), so it would set those channels' weights
+    alone.
 
     Args:
         model: a :class:`Transformer` (``forward(input_ids, positions)``).
@@ -152,7 +153,8 @@ def quantize_model(
         clip_search: RTN: each group's range from :func:`search_qparams` instead of its min/max
             (compressed-tensors' ``minmax`` observer), the squared error weighted per input column by
             the mean squared activation over ``calib_ids`` when given, else unweighted. Measured on
-            SmolLM2-135M int4 g128 (README): weighted lowers wikitext perplexity, unweighted raises it.
+            SmolLM2-135M int4 g128 (docs/benchmarks/archive.md, "Quantization (perplexity)"):
+            weighted lowers wikitext perplexity, unweighted raises it.
             GPTQ: the same search at the point GPTQ fixes each group's parameters, weighted by the
             layer Hessian's diagonal (:func:`gptq.gptq_quantize_weight`).
         gptq_kwargs: ``percdamp``, ``block_size``, ``batch_size``, ``sink_weight``, ``down_percdamp`` for

@@ -2,16 +2,16 @@
 
 ``fp16-weight``: weights stored as fp16, activations and accumulation fp32 (baige's native F16C
 kernel for decode-sized batches, fbgemm's ``torch.ops.quantized.linear_dynamic_fp16`` for larger
-ones; both widen fp16 weights to fp32 in registers). A decode step is bound by weight bytes (540 MB per token in fp32
-for the 135M
-model), and this halves them; the only error is rounding each weight to fp16 (11-bit mantissa). On
-the embedded SmolLM2-135M: wikitext-2 perplexity 39.972 in both, top-1 agreement with fp32 99.95%
-over 2048 tokens, greedy batch-1 decode 1.4x faster (9.3 vs 6.7 tokens/s, 1 thread, load ~6).
+ones; both widen fp16 weights to fp32 in registers). A decode step is bound by weight bytes (540 MB
+per token in fp32 for the 135M model), and this halves them; the only error is rounding each weight
+to fp16 (11-bit mantissa), which leaves the embedded model's wikitext-2 perplexity as good as
+unchanged while batch-1 decode gets faster (measured: docs/benchmarks/archive.md, "The first CPU
+runs").
 
-Not offered: int8 W8A8 with fbgemm's dynamic per-tensor activations (``linear_dynamic``) was 1.8x
-faster at batch 1 but took perplexity from 40.0 to 119.6 (top-1 agreement 42%): SmolLM2's activation
-outliers do not survive a per-tensor 7-bit activation scale. ``torch._weight_int8pack_mm``
-(weight-only int8) measured 5-20x slower than fp32 on the AVX2 dev box.
+Not offered: int8 W8A8 with fbgemm's dynamic per-tensor activations (``linear_dynamic``) was faster at
+batch 1 but multiplied the embedded model's perplexity: SmolLM2's activation outliers do not survive a
+per-tensor 7-bit activation scale. ``torch._weight_int8pack_mm`` (weight-only int8) measured slower
+than fp32.
 
 ``int8-weight``: weights rounded to int8 per output channel at load (RTN, symmetric, max-based
 scale: :func:`baige.runtime.quant.scheme.quantize_weight`), run by the int8 kernels of

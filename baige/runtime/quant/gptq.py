@@ -233,12 +233,13 @@ def gptq_quantize_model(
         sink_weight: weight of each window's first token in the Hessian of the attention input
             projections (``q_proj``/``k_proj``/``v_proj``). The first position is the attention sink
             that every later query reads; with weight 1 it is 1/seq_len of the objective and GPTQ
-            moves rounding error onto its keys/values (measured on SmolLM2-135M: GPTQ on v_proj
-            alone raised wikitext ppl 20.24 -> 22.9 while RTN gave 20.55; weight 32 gives 20.09).
+            moves rounding error onto its keys/values (on SmolLM2-135M, GPTQ on v_proj alone then
+            did worse than RTN, and weight 32 better: docs/benchmarks/archive.md, "Quantization
+            (perplexity)").
         down_percdamp: damping for ``down_proj`` (the MLP output; also every routed expert's,
             Mixtral's ``w2``), whose 1536-wide gated input Hessian from a small off-domain
             calibration set overfits: with 1% damping GPTQ's held-out output error on down_proj
-            exceeded RTN's in most layers (3x in layer 28).
+            exceeded RTN's in most layers.
         clip_search: group scales/zero points from the Hessian-diagonal-weighted clip search
             (:func:`gptq_quantize_weight`). The round-to-nearest fallback outside the decoder
             layers keeps min/max parameters (no Hessian is collected for it, and the unweighted

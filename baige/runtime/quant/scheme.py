@@ -147,7 +147,8 @@ def clip_factors(
     ``i = 1 .. round(maxshrink * grid) - 1`` (the grid of llm-compressor's ``mse`` observer, its
     ``grid`` and ``maxshrink`` arguments), then the widening factors ``1 + i / grid`` for
     ``i = 1 .. round(maxexpand * grid)`` (with the zero-point neighbours of :func:`search_qparams`
-    they lowered held-out perplexity of the embedded model at int4 g128 asymmetric; README)."""
+    they lowered held-out perplexity of the embedded model at int4 g128 asymmetric;
+    docs/benchmarks/archive.md, "Quantization (perplexity)")."""
     n = max(1, round(maxshrink * grid))
     return [1.0 - i / grid for i in range(n)] + [1.0 + i / grid for i in range(1, round(maxexpand * grid) + 1)]
 
@@ -178,8 +179,8 @@ def search_qparams(
     one step toward either end, so the clipping can fall on the side where it costs less. With
     the widening factors it lowered held-out perplexity of the embedded SmolLM2-135M at int4 g128
     asymmetric when ``c_j`` came from 64 or more calibration windows of 512 tokens. From 8 windows
-    it fits the sample: worse than the shrink-only search on two seeds of three (README,
-    Quantization).
+    it fits the sample: worse than the shrink-only search on two seeds of three
+    (docs/benchmarks/archive.md, "Quantization (perplexity)").
 
     Args:
         grouped: (out, n_groups, g) float32 weights, ``g`` columns per group (zero padded).

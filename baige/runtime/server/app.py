@@ -1,4 +1,5 @@
-"""The FastAPI application: routes (:mod:`.routes`; tool calling in :mod:`.tools`), error handlers in
+"""The FastAPI application: the route modules' routers (``*_routes``, over the shared plumbing of
+:mod:`.serving`; tool calling in :mod:`.tools`), error handlers in
 OpenAI's shape (:mod:`.protocol`) for every status (400, 401, 404, 405, 408, 413, 422, 500, 503), a
 request-size limit and read deadlines, bearer-token auth, metrics (:mod:`.metrics`), and :func:`run_server` (uvicorn).
 
@@ -25,9 +26,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.lora import LoRANotFound
-from baige.runtime.server import chat_routes, lora_routes, routes
+from baige.runtime.server import chat_routes, completion_routes, lora_routes, rl_routes, routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
+from baige.runtime.server.serving import DEFAULT_MAX_N, ServerState
 from baige.runtime.server.tools import tool_config
 
 logger = logging.getLogger("baige.server")
@@ -35,6 +37,8 @@ logger = logging.getLogger("baige.server")
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # `baige serve --max-request-bytes`
 DEAD_EXIT_DELAY_S = 2.0  # /health answers 503 this long before the process exits
 
+# The routers every server includes; lora_routes joins them with --enable-lora (build_app).
+ROUTERS = (routes.router, completion_routes.router, chat_routes.router)
 
 READ_TIMEOUT_S = 30.0  # `baige serve --read-timeout`: longest wait for a request's headers (then the
 # connection is closed) and for each next piece of its body (then 408)
@@ -92,14 +96,15 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """Pure ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (401 otherwise),
-    compared in constant time. Not a BaseHTTPMiddleware: that wrapper hides client disconnects."""
+    """Pure ASGI middleware: /v1/* and the ``guarded`` paths need ``Authorization: Bearer <api_key>``
+    (401 otherwise), compared in constant time. Not a BaseHTTPMiddleware: that wrapper hides client
+    disconnects."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str, guarded: tuple[str, ...] = ()):
+        self.app, self.expected, self.guarded = app, f"Bearer {api_key}".encode(), frozenset(guarded)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in self.guarded):
             given = [v for k, v in scope["headers"] if k == b"authorization"]
             # exactly one header: with two, proxies and frameworks disagree on which one counts
             if len(given) != 1 or not hmac.compare_digest(given[0], self.expected):
@@ -164,29 +169,31 @@ def build_app(
     engine: AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
-    max_n: int = routes.DEFAULT_MAX_N,
+    max_n: int = DEFAULT_MAX_N,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     tool_call_parser: str = "auto",
     exclude_tools_when_tool_choice_none: bool = False,
     enable_auto_tool_choice: bool = True,
     read_timeout: float = READ_TIMEOUT_S,
+    enable_rl_endpoints: bool = False,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
     ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
     ``read_timeout``: seconds each piece of a body may take (408 after it);
-    ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...).
+    ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...);
+    ``enable_rl_endpoints``: the RL hooks (:mod:`.rl_routes`, ``baige serve --enable-rl-endpoints``).
     """
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
-    engine.on_output = metrics.on_output
+    engine.set_on_output(metrics.on_output)
     tools = tool_config(
-        engine.engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none, enable_auto_tool_choice
+        engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none, enable_auto_tool_choice
     )
-    app.state.baige = routes.ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
+    app.state.baige = ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
     app.state.baige_max_bytes, app.state.baige_read_timeout = max_request_bytes, read_timeout
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key, guarded=rl_routes.RL_PATHS if enable_rl_endpoints else ())
     app.add_middleware(
         BodyLimit, max_bytes=max_request_bytes, timeout=read_timeout
     )  # outermost: before auth reads anything
@@ -202,15 +209,12 @@ def build_app(
         (Exception, _internal_error),
     ):
         app.add_exception_handler(exc, handler)
-    app.add_api_route("/health", routes.health, methods=["GET", "HEAD"])
-    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_routes.chat_completions, methods=["POST"])
-    if engine.engine.lora is not None:  # --enable-lora: vLLM's runtime adapter endpoints
-        engine.engine.lora.base_name = served_model_name  # no adapter may take the base's name
-        app.add_api_route("/v1/load_lora_adapter", lora_routes.load_lora_adapter, methods=["POST"])
-        app.add_api_route("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter, methods=["POST"])
+    for router in ROUTERS:
+        app.include_router(router)
+    if engine.lora_enabled:  # --enable-lora: vLLM's runtime adapter endpoints
+        app.include_router(lora_routes.router)
+    if enable_rl_endpoints:  # --enable-rl-endpoints: the RL drivers' hooks (vLLM's / SGLang's names)
+        app.include_router(rl_routes.router)
     return app
 
 
@@ -269,15 +273,17 @@ def run_server(
     sock: socket.socket,
     api_key: str | None = None,
     log_level: str = "info",
-    max_n: int = routes.DEFAULT_MAX_N,
+    max_n: int = DEFAULT_MAX_N,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     read_timeout: float = READ_TIMEOUT_S,
+    enable_rl_endpoints: bool = False,
     **tool_options,
 ) -> None:
     """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
     interrupted; the engine thread is stopped on the way out. ``tool_options``: :func:`build_app`'s
     ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``;
-    ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`).
+    ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`);
+    ``enable_rl_endpoints``: :func:`build_app`'s.
 
     Raises:
         BaigeError: the engine loop stopped while serving (after /health has answered 503 for
@@ -286,7 +292,14 @@ def run_server(
     import uvicorn
 
     app = build_app(
-        engine, served_model_name, api_key, max_n, max_request_bytes, read_timeout=read_timeout, **tool_options
+        engine,
+        served_model_name,
+        api_key,
+        max_n,
+        max_request_bytes,
+        read_timeout=read_timeout,
+        enable_rl_endpoints=enable_rl_endpoints,
+        **tool_options,
     )
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": read_timeout})
     server = uvicorn.Server(
@@ -296,7 +309,7 @@ def run_server(
     def stop_later() -> None:
         threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
-    engine.on_dead = stop_later
+    engine.set_on_dead(stop_later)
     try:
         server.run(sockets=[sock])
     finally:

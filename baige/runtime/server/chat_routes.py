@@ -11,16 +11,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from baige.errors import BaigeError
 from baige.runtime.infer.outputs import RequestOutput
-from baige.runtime.infer.sampling import Logprobs
-from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.server.protocol import APIError, ChatCompletionRequest
-from baige.runtime.server.routes import (
+from baige.runtime.server.serving import (
+    DONE,
     ServerState,
+    chat_logprobs,
     collect,
     event_stream,
     include_usage,
@@ -35,23 +35,14 @@ from baige.runtime.server.routes import (
 from baige.runtime.server.tool_streams import assemble, delta_of
 from baige.runtime.server.tools import ToolPlan, plan_tools
 
-
-def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict:
-    def entry(t: int, v: float) -> dict:
-        text = tok.decode([t], skip_special_tokens=False)
-        return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
-
-    return {
-        "content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
-    }
+router = APIRouter()
 
 
 def check_chat_size(st: ServerState, req: ChatCompletionRequest) -> None:
     """Refuse, before rendering or tokenizing anything, a conversation whose text (messages, tool
     calls, tools) is longer than ``Engine.max_prompt_chars``, the rule ``Engine.prepare`` applies to a
     completion prompt. Raises APIError (400)."""
-    engine = st.engine.engine
-    limit = engine.max_prompt_chars
+    limit = st.engine.max_prompt_chars
     chars = 0
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
@@ -64,7 +55,7 @@ def check_chat_size(st: ServerState, req: ChatCompletionRequest) -> None:
         chars += len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
     if chars > limit:
         raise APIError(
-            f"this model's maximum context length is {engine.max_model_len} tokens; the conversation "
+            f"this model's maximum context length is {st.engine.max_model_len} tokens; the conversation "
             f"has {chars} characters, far more than that many tokens can hold",
             param="messages",
         )
@@ -89,6 +80,7 @@ def finish_reason(o, reader) -> str | None:
     return "tool_calls" if reader.calls and o.finish_reason == "stop" else o.finish_reason
 
 
+@router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     st = state_of(request)
     req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
@@ -189,4 +181,4 @@ async def stream_chat(
                 )
     if include_usage(req):
         yield sse({**chunk, "choices": [], "usage": usage(n_prompt, n_out)})
-    yield "data: [DONE]\n\n"
+    yield DONE

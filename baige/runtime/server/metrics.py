@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.outputs import RequestOutput
+from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 
-# ---- metrics ------------------------------------------------------------------------------------
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
@@ -20,31 +20,7 @@ class Metrics:
 
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.registry = r = CollectorRegistry()
-        eng, bm = engine.engine, engine.engine.block_manager
-        Gauge("baige:num_requests_running", "Requests with sequences in the running queue.", registry=r).set_function(
-            lambda: eng.num_running_requests
-        )
-        Gauge("baige:num_requests_waiting", "Requests waiting to be scheduled.", registry=r).set_function(
-            lambda: eng.num_waiting_requests + engine.num_pending
-        )
-        Gauge("baige:kv_cache_blocks_used", "KV-cache blocks referenced by a sequence.", registry=r).set_function(
-            lambda: bm.num_used_blocks
-        )
-        Gauge("baige:kv_cache_blocks_total", "KV-cache blocks in the pool.", registry=r).set(bm.num_blocks)
-        Gauge("baige:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", registry=r).set_function(
-            lambda: bm.num_used_blocks / bm.num_blocks
-        )
-        Gauge(
-            "baige:prefix_cache_hit_rate",
-            "Prompt tokens found in the prefix cache / prompt tokens looked up.",
-            registry=r,
-        ).set_function(lambda: bm.prefix_hit_rate)
-        Gauge("baige:num_preemptions", "Sequences preempted (recompute) so far.", registry=r).set_function(
-            lambda: eng.scheduler.num_preemptions
-        )
-        self._structured_gauges(eng, r)
-        if eng.proposer is not None:
-            r.register(_SpecDecodeCollector(eng))
+        r.register(_EngineCollector(engine))
         self.prompt_tokens = Counter("baige:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("baige:generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter(
@@ -69,29 +45,6 @@ class Metrics:
             registry=r,
         )
 
-    @staticmethod
-    def _structured_gauges(eng, r: CollectorRegistry) -> None:
-        """Structured outputs: constrained requests, grammar compiles and their time, mask time per token."""
-
-        def stat(name: str):
-            return lambda: eng.grammars().stats[name] if eng._grammars is not None else 0
-
-        Gauge(
-            "baige:structured_output_requests", "Requests with a structured-output constraint so far.", registry=r
-        ).set_function(lambda: eng.num_constrained_requests)
-        Gauge("baige:grammar_compiles", "Constraints compiled (cache misses).", registry=r).set_function(
-            stat("compiles")
-        )
-        Gauge("baige:grammar_compile_seconds", "Seconds spent compiling constraints, in all.", registry=r).set_function(
-            stat("compile_seconds")
-        )
-        Gauge("baige:structured_mask_seconds", "Seconds spent computing token masks, in all.", registry=r).set_function(
-            stat("mask_seconds")
-        )
-        Gauge("baige:structured_masked_tokens", "Tokens sampled under a grammar mask.", registry=r).set_function(
-            stat("masked_tokens")
-        )
-
     def on_output(self, out: RequestOutput) -> None:
         """Called by the engine thread with every output."""
         self.generation_tokens.inc(sum(len(o.delta_token_ids) for o in out.outputs))
@@ -109,38 +62,81 @@ class Metrics:
             self.e2e.observe(out.finished_time - out.arrival_time)
 
 
-class _SpecDecodeCollector:
-    """Speculative decoding's counters under vLLM's names (``vllm:spec_decode_*`` -> ``baige:``):
-    drafts, draft tokens, accepted tokens (counters), accepted tokens per draft position, and the
-    acceptance rate and mean acceptance length they give (gauges)."""
+# (name, help, EngineStats field): the engine's gauges, read from one snapshot per scrape
+_GAUGES = (
+    ("baige:num_requests_running", "Requests with sequences in the running queue.", "num_requests_running"),
+    ("baige:num_requests_waiting", "Requests waiting to be scheduled.", "num_requests_waiting"),
+    ("baige:kv_cache_blocks_used", "KV-cache blocks referenced by a sequence.", "kv_cache_blocks_used"),
+    ("baige:kv_cache_blocks_total", "KV-cache blocks in the pool.", "kv_cache_blocks_total"),
+    (
+        "baige:prefix_cache_hit_rate",
+        "Prompt tokens found in the prefix cache / prompt tokens looked up.",
+        "prefix_cache_hit_rate",
+    ),
+    ("baige:num_preemptions", "Sequences preempted (recompute) so far.", "num_preemptions"),
+    (
+        "baige:structured_output_requests",
+        "Requests with a structured-output constraint so far.",
+        "num_structured_output_requests",
+    ),
+)
+# (name, help, key of EngineStats.grammar): structured outputs' compiles, their time, mask time
+_GRAMMAR_GAUGES = (
+    ("baige:grammar_compiles", "Constraints compiled (cache misses).", "compiles"),
+    ("baige:grammar_compile_seconds", "Seconds spent compiling constraints, in all.", "compile_seconds"),
+    ("baige:structured_mask_seconds", "Seconds spent computing token masks, in all.", "mask_seconds"),
+    ("baige:structured_masked_tokens", "Tokens sampled under a grammar mask.", "masked_tokens"),
+)
 
-    def __init__(self, eng):
-        self.eng = eng
+
+class _EngineCollector:
+    """The engine's state at scrape time (:meth:`AsyncEngine.stats`, one snapshot per scrape): queue
+    lengths, KV-cache use, preemptions, structured outputs; with a proposer, speculative decoding's
+    counters under vLLM's names (``vllm:spec_decode_*`` -> ``baige:``): drafts, draft tokens, accepted
+    tokens, accepted tokens per draft position, and the acceptance rate and mean acceptance length."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
 
     def collect(self):
-        st = self.eng.spec_stats
-        yield CounterMetricFamily(
-            "baige:spec_decode_num_drafts", "Verify steps with at least one draft token.", value=st.num_drafts
-        )
-        yield CounterMetricFamily(
-            "baige:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", value=st.num_draft_tokens
-        )
-        yield CounterMetricFamily(
-            "baige:spec_decode_num_accepted_tokens", "Draft tokens accepted.", value=st.num_accepted_tokens
-        )
-        per_pos = CounterMetricFamily(
-            "baige:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position (0-based).",
-            labels=["position"],
-        )
-        for pos, n in enumerate(st.accepted_per_pos):
-            per_pos.add_metric([str(pos)], n)
-        yield per_pos
+        stats = self.engine.stats()
+        for name, doc, field in _GAUGES:
+            yield GaugeMetricFamily(name, doc, value=getattr(stats, field))
         yield GaugeMetricFamily(
-            "baige:spec_decode_acceptance_rate", "Accepted / draft tokens so far (0-1).", value=st.acceptance_rate
+            "baige:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0-1).",
+            value=stats.kv_cache_blocks_used / stats.kv_cache_blocks_total,
         )
-        yield GaugeMetricFamily(
-            "baige:spec_decode_mean_acceptance_length",
-            "Tokens emitted per verify step, the target's own included (1 + accepted / drafts).",
-            value=st.mean_acceptance_length,
-        )
+        for name, doc, key in _GRAMMAR_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=stats.grammar.get(key, 0))
+        if stats.spec_decode is not None:
+            yield from _spec_decode_families(stats.spec_decode)
+
+
+def _spec_decode_families(st: SpecDecodeStats):
+    """Speculative decoding's counters and the two gauges they give."""
+    yield CounterMetricFamily(
+        "baige:spec_decode_num_drafts", "Verify steps with at least one draft token.", value=st.num_drafts
+    )
+    yield CounterMetricFamily(
+        "baige:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", value=st.num_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "baige:spec_decode_num_accepted_tokens", "Draft tokens accepted.", value=st.num_accepted_tokens
+    )
+    per_pos = CounterMetricFamily(
+        "baige:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position (0-based).",
+        labels=["position"],
+    )
+    for pos, n in enumerate(st.accepted_per_pos):
+        per_pos.add_metric([str(pos)], n)
+    yield per_pos
+    yield GaugeMetricFamily(
+        "baige:spec_decode_acceptance_rate", "Accepted / draft tokens so far (0-1).", value=st.acceptance_rate
+    )
+    yield GaugeMetricFamily(
+        "baige:spec_decode_mean_acceptance_length",
+        "Tokens emitted per verify step, the target's own included (1 + accepted / drafts).",
+        value=st.mean_acceptance_length,
+    )

@@ -20,7 +20,7 @@ import tomllib
 
 from baige.errors import BaigeError
 from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int, check_output_path
-from baige.runtime.model.lora import LORA_TARGETS
+from baige.runtime.model.config import LORA_TARGETS
 from baige.runtime.train.rl.config import RLSection, validate_rl
 
 
@@ -51,7 +51,7 @@ class TrainingSection:
     device: str = "auto"  # auto | cpu | cuda
     activation_checkpointing: str = "none"  # none | full | N (every N-th block)
     # torch.compile each block; auto = on for single-device CPU training (no FSDP/TP), where the blocks'
-    # reference norms/RoPE/SwiGLU otherwise run as many small eager ops (README, Performance)
+    # reference norms/RoPE/SwiGLU otherwise run as many small eager ops (docs/benchmarks/archive.md)
     compile: bool | str = "auto"  # auto | true | false
 
 

@@ -42,27 +42,7 @@ def load_model(
         model = Transformer(cfg)
     if cfg.raw.get("quantization_config"):
         prepare_quantized_model(model, cfg.raw["quantization_config"], str(model_dir / "config.json"))
-    expected = model.state_dict()
-    if cfg.tie_word_embeddings:
-        # Tied checkpoints usually omit lm_head; when present it duplicates the embedding.
-        state.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight")
-    elif "lm_head.weight" not in state:
-        raise BaigeError(
-            f"{model_dir}: untied model (tie_word_embeddings=false) but no lm_head.weight in the checkpoint"
-        )
-    for name, ref in expected.items():
-        if name not in state:
-            raise BaigeError(f"{model_dir}: tensor {name!r} missing from the checkpoint")
-        if tuple(state[name].shape) != tuple(ref.shape):
-            raise BaigeError(
-                f"{model_dir}: tensor {name!r} has shape {tuple(state[name].shape)}, config expects {tuple(ref.shape)}"
-            )
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise BaigeError(
-            f"{model_dir}: unexpected tensor {unexpected[0]!r} in the checkpoint ({len(unexpected)} in all)"
-        )
+    check_state_dict(state, model, model_dir)
     state = {k: v.to(device) for k, v in state.items()}
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -70,3 +50,31 @@ def load_model(
     model.tie_weights()
     model.rotary_emb = RotaryEmbedding(cfg).to(device)  # its buffer was built on meta
     return model.eval()
+
+
+def check_state_dict(state: dict[str, torch.Tensor], model: Transformer, where: str | Path) -> None:
+    """Check that ``state`` (baige's layout: :func:`moe_layout.to_internal` applied) holds exactly the
+    tensors of ``model``, each of the model's shape; a tied model's ``lm_head.weight`` is dropped from
+    ``state`` (in place), as tied checkpoints usually omit it and, when present, it duplicates the
+    embedding.
+
+    Raises:
+        BaigeError: naming ``where`` and the first missing, mis-shaped or unexpected tensor, or an untied
+        model without ``lm_head.weight``.
+    """
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight")
+    elif "lm_head.weight" not in state:
+        raise BaigeError(f"{where}: untied model (tie_word_embeddings=false) but no lm_head.weight in the checkpoint")
+    for name, ref in expected.items():
+        if name not in state:
+            raise BaigeError(f"{where}: tensor {name!r} missing from the checkpoint")
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise BaigeError(
+                f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, config expects {tuple(ref.shape)}"
+            )
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise BaigeError(f"{where}: unexpected tensor {unexpected[0]!r} in the checkpoint ({len(unexpected)} in all)")

@@ -51,12 +51,12 @@ class DraftBudget:
     rejection; prior: one of each, p = 0.5). While the best n is 0 the sequence decodes plainly and
     probes with one draft every ``probe`` steps, so text that becomes copyable again is noticed.
 
-    ``row_cost``: a verify row's cost relative to a one-token decode step. At batch 1 on the CPU dev
-    box (AVX2, 1 thread, the embedded 135M model in fp32, the native decode step) a 5-row step costs
-    1.2-1.3x a 1-row one, i.e. 0.05-0.08 per row; 0.1 errs on the cautious side. With it and k = 4:
+    ``row_cost``: a verify row's cost relative to a one-token decode step. At batch 1 on the CPU (the
+    embedded 135M model, the native decode step) a row measured below this default, so 0.1 errs on
+    the cautious side (docs/benchmarks/archive.md, "Speculative decoding"). With it and k = 4:
     p < 0.11 -> 0 drafts, < 0.36 -> 1, < 0.54 -> 2, < 0.66 -> 3, else 4. (It replaces a
-    halve-and-back-off rule that, replayed offline on the benchmark's greedy outputs, left 0.2-0.4x
-    of the copy prompts' speed-up unused: scripts/bench_spec_decode.py, README Performance.)
+    halve-and-back-off rule that, replayed offline on the benchmark's greedy outputs, left much of the
+    copy prompts' speed-up unused: scripts/bench_spec_decode.py, the same archive section.)
     """
 
     k: int

@@ -13,7 +13,12 @@ A deterministic proposal (n-gram lookup) is a one-hot ``q``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+
+from baige.runtime.infer.sampling import Logprobs, SamplerRow, target_probs, token_logprobs
+from baige.runtime.infer.scheduler import ScheduledBatch
 
 
 def accept_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -71,3 +76,44 @@ def verify(
             dist = target[j]
     last = int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
     return draft_ids[:j] + [last]
+
+
+def verify_drafts(
+    batch: ScheduledBatch,
+    rows: list[SamplerRow | None],
+    logits: torch.Tensor,
+    spec: list[tuple[int, int, int]],
+    tokens: list[list[int]],
+    logprobs: list[list[Logprobs | None]],
+) -> None:
+    """Verify the draft tokens of a step's speculating sequences (:func:`verify` each), filling
+    ``tokens`` and ``logprobs`` (per batch index) in place.
+
+    Args:
+        batch: the step; rows: per batch index its sampling inputs (and ``token_mask``: (vocab,) or
+            (drafts + 1, vocab) per position of a constrained sequence).
+        logits: (R, vocab) the step's sampling rows.
+        spec: per speculating sequence ``(batch index, first row in logits, rows = drafts + 1)``.
+    """
+    pos_rows, at = [], []
+    for i, first, n in spec:
+        drafts, mask = batch.seqs[i].spec_token_ids, rows[i].token_mask
+        pos_rows += [
+            rows[i].with_outputs(drafts[:j])
+            if mask is None
+            else replace(rows[i].with_outputs(drafts[:j]), token_mask=mask[j])
+            for j in range(n)
+        ]
+        at += range(first, first + n)
+    sub = logits[torch.tensor(at, dtype=torch.long, device=logits.device)]
+    probs = target_probs(sub, pos_rows)  # (sum n, vocab)
+    off = 0
+    for i, first, n in spec:
+        seq, row = batch.seqs[i], rows[i]
+        emitted = verify(
+            probs[off : off + n], seq.spec_token_ids, seq.spec_draft_probs, row.params.greedy, row.generator
+        )
+        tokens[i] = emitted
+        k = row.params.logprobs
+        logprobs[i] = token_logprobs(sub[off : off + len(emitted)], emitted, [k] * len(emitted))
+        off += n

@@ -1,0 +1,71 @@
+"""``baige bench train``: a short training run through the Trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from baige.cli.bench.group import bench_app, execute
+from baige.cli.bench.options import DEFAULT_OUT, OutDirOpt, PlotOpt
+from baige.cli.options import MODEL_HELP, Device, DeviceOpt
+
+
+@bench_app.command()
+def train(
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model", "-m", help=MODEL_HELP + " Or a preset architecture trained from scratch: debug, smollm2-135m."
+        ),
+    ] = None,
+    seq_len: Annotated[int, typer.Option(min=2, help="Tokens per window.")] = 256,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per micro-batch.")] = 4,
+    grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches per optimizer step.")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps, warm-up included.")] = 6,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Untimed steps.")] = 2,
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16.")] = "auto",
+    device: DeviceOpt = Device.auto,
+    activation_checkpointing: Annotated[str, typer.Option(help="none | full | N.")] = "none",
+    compile: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--compile/--no-compile",
+            help="torch.compile each block. Default: the Trainer's (training.compile = "
+            "auto: on for single-device CPU training).",
+        ),
+    ] = None,
+    data: Annotated[Optional[Path], typer.Option(help="UTF-8 text to train on (default: synthetic).")] = None,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the init, the data order and the synthetic text, 0 .. 2**63-1.")
+    ] = 0,
+    output_dir: OutDirOpt = DEFAULT_OUT,
+    plot: PlotOpt = False,
+) -> None:
+    """Short training run through the Trainer: tokens/s per device, MFU (%), peak memory."""
+    from baige.runtime.bench.report import metric_table, train_rows
+    from baige.runtime.bench.train import TrainBenchConfig, run_train
+
+    cfg = TrainBenchConfig(
+        model,
+        seq_len,
+        batch_size,
+        grad_accum,
+        steps,
+        warmup_steps,
+        dtype,
+        device.value,
+        activation_checkpointing,
+        "auto" if compile is None else compile,
+        str(data) if data else None,
+        seed,
+    )
+    execute(
+        "train",
+        run_train,
+        cfg,
+        output_dir,
+        plot,
+        lambda r: metric_table(f"baige bench train ({batch_size} x {seq_len} tokens/step)", train_rows(r)),
+    )

@@ -1,0 +1,121 @@
+"""One step's flat inputs (:class:`StepInputs`), the paged-attention metadata the model reads them
+through (:class:`PagedAttentionMetadata`, which owns the cache writes), and :func:`forward_step`:
+what the runner runs on rank 0 and every tensor-parallel worker runs on its shard (``tp_worker.py``);
+and how decode rows are grouped into paged-decode calls (:func:`group_by_width`).
+
+Layout of one step: see ``runner.py`` (decode rows first, then each prefill chunk's tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from baige import kernels
+from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.model.transformer import Transformer
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Attention metadata of one step (see ``model.AttentionMetadata``); owns the cache writes.
+
+    Tokens ``0 .. num_decodes-1`` are decodes (one per sequence), the rest prefill chunks.
+    """
+
+    k_cache: list[torch.Tensor]  # per layer (n_kv_heads, num_blocks + 1, block_size, head_dim)
+    v_cache: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # (T,) int64
+    num_decodes: int
+    # consecutive groups of decode rows: (block_tables (S_g, W_g) int64, context_lens (S_g,) int64)
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    prefill_block_tables: torch.Tensor | None = None  # (P, W) int64
+    prefill_cu_seqlens: torch.Tensor | None = None  # (P + 1,) int64
+    prefill_context_lens: torch.Tensor | None = None  # (P,) int64
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: (1, T, n_heads, D); k, v: (1, T, n_kv_heads, D) -> (1, T, n_heads, D)."""
+        kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
+        q, k, v = q[0], k[0], v[0]  # (T, H, D), (T, Hkv, D)
+        kernels.store_kv(k, v, kc, vc, self.slot_mapping)
+        nd = self.num_decodes
+        parts = []
+        row = 0
+        for tables, lens in self.decode_groups:
+            n = tables.shape[0]
+            parts.append(kernels.paged_decode_attention(q[row : row + n], kc, vc, tables, lens, scale))
+            row += n
+        if nd < q.shape[0]:
+            parts.append(
+                kernels.paged_prefill_attention(
+                    q[nd:], kc, vc, self.prefill_block_tables, self.prefill_cu_seqlens, self.prefill_context_lens, scale
+                )
+            )
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out[None]  # (1, T, H, D)
+
+
+@dataclass
+class StepInputs:
+    """One forward's inputs without the cache tensors: what rank 0 sends every tensor-parallel
+    worker each step (``tp_worker.py``), and what :func:`forward_step` runs on any rank."""
+
+    input_ids: torch.Tensor  # (1, T) int64
+    positions: torch.Tensor  # (1, T) int64
+    slot_mapping: torch.Tensor  # (T,) int64
+    num_decodes: int
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor]]  # as PagedAttentionMetadata's
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    # per logits set the flattened token rows to project through lm_head (None: every row)
+    logit_rows: list[torch.Tensor | None] = field(default_factory=lambda: [None])
+
+
+def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.Tensor]:
+    """Run the model on one step's flat tokens over the paged cache ``kv`` (writing their K/V);
+    returns per ``s.logit_rows`` entry the logits ``(rows, vocab)`` in the model dtype (on a
+    tensor-parallel worker: its vocabulary slice, discarded)."""
+    md = PagedAttentionMetadata(
+        kv.k,
+        kv.v,
+        s.slot_mapping,
+        s.num_decodes,
+        s.decode_groups,
+        s.prefill_block_tables,
+        s.prefill_cu_seqlens,
+        s.prefill_context_lens,
+    )
+    hidden = model(s.input_ids, s.positions, md)[0]  # (T, hidden)
+    return [model.compute_logits(hidden if rows is None else hidden[rows]) for rows in s.logit_rows]
+
+
+# Cost of one extra decode group relative to one padded (sequence, block) of attention work, in
+# (sequence, block) units: ~10 small ops per layer against ~25 KB of fp32 K/V per block read
+# twice (gather + matmul). A tuning constant: it shapes the grouping, never the results.
+GROUP_OVERHEAD_BLOCKS = 6
+
+
+def group_by_width(widths: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> list[int]:
+    """Split ascending block counts into consecutive groups minimising padded work.
+
+    Cost of a group = rows * (its widest row) + ``overhead`` (dynamic programming, O(n * distinct)).
+
+    Args:
+        widths: per row its block count, ascending.
+    Returns:
+        The end index of each group, ascending, the last one ``len(widths)``.
+    """
+    n = len(widths)
+    best, cut = [0] + [0] * n, [0] * (n + 1)
+    starts = [i for i in range(n) if i == 0 or widths[i] != widths[i - 1]]  # cut only where widths change
+    for j in range(1, n + 1):
+        if j < n and widths[j] == widths[j - 1]:
+            continue  # never end a group inside a run of equal widths
+        best[j], cut[j] = min((best[i] + (j - i) * widths[j - 1] + overhead, i) for i in starts if i < j)
+    ends, j = [], n
+    while j:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]

@@ -1,0 +1,394 @@
+"""Generate the performance page (docs/performance.md) and the README's headline numbers from the benchmark
+records (docs/benchmarks/records/*.json, the JSON results `baige bench ... --output-dir docs/benchmarks/records`
+writes).
+
+    python scripts/bench_report.py            # rewrite docs/performance.md and the README's numbers
+    python scripts/bench_report.py --check    # exit 1 when either is not what the records give
+
+Only the standard library: the test suite regenerates both and compares (tests/docs/test_docs.py).
+Every number printed comes from a record and links to it; nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDS = Path("docs/benchmarks/records")  # relative to the repository root
+PAGE = Path("docs/performance.md")
+README = Path("README.md")
+BEGIN, END = "<!-- bench-report:begin -->", "<!-- bench-report:end -->"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DASH = "—"
+
+
+def load_records(directory: Path) -> list[dict]:
+    """Every ``*.json`` of ``directory``, newest first (by the date it records, then file name), each with
+    ``_file`` (its name). Raises ValueError naming a file that is not a JSON object."""
+    records = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        record["_file"] = path.name
+        records.append(record)
+    return sorted(records, key=lambda r: (_env(r).get("date") or "", r["_file"]), reverse=True)
+
+
+def _env(r: dict) -> dict:
+    return r.get("environment") or {}
+
+
+def _kind(r: dict) -> str:
+    return r.get("benchmark") or r["_file"].rsplit("-", 2)[0]
+
+
+def _model(r: dict) -> str:
+    args = r.get("args") or {}
+    name = (args.get("engine") or {}).get("model") or args.get("model") or r.get("model_id")
+    return f"`{name}`" if name else f"`{DEFAULT_MODEL}`"
+
+
+def _date(r: dict) -> str:
+    d = _env(r).get("date") or ""
+    return f"{d[:10]} {d[11:16]}" if len(d) >= 16 else DASH
+
+
+def _commit(r: dict) -> str:
+    c = _env(r).get("git_commit")
+    return DASH if not c else c[:7] + ("+" if _env(r).get("git_dirty") else "")
+
+
+def _f(x, digits: int = 1) -> str:
+    return DASH if x is None else f"{x:,.{digits}f}"
+
+
+def _limits(r: dict) -> dict:
+    return r.get("limits") or (r.get("roofline") or {}).get("limits") or {}
+
+
+def _machine_key(r: dict) -> tuple:
+    e = _env(r)
+    return (e.get("device") or "?", e.get("cpu_model") or "?", e.get("cpu_count"), tuple(e.get("cpu_flags") or ()))
+
+
+def machines(records: list[dict]) -> dict[tuple, str]:
+    """Machine key -> its label (M1, M2, ...), in order of first appearance among the newest records."""
+    out: dict[tuple, str] = {}
+    for r in records:
+        out.setdefault(_machine_key(r), f"M{len(out) + 1}")
+    return out
+
+
+def _link(r: dict, prefix: str) -> str:
+    return f"[{r['_file']}]({prefix}{r['_file']})"
+
+
+def _threads(r: dict) -> str:
+    n = _env(r).get("torch_num_threads")
+    return f"{n} thread" + ("" if n == 1 else "s") if n is not None else "threads not recorded"
+
+
+def _load(r: dict) -> str:
+    e = _env(r)
+    load = (e.get("load_average") or [None])[0]
+    return DASH if load is None else f"{load:.1f}"
+
+
+def _machine_table(records: list[dict], labels: dict[tuple, str]) -> list[str]:
+    lines = [
+        "| machine | device / CPU | cores | instruction-set flags | native kernels | memory bandwidth (copy) | "
+        "matmul peak | records |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, label in labels.items():
+        rs = [r for r in records if _machine_key(r) == key]
+        bws = sorted(_limits(r)["bandwidth"] / 1e9 for r in rs if _limits(r).get("bandwidth"))
+        peaks = sorted(
+            (_limits(r)["matmul_peak"] / 1e9, _limits(r).get("dtype")) for r in rs if _limits(r).get("matmul_peak")
+        )
+        bw = (
+            DASH if not bws else f"{bws[-1]:.1f} GB/s" + (f" ({bws[0]:.1f}-{bws[-1]:.1f})" if bws[0] != bws[-1] else "")
+        )
+        peak = DASH if not peaks else f"{peaks[-1][0]:.1f} GFLOP/s ({peaks[-1][1]})"
+        device, cpu, cores, flags = key
+        isa = _env(rs[0]).get("cpu_isa") or "off"
+        what = cpu if device == "cpu" else f"{device} ({cpu})"
+        lines.append(
+            f"| {label} | {what} | {cores or DASH} | {' '.join(flags) or DASH} | {isa} | {bw} | {peak} | {len(rs)} |"
+        )
+    return lines
+
+
+def _provenance(rs: list[dict], prefix: str) -> list[str]:
+    """One line per record: its file, command, commit, date, threads and load."""
+    out = []
+    for r in rs:
+        e = _env(r)
+        cmd = e.get("command")
+        out.append(
+            f"- {_link(r, prefix)}: {f'`{cmd}`' if cmd else 'command not recorded'}; commit {_commit(r)}, "
+            f"{_date(r)} UTC, {_threads(r)}, load {_load(r)} on "
+            f"{e.get('cpu_count', DASH)} cores"
+        )
+    return out
+
+
+def _latency(rs, labels, prefix) -> list[str]:
+    lines = [
+        "| date (UTC) | model | machine | dtype | batch | in / out | TTFT (ms) | TPOT (ms) | decode tokens/s | "
+        "% of bandwidth | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        s, a = r.get("summary") or {}, r.get("args") or {}
+        dec = s.get("decode_roofline") or {}
+        lines.append(
+            f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {_limits(r).get('dtype', DASH)} | "
+            f"{a.get('batch_size', DASH)} | {a.get('input_len', DASH)} / {a.get('output_len', DASH)} | "
+            f"{_f((s.get('ttft_s') or 0) * 1e3)} | {_f((s.get('tpot_s') or 0) * 1e3)} | "
+            f"{_f(s.get('decode_tokens_per_s'))} | {_f(dec.get('pct_of_limit'))} | {_link(r, prefix)} |"
+        )
+    return lines
+
+
+def _throughput(rs, labels, prefix) -> list[str]:
+    lines = [
+        "| date (UTC) | model | machine | dtype | prompts | in / out | total tokens/s | output tokens/s | "
+        "% of matmul peak | the schedule's bound (% of peak) | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        s, a = r.get("summary") or {}, r.get("args") or {}
+        w = s.get("workload_roofline") or {}
+        rr = a.get("range_ratio") or 0
+        lens = f"{a.get('input_len', DASH)} / {a.get('output_len', DASH)}" + (f" (±{rr:.0%})" if rr else "")
+        lines.append(
+            f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {_limits(r).get('dtype', DASH)} | "
+            f"{a.get('num_prompts', DASH)} | {lens} | {_f(s.get('tokens_per_second'))} | "
+            f"{_f(s.get('output_tokens_per_second'))} | {_f((s.get('compute_roofline') or {}).get('pct_of_limit'))} | "
+            f"{_f(w.get('limit_pct_of_peak'))} | {_link(r, prefix)} |"
+        )
+    return lines
+
+
+def _serve(rs, labels, prefix) -> list[str]:
+    lines = [
+        "| date (UTC) | model | machine | requests | rate (req/s) | output tokens/s | median TTFT (ms) | "
+        "median TPOT (ms) | median ITL (ms) | failed | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        rate = r.get("request_rate")
+        lines.append(
+            f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {r.get('num_prompts', DASH)} | "
+            f"{rate if rate is not None else DASH} | {_f(r.get('output_throughput'))} | "
+            f"{_f(r.get('median_ttft_ms'))} | {_f(r.get('median_tpot_ms'))} | {_f(r.get('median_itl_ms'))} | "
+            f"{r.get('failed', DASH)} | {_link(r, prefix)} |"
+        )
+    return lines
+
+
+def _compare(rs, labels, prefix) -> list[str]:
+    """One table per compare record: every row's decode and throughput, and its ratio to HF's best dtype."""
+    lines: list[str] = []
+    for r in rs:
+        s, a = r.get("summary") or {}, r.get("args") or {}
+        dec, tp, ratios = s.get("decode") or {}, s.get("throughput") or {}, s.get("ratios") or {}
+        lines += [
+            f"**{_date(r)} UTC, {_model(r)}, machine {labels[_machine_key(r)]}, baige in "
+            f"{_limits(r).get('dtype', DASH)}** ({_link(r, prefix)}): decode batch 1, {a.get('input_len', DASH)} in / "
+            f"{a.get('output_len', DASH)} out; throughput {a.get('num_prompts', DASH)} prompts, "
+            f"{a.get('tp_input_len', DASH)} in / {a.get('tp_output_len', DASH)} out "
+            f"(±{(a.get('range_ratio') or 0):.0%}); median of {a.get('repeats', 1)} round(s).",
+            "",
+            "| row | decode tokens/s | % of bandwidth | vs HF best (decode) | throughput total tokens/s | "
+            "vs HF best (throughput) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in dict.fromkeys([*dec, *tp]):
+            d, t = dec.get(row) or {}, tp.get(row) or {}
+            lines.append(
+                f"| {row} | {_f(d.get('tokens_per_s'))} | {_f((d.get('roofline') or {}).get('pct_of_limit'))} | "
+                f"{_ratio(ratios.get(f'decode_{row}_over_hf-best'))} | {_f(t.get('tokens_per_s'))} | "
+                f"{_ratio(ratios.get(f'throughput_{row}_over_hf-best'))} |"
+            )
+        peers = {k: v for k, v in ratios.items() if "_over_llama.cpp" in k}
+        if peers:
+            lines += ["", "Against llama.cpp: " + "; ".join(f"{k} {_ratio(v)}" for k, v in peers.items()) + "."]
+        for note in r.get("notes") or []:
+            lines += ["", f"Note: {note}"]
+        lines.append("")
+    return lines[:-1]
+
+
+def _train(rs, labels, prefix) -> list[str]:
+    lines = [
+        "| date (UTC) | model | machine | dtype | batch x seq | compiled | tokens/s per device | MFU (%) | "
+        "peak for MFU | peak memory (GiB) | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        s, a = r.get("summary") or {}, r.get("args") or {}
+        peak, mem = s.get("peak_flops"), s.get("peak_memory_bytes")
+        peak_text = DASH if peak is None else f"{peak / 1e9:.1f} GFLOP/s ({s.get('peak_source', DASH)})"
+        mem_text = DASH if mem is None else f"{mem / 2**30:.2f}"
+        lines.append(
+            f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {r.get('dtype', DASH)} | "
+            f"{a.get('batch_size', DASH)} x {a.get('seq_len', DASH)} | {r.get('compiled', DASH)} | "
+            f"{_f(s.get('tokens_per_s_per_device'))} | {_f(s.get('mfu_pct'))} | {peak_text} | {mem_text} | "
+            f"{_link(r, prefix)} |"
+        )
+    return lines
+
+
+def _ratio(x) -> str:
+    return DASH if x is None else f"{x:.2f}x"
+
+
+def _other(rs, labels, prefix) -> list[str]:
+    lines = ["| date (UTC) | benchmark | model | machine | record |", "|---|---|---|---|---|"]
+    for r in rs:
+        lines.append(f"| {_date(r)} | {_kind(r)} | {_model(r)} | {labels[_machine_key(r)]} | {_link(r, prefix)} |")
+    return lines
+
+
+SECTIONS = [  # (benchmark, heading, table builder)
+    ("compare", "Against the peers: `baige bench compare`", _compare),
+    ("latency", "Latency and batch-1 decode: `baige bench latency`", _latency),
+    ("throughput", "Offline throughput: `baige bench throughput`", _throughput),
+    ("serve", "Online serving: `baige bench serve`", _serve),
+    ("train", "Training: `baige bench train`", _train),
+]
+
+INTRO = """\
+# Performance
+
+<!-- Generated by scripts/bench_report.py from docs/benchmarks/records/*.json; edit the script, not this page. -->
+
+Every number on this page comes from a benchmark record: the JSON a `baige bench` run writes, kept in
+`docs/benchmarks/records/` (each row links to its file). A record holds the command, the git commit (a `+`
+after it: the package differed from that commit), the date, the versions, the CPU model, its instruction-set
+flags, the core count, the thread count, the load average while measuring and the measured memory bandwidth and
+matmul peak it is compared against ([bench](commands/bench.md#what-every-result-records)). To add numbers, run
+a benchmark with `--output-dir docs/benchmarks/records`, then `python scripts/bench_report.py`, and commit both.
+
+Read a record with its machine: numbers of different machines are not comparable, and a load average above the
+core count means other work shared the machine while it was measured (timings and the measured limits are then
+noisy). Older measurements, from before the records, are in the [archive](benchmarks/archive.md).
+"""
+
+
+def performance_page(records: list[dict]) -> str:
+    """docs/performance.md for ``records`` (newest first, as :func:`load_records` returns them)."""
+    if not records:
+        raise ValueError("no benchmark records")
+    labels = machines(records)
+    prefix = "benchmarks/records/"
+    out = [INTRO, "## Machines", "", *_machine_table(records, labels), ""]
+    shown = set()
+    for kind, heading, table in SECTIONS:
+        rs = [r for r in records if _kind(r) == kind]
+        if not rs:
+            continue
+        shown.add(kind)
+        out += [
+            f"## {heading}",
+            "",
+            *table(rs, labels, prefix),
+            "",
+            "How each was run:",
+            "",
+            *_provenance(rs, prefix),
+            "",
+        ]
+    rest = [r for r in records if _kind(r) not in shown]
+    if rest:
+        out += ["## Other records", "", *_other(rest, labels, prefix), "", *_provenance(rest, prefix), ""]
+    return "\n".join(out)
+
+
+def headline(records: list[dict]) -> str:
+    """The README's block of current numbers: the newest compare against HF transformers and the newest
+    latency and throughput runs, each with its machine and a link to its record."""
+    prefix = str(RECORDS) + "/"
+    lines = []
+    cmp = next((r for r in records if _kind(r) == "compare" and (r.get("summary") or {}).get("ratios")), None)
+    if cmp:
+        ratios = cmp["summary"]["ratios"]
+        best = max(
+            (k for k in ratios if k.startswith("decode_") and k.endswith("_over_hf-best")), key=lambda k: ratios[k]
+        )
+        row = best[len("decode_") : -len("_over_hf-best")]
+        lines.append(
+            f"- **{_ratio(ratios.get('decode_baige_over_hf-best'))} HF transformers' batch-1 decode** (its fastest "
+            f"dtype), {_ratio(ratios.get('throughput_baige_over_hf-best'))} its offline throughput (static "
+            f"batching), on {_model(cmp)} in {_limits(cmp).get('dtype', DASH)}; {_ratio(ratios[best])} at batch 1 "
+            f"with `{row}` ({_where(cmp)}; {_link(cmp, prefix)})."
+        )
+    lat = next((r for r in records if _kind(r) == "latency" and r.get("summary")), None)
+    if lat:
+        s = lat["summary"]
+        lines.append(
+            f"- **{_f(s['decode_tokens_per_s'])} tokens/s batch-1 decode, "
+            f"{_f(s['decode_roofline']['pct_of_limit'])}% of the measured memory bandwidth**, TTFT "
+            f"{_f(s['ttft_s'] * 1e3)} ms ({_where(lat)}; {_link(lat, prefix)})."
+        )
+    tp = next((r for r in records if _kind(r) == "throughput" and r.get("summary")), None)
+    if tp:
+        s = tp["summary"]
+        w = s.get("workload_roofline") or {}
+        lines.append(
+            f"- **{_f(s['tokens_per_second'])} tokens/s offline throughput, "
+            f"{_f(s['compute_roofline']['pct_of_limit'])}% of the measured matmul peak**, where the schedule's own "
+            f"bound is {_f(w.get('limit_pct_of_peak'))}% ({_where(tp)}; {_link(tp, prefix)})."
+        )
+    return "\n".join(lines)
+
+
+def _where(r: dict) -> str:
+    e = _env(r)
+    return (
+        f"{e.get('cpu_model') or e.get('device')}, {_threads(r)}, load "
+        f"{_load(r)} on {e.get('cpu_count', DASH)} cores, {_date(r)[:10]}, commit {_commit(r)}"
+    )
+
+
+def with_headline(readme: str, records: list[dict]) -> str:
+    """``readme`` with the text between its BEGIN and END markers replaced by :func:`headline`.
+    Raises ValueError when the markers are missing."""
+    if BEGIN not in readme or END not in readme:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{headline(records)}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale; write nothing")
+    args = ap.parse_args(argv)
+    records = load_records(REPO / RECORDS)
+    wanted = {
+        REPO / PAGE: performance_page(records),
+        REPO / README: with_headline((REPO / README).read_text(), records),
+    }
+    stale = [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"stale: {p.relative_to(REPO)} (run python scripts/bench_report.py)", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(wanted[p])
+        print(f"wrote {p.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
