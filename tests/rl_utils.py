@@ -1,7 +1,6 @@
-"""Helpers for the GRPO tests: prompt files, a reward a random tiny model can learn, and the stand-ins
-for the engine hooks and batch-invariant logprobs that other branches add (installed only while
-those are missing: ``LLM.update_weights`` / ``sleep`` / ``wake_up`` / ``reset_prefix_cache``, and
-``baige.runtime.model.logprobs.sequence_logprobs``)."""
+"""Helpers for the GRPO tests: prompt files, a reward a random tiny model can learn, configs and
+metrics, and the stand-ins for what the batch-invariant mode adds (installed only while it is missing:
+``baige.runtime.model.logprobs.sequence_logprobs`` and ``LLM(batch_invariant=...)``)."""
 
 from __future__ import annotations
 
@@ -39,9 +38,9 @@ def write_prompts(path: Path, n: int = 8, **fields) -> Path:
 
 
 def install_shims() -> None:
-    """The engine hooks (branch rlengine), and sequence_logprobs and ``LLM(batch_invariant=...)`` (branch
-    batchinv), where still missing. The stand-in for the engine's batch-invariant mode is its ordinary
-    mode: the tests that use it assert only what holds either way (1e-5 between layouts)."""
+    """sequence_logprobs and ``LLM(batch_invariant=...)`` where still missing. The stand-in for the
+    engine's batch-invariant mode is its ordinary mode: the tests that use it assert only what holds
+    either way (1e-5 between layouts), and the one that needs the real mode is skipped without it."""
     import dataclasses
 
     from baige.runtime.config import EngineConfig
@@ -54,42 +53,12 @@ def install_shims() -> None:
             init(self, model, **engine_args)
 
         LLM.__init__, LLM._shim = __init__, True
-    if not hasattr(LLM, "update_weights"):
-        LLM.update_weights = _update_weights
-        LLM.sleep = lambda self, level=1: None
-        LLM.wake_up = lambda self: None
-        LLM.reset_prefix_cache = _reset_prefix_cache
     try:
         import baige.runtime.model.logprobs  # noqa: F401
     except ImportError:
         module = types.ModuleType("baige.runtime.model.logprobs")
         module.sequence_logprobs = _sequence_logprobs
         sys.modules[module.__name__] = module
-
-
-@torch.no_grad()
-def _update_weights(self, named_tensors, lora_name: str | None = None) -> None:
-    if lora_name is None:
-        params = dict(self.engine.model.named_parameters())
-        for name, tensor in named_tensors:
-            params[name].copy_(tensor)
-        return
-    modules = self.engine.lora.get(lora_name).adapter.modules  # module -> (A, B, scaling)
-    for key, tensor in named_tensors:
-        module, _, which = key.rpartition(".lora_")
-        a, b, scaling = modules[module]
-        modules[module] = (tensor.to(a.dtype), b, scaling) if which == "A.weight" else (a, tensor.to(b.dtype), scaling)
-    self.engine.lora._rebuild()
-
-
-def _reset_prefix_cache(self) -> None:
-    bm = self.engine.block_manager
-    for block_id in list(bm._evictable):
-        block = bm.blocks[block_id]
-        block.hash, block.token_ids = None, ()
-        bm._free.append(block_id)
-    bm._evictable.clear()
-    bm._cached.clear()
 
 
 def _sequence_logprobs(model, input_ids: torch.Tensor, *, batch_invariant: bool) -> torch.Tensor:
