@@ -1,4 +1,4 @@
-"""scripts/make_rl_task.py: deterministic arithmetic problems whose answers are right, in the JSONL the
+"""scripts/make_rl_task.py (train/rl/tasks.py): deterministic arithmetic problems whose answers are right, in the JSONL the
 GRPO trainer reads, and their exact_answer reward."""
 
 from __future__ import annotations
