@@ -1,5 +1,5 @@
-"""scripts/make_rl_task.py (train/rl/tasks.py): deterministic arithmetic problems whose answers are right, in the JSONL the
-GRPO trainer reads, and their exact_answer reward."""
+"""scripts/make_rl_task.py (baige/runtime/train/rl/tasks.py): deterministic arithmetic problems whose
+answers are right, in the JSONL the GRPO trainer reads, and their exact_answer reward."""
 
 from __future__ import annotations
 
