@@ -201,6 +201,7 @@ def test_cli_runs_grpo(tiny, tmp_path, one_thread, capsys):
         ([], "--method grpo needs a reward"),
         (["--reward", "exact_answer", "--set", "rl.group_size=1"], "rl.group_size must be an integer >= 2 (got 1)"),
         (["--reward", "exact_answer", "--set", "rl.loss_agg_mode=mean"], "rl.loss_agg_mode must be one of token-mean"),
+        (["--reward", "exact_answer", "--batch-invariant", "--lora-rank", "4"], "--batch-invariant does not compose"),
     ],
 )
 def test_cli_errors(tiny, tmp_path, cli_error, one_thread, extra, needle):

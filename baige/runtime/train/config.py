@@ -375,6 +375,8 @@ def _validate_method(cfg: TrainConfig) -> None:
         raise BaigeError("--method grpo trains a pretrained policy: pass --model, not --model-config")
     if cfg.data.eval:
         raise BaigeError("--method grpo has no evaluation data: drop --eval-data (the reward is logged every step)")
+    if cfg.rl.batch_invariant and cfg.lora.rank is not None:
+        raise BaigeError("--batch-invariant does not compose with --lora-rank (its kernels take plain linear layers)")
 
 
 def validate(cfg: TrainConfig) -> None:
