@@ -9,7 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import Device, DeviceOpt, DType, ModelOpt, SpeculativeConfigOpt, TensorParallelOpt
+from baige.cli.options import (
+    BatchInvariantOpt,
+    Device,
+    DeviceOpt,
+    DType,
+    ModelOpt,
+    SpeculativeConfigOpt,
+    TensorParallelOpt,
+)
 from baige.runtime.config import GenerateConfig
 
 MaxTokensOpt = Annotated[
@@ -47,6 +55,7 @@ def generate(
     system: SystemOpt = None,
     speculative_config: SpeculativeConfigOpt = None,
     tensor_parallel_size: TensorParallelOpt = 1,
+    batch_invariant: BatchInvariantOpt = False,
 ) -> None:
     """Generate a completion for one prompt, streamed to stdout as it is produced."""
     from baige.runtime.infer.session import ChatSession
@@ -66,6 +75,7 @@ def generate(
         system=system,
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
+        batch_invariant=batch_invariant,
     )
     session = ChatSession.load(cfg)
     _native_library_ready(cfg.device)

@@ -50,6 +50,15 @@ ExpertParallelOpt = Annotated[
     ),
 ]
 
+BatchInvariantOpt = Annotated[
+    bool,
+    typer.Option(
+        "--batch-invariant/--no-batch-invariant",
+        help="CPU: a sequence's logprobs and greedy tokens do not depend on the rest of its batch or on how its "
+        "prompt is chunked, and equal a trainer's forward bit for bit (RL rollouts). Slower: per-op kernels with "
+        "fixed reduction orders; plain fp32/bf16 dense models only.",
+    ),
+]
 SpeculativeConfigOpt = Annotated[
     Optional[str],
     typer.Option(

@@ -10,7 +10,15 @@ from typing import Annotated, Optional
 import typer
 
 from baige.cli.app import app
-from baige.cli.options import MODEL_HELP, Device, DType, ExpertParallelOpt, SpeculativeConfigOpt, TensorParallelOpt
+from baige.cli.options import (
+    MODEL_HELP,
+    BatchInvariantOpt,
+    Device,
+    DType,
+    ExpertParallelOpt,
+    SpeculativeConfigOpt,
+    TensorParallelOpt,
+)
 from baige.errors import BaigeError
 
 
@@ -236,6 +244,7 @@ def serve(
             "POST /sleep, POST /wake_up, POST /reset_prefix_cache, GET /is_sleeping. With --api-key they need it.",
         ),
     ] = False,
+    batch_invariant: BatchInvariantOpt = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -262,6 +271,7 @@ def serve(
         speculative_config=speculative_config,
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
+        batch_invariant=batch_invariant,
         **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
     )
     template = read_chat_template(chat_template) if chat_template is not None else None

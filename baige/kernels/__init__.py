@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from baige.kernels import moe_cpu, native, reference
+from baige.kernels import invariant, moe_cpu, native, reference
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
     DENSE_NATIVE_MAX_ROWS,
     FEW_ROWS,
@@ -30,6 +30,10 @@ from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears
     onednn_linear,
 )
 from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
+from baige.kernels.invariant import batch_invariant  # noqa: F401  (re-exported)
+from baige.kernels.invariant import enabled as batch_invariant_enabled
+from baige.kernels.invariant import linear as batch_invariant_linear  # noqa: F401
+from baige.kernels.invariant import pointwise as batch_invariant_pointwise
 from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
 from baige.kernels.native import *  # noqa: F403  (re-exported: the native CPU library's names besides the ops)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
@@ -53,6 +57,8 @@ OPS = (
     "lora_apply",
 )
 __all__ = [*OPS, "OPS"]
+# inside `with batch_invariant():` (kernels/invariant.py) the ops below take its batch-invariant kernels
+__all__ += ["batch_invariant", "batch_invariant_enabled", "batch_invariant_linear", "batch_invariant_pointwise"]
 
 _TRITON_MODULES: dict[str, object] = {}  # imported on first use; a plain dict read stays traceable by torch.compile
 
@@ -97,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         (..., hidden) in the promoted dtype of ``weight`` and ``x``.
     """
-    impl = _native_cpu(x, weight, bf16=True) or _impl(x, "norm")
+    impl = invariant if invariant.enabled() else _native_cpu(x, weight, bf16=True) or _impl(x, "norm")
     return impl.rms_norm(x, weight, eps)
 
 
@@ -113,7 +119,7 @@ def add_rms_norm(
     Returns:
         ``(rms_norm(x + residual), x + residual)``, both (..., hidden).
     """
-    impl = _native_cpu(x, residual, weight, bf16=True) or _impl(x, "norm")
+    impl = invariant if invariant.enabled() else _native_cpu(x, residual, weight, bf16=True) or _impl(x, "norm")
     return impl.add_rms_norm(x, residual, weight, eps)
 
 
@@ -130,7 +136,7 @@ def apply_rope(
         ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
     """
     native = _native_cpu(q, k, cos, sin, bf16=True) if q.shape[-1] % 2 == 0 else None  # odd: the reference's error
-    impl = native or _impl(q, "rope")
+    impl = invariant if invariant.enabled() else native or _impl(q, "rope")
     return impl.apply_rope(q, k, cos, sin)
 
 
@@ -142,7 +148,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., intermediate).
     """
-    impl = _native_cpu(gate, up, bf16=True) or _impl(gate, "swiglu")
+    impl = invariant if invariant.enabled() else _native_cpu(gate, up, bf16=True) or _impl(gate, "swiglu")
     return impl.silu_mul(gate, up)
 
 
@@ -160,7 +166,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q
     Returns:
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
-    return _impl(q, "flash_attention").attention(q, k, v, scale, q_offset)
+    return (invariant if invariant.enabled() else _impl(q, "flash_attention")).attention(q, k, v, scale, q_offset)
 
 
 # ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
@@ -216,7 +222,8 @@ def paged_decode_attention(
     Returns:
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
-    impl = _native_cpu(q, caches=(k_cache, v_cache), bf16=True) or _impl(q, "paged_attention")
+    impl = invariant if invariant.enabled() else _native_cpu(q, caches=(k_cache, v_cache), bf16=True)
+    impl = impl or _impl(q, "paged_attention")
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -247,7 +254,8 @@ def paged_prefill_attention(
     Returns:
         (N, n_heads, head_dim) in the dtype of ``q``.
     """
-    impl = _native_cpu(q, caches=(k_cache, v_cache), bf16=True) or _impl(q, "paged_attention")
+    impl = invariant if invariant.enabled() else _native_cpu(q, caches=(k_cache, v_cache), bf16=True)
+    impl = impl or _impl(q, "paged_attention")
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 

@@ -114,6 +114,7 @@ class GenerateConfig:
     system: str | None = None
     speculative_config: str | dict | None = None  # --speculative-config (EngineConfig parses it)
     tensor_parallel_size: int = 1
+    batch_invariant: bool = False  # EngineConfig.batch_invariant
 
 
 @dataclass
@@ -206,10 +207,14 @@ class EngineConfig:
     # this many ranks (infer/tensor_parallel.py); MoE experts placed whole on ranks instead of split
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # a sequence's logprobs independent of its batch and chunking, equal to the trainer's bit for bit
+    # (kernels/invariant.py; CPU, plain dense models); with quantization, speculation, LoRA or TP: refused
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
-        ``lora_modules`` without ``enable_lora``, or LoRA with tensor parallelism."""
+        ``lora_modules`` without ``enable_lora``, LoRA with tensor parallelism, or ``batch_invariant``
+        with quantization, speculative decoding, LoRA or tensor parallelism."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (
             ("--max-num-seqs", self.max_num_seqs),
@@ -231,6 +236,15 @@ class EngineConfig:
         check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise BaigeError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        if self.batch_invariant:
+            for option, used in (
+                ("--quantization", self.quantization),
+                ("--speculative-config", self.speculative_config),
+                ("--enable-lora", self.enable_lora),
+                ("--tensor-parallel-size > 1", self.tensor_parallel_size > 1),
+            ):
+                if used:
+                    raise BaigeError(f"--batch-invariant does not support {option}")
 
 
 # ---- speculative decoding (--speculative-config) ------------------------------------------------

@@ -35,6 +35,15 @@ SIGNATURES: list[tuple[str, list, type | None]] = [
         _int,
     ),
     ("baige_silu_mul", [_ptr, _ptr, _i64, _ptr], None),
+    # the batch-invariant mode's kernels (invariant.c)
+    ("baige_bi_linear", [_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _int], None),
+    (
+        "baige_bi_attention",
+        [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _int],
+        _int,
+    ),
+    ("baige_bi_sumsq", [_ptr, _i64, _i64, _ptr, _int], None),
+    ("baige_bi_silu", [_ptr, _i64, _ptr, _int], None),
     ("baige_argmax_rows", [_ptr, _i64, _i64, _i64, _ptr], None),
     ("baige_silu_mul_bf16", [_ptr, _ptr, _i64, _ptr, _int], None),
     ("baige_rms_norm_bf16", [_ptr, _i64, _i64, _ptr, _f32, _ptr, _int], None),

@@ -363,6 +363,25 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
     return desc, ""
 
 
+def place_weights(model: Transformer) -> None:
+    """Move the plain linear weights a decode step streams (each layer's projections, then ``lm_head``) into the
+    huge-page arena in the order a step reads them, as :meth:`FusedDecoder.build` does for its kernel: for steps
+    that run per op (batch-invariant mode). Values and parameters are unchanged."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for mod in (
+            a.q_proj,
+            a.k_proj,
+            a.v_proj,
+            a.o_proj,
+            *(getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")),
+        ):
+            if type(mod) is nn.Linear:
+                _to_arena(mod.weight)
+    if type(model.lm_head) is nn.Linear:
+        _to_arena(model.lm_head.weight)
+
+
 def _to_arena(p: torch.Tensor) -> torch.Tensor:
     """Move a weight the step streams into the huge-page arena (``kernels.to_weight_arena``), in the
     order the step reads them: the parameter keeps its identity and values, its storage is replaced

@@ -25,12 +25,13 @@ from baige.runtime.config import EngineConfig, parse_size
 from baige.runtime.infer import weight_sync
 from baige.runtime.infer.block_manager import BlockManager
 from baige.runtime.infer.input_processor import InputProcessor
+from baige.runtime.infer.isolation import execute_isolated
 from baige.runtime.infer.kv_cache import allocate_kv_cache
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.output_processor import OutputProcessor, RequestState
-from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
+from baige.runtime.infer.outputs import RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
-from baige.runtime.infer.sampling import Logprobs, SamplerRow, SamplingParams
+from baige.runtime.infer.sampling import SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence, StepShape
 from baige.runtime.infer.spec_decode.factory import build_proposer
 from baige.runtime.infer.spec_decode.proposer import assign_drafts
@@ -109,6 +110,7 @@ class Engine:
             cfg.enforce_eager,
             self.num_speculative_tokens,
             tp,
+            batch_invariant=cfg.batch_invariant,
         )
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
         if cfg.enable_lora:
@@ -294,7 +296,9 @@ class Engine:
             self.step_shapes.append(batch.shape())
         rows = [_sampler_row(s) for s in batch.seqs]
         n_spec = [len(s.spec_token_ids) for s in batch.seqs]
-        tokens, logprobs, prompt_lps = self._execute(batch, rows, self._start_masks(batch))
+        tokens, logprobs, prompt_lps = execute_isolated(
+            self.runner, batch, rows, self._start_masks(batch), self.requests.__contains__, self._fail
+        )
         for i, (first, lps) in prompt_lps.items():
             req = self.requests.get(batch.seqs[i].request_id)
             if req is not None and req.prompt_logprobs is not None and first == len(req.prompt_logprobs):
@@ -358,38 +362,6 @@ class Engine:
         }
         drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
         return self._grammars.start_masks(constrained, drafts).result if constrained else None
-
-    def _execute(self, batch: ScheduledBatch, rows: list[SamplerRow], masks=None):
-        """``runner.execute``; when the batched step raises, each sequence runs alone and the ones
-        that still raise fail their requests (K/V slots of a failed step are rewritten on retry)."""
-        try:
-            return self.runner.execute(batch, rows, masks)
-        except EngineDeadError:  # a tensor-parallel rank is gone: nothing can run
-            raise
-        except Exception as e:
-            if len(batch) == 1:
-                self._fail(batch.seqs[0].request_id, e)
-                return [[]], [[]], {}
-            logger.exception("a step of %d sequences failed; running them one at a time", len(batch))
-        tokens: list[list[int]] = [[] for _ in batch.seqs]
-        logprobs: list[list[Logprobs | None]] = [[] for _ in batch.seqs]
-        prompt_lps: dict = {}
-        full = masks() if masks is not None else {}
-        for i, seq in enumerate(batch.seqs):
-            if seq.request_id not in self.requests:
-                continue
-            one = ScheduledBatch([seq], [batch.num_new_tokens[i]], int(i < batch.num_decodes))
-            one_mask = (lambda m=full[i]: {0: m}) if i in full else None
-            try:
-                (tokens[i],), (logprobs[i],), lps = self.runner.execute(one, [rows[i]], one_mask)
-            except EngineDeadError:
-                raise
-            except Exception as e:
-                self._fail(seq.request_id, e)
-                continue
-            if 0 in lps:
-                prompt_lps[i] = lps[0]
-        return tokens, logprobs, prompt_lps
 
     def _output(self, req: RequestState, now: float) -> RequestOutput:
         out = self.output_processor.make_output(req, now)

@@ -32,12 +32,14 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
 from baige.runtime.infer.scheduler import ScheduledBatch
 from baige.runtime.infer.spec_decode.rejection import verify_drafts
 from baige.runtime.infer.step_inputs import StepInputs, forward_step, group_by_width
+from baige.runtime.model.logprobs import check_batch_invariant
 from baige.runtime.model.transformer import Transformer
 
 
@@ -79,6 +81,9 @@ class ModelRunner:
         tp: rank 0's :class:`~baige.runtime.infer.tp_worker.TensorParallelGroup` when the model is a
             tensor-parallel shard: every forward is sent to the workers first; steps run eager and
             per-op (no captured graph, no native one-call decode: both lack the all-reduces).
+        batch_invariant: run every forward in ``kernels.batch_invariant`` mode, per-op (no native
+            one-call decode: its kernels block by row count). Raises BaigeError for a model or cache
+            the mode cannot run (``model.logprobs.check_batch_invariant``).
     """
 
     def __init__(
@@ -90,8 +95,10 @@ class ModelRunner:
         enforce_eager: bool = False,
         num_speculative_tokens: int = 0,
         tp=None,
+        batch_invariant: bool = False,
     ):
         self.model = model
+        self.batch_invariant = batch_invariant
         self.tp = tp
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
@@ -114,6 +121,12 @@ class ModelRunner:
         self.fused_decode, self.fused_decode_why = None, "not on the CPU"
         if tp is not None:
             self.fused_decode_why = "tensor parallel (the native step has no all-reduce)"
+        elif batch_invariant:
+            check_batch_invariant(model, kv_cache.k[0].dtype)  # BaigeError: a model the mode cannot run
+            self.fused_decode_why = "batch-invariant mode (the native step's kernels block by row count)"
+            from baige.runtime.infer.cpu_decode import place_weights
+
+            place_weights(model)
         elif self.device.type == "cpu":
             from baige.runtime.infer.cpu_decode import FusedDecoder
 
@@ -433,9 +446,10 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict]:
         """Run the step's forward: ``(logits, spans, prompt logprobs)`` as :meth:`_run_mixed`."""
-        if batch.num_decodes == len(batch):
-            return (*self._run_decode(batch), {})
-        return self._run_mixed(batch)
+        with kernels.batch_invariant(self.batch_invariant):
+            if batch.num_decodes == len(batch):
+                return (*self._run_decode(batch), {})
+            return self._run_mixed(batch)
 
     @torch.inference_mode()
     def execute(

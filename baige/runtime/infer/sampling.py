@@ -16,6 +16,7 @@ import torch
 from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.infer.structured import StructuredOutputsParams
+from baige.runtime.model.logprobs import log_probs
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's top_logprobs cap)
 MAX_STOP_STRINGS = 64  # stop strings per request
@@ -271,7 +272,7 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list
     Returns:
         P :class:`Logprobs` (natural log).
     """
-    lp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
+    lp = log_probs(logits)  # (P, V)
     chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
     tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
     if k:
@@ -399,7 +400,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]
     """
     if all(k is None for k in ks):
         return [None] * len(tokens)
-    raw = torch.log_softmax(logits.float(), dim=-1)  # (S, V)
+    raw = log_probs(logits)  # (S, V): the formula the trainer recomputes (model/logprobs.py)
     k = max(kk or 0 for kk in ks)
     chosen = raw.gather(-1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(-1).tolist()
     top_vals, top_ids = (t.tolist() for t in torch.topk(raw, k, dim=-1)) if k else (None, None)

@@ -72,6 +72,7 @@ class ChatSession:
                 kv_cache_memory=kv_bytes,
                 speculative_config=cfg.speculative_config,
                 tensor_parallel_size=cfg.tensor_parallel_size,
+                batch_invariant=cfg.batch_invariant,
             )
         )
         tokenizer = engine.tokenizer

@@ -25,13 +25,12 @@ def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``mod(x)`` for x (..., in) -> (..., out); the native kernel when ``mod`` is exactly ``nn.Linear``
     without hooks (its own or global ones), x on the CPU in the weight's dtype, autograd off, at most
     ``kernels.FEW_ROWS[weight dtype]`` rows of x (same values up to fp32 summation order; bf16 rows are
-    rounded once, as torch's bf16 linear)."""
-    if (
-        type(mod) is nn.Linear
-        and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
-        and not (mod._forward_hooks or mod._forward_pre_hooks or _global_hooks())
-    ):
+    rounded once, as torch's bf16 linear). In batch-invariant mode (``kernels.batch_invariant``) such a module
+    runs ``kernels.batch_invariant_linear`` for any rows, with or without autograd."""
+    plain = type(mod) is nn.Linear and not (mod._forward_hooks or mod._forward_pre_hooks or _global_hooks())
+    if plain and kernels.batch_invariant_enabled():
+        return kernels.batch_invariant_linear(x, mod.weight, mod.bias)
+    if plain and x.device.type == "cpu" and not torch.is_grad_enabled():
         w = mod.weight
         if x.dtype == w.dtype:  # more rows: few_rows_linear's F.linear, which is what the module computes
             return kernels.few_rows_linear(x.reshape(-1, x.shape[-1]), w, mod.bias).view(*x.shape[:-1], w.shape[0])

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from baige import kernels
 from baige.runtime.model.config import ModelConfig
 
 
@@ -102,4 +103,11 @@ class RotaryEmbedding(torch.nn.Module):
                 inv_freq = rope_inv_freq(self.cfg, seq_len)[0].to(positions.device)
         freqs = positions.float()[..., None] * inv_freq.float()  # (..., head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        if kernels.batch_invariant_enabled():  # each position's values whatever the tensor it sits in
+            cos, sin = (
+                kernels.batch_invariant_pointwise(torch.cos, emb),
+                kernels.batch_invariant_pointwise(torch.sin, emb),
+            )
+        else:
+            cos, sin = emb.cos(), emb.sin()
+        return (cos * self.attention_scaling).to(dtype), (sin * self.attention_scaling).to(dtype)
