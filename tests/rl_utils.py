@@ -103,7 +103,8 @@ def job_grpo(model: str, data: str, output: str, **flags) -> None:
     run_training(grpo_config(Path(model), Path(data), Path(output), **flags))
 
 
-TIMING = ("rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s", "rollout_s", "train_s", "peak_memory_gib")
+TIMING = ("rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s", "step_time_s", "rollout_s", "train_s")
+TIMING += ("peak_memory_gib",)
 
 
 def read_records(output: Path) -> dict[int, dict]:

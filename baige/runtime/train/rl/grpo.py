@@ -205,7 +205,8 @@ class GRPOTrainer(TrainerBase):
         sync_s = time.perf_counter() - t2
         self.step += 1
         trained = sum(mb.num_tokens for mb in batches) * self.cfg.rl.epochs_per_step
-        times = {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync_s}
+        step_s = time.perf_counter() - t0
+        times = {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync_s, "step_time_s": step_s}
         return self._record(samples, values, total, update, trained, times)
 
     # ---- metrics and the loop ---------------------------------------------------------------------
@@ -236,9 +237,8 @@ class GRPOTrainer(TrainerBase):
             v = torch.tensor(values[r.name], dtype=torch.float64)
             local += [float(v.sum()), float((v**2).sum()), float(((v != 0) & (v != 1)).sum())]
         g = self._all_reduce_sum(local)
-        rollout_s, train_s, sync_s = self._all_reduce_max(
-            [times["rollout_s"], times["train_s"], times["weight_sync_s"]]
-        )
+        keys = ("rollout_s", "train_s", "weight_sync_s", "step_time_s")
+        rollout_s, train_s, sync_s, step_s = self._all_reduce_max([times[k] for k in keys])
         n, tokens = g[0], g[3]
 
         def mean_std(s: float, sq: float) -> tuple[float, float]:
@@ -265,6 +265,7 @@ class GRPOTrainer(TrainerBase):
             "rollout_tokens_per_s": tokens / rollout_s,
             "train_tokens_per_s": g[4] / train_s,
             "weight_sync_s": sync_s,
+            "step_time_s": step_s,
             "rollout_s": rollout_s,
             "train_s": train_s,
             "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
