@@ -1,15 +1,10 @@
-"""Helpers for the GRPO tests: prompt files, a reward a random tiny model can learn, configs and
-metrics, and the stand-ins for what the batch-invariant mode adds (installed only while it is missing:
-``baige.runtime.model.logprobs.sequence_logprobs`` and ``LLM(batch_invariant=...)``)."""
+"""Helpers for the GRPO tests: prompt files, a reward a random tiny model can learn, configs, jobs
+for spawned ranks and metrics records."""
 
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
-
-import torch
 
 TARGET = "e"  # the character the target_token reward pays for
 
@@ -35,37 +30,6 @@ def write_prompts(path: Path, n: int = 8, **fields) -> Path:
             record = {"prompt": text} if i % 2 == 0 else {"messages": [{"role": "user", "content": text}]}
             f.write(json.dumps({**record, **fields}) + "\n")
     return path
-
-
-def install_shims() -> None:
-    """sequence_logprobs and ``LLM(batch_invariant=...)`` where still missing. The stand-in for the
-    engine's batch-invariant mode is its ordinary mode: the tests that use it assert only what holds
-    either way (1e-5 between layouts), and the one that needs the real mode is skipped without it."""
-    import dataclasses
-
-    from baige.runtime.config import EngineConfig
-    from baige.runtime.infer.llm import LLM
-
-    if "batch_invariant" not in {f.name for f in dataclasses.fields(EngineConfig)} and not hasattr(LLM, "_shim"):
-        init = LLM.__init__
-
-        def __init__(self, model=None, batch_invariant: bool = False, **engine_args):
-            init(self, model, **engine_args)
-
-        LLM.__init__, LLM._shim = __init__, True
-    try:
-        import baige.runtime.model.logprobs  # noqa: F401
-    except ImportError:
-        module = types.ModuleType("baige.runtime.model.logprobs")
-        module.sequence_logprobs = _sequence_logprobs
-        sys.modules[module.__name__] = module
-
-
-def _sequence_logprobs(model, input_ids: torch.Tensor, *, batch_invariant: bool) -> torch.Tensor:
-    ids = input_ids[None]  # (1, T)
-    hidden = model(ids, torch.arange(ids.shape[1], device=ids.device)[None])[0, :-1]  # (T - 1, hidden)
-    logp = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
-    return logp.gather(1, input_ids[1:, None])[:, 0]
 
 
 def grpo_config(model: Path, data: Path, output: Path, **flags):
@@ -99,7 +63,6 @@ def job_grpo(model: str, data: str, output: str, **flags) -> None:
     """One GRPO run (every rank calls it; tests/train_utils.spawn_worker's job)."""
     from baige.runtime.train.trainer import run_training
 
-    install_shims()
     run_training(grpo_config(Path(model), Path(data), Path(output), **flags))
 
 

@@ -4,7 +4,6 @@ the summary, the table rows and the reward-curve chart; bad arguments are one li
 from __future__ import annotations
 
 import pytest
-from rl_utils import install_shims
 from train_utils import tiny_model
 
 from baige.errors import BaigeError
@@ -13,7 +12,6 @@ from baige.runtime.bench.report import grpo_rows, write_plots
 
 
 def test_bench_grpo(tmp_path, one_thread):
-    install_shims()
     model = tiny_model(tmp_path / "m")
     seen = []
     cfg = GRPOBenchConfig(str(model), steps=4, prompts_per_step=2, group_size=3, max_tokens=6, lr=1e-3)

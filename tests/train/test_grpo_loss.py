@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from rl_utils import install_shims
 from train_utils import tiny_model
 
 from baige.runtime.train.rl import loss as L
@@ -99,7 +98,6 @@ def test_prompt_and_padding_carry_no_loss(tmp_path, one_thread):
     padding tokens changes nothing; the per-sequence path (batch-invariant) gives the same logprobs."""
     from baige.runtime.weights.loader import load_model
 
-    install_shims()
     model = load_model(tiny_model(tmp_path / "m"), dtype=torch.float32, device="cpu")
     samples = [_sample([1, 20, 21, 22], [30, 31]), _sample([1, 40], [41, 42, 43, 44, 45])]
     (mb,) = micro_batches(samples, [1.0, -1.0], 2, torch.device("cpu"))
