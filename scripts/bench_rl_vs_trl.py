@@ -4,8 +4,9 @@ Both runs train the same model (default: the embedded SmolLM2-135M-Instruct, fp3
 (a JSONL file from ``scripts/make_rl_task.py``), with the same group size, prompts per step, most new
 tokens, temperature, learning rate, loss (DAPO's token-mean, clip 0.2, no KL) and the same reward
 (baige's built-in ``exact_answer``, called from TRL as a reward function), for the same number of steps,
-in one process each, on ``--threads`` CPU threads. TRL generates with transformers' ``generate`` (its
-default without vLLM); baige rolls out with its own engine in the same job and syncs weights in place.
+in one process each, on ``--threads`` CPU threads, neither recomputing activations. TRL generates with
+transformers' ``generate`` (its default without vLLM); baige rolls out with its own engine in the same job
+and syncs weights in place.
 
 Per step it records the wall time, the rollout (generation) time, the rollout tokens/s and the mean
 reward; the JSON (``--out``) holds both runs' per-step rows and their medians. Needs ``trl`` (PyPI
@@ -105,6 +106,7 @@ def run_trl(args, rows: list[dict], model_dir: Path) -> list[dict]:
         beta=0.0,
         epsilon=0.2,
         loss_type="dapo",
+        gradient_checkpointing=False,  # TRL's default recomputes activations; baige's run keeps them
         seed=args.seed,
         dataloader_num_workers=0,
     )
@@ -128,7 +130,7 @@ def run_baige(args, model: str) -> list[dict]:
     cmd = [
         sys.executable, "-m", "baige", "train", "--method", "grpo", "--model", model, "--data", str(args.data),
         "--reward", "exact_answer", "--steps", str(args.steps), "--lr", str(args.lr), "--output", str(out / "run"),
-        "--seed", str(args.seed), "--threads", str(args.threads),
+        "--seed", str(args.seed),
         "--set", f"rl.group_size={args.group_size}", "--set", f"rl.prompts_per_step={args.prompts_per_step}",
         "--set", f"rl.max_tokens={args.max_tokens}", "--set", f"rl.temperature={args.temperature}",
         "--set", "rl.clip_low=0.2", "--set", "rl.clip_high=0.2", "--set", "rl.kl_coef=0",

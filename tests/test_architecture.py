@@ -15,7 +15,8 @@ PKG = Path(__file__).resolve().parents[1] / "baige"
 STDLIB = set(sys.stdlib_module_names)
 
 # The dependency direction: a module may import modules of its own group or of a lower rank.
-# kernels <- model <- quant <- weights <- {infer, train} <- {server, quantize, evaluate} <- bench <- cli
+# kernels <- model <- quant <- weights <- infer <- {train, server, quantize, evaluate} <- bench <- cli:
+# train sits above infer because GRPO's rollouts come from the engine (train/rl/, DESIGN.md "RL").
 RANKS = {
     "baige.errors": 0,
     "baige.kernels": 0,
@@ -26,7 +27,7 @@ RANKS = {
     "baige.runtime.quant": 3,
     "baige.runtime.weights": 4,
     "baige.runtime.infer": 5,
-    "baige.runtime.train": 5,
+    "baige.runtime.train": 6,
     "baige.runtime.server": 6,
     "baige.runtime.quantize": 6,
     "baige.runtime.evaluate": 6,

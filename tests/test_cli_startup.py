@@ -30,7 +30,7 @@ HEAVY = (
     "gguf",
 )
 COMMANDS = {"convert", "generate", "chat", "quantize", "serve", "train", "bench", "eval"}
-BENCH_COMMANDS = {"latency", "throughput", "serve", "kernels", "train", "compare", "startup"}
+BENCH_COMMANDS = {"latency", "throughput", "serve", "kernels", "train", "grpo", "compare", "startup"}
 
 
 def run_python(code: str, **env: str) -> dict:

@@ -2,6 +2,7 @@
 
 Launch forms:
   baige train --data corpus.txt --steps 200 --output runs/a                   (one process)
+  baige train --method grpo --data prompts.jsonl --reward exact_answer ...    (RL: GRPO, rollouts from baige's engine)
   torchrun --nproc-per-node 8 --no-python baige train --config run.toml       (one node)
   srun ... torchrun ... baige train ... / srun baige train ...                (SLURM: scripts/slurm/train.sbatch)
 """
@@ -24,7 +25,10 @@ SET_HELP = (
     "--set training.steps=200 --set optimizer.betas=[0.9,0.99] --set lr_scheduler.name=wsd. "
     "Sections: model, data, training, optimizer, lr_scheduler, parallelism, checkpoint, metrics, moe "
     "(router_aux_loss_coef, router_z_loss_coef, load_balance=aux_loss|bias, bias_update_rate), lora "
-    "(rank, alpha, dropout, targets, use_rslora, merge)."
+    "(rank, alpha, dropout, targets, use_rslora, merge), rl (--method grpo: group_size, prompts_per_step, "
+    "max_tokens, temperature, top_p, stop, clip_low, clip_high, kl_coef, epochs_per_step, tis_cap, "
+    "loss_agg_mode=token-mean|seq-mean-token-mean|seq-mean-token-sum|seq-mean-token-sum-norm, "
+    "norm_adv_by_std_in_grpo, reward_regex, reward_json_schema, overlong_buffer)."
 )
 
 
@@ -32,6 +36,15 @@ SET_HELP = (
 def train(
     config: Annotated[
         Optional[Path], typer.Option("--config", help="TOML file with the sections listed under --set.")
+    ] = None,
+    method: Annotated[
+        Optional[str],
+        typer.Option(
+            "--method",
+            help="sft (default) / pretrain: next-token training, the data decides which tokens carry loss; grpo: "
+            "RL with GRPO on --data prompts (JSONL: prompt or messages, plus fields the rewards read), rollouts "
+            "from baige's engine in the same process, the rl section of --set.",
+        ),
     ] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP + " (pretrained weights)")] = None,
     model_config: Annotated[
@@ -166,6 +179,22 @@ def train(
             "--merge/--no-merge", help="With LoRA, also write <output>/hf: the base with the adapter merged in."
         ),
     ] = None,
+    reward: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--reward",
+            help="GRPO reward NAME[=WEIGHT] (repeatable; weighted sum): exact_answer (last \\boxed{} or number vs "
+            "the record's answer), regex (rl.reward_regex), json_schema (rl.reward_json_schema or the record's "
+            "json_schema), length_penalty (DAPO overlong), or module:function(prompts, completions, **fields).",
+        ),
+    ] = None,
+    batch_invariant: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--batch-invariant",
+            help="GRPO: engine and trainer logprobs bitwise equal (batch-invariant kernels; slower).",
+        ),
+    ] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help=SET_HELP)] = None,
 ) -> None:
     """Train or fine-tune a model; checkpoints (DCP), metrics.jsonl and an HF export go to --output."""
@@ -173,6 +202,9 @@ def train(
     from baige.runtime.train.trainer import run_training
 
     flags = {
+        "method": method,
+        "rl.rewards": reward or None,
+        "rl.batch_invariant": batch_invariant,
         "model.name": model,
         "model.config": model_config,
         "model.tokenizer": tokenizer,

@@ -971,7 +971,7 @@ def test_bad_input_is_one_line(args, message, tmp_path):
 def test_help_lists_every_subcommand():
     res = _cli(["bench", "--help"])
     assert res.exit_code == 0
-    for name in ("latency", "throughput", "serve", "kernels", "train", "compare", "startup"):
+    for name in ("latency", "throughput", "serve", "kernels", "train", "grpo", "compare", "startup"):
         assert name in res.output
 
 

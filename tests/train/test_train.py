@@ -317,8 +317,9 @@ def test_default_compile_auto_trains_like_eager(tmp_path, one_thread):
     (one Inductor build of the block's forward and backward; less with a warm Inductor cache)."""
     from torch._dynamo.utils import counters
 
+    from baige.runtime.train.base import _has_cxx_compiler
     from baige.runtime.train.config import TrainConfig
-    from baige.runtime.train.trainer import Trainer, _has_cxx_compiler
+    from baige.runtime.train.trainer import Trainer
 
     assert TrainConfig().training.compile == "auto"  # the default
     assert _has_cxx_compiler()  # part of the test set-up: Inductor's CPU backend builds C++

@@ -150,6 +150,25 @@ def train_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     ]
 
 
+def grpo_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
+    s = r["summary"]
+    if not s:
+        return []
+    quarter = max(1, len(r["samples"]) // 4)
+    return [
+        ("step time (median)", f"{s['step_time_s']:.2f}", "s", None),
+        ("  rollout", f"{s['rollout_s']:.2f}", "s", None),
+        ("  train", f"{s['train_s']:.2f}", "s", None),
+        ("  weight sync", f"{s['weight_sync_s']:.3f}", "s", None),
+        ("rollout throughput", f"{s['rollout_tokens_per_s']:.1f}", "tokens/s", None),
+        ("train throughput", f"{s['train_tokens_per_s']:.1f}", "tokens/s", None),
+        (f"reward, first {quarter} step(s)", f"{s['reward_first']:.3f}", "mean", None),
+        (f"reward, last {quarter} step(s)", f"{s['reward_last']:.3f}", "mean", None),
+        ("engine/trainer logprob mismatch (max)", f"{s['logprob_mismatch_max']:.2e}", "nats", None),
+        ("peak memory", f"{s['peak_memory_bytes'] / 2**30:.2f}", "GiB", None),
+    ]
+
+
 def kernels_table(r: dict) -> Table:
     table = Table(title="baige bench kernels")
     for col in ("op", "tokens", "impl", "pass"):
@@ -313,6 +332,16 @@ def write_plots(r: dict, output_dir: str | Path, stem: str) -> list[Path]:
         ax.plot([s["step"] for s in r["samples"]], [s["time_s"] for s in r["samples"]], marker="o")
         ax.set(xlabel="step", ylabel="step time (s)", title="baige bench train")
         save(fig, "steps")
+    elif kind == "grpo" and r["samples"]:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+        steps = [s["step"] for s in r["samples"]]
+        top.plot(steps, [s["reward"] for s in r["samples"]], marker="o")
+        top.set(ylabel="reward (mean)", title="baige bench grpo")
+        for key in ("rollout_s", "train_s", "weight_sync_s"):
+            bottom.plot(steps, [s[key] for s in r["samples"]], marker=".", label=key.removesuffix("_s"))
+        bottom.set(xlabel="step", ylabel="seconds")
+        bottom.legend()
+        save(fig, "reward")
     elif kind == "compare":
         for wl in ("decode", "throughput"):
             rows = r["summary"].get(wl, {})

@@ -136,8 +136,9 @@ class ModelRunner:
         """Build the native CPU decode table again (a no-op where it cannot run): after the model's
         weights were written in place (the table's derived copies -- a bf16 model's fp32 norms and
         biases, joined biases, permuted q/k -- are made when it is built) or the KV pools reallocated.
-        A model that is no longer eligible (or whose LoRA stacks are not) runs every step per-op."""
-        if self.tp is not None or self.device.type != "cpu":
+        A model that is no longer eligible (or whose LoRA stacks are not) runs every step per-op; so does
+        a batch-invariant runner, always (the native step's kernels block by row count)."""
+        if self.tp is not None or self.device.type != "cpu" or self.batch_invariant:
             return
         from baige.runtime.infer.cpu_decode import FusedDecoder
 

@@ -21,6 +21,7 @@ import tomllib
 from baige.errors import BaigeError
 from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int, check_output_path
 from baige.runtime.model.config import LORA_TARGETS
+from baige.runtime.train.rl.config import RLSection, validate_rl
 
 
 @dataclass
@@ -132,6 +133,8 @@ class TrainConfig:
     """Resolved configuration of ``baige train`` (saved as ``config.toml`` beside every checkpoint)."""
 
     output: str = "runs/train"
+    # sft / pretrain: next-token training (the data decides which tokens carry loss); grpo: RL (the rl section)
+    method: str = "sft"
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     training: TrainingSection = field(default_factory=TrainingSection)
@@ -142,6 +145,7 @@ class TrainConfig:
     lora: LoRASection = field(default_factory=LoRASection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    rl: RLSection = field(default_factory=RLSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -347,8 +351,37 @@ def _validate_lora(cfg: TrainConfig) -> None:
         raise BaigeError("lora.rank needs pretrained weights (--model), not a model trained from scratch")
 
 
+METHODS = ("sft", "pretrain", "grpo")
+
+
+def _validate_method(cfg: TrainConfig) -> None:
+    """``method`` and, for grpo, the rl section and what GRPO does not compose with. Raises BaigeError."""
+    if cfg.method not in METHODS:
+        raise BaigeError(f"--method must be one of {', '.join(METHODS)} (got {cfg.method!r})")
+    if cfg.method != "grpo":
+        if cfg.rl != RLSection():
+            raise BaigeError("rl options (--reward, --batch-invariant, rl.*) need --method grpo")
+        return
+    validate_rl(cfg.rl)
+    p = cfg.parallelism
+    for flag, degree in (
+        ("--tp", p.tensor_parallel_degree),
+        ("--pp", p.pipeline_parallel_degree),
+        ("--ep", p.expert_parallel_degree),
+    ):
+        if degree != 1:
+            raise BaigeError(f"--method grpo runs data-parallel (FSDP2 / HSDP) only: {flag} {degree} is not supported")
+    if cfg.model.config is not None:
+        raise BaigeError("--method grpo trains a pretrained policy: pass --model, not --model-config")
+    if cfg.data.eval:
+        raise BaigeError("--method grpo has no evaluation data: drop --eval-data (the reward is logged every step)")
+    if cfg.rl.batch_invariant and cfg.lora.rank is not None:
+        raise BaigeError("--batch-invariant does not compose with --lora-rank (its kernels take plain linear layers)")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Range and choice checks. Raises BaigeError naming the field."""
+    _validate_method(cfg)
     t = cfg.training
     for name in ("steps", "seq_len", "batch_size", "grad_accum"):
         if getattr(t, name) < 1:

@@ -85,7 +85,9 @@ class MetricsLogger:
                 elif key.startswith("expert_load"):  # one curve per sparse layer
                     for layer, v in zip(layers, value):
                         self._tb.add_scalar(f"{record['split']}/{key}/layer_{layer}", v, record["step"])
-        if record["split"] == "train":
+        if "reward" in record:
+            self.console.print(_rl_line(record), highlight=False)
+        elif record["split"] == "train":
             moe = ""
             if "aux_loss" in record:  # MoE: balance loss, and the worst layer's expert load
                 moe = (
@@ -120,3 +122,15 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _rl_line(r: dict[str, Any]) -> str:
+    """The console line of a GRPO step (``rl/grpo.py``'s record)."""
+    kl = f"  kl {r['kl']:.4f}" if r["kl"] is not None else ""
+    return (
+        f"step {r['step']:>6}  reward {r['reward']:.3f} (std {r['reward_std']:.3f})  loss {r['loss']:+.4f}{kl}  "
+        f"clip {r['clip_fraction']:.3f}  entropy {r['entropy']:.3f}  len {r['response_length']:.1f}  "
+        f"mismatch {r['logprob_mismatch']:.2e}  rollout {r['rollout_tokens_per_s']:,.0f} tokens/s  "
+        f"train {r['train_tokens_per_s']:,.0f} tokens/s  sync {r['weight_sync_s']:.2f} s  "
+        f"peak mem {r['peak_memory_gib']:.2f} GiB"
+    )

@@ -1,0 +1,116 @@
+"""GRPO's loss pieces against hand-computed values: group advantages, the asymmetric clipped
+surrogate, the k3 KL, truncated importance sampling, the aggregation modes and the token masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from train_utils import tiny_model
+
+from baige.runtime.train.rl import loss as L
+from baige.runtime.train.rl.batch import MicroBatch, micro_batches, policy_logprobs
+from baige.runtime.train.rl.rollout import Sample
+
+
+def test_group_advantages_with_and_without_std():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [2.0, 1.0, 0.0, 1.0]])
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal; group 3: mean 1, std sqrt(2/3)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    b = 1.0 / (math.sqrt(2 / 3) + 1e-6)
+    expected = torch.tensor([[a, -a, -a, a], [0.0] * 4, [b, 0.0, -b, 0.0]])
+    torch.testing.assert_close(L.group_advantages(rewards), expected, rtol=1e-6, atol=1e-7)
+    centred = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [1.0, 0.0, -1.0, 0.0]])
+    torch.testing.assert_close(L.group_advantages(rewards, norm_by_std=False), centred)
+
+
+def test_clipped_objective_with_asymmetric_clips():
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 0.7, 1.25]])
+    old = torch.log(torch.tensor([[0.2, 0.4, 0.3, 0.5, 0.4]]))
+    logprobs = (old + ratio.log()).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])  # per token
+    loss, clipped = L.policy_loss(logprobs, old, adv, clip_low=0.2, clip_high=0.28)
+    # max(-A r, -A clip(r, 0.8, 1.28)): r=1.5,A=+1 -> -1.28 (clipped); r=0.5,A=+1 -> -0.5 (the pessimistic
+    # unclipped term); r=1.1,A=-1 -> 1.1; r=0.7,A=-1 -> 0.8 (clipped); r=1.25,A=+1 -> -1.25 (inside 1.28:
+    # a symmetric 0.2 clip would have cut it to -1.2)
+    torch.testing.assert_close(loss, torch.tensor([[-1.28, -0.5, 1.1, 0.8, -1.25]]))
+    assert clipped.tolist() == [[True, False, False, True, False]]
+    loss.sum().backward()
+    # d/dlogp of -A r is -A r where unclipped; clipped tokens pass no gradient
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.5, 1.1, 0.0, -1.25]]))
+    # per-sequence advantages broadcast over the tokens; weights multiply the per-token loss
+    loss_seq, _ = L.policy_loss(old, old, torch.tensor([2.0]), 0.2, 0.2, weights=torch.full((1, 5), 0.5))
+    torch.testing.assert_close(loss_seq, torch.full((1, 5), -1.0))
+
+
+def test_k3_kl():
+    p, ref = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.3, 0.5])
+    k3 = L.kl_k3(p.log(), ref.log())
+    # one value by hand: d = log(0.2/0.5); exp(d) - d - 1 = 0.4 - log(0.4) - 1
+    assert k3[0].item() == pytest.approx(0.4 - math.log(0.4) - 1, rel=1e-6)
+    assert k3[1].item() == 0.0  # equal probabilities
+    # its expectation under p is KL(p || ref) exactly: sum p (ref/p) - sum p log(ref/p) - 1
+    kl = sum(pi * math.log(pi / ri) for pi, ri in zip(p.tolist(), ref.tolist()))
+    assert (p * k3).sum().item() == pytest.approx(kl, rel=1e-6)
+    assert (k3 >= 0).all()
+
+
+def test_tis_weights():
+    old = torch.log(torch.tensor([0.5, 0.25, 0.3]))
+    engine = torch.log(torch.tensor([0.25, 0.5, 0.3]))
+    torch.testing.assert_close(L.tis_weights(old, engine, cap=1.5), torch.tensor([1.5, 0.5, 1.0]))
+
+
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum", (3 + 4) / 2),
+        ("seq-mean-token-sum-norm", 7 / (2 * 4)),  # Dr. GRPO: / (sequences x max_tokens)
+    ],
+)
+def test_aggregation_modes_ignore_what_is_off_the_mask(mode, expected):
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss = torch.tensor([[1.0, 2.0, math.inf], [4.0, 1e9, -math.inf]])
+    assert L.aggregate(loss, mask, mode, num_tokens=3, num_seqs=2, max_tokens=4).item() == pytest.approx(expected)
+
+
+def _sample(prompt, completion, lps=None, group=0):
+    return Sample(group, prompt, completion, lps or [-1.0] * len(completion), "", "stop")
+
+
+def test_micro_batch_masks_only_the_response_tokens():
+    s0 = _sample([5, 6, 7], [8, 9], [-0.5, -0.25])
+    s1 = _sample([5], [4, 4, 4], [-1.0, -2.0, -3.0])
+    s2 = _sample([3, 3], [2])
+    (mb, rest) = micro_batches([s0, s1, s2], [1.0, -1.0, 0.5], 2, torch.device("cpu"))
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 4, 4, 0]]  # right-padded
+    assert mb.mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]  # targets 2, 3 predict 8, 9; the pad is masked
+    assert mb.engine_logprobs.tolist() == [[0, 0, -0.5, -0.25], [-1, -2, -3, 0]]
+    assert mb.advantages.tolist() == [1.0, -1.0] and mb.lengths == [5, 4] and mb.num_tokens == 9
+    assert rest.input_ids.tolist() == [[3, 3, 2]] and rest.mask.tolist() == [[0, 1]]
+
+
+def test_prompt_and_padding_carry_no_loss(tmp_path, one_thread):
+    """On a tiny model: the policy loss has no gradient at prompt or padding positions, and changing the
+    padding tokens changes nothing; the per-sequence path (batch-invariant) gives the same logprobs."""
+    from baige.runtime.weights.loader import load_model
+
+    model = load_model(tiny_model(tmp_path / "m"), dtype=torch.float32, device="cpu")
+    samples = [_sample([1, 20, 21, 22], [30, 31]), _sample([1, 40], [41, 42, 43, 44, 45])]
+    (mb,) = micro_batches(samples, [1.0, -1.0], 2, torch.device("cpu"))
+    lp, entropy = policy_logprobs(model, mb, batch_invariant=False, entropy=True)
+    assert ((lp != 0) == mb.mask.bool()).all() and ((entropy > 0) == mb.mask.bool()).all()
+    leaf = lp.detach().requires_grad_()
+    per_token, _ = L.policy_loss(leaf, lp.detach(), mb.advantages, 0.2, 0.2)
+    L.aggregate(per_token, mb.mask, "token-mean", float(mb.mask.sum()), 2, 8).backward()
+    on = mb.mask.bool()
+    assert (leaf.grad[~on] == 0).all() and (leaf.grad[on] != 0).all()
+    repadded = MicroBatch(mb.input_ids.clone(), mb.mask, mb.engine_logprobs, mb.advantages, mb.lengths)
+    repadded.input_ids[0, 6:] = 77  # sequence 0's padding
+    lp2, _ = policy_logprobs(model, repadded, batch_invariant=False)
+    torch.testing.assert_close(lp2, lp, rtol=0, atol=1e-6)
+    lp3, _ = policy_logprobs(model, mb, batch_invariant=True)
+    torch.testing.assert_close(lp3, lp, rtol=0, atol=1e-5)
