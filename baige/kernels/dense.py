@@ -8,8 +8,8 @@ import torch
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy decoding's argmax, ``torch.argmax(logits, -1)`` (first index of a row's maximum, or its first
-    NaN): (S, V) float, V >= 1 -> (S,) int64; natively on fp32 CPU rows (two vector passes: ~9 instead of
-    ~43 us for a 49152-wide row, 1 thread, AMD EPYC Zen 4)."""
+    NaN): (S, V) float, V >= 1 -> (S,) int64; natively on fp32 CPU rows (two vector passes, faster than
+    torch's for vocabulary-wide rows; measured: docs/benchmarks/archive.md)."""
     from baige.kernels.cpu import native_allowed, ops
 
     if (
@@ -25,10 +25,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (x (M, in) -> (M, out), x's dtype) of the per-op inference path: at most
-    :data:`FEW_ROWS` rows run :func:`dense_linear`'s native kernel, more run ``F.linear``. Measured,
-    1 thread, AMD EPYC Zen 4, fp32 1024 x 512 weights streamed from memory: native 1.4-1.9x faster
-    than MKL up to 16 rows, equal at 32, 0.93x at 64 (cache-resident, MKL wins from 8 rows); bf16:
-    see :func:`dense_linear`."""
+    :data:`FEW_ROWS` rows run :func:`dense_linear`'s native kernel, more run ``F.linear``: for weights
+    streamed from memory the native kernel beats MKL for few rows and loses past about FEW_ROWS
+    (measured: docs/benchmarks/archive.md, "Native MoE decode step, few-row per-op linears"); bf16: see
+    :func:`dense_linear`."""
     return dense_linear(x, weight, bias, max_rows=FEW_ROWS.get(weight.dtype, 0))
 
 
@@ -61,14 +61,12 @@ def dense_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_rows: int | None = None
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for inference. CPU rows with no gradient run the native kernel, which reads
-    each weight row once for all rows: an fp32 weight under fp32 rows (at most 128; against torch's
-    sgemm on a 49152 x 576 lm_head, 1 thread, AVX2: 12 vs 16 ms at 1 row, 26 vs 50 ms at 5, 185 vs 234
-    ms at 128, slower from 256 rows), a bf16 weight under fp32 or bf16 rows (at most 64: bf16.c, see
-    :mod:`baige.kernels.cpu.qlinear`; against torch's bf16 linear, 1 and 2 threads, AMD EPYC Zen 4,
-    1536 x 576 and 49152 x 512: 1.9-3.7x faster at 4 rows, 1.25-1.3x at 32, 1.04-1.1x at 64, 0.91-0.96x
-    at 128). More fp32 rows without autograd run oneDNN's matmul (:func:`onednn_linear`); anything else
-    is ``F.linear`` in the weight's dtype (a bias is then rounded to it; the native kernel adds an fp32
-    bias exactly).
+    each weight row once for all rows: an fp32 weight under fp32 rows (at most 128, where it stops
+    beating torch's sgemm), a bf16 weight under fp32 or bf16 rows (at most 64, where it stops beating
+    torch's bf16 linear: bf16.c, see :mod:`baige.kernels.cpu.qlinear`; measured:
+    docs/benchmarks/archive.md). More fp32 rows without autograd run oneDNN's matmul
+    (:func:`onednn_linear`); anything else is ``F.linear`` in the weight's dtype (a bias is then rounded to
+    it; the native kernel adds an fp32 bias exactly).
 
     Args:
         x: (M, in) float. weight: (out, in). bias: (out,) or None. max_rows: a lower native limit than
@@ -129,9 +127,9 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     the op PyTorch's inductor emits for CPU linears; it reads the plain row-major weight, no second
     packed copy). Why: PyTorch's CPU ``F.linear`` calls MKL's sgemm, which on AMD CPUs runs its AVX2
     code; oneDNN picks its kernel from the CPU's instruction-set flags (``brg_matmul:avx512_core``
-    with AVX-512). Measured, 1 thread, AMD EPYC with full-width AVX-512 (flags avx2 avx512f
-    avx512_vnni avx512_bf16 avx512_vp2intersect ...): 64 x 512 @ 512 x 1024 fp32 112 (MKL) vs 237
-    GFLOP/s, 512 rows 115 vs 268. Same values up to fp32 summation order (tests: against fp64).
+    with AVX-512), about twice MKL's rate on AMD CPUs with full-width AVX-512 (measured:
+    docs/benchmarks/archive.md, "MoE forward vs transformers through oneDNN"). Same values up to fp32
+    summation order (tests: against fp64).
 
     Args:
         x: (M, in) fp32 CPU, M >= 1 (any strides). weight: (out, in) fp32, unit stride along in.

@@ -53,10 +53,9 @@ from baige.runtime.settings import settings
 
 # Prefill chunks and mixed steps of at most this many token rows run through the native step too (each
 # row a decode row of its own context; the runner's _run_mixed); larger ones keep the per-op path, whose
-# GEMMs (oneDNN, MKL) block for many rows. Measured on the dev VM (AMD EPYC Zen 4, 1 thread, SmolLM2-135M,
-# prefill of one prompt without prefix caching, native / per-op, ms): int4 g32 integer dots 51 / 76 at 32
-# tokens, 206 / 293 at 128, 686 / 812 at 384; bf16 48 / 84, 170 / 201, 570 / 588 (717 / 736 at 448);
-# fp32 weights 128 / 157 at 32 but 612 / 475 at 128 (MKL's sgemm wins there).
+# GEMMs (oneDNN, MKL) block for many rows. The limits are where the native step stops beating the per-op
+# path on a prefill: integer-dot and bf16 projections up to a few hundred rows, fp32 weights only up to a
+# few dozen (MKL's sgemm wins past that); measured: docs/benchmarks/archive.md.
 MAX_STEP_ROWS = 256  # integer-dot and bf16 projections
 MAX_STEP_ROWS_FP32 = 32  # fp32 / fp16 weights, or the exact int8/int4 kernels
 

@@ -9,6 +9,7 @@ next-token training (SFT / pre-training, :class:`~baige.runtime.train.trainer.Tr
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import shutil
@@ -63,7 +64,7 @@ def _state_dict_options(**options):
     return StateDictOptions(**{"flatten_optimizer_state_dict": True, **options})
 
 
-class TrainerBase:
+class TrainerBase(abc.ABC):
     """The set-up and the checkpoint state of one training run on this rank, whatever the method.
     Collective: every rank builds one with the same config.
 
@@ -100,8 +101,10 @@ class TrainerBase:
     def _on_base_model(self, model: Transformer) -> None:
         """Called with the plain model (weights loaded, before LoRA and the parallelisms); nothing here."""
 
+    @abc.abstractmethod
     def _build_data(self) -> None:
-        raise NotImplementedError
+        """Build the method's data (token windows for next-token training, prompts for GRPO); each method's
+        trainer defines it."""
 
     # ---- set-up steps, in the order __init__ runs them --------------------------------------------
 
