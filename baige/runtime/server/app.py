@@ -313,11 +313,12 @@ def run_server(
         threading.Timer(DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
     engine.set_on_dead(stop_later)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        engine.shutdown()
-        sock.close()
+    with server.stop_signals():  # a second signal while the engine shuts down still exits at once
+        try:
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()
+            sock.close()
     if engine.dead is not None:
         raise BaigeError(
             f"the engine loop stopped ({type(engine.dead).__name__}: {engine.dead}); exiting so a "

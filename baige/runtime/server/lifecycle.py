@@ -113,9 +113,15 @@ class GracefulServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        """Handle SIGINT and SIGTERM while serving (main thread only, as uvicorn's), then restore the
-        previous handlers. Unlike uvicorn's, the signal is not raised again afterwards: a drained
-        server exits 0."""
+        """uvicorn's hook, a no-op here: :meth:`stop_signals` handles the signals around the whole run,
+        the engine's shutdown included (uvicorn's would restore the previous handlers before it, and
+        raise the signal again afterwards, so that the process died of it)."""
+        yield
+
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[None]:
+        """Handle SIGINT and SIGTERM with :meth:`handle_exit` inside the block (main thread only, as
+        uvicorn's), then restore the previous handlers."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
