@@ -15,6 +15,8 @@ def test_serve_options_fail_before_the_model_loads(cli_error):
         "serve", "--seed", 2**64
     )
     assert "--kv-cache-memory: bad size 'lots'" in cli_error("serve", "--kv-cache-memory", "lots")
+    for bad in ("-1", "nan"):
+        assert "Invalid value for '--shutdown-timeout'" in cli_error("serve", "--shutdown-timeout", bad)
 
 
 def test_eval_paths(cli_error, tmp_path):

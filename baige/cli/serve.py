@@ -198,6 +198,16 @@ def serve(
             "408, a connection idle that long without a request is closed.",
         ),
     ] = 30.0,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=86400,
+            help="Seconds the requests in flight may take to finish after SIGTERM or SIGINT; meanwhile /health "
+            "and new requests get 503. Those still running then end with an error (0: at once), and the server "
+            "exits 0. A second signal exits at once.",
+        ),
+    ] = 30.0,
     chat_template: Annotated[
         Optional[str],
         typer.Option(
@@ -292,4 +302,5 @@ def serve(
         enable_auto_tool_choice=enable_auto_tool_choice,
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
         enable_rl_endpoints=enable_rl_endpoints,
+        shutdown_timeout=shutdown_timeout,
     )

@@ -152,6 +152,12 @@ class Engine:
         if self.tp is not None:
             self.tp.close()
 
+    def kill(self) -> None:
+        """SIGKILL the tensor-parallel workers and remove their rendezvous, without waiting (no-op on
+        one rank): for a process that exits at once. The engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.kill()
+
     # ---- requests --------------------------------------------------------------------------
     @property
     def max_prompt_chars(self) -> int:
