@@ -76,7 +76,10 @@ class OutputProcessor:
             else:
                 self.scheduler.finish(seq, "stop", stop)
             return True
-        if st.grammar is not None:
+        if st.pending_grammar is not None:
+            if token == st.params.reasoning_end_token_id:  # the reasoning ended: the constraint starts after it
+                st.grammar, st.pending_grammar = st.pending_grammar, None
+        elif st.grammar is not None:
             # An error while computing this step's mask (an engine limit: then the mask allowed only
             # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).
             if st.grammar.is_error() or not st.grammar.consume_token(token):

@@ -29,6 +29,7 @@ from baige.runtime.infer.lora import LoRANotFound
 from baige.runtime.server import chat_routes, completion_routes, lora_routes, rl_routes, routes
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
+from baige.runtime.server.reasoning import reasoning_config
 from baige.runtime.server.serving import DEFAULT_MAX_N, ServerState
 from baige.runtime.server.tools import tool_config
 
@@ -176,13 +177,18 @@ def build_app(
     enable_auto_tool_choice: bool = True,
     read_timeout: float = READ_TIMEOUT_S,
     enable_rl_endpoints: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
     ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
     ``read_timeout``: seconds each piece of a body may take (408 after it);
     ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...);
-    ``enable_rl_endpoints``: the RL hooks (:mod:`.rl_routes`, ``baige serve --enable-rl-endpoints``).
+    ``enable_rl_endpoints``: the RL hooks (:mod:`.rl_routes`, ``baige serve --enable-rl-endpoints``);
+    ``reasoning_parser``: :mod:`.reasoning` (``baige serve --reasoning-parser``; None: off).
+
+    Raises:
+        BaigeError: a reasoning parser whose markers are not single tokens of the vocabulary.
     """
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
@@ -190,7 +196,8 @@ def build_app(
     tools = tool_config(
         engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none, enable_auto_tool_choice
     )
-    app.state.baige = ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
+    reasoning = reasoning_config(engine.tokenizer, reasoning_parser)
+    app.state.baige = ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools, reasoning)
     app.state.baige_max_bytes, app.state.baige_read_timeout = max_request_bytes, read_timeout
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, guarded=rl_routes.RL_PATHS if enable_rl_endpoints else ())
@@ -281,7 +288,8 @@ def run_server(
 ) -> None:
     """Serve ``engine`` with uvicorn on the listening socket ``sock`` (:func:`listen`) until
     interrupted; the engine thread is stopped on the way out. ``tool_options``: :func:`build_app`'s
-    ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``;
+    ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``,
+    ``reasoning_parser``;
     ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`);
     ``enable_rl_endpoints``: :func:`build_app`'s.
 
@@ -291,16 +299,21 @@ def run_server(
     """
     import uvicorn
 
-    app = build_app(
-        engine,
-        served_model_name,
-        api_key,
-        max_n,
-        max_request_bytes,
-        read_timeout=read_timeout,
-        enable_rl_endpoints=enable_rl_endpoints,
-        **tool_options,
-    )
+    try:
+        app = build_app(
+            engine,
+            served_model_name,
+            api_key,
+            max_n,
+            max_request_bytes,
+            read_timeout=read_timeout,
+            enable_rl_endpoints=enable_rl_endpoints,
+            **tool_options,
+        )
+    except BaigeError:  # a flag the model cannot honour (--reasoning-parser): nothing is left running
+        engine.shutdown()
+        sock.close()
+        raise
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": read_timeout})
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=5, http=protocol)

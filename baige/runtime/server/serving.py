@@ -29,6 +29,7 @@ from baige.runtime.infer.sampling import Logprobs, SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, SamplingFields, error_body, parse_body, validation_message
+from baige.runtime.server.reasoning import ReasoningConfig
 from baige.runtime.server.tools import ToolConfig
 
 DEFAULT_MAX_N = 128  # sequences one request may ask for (n x prompts); `baige serve --max-n`
@@ -45,6 +46,7 @@ class ServerState:
     created: int
     max_n: int = DEFAULT_MAX_N
     tools: ToolConfig | None = None  # tool calling: build_app sets it from the chat template and the flags
+    reasoning: ReasoningConfig | None = None  # --reasoning-parser (None: outputs are not split)
 
     @property
     def tokenizer(self) -> Tokenizer:
