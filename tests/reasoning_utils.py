@@ -85,7 +85,7 @@ def write_reasoning_checkpoint(path: Path, style: str) -> Path:
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         tie_word_embeddings=False,
         eos_token_id=tok.token_to_id("<|im_end|>"),
     )

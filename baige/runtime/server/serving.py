@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -30,6 +30,7 @@ from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, SamplingFields, error_body, parse_body, validation_message
 from baige.runtime.server.reasoning import ReasoningConfig
+from baige.runtime.server.responses import ResponseStore
 from baige.runtime.server.tools import ToolConfig
 
 DEFAULT_MAX_N = 128  # sequences one request may ask for (n x prompts); `baige serve --max-n`
@@ -47,6 +48,7 @@ class ServerState:
     max_n: int = DEFAULT_MAX_N
     tools: ToolConfig | None = None  # tool calling: build_app sets it from the chat template and the flags
     reasoning: ReasoningConfig | None = None  # --reasoning-parser (None: outputs are not split)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored responses
 
     @property
     def tokenizer(self) -> Tokenizer:
