@@ -71,7 +71,7 @@ class ReasoningConfig:
 
 def _single_token(tokenizer: Tokenizer, text: str, flag: str) -> int:
     ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
+    if len(ids) != 1 or tokenizer.decode(ids, skip_special_tokens=False) != text:  # not an unknown-token stand-in
         raise BaigeError(f"--reasoning-parser {flag}: {text!r} is not one token of this model's vocabulary")
     return ids[0]
 
@@ -205,7 +205,6 @@ class HarmonyStream:
     def __init__(self, tools: frozenset[str] = frozenset()):
         self.tools = tools
         self._buf = ""
-        self._header = ""  # text since <|start|> / <|channel|> until <|message|>
         self._kind: str | None = None  # the open message's event: reasoning | content | args
         self.calls = 0
         self.reasoned = False
@@ -243,14 +242,13 @@ class HarmonyStream:
         out: list[Event] = []
         while self._buf:
             buf = self._buf
-            if self._kind is None:  # in a header
+            if self._kind is None:  # in a header: held whole until its <|message|>
                 j = buf.find("<|message|>")
                 if j < 0:
-                    self._header += buf if not final else ""
-                    self._buf = ""
+                    self._buf = "" if final else buf
                     break
-                out += self._open(self._header + buf[:j])
-                self._header, self._buf = "", buf[j + len("<|message|>") :]
+                out += self._open(buf[:j])
+                self._buf = buf[j + len("<|message|>") :]
                 continue
             j = buf.find("<|end|>")
             if j >= 0:

@@ -37,6 +37,15 @@ from baige.runtime.server.serving import ServerState, collect, engine_error, mer
 
 router = APIRouter()
 
+# the chat request's fields that a Responses request calls otherwise
+RESPONSES_PARAM = {
+    "messages": "input",
+    "response_format": "text",
+    "structured_outputs": "text",
+    "max_tokens": "max_output_tokens",
+    "prompt": "input",
+}
+
 
 def chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
     """The chat request of a Responses request. Raises APIError (400) naming the field."""
@@ -90,8 +99,12 @@ async def create_response(request: Request):
     previous = st.responses.get(owner, req.previous_response_id).messages if req.previous_response_id else []
     messages = conversation(req, previous)
     chat = chat_request(req, messages)
-    params = sampling_params(chat, req.max_output_tokens, None, 1, st.max_n)
-    job = await prepare_chat(st, chat, params)
+    try:
+        params = sampling_params(chat, req.max_output_tokens, None, 1, st.max_n)
+        job = await prepare_chat(st, chat, params)
+    except APIError as e:  # the chat pipeline names chat fields: name the Responses request's
+        e.param = RESPONSES_PARAM.get(e.param, e.param)
+        raise
     turn = Turn(st, req, owner, messages, job)
     gen = st.engine.generate(job.ids, job.params, turn.rid, st.lora_request(req.model))
     if req.stream:
