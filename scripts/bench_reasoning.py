@@ -31,8 +31,8 @@ from baige.runtime.server.reasoning import ReasoningConfig
 from baige.runtime.server.responses import ResponseStore
 from baige.runtime.server.responses_protocol import ResponsesRequest
 from baige.runtime.server.responses_routes import Turn, stream_response
-from baige.runtime.server.tools import ToolPlan, ToolConfig
 from baige.runtime.server.tool_parsers import HermesToolParser
+from baige.runtime.server.tools import ToolPlan
 
 START, END = 1, 2
 
