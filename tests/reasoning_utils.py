@@ -60,52 +60,66 @@ def _tokenizer():
 
 
 def write_reasoning_checkpoint(path: Path, style: str) -> Path:
-    """The chain model with the ``style`` ("qwen3" or "deepseek_r1") chat template; returns ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The chain model with the ``style`` ("qwen3" or "deepseek_r1") chat template, written as an HF Llama
+    checkpoint (config.json, model.safetensors, tokenizer files); returns ``path``."""
+    from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
-    vocab = tok.get_vocab_size()
-    ids = [tok.token_to_id(w) for w in ("Ċ", *WORDS)]  # "\n" (ends Qwen3's generation prompt) first
+    vocab, hidden, inter, heads, kv_heads = tok.get_vocab_size(), 64, 96, 4, 2
+    t = tok.token_to_id
     chain = {
-        ids[0]: tok.token_to_id("<think>"),
-        tok.token_to_id("<think>"): tok.token_to_id(REASONING[0]),
-        **{tok.token_to_id(a): tok.token_to_id(b) for a, b in zip(REASONING, REASONING[1:])},
-        tok.token_to_id(REASONING[-1]): tok.token_to_id("</think>"),
-        tok.token_to_id("</think>"): tok.token_to_id(ANSWER[0]),
-        **{tok.token_to_id(a): tok.token_to_id(b) for a, b in zip(ANSWER, ANSWER[1:])},
-        tok.token_to_id(ANSWER[-1]): tok.token_to_id("<|im_end|>"),
+        t("Ċ"): t("<think>"),  # "\n" ends Qwen3's generation prompt
+        t("<think>"): t(REASONING[0]),
+        **{t(a): t(b) for a, b in zip(REASONING, REASONING[1:])},
+        t(REASONING[-1]): t("</think>"),
+        t("</think>"): t(ANSWER[0]),
+        **{t(a): t(b) for a, b in zip(ANSWER, ANSWER[1:])},
+        t(ANSWER[-1]): t("<|im_end|>"),
     }
-    hidden = 64
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        eos_token_id=tok.token_to_id("<|im_end|>"),
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    basis = torch.linalg.qr(torch.randn(hidden, hidden))[0].T  # orthonormal rows
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        model.model.norm.weight.fill_(1.0)
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embed.zero_()
-        head.zero_()
-        for k, (a, b) in enumerate(chain.items()):
-            embed[a] = basis[k]
-            head[b] += 2.0 * basis[k]  # after RMSNorm the input is 8 * basis[k]: logit 16
-    model.save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))[0].T  # orthonormal rows
+    embed, head = torch.zeros(vocab, hidden), torch.zeros(vocab, hidden)
+    for k, (a, b) in enumerate(chain.items()):
+        embed[a] = basis[k]
+        head[b] += 2.0 * basis[k]  # after RMSNorm the input is 8 * basis[k]: logit 16, every other 0
+    head_dim = hidden // heads
+    layer = "model.layers.0."
+    tensors = {
+        "model.embed_tokens.weight": embed,
+        "lm_head.weight": head,
+        "model.norm.weight": torch.ones(hidden),
+        layer + "input_layernorm.weight": torch.ones(hidden),
+        layer + "post_attention_layernorm.weight": torch.ones(hidden),
+        layer + "self_attn.q_proj.weight": 0.1 * torch.randn(hidden, hidden, generator=g),
+        layer + "self_attn.k_proj.weight": 0.1 * torch.randn(kv_heads * head_dim, hidden, generator=g),
+        layer + "self_attn.v_proj.weight": 0.1 * torch.randn(kv_heads * head_dim, hidden, generator=g),
+        layer + "self_attn.o_proj.weight": torch.zeros(hidden, hidden),  # attention writes nothing
+        layer + "mlp.gate_proj.weight": 0.1 * torch.randn(inter, hidden, generator=g),
+        layer + "mlp.up_proj.weight": 0.1 * torch.randn(inter, hidden, generator=g),
+        layer + "mlp.down_proj.weight": torch.zeros(hidden, inter),  # nor does the MLP
+    }
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "eos_token_id": t("<|im_end|>"),
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config))
     tok.save(str(path / "tokenizer.json"))
     template = QWEN3_TEMPLATE if style == "qwen3" else DEEPSEEK_R1_TEMPLATE
-    config = {"eos_token": "<|im_end|>", "chat_template": template}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
     return path

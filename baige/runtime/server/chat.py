@@ -84,10 +84,12 @@ class ChatJob:
         return AnswerStream(split, self.plan.stream(), self.include_reasoning)
 
 
-def with_reasoning(st: ServerState, ids: list[int], params: SamplingParams) -> SamplingParams:
+def with_reasoning(
+    st: ServerState, ids: list[int], params: SamplingParams, field: str = "response_format"
+) -> SamplingParams:
     """``params`` for the server's reasoning parser: its markers decoded, and a constraint deferred to
     the end of the reasoning when the output starts inside it. Raises APIError (400) for a constraint
-    that the parser cannot place (gpt_oss: its answer starts after several tokens)."""
+    that the parser cannot place (gpt_oss: its answer starts after several tokens), naming ``field``."""
     cfg = st.reasoning
     if cfg is None:
         return params
@@ -98,7 +100,7 @@ def with_reasoning(st: ServerState, ids: list[int], params: SamplingParams) -> S
             raise APIError(
                 f"the {cfg.name} reasoning parser cannot constrain the answer (its reasoning does not end at "
                 "one token); drop response_format / structured_outputs / a forced tool_choice",
-                param="response_format",
+                param=field,
             )
         params = dataclasses.replace(params, reasoning_end_token_id=cfg.end_id)
     return params
@@ -116,6 +118,6 @@ async def prepare_chat(
     if plan.keep_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await chat_prompt(st, plan, req.chat_template_kwargs)
-    params = with_reasoning(st, ids, params)
+    params = with_reasoning(st, ids, params, "tool_choice" if plan.constraint is not None else "response_format")
     ((ids, params),) = await prepared(st, [ids], params, req)
     return ChatJob(ids, params, plan, include_reasoning, st)
