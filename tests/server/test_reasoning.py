@@ -93,6 +93,30 @@ def test_harmony_stream_every_split():
         assert "".join(e[1] for e in events if e[0] == "reasoning") == "Call it.", k
 
 
+def test_harmony_without_headers_and_gpt_oss_constraints():
+    s = HarmonyStream()
+    assert s.feed([], "plain text") + s.finish() == [("content", "plain text")]  # never dropped
+    from types import SimpleNamespace
+
+    from baige.runtime.infer.sampling import SamplingParams
+    from baige.runtime.infer.structured import StructuredOutputsParams
+    from baige.runtime.server.chat import with_reasoning
+    from baige.runtime.server.protocol import APIError
+
+    st = SimpleNamespace(reasoning=ReasoningConfig("gpt_oss", keep_special_tokens=True))
+    params = with_reasoning(st, [3], SamplingParams())
+    assert params.skip_special_tokens is False and params.reasoning_end_token_id is None
+    with pytest.raises(APIError) as e:
+        with_reasoning(
+            st, [3], SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), "tool_choice"
+        )
+    assert (e.value.status, e.value.param) == (400, "tool_choice")
+    st = SimpleNamespace(reasoning=QWEN3)  # deferred unless the prompt closed the reasoning
+    so = StructuredOutputsParams(json_object=True)
+    assert with_reasoning(st, [3], SamplingParams(structured_outputs=so)).reasoning_end_token_id == 2
+    assert with_reasoning(st, [1, 2], SamplingParams(structured_outputs=so)).reasoning_end_token_id is None
+
+
 def test_auto_detection_and_bad_parsers(tmp_path):
     assert detect("{{ '<think>' }}") == "qwen3"
     assert detect("<｜Assistant｜><think>") == "deepseek_r1"

@@ -245,7 +245,9 @@ class HarmonyStream:
             if self._kind is None:  # in a header: held whole until its <|message|>
                 j = buf.find("<|message|>")
                 if j < 0:
-                    self._buf = "" if final else buf
+                    if final:  # text that never became a message (no harmony header): content, not lost
+                        out.append(("content", buf))
+                        self._buf = ""
                     break
                 out += self._open(buf[:j])
                 self._buf = buf[j + len("<|message|>") :]
