@@ -113,7 +113,12 @@ def test_harmony_without_headers_and_gpt_oss_constraints():
     assert (e.value.status, e.value.param) == (400, "tool_choice")
     st = SimpleNamespace(reasoning=QWEN3)  # deferred unless the prompt closed the reasoning
     so = StructuredOutputsParams(json_object=True)
-    assert with_reasoning(st, [3], SamplingParams(structured_outputs=so)).reasoning_end_token_id == 2
+    deferred = with_reasoning(st, [3], SamplingParams(structured_outputs=so))
+    assert (deferred.reasoning_end_token_id, deferred.reasoning_start_token_id) == (2, 1)
+    st = SimpleNamespace(reasoning=R1)  # R1 reasons from the first token: no start token to wait for
+    deferred = with_reasoning(st, [3], SamplingParams(structured_outputs=so))
+    assert (deferred.reasoning_end_token_id, deferred.reasoning_start_token_id) == (2, None)
+    st = SimpleNamespace(reasoning=QWEN3)
     assert with_reasoning(st, [1, 2], SamplingParams(structured_outputs=so)).reasoning_end_token_id is None
 
 
@@ -154,6 +159,17 @@ def test_engine_defers_the_constraint_to_the_end_of_reasoning(qwen3_dir):
     assert outs[1].outputs[0].text == f"<think>{REASONING_TEXT}</think>{ANSWER_TEXT}"
     assert outs[0].outputs[0].text == f"<think>{REASONING_TEXT}</think>Rain!"  # the chain until </think>
     assert outs[2].outputs[0].text == "Rain!"  # constrained from the first token
+    # qwen3 without a marker in the prompt: the first token decides. After "\n" the chain opens <think> (the
+    # constraint waits for </think>); after " It" its next word is masked, so the answer is constrained at once
+    start = tok.encode("<think>", add_special_tokens=False)[0]
+    undecided = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=so, reasoning_end_token_id=end, reasoning_start_token_id=start
+    )
+    it = tok.encode(" It", add_special_tokens=False)
+    outs = llm.generate([prompt, prompt[:-1] + it], [undecided, undecided])
+    assert outs[0].outputs[0].text == f"<think>{REASONING_TEXT}</think>Rain!"
+    assert outs[1].outputs[0].text == "Rain!"
+    assert llm.generate([prompt[:-1] + it], free)[0].outputs[0].text == ANSWER_TEXT[len(" It") :]
 
 
 WEATHER = {

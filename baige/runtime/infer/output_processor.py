@@ -77,9 +77,13 @@ class OutputProcessor:
                 self.scheduler.finish(seq, "stop", stop)
             return True
         if st.pending_grammar is not None:
-            if token == st.params.reasoning_end_token_id:  # the reasoning ended: the constraint starts after it
-                st.grammar, st.pending_grammar = st.pending_grammar, None
-        elif st.grammar is not None:
+            opened = not st.undecided or token == st.params.reasoning_start_token_id
+            st.undecided = False
+            if not opened or token == st.params.reasoning_end_token_id:
+                st.grammar, st.pending_grammar = st.pending_grammar, None  # the answer starts here / after it
+            if opened:
+                return False
+        if st.grammar is not None:
             # An error while computing this step's mask (an engine limit: then the mask allowed only
             # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).
             if st.grammar.is_error() or not st.grammar.consume_token(token):

@@ -60,6 +60,10 @@ class SamplingParams:
         reasoning_end_token_id: with ``structured_outputs``, the constraint engages only after the
             sequence has generated this token (the end of its reasoning, e.g. ``</think>``: vLLM's
             behaviour with a reasoning parser); the tokens up to it are free. None: from the first token.
+        reasoning_start_token_id: with ``reasoning_end_token_id``, the output reasons only if its first
+            token is this one (e.g. ``<think>``): the first step allows it besides what the constraint
+            allows, and any other first token starts the constrained answer at once. None: the output
+            reasons from its first token.
 
     Raises:
         BaigeError: a value out of its range (one line naming the field). Token ids are checked
@@ -87,6 +91,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -175,6 +180,10 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("logit_bias", list(self.logit_bias or {})),
             ("reasoning_end_token_id", [] if self.reasoning_end_token_id is None else [self.reasoning_end_token_id]),
+            (
+                "reasoning_start_token_id",
+                [] if self.reasoning_start_token_id is None else [self.reasoning_start_token_id],
+            ),
         ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:

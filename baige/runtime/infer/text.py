@@ -20,7 +20,8 @@ class SeqText:
         matcher: the request's stop-string automaton (None: no stop strings); shared by its sequences.
         grammar: this sequence's structured-output matcher (llguidance ``LLMatcher``), or None. With
             ``params.reasoning_end_token_id`` it waits in ``pending_grammar`` (``grammar`` None: no mask)
-            until that token is generated (:meth:`OutputProcessor.process_token` moves it).
+            until that token is generated (:meth:`OutputProcessor.process_token` moves it), or, with
+            ``params.reasoning_start_token_id``, until a first token other than that one.
     """
 
     def __init__(
@@ -43,6 +44,8 @@ class SeqText:
         pending = grammar is not None and params.reasoning_end_token_id is not None
         self.grammar = None if pending else grammar
         self.pending_grammar = grammar if pending else None
+        # the first token decides whether the output reasons (params.reasoning_start_token_id)
+        self.undecided = pending and params.reasoning_start_token_id is not None
 
     def add(self, token: int, is_stop_token: bool, finished: bool, lp: Logprobs | None) -> str | None:
         """Append a generated token's text (a stop token adds none); flush the detokenizer when the

@@ -102,7 +102,8 @@ def with_reasoning(
                 "one token); drop response_format / structured_outputs / a forced tool_choice",
                 param=field,
             )
-        params = dataclasses.replace(params, reasoning_end_token_id=cfg.end_id)
+        opens = cfg.start_id if cfg.starts_in_reasoning(ids) is None else None  # qwen3: the first token decides
+        params = dataclasses.replace(params, reasoning_end_token_id=cfg.end_id, reasoning_start_token_id=opens)
     return params
 
 
