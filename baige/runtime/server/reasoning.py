@@ -137,10 +137,6 @@ class ThinkStream:
         self._ends = 0  # </think> tokens generated whose text has not been cut out yet
         self.reasoned = reasoning is True
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self.mode != "content"
-
     def feed(self, token_ids: list[int], text: str) -> list[Event]:
         self._buf += text
         for t in token_ids:
@@ -208,7 +204,6 @@ class HarmonyStream:
         self._kind: str | None = None  # the open message's event: reasoning | content | args
         self.calls = 0
         self.reasoned = False
-        self.in_reasoning = True
 
     def feed(self, token_ids: list[int], text: str) -> list[Event]:
         self._buf += text
@@ -223,12 +218,11 @@ class HarmonyStream:
         to = next((w[3:] for w in words if w.startswith("to=")), None)
         channel = next((w for w in words if w in ("analysis", "commentary", "final")), "final")
         if to is not None and to.startswith("functions.") and to[10:] in self.tools:
-            self._kind, self.in_reasoning = "args", False
+            self._kind = "args"
             self.calls += 1
             return [("call", self.calls - 1, ToolParser.new_id(), to[10:])]
         self._kind = "reasoning" if channel == "analysis" else "content"
         self.reasoned |= self._kind == "reasoning"
-        self.in_reasoning = self._kind == "reasoning"
         return []
 
     def _body(self, text: str) -> list[Event]:
