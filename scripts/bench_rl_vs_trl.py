@@ -188,14 +188,21 @@ def main() -> None:
         help="compute dtype of both runs (bfloat16: fp32 master weights, bf16 autocast; baige's engine in bf16)",
     )
     ap.add_argument("--only", choices=["baige", "trl"])
+    ap.add_argument("--note", default="", help="free text kept in the record (how the machine was shared, ...)")
     ap.add_argument("--out", type=Path, default=Path("bench-results/rl_vs_trl.json"))
     args = ap.parse_args()
 
+    from baige.runtime.bench.common import environment
     from baige.runtime.weights.hub import resolve_model
 
     model_dir = resolve_model(args.model)
     rows = _records(args.data)
-    result = {"settings": {k: str(v) for k, v in vars(args).items()}, "model_dir": str(model_dir)}
+    result = {
+        "benchmark": "rl_vs_trl",
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "model_dir": str(model_dir),
+        "environment": environment(),  # machine, flags, commit, command, load average at the start
+    }
     for name, run in (
         ("baige", lambda: run_baige(args, str(model_dir))),
         ("trl", lambda: run_trl(args, rows, model_dir)),
