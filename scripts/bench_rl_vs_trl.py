@@ -138,8 +138,8 @@ def run_baige(args, model: str) -> list[dict]:
     ]  # fmt: skip
     if args.batch_invariant:
         cmd.append("--batch-invariant")
-    if args.dtype == "bfloat16":  # fp32 master weights, bf16 compute in the trainer and bf16 engine weights
-        cmd += ["--set", "parallelism.mixed_precision_param=bfloat16"]
+    # fp32 master weights either way; bfloat16: bf16 compute in the trainer and bf16 engine weights
+    cmd += ["--set", f"parallelism.mixed_precision_param={args.dtype}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     subprocess.run(cmd, check=True, env=env)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
