@@ -7,7 +7,7 @@ import sys
 from typer.exceptions import Abort, TyperException
 
 # the command modules register their commands on `app` when imported
-from baige.cli import bench, convert, evaluate, generate, quantize, serve, train  # noqa: F401
+from baige.cli import bench, convert, evaluate, generate, quantize, router, serve, train  # noqa: F401
 from baige.cli.app import app
 from baige.errors import BaigeError
 
