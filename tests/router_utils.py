@@ -44,12 +44,53 @@ def serve_app(app):
 
 @contextmanager
 def router_over(policy: str, **fields):
-    """A router (``RouterConfig(policy, **fields)``, health checks every 0.1 s) on a thread; yields
-    (base URL, its RouterState)."""
-    cfg = RouterConfig(policy=policy, health_interval=0.1, health_timeout=2.0, log_level="critical", **fields)
+    """A router (``RouterConfig(policy, **fields)``, by default health checks every 0.1 s) on a thread;
+    yields (base URL, its RouterState)."""
+    fields = {"health_interval": 0.1, "health_timeout": 2.0, "log_level": "critical", **fields}
+    cfg = RouterConfig(policy=policy, **fields)
     app = build_app(cfg)
     with serve_app(app) as url:
         yield url, app.state.router
+
+
+@contextmanager
+def launched_all(model_dir, n: int, *args: str, codes: dict[int, str] | None = None, timeout: float = 240):
+    """``n`` `baige serve` processes (:func:`server_utils.launched`'s command; ``codes[i]`` runs in
+    process i before the CLI) started at once, then waited for together; yields [(base URL, process)]."""
+    import os
+    import subprocess
+    import sys
+
+    from server_utils import free_port
+
+    ports = [free_port() for _ in range(n)]
+    procs = []
+    try:
+        for i, port in enumerate(ports):
+            argv = ["serve", "--model", str(model_dir), "--port", str(port), *args]
+            boot = (codes or {}).get(i, "") + "\nfrom baige.cli import main\nmain(" + repr(argv) + ")\n"
+            procs.append(
+                subprocess.Popen([sys.executable, "-c", boot], env=dict(os.environ), stdout=subprocess.DEVNULL)
+            )
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        deadline = time.monotonic() + timeout
+        for url, proc in zip(urls, procs):
+            while True:
+                assert proc.poll() is None, f"{url} exited with {proc.returncode}"
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "the servers did not start"
+                time.sleep(0.3)
+        yield list(zip(urls, procs))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT)
 
 
 def dead_url() -> str:

@@ -248,6 +248,7 @@ def test_environment_is_read_in_the_settings_modules_only():
         "baige.runtime.bench.common",
         "baige.runtime.bench.serve_run",
         "baige.runtime.infer.tp_worker",
+        "baige.runtime.router.dp",  # the data-parallel ranks' environments (devices, threads)
     }
     for mod, path in MODULES.items():
         if mod in allowed:

@@ -171,6 +171,7 @@ def make_server(config: RouterConfig):
     """A uvicorn server of the router application (``.run(sockets=[listen(...)])`` serves it)."""
     import uvicorn
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check and per request
     app = build_app(config)
     return uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=5))
 
