@@ -284,7 +284,7 @@ def _router(rs, labels, prefix) -> list[str]:
             lines.append(
                 f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {args.get('backends', DASH)} | "
                 f"{r.get('num_requests', DASH)} | `{policy}` | {_f(x.get('hit_tokens'), 0)} of "
-                f"{r.get('ideal_hit_tokens', DASH)} | {_f(None if frac is None else 100 * frac)}% | "
+                f"{_f(r.get('ideal_hit_tokens'), 0)} | {_f(None if frac is None else 100 * frac)}% | "
                 f"{_f(x.get('mean_latency_s'), 3)} | {_link(r, prefix)} |"
             )
     return lines

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -146,10 +147,12 @@ def main() -> int:
             stop_server(proc)
         log.close()
         print(f"the servers' and routers' log: {log.name}")
+    env = environment()
+    env["command"] = shlex.join(["python", "scripts/bench_router.py", *sys.argv[1:]])
     record = {
         "benchmark": "router",
-        "args": {**vars(args), "model": args.model},
-        "environment": environment(),
+        "args": {k: v for k, v in vars(args).items() if k != "output_dir"},
+        "environment": env,
         "num_requests": len(prompts),
         "ideal_hit_tokens": ideal,
         "results": results,
