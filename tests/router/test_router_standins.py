@@ -60,6 +60,20 @@ def test_stream_is_relayed_event_by_event(pair):
         assert texts(rest) == ["a-1", "a-2", "a-3"] and rest[-1] == "[DONE]"
 
 
+def test_a_client_that_leaves_mid_stream_frees_its_backend(pair):
+    """The client closes its stream while the backend holds its own (gated): the router notices at once,
+    closes the backend's connection and stops counting the request there."""
+    (a, ua), _ = pair
+    a.gate = threading.Event()
+    with router_over("round_robin", backends=[ua]) as (url, state), client(url) as c:
+        backend = state.pool.backends[0]
+        with c.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
+            assert texts(sse_data(next(r.iter_lines()))) == ["a-0"]
+            assert backend.in_flight == 1
+        wait_until(lambda: backend.in_flight == 0, "the router to drop the stream", timeout=10)
+        a.gate.set()
+
+
 def test_a_stream_broken_midway_ends_with_an_error_event_and_the_backend_goes_down(pair):
     (a, ua), (b, ub) = pair
     a.break_after, a.events = 2, 5
