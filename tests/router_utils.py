@@ -134,7 +134,8 @@ class StandIn:
     Settable: ``health`` (the /health status), ``metrics`` (its /metrics text), ``status`` (not 200:
     /v1/* answer that status with an OpenAI error body), ``events`` (stream length), ``gate`` (a stream
     waits for it after its first event), ``break_after`` (a stream raises after that many events: the
-    connection is cut), ``kv_transfer_params`` (a request with ``do_remote_decode`` gets them back)."""
+    connection is cut, and /health answers 503 from then on), ``kv_transfer_params`` (a request with
+    ``do_remote_decode`` gets them back)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -157,6 +158,7 @@ class StandIn:
     async def _stream(self):
         for i in range(self.events):
             if self.break_after is not None and i == self.break_after:
+                self.health = 503  # as a process that died: its health checks fail from now on
                 raise RuntimeError("the stand-in breaks its stream")
             yield self._chunk(i)
             if i == 0 and self.gate is not None:
