@@ -5,6 +5,7 @@ one word, one token, so prompt lengths are exact):
   the prefix-cache hit tokens summed over the backends' /metrics are >= 90% of the ideal (every
   family's 3 later requests hitting the whole prefix); round_robin on a workload of the same shape
   hits less;
+- a client that leaves mid-stream: the backend aborts the request (it never finishes there);
 - a backend killed mid-stream: the client gets an error event and [DONE], the router marks it down,
   the next requests go to the healthy one; a backend killed before streaming: the request is retried
   on another; 503 when none is left;
@@ -108,6 +109,24 @@ def test_bench_serve_through_a_router(backends, model_dir):
         "policy": "least_load",
         "backends": [{"url": u, "role": "backend"} for u in urls],
     }
+
+
+def finished(url: str) -> dict:
+    """A backend's baige:request_success_total by finish reason (an aborted request never finishes)."""
+    m = prom(httpx.get(f"{url}/metrics", timeout=TIMEOUT).text)
+    return {k: v for k, v in m.items() if k.startswith("baige:request_success_total")}
+
+
+def test_a_client_leaving_mid_stream_aborts_the_request_at_the_backend(backends):
+    url_b = backends[VICTIM][0]
+    before = finished(url_b)
+    body = {"prompt": "t5 t6 t7", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with router_over("round_robin", backends=[url_b]) as (url, _), client(url) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert sse_data(next(x for x in r.iter_lines() if x.startswith("data: ")))[0]["choices"]
+        running = lambda: prom(httpx.get(f"{url_b}/metrics", timeout=TIMEOUT).text)["baige:num_requests_running"]  # noqa: E731
+        wait_until(lambda: running() == 0, "the backend to drop the request")
+    assert finished(url_b) == before  # dropped, not run to its 200 tokens
 
 
 def test_backend_killed_mid_stream_and_before_streaming(backends):
