@@ -54,7 +54,7 @@ def router_over(policy: str, **fields):
 
 
 @contextmanager
-def launched_all(model_dir, n: int, *args: str, codes: dict[int, str] | None = None, timeout: float = 240):
+def launched_all(model_dir, n: int, *args: str, codes: dict[int, str] | None = None, timeout: float = 600):
     """``n`` `baige serve` processes (:func:`server_utils.launched`'s command; ``codes[i]`` runs in
     process i before the CLI) started at once, then waited for together; yields [(base URL, process)]."""
     import os

@@ -169,7 +169,7 @@ def test_serve_data_parallel_one_command(backends, model_dir):
     body = {"prompt": "t9 t8 t7 t6", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     one = httpx.post(f"{backends[0][0]}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
     with (
-        launched(model_dir, *ARGS, "--device", "cpu", "--data-parallel-size", "2", timeout=240) as (url, _),
+        launched(model_dir, *ARGS, "--device", "cpu", "--data-parallel-size", "2", timeout=600) as (url, _),
         client(url) as c,
     ):
         health = c.get("/health").json()["router"]
