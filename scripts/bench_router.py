@@ -73,11 +73,15 @@ def ideal_hits(tok: Tokenizer, prompts: list[tuple[int, str]]) -> int:
 
 
 def hits(urls: list[str]) -> float:
+    """Prefix-cache hit tokens summed over the backends (vLLM's counter name where exported, else baige's)."""
     total = 0.0
     for url in urls:
+        found = {}
         for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-            if line.startswith(("baige:prefix_cache_hits_total ", "vllm:prefix_cache_hits_total ")):
-                total += float(line.split()[1])
+            name, _, value = line.partition(" ")
+            if name in ("vllm:prefix_cache_hits_total", "baige:prefix_cache_hits_total"):
+                found[name] = float(value)
+        total += found.get("vllm:prefix_cache_hits_total", found.get("baige:prefix_cache_hits_total", 0.0))
     return total
 
 

@@ -48,6 +48,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backends(model_dir):
+    from baige import kernels
+
+    kernels.native_cpu_available()  # built once into the session's cache here, not by four servers at once
     with launched_all(model_dir, NUM_BACKENDS, *ARGS, codes={VICTIM: SLOW}) as servers:
         yield servers
 
