@@ -138,6 +138,14 @@ def start_data_parallel(
     serve_data_parallel(rank_args(argv), envs, host, port, log_level)
 
 
+class ReasoningParser(str, Enum):
+    none = "none"
+    auto = "auto"
+    qwen3 = "qwen3"
+    deepseek_r1 = "deepseek_r1"
+    gpt_oss = "gpt_oss"
+
+
 class LogLevel(str, Enum):
     critical = "critical"
     error = "error"
@@ -240,6 +248,16 @@ def serve(
             "408, a connection idle that long without a request is closed.",
         ),
     ] = 30.0,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=86400,
+            help="Seconds the requests in flight may take to finish after SIGTERM or SIGINT; meanwhile /health "
+            "and new requests get 503. Those still running then end with an error (0: at once), and the server "
+            "exits 0. A second signal exits at once.",
+        ),
+    ] = 30.0,
     chat_template: Annotated[
         Optional[str],
         typer.Option(
@@ -271,6 +289,15 @@ def serve(
             "vLLM does)."
         ),
     ] = False,
+    reasoning_parser: Annotated[
+        ReasoningParser,
+        typer.Option(
+            help="Split a reasoning model's output into message.reasoning_content and content (vLLM's names): "
+            "qwen3 / deepseek_r1 (<think>...</think>), gpt_oss (harmony channels); auto = from the chat "
+            "template's markers; none = off.",
+            case_sensitive=False,
+        ),
+    ] = ReasoningParser.none,
     speculative_config: SpeculativeConfigOpt = None,
     tensor_parallel_size: TensorParallelOpt = 1,
     enable_expert_parallel: ExpertParallelOpt = False,
@@ -347,4 +374,6 @@ def serve(
         enable_auto_tool_choice=enable_auto_tool_choice,
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
         enable_rl_endpoints=enable_rl_endpoints,
+        shutdown_timeout=shutdown_timeout,
+        reasoning_parser=None if reasoning_parser is ReasoningParser.none else reasoning_parser.value,
     )

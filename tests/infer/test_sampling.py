@@ -118,15 +118,18 @@ def ref_probs(logits, p: SamplingParams, prompt_ids=(), output_ids=(), stop_ids=
     return [pr.get(t, 0.0) for t in range(V)]
 
 
-def ref_race(logits, p: SamplingParams, seed: int, prompt_ids=(), output_ids=(), stop_ids=()):
-    """The token the exponential race draws with torch.Generator().manual_seed(seed): one E ~ Exp(1)
-    (float32, torch's stream) per position of the descending order, token = argmax p / E."""
+def ref_draw(logits, p: SamplingParams, seed: int, prompt_ids=(), output_ids=(), stop_ids=()):
+    """The token inverse-transform sampling draws with torch.Generator().manual_seed(seed): one
+    U ~ U[0, 1) (float64, torch's stream), x = (1 - U) * total mass, the first token (vocabulary
+    order) whose cumulative mass reaches x."""
     probs = ref_probs(logits, p, prompt_ids, output_ids, stop_ids)
-    z = [v / p.temperature for v in ref_adjust(logits, p, prompt_ids, output_ids, stop_ids)]
-    order = sorted(range(len(z)), key=lambda t: (-z[t], t))
-    e = torch.empty(len(z)).exponential_(generator=torch.Generator().manual_seed(seed)).tolist()
-    scores = [probs[t] / e[j] for j, t in enumerate(order)]
-    return order[max(range(len(z)), key=lambda j: scores[j])]
+    u = torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).item()
+    x, cum = (1 - u) * sum(probs), 0.0
+    for t, q in enumerate(probs):
+        cum += q
+        if cum >= x and q > 0:
+            return t
+    raise AssertionError("no token reached the mass")
 
 
 def ref_logsoftmax(logits):
@@ -307,13 +310,13 @@ RACE_ROWS = [
 ]
 
 
-def test_sample_batch_seeded_draw_is_the_exponential_race():
+def test_sample_batch_seeded_draw_is_the_inverse_transform():
     logits = [lgts for lgts, _, _ in RACE_ROWS]
     # the same rows in two batch layouts: with a greedy row in front and in reverse order
     greedy_logits = [0.0, 2.0, 1.0, 3.0, -1.0, 0.5, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0]
     for seed in range(200):
         seeds = [seed * 8 + i for i in range(len(RACE_ROWS))]
-        expected = [ref_race(lgts, SamplingParams(**kw), s, **ctx) for (lgts, kw, ctx), s in zip(RACE_ROWS, seeds)]
+        expected = [ref_draw(lgts, SamplingParams(**kw), s, **ctx) for (lgts, kw, ctx), s in zip(RACE_ROWS, seeds)]
         rows = [row(SamplingParams(**kw), s, **ctx) for (_, kw, ctx), s in zip(RACE_ROWS, seeds)]
         tokens, _ = sample_batch(torch.tensor(logits[0:3], dtype=torch.float32), rows[0:3])
         assert tokens == expected[0:3], seed

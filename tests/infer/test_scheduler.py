@@ -123,3 +123,28 @@ def test_max_loras_limits_distinct_adapters_per_step():
     assert c not in batch.seqs and a.is_finished and b.is_finished
     batch = run_step(sched)
     assert c in batch.seqs and {s.lora_int_id for s in batch.seqs} == {1, 3}
+
+
+def test_samples_of_one_prompt_compute_its_full_blocks_once():
+    """n = 3 samples of a 10-token prompt (block 4): the first computes all 10 tokens; the others wait one
+    step, find its two full blocks in the prefix cache and compute the last 2 prompt tokens each. Another
+    request admitted meanwhile is not held back."""
+    sched = Scheduler(BlockManager(64, 4, True), 8, 64, 64)
+    prompt = list(range(10, 20))
+    samples = [Sequence(list(prompt), max_tokens=3, request_id="r", index=i) for i in range(3)]
+    other = Sequence([1, 2, 3, 4, 5], max_tokens=3, request_id="q")
+    for s in samples + [other]:
+        sched.add(s)
+    b1 = run_step(sched)
+    assert b1.seqs == [samples[0], other] and b1.num_new_tokens == [10, 5]
+    b2 = run_step(sched)
+    assert b2.seqs == [samples[0], other, samples[1], samples[2]] and b2.num_new_tokens == [1, 1, 2, 2]
+    assert [s.num_cached_tokens for s in samples] == [0, 8, 8]
+
+
+def test_without_prefix_caching_samples_prefill_together():
+    sched = make()
+    samples = [Sequence(list(range(10)), max_tokens=2, request_id="r", index=i) for i in range(3)]
+    for s in samples:
+        sched.add(s)
+    assert run_step(sched).num_new_tokens == [10, 10, 10]

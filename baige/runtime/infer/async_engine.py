@@ -26,7 +26,7 @@ from baige.errors import BaigeError
 from baige.runtime.infer import weight_sync
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.lora import LoRARequest
-from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
+from baige.runtime.infer.outputs import EngineDeadError, RequestAborted, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.model.tokenizer import Tokenizer
@@ -98,6 +98,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = False
+        self._closing: str | None = None  # abort_all's message: new requests are refused with it
         self._fatal: BaseException | None = None  # set from another thread: the loop raises it
         if engine.tp is not None:  # a worker that dies while the loop waits stops it at once
             engine.tp.on_death.append(self._group_died)
@@ -265,6 +266,8 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped; restart the server")
+        if self._closing is not None:
+            raise RequestAborted(self._closing)
         _, ids, params = self.engine.prepare(prompt, params)
         request_id = request_id or self.new_request_id()
         queue: asyncio.Queue = asyncio.Queue()
@@ -299,7 +302,30 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cv.notify()
 
+    def abort_all(self, message: str) -> int:
+        """Abort every request in flight and refuse the ones that come later (the server's shutdown,
+        once ``--shutdown-timeout`` has passed): each waiting consumer of :meth:`generate` gets
+        :class:`RequestAborted` with ``message`` at once, from the calling thread (a step in progress
+        does not delay it); their sequences are freed at the loop's next round. Returns how many
+        requests were aborted."""
+        with self._cv:
+            self._closing = message
+            rids = list(self._streams)
+            self._aborts.extend(rids)
+            self._cv.notify()
+        for rid in rids:
+            self._deliver(rid, RequestAborted(message))
+        return len(rids)
+
+    def kill(self) -> None:
+        """Stop at once, for a process about to exit without cleaning up (a second stop signal):
+        SIGKILL the tensor-parallel workers (:meth:`Engine.kill`); the loop thread is left to die with
+        the process."""
+        self.engine.kill()
+
     def shutdown(self) -> None:
+        """Stop the loop thread (after the step in progress, waiting up to 10 s) and close the engine
+        (the tensor-parallel workers are told to stop and exit)."""
         with self._cv:
             self._stopped = True
             self._cv.notify()

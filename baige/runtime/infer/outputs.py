@@ -20,6 +20,14 @@ class RequestFailed(RuntimeError):
         self.status, self.param = status, param
 
 
+class RequestAborted(RequestFailed):
+    """The server aborted the request before it finished: it is shutting down and the request was
+    still running when ``--shutdown-timeout`` passed (:meth:`AsyncEngine.abort_all`). A 503."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503)
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped: no request can be served until the process is restarted."""
 

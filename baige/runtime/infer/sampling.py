@@ -57,6 +57,13 @@ class SamplingParams:
         allowed_token_ids: when set, only these tokens can be sampled (vLLM's field).
         structured_outputs: a JSON schema / JSON object / regex / choice / grammar constraint on the
             output (:mod:`baige.runtime.infer.structured`).
+        reasoning_end_token_id: with ``structured_outputs``, the constraint engages only after the
+            sequence has generated this token (the end of its reasoning, e.g. ``</think>``: vLLM's
+            behaviour with a reasoning parser); the tokens up to it are free. None: from the first token.
+        reasoning_start_token_id: with ``reasoning_end_token_id``, the output reasons only if its first
+            token is this one (e.g. ``<think>``): the first step allows it besides what the constraint
+            allows, and any other first token starts the constrained answer at once. None: the output
+            reasons from its first token.
 
     Raises:
         BaigeError: a value out of its range (one line naming the field). Token ids are checked
@@ -83,6 +90,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -170,6 +179,11 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids),
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("logit_bias", list(self.logit_bias or {})),
+            ("reasoning_end_token_id", [] if self.reasoning_end_token_id is None else [self.reasoning_end_token_id]),
+            (
+                "reasoning_start_token_id",
+                [] if self.reasoning_start_token_id is None else [self.reasoning_start_token_id],
+            ),
         ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
@@ -333,22 +347,33 @@ def adjusted_logits(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tenso
     return logits
 
 
-def _filtered_sorted(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, torch.Tensor]:
+def _filtered(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p of each row (each on the renormalised result of the one
-    before, as :func:`apply_filters`), in descending-logit order.
+    before, as :func:`apply_filters`).
+
+    The vocabulary is sorted only when a row asks for top-p or min-p; top-k alone takes the k-th
+    largest logit from ``torch.topk`` (ties with it stay, as vLLM).
 
     Args:
         logits: (R, V) fp32 adjusted logits of rows that sample (temperature > 0).
     Returns:
-        ``(probs, order)``: (R, V) the filtered distribution in sorted order and (R, V) int64 the
-        vocabulary id at each sorted position.
+        (R, V) fp32 the filtered distribution of each row, in vocabulary order.
     """
     R, V = logits.shape
     dev = logits.device
     temps = torch.tensor([r.params.temperature for r in rows], device=dev)
-    sorted_logits, order = torch.sort(logits / temps[:, None], dim=-1, descending=True)
+    scaled = logits / temps[:, None]
+    if not any(r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
+        ks = [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
+        if any(ks):
+            top = torch.topk(scaled, max(ks), dim=-1).values  # (R, max k) descending
+            kth = top.gather(-1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+            kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        return scaled.softmax(-1)
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
     top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else V for r in rows], device=dev)
-    kth = sorted_logits.gather(-1, (top_k - 1)[:, None])  # (R, 1) the k-th largest logit
+    kth = sorted_logits.gather(-1, (top_k.clamp_max(V) - 1)[:, None])  # (R, 1) the k-th largest logit
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with it stay (vLLM)
     top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
     if (top_p < 1).any():
@@ -359,7 +384,26 @@ def _filtered_sorted(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torc
     if (min_p > 0).any():
         probs = sorted_logits.softmax(-1)
         sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
-    return sorted_logits.softmax(-1), order
+    return torch.empty_like(sorted_logits).scatter_(-1, order, sorted_logits.softmax(-1))
+
+
+def _inverse_transform(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One categorical draw per row by inverse-transform sampling.
+
+    Each row takes one ``U ~ U[0, 1)`` (float64) from its own generator (torch's global one for None),
+    sets ``x = (1 - U) * total`` (so ``0 < x <= total``) and returns the first vocabulary position whose
+    cumulative mass (float64, vocabulary order) reaches ``x``: a token of probability zero is never drawn.
+
+    Args:
+        probs: (R, V) fp32 non-negative, each row with positive mass.
+        generators: R generators.
+    Returns:
+        (R,) int64 token ids.
+    """
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators]).to(probs.device)
+    cdf = probs.double().cumsum(-1)  # (R, V)
+    x = (1 - u) * cdf[:, -1]
+    return torch.searchsorted(cdf, x[:, None]).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def target_probs(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
@@ -383,8 +427,7 @@ def target_probs(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        sorted_probs, order = _filtered_sorted(logits[idx], [rows[i] for i in random_rows])
-        probs[idx] = torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
+        probs[idx] = _filtered(logits[idx], [rows[i] for i in random_rows])
     return probs
 
 
@@ -421,8 +464,8 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int
     min_tokens mask of stop ids, then the repetition/presence/frequency penalties; then greedy rows
     take the argmax;
     the others divide by their temperature, apply top-k, top-p, min-p (each on the renormalised
-    result of the one before, as :func:`apply_filters`) and draw with their own generator (the
-    exponential-race form of categorical sampling, ``argmax(p / E)``, ``E ~ Exp(1)``).
+    result of the one before, as :func:`apply_filters`) and draw with their own generator
+    (:func:`_inverse_transform`: one uniform per row, no per-token noise).
 
     Args:
         logits: (S, vocab) float logits, any float dtype (computed in fp32).
@@ -436,11 +479,7 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=adjusted.device)
-        probs, order = _filtered_sorted(adjusted[idx], [rows[i] for i in random_rows])
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=rows[i].generator)
-        choice = (probs / noise).argmax(-1, keepdim=True)  # (R, 1) rank of the drawn token
-        tokens[idx] = order.gather(-1, choice).squeeze(-1)
+        probs = _filtered(adjusted[idx], [rows[i] for i in random_rows])
+        tokens[idx] = _inverse_transform(probs, [rows[i].generator for i in random_rows])
     token_list = tokens.tolist()
     return token_list, token_logprobs(logits, token_list, [r.params.logprobs for r in rows])

@@ -95,6 +95,12 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
 
+def prefix_sharing(seq: Sequence) -> bool:
+    """Whether ``seq``'s prompt blocks go into the prefix cache for its siblings to reuse (not when it
+    scores its prompt: those runs bypass the cache)."""
+    return seq.request_id != "" and seq.prompt_logprobs is None
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The work of one engine step, as the scheduler ran it (:meth:`ScheduledBatch.shape`; recorded by
@@ -238,11 +244,18 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: the ones after it are gone too
         loras = {s.lora_int_id for s in self._running if s.lora_int_id}
-        passed: list[Sequence] = []  # waiting sequences whose adapter would exceed max_loras this step
+        # Requests whose prompt is being computed: their other samples (n > 1) wait until it is in the
+        # prefix cache, so a prompt's full blocks are computed once for all n samples.
+        share = self.block_manager.enable_prefix_caching
+        prefilling = self._prefilling_requests() if share else set()
+        passed: list[Sequence] = []  # waiting sequences held back this step (max_loras, a sibling's prefill)
         while self._waiting and budget > 0 and not preempted and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
             if seq.is_finished:
                 self._waiting.popleft()
+                continue
+            if seq.request_id in prefilling and seq.num_computed_tokens == 0:
+                passed.append(self._waiting.popleft())
                 continue
             if (
                 self.max_loras is not None
@@ -264,9 +277,21 @@ class Scheduler:
             budget -= n
             if seq.lora_int_id:
                 loras.add(seq.lora_int_id)
+            if share and self._computes_shared_blocks(seq):
+                prefilling.add(seq.request_id)
         self._waiting.extendleft(reversed(passed))  # back at the front, in their order
         both = decodes + prefills
         return ScheduledBatch([s for s, _ in both], [n for _, n in both], len(decodes), preempted)
+
+    def _prefilling_requests(self) -> set[str]:
+        """Request ids with a running sequence that still computes full blocks of its prompt."""
+        return {s.request_id for s in self._running if self._computes_shared_blocks(s)}
+
+    def _computes_shared_blocks(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has full prompt blocks not yet computed (``num_computed_tokens`` counts what
+        earlier steps and the prefix cache gave it): blocks its siblings would find cached later."""
+        full = seq.num_prompt_tokens // self.block_manager.block_size * self.block_manager.block_size
+        return prefix_sharing(seq) and seq.num_computed_tokens < full
 
     def _fit_drafts(self, seq: Sequence, budget: int) -> int:
         """Cut ``seq``'s drafts to the token budget and to the free blocks (a draft never preempts

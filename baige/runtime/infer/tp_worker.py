@@ -236,10 +236,24 @@ class TensorParallelGroup:
                 logger.debug("tensor-parallel stop message not delivered: %s", e)
             finally:
                 self.lock.release()
-        for p in self.processes:
+        for r, p in enumerate(self.processes, start=1):
             try:
-                p.wait(timeout=5)
+                code = p.wait(timeout=5)
             except subprocess.TimeoutExpired:
+                p.kill()
+                code = "killed: it did not stop within 5 s"
+            if code != 0 and self.dead is None:
+                logger.warning("tensor-parallel worker rank %d (pid %d) exited with code %s", r, p.pid, code)
+        if self.rendezvous is not None:
+            shutil.rmtree(self.rendezvous, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL the workers rank 0 started and remove their rendezvous, without waiting for
+        anything (the lock included): for a process that exits at once. Workers under torchrun are
+        not this process's to kill; their connection to rank 0 closes when it exits."""
+        self._closing = True
+        for p in self.processes:
+            with contextlib.suppress(OSError):
                 p.kill()
         if self.rendezvous is not None:
             shutil.rmtree(self.rendezvous, ignore_errors=True)
@@ -344,10 +358,22 @@ def _die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
+def _ignore_stop_signals() -> None:
+    """A worker ignores SIGINT and SIGTERM: rank 0 alone decides when the group stops. Ctrl-C in a
+    terminal, systemd and torchrun signal every process, and a worker that left at once would fail
+    the requests rank 0 is still draining (``baige serve --shutdown-timeout``); it exits on rank 0's
+    stop message, with rank 0 (``PR_SET_PDEATHSIG``), or when its connection to rank 0 closes."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def worker_loop(cfg: EngineConfig, model_dir: Path, comm: Comm, cpu_comm: Comm) -> int:
     """A worker rank: load and shard the model, allocate the KV shard rank 0 sizes, then run every
     step rank 0 sends until it says stop. Returns the process exit code: 0 after stop, 1 when
-    loading fails (rank 0 meets the same error and reports it)."""
+    loading fails (rank 0 meets the same error and reports it). Stop signals are ignored
+    (:func:`_ignore_stop_signals`)."""
+    _ignore_stop_signals()
     try:
         model = load_engine_model(cfg, model_dir, comm)
     except BaigeError as e:
@@ -371,6 +397,7 @@ def worker_loop(cfg: EngineConfig, model_dir: Path, comm: Comm, cpu_comm: Comm) 
 
 
 def _main(spec_path: str, rank: str) -> int:
+    _ignore_stop_signals()  # from the start: a Ctrl-C while the group forms is rank 0's to handle
     spec = pickle.loads(Path(spec_path).read_bytes())
     _die_with_parent(spec["parent"])
     torch.set_num_threads(spec["threads"])

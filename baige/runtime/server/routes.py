@@ -14,8 +14,10 @@ router = APIRouter()
 
 @router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
-    """200 while the engine loop runs, 503 once it has stopped (the process then exits)."""
-    return Response(status_code=200 if state_of(request).engine.is_alive else 503)
+    """200 while the engine loop runs, 503 once it has stopped (the process then exits) or the server
+    drains after a stop signal (:mod:`.lifecycle`), so load balancers stop routing to it."""
+    st = state_of(request)
+    return Response(status_code=200 if st.engine.is_alive and not st.draining else 503)
 
 
 @router.get("/metrics")

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -24,11 +24,14 @@ from pydantic import BaseModel, ValidationError
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.lora import LoRANotFound, LoRARequest
-from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
+from baige.runtime.infer.outputs import EngineDeadError, RequestAborted, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import Logprobs, SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
+from baige.runtime.server.lifecycle import Lifecycle
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, SamplingFields, error_body, parse_body, validation_message
+from baige.runtime.server.reasoning import ReasoningConfig
+from baige.runtime.server.responses import ResponseStore
 from baige.runtime.server.tools import ToolConfig
 
 DEFAULT_MAX_N = 128  # sequences one request may ask for (n x prompts); `baige serve --max-n`
@@ -37,7 +40,7 @@ DONE = "data: [DONE]\n\n"  # the last event of every stream (OpenAI's)
 
 @dataclass
 class ServerState:
-    """What every handler reads: the engine, the name it serves under, metrics, start time."""
+    """What every handler reads: the engine, the name it serves under, metrics, start time, the shutdown state."""
 
     engine: AsyncEngine
     served_model_name: str
@@ -45,6 +48,14 @@ class ServerState:
     created: int
     max_n: int = DEFAULT_MAX_N
     tools: ToolConfig | None = None  # tool calling: build_app sets it from the chat template and the flags
+    reasoning: ReasoningConfig | None = None  # --reasoning-parser (None: outputs are not split)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored responses
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # draining, requests in flight (lifecycle.py)
+
+    @property
+    def draining(self) -> bool:
+        """A stop signal has come: /health and new requests answer 503 (:mod:`.lifecycle`)."""
+        return self.lifecycle.draining
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -230,9 +241,12 @@ async def collect(request: Request, gens: list[AsyncIterator[RequestOutput]]) ->
 def engine_error(e: RequestFailed | EngineDeadError | BaigeError) -> APIError:
     """The HTTP error of a request the engine refused or failed after the route had checked it: 404
     for an adapter unloaded meanwhile (LoRANotFound), 400 for another user error, 500 for a failure
-    inside the engine, 503 once the engine loop has stopped."""
+    inside the engine, 503 once the engine loop has stopped or when the server's shutdown aborted it
+    (RequestAborted: ``code: server_shutting_down``)."""
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, code="engine_dead")
+    if isinstance(e, RequestAborted):
+        return APIError(str(e), 503, code="server_shutting_down")
     if isinstance(e, LoRANotFound):
         return APIError(str(e), 404, param=e.param, code="model_not_found")
     if isinstance(e, BaigeError) or e.status == 400:
