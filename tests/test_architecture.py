@@ -29,6 +29,7 @@ RANKS = {
     "baige.runtime.infer": 5,
     "baige.runtime.train": 6,
     "baige.runtime.server": 6,
+    "baige.runtime.router": 6,  # an HTTP proxy over servers: it imports no engine
     "baige.runtime.quantize": 6,
     "baige.runtime.evaluate": 6,
     "baige.runtime.bench": 7,
@@ -190,9 +191,20 @@ def test_only_cli_imports_typer():
 
 
 def test_only_server_imports_the_web_framework():
+    """The server and the router (an HTTP front door over servers, ``baige router``) serve HTTP."""
     for mod, path in MODULES.items():
-        if not mod.startswith("baige.runtime.server"):
+        if not mod.startswith(("baige.runtime.server", "baige.runtime.router")):
             assert not third_party(path) & {"fastapi", "starlette", "uvicorn"}, mod
+
+
+def test_router_imports_no_engine():
+    """``baige router`` is an HTTP proxy: no engine, model or torch behind it (it starts in a moment)."""
+    routers = [m for m in MODULES if m.startswith("baige.runtime.router")]
+    assert "baige.runtime.router.proxy" in routers
+    for mod in routers:
+        for dep in baige_edges(MODULES[mod], MODULES):
+            assert dep in ("baige.errors", "baige.runtime.config") or dep.startswith("baige.runtime.router"), (mod, dep)
+        assert "torch" not in third_party(MODULES[mod]), mod
 
 
 def test_transformers_only_in_the_peer_benchmark():
@@ -236,6 +248,7 @@ def test_environment_is_read_in_the_settings_modules_only():
         "baige.runtime.bench.common",
         "baige.runtime.bench.serve_run",
         "baige.runtime.infer.tp_worker",
+        "baige.runtime.router.dp",  # the data-parallel ranks' environments (devices, threads)
     }
     for mod, path in MODULES.items():
         if mod in allowed:

@@ -353,3 +353,54 @@ class SpeculativeConfig:
 
 def _is_plain_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+ROUTER_POLICIES = ("round_robin", "least_load", "prefix", "pd")
+
+
+@dataclass
+class RouterConfig:
+    """``baige router`` (and the router of ``baige serve --data-parallel-size``): the policy, the
+    backends' base URLs (``backends`` for round_robin / least_load / prefix; ``prefill`` and ``decode``
+    for pd), and the health checks' period and deadline in seconds. Raises BaigeError naming a bad
+    value."""
+
+    policy: str = "round_robin"
+    backends: list[str] = field(default_factory=list)
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefix_chars: int = 256
+    balance_abs_threshold: float = 32
+    health_interval: float = 5.0
+    health_timeout: float = 5.0
+    connect_timeout: float = 5.0
+    max_request_bytes: int = 16 * 2**20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTER_POLICIES:
+            raise BaigeError(f"--policy {self.policy!r}: expected one of {', '.join(ROUTER_POLICIES)}")
+        for flag, urls in (("--backend", self.backends), ("--prefill", self.prefill), ("--decode", self.decode)):
+            for i, url in enumerate(urls):
+                if not re.fullmatch(r"https?://[^/\s]+/?", url):
+                    raise BaigeError(f"{flag} {url!r}: expected a base URL, http://HOST:PORT (or https://)")
+                urls[i] = url.rstrip("/")
+            if len(set(urls)) < len(urls):
+                raise BaigeError(f"{flag}: a URL is given twice")
+        if self.policy == "pd":
+            if self.backends:
+                raise BaigeError("--policy pd takes --prefill and --decode URLs, not --backend")
+            if not self.prefill or not self.decode:
+                raise BaigeError("--policy pd needs at least one --prefill URL and one --decode URL")
+        else:
+            if self.prefill or self.decode:
+                raise BaigeError(f"--prefill/--decode are for --policy pd, not {self.policy}")
+            if not self.backends:
+                raise BaigeError(f"--policy {self.policy} needs at least one --backend URL")
+        for name in ("health_interval", "health_timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise BaigeError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        if self.prefix_chars < 1:
+            raise BaigeError("--prefix-chars must be >= 1")

@@ -44,6 +44,9 @@ class EngineStats:
         kv_cache_blocks_used: KV-cache blocks referenced by a sequence.
         kv_cache_blocks_total: KV-cache blocks in the pool.
         prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up (0-1).
+        prefix_cache_queries: prompt tokens looked up in the prefix cache so far (vLLM's
+            ``prefix_cache_queries``).
+        prefix_cache_hits: of those, tokens found cached so far (vLLM's ``prefix_cache_hits``).
         num_preemptions: sequences preempted (recompute) so far.
         num_structured_output_requests: requests with a structured-output constraint so far.
         grammar: the constraint compiler's counters (``compiles``, ``compile_seconds``, ``mask_seconds``,
@@ -56,6 +59,8 @@ class EngineStats:
     kv_cache_blocks_used: int
     kv_cache_blocks_total: int
     prefix_cache_hit_rate: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_preemptions: int
     num_structured_output_requests: int
     grammar: dict[str, float]
@@ -156,6 +161,8 @@ class AsyncEngine:
             kv_cache_blocks_used=bm.num_used_blocks,
             kv_cache_blocks_total=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hit_rate,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
             num_preemptions=engine.scheduler.num_preemptions,
             num_structured_output_requests=engine.num_constrained_requests,
             grammar=engine.grammar_stats,

@@ -91,9 +91,10 @@ _GRAMMAR_GAUGES = (
 
 class _EngineCollector:
     """The engine's state at scrape time (:meth:`AsyncEngine.stats`, one snapshot per scrape): queue
-    lengths, KV-cache use, preemptions, structured outputs; with a proposer, speculative decoding's
-    counters under vLLM's names (``vllm:spec_decode_*`` -> ``baige:``): drafts, draft tokens, accepted
-    tokens, accepted tokens per draft position, and the acceptance rate and mean acceptance length."""
+    lengths, KV-cache use, prefix-cache queries and hits (tokens), preemptions, structured outputs;
+    with a proposer, speculative decoding's counters under vLLM's names (``vllm:spec_decode_*`` ->
+    ``baige:``): drafts, draft tokens, accepted tokens, accepted tokens per draft position, and the
+    acceptance rate and mean acceptance length."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
@@ -106,6 +107,14 @@ class _EngineCollector:
             "baige:kv_cache_usage_perc",
             "Fraction of KV-cache blocks in use (0-1).",
             value=stats.kv_cache_blocks_used / stats.kv_cache_blocks_total,
+        )
+        yield CounterMetricFamily(
+            "baige:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=stats.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "baige:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=stats.prefix_cache_hits
         )
         for name, doc, key in _GRAMMAR_GAUGES:
             yield GaugeMetricFamily(name, doc, value=stats.grammar.get(key, 0))
