@@ -26,7 +26,8 @@ from baige.errors import BaigeError
 from baige.runtime.infer import weight_sync
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.lora import LoRARequest
-from baige.runtime.infer.outputs import EngineDeadError, RequestFailed, RequestOutput
+from baige.runtime.infer.outputs import EmbeddingRequestOutput, EngineDeadError, RequestFailed, RequestOutput
+from baige.runtime.infer.pooling import PoolingParams
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.model.tokenizer import Tokenizer
@@ -49,6 +50,8 @@ class EngineStats:
         grammar: the constraint compiler's counters (``compiles``, ``compile_seconds``, ``mask_seconds``,
             ``masked_tokens``); empty before its first use.
         spec_decode: speculative decoding's acceptance counters (a copy); None without a proposer.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up in the prefix cache, and found
+            there, so far (vLLM's counters).
     """
 
     num_requests_running: int
@@ -60,6 +63,8 @@ class EngineStats:
     num_structured_output_requests: int
     grammar: dict[str, float]
     spec_decode: SpecDecodeStats | None
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class AsyncEngine:
@@ -85,7 +90,7 @@ class AsyncEngine:
         self.on_dead = on_dead
         self.dead: BaseException | None = None
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, str | list[int], SamplingParams, float, LoRARequest | None]] = []
+        self._adds: list[tuple[str, str | list[int], SamplingParams | PoolingParams, float, LoRARequest | None]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
         # run once no request is in flight; until then new requests wait (update_weights, sleep)
@@ -159,6 +164,8 @@ class AsyncEngine:
             num_structured_output_requests=engine.num_constrained_requests,
             grammar=engine.grammar_stats,
             spec_decode=spec,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
         )
 
     @property
@@ -259,6 +266,45 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped; restart the server")
         _, ids, params = self.engine.prepare(prompt, params)
+        async for out in self._stream(request_id, prompt if isinstance(prompt, str) else ids, params, lora_request):
+            yield out
+
+    # ---- pooling (the pooling runner: embeddings) ------------------------------------------------
+    @property
+    def is_pooling(self) -> bool:
+        """The engine runs the pooling runner (``--runner pooling``): it embeds and does not generate."""
+        return self.engine.pooler is not None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.model.config.hidden_size
+
+    def prepare_pooling(self, prompt: str | list[int], params: PoolingParams) -> list[int]:
+        """Tokenize and validate a pooling prompt and its parameters (any thread;
+        :meth:`Engine.prepare_pooling`): its token ids. Raises BaigeError."""
+        return self.engine.prepare_pooling(prompt, params)[1]
+
+    async def embed(
+        self, prompt: str | list[int], params: PoolingParams, request_id: str | None = None
+    ) -> EmbeddingRequestOutput:
+        """Pool one prompt (:meth:`Engine.add_pooling_request`, batched with the other requests); its
+        output once its prompt is computed. Cancellation aborts it. Raises BaigeError (the generate
+        runner, bad input: before anything is queued), RequestFailed, EngineDeadError."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped; restart the server")
+        if not self.is_pooling:
+            raise BaigeError("this model runs the generate runner; embeddings need --runner pooling", param="model")
+        ids = self.prepare_pooling(prompt, params)
+        out = None
+        async for out in self._stream(request_id, ids, params, None):
+            pass
+        return out
+
+    async def _stream(
+        self, request_id: str | None, prompt: str | list[int], params, lora_request: LoRARequest | None
+    ) -> AsyncIterator:
+        """Hand a validated request to the loop and yield its outputs until it finishes; leaving early
+        aborts it."""
         request_id = request_id or self.new_request_id()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -266,9 +312,7 @@ class AsyncEngine:
             if self.dead is not None:
                 raise EngineDeadError("the engine loop has stopped; restart the server")
             self._streams[request_id] = (loop, queue)
-            self._adds.append(
-                (request_id, prompt if isinstance(prompt, str) else ids, params, time.monotonic(), lora_request)
-            )
+            self._adds.append((request_id, prompt, params, time.monotonic(), lora_request))
             self._cv.notify()
         finished = False
         try:
@@ -358,10 +402,18 @@ class AsyncEngine:
         return True
 
     def _add(
-        self, rid: str, prompt: str | list[int], params: SamplingParams, arrival: float, lora: LoRARequest | None = None
+        self,
+        rid: str,
+        prompt: str | list[int],
+        params: SamplingParams | PoolingParams,
+        arrival: float,
+        lora: LoRARequest | None = None,
     ) -> None:
         try:
-            self.engine.add_request(rid, prompt, params, arrival, lora_request=lora)
+            if isinstance(params, PoolingParams):
+                self.engine.add_pooling_request(rid, prompt, params, arrival)
+            else:
+                self.engine.add_request(rid, prompt, params, arrival, lora_request=lora)
         except BaigeError as e:
             self._deliver(rid, e)
         except Exception as e:  # not the caller's mistake: log it, fail this request only

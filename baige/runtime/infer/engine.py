@@ -30,6 +30,8 @@ from baige.runtime.infer.kv_cache import allocate_kv_cache
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.output_processor import OutputProcessor, RequestState
 from baige.runtime.infer.outputs import RequestFailed, RequestOutput
+from baige.runtime.infer.pooling import PoolerConfig, pooling_runner
+from baige.runtime.infer.pooling_engine import EnginePooling
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence, StepShape
@@ -48,7 +50,7 @@ from baige.runtime.weights.hub import resolve_model
 logger = logging.getLogger("baige.engine")
 
 
-class Engine:
+class Engine(EnginePooling):
     """Continuous-batching engine over one model.
 
     Args:
@@ -57,16 +59,25 @@ class Engine:
         cfg: engine settings.
         tp: the tensor-parallel group (``tp_worker.TensorParallelGroup``) when ``model`` is a shard;
             the engine sizes the KV cache, tells the workers, and closes the group in :meth:`close`.
+        pooler: set: the pooling runner (vLLM's ``--runner pooling``): the engine serves
+            :meth:`add_pooling_request` (embeddings) and refuses generation.
     Raises:
         BaigeError: settings that cannot work (a KV budget below one max-length sequence,
-        max_num_batched_tokens < max_num_seqs, ...).
+        max_num_batched_tokens < max_num_seqs, speculative decoding with the pooling runner, ...).
     """
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, cfg: EngineConfig, tp: TensorParallelGroup | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        cfg: EngineConfig,
+        tp: TensorParallelGroup | None = None,
+        pooler: PoolerConfig | None = None,
     ):
         mc = model.config
-        self.model, self.tokenizer, self.cfg, self.tp = model, tokenizer, cfg, tp
+        self.model, self.tokenizer, self.cfg, self.tp, self.pooler = model, tokenizer, cfg, tp, pooler
+        if pooler is not None and cfg.speculative_config is not None:
+            raise BaigeError("--speculative-config does not apply to the pooling runner (it never decodes)")
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise BaigeError(
@@ -138,10 +149,11 @@ class Engine:
         load rank 0's shard. Raises BaigeError."""
         model_dir = resolve_model(cfg.model)
         tokenizer = Tokenizer.from_dir(model_dir)
+        pooler = pooling_runner(cfg.runner, model_dir)
         tp = start_tensor_parallel(cfg, model_dir) if cfg.tensor_parallel_size > 1 else None
         try:
-            model = load_engine_model(cfg, model_dir, tp.comm if tp is not None else None)
-            return cls(model, tokenizer, cfg, tp)
+            model = load_engine_model(cfg, model_dir, tp.comm if tp is not None else None, pooling=pooler is not None)
+            return cls(model, tokenizer, cfg, tp, pooler)
         except BaseException:
             if tp is not None:
                 tp.close()
@@ -180,6 +192,8 @@ class Engine:
         (``LoRANotFound`` for an unknown name without a path)."""
         if request_id in self.requests:
             raise BaigeError(f"request id {request_id!r} is already in use")
+        if self.pooler is not None:
+            raise BaigeError("this model runs the pooling runner (--runner pooling): it embeds, it does not generate")
         text, ids, params = self.prepare(prompt, params)
         lora_id = self.resolve_lora(lora_request)
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -294,11 +308,16 @@ class Engine:
             return []
         if self.step_shapes is not None:
             self.step_shapes.append(batch.shape())
+        now = time.monotonic()
         rows = [_sampler_row(s) for s in batch.seqs]
         n_spec = [len(s.spec_token_ids) for s in batch.seqs]
         tokens, logprobs, prompt_lps = execute_isolated(
             self.runner, batch, rows, self._start_masks(batch), self.requests.__contains__, self._fail
         )
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.scheduled_time is None:
+                req.scheduled_time = now
         for i, (first, lps) in prompt_lps.items():
             req = self.requests.get(batch.seqs[i].request_id)
             if req is not None and req.prompt_logprobs is not None and first == len(req.prompt_logprobs):
@@ -311,6 +330,7 @@ class Engine:
                 seq.spec_budget.update(k, len(toks) - 1)
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
+        pooled = [self._finish_pooled(s, now) for s in batch.seqs if s.pooling is not None]
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
         touched: dict[str, RequestState] = {}
         for seq in got:
@@ -326,7 +346,7 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req
-        return [self._output(req, now) for req in touched.values()]
+        return [o for o in pooled if o is not None] + [self._output(req, now) for req in touched.values()]
 
     def _propose(self) -> None:
         """Draft tokens for the running sequences that decode next step (:func:`assign_drafts`)."""
@@ -358,7 +378,9 @@ class Engine:
         constrained = {
             i: s.payload.grammar
             for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-            if s.payload.grammar is not None and s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)
+            if s.pooling is None
+            and s.payload.grammar is not None
+            and s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)
         }
         drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
         return self._grammars.start_masks(constrained, drafts).result if constrained else None
@@ -464,7 +486,9 @@ class Engine:
         return [final[r] for r in request_ids]
 
 
-def _sampler_row(s: Sequence) -> SamplerRow:
+def _sampler_row(s: Sequence) -> SamplerRow | None:
+    if s.pooling is not None:  # prefill only: never samples
+        return None
     st: SeqText = s.payload
     p = st.params
     return SamplerRow(
