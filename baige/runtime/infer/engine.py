@@ -172,7 +172,9 @@ class Engine(EnginePooling):
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """Tokenize and validate a prompt (:meth:`InputProcessor.prepare`). Raises BaigeError as that
-        does, and while the engine is asleep (:meth:`sleep`)."""
+        does, while the engine is asleep (:meth:`sleep`), and under the pooling runner."""
+        if self.pooler is not None:
+            raise BaigeError("this model runs the pooling runner (--runner pooling): it embeds, it does not generate")
         if self.is_sleeping:
             raise BaigeError("the engine is asleep (its KV cache is released); call wake_up() first")
         return self.input_processor.prepare(prompt, params)
@@ -192,8 +194,6 @@ class Engine(EnginePooling):
         (``LoRANotFound`` for an unknown name without a path)."""
         if request_id in self.requests:
             raise BaigeError(f"request id {request_id!r} is already in use")
-        if self.pooler is not None:
-            raise BaigeError("this model runs the pooling runner (--runner pooling): it embeds, it does not generate")
         text, ids, params = self.prepare(prompt, params)
         lora_id = self.resolve_lora(lora_request)
         stop_ids = frozenset(params.stop_token_ids) | (

@@ -1,5 +1,5 @@
-"""The small endpoints: ``/health``, ``/metrics`` (Prometheus) and ``/v1/models`` (the base model and
-its loaded LoRA adapters)."""
+"""The small endpoints: ``/health``, ``/metrics`` (Prometheus), ``/version`` and ``/v1/models`` (the base
+model and its loaded LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import baige
 from baige.runtime.server.serving import state_of
 
 router = APIRouter()
@@ -21,6 +22,12 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/version")
+async def version() -> dict:
+    """baige's version (vLLM's ``/version`` shape)."""
+    return {"version": baige.__version__}
 
 
 @router.get("/v1/models")
