@@ -93,8 +93,8 @@ async def _one(st: ServerState, ids: list[int], params: PoolingParams) -> AsyncI
     yield await st.engine.embed(ids, params)
 
 
-@router.post("/v1/embeddings")
-async def embeddings(request: Request) -> dict | Response:
+@router.post("/v1/embeddings", response_model=None)
+async def embeddings(request: Request) -> Response | dict:
     """Embed the inputs; OpenAI's ``list`` of ``embedding`` objects in input order, with ``usage``."""
     req: EmbeddingRequest = await parse(request, EmbeddingRequest)
     st = state_of(request)
