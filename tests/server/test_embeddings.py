@@ -78,6 +78,21 @@ def test_token_id_inputs(client, reference):
     close(one.data[0].embedding, torch.nn.functional.normalize(reference[0][1], dim=0))
 
 
+def test_vllm_fields(server, checkpoint, reference):
+    """vLLM's ``truncate_prompt_tokens`` (the last k tokens) and ``normalize: false`` (the raw hidden state)."""
+    ids, _ = reference[1]
+    body = {"input": [ids, ids[-5:]], "truncate_prompt_tokens": 5, "normalize": False}
+    r = httpx.post(f"{server}/v1/embeddings", json=body).json()
+    assert r["usage"]["prompt_tokens"] == 10
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([ids[-5:]])).last_hidden_state[0, -1]
+    for d in r["data"]:
+        close(d["embedding"], want)
+
+
 def test_dimensions_truncate_then_normalise(client, reference):
     resp = client.embeddings.create(model=NAME, input=TEXTS, dimensions=16)
     for d, (_, h) in zip(resp.data, reference):

@@ -731,6 +731,8 @@ EMBED = [
     ({"input": "t1", "dimensions": 8}, 400, "dimensions"),  # the model declares no Matryoshka dimensions
     ({"input": "t1", "dimensions": "8"}, 400, "dimensions"),
     ({"input": "t1", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": "t1", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"input": "t1", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ({"input": "t1", "user": {"id": 5}}, 400, "user"),
     ({"input": "t1", "model": "other"}, 404, "model"),
     ({"input": ["t1 t2"] * 200_000}, 413, None),

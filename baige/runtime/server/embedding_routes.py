@@ -1,6 +1,7 @@
 """``/v1/embeddings`` (OpenAI's Embeddings API, vLLM's pooling runner): one input or a batch (text or
 token ids), each pooled by the engine (``infer/pooling.py``) beside the other requests, ``dimensions``
-(Matryoshka truncation, where the model declares it), ``encoding_format`` float or base64.
+(Matryoshka truncation, where the model declares it), ``encoding_format`` float or base64; vLLM's
+``normalize``, ``add_special_tokens`` and ``truncate_prompt_tokens``.
 
 Limits: at most :data:`MAX_EMBEDDING_INPUTS` inputs per request (OpenAI's), each non-empty and at most
 ``max_model_len`` tokens; the body size limit (``--max-request-bytes``) bounds the rest.
@@ -18,7 +19,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from baige.errors import BaigeError
 from baige.runtime.infer.outputs import EmbeddingRequestOutput
@@ -50,6 +51,14 @@ class EmbeddingRequest(_Strict):
     # vLLM extensions
     normalize: bool | None = None
     add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k tokens; -1: max_model_len
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context) or at least 1")
+        return v
 
 
 def embedding_inputs(req: EmbeddingRequest) -> list[str | list[int]]:
@@ -68,18 +77,22 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-async def _prepared(st: ServerState, inputs: list[str | list[int]], params: PoolingParams, special: bool) -> list:
-    """Every input's token ids, validated before anything is queued (off the event loop). Raises APIError
-    naming ``input`` (or ``dimensions``)."""
+async def _prepared(st: ServerState, req: EmbeddingRequest, params: PoolingParams) -> list[list[int]]:
+    """Every input's token ids (``truncate_prompt_tokens``: its last that many), validated before anything
+    is queued (off the event loop). Raises APIError naming ``input`` (or ``dimensions``)."""
+    inputs = embedding_inputs(req)
+    keep = st.engine.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
 
     def run() -> list[list[int]]:
         out = []
         for k, x in enumerate(inputs):
             try:
-                if isinstance(x, str) and not special and x:
+                if isinstance(x, str):
                     if len(x) > st.engine.max_prompt_chars:
-                        raise BaigeError(f"input is far longer than {st.engine.max_model_len} tokens")
-                    x = st.tokenizer.encode(x, add_special_tokens=False)
+                        raise BaigeError(f"the input is far longer than {st.engine.max_model_len} tokens")
+                    x = st.tokenizer.encode(x, add_special_tokens=req.add_special_tokens) if x else []
+                if keep is not None:
+                    x = x[-keep:]
                 out.append(st.engine.prepare_pooling(x, params))
             except BaigeError as e:
                 where = f"input[{k}]: " if len(inputs) > 1 and e.param is None else ""
@@ -104,7 +117,7 @@ async def embeddings(request: Request) -> Response | dict:
             param="model",
         )
     params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
-    jobs = await _prepared(st, embedding_inputs(req), params, req.add_special_tokens)
+    jobs = await _prepared(st, req, params)
     outs = await collect(request, [_one(st, ids, params) for ids in jobs])
     if outs is None:
         return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it

@@ -3,11 +3,12 @@ model and its loaded LoRA adapters)."""
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-import baige
 from baige.runtime.server.serving import state_of
 
 router = APIRouter()
@@ -26,8 +27,8 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/version")
 async def version() -> dict:
-    """baige's version (vLLM's ``/version`` shape)."""
-    return {"version": baige.__version__}
+    """baige's version (the installed distribution's; vLLM's ``/version`` shape)."""
+    return {"version": metadata.version("baige")}
 
 
 @router.get("/v1/models")
