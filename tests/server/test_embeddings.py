@@ -112,3 +112,31 @@ def test_generate_runner_refuses_embeddings(checkpoint):
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "t1"})
     assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "model"
+
+
+def test_metrics_count_embedding_requests(server, client, reference):
+    def scrape() -> dict[tuple, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{server}/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    labels = (("engine", "0"), ("model_name", NAME))
+    before = scrape()
+    client.embeddings.create(model=NAME, input=TEXTS)
+    after = scrape()
+
+    def delta(name: str, extra: tuple = ()) -> float:
+        key = (name, tuple(sorted(labels + extra)))
+        return after[key] - before.get(key, 0.0)
+
+    n = sum(len(ids) for ids, _ in reference)
+    assert delta("vllm:request_success_total", (("finished_reason", "stop"),)) == len(TEXTS)
+    assert delta("vllm:prompt_tokens_total") == n and delta("vllm:request_prompt_tokens_sum") == n
+    assert delta("vllm:e2e_request_latency_seconds_count") == len(TEXTS)
+    assert delta("vllm:request_queue_time_seconds_count") == len(TEXTS)
+    assert delta("vllm:generation_tokens_total") == 0
