@@ -22,9 +22,7 @@ class EnginePooling:
     ) -> None:
         """Queue a pooling request: its prompt is prefilled (chunked and batched with the others) and
         pooled, and it finishes with an :class:`EmbeddingRequestOutput` once its prompt is computed.
-        Raises BaigeError: the generate runner, a request id in flight, or as :meth:`prepare_pooling`."""
-        if self.pooler is None:
-            raise BaigeError("this model runs the generate runner; embeddings need --runner pooling", param="model")
+        Raises BaigeError: a request id in flight, or as :meth:`prepare_pooling`."""
         if request_id in self.requests:
             raise BaigeError(f"request id {request_id!r} is already in use")
         text, ids = self.prepare_pooling(prompt, params)
@@ -36,7 +34,10 @@ class EnginePooling:
 
     def prepare_pooling(self, prompt: str | list[int], params: PoolingParams) -> tuple[str | None, list[int]]:
         """Tokenize and validate a pooling prompt (:meth:`InputProcessor.prepare_pooling`) and its
-        ``params`` (:meth:`PoolingParams.check`). Raises BaigeError as those do, and while asleep."""
+        ``params`` (:meth:`PoolingParams.check`). Raises BaigeError as those do, under the generate
+        runner, and while asleep."""
+        if self.pooler is None:
+            raise BaigeError("this model runs the generate runner; embeddings need --runner pooling", param="model")
         if self.is_sleeping:
             raise BaigeError("the engine is asleep (its KV cache is released); call wake_up() first")
         params.check(self.pooler, self.model.config.hidden_size)
