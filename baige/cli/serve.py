@@ -146,6 +146,12 @@ class ReasoningParser(str, Enum):
     gpt_oss = "gpt_oss"
 
 
+class Runner(str, Enum):
+    auto = "auto"
+    generate = "generate"
+    pooling = "pooling"
+
+
 class LogLevel(str, Enum):
     critical = "critical"
     error = "error"
@@ -323,8 +329,18 @@ def serve(
             "one least_load router on --host/--port.",
         ),
     ] = 1,
+    runner: Annotated[
+        Runner,
+        typer.Option(
+            help="vLLM's runner: generate (completions, chat) or pooling (/v1/embeddings: prefill-only requests "
+            "pooled by the checkpoint's sentence-transformers config, else by the last token); auto = pooling "
+            "for a checkpoint with sentence-transformers files or a bare-decoder architecture (LlamaModel, ...).",
+            case_sensitive=False,
+        ),
+    ] = Runner.auto,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings,
+    /v1/models, /tokenize, /detokenize)."""
     from baige.runtime.config import EngineConfig
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -347,6 +363,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
         batch_invariant=batch_invariant,
+        runner=runner.value,
         **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
     )
     template = read_chat_template(chat_template) if chat_template is not None else None

@@ -210,6 +210,9 @@ class EngineConfig:
     # a sequence's logprobs independent of its batch and chunking, equal to the trainer's bit for bit
     # (kernels/invariant.py; CPU, plain dense models); with quantization, speculation, LoRA or TP: refused
     batch_invariant: bool = False
+    # vLLM's --runner: auto (pooling for a checkpoint with sentence-transformers files or a bare-decoder
+    # architecture, else generate) | generate | pooling (embeddings; infer/pooling.py)
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
