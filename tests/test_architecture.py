@@ -288,31 +288,34 @@ def route_import_violations(g: dict[str, set[str]]) -> list[str]:
 
 
 def async_engine_api() -> set[str]:
-    """What the server may touch on an AsyncEngine: its public methods and properties and the public
-    attributes ``__init__`` sets, less ``engine`` (the Engine it wraps) and ``call`` (runs any function
-    on that Engine: the server asks for a named method instead)."""
-    classes = [
-        n
+    """What the server may touch on an AsyncEngine: its public methods and properties (its own and those
+    of its base classes in baige.runtime.infer, the mixins it is split into) and the public attributes
+    ``__init__`` sets, less ``engine`` (the Engine it wraps) and ``call`` (runs any function on that
+    Engine: the server asks for a named method instead)."""
+    classes = {
+        n.name: n
         for m, path in MODULES.items()
         if m.startswith("baige.runtime.infer")
         for n in ast.parse(path.read_text()).body
-        if isinstance(n, ast.ClassDef) and n.name == "AsyncEngine"
-    ]
-    assert len(classes) == 1, f"{len(classes)} AsyncEngine classes in baige.runtime.infer"
-    (cls,) = classes
-    names = set()
-    for node in cls.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-            if node.name == "__init__":
-                names |= {
-                    t.attr
-                    for t in ast.walk(node)
-                    if isinstance(t, ast.Attribute)
-                    and isinstance(t.ctx, ast.Store)
-                    and isinstance(t.value, ast.Name)
-                    and t.value.id == "self"
-                }
+        if isinstance(n, ast.ClassDef)
+    }
+    assert "AsyncEngine" in classes, "no AsyncEngine class in baige.runtime.infer"
+    todo, names = ["AsyncEngine"], set()
+    while todo:
+        cls = classes[todo.pop()]
+        todo += [b.id for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+                if node.name == "__init__":
+                    names |= {
+                        t.attr
+                        for t in ast.walk(node)
+                        if isinstance(t, ast.Attribute)
+                        and isinstance(t.ctx, ast.Store)
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"
+                    }
     return {n for n in names if not n.startswith("_")} - {"engine", "call"}
 
 
@@ -434,7 +437,7 @@ def test_server_writes_no_engine_state():
 def test_server_seam_checks_catch_what_they_forbid():
     # the three checks above could pass by seeing nothing: each must flag these snippets
     api = async_engine_api()
-    assert {"generate", "is_alive", "tokenizer", "abort"} <= api and not api & {"engine", "call", "_thread"}
+    assert {"generate", "is_alive", "tokenizer", "abort", "sleep"} <= api and not api & {"engine", "call", "_thread"}
     bad_graph = {f"{SERVER}.chat_routes": {f"{SERVER}.routes"}, f"{SERVER}.serving": {f"{SERVER}.lora_routes"}}
     assert len(route_import_violations(bad_graph)) == 2
     assert route_import_violations({SERVER_APP: {f"{SERVER}.routes", f"{SERVER}.chat_routes"}}) == []
