@@ -14,7 +14,8 @@ from baige.runtime.model.rope import RotaryEmbedding
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.format import prepare_quantized_model
 from baige.runtime.weights import moe_layout
-from baige.runtime.weights.safetensors_io import load_state_dict
+from baige.runtime.weights.safetensors_io import checkpoint_headers, load_state_dict
+from baige.runtime.weights.validate import check_config_fits, check_fits, check_layer_count, loaded_bytes, meta_state
 
 
 def load_model(
@@ -29,19 +30,33 @@ def load_model(
     compressed-tensors ``quantization_config`` loads its Linears as ``QuantizedLinear``
     (see :func:`baige.runtime.quant.format.prepare_quantized_model`); integer tensors keep their dtype.
 
+    Before any tensor is read or the model allocated: config.json is checked
+    (:func:`~baige.runtime.model.config_checks.check_config_fields`), the parameters it declares and
+    the bytes the headers declare against the memory free on the CPU and ``device``, every safetensors
+    header against the format, and the layer count, tensor names and shapes against the config
+    (:mod:`baige.runtime.weights.validate`).
+
     Raises:
-        BaigeError: bad config, missing shard/tensor, unexpected tensor, shape mismatch, an untied
-        model without ``lm_head.weight``.
+        BaigeError: bad config, a model larger than the memory free, a bad safetensors header or
+        index, missing shard/tensor, unexpected tensor, shape mismatch, an untied model without
+        ``lm_head.weight``.
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    state = moe_layout.to_internal(load_state_dict(model_dir, torch_dtype), cfg, str(model_dir))
+    devices = [torch.device("cpu"), device]  # tensors are read into CPU memory, then moved
+    check_config_fits(cfg, torch_dtype, devices, model_dir / "config.json")
+    headers = checkpoint_headers(model_dir)
+    check_layer_count(list(headers), cfg, model_dir)
+    check_fits(loaded_bytes(headers, torch_dtype), devices, f"{model_dir}: loading the checkpoint")
     with torch.device("meta"):
         model = Transformer(cfg)
     if cfg.raw.get("quantization_config"):
         prepare_quantized_model(model, cfg.raw["quantization_config"], str(model_dir / "config.json"))
+    # names, shapes and expert layout checked on meta tensors from the headers: nothing read yet
+    check_state_dict(moe_layout.to_internal(meta_state(headers), cfg, str(model_dir)), model, model_dir)
+    state = moe_layout.to_internal(load_state_dict(model_dir, torch_dtype), cfg, str(model_dir))
     check_state_dict(state, model, model_dir)
     state = {k: v.to(device) for k, v in state.items()}
     if cfg.tie_word_embeddings:
