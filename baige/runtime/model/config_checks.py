@@ -174,6 +174,9 @@ def check_config_fields(cfg: dict[str, Any]) -> None:
             f"hidden_size={cfg['hidden_size']} is not a multiple of num_attention_heads={heads} "
             "(and no head_dim is given)"
         )
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if head_dim % 2:
+        raise BaigeError(f"head_dim={head_dim} is odd (rotary embeddings rotate pairs of dimensions)")
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     if dtype is not None and (not isinstance(dtype, str) or dtype.removeprefix("torch.") not in FLOAT_DTYPES):
         raise bad("torch_dtype", f"one of {', '.join(FLOAT_DTYPES)}", dtype)
