@@ -29,17 +29,24 @@ class ToolCallParser(str, Enum):
     mistral = "mistral"
 
 
-def read_chat_template(value: str) -> str:
-    """``--chat-template``: a jinja file, or (as vLLM takes it) the template itself. Raises BaigeError."""
+def read_chat_template(value: str) -> tuple[str, str]:
+    """``--chat-template``: a jinja file, or (as vLLM takes it) the template itself -> (template, the
+    name its errors give it). Compiled and rendered once on a sample conversation now, before the model
+    loads (:func:`~baige.runtime.model.chat_template.probe_template`). Raises BaigeError."""
+    from baige.runtime.model.chat_template import probe_template
+
     path = Path(value)
     if path.is_file():
         try:
-            return path.read_text(encoding="utf-8")
+            source, where = path.read_text(encoding="utf-8"), f"--chat-template {path}"
         except (OSError, UnicodeDecodeError) as e:
             raise BaigeError(f"--chat-template: cannot read {path} ({e})") from None
-    if "{{" in value or "{%" in value:
-        return value
-    raise BaigeError(f"--chat-template: {value} is not a file (nor a jinja template)")
+    elif "{{" in value or "{%" in value:
+        source, where = value, "--chat-template"
+    else:
+        raise BaigeError(f"--chat-template: {value} is not a file (nor a jinja template)")
+    probe_template(source, where)
+    return source, where
 
 
 def parse_lora_modules(values: list[str] | None, enable_lora: bool, served_name: str) -> dict[str, str] | None:
@@ -278,7 +285,8 @@ def serve(
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)
     if template is not None:
-        core.tokenizer.set_chat_template(template)
+        core.tokenizer.set_chat_template(*template)
+    core.tokenizer.check_chat_template()  # the model's own template: a hostile one fails at start-up
     run_server(
         AsyncEngine(core),
         name,

@@ -143,7 +143,6 @@ def _check_str_call(s: str, name: str, args: tuple, kwargs: dict) -> None:
         _check_size(_joined_size(s, args[0]), "str.join's result")
 
 
-
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox with the budget of the module docstring."""
 
@@ -319,3 +318,21 @@ def render(template: jinja2.Template, where: str, **variables: Any) -> str:
         raise ChatTemplateError(f"chat template error ({where}): {type(e).__name__}: {str(e)[:200]}") from None
     finally:
         _BUDGET.reset(token)
+
+
+def probe_template(source: str, where: str, **variables: Any) -> jinja2.Template:
+    """Compile ``source`` and render a one-message conversation, as a start-up check: a template that
+    does not compile, breaks the sandbox or exceeds its budget even then fails now, not at the first
+    request; one that merely rejects the sample conversation (``raise_exception``) passes.
+
+    Raises:
+        ChatTemplateError: naming ``where``.
+    """
+    template = compile_template(source, where)
+    try:
+        render(template, where, messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True, **variables)
+    except ChatTemplateUnsafe:
+        raise
+    except ChatTemplateError:
+        pass  # the template's own verdict on the sample conversation
+    return template

@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from baige.errors import BaigeError
-from baige.runtime.model.chat_template import ChatTemplateError, ChatTemplateUnsafe, compile_template, render
+from baige.runtime.model.chat_template import compile_template, probe_template, render
 from baige.runtime.model.config_checks import read_json
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -50,8 +50,12 @@ def check_tokenizer_config(config: dict, path: Path | str) -> None:
     ``path`` and the field."""
     for key in _SPECIAL_TOKENS:
         value = config.get(key)
-        if not (value is None or isinstance(value, str) or isinstance(value, dict) and isinstance(value.get("content"), str)):
-            raise BaigeError(f"{path}: {key} must be a string or an object with a string content, got {str(value)[:60]}")
+        if not (
+            value is None or isinstance(value, str) or isinstance(value, dict) and isinstance(value.get("content"), str)
+        ):
+            raise BaigeError(
+                f"{path}: {key} must be a string or an object with a string content, got {str(value)[:60]}"
+            )
     for key in ("add_bos_token", "add_eos_token"):
         if config.get(key) is not None and not isinstance(config[key], bool):
             raise BaigeError(f"{path}: {key} must be true or false, got {str(config[key])[:60]}")
@@ -63,14 +67,29 @@ def check_tokenizer_config(config: dict, path: Path | str) -> None:
         raise BaigeError(f"{path}: chat_template must be a string or a list of {{name, template}} objects")
 
 
+def _number_in(value: Any, low: float, high: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
 def check_generation_config(config: dict, path: Path | str, vocab_size: int) -> None:
-    """``generation_config.json``'s token ids (``bos/eos/pad_token_id``: null, an id, or for EOS a list
-    of ids) inside the vocabulary. Raises BaigeError naming ``path`` and the field."""
+    """``generation_config.json``'s fields baige reads: the token ids (``bos/eos/pad_token_id``: null, an
+    id, or for EOS a list of ids) inside the vocabulary, and the sampling defaults: ``do_sample`` a
+    boolean, ``temperature`` in [0, 100], ``top_p`` in [0, 1], ``top_k`` an integer >= 0. Raises
+    BaigeError naming ``path`` and the field."""
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = config.get(key)
         ids = value if isinstance(value, list) and key == "eos_token_id" else [] if value is None else [value]
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
             raise BaigeError(f"{path}: {key} must be null or token ids in [0, {vocab_size}), got {str(value)[:60]}")
+    checks = {
+        "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+        "temperature": (lambda v: _number_in(v, 0, 100), "a number in [0, 100]"),
+        "top_p": (lambda v: _number_in(v, 0, 1), "a number in [0, 1]"),
+        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    }
+    for key, (ok, requirement) in checks.items():
+        if config.get(key) is not None and not ok(config[key]):
+            raise BaigeError(f"{path}: {key} must be {requirement}, got {str(config[key])[:60]}")
 
 
 def _token_text(value: str | dict | None) -> str | None:
@@ -118,6 +137,7 @@ class Tokenizer:
         gen_eos = (generation_config or {}).get("eos_token_id")
         eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos if i is not None))
+        self.generation_config: dict = dict(generation_config or {})  # as read (checked by from_dir)
         # tokenizer_config's flags win (as in HF); without them, whatever tokenizer.json's post-processor adds.
         with_specials = backend.encode("", add_special_tokens=True).ids
         add_bos = config.get("add_bos_token", with_specials[:1] == [self.bos_token_id])
@@ -204,22 +224,16 @@ class Tokenizer:
         self.chat_template, self.chat_template_source = source, where
 
     def check_chat_template(self) -> None:
-        """Compile the chat template and render a one-message conversation, at start-up: a template
-        that cannot compile, breaks the sandbox or exceeds its budget even then fails now, not at the
-        first request. A template that rejects the sample conversation (``raise_exception``) passes.
+        """Compile the chat template and render a one-message conversation, at start-up
+        (:func:`~baige.runtime.model.chat_template.probe_template`).
 
         Raises:
-            ChatTemplateError: naming the template.
+            ChatTemplateError: naming the template: it does not compile, breaks the sandbox or exceeds
+            its budget.
         """
-        if self.chat_template is None:
-            return
-        try:
-            self.render_chat_template([{"role": "user", "content": "hi"}])
-        except ChatTemplateUnsafe:
-            raise
-        except ChatTemplateError:
-            if self._compiled is None:
-                raise  # it does not compile
+        if self.chat_template is not None and self._compiled is None:
+            variables = {k: v for k, v in self._special_text.items() if v is not None}
+            self._compiled = probe_template(self.chat_template, self.chat_template_source, **variables)
 
     @property
     def has_chat_template(self) -> bool:
