@@ -90,10 +90,23 @@ LoraModulesOpt = Annotated[
 ]
 MaxLorasOpt = Annotated[int, typer.Option(min=1, help="Most distinct adapters in one step (requests for others wait).")]
 MaxLoraRankOpt = Annotated[int, typer.Option(min=1, help="Largest adapter rank accepted.")]
+LoraRootOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        help="Read adapters only from inside this directory (repeatable; as vLLM's --allowed-local-media-path): "
+        "a --lora-modules DIR or a load_lora_adapter lora_path elsewhere, symlinks and .. resolved, is refused. "
+        "Default: any directory."
+    ),
+]
 
 
 def lora_engine_args(
-    enable_lora: bool, lora_modules: list[str] | None, max_loras: int, max_lora_rank: int, served_name: str
+    enable_lora: bool,
+    lora_modules: list[str] | None,
+    max_loras: int,
+    max_lora_rank: int,
+    served_name: str,
+    lora_root: list[str] | None = None,
 ) -> dict:
     """The EngineConfig fields of the LoRA options. Raises BaigeError as :func:`parse_lora_modules`."""
     return {
@@ -101,6 +114,7 @@ def lora_engine_args(
         "lora_modules": parse_lora_modules(lora_modules, enable_lora, served_name),
         "max_loras": max_loras,
         "max_lora_rank": max_lora_rank,
+        "lora_roots": tuple(lora_root or ()),
     }
 
 
@@ -243,6 +257,7 @@ def serve(
     lora_modules: LoraModulesOpt = None,
     max_loras: MaxLorasOpt = 1,
     max_lora_rank: MaxLoraRankOpt = 16,
+    lora_root: LoraRootOpt = None,
     enable_rl_endpoints: Annotated[
         bool,
         typer.Option(
@@ -279,7 +294,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
         batch_invariant=batch_invariant,
-        **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
+        **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name, lora_root),
     )
     template = read_chat_template(chat_template) if chat_template is not None else None
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads

@@ -114,7 +114,7 @@ class Engine:
         )
         self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
         if cfg.enable_lora:
-            self.lora = self.runner.lora = LoRAManager(model, cfg.max_lora_rank)
+            self.lora = self.runner.lora = LoRAManager(model, cfg.max_lora_rank, tuple(cfg.lora_roots))
             for name, path in (cfg.lora_modules or {}).items():
                 self.lora.load(LoRARequest(name, len(self.lora.loaded) + 1, str(path)))
         self.vocab_size = mc.vocab_size
