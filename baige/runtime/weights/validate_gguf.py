@@ -53,18 +53,38 @@ class GGUFSummary:
 class _Cursor:
     """Reads little-endian values from a buffer; every read checks the bytes left first."""
 
-    def __init__(self, buf: mmap.mmap | bytes):
+    def __init__(self, buf: mmap.mmap | bytes | bytearray | memoryview):
         self.buf, self.pos, self.size = buf, 0, len(buf)
 
     def left(self) -> int:
         return self.size - self.pos
 
-    def take(self, n: int, what: str) -> bytes:
+    def skip(self, n: int, what: str) -> None:
         if n > self.left():
             raise BaigeError(f"{what} at byte {self.pos} declares {n} bytes, past the end of the {self.size}-byte file")
-        out = self.buf[self.pos : self.pos + n]
         self.pos += n
-        return out
+
+    def take(self, n: int, what: str) -> bytes:
+        self.skip(n, what)
+        return bytes(self.buf[self.pos - n : self.pos])
+
+    def strings(self, n: int, what: str) -> None:
+        """Step over ``n`` strings, each checked to lie inside the file and to be UTF-8 (one tight loop:
+        tokenizer vocabularies hold ~10**5 of them)."""
+        buf, pos, size = self.buf, self.pos, self.size
+        for _ in range(n):
+            if pos + 8 > size:
+                raise BaigeError(f"{what} at byte {pos} runs past the end of the {size}-byte file")
+            (length,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8
+            if length > size - pos:
+                raise BaigeError(f"{what} at byte {pos - 8} declares {length} bytes, past the end of the file")
+            try:
+                bytes(buf[pos : pos + length]).decode("utf-8")
+            except UnicodeDecodeError:
+                raise BaigeError(f"{what} at byte {pos} is not UTF-8") from None
+            pos += length
+        self.pos = pos
 
     def unpack(self, fmt: str, what: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
@@ -98,10 +118,9 @@ def _skip_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> object:
     if etype in _SCALARS:
         size = struct.calcsize(_SCALARS[etype])
         n = cur.count(size, f"the array count of {key!r}")
-        cur.take(n * size, f"the array of {key!r}")
+        cur.skip(n * size, f"the array of {key!r}")
     elif etype == STRING:
-        for _ in range(cur.count(8, f"the array count of {key!r}")):
-            cur.string(f"a string in the array {key!r}")
+        cur.strings(cur.count(8, f"the array count of {key!r}"), f"a string in the array {key!r}")
     elif etype == ARRAY:
         for _ in range(cur.count(12, f"the array count of {key!r}")):
             _skip_value(cur, ARRAY, key, depth + 1)
@@ -139,7 +158,7 @@ def _tensor_info(cur: _Cursor, alignment: int, names: set[str]) -> tuple[GGUFTen
     return GGUFTensor(name, shape, ggml_type, numel, numel // block * type_size), offset
 
 
-def parse_gguf(buf: mmap.mmap | bytes) -> GGUFSummary:
+def parse_gguf(buf: mmap.mmap | bytes | bytearray | memoryview) -> GGUFSummary:
     """Check the GGUF structure held in ``buf`` (a file's bytes). Raises BaigeError (without a path)."""
     cur = _Cursor(buf)
     if cur.size < 4 or cur.take(4, "the magic") != MAGIC:
