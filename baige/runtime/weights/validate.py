@@ -79,9 +79,9 @@ def _tensor_info(name: str, info: object, data_len: int) -> tuple[TensorInfo, in
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_TENSOR_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape)
     ):
-        raise BaigeError(f"tensor {name!r}: shape {str(shape)[:60]} is not a list of at most 8 sizes >= 0")
+        raise BaigeError(f"tensor {name!r}: shape {str(shape)[:60]} is not a list of at most 8 sizes in [0, 2**63)")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
