@@ -122,7 +122,7 @@ def test_pickle_adapters_and_checkpoints_are_refused_unopened(ckpt, tmp_path):
 def test_adapter_checks_before_reading_tensors(ckpt, tmp_path):
     import torch
 
-    from baige.runtime.infer.lora import resolve_lora_path
+    from baige.runtime.infer.lora import LoRAManager, LoRARequest, resolve_lora_path
     from baige.runtime.weights.loader import load_model
     from baige.runtime.weights.peft import load_peft_adapter
 
@@ -148,6 +148,11 @@ def test_adapter_checks_before_reading_tensors(ckpt, tmp_path):
     (root / "link").symlink_to(lying)
     with pytest.raises(BaigeError, match="is outside --lora-root"):
         resolve_lora_path(str(root / "link"), (str(root),))
+    manager = LoRAManager(model, 8, (str(root),))  # what /v1/load_lora_adapter calls
+    assert manager.read(LoRARequest("good", 1, str(good))).rank == 4
+    with pytest.raises(BaigeError, match=r"LoRA adapter 'x': lora_path .* is outside --lora-root") as e:
+        manager.read(LoRARequest("x", 2, outside))
+    assert e.value.param == "lora_path"
 
 
 def test_a_config_far_larger_than_memory_is_refused_with_the_number(ckpt, tmp_path):

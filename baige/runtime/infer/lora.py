@@ -85,9 +85,9 @@ class LoRAManager:
             )
         if name in self.loaded:
             raise BaigeError(f"the LoRA adapter {name!r} is already loaded", param="lora_name")
-        path = resolve_lora_path(request.lora_path, self.lora_roots)
         with self._read_lock:
             try:
+                path = resolve_lora_path(request.lora_path, self.lora_roots)
                 return load_peft_adapter(path, self.model, self.dtype, self.max_lora_rank)
             except BaigeError as e:
                 raise BaigeError(f"LoRA adapter {name!r}: {e}", param=e.param or "lora_path") from None

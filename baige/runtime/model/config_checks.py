@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -183,5 +184,39 @@ def check_config_fields(cfg: dict[str, Any]) -> None:
     _check_token_ids(cfg, cfg["vocab_size"])
     _check_rope(cfg)
     _check_moe(cfg)
-    if cfg.get("quantization_config") is not None and not isinstance(cfg["quantization_config"], dict):
-        raise bad("quantization_config", "an object", cfg["quantization_config"])
+    if cfg.get("quantization_config") is not None:
+        _check_quantization_config(cfg["quantization_config"])
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _check_quantization_config(q: Any) -> None:
+    """The structure of a compressed-tensors ``quantization_config`` (its meaning is checked where it is
+    applied, ``quant.format.prepare_quantized_model``): objects where objects go, lists of strings for
+    ``targets`` and ``ignore``, ``re:`` patterns that compile, integer bit widths and group sizes."""
+    if not isinstance(q, dict):
+        raise bad("quantization_config", "an object", q)
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise bad("quantization_config.config_groups", "an object of objects", groups)
+    if not _strings(q.get("ignore") or []):
+        raise bad("quantization_config.ignore", "a list of strings", q.get("ignore"))
+    patterns = list(q.get("ignore") or [])
+    for name, group in groups.items():
+        where = f"quantization_config.config_groups.{name}"
+        if not _strings(group.get("targets", [])):
+            raise bad(f"{where}.targets", "a list of strings", group.get("targets"))
+        patterns += group.get("targets", [])
+        weights = group.get("weights") or {}
+        if not isinstance(weights, dict):
+            raise bad(f"{where}.weights", "an object", weights)
+        check_int(weights, "num_bits", maximum=64)
+        check_int(weights, "group_size")
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as e:
+                raise bad("quantization_config", f"holding valid re: patterns ({e})", pattern) from None

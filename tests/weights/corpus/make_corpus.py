@@ -119,6 +119,14 @@ def config_files() -> dict[str, tuple[bytes, str]]:
         "config_not_object.json": (b"[1, 2]", "not a JSON object but list"),
         "config_deep.json": (b"[" * 20000 + b"]" * 20000, "not a readable JSON file (RecursionError"),
         "config_huge_int.json": (b'{"vocab_size": ' + b"9" * 5000 + b"}", "not a readable JSON file (ValueError"),
+        "config_quant_groups.json": (
+            cfg(quantization_config={"quant_method": "compressed-tensors", "config_groups": [1]}),
+            "field 'quantization_config.config_groups' must be an object of objects",
+        ),
+        "config_quant_regex.json": (
+            cfg(quantization_config={"config_groups": {"g": {"targets": ["re:(("]}}}),
+            "must be holding valid re: patterns",
+        ),
         "config_moe.json": (
             cfg(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=8, moe_intermediate_size=8),
             "8 experts per token (num_experts_per_tok) but only 4 experts",
