@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -137,6 +138,78 @@ def test_gguf_mutations_import_or_fail_in_one_line(tiny_gguf, tmp_path):
             assert not out.exists()
             outcomes["refused"] += 1
     assert outcomes["refused"] > 60 and outcomes["imported"] > 0, outcomes
+
+
+_META_KEYS = [
+    "general.architecture",
+    "llama.block_count",
+    "llama.embedding_length",
+    "llama.attention.head_count",
+    "llama.attention.head_count_kv",
+    "llama.context_length",
+    "llama.attention.layer_norm_rms_epsilon",
+    "llama.rope.scaling.type",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.chat_template",
+]
+
+
+def _meta_values():
+    from gguf import GGUFValueType as T
+
+    return [
+        (5, T.UINT32),
+        (-3, T.INT32),
+        (0, T.UINT32),
+        (2**40, T.UINT64),
+        (1.5, T.FLOAT32),
+        (float("nan"), T.FLOAT32),
+        ("x", T.STRING),
+        (True, T.BOOL),
+        ([1, 2, 3], T.ARRAY),
+        (["a", "b c"], T.ARRAY),
+        ("llama", T.STRING),
+        ("yarn", T.STRING),
+    ]
+
+
+def test_gguf_metadata_of_wrong_types(tiny_gguf, tmp_path):
+    """Well-formed files whose metadata the importer reads has the wrong type or value (a string head
+    count, an array architecture, a float token id ...): one BaigeError naming the file, never a TypeError."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    rng = random.Random(3)
+    refused = 0
+    for _ in range(40):
+        path = tmp_path / "m.gguf"
+        override = {k: rng.choice(_meta_values()) for k in rng.sample(_META_KEYS, rng.randint(1, 3))}
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.kv_data[0].pop("general.architecture")
+        for f in reader.fields.values():
+            if not f.name.startswith("GGUF.") and f.name not in override:
+                sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+                w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+        for key, (value, vtype) in override.items():
+            w.add_key_value(key, value, vtype)
+        for t in reader.tensors:
+            w.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        try:
+            import_gguf(path, tmp_path / "out")
+        except BaigeError as e:
+            assert str(e).startswith(f"{path}: ") and "\n" not in str(e), str(e)
+            refused += 1
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+    assert refused > 20
 
 
 def test_embedded_gguf_header_mutations():

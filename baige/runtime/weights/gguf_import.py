@@ -91,7 +91,7 @@ def gguf_config(reader) -> dict:
     (:meth:`ModelConfig.from_dict`). Raises BaigeError for other architectures, a missing or
     mistyped key, or a config that fails those checks (naming the key or field)."""
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHS:
+    if not isinstance(arch, str) or arch not in _ARCHS:
         raise BaigeError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHS)})")
 
     def a(key, default=None):

@@ -77,7 +77,10 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name `pre`."""
+    """The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name `pre`. Raises BaigeError when it is
+    not a string."""
+    if pre is not None and not isinstance(pre, str):
+        raise BaigeError("metadata 'tokenizer.ggml.pre' must be a string")
     if pre in _REGEX_SPLITS:
         return pre_tokenizers.Sequence(
             [
@@ -216,9 +219,10 @@ def build_tokenizer_files(reader: gguf.GGUFReader) -> tuple[dict, dict]:
     vocab, added = _vocab(tokens, token_types)
     pairs = [tuple(merge.split(" ")) for merge in merges]
     specials = _special_tokens(reader, tokens)
+    pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
     try:
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
+        backend.pre_tokenizer = pre_tokenizer
         backend.decoder = decoders.ByteLevel()
         # Added in one call, in id order; each is found in the vocabulary, so no id moves.
         backend.add_tokens(added)
