@@ -181,3 +181,20 @@ def test_a_config_declaring_more_layers_than_the_checkpoint_fails_before_buildin
         BaigeError, match=r"declares num_hidden_layers=60000 but the checkpoint has tensors of 2 layers"
     ):
         load_model(deep, "float32")
+
+
+def test_a_tensor_of_the_wrong_kind_is_refused_before_reading(ckpt, tmp_path):
+    """An integer tensor where the model holds floats (its header says so): refused by the meta-device
+    check, before the data is read (torch would otherwise fail deep inside load_state_dict)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from baige.runtime.weights.loader import load_model
+
+    bad = tmp_path / "int"
+    shutil.copytree(ckpt, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(BaigeError, match=r"tensor 'model.norm.weight' is int32, the model expects a floating-point"):
+        load_model(bad)

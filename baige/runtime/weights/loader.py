@@ -74,8 +74,8 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Transformer, where: 
     embedding.
 
     Raises:
-        BaigeError: naming ``where`` and the first missing, mis-shaped or unexpected tensor, or an untied
-        model without ``lm_head.weight``.
+        BaigeError: naming ``where`` and the first missing, mis-shaped or unexpected tensor, one that is
+        integer where the model holds floats (or the reverse), or an untied model without ``lm_head.weight``.
     """
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
@@ -90,6 +90,10 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Transformer, where: 
             raise BaigeError(
                 f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, config expects {tuple(ref.shape)}"
             )
+        if state[name].dtype.is_floating_point != ref.dtype.is_floating_point:
+            kind = "a floating-point" if ref.dtype.is_floating_point else f"an integer ({ref.dtype})"
+            got = str(state[name].dtype).removeprefix("torch.")
+            raise BaigeError(f"{where}: tensor {name!r} is {got}, the model expects {kind} tensor")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise BaigeError(f"{where}: unexpected tensor {unexpected[0]!r} in the checkpoint ({len(unexpected)} in all)")

@@ -203,12 +203,10 @@ def meta_state(tensors: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
 
 def loaded_bytes(tensors: dict[str, TensorInfo], dtype: torch.dtype) -> int:
     """Bytes the tensors take once loaded: floating ones converted to ``dtype``, others as stored."""
-    size = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for t in tensors.values():
-        numel = t.nbytes // max(1, torch.empty((), dtype=t.dtype).element_size())
-        total += numel * size if t.dtype.is_floating_point else t.nbytes
-    return total
+    return sum(
+        t.nbytes // t.dtype.itemsize * dtype.itemsize if t.dtype.is_floating_point else t.nbytes
+        for t in tensors.values()
+    )
 
 
 def gib(nbytes: int) -> str:
@@ -234,5 +232,4 @@ def check_config_fits(cfg: ModelConfig, dtype: torch.dtype, devices: list[torch.
     if cfg.raw.get("quantization_config"):
         return
     n = cfg.num_params()
-    size = torch.empty((), dtype=dtype).element_size()
-    check_fits(n * size, devices, f"{where}: a model of {n} parameters in {dtype}".replace("torch.", ""))
+    check_fits(n * dtype.itemsize, devices, f"{where}: a model of {n} parameters in {dtype}".replace("torch.", ""))
