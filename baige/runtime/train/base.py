@@ -122,6 +122,7 @@ class TrainerBase(abc.ABC):
             p.tensor_parallel_degree,
             p.expert_parallel_degree,
             p.pipeline_parallel_degree,
+            p.context_parallel_degree,
         )
         self.mesh = self.dims.build_mesh(self.device.type)
         self.sparse_mesh = self.dims.build_sparse_mesh(self.device.type)
@@ -431,7 +432,7 @@ class TrainerBase(abc.ABC):
         return (
             f"{mc.model_type} {mc.num_params() / 1e6:.1f}M params{active} | world_size "
             f"{self.dist.world_size} (pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard "
-            f"{self.dims.dp_shard} x tp {self.dims.tp}, ep {self.dims.ep})"
+            f"{self.dims.dp_shard} x cp {self.dims.cp} x tp {self.dims.tp}, ep {self.dims.ep})"
         )
 
     def export(self) -> Path | None:

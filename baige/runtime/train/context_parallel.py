@@ -35,10 +35,6 @@ import torch.nn.functional as F
 
 from baige import kernels
 
-CP_METHODS = ("ring", "ulysses")
-ATTN_MASK_TYPES = ("causal", "block_causal")
-
-
 # ---- load-balanced sharding -------------------------------------------------------------------------
 
 
@@ -223,7 +219,9 @@ class RingAttention(torch.autograd.Function):
             for qs, ks, i, j in _chunk_pairs(r, src, n, c):
                 kb, vb = block[0][:, :, ks].to(dt), block[1][:, :, ks].to(dt)
                 mask = _pair_mask(i, j, c, docs, q.device)
-                dq_b, dk_b, dv_b = block_backward(qh[..., qs, :], kb, vb, mask, scale, do[..., qs, :], lse[..., qs], delta[..., qs])
+                dq_b, dk_b, dv_b = block_backward(
+                    qh[..., qs, :], kb, vb, mask, scale, do[..., qs, :], lse[..., qs], delta[..., qs]
+                )
                 dq[..., qs, :] += dq_b
                 dblock[0][:, :, ks] += dk_b
                 dblock[1][:, :, ks] += dv_b
