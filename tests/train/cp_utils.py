@@ -6,6 +6,8 @@ import threading
 
 import torch
 
+from baige.runtime.train.context_parallel import shard_positions
+
 
 class ThreadRing:
     """``shift`` for ``size`` threads of one process, each a CP rank: what rank r hands in, rank r + 1 gets."""
@@ -62,3 +64,67 @@ def reference_attention(q, k, v, scale, docs=None):
         mask = mask & (docs[:, :, None] == docs[:, None, :])
     s = s.masked_fill(~mask[:, None], float("-inf"))
     return torch.einsum("bhts,bshd->bthd", torch.softmax(s, dim=-1), vv)
+
+
+def ring_case(n: int, chunk: int, docs: bool):
+    """fp64 q/k/v of a window of 2 n chunk tokens (GQA 6 heads over 2 KV heads, head_dim 5) and the oracle's
+    output and gradients."""
+    from baige.runtime.train.context_parallel import document_ids
+
+    T = 2 * n * chunk
+    g = torch.Generator().manual_seed(n * 100 + chunk)
+    q, k, v = (torch.randn(2, T, h, 5, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    grad = torch.randn(2, T, 6, 5, generator=g, dtype=torch.float64)
+    doc = None
+    if docs:  # documents of random lengths, the two rows cut differently
+        doc = document_ids(torch.rand(2, T, generator=g) < 0.15)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out = reference_attention(qr, kr, vr, 0.41, doc)
+    out.backward(grad)
+    return (q, k, v, grad, doc), (out.detach(), qr.grad, kr.grad, vr.grad)
+
+
+def job_ring_gloo(output: str) -> None:
+    """Each gloo rank runs ring and Ulysses attention (fp64, 2 x 7-token chunks per rank, documents) on its
+    shard, forward and backward, and writes the largest differences to the oracle to ``output/attn_rank{R}.json``."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from baige.runtime.train.context_parallel import ContextParallel, ProcessGroupRing, RingAttention, TrainAttention
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    (q, k, v, grad, doc), ref = ring_case(n, 7, True)
+    cp = ContextParallel(dist.group.WORLD, n, rank, "ulysses")
+    pos = shard_positions(q.shape[1], n, rank)
+    errors = {}
+    for method in ("ring", "ulysses"):
+        ql, kl, vl = (t[:, pos].clone().requires_grad_() for t in (q, k, v))
+        if method == "ring":
+            out = RingAttention.apply(ql, kl, vl, 0.41, ProcessGroupRing(dist.group.WORLD), doc)
+        else:
+            out = TrainAttention(cp, pos, doc).attend(0, ql, kl, vl, 0.41)
+        out.backward(grad[:, pos])
+        got = (out.detach(), ql.grad, kl.grad, vl.grad)
+        errors[method] = [float((a - b[:, pos]).abs().max()) for a, b in zip(got, ref)]
+    Path(output).mkdir(parents=True, exist_ok=True)
+    (Path(output) / f"attn_rank{rank}.json").write_text(json.dumps(errors))
+
+
+def docs_data(path, chars: int = 30_000, seed: int = 0):
+    """JSONL of ``{"text": ...}`` documents of 50 to 400 characters of Shakespeare: several per 1024-token window."""
+    import json
+    import random
+
+    from train_utils import shakespeare
+
+    text, rng, i = shakespeare(chars), random.Random(seed), 0
+    with open(path, "w") as f:
+        while i < len(text):
+            n = rng.randint(50, 400)
+            f.write(json.dumps({"text": text[i : i + n]}) + "\n")
+            i += n
+    return path

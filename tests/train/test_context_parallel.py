@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cp_utils import reference_attention, run_ranks
+from cp_utils import ring_case, run_ranks
 
 from baige.runtime.train.context_parallel import (
     RingAttention,
@@ -54,25 +54,9 @@ def test_merge_of_key_blocks_is_the_full_softmax():
     assert (out - torch.softmax(s, dim=-1) @ v.unsqueeze(2)).abs().max() < 1e-12
 
 
-def _ring_case(n: int, chunk: int, docs: bool):
-    """fp64 q/k/v of a window of 2 n chunk tokens (GQA 6 heads over 2 KV heads, head_dim 5) and the oracle's
-    output and gradients."""
-    T = 2 * n * chunk
-    g = torch.Generator().manual_seed(n * 100 + chunk)
-    q, k, v = (torch.randn(2, T, h, 5, generator=g, dtype=torch.float64) for h in (6, 2, 2))
-    grad = torch.randn(2, T, 6, 5, generator=g, dtype=torch.float64)
-    doc = None
-    if docs:  # documents of random lengths, the two rows cut differently
-        doc = document_ids(torch.rand(2, T, generator=g) < 0.15)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    out = reference_attention(qr, kr, vr, 0.41, doc)
-    out.backward(grad)
-    return (q, k, v, grad, doc), (out.detach(), qr.grad, kr.grad, vr.grad)
-
-
 @pytest.mark.parametrize(("n", "chunk", "docs"), [(2, 7, False), (2, 7, True), (3, 5, True), (4, 3, False)])
 def test_ring_attention_forward_backward_equal_full_attention_fp64(n, chunk, docs):
-    (q, k, v, grad, doc), (ref_out, ref_dq, ref_dk, ref_dv) = _ring_case(n, chunk, docs)
+    (q, k, v, grad, doc), (ref_out, ref_dq, ref_dk, ref_dv) = ring_case(n, chunk, docs)
     T = q.shape[1]
 
     def rank_fn(rank, ring):
@@ -91,10 +75,10 @@ def test_ring_attention_forward_backward_equal_full_attention_fp64(n, chunk, doc
 
 def test_masked_attention_on_a_permuted_sequence():
     """Ulysses' gathered sequence is in shard order: attention follows the positions, not the order."""
-    (q, k, v, _, doc), (ref_out, *_) = _ring_case(3, 5, True)
+    (q, k, v, _, doc), (ref_out, *_) = ring_case(3, 5, True)
     order = torch.cat([shard_positions(30, 3, r) for r in range(3)])
     out = masked_attention(q[:, order], k[:, order], v[:, order], 0.41, order, doc[:, order])
     assert (out - ref_out[:, order]).abs().max() < 1e-10
-    (q, k, v, _, _), (ref_out, *_) = _ring_case(3, 5, False)
+    (q, k, v, _, _), (ref_out, *_) = ring_case(3, 5, False)
     out = masked_attention(q[:, order], k[:, order], v[:, order], 0.41, order, None)
     assert (out - ref_out[:, order]).abs().max() < 1e-10

@@ -80,8 +80,9 @@ class Trainer(TrainerBase):
         """The CP handle (``--cp``, or document masking on one rank); None: plain causal attention.
 
         Raises:
-            BaigeError: CP on a Mixture-of-Experts model, or on a dynamic-NTK RoPE model whose scaling
-                would differ between shards (the window longer than ``max_position_embeddings``).
+            BaigeError: CP on a Mixture-of-Experts model, on a dynamic-NTK RoPE model whose scaling
+                would differ between shards (the window longer than ``max_position_embeddings``), or
+                Ulysses with (per-TP-rank) head counts not divisible by the CP degree.
         """
         p, t, mc = self.cfg.parallelism, self.cfg.training, self.model_config
         if self.dims.cp > 1:
@@ -93,6 +94,13 @@ class Trainer(TrainerBase):
                     f"context parallel (--cp) with dynamic NTK RoPE needs training.seq_len <= "
                     f"max_position_embeddings {mc.max_position_embeddings} (each shard would scale differently)"
                 )
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                per_rank = getattr(mc, name) // self.dims.tp
+                if p.context_parallel_method == "ulysses" and per_rank % self.dims.cp:
+                    raise BaigeError(
+                        f"context_parallel_method=ulysses needs {name} per TP rank ({per_rank}) divisible by "
+                        f"context_parallel_degree {self.dims.cp}; use context_parallel_method=ring"
+                    )
             return ContextParallel.from_mesh(self.mesh, p.context_parallel_method)
         if t.attn_mask_type == "block_causal":
             return ContextParallel(None, 1, 0)
