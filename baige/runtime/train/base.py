@@ -126,6 +126,7 @@ class TrainerBase(abc.ABC):
         )
         self.mesh = self.dims.build_mesh(self.device.type)
         self.sparse_mesh = self.dims.build_sparse_mesh(self.device.type)
+        self.dp_cp_mesh = self.dims.build_dp_cp_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank(self.mesh)
 
     def _init_output(self) -> None:
@@ -205,6 +206,7 @@ class TrainerBase(abc.ABC):
             param_dtype=self.param_dtype,
             reduce_dtype=reduce_dtype,
             sparse_mesh=self.sparse_mesh,
+            dp_cp_mesh=self.dp_cp_mesh,
         )
         if not self.dims.fsdp_enabled:
             model.to(self.device)

@@ -201,9 +201,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
         """The mesh ``("dp_replicate", "dp_shard", "tp")``, with ``"cp"`` before ``"tp"`` when context
-        parallel (and ``"dp_shard_cp"``, the two flattened, for FSDP) and ``"pp"`` outermost when
-        pipelining (torchtitan's order: ranks of one pipeline are the farthest apart); None for a
-        single process."""
+        parallel and ``"pp"`` outermost when pipelining (torchtitan's order: ranks of one pipeline are the
+        farthest apart); None for a single process."""
         if self.dp_cp_size * self.tp * self.pp == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
@@ -213,10 +212,22 @@ class ParallelDims:
             shape, names = (*shape[:2], self.cp, shape[2]), (*names[:2], "cp", names[2])
         if self.pp > 1:
             shape, names = (self.pp, *shape), ("pp", *names)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        if self.cp > 1:
-            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        return mesh
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    def build_dp_cp_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
+        """With context parallel, FSDP's mesh: ``dp_shard_cp`` (torchtitan's name; the ``dp_shard`` and ``cp``
+        ranks of :meth:`build_mesh` in the same order, one dimension) or ``(dp_replicate, dp_shard_cp)`` for
+        HSDP; None without CP. Built as its own mesh over the same ranks (as the experts' mesh is)."""
+        if self.cp == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard * self.cp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"),
+        )
+        return mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else mesh["dp_shard_cp"]
 
     def build_sparse_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
         """The experts' 4-D mesh ``("dp_replicate", "efsdp", "ep", "tp")`` over the same ranks in the
@@ -379,10 +390,9 @@ def apply_fsdp(
 
 
 def data_parallel_mesh(dims: ParallelDims, mesh):
-    """FSDP's mesh: ``dp_shard`` (``dp_shard_cp`` with context parallel), or the 2-D
-    ``(dp_replicate, dp_shard[_cp])`` for HSDP."""
-    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+    """FSDP's mesh without context parallel: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP
+    (with CP: :meth:`ParallelDims.build_dp_cp_mesh`)."""
+    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
 
 def parallelize(
@@ -395,12 +405,14 @@ def parallelize(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     sparse_mesh=None,
+    dp_cp_mesh=None,
 ) -> None:
     """Apply TP, EP, AC, compile and FSDP in that order (each only when enabled; with pipeline
     parallel, FSDP is left to :func:`~baige.runtime.train.pipeline.build_pipeline`, per stage);
     without FSDP, TP and PP, route a tied embedding's gradient into the lm_head's
     (:func:`apply_tied_embedding_grad`).
-    ``sparse_mesh``: :meth:`ParallelDims.build_sparse_mesh` (needed when ``dims.ep > 1``)."""
+    ``sparse_mesh``: :meth:`ParallelDims.build_sparse_mesh` (needed when ``dims.ep > 1``); ``dp_cp_mesh``:
+    :meth:`ParallelDims.build_dp_cp_mesh` (FSDP's mesh when ``dims.cp > 1``)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
     if dims.ep > 1:
@@ -412,7 +424,8 @@ def parallelize(
         expert_mesh = None
         if dims.ep > 1:
             expert_mesh = sparse_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse_mesh["efsdp"]
-        apply_fsdp(model, data_parallel_mesh(dims, mesh), param_dtype, reduce_dtype, expert_mesh)
+        dp_mesh = dp_cp_mesh if dims.cp > 1 else data_parallel_mesh(dims, mesh)
+        apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, expert_mesh)
     elif dims.tp == 1 and dims.pp == 1:
         apply_tied_embedding_grad(model)
 
