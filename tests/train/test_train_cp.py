@@ -17,7 +17,7 @@ from baige.errors import BaigeError
 COMMON = {"training.steps": 5, "training.seq_len": 1024, "training.batch_size": 1, "checkpoint.export_hf": False}
 RUNS = {
     "ring": {"parallelism.context_parallel_degree": 2},
-    "ring_docs": {"parallelism.context_parallel_degree": 2, "training.attn_mask_type": "block_causal"},
+    "ring_docs": {"parallelism.context_parallel_degree": 2, "training.attn_mask_type": "block_causal", "eval": True},
     "ulysses_docs": {
         "parallelism.context_parallel_degree": 2,
         "parallelism.context_parallel_method": "ulysses",
@@ -33,10 +33,14 @@ def runs(tmp_path_factory):
     data = docs_data(root / "docs.jsonl")
     common = dict(model=str(model), data=str(data), **COMMON)
     jobs = [(job_ring_gloo, dict(output=str(root / "attn")))]
-    jobs += [(job_train, dict(common, output=str(root / name), **flags)) for name, flags in RUNS.items()]
+    evaluate = {"data.eval": [str(data)], "training.eval_batches": 2}  # at steps 0 and 5
+    for name, flags in RUNS.items():
+        flags = {k: v for k, v in flags.items() if k != "eval"} | (evaluate if flags.get("eval") else {})
+        jobs.append((job_train, dict(common, output=str(root / name), **flags)))
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     for mask in ("causal", "block_causal"):  # the one-process references
-        job_train(**dict(common, output=str(root / f"one_{mask}"), **{"training.attn_mask_type": mask}))
+        flags = {"training.attn_mask_type": mask} | (evaluate if mask == "block_causal" else {})
+        job_train(**dict(common, output=str(root / f"one_{mask}"), **flags))
     return root
 
 
@@ -55,6 +59,22 @@ def test_cp2_losses_equal_one_process(runs, name, reference):
     assert sorted(cp) == [1, 2, 3, 4, 5]
     for step in one:
         assert abs(cp[step] - one[step]) < 1e-5, (step, cp[step], one[step])
+
+
+def test_cp2_evaluation_equals_one_process(runs):
+    one, cp = read_metrics(runs / "one_block_causal", "eval"), read_metrics(runs / "ring_docs", "eval")
+    assert sorted(cp) == [0, 5]
+    for step in one:
+        assert abs(cp[step] - one[step]) < 1e-5, (step, cp[step], one[step])
+
+
+def test_cli_cp_flag_reaches_the_config(cli_error, tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("hello")
+    err = cli_error(
+        "train", "--model", "x", "--data", data, "--cp", "4", "--seq-len", "100", "--output", tmp_path / "o"
+    )
+    assert "training.seq_len 100 must be a multiple of 2 x context_parallel_degree = 8" in err
 
 
 def test_document_masking_changes_the_losses(runs):
