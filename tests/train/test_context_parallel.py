@@ -8,6 +8,7 @@ import pytest
 import torch
 from cp_utils import ring_case, run_ranks
 
+from baige.runtime.train import context_parallel
 from baige.runtime.train.context_parallel import (
     RingAttention,
     block_forward,
@@ -54,8 +55,13 @@ def test_merge_of_key_blocks_is_the_full_softmax():
     assert (out - torch.softmax(s, dim=-1) @ v.unsqueeze(2)).abs().max() < 1e-12
 
 
-@pytest.mark.parametrize(("n", "chunk", "docs"), [(2, 7, False), (2, 7, True), (3, 5, True), (4, 3, False)])
-def test_ring_attention_forward_backward_equal_full_attention_fp64(n, chunk, docs):
+@pytest.mark.parametrize(
+    ("n", "chunk", "docs", "tile"),
+    [(2, 7, False, 512), (2, 7, True, 3), (3, 5, True, 512), (3, 5, False, 2), (4, 3, False, 512)],
+)
+def test_ring_attention_forward_backward_equal_full_attention_fp64(n, chunk, docs, tile, monkeypatch):
+    """``tile`` below the chunk length: the chunks are cut into tiles of 3 (or 2) and a shorter last one."""
+    monkeypatch.setattr(context_parallel, "TILE", tile)
     (q, k, v, grad, doc), (ref_out, ref_dq, ref_dk, ref_dv) = ring_case(n, chunk, docs)
     T = q.shape[1]
 

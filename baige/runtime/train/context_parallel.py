@@ -139,28 +139,41 @@ class _Pending:
         return self.buf
 
 
-def _chunk_pairs(rank: int, src: int, n: int, c: int):
-    """(query slice, key slice, causal diagonal) of the chunk pairs where rank ``rank``'s queries see
-    something of rank ``src``'s keys; chunk ``j`` is visible to chunk ``i`` wholly when ``j < i``, causally
-    when ``j == i``, not at all when ``j > i``."""
+TILE = 512  # query and key tile of the ring's block attention: transient scores are (B, H, TILE, TILE)
+
+
+def _tiles(rank: int, src: int, n: int, c: int):
+    """The (query tile, key tile) pairs where rank ``rank``'s queries see something of rank ``src``'s keys, as
+    ``(query slice, key slice, mask)`` with ``mask`` one of ``"all"`` (every key visible to every query) or
+    ``(q0, k0)``, the global positions of the tiles' first query and key (a causal mask is needed). Tiles
+    are at most :data:`TILE` long and never straddle a chunk, so their positions are contiguous."""
     mine, theirs = (rank, 2 * n - 1 - rank), (src, 2 * n - 1 - src)
     for a, i in enumerate(mine):
-        for b, j in enumerate(theirs):
-            if j <= i:
-                yield slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c), i, j
+        for qlo in range(0, c, TILE):
+            nq = min(TILE, c - qlo)
+            q0 = i * c + qlo
+            for b, j in enumerate(theirs):
+                for klo in range(0, c, TILE):
+                    nk = min(TILE, c - klo)
+                    k0 = j * c + klo
+                    if k0 > q0 + nq - 1:  # every key after every query
+                        continue
+                    mask = "all" if k0 + nk - 1 <= q0 else (q0, k0)
+                    yield slice(a * c + qlo, a * c + qlo + nq), slice(b * c + klo, b * c + klo + nk), mask, q0, k0
 
 
-def _pair_mask(i: int, j: int, c: int, docs: torch.Tensor | None, device) -> torch.Tensor | None:
-    """Mask of query chunk ``i`` against key chunk ``j``: causal on the diagonal, same document when
-    ``docs`` (B, T) is given. (B or 1, 1, 1, C, C) bool or None (all visible)."""
-    mask = None
-    if i == j:
-        mask = torch.ones(c, c, dtype=torch.bool, device=device).tril()[None, None, None]
+def _tile_mask(mask, q0: int, k0: int, nq: int, nk: int, docs: torch.Tensor | None, device):
+    """Mask of a tile pair: causal unless ``mask == "all"``, same document when ``docs`` (B, T) is given.
+    (B or 1, 1, 1, nq, nk) bool, or None (all visible)."""
+    out = None
+    if mask != "all":
+        qpos = torch.arange(q0, q0 + nq, device=device)
+        kpos = torch.arange(k0, k0 + nk, device=device)
+        out = (kpos[None, :] <= qpos[:, None])[None, None, None]
     if docs is not None:
-        same = docs[:, i * c : (i + 1) * c, None] == docs[:, None, j * c : (j + 1) * c]  # (B, C, C)
-        same = same[:, None, None]
-        mask = same if mask is None else mask & same
-    return mask
+        same = (docs[:, q0 : q0 + nq, None] == docs[:, None, k0 : k0 + nk])[:, None, None]  # (B, 1, 1, nq, nk)
+        out = same if out is None else out & same
+    return out
 
 
 def _heads_first(q: torch.Tensor, n_kv: int, dtype) -> torch.Tensor:
@@ -192,9 +205,10 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             src = (r - step) % n
             pending = ring.shift(block) if step < n - 1 else None
-            for qs, ks, i, j in _chunk_pairs(r, src, n, c):
+            for qs, ks, kind, q0, k0 in _tiles(r, src, n, c):
                 kb, vb = block[0][:, :, ks].to(dt), block[1][:, :, ks].to(dt)
-                o_b, l_b = block_forward(qh[..., qs, :], kb, vb, _pair_mask(i, j, c, docs, q.device), scale)
+                mask = _tile_mask(kind, q0, k0, qs.stop - qs.start, ks.stop - ks.start, docs, q.device)
+                o_b, l_b = block_forward(qh[..., qs, :], kb, vb, mask, scale)
                 out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o_b, l_b)
             if pending is not None:
                 block = pending.wait()
@@ -216,9 +230,9 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             src = (r - step) % n
             pending = ring.shift(block) if step < n - 1 else None
-            for qs, ks, i, j in _chunk_pairs(r, src, n, c):
+            for qs, ks, kind, q0, k0 in _tiles(r, src, n, c):
                 kb, vb = block[0][:, :, ks].to(dt), block[1][:, :, ks].to(dt)
-                mask = _pair_mask(i, j, c, docs, q.device)
+                mask = _tile_mask(kind, q0, k0, qs.stop - qs.start, ks.stop - ks.start, docs, q.device)
                 dq_b, dk_b, dv_b = block_backward(
                     qh[..., qs, :], kb, vb, mask, scale, do[..., qs, :], lse[..., qs], delta[..., qs]
                 )
