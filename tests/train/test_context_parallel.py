@@ -88,3 +88,41 @@ def test_masked_attention_on_a_permuted_sequence():
     (q, k, v, _, _), (ref_out, *_) = ring_case(3, 5, False)
     out = masked_attention(q[:, order], k[:, order], v[:, order], 0.41, order, None)
     assert (out - ref_out[:, order]).abs().max() < 1e-10
+
+
+def test_packed_windows_mark_document_starts():
+    """Two files of 10 and 7 tokens, the first holding documents at 0, 4 and 9: windows of 5 tokens."""
+    import numpy as np
+
+    from baige.runtime.train.data import PackedWindows, TokenFile
+
+    files = [
+        TokenFile(np.arange(10, dtype=np.uint32), None, 9, np.array([0, 4, 9], dtype=np.int64)),
+        TokenFile(np.arange(10, 17, dtype=np.uint32), None, 16),  # one document (the default)
+    ]
+    w = PackedWindows(files, 5)
+    assert w.num_windows == 3
+    assert w.starts(0).tolist() == [True, False, False, False, True]
+    assert w.starts(1).tolist() == [False, False, False, False, True]  # token 9 starts the third document
+    assert w.starts(2).tolist() == [True, False, False, False, False]  # the second file starts at token 10
+    ids, labels, starts = w.batch([2, 0], documents=True)
+    assert ids[0].tolist() == [10, 11, 12, 13, 14] and starts[1].tolist() == w.starts(0).tolist()
+    assert document_ids(starts).tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 2]]
+
+
+def test_token_cache_records_where_each_document_starts(tmp_path):
+    """Three JSONL documents of 3, 1 and 5 characters, each followed by EOS: they start at 0, 4 and 6."""
+    import json
+
+    from train_utils import write_char_tokenizer
+
+    from baige.runtime.model.tokenizer import Tokenizer
+    from baige.runtime.train.data import tokenize_file
+
+    write_char_tokenizer(tmp_path, "abcdefgh")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc", "d", "efgha")))
+    f = tokenize_file(data, Tokenizer.from_dir(tmp_path), tmp_path, tmp_path / "cache")
+    assert len(f.tokens) == 12 and f.doc_starts.tolist() == [0, 4, 6]
+    again = tokenize_file(data, Tokenizer.from_dir(tmp_path), tmp_path, tmp_path / "cache")  # from the cache
+    assert again.doc_starts.tolist() == [0, 4, 6]
