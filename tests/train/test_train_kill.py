@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -92,8 +93,9 @@ def test_sigkill_during_checkpoint_write_then_resume_auto(tmp_path):
     resumed = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr and "step_00000005 at step 5" in resumed.stderr
-    records = [line for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 15  # 10 from the killed run, then steps 6-10 again
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [*range(1, 11), *range(6, 11)]  # 6-10 again
+    assert [r["step"] for r in records if r["split"] == "checkpoint"] == [5, 10]  # the complete saves
     after = read_metrics(out)
     for step in range(6, 11):
         assert after[step] == killed_losses[step], step  # same state, same data position: same losses
