@@ -11,8 +11,8 @@
   temporary).
 - ``CXX``: the C++ compiler Inductor would use; ``training.compile = auto`` stays eager without one.
 - ``BAIGE_TEST_CHECKPOINT_HOLD=STEP:MARKER`` (fault injection, for tests): the write of step STEP's training
-  checkpoint creates the file MARKER once every shard is written and waits, before DCP's ``.metadata``, until
-  the file is removed (at most 600 s): a write held in flight, to kill or to overlap
+  checkpoint creates the file MARKER before each rank writes its shards and waits until the file is removed
+  (at most 600 s): a write held in flight, to kill or to overlap with training
   (:class:`baige.runtime.train.checkpoint.CheckpointManager`).
 - ``BAIGE_TEST_FAIL_AT=STEP:RANK`` (fault injection, for tests): training rank RANK kills itself with SIGKILL
   as optimizer step STEP begins, in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0, which

@@ -51,8 +51,8 @@ def step_dir_name(step: int) -> str:
 
 def _writer(path: Path, step: int):
     """DCP's file writer for ``path``; for the step named by ``BAIGE_TEST_CHECKPOINT_HOLD`` one whose
-    ``finish`` (the coordinator's ``.metadata`` write, after every rank's shards) first creates the
-    marker file and waits until it is removed (at most ``HOLD_LIMIT_S``): a write held in flight."""
+    ``write_data`` (each rank's shard write, which reads the staged state) first creates the marker file
+    and waits until it is removed (at most ``HOLD_LIMIT_S``): a write held in flight."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     hold = settings().checkpoint_hold
@@ -61,12 +61,12 @@ def _writer(path: Path, step: int):
     marker = hold[1]
 
     class HeldWriter(FileSystemWriter):
-        def finish(self, metadata, results):
+        def write_data(self, plan, planner):
             marker.touch()
             deadline = time.monotonic() + HOLD_LIMIT_S
             while marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
-            return super().finish(metadata, results)
+            return super().write_data(plan, planner)
 
     return HeldWriter(str(path))
 
