@@ -153,3 +153,23 @@ def test_async_mode_is_checked(setup, tmp_path):
     model, data = setup
     with pytest.raises(BaigeError, match="checkpoint.async_mode must be disabled, async, async_with_pinned_mem"):
         load_train_config(None, {"model.name": str(model), "data.train": [str(data)]}, ["checkpoint.async_mode=on"])
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_failed_write_is_one_line_and_leaves_no_checkpoint(tmp_path, mode):
+    """A write that fails (here an entry that cannot be pickled, as a full disk would fail it): one
+    BaigeError naming the checkpoint and the cause, raised by the save (sync) or the wait for it (async),
+    and no step directory."""
+    from baige.runtime.train.checkpoint import CheckpointManager
+
+    class Unpicklable:  # a local class: copied by the staging, refused by pickle in the writer
+        pass
+
+    m = CheckpointManager(tmp_path / "checkpoints", True, 0, mode)
+    with pytest.raises(BaigeError, match=r"^checkpoint step_00000001: the write failed.*(pickle|Unpicklable)"):
+        m.save(1, {"model": {"w": torch.zeros(3)}, "bad": Unpicklable()}, "")
+        m.finalize()
+    assert m.complete_steps() == []
+    m.save(2, {"model": {"w": torch.ones(3)}}, "")  # the next save works
+    m.finalize()
+    assert [s for s, _ in m.complete_steps()] == [2]

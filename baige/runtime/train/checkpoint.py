@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from baige.errors import BaigeError
 from baige.runtime.settings import settings
@@ -69,6 +70,16 @@ def _writer(path: Path, step: int):
             return super().write_data(plan, planner)
 
     return HeldWriter(str(path))
+
+
+def _write_failed(name: str, e: BaseException) -> BaigeError:
+    """One line for a failed write of checkpoint ``name``: the first failing rank's exception when DCP
+    gathered them (its ``CheckpointException``, a BaseException carrying every rank's traceback)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, (exc, _) = next(iter(failures.items()))
+        return BaigeError(f"checkpoint {name}: the write failed on rank {rank}: {type(exc).__name__}: {exc}")
+    return BaigeError(f"checkpoint {name}: the write failed: {type(e).__name__}: {e}")
 
 
 @dataclass
@@ -208,7 +219,10 @@ class CheckpointManager:
         _barrier()
         with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, storage_writer=_writer(tmp, step), no_dist=not dist.is_initialized())
+            try:
+                dcp.save(state, storage_writer=_writer(tmp, step), no_dist=not dist.is_initialized())
+            except (Exception, CheckpointException) as e:
+                raise _write_failed(save.final.name, e) from e
         self._record("written", step)
         _barrier()
         if self.is_main:
@@ -279,8 +293,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         try:
             save.done.result()
-        except Exception as e:
-            raise BaigeError(f"checkpoint {save.final.name}: the background write failed: {e}") from e
+        except (Exception, CheckpointException) as e:
+            raise _write_failed(save.final.name, e) from e
         finally:
             save.blocking_s += time.perf_counter() - t0
         self._report(save)
