@@ -31,9 +31,15 @@ def run_mode(args, mode: str, tmp: Path) -> dict:
     from baige.runtime.train.trainer import Trainer
 
     bench = TrainBenchConfig(
-        model=args.model, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, compile=False
+        model="debug" if args.model_config is not None else args.model,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        compile=False,
     )
     tc = _train_config(bench, tmp)
+    if args.model_config is not None:  # this architecture from scratch, with the preset's (default) tokenizer
+        tc.model.config = str(args.model_config)
     tc.checkpoint.interval, tc.checkpoint.async_mode, tc.checkpoint.keep_latest = args.interval, mode, 1
     tc.metrics.log_every = 1
     Trainer(tc).train()
@@ -57,6 +63,9 @@ def run_mode(args, mode: str, tmp: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", help="a train preset (from scratch) or a model spec")
+    ap.add_argument(
+        "--model-config", type=Path, default=None, help="a config.json to train from scratch instead of --model"
+    )
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=9, help="optimizer steps per mode (the last one saves too)")
@@ -82,6 +91,7 @@ def main() -> int:
         "benchmark": "checkpoint",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "environment": env,
+        "model_config": json.loads(args.model_config.read_text()) if args.model_config is not None else None,
         "results": results,
     }
     for mode, r in results.items():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,9 +109,13 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(setup, tmp_pat
     assert _same_weights(out, ref)
 
 
-def test_sigterm_to_one_rank_stops_both_at_the_same_step(setup, tmp_path):
-    """Two ranks (gloo, the launcher's variables set as torchrun would); SIGTERM reaches rank 1 only: both
-    stop after step 3 with one complete checkpoint and exit 0."""
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(setup, tmp_path, mode):
+    """Two ranks (gloo, the launcher's variables set as torchrun would); SIGTERM reaches rank 1 only, while
+    step 2's checkpoint is held: both stop after the same step with a complete checkpoint of it and exit 0
+    (ranks that disagreed would hang in their next collective). Synchronous saves block the training, so
+    that step is 3; with async ones training goes on while the write is held, and the step depends on
+    when the signal lands."""
     out, marker = tmp_path / "run", tmp_path / "held"
     port = free_port()
     procs = []
@@ -125,8 +130,12 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(setup, tmp_path):
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-        cmd = [sys.executable, "-m", "baige", "train", *_args(setup, out, steps=8, interval=2)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        args = [*_args(setup, out, steps=12, interval=2), "--set", f"checkpoint.async_mode={mode}"]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "baige", "train", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        )
     try:
         _wait_for(marker, procs)
         procs[1].send_signal(signal.SIGTERM)
@@ -138,9 +147,14 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(setup, tmp_path):
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], errs
-    assert "stopped by a stop signal on another rank after step 3" in errs[0]  # rank 0 logs
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
-    assert sorted(read_metrics(out)) == [1, 2, 3]
+    m = re.search(r"stopped by a stop signal on another rank after step (\d+)", errs[0])  # rank 0 logs
+    assert m is not None, errs[0]
+    stop = int(m.group(1))
+    assert stop == 3 if mode == "disabled" else 3 <= stop < 12
+    saved = sorted(int(p.name[5:]) for p in (out / "checkpoints").iterdir())
+    assert saved[-1] == stop and all(s % 2 == 0 for s in saved[:-1])  # the interval's, then the stop's
+    assert (out / "checkpoints" / f"step_{stop:08d}" / ".metadata").is_file() and not (out / "hf").exists()
+    assert sorted(read_metrics(out)) == list(range(1, stop + 1))
 
 
 def _torchrun(args: list[str], env: dict, max_restarts: int) -> subprocess.CompletedProcess:

@@ -241,6 +241,10 @@ class CheckpointManager:
         # .tmp-* directories were removed at the start (clean_partial): no rank can meet an old one here
         tmp.mkdir(parents=True, exist_ok=True)
         stager = self._stager or DefaultStager(StagingOptions(False, False, False, False))  # a fresh host copy
+        if self._stager is not None and torch.cuda.is_available():
+            # the background copy runs on its own stream, which does not wait for the work queued on this
+            # one: the optimizer step that produced the parameters must be done before it reads them
+            torch.cuda.current_stream().synchronize()
         # one process: DCP warns from its writer thread, where a catch_warnings block cannot reach
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         response = dcp.async_save(
