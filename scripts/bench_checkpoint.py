@@ -6,7 +6,8 @@ data of ``baige bench train``) once per mode, saving every ``--interval`` steps,
 waited for it: the write itself when ``disabled``; the staging copy, and any wait for a write still in
 flight, when async) and ``write_seconds`` (until it was on disk); the ``train`` records give the step times,
 split into the steps that ran while a background write was in flight (the step right after a save) and the
-others. The final save (nothing left to overlap) is left out of the means.
+others. The final save (nothing left to overlap) is left out of the means; ``--rounds`` runs of every mode,
+interleaved, give the medians of those means.
 
     python scripts/bench_checkpoint.py --model smollm2-135m --threads 2 \
         --out docs/benchmarks/records/checkpoint-$(date -u +%Y%m%d-%H%M%S).json
@@ -51,6 +52,7 @@ def run_mode(args, mode: str, tmp: Path) -> dict:
     return {
         "saves": saves,
         "critical_path_seconds_mean": statistics.mean(s["critical_path_seconds"] for s in saves),
+        "wait_seconds_mean": statistics.mean(s["wait_seconds"] for s in saves),
         "write_seconds_mean": statistics.mean(s["write_seconds"] for s in saves),
         "step_seconds_after_save_median": statistics.median(after_save),
         "step_seconds_other_median": statistics.median(others),
@@ -72,6 +74,7 @@ def main() -> int:
     ap.add_argument("--interval", type=int, default=2, help="steps between checkpoints")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--rounds", type=int, default=2, help="runs per mode, interleaved (the medians are reported)")
     ap.add_argument("--out", type=Path, default=None, help="write the record (JSON) here")
     args = ap.parse_args()
 
@@ -81,10 +84,18 @@ def main() -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {}
-    for mode in args.modes.split(","):
-        with tempfile.TemporaryDirectory(prefix=f"baige-bench-ckpt-{mode}-") as tmp:
-            results[mode] = run_mode(args, mode, Path(tmp))
+    modes = args.modes.split(",")
+    rounds: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(args.rounds):  # the modes interleaved, so that a change in load hits each of them
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix=f"baige-bench-ckpt-{mode}-") as tmp:
+                rounds[mode].append(run_mode(args, mode, Path(tmp)))
+    keys = [k for k in rounds[modes[0]][0] if k.endswith(("_mean", "_median"))]
+    results = {
+        m: {**{k: statistics.median(r[k] for r in rs) for k in keys}, "checkpoint_bytes": rs[0]["checkpoint_bytes"]}
+        | {"rounds": rs}
+        for m, rs in rounds.items()
+    }
     env = environment()
     env["command"] = shlex.join(["python", *sys.argv])
     record = {

@@ -92,6 +92,7 @@ class _Save:
     done: Future = field(default_factory=Future)  # the final path once written (and renamed on rank 0)
     staging: Future | None = None  # async_with_pinned_mem: the background copy into host memory
     blocking_s: float = 0.0  # time the training waited for this save (its critical path)
+    wait_s: float = 0.0  # the part of it spent waiting for the write to end (at the next save or the end)
     write_s: float | None = None  # from the start until every shard and .metadata were on disk
 
 
@@ -102,8 +103,9 @@ class CheckpointManager:
     ``staged`` (its state copied to host memory), ``optimizer_step`` (the trainer is about to change the
     parameters, :meth:`before_optimizer_step`), ``written`` (this rank's shards and DCP's ``.metadata`` on
     disk), ``complete`` (rank 0 renamed the directory). ``log`` receives one record per save when it is
-    complete: ``{"split": "checkpoint", "step", "async_mode", "critical_path_seconds", "write_seconds"}``
-    (the time the training waited for it, and the time until it was on disk).
+    complete: ``{"split": "checkpoint", "step", "async_mode", "critical_path_seconds", "wait_seconds",
+    "write_seconds"}`` (the time the training waited for it, the part of that spent waiting for the write
+    to end, and the time until it was on disk).
 
     Collective: every rank constructs one (an async mode creates the checkpoint's gloo process group).
     """
@@ -300,7 +302,8 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise _write_failed(save.final.name, e) from e
         finally:
-            save.blocking_s += time.perf_counter() - t0
+            save.wait_s = time.perf_counter() - t0
+            save.blocking_s += save.wait_s
         self._report(save)
 
     def finalize(self) -> None:
@@ -320,6 +323,7 @@ class CheckpointManager:
                     "step": save.step,
                     "async_mode": self.async_mode,
                     "critical_path_seconds": save.blocking_s,
+                    "wait_seconds": save.wait_s,
                     "write_seconds": save.write_s,
                 }
             )
