@@ -60,10 +60,9 @@ class StopSignal:
             signal.raise_signal(signum)
             return
         self.received = signal.Signals(signum).name
-        print(
-            f"{self.received}: stopping after this step with a checkpoint (send it again to stop at once)",
-            file=sys.stderr,
-            flush=True,
+        # os.write, not print: the handler may interrupt a print to stderr (a buffered write is not reentrant)
+        os.write(
+            2, f"{self.received}: stopping after this step with a checkpoint (send it again to stop at once)\n".encode()
         )
 
     def agreed(self, device: torch.device) -> bool:
