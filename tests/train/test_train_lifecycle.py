@@ -158,6 +158,9 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(setup, tmp_path, mode):
 
 
 def _torchrun(args: list[str], env: dict, max_restarts: int) -> subprocess.CompletedProcess:
+    # a fresh rendezvous store per restart: with the agent's store shared (torch's default), a restarted
+    # worker can read a gloo address of the attempt before (pytorch/pytorch#135712)
+    env = dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
         *("--max-restarts", str(max_restarts), "--monitor-interval", "0.1", "-m", "baige", "train", *args),
