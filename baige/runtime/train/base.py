@@ -47,6 +47,7 @@ class TrainResult:
     start_step: int = 0
     checkpoint: Path | None = None
     export: Path | None = None
+    stopped: bool = False  # a stop signal (SIGTERM / SIGINT) ended the run early, after a checkpoint
 
 
 def _has_cxx_compiler() -> bool:
@@ -90,7 +91,10 @@ class TrainerBase(abc.ABC):
         self.optimizer = self._build_optimizer()
         self._clip_in_optimizer = self._can_clip_in_optimizer()
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.num_optimizer_steps)
-        self.ckpt = CheckpointManager(self.output / "checkpoints", self.dist.is_main, cfg.checkpoint.keep_latest)
+        c = cfg.checkpoint
+        self.ckpt = CheckpointManager(
+            self.output / "checkpoints", self.dist.is_main, c.keep_latest, c.async_mode, self.log.log
+        )
         self.step = 0
 
     @property
@@ -351,6 +355,7 @@ class TrainerBase(abc.ABC):
         fold_clip = fold_clip and grad_norm + 1e-6 > max_norm
         if fold_clip:
             self.optimizer.grad_scale = (norm.float() + 1e-6) / max_norm
+        self.ckpt.before_optimizer_step(self.step + 1)  # a save in flight finishes staging first
         try:
             self.optimizer.step()
         finally:
@@ -386,8 +391,9 @@ class TrainerBase(abc.ABC):
         return {**state, **self._extra_state()}
 
     def save(self) -> Path:
-        path = self.ckpt.save(self.step, self._state(), self.cfg.to_toml())
-        self.log.print(f"saved checkpoint {path}")
+        path = self.ckpt.save(self.step, self._state, self.cfg.to_toml())
+        background = self.ckpt.async_mode != "disabled"
+        self.log.print(f"checkpoint {path}: writing in the background" if background else f"saved checkpoint {path}")
         return path
 
     def resume(self, path: Path) -> None:

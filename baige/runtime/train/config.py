@@ -121,11 +121,18 @@ class LoRASection:
     merge: bool = False  # also write <output>/hf: the base with the adapter merged in
 
 
+# checkpoint.async_mode's choices (torchtitan's names; baige/runtime/train/checkpoint.py says what each does)
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
 @dataclass
 class CheckpointSection:
     interval: int = 500  # steps between DCP checkpoints (0 = only at the end)
     keep_latest: int = 2  # complete checkpoints kept (0 = all)
     resume: str = "auto"  # auto (newest complete step, fresh start if none) | none | PATH to a step dir
+    # disabled (write on the critical path) | async (stage a host copy, write in the background) |
+    # async_with_pinned_mem (also stage in the background, into reused, page-locked on CUDA, host buffers)
+    async_mode: str = "disabled"
     export_hf: bool = True  # write an HF directory (output/hf) at the end
     export_dtype: str = "auto"  # auto (the model config's torch_dtype) | float32 | bfloat16 | float16
 
@@ -471,6 +478,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("mixed_precision_param", "mixed_precision_reduce"):
         if getattr(cfg.parallelism, name) not in ("auto", "float32", "bfloat16"):
             raise BaigeError(f"parallelism.{name} must be auto, float32 or bfloat16")
+    if cfg.checkpoint.async_mode not in ASYNC_MODES:
+        raise BaigeError(f"checkpoint.async_mode must be {', '.join(ASYNC_MODES)} (got {cfg.checkpoint.async_mode!r})")
     if cfg.checkpoint.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise BaigeError("checkpoint.export_dtype must be auto, float32, bfloat16 or float16")
     if cfg.model.name is not None and cfg.model.config is not None:
