@@ -2,6 +2,7 @@
 evicted from a small pool comes back from the tier (counted, its prefill skipped) with the output of
 a pool hit bit for bit; corrupted or foreign records are detected and recomputed; the LRU bound holds."""
 
+import copy
 import shutil
 
 import pytest
@@ -161,6 +162,27 @@ def test_reset_prefix_cache_clears_the_tier_and_temp_dir_goes(models):
     assert run(eng, A, "a2").num_cached_tokens == 0 and eng.kv_offload.stats.hit_blocks == 0
     eng.close()
     assert not tmp.exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_memory_tier_on_cuda(models):
+    """A GPU pool spills to pinned host memory (no directory); the reply equals a pool hit's."""
+    model, tok = models[3]
+    gpu = copy.deepcopy(model).cuda()
+
+    def cuda_engine(blocks, **kw):
+        cfg = EngineConfig(max_model_len=128, kv_cache_memory=blocks * BLOCK_BYTES, enforce_eager=True, **kw)
+        return Engine(gpu, tok, cfg)
+
+    ref = a_b_a(cuda_engine(64))
+    eng = cuda_engine(8, kv_offload_size="1MiB")
+    assert eng.kv_offload.root is None  # host memory
+    outs = a_b_a(eng)
+    assert eng.kv_offload.stats.hit_blocks == 5 and outs[2].num_cached_tokens == 96
+    for got, want in zip(outs, ref):
+        assert tokens_and_logprobs(got) == tokens_and_logprobs(want)
+    eng.close()
 
 
 @pytest.mark.parametrize(
