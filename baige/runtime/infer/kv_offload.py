@@ -62,7 +62,8 @@ class KVOffloadStats:
         evictions: blocks dropped to keep the tier within its size (LRU).
         corrupted: blocks whose record failed its checks (checksum, fingerprint, key, tokens, size):
             dropped, and their tokens computed instead.
-        dropped: evicted blocks not stored: the writer was ``capacity`` bytes behind, or a write failed.
+        dropped: evicted blocks not stored: the writer was ``capacity`` bytes behind (the oldest queued
+            block is dropped, as the LRU would), or a write failed.
         used_bytes / capacity_bytes: payload bytes held now, and the bound.
     """
 
@@ -78,13 +79,13 @@ class KVOffloadStats:
     capacity_bytes: int = 0
 
 
-def model_fingerprint(model: torch.nn.Module, kv: KVCache, salt: bytes = b"") -> bytes:
+def model_fingerprint(model: torch.nn.Module, layout: tuple, salt: bytes = b"") -> bytes:
     """32-byte sha256 over the model's config, the name, shape, dtype and first/last ``_SAMPLE``
-    elements of every state-dict tensor, the KV dtype, the pool's per-block layout and ``salt``.
+    elements of every state-dict tensor, ``layout`` (the KV dtype and the block shape) and ``salt``.
     Two checkpoints that differ anywhere in a sampled element (any training or weight update does)
     get different fingerprints."""
     h = hashlib.sha256(repr(getattr(model, "config", None)).encode())
-    h.update(repr((str(kv.dtype), kv.block_size, len(kv.k), tuple(kv.k[0].shape[:1] + kv.k[0].shape[2:]))).encode())
+    h.update(repr(layout).encode())
     samples = []
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
@@ -157,9 +158,11 @@ class KVOffload:
                 return
             if key in self._pending:
                 return
-            if self._pending_bytes + self.block_bytes > self.stats.capacity_bytes:
+            while self._pending_bytes + self.block_bytes > self.stats.capacity_bytes:
+                # the writer is a whole tier behind: the oldest queued block would be evicted first anyway
+                del self._pending[next(iter(self._pending))]
+                self._pending_bytes -= self.block_bytes
                 self.stats.dropped += 1
-                return
         snap = torch.stack([t[:, block_id] for t in self.kv.k] + [t[:, block_id] for t in self.kv.v])
         event = None
         if self.on_cuda:
@@ -355,12 +358,13 @@ class KVOffload:
                 path.with_suffix(".tmp").unlink(missing_ok=True)
                 written = False
         with self._lock:
-            self._pending.pop(key, None)
-            self._pending_bytes -= self.block_bytes
+            dropped_meanwhile = self._pending.pop(key, None) is None  # by save(), the writer being behind
+            if not dropped_meanwhile:
+                self._pending_bytes -= self.block_bytes
             if not written:
-                self.stats.dropped += 1
+                self.stats.dropped += not dropped_meanwhile
                 victims = []
-            elif gen != self._gen:
+            elif gen != self._gen or dropped_meanwhile:
                 victims = [key]
             else:
                 if directory is None:
@@ -383,6 +387,7 @@ def attach_kv_offload(cfg: EngineConfig, model: torch.nn.Module, kv: KVCache, bl
     if cfg.kv_offload_size is None:
         return None
     salt = os.urandom(16) if cfg.enable_lora else b""
-    tier = KVOffload(kv, cfg.kv_offload_size, lambda: model_fingerprint(model, kv, salt), cfg.kv_offload_dir)
+    layout = (str(kv.dtype), len(kv.k), tuple(kv.k[0].shape[:1] + kv.k[0].shape[2:]))  # dtype, layers, (H, bs, D)
+    tier = KVOffload(kv, cfg.kv_offload_size, lambda: model_fingerprint(model, layout, salt), cfg.kv_offload_dir)
     block_manager.offload = tier
     return tier
