@@ -210,3 +210,9 @@ def test_host_memory_tier_on_cuda(models):
 def test_bad_settings(models, kw, msg):
     with pytest.raises(BaigeError, match=msg):
         engine(models, **kw)
+
+
+def test_unusable_directory(models, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(BaigeError, match="--kv-offload-dir .*afile: cannot use it"):
+        engine(models, kv_offload_size="1MiB", kv_offload_dir=str(tmp_path / "afile"))
