@@ -215,12 +215,18 @@ class EngineConfig:
     # vLLM's --runner: auto (pooling for a checkpoint with sentence-transformers files or a bare-decoder
     # architecture, else generate) | generate | pooling (embeddings; infer/pooling.py)
     runner: str = "auto"
+    # a second KV tier (infer/kv_offload.py): bytes (or a size such as "8GB") of evicted prefix-cache
+    # blocks kept in host memory (GPU pool) or in files under kv_offload_dir (CPU pool; default a
+    # temporary directory removed at exit)
+    kv_offload_size: int | str | None = None
+    kv_offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
         ``lora_modules`` or ``lora_roots`` without ``enable_lora``, a ``lora_roots`` entry that is not a
-        directory, LoRA with tensor parallelism, or ``batch_invariant`` with quantization, speculative
-        decoding, LoRA or tensor parallelism."""
+        directory, LoRA with tensor parallelism, ``batch_invariant`` with quantization, speculative
+        decoding, LoRA or tensor parallelism, or a bad ``kv_offload_size`` (or one without prefix caching,
+        or with tensor parallelism)."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (
             ("--max-num-seqs", self.max_num_seqs),
@@ -256,6 +262,20 @@ class EngineConfig:
             ):
                 if used:
                     raise BaigeError(f"--batch-invariant does not support {option}")
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        if isinstance(self.kv_offload_size, str):
+            self.kv_offload_size = parse_size(self.kv_offload_size, "--kv-offload-size")
+        if self.kv_offload_size is None:
+            if self.kv_offload_dir is not None:
+                raise BaigeError("--kv-offload-dir needs --kv-offload-size")
+            return
+        check_int("--kv-offload-size", self.kv_offload_size, 1)
+        if not self.enable_prefix_caching:
+            raise BaigeError("--kv-offload-size needs prefix caching (drop --no-enable-prefix-caching)")
+        if self.tensor_parallel_size > 1:
+            raise BaigeError("--kv-offload-size with --tensor-parallel-size > 1 is not supported yet")
 
 
 # ---- speculative decoding (--speculative-config) ------------------------------------------------

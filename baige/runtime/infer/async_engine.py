@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from baige.errors import BaigeError
 from baige.runtime.infer.async_weights import AsyncEngineWeights
 from baige.runtime.infer.engine import Engine
+from baige.runtime.infer.kv_offload import KVOffloadStats
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import (
     EmbeddingRequestOutput,
@@ -57,6 +58,7 @@ class EngineStats:
         grammar: the constraint compiler's counters (``compiles``, ``compile_seconds``, ``mask_seconds``,
             ``masked_tokens``); empty before its first use.
         spec_decode: speculative decoding's acceptance counters (a copy); None without a proposer.
+        kv_offload: the second KV tier's counters (a copy); None without ``--kv-offload-size``.
     """
 
     num_requests_running: int
@@ -70,6 +72,7 @@ class EngineStats:
     num_structured_output_requests: int
     grammar: dict[str, float]
     spec_decode: SpecDecodeStats | None
+    kv_offload: KVOffloadStats | None = None
 
 
 class AsyncEngine(AsyncEngineWeights):
@@ -172,6 +175,7 @@ class AsyncEngine(AsyncEngineWeights):
             num_structured_output_requests=engine.num_constrained_requests,
             grammar=engine.grammar_stats,
             spec_decode=spec,
+            kv_offload=dataclasses.replace(engine.kv_offload.stats) if engine.kv_offload is not None else None,
         )
 
     @property
