@@ -230,9 +230,9 @@ def _compare(rs, labels, prefix) -> list[str]:
 
 def _train(rs, labels, prefix) -> list[str]:
     lines = [
-        "| date (UTC) | model | machine | dtype | batch x seq | compiled | tokens/s per device | MFU (%) | "
-        "peak for MFU | peak memory (GiB) | record |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| date (UTC) | model | machine | dtype | optimizer | batch x seq | compiled | tokens/s per device | "
+        "step time (s) | MFU (%) | peak for MFU | peak memory (GiB) | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rs:
         s, a = r.get("summary") or {}, r.get("args") or {}
@@ -241,8 +241,9 @@ def _train(rs, labels, prefix) -> list[str]:
         mem_text = DASH if mem is None else f"{mem / 2**30:.2f}"
         lines.append(
             f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {r.get('dtype', DASH)} | "
-            f"{a.get('batch_size', DASH)} x {a.get('seq_len', DASH)} | {r.get('compiled', DASH)} | "
-            f"{_f(s.get('tokens_per_s_per_device'))} | {_f(s.get('mfu_pct'))} | {peak_text} | {mem_text} | "
+            f"{a.get('optimizer', 'adamw')} | {a.get('batch_size', DASH)} x {a.get('seq_len', DASH)} | "
+            f"{r.get('compiled', DASH)} | {_f(s.get('tokens_per_s_per_device'))} | {_f(s.get('step_time_s'), 2)} | "
+            f"{_f(s.get('mfu_pct'))} | {peak_text} | {mem_text} | "
             f"{_link(r, prefix)} |"
         )
     return lines

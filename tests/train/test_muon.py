@@ -147,6 +147,23 @@ def test_muon_resume_is_exact_in_one_process(tmp_path, one_thread):
     assert a[6] < a[1] - 0.5  # it trains
 
 
+def test_bench_train_runs_muon(one_thread):
+    """``baige bench train --optimizer muon``: the same first step as AdamW (same init and data), another second."""
+    from baige.runtime.bench.train import TrainBenchConfig, run_train
+
+    runs = {
+        name: run_train(
+            TrainBenchConfig(
+                model="debug", seq_len=16, batch_size=2, steps=2, warmup_steps=0, compile=False, optimizer=name
+            )
+        )
+        for name in ("adamw", "muon")
+    }
+    assert runs["muon"]["args"]["optimizer"] == "muon" and runs["adamw"]["args"]["optimizer"] == "adamw"
+    (a1, a2), (m1, m2) = ([s["loss"] for s in runs[n]["samples"]] for n in ("adamw", "muon"))
+    assert a1 == m1 and a2 != m2
+
+
 # ---- 2 ranks (gloo) against one process -------------------------------------------------------------
 
 
