@@ -264,3 +264,35 @@ def test_fsdp_muon_training_matches_one_process_and_resumes_exactly(two_rank_run
         assert abs(fsdp[step] - single[step]) < 1e-5, (step, fsdp[step], single[step])
     resumed = read_metrics(two_rank_runs / "fsdp_resumed")
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == fsdp[s] for s in (4, 5, 6)), (resumed, fsdp)
+
+
+def test_four_ranks_fsdp_x_tp_and_expert_parallel_take_the_same_muon_steps(tmp_path):
+    """dp_shard 2 x TP 2 (FSDP's strided shards over TP's) on a dense model and EP 2 in dp_shard 4 on an MoE
+    model (stacked experts, sharded by expert and by FSDP): the same Muon steps as one process."""
+    untied = tiny_model(tmp_path / "untied", "llama", vocab_size=98, seed=1)
+    moe = tiny_model(tmp_path / "moe", "qwen3-moe", num_experts=8)
+    data = tmp_path / "train.txt"
+    data.write_text(shakespeare(20_000))
+    steps = {"checkpoint.export_hf": False}
+    runs = {
+        "fsdp_tp": (untied, {"parallelism.tensor_parallel_degree": 2}),
+        "ep": (moe, {"parallelism.expert_parallel_degree": 2}),
+    }
+    jobs = [
+        (job_muon_steps, dict(model=str(m), data=str(data), output=str(tmp_path / name), **steps, **flags))
+        for name, (m, flags) in runs.items()
+    ]
+    mp.spawn(spawn_worker, args=(4, free_port(), jobs), nprocs=4, join=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, (m, _) in runs.items():
+            job_muon_steps(str(m), str(data), str(tmp_path / f"{name}_single"), **steps)
+    finally:
+        torch.set_num_threads(threads)
+    for name in runs:
+        a, b = (torch.load(tmp_path / d / "params.pt") for d in (name, f"{name}_single"))
+        assert a["final"].keys() == b["final"].keys()
+        for key in a["final"]:
+            assert (a["final"][key] - b["final"][key]).abs().max() < 1e-6, (name, key)
+    assert b["final"]["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 80, 72)  # stacked experts, compared too
