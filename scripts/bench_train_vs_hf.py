@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -154,7 +156,14 @@ def main() -> None:
         tps = tokens / statistics.median(times[1:])
         rows[name] = {"tokens_per_second": tps, "mfu": mfu(tps, fpt, peak), "step_seconds": times, "losses": losses}
     best_hf = max((n for n in rows if n != "baige"), key=lambda n: rows[n]["tokens_per_second"])
+    from baige.runtime.bench.common import environment
+
+    env = environment()  # versions, CPU flags, threads, load, commit; the command is this script's
+    env["command"] = shlex.join(["python", "scripts/bench_train_vs_hf.py", *sys.argv[1:]])
     result = {
+        "benchmark": "train_vs_hf",
+        "args": vars(args),
+        "environment": env,
         "device": str(trainer.device),
         "threads": torch.get_num_threads(),
         "baige_dtype": str(trainer.param_dtype).removeprefix("torch."),
