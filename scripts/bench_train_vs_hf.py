@@ -2,7 +2,9 @@
 
 Both runs start from the same checkpoint, see the same windows in the same order (baige's
 DataLoader), use AdamW with the same hyper-parameters and parameter groups and clip at the same
-norm; tokens/s is the median over steps 2..N (step 1 is warm-up). MFU uses the same formula and
+norm; tokens/s is the median over steps 2..N (step 1 is warm-up). The runs' steps are interleaved by default
+(step i of every run before step i + 1 of any, all models in memory): on a shared machine a load that changes
+while measuring then falls on every run alike. MFU uses the same formula and
 peak for both: model.flops_per_token(seq_len) (6N + 12LHQT) x tokens/s / the measured matmul peak.
 baige runs with the trainer's defaults (torch.compile of the blocks on CPU: step 1 includes the compile;
 ``--dtype auto``: bf16 compute with fp32 master weights on a CPU with native bf16, else fp32).
@@ -34,7 +36,8 @@ from data_files import data_dir  # scripts/: $BAIGE_DATA, else tests/data
 DATA = data_dir() / "tinyshakespeare.txt"
 
 
-def run_baige(args, out_dir: Path):
+def baige_runner(args, out_dir: Path):
+    """baige's Trainer and its one-step function (returns the step's loss)."""
     from baige.runtime.train.config import load_train_config
     from baige.runtime.train.trainer import Trainer
 
@@ -56,23 +59,20 @@ def run_baige(args, out_dir: Path):
         },
     )
     trainer = Trainer(cfg)
-    losses, times = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
+
+    def step() -> float:
         loss, _, _ = trainer.train_step()
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-    return trainer, losses, times
+        return loss
+
+    return trainer, step
 
 
 HF_DTYPES = ("float32", "bf16-autocast", "bfloat16")
 
 
-def run_hf(args, trainer, hf_dtype: str):
-    """The same steps through transformers' LlamaForCausalLM with a plain PyTorch loop, in ``hf_dtype``
-    (one of :data:`HF_DTYPES`)."""
+def hf_runner(args, trainer, hf_dtype: str):
+    """The one-step function of the same steps through transformers' LlamaForCausalLM with a plain PyTorch
+    loop, in ``hf_dtype`` (one of :data:`HF_DTYPES`)."""
     from transformers import AutoModelForCausalLM
 
     from baige.runtime.train.data import DataLoader
@@ -92,9 +92,8 @@ def run_hf(args, trainer, hf_dtype: str):
     )
     t = trainer.cfg.training
     loader = DataLoader(trainer.train_windows, t.batch_size, 1, 1, 0, t.seed, trainer.cfg.data.shuffle)
-    losses, times = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
+
+    def step() -> float:
         ((x, y),) = loader.next_step()
         x, y = x.to(device), y.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=hf_dtype == "bf16-autocast"):
@@ -104,12 +103,29 @@ def run_hf(args, trainer, hf_dtype: str):
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_value = loss.item()
-        if device.type == "cuda":
+        return loss.item()
+
+    return step
+
+
+def timed_steps(runners: dict, steps: int, interleave: bool) -> dict:
+    """name -> (step seconds, losses) of ``steps`` steps of each runner: all steps of one runner after the
+    other, or (``interleave``) step i of every runner before step i + 1 of any, so that a load that varies
+    while measuring (a shared machine) falls on all runners alike."""
+    out = {name: ([], []) for name in runners}
+    order = (
+        [(i, n) for i in range(steps) for n in runners]
+        if interleave
+        else [(i, n) for n in runners for i in range(steps)]
+    )
+    for _, name in order:
+        t0 = time.perf_counter()
+        loss = runners[name]()
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss_value)
-    return losses, times
+        out[name][0].append(time.perf_counter() - t0)
+        out[name][1].append(loss)
+    return out
 
 
 def main() -> None:
@@ -133,6 +149,13 @@ def main() -> None:
         default=",".join(HF_DTYPES),
         help=f"comma-separated HF runs ({', '.join(HF_DTYPES)}); the speedup is against the fastest",
     )
+    ap.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time step i of every run before step i + 1 of any (default; all models in memory at once), "
+        "or each run's steps in a row",
+    )
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.threads:
@@ -145,12 +168,14 @@ def main() -> None:
     if not set(hf_dtypes) <= set(HF_DTYPES):
         ap.error(f"--hf-dtypes: choose among {', '.join(HF_DTYPES)} (got {args.hf_dtypes!r})")
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, b_losses, b_times = run_baige(args, Path(tmp) / "run")
+        trainer, baige_step = baige_runner(args, Path(tmp) / "run")
+        runners = {"baige": baige_step}
+        for hf_dtype in hf_dtypes:
+            runners[f"hf {hf_dtype}"] = hf_runner(args, trainer, hf_dtype)
+        runs = timed_steps(runners, args.steps, args.interleave)
+    b_losses = runs["baige"][1]
     tokens = args.batch_size * args.seq_len
     fpt, peak = trainer.flops_per_token, trainer.peak_flops
-    runs = {"baige": (b_times, b_losses)}
-    for hf_dtype in hf_dtypes:
-        runs[f"hf {hf_dtype}"] = run_hf(args, trainer, hf_dtype)[::-1]
     rows = {}
     for name, (times, losses) in runs.items():
         tps = tokens / statistics.median(times[1:])
