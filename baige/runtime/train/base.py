@@ -1,6 +1,7 @@
 """What every ``baige train`` method shares (:class:`TrainerBase`): the process group and device mesh,
-the model and tokenizer, LoRA, the parallelisms in torchtitan's order, AdamW and its clipped step, the
-learning-rate schedule, DCP checkpoints with exact resume, the metrics logger and the HF export.
+the model and tokenizer, LoRA, the parallelisms in torchtitan's order, the optimizer (AdamW or Muon:
+``optimizer.py``) and its clipped step, the compute dtype, the learning-rate schedule, DCP checkpoints with
+exact resume, the metrics logger and the HF export.
 
 A method is a subclass that builds its data (:meth:`TrainerBase._build_data`) and runs its own loop:
 next-token training (SFT / pre-training, :class:`~baige.runtime.train.trainer.Trainer`) and GRPO
