@@ -1,6 +1,7 @@
 """What every ``baige train`` method shares (:class:`TrainerBase`): the process group and device mesh,
-the model and tokenizer, LoRA, the parallelisms in torchtitan's order, AdamW and its clipped step, the
-learning-rate schedule, DCP checkpoints with exact resume, the metrics logger and the HF export.
+the model and tokenizer, LoRA, the parallelisms in torchtitan's order, the optimizer (AdamW or Muon:
+``optimizer.py``) and its clipped step, the compute dtype, the learning-rate schedule, DCP checkpoints with
+exact resume, the metrics logger and the HF export.
 
 A method is a subclass that builds its data (:meth:`TrainerBase._build_data`) and runs its own loop:
 next-token training (SFT / pre-training, :class:`~baige.runtime.train.trainer.Trainer`) and GRPO
@@ -190,9 +191,7 @@ class TrainerBase(abc.ABC):
         Sets ``moe``, ``param_dtype``, ``compile`` and ``autocast``."""
         p = self.cfg.parallelism
         mp = p.mixed_precision_param
-        self.param_dtype = DTYPES[
-            "bfloat16" if mp == "auto" and self.device.type == "cuda" else ("float32" if mp == "auto" else mp)
-        ]
+        self.param_dtype = self._auto_compute_dtype() if mp == "auto" else DTYPES[mp]
         reduce_dtype = DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
         self.moe = (
             MoEBalancer(model, self.cfg.moe, self.cfg.training.grad_accum, self._dp_sum)
@@ -235,6 +234,15 @@ class TrainerBase(abc.ABC):
             return self.pipeline.model
         return model
 
+    def _auto_compute_dtype(self) -> torch.dtype:
+        """``parallelism.mixed_precision_param = auto``: bf16 on CUDA; on the CPU bf16 where it computes
+        bf16 natively (AVX-512 BF16 or AMX: :func:`~baige.runtime.model.device.cpu_auto_dtype`, the
+        choice ``--dtype auto`` makes for inference, ``BAIGE_CPU_AUTO_DTYPE`` overriding it), else fp32.
+        The parameters (master weights), gradients' reduction and optimizer state stay fp32."""
+        from baige.runtime.model.device import cpu_auto_dtype
+
+        return torch.bfloat16 if self.device.type == "cuda" else cpu_auto_dtype()
+
     def _resolve_compile(self) -> bool:
         """``training.compile``; ``auto`` compiles on a CPU without FSDP or TP when a C++ compiler exists
         and the model is dense (a sparse layer's expert grouping reads counts to the host: graph breaks).
@@ -263,22 +271,24 @@ class TrainerBase(abc.ABC):
         return enabled
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW (Loshchilov & Hutter 2019) with no weight decay on norms, biases and embeddings."""
-        from torch.distributed.tensor import DTensor
+        """``optimizer.name``: AdamW, or Muon for the hidden matrices with AdamW for the rest
+        (:func:`~baige.runtime.train.optimizer.build_optimizer`); Muon's Newton-Schulz runs in the
+        compute dtype (``param_dtype``: bf16 under mixed precision, as Keller Jordan's Muon does)."""
+        from baige.runtime.train.optimizer import build_optimizer
 
         o = self.cfg.optimizer
-        groups: dict[tuple[bool, bool], list] = {}
-        for name, param in ((n, p) for n, p in self.model.named_parameters() if p.requires_grad):  # not a frozen base
-            decay = param.ndim >= 2 and "embed_tokens" not in name
-            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP/EP, any mesh) apart from
-            # plain tensors; the same groups on every layout, so checkpoints reshard between them
-            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
-        groups = [
-            {"params": params, "weight_decay": o.weight_decay if decay else 0.0}
-            for (decay, _), params in sorted(groups.items(), reverse=True)
-        ]
-        fused = o.fused != "false"  # auto: torch has fused AdamW kernels for CUDA and CPU
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
+        return build_optimizer(
+            self.model,
+            o.name,
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=o.fused != "false",  # auto: torch has fused AdamW kernels for CUDA and CPU
+            momentum=o.momentum,
+            ns_steps=o.ns_steps,
+            ns_dtype=self.param_dtype,
+        )
 
     def _can_clip_in_optimizer(self) -> bool:
         """Whether gradient clipping folds into the optimizer step.

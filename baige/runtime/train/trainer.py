@@ -125,8 +125,12 @@ class Trainer(TrainerBase):
         router_logits = RouterLogits() if self.moe is not None and torch.is_grad_enabled() else None
         with torch.autocast(self.device.type, dtype=self.param_dtype, enabled=self.autocast):
             hidden = self.model(input_ids, positions, attn_metadata, router_logits=router_logits)  # (B, T, hidden)
-            # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight.
-            loss = kernels.fused_linear_cross_entropy(hidden, self.model.lm_head.weight, labels, normalizer=normalizer)
+            # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight
+            # (in param_dtype under FSDP's MixedPrecisionPolicy).
+            weight = self.model.lm_head.weight
+            if self.autocast:  # the head's matmuls in the compute dtype too (autocast does not cast inside the op)
+                hidden, weight = hidden.to(self.param_dtype), weight.to(self.param_dtype)
+            loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer)
         return loss, router_logits
 
     # ---- checkpoint state -------------------------------------------------------------------------

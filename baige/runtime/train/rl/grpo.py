@@ -85,6 +85,12 @@ class GRPOTrainer(TrainerBase):
         """``training.compile``; ``auto`` is off here: every micro-batch has another length (recompiles)."""
         return self.cfg.training.compile is True and super()._resolve_compile()
 
+    def _auto_compute_dtype(self) -> torch.dtype:
+        """``mixed_precision_param = auto``: bf16 on CUDA, fp32 on every CPU (bf16 CPUs included, unlike
+        next-token training): GRPO's engine-vs-trainer logprob checks (``--batch-invariant``: bitwise) are
+        tested in fp32 on the CPU; ``parallelism.mixed_precision_param = bfloat16`` asks for bf16."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
     def _on_base_model(self, model: Transformer) -> None:
         """Refuse what GRPO does not support; keep the frozen reference policy when ``rl.kl_coef`` > 0."""
         if model.config.moe is not None:
