@@ -210,11 +210,14 @@ class EngineConfig:
     # a sequence's logprobs independent of its batch and chunking, equal to the trainer's bit for bit
     # (kernels/invariant.py; CPU, plain dense models); with quantization, speculation, LoRA or TP: refused
     batch_invariant: bool = False
+    # prefill/decode disaggregation: a KVTransferConfig, or its JSON text / dict (infer/kv_transfer/)
+    kv_transfer_config: "KVTransferConfig | dict | str | None" = None
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
-        ``lora_modules`` without ``enable_lora``, LoRA with tensor parallelism, or ``batch_invariant``
-        with quantization, speculative decoding, LoRA or tensor parallelism."""
+        ``lora_modules`` without ``enable_lora``, LoRA with tensor parallelism, ``batch_invariant``
+        with quantization, speculative decoding, LoRA or tensor parallelism, or a bad
+        ``kv_transfer_config`` (or one with tensor parallelism)."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (
             ("--max-num-seqs", self.max_num_seqs),
@@ -229,6 +232,9 @@ class EngineConfig:
         elif self.kv_cache_memory is not None:
             check_int("--kv-cache-memory", self.kv_cache_memory, 0)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+            raise BaigeError("--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet")
         check_int("--max-loras", self.max_loras, 1)
         check_int("--max-lora-rank", self.max_lora_rank, 1)
         if self.lora_modules and not self.enable_lora:
@@ -353,3 +359,99 @@ class SpeculativeConfig:
 
 def _is_plain_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ---- prefill/decode disaggregation (--kv-transfer-config) ---------------------------------------
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_EXTRA_KEYS = {"transfer_timeout": 30.0, "abort_request_timeout": 120.0}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How an engine ships or receives prompts' KV blocks (vLLM's ``KVTransferConfig`` keys).
+
+    Attributes:
+        kv_connector: the transport, ``"auto"`` (the best installed) or a name registered in
+            ``baige.runtime.infer.kv_transfer.connectors`` (``zmq``, ...).
+        kv_role: ``kv_producer`` (computes prefills and serves their blocks), ``kv_consumer`` (pulls
+            blocks and decodes) or ``kv_both``.
+        engine_id: this engine's name in ``kv_transfer_params`` (None: a random one).
+        kv_ip: the address the producer's block server binds and advertises.
+        kv_port: its TCP port (0: a free one, picked at start-up).
+        kv_connector_extra_config: ``transfer_timeout`` (seconds a consumer waits for a pull before it
+            computes the prompt itself, default 30) and ``abort_request_timeout`` (seconds a producer
+            keeps a finished prefill's blocks for a consumer to pull, vLLM's
+            ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, default 120).
+    """
+
+    kv_connector: str
+    kv_role: str
+    engine_id: str | None = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def bad(msg: str):
+            raise BaigeError(f"--kv-transfer-config: {msg}", param="kv_transfer_config")
+
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            bad(f'kv_connector must be "auto" or a transport name, got {self.kv_connector!r}')
+        if self.kv_role not in KV_ROLES:
+            bad(f"kv_role {self.kv_role!r} is not one of {', '.join(KV_ROLES)}")
+        if self.engine_id is not None and (not isinstance(self.engine_id, str) or not self.engine_id):
+            bad(f"engine_id must be a non-empty string, got {self.engine_id!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            bad(f"kv_ip must be an address, got {self.kv_ip!r}")
+        if not _is_plain_int(self.kv_port) or not 0 <= self.kv_port <= 65535:
+            bad(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            bad("kv_connector_extra_config must be a JSON object")
+        for key, value in extra.items():
+            if key not in KV_EXTRA_KEYS:
+                bad(f"kv_connector_extra_config: unknown key {key!r} (known: {', '.join(KV_EXTRA_KEYS)})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+                bad(f"kv_connector_extra_config.{key} must be seconds in (0, 86400], got {value!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def extra(self, key: str) -> float:
+        """A ``kv_connector_extra_config`` value in seconds (its default when not given)."""
+        return float(self.kv_connector_extra_config.get(key, KV_EXTRA_KEYS[key]))
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
+        """From a JSON object text, a dict or a config (None stays None). Raises BaigeError naming the
+        bad key or value (unknown keys are refused)."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise BaigeError(
+                    f"--kv-transfer-config: not valid JSON ({e.msg} at character {e.pos})", param="kv_transfer_config"
+                ) from None
+        if not isinstance(value, dict):
+            raise BaigeError(
+                '--kv-transfer-config: a JSON object such as {"kv_connector": "auto", "kv_role": "kv_producer"}',
+                param="kv_transfer_config",
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise BaigeError(
+                f"--kv-transfer-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
+                param="kv_transfer_config",
+            )
+        for key in ("kv_connector", "kv_role"):
+            if key not in value:
+                raise BaigeError(f'--kv-transfer-config: give "{key}"', param="kv_transfer_config")
+        return cls(**value)

@@ -25,6 +25,7 @@ import torch
 from baige.errors import BaigeError
 from baige.runtime.infer import weight_sync
 from baige.runtime.infer.engine import Engine
+from baige.runtime.infer.kv_transfer.manager import KVTransferStats
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import EngineDeadError, RequestAborted, RequestFailed, RequestOutput
 from baige.runtime.infer.sampling import SamplingParams
@@ -49,6 +50,7 @@ class EngineStats:
         grammar: the constraint compiler's counters (``compiles``, ``compile_seconds``, ``mask_seconds``,
             ``masked_tokens``); empty before its first use.
         spec_decode: speculative decoding's acceptance counters (a copy); None without a proposer.
+        kv_transfer: the KV transfers' counters (a copy); None without ``--kv-transfer-config``.
     """
 
     num_requests_running: int
@@ -60,6 +62,7 @@ class EngineStats:
     num_structured_output_requests: int
     grammar: dict[str, float]
     spec_decode: SpecDecodeStats | None
+    kv_transfer: KVTransferStats | None = None
 
 
 class AsyncEngine:
@@ -85,7 +88,7 @@ class AsyncEngine:
         self.on_dead = on_dead
         self.dead: BaseException | None = None
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, str | list[int], SamplingParams, float, LoRARequest | None]] = []
+        self._adds: list[tuple[str, str | list[int], SamplingParams, float, LoRARequest | None, dict | None]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
         # run once no request is in flight; until then new requests wait (update_weights, sleep)
@@ -160,6 +163,7 @@ class AsyncEngine:
             num_structured_output_requests=engine.num_constrained_requests,
             grammar=engine.grammar_stats,
             spec_decode=spec,
+            kv_transfer=dataclasses.replace(engine.kv_transfer.stats) if engine.kv_transfer is not None else None,
         )
 
     @property
@@ -249,9 +253,11 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; leaving early (or cancellation) aborts it.
-        ``lora_request``: the adapter it runs with (None: the base model).
+        ``lora_request``: the adapter it runs with (None: the base model); ``kv_transfer_params``:
+        vLLM's P/D fields (:meth:`Engine.add_request`; a producer's final output carries its own).
 
         Validation happens before the first yield: bad input raises BaigeError at the first
         ``__anext__`` and nothing is queued. Raises RequestFailed when the engine fails this
@@ -270,7 +276,14 @@ class AsyncEngine:
                 raise EngineDeadError("the engine loop has stopped; restart the server")
             self._streams[request_id] = (loop, queue)
             self._adds.append(
-                (request_id, prompt if isinstance(prompt, str) else ids, params, time.monotonic(), lora_request)
+                (
+                    request_id,
+                    prompt if isinstance(prompt, str) else ids,
+                    params,
+                    time.monotonic(),
+                    lora_request,
+                    kv_transfer_params,
+                )
             )
             self._cv.notify()
         finished = False
@@ -370,8 +383,8 @@ class AsyncEngine:
         _run_calls(engine, calls)
         for rid in aborts:
             engine.abort(rid)
-        for rid, prompt, params, arrival, lora in adds:
-            self._add(rid, prompt, params, arrival, lora)
+        for rid, prompt, params, arrival, lora, kv_params in adds:
+            self._add(rid, prompt, params, arrival, lora, kv_params)
         if engine.has_unfinished():
             for out in self._step():
                 self._emit(out)
@@ -384,10 +397,18 @@ class AsyncEngine:
         return True
 
     def _add(
-        self, rid: str, prompt: str | list[int], params: SamplingParams, arrival: float, lora: LoRARequest | None = None
+        self,
+        rid: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival: float,
+        lora: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         try:
-            self.engine.add_request(rid, prompt, params, arrival, lora_request=lora)
+            self.engine.add_request(
+                rid, prompt, params, arrival, lora_request=lora, kv_transfer_params=kv_transfer_params
+            )
         except BaigeError as e:
             self._deliver(rid, e)
         except Exception as e:  # not the caller's mistake: log it, fail this request only

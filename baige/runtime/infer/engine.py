@@ -27,6 +27,7 @@ from baige.runtime.infer.block_manager import BlockManager
 from baige.runtime.infer.input_processor import InputProcessor
 from baige.runtime.infer.isolation import execute_isolated
 from baige.runtime.infer.kv_cache import allocate_kv_cache
+from baige.runtime.infer.kv_transfer.manager import KVTransfer
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.output_processor import OutputProcessor, RequestState
 from baige.runtime.infer.outputs import RequestFailed, RequestOutput
@@ -92,6 +93,8 @@ class Engine:
             tp.send_kv_cache(num_blocks, cfg.block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
+        kvt = cfg.kv_transfer_config  # P/D disaggregation (kv_transfer/manager.py)
+        self.kv_transfer = KVTransfer(kvt, model, self.kv_cache, self.block_manager) if kvt is not None else None
         self.spec_stats = SpecDecodeStats()
         self.num_speculative_tokens = cfg.speculative_config.num_speculative_tokens if self.proposer else 0
         self.scheduler = Scheduler(
@@ -101,6 +104,7 @@ class Engine:
             self.max_model_len,
             on_release=self.proposer.release if self.proposer else None,
             max_loras=cfg.max_loras if cfg.enable_lora else None,
+            on_finish=self.kv_transfer.on_finish if self.kv_transfer is not None else None,
         )
         self.runner = ModelRunner(
             model,
@@ -148,7 +152,9 @@ class Engine:
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (no-op on one rank). The engine cannot step afterwards."""
+        """Stop the KV transport and the tensor-parallel workers. The engine cannot step afterwards."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         if self.tp is not None:
             self.tp.close()
 
@@ -179,13 +185,17 @@ class Engine:
         arrival_time: float | None = None,
         *,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         """Queue a request (``params.n`` sequences), with ``lora_request``'s adapter (loaded from its
-        path on first use) or the base model. Raises BaigeError as :meth:`prepare`, for a request id
-        already in flight, or for an adapter without ``enable_lora`` or that cannot load
-        (``LoRANotFound`` for an unknown name without a path)."""
+        path on first use) or the base model; ``kv_transfer_params``: vLLM's P/D fields
+        (:meth:`KVTransfer.on_add`). Raises BaigeError as :meth:`prepare`, for a request id already in
+        flight, for an adapter without ``enable_lora`` or that cannot load (``LoRANotFound`` for an
+        unknown name without a path), or for ``kv_transfer_params`` without ``kv_transfer_config``."""
         if request_id in self.requests:
             raise BaigeError(f"request id {request_id!r} is already in use")
+        if kv_transfer_params is not None and self.kv_transfer is None:
+            raise BaigeError("kv_transfer_params: this server has no --kv-transfer-config", param="kv_transfer_params")
         text, ids, params = self.prepare(prompt, params)
         lora_id = self.resolve_lora(lora_request)
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -214,8 +224,10 @@ class Engine:
                 lora_int_id=lora_id,
             )
             seqs.append(seq)
-        for seq in seqs:  # queued only once all are built: a failure above leaves nothing behind
-            self.scheduler.add(seq)
+        kvt = self.kv_transfer  # queued only once all are built: a failure above leaves nothing behind
+        if kvt is None or not kvt.on_add(seqs, kv_transfer_params, self.scheduler):
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.requests[request_id] = RequestState(
             request_id,
             text,
@@ -293,10 +305,14 @@ class Engine:
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that produced a token (or finished)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll(self.scheduler)
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
         if not len(batch):
+            if self.kv_transfer is not None:  # only pulls in flight: wait for one instead of spinning
+                self.kv_transfer.wait(0.05)
             return []
         if self.step_shapes is not None:
             self.step_shapes.append(batch.shape())
@@ -372,6 +388,8 @@ class Engine:
     def _output(self, req: RequestState, now: float) -> RequestOutput:
         out = self.output_processor.make_output(req, now)
         if out.finished:
+            if self.kv_transfer is not None:
+                out.kv_transfer_params = self.kv_transfer.take_params(req.request_id)
             del self.requests[req.request_id]
             logger.info(
                 "request %s: %d prompt tokens, %d output tokens, %.3f s, finish %s",

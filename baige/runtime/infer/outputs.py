@@ -73,3 +73,5 @@ class RequestOutput:
     finished_time: float | None = None
     # speculative decoding on: this request's drafts, draft tokens and accepted tokens so far
     spec_decode: SpecDecodeStats | None = None
+    # a KV producer's finished request: where a consumer pulls its prompt's blocks (vLLM's fields)
+    kv_transfer_params: dict | None = None
