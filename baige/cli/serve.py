@@ -16,6 +16,7 @@ from baige.cli.options import (
     Device,
     DType,
     ExpertParallelOpt,
+    KVTransferConfigOpt,
     SpeculativeConfigOpt,
     TensorParallelOpt,
 )
@@ -255,6 +256,7 @@ def serve(
         ),
     ] = False,
     batch_invariant: BatchInvariantOpt = False,
+    kv_transfer_config: KVTransferConfigOpt = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
     from baige.runtime.config import EngineConfig
@@ -282,6 +284,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
         batch_invariant=batch_invariant,
+        kv_transfer_config=kv_transfer_config,
         **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
     )
     template = read_chat_template(chat_template) if chat_template is not None else None

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server (vLLM's names with a ``baige:`` prefix), in its own registry."""
+"""Prometheus metrics of one server (vLLM's names with a ``baige:`` prefix), in its own registry; the
+P/D histogram under vLLM's own name (``vllm:request_prefill_kv_computed_tokens``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baige.runtime.infer.async_engine import AsyncEngine
+from baige.runtime.infer.kv_transfer.manager import KVTransferStats
 from baige.runtime.infer.outputs import RequestOutput
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 
@@ -13,6 +15,20 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 
 
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
+VLLM_LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"  # one engine core per server (vLLM's data-parallel rank label)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exponent
+            if v > max_value:
+                return out
+            out.append(v)
+        exponent += 1
 
 
 class Metrics:
@@ -44,6 +60,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.prefill_kv_computed = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prefill tokens computed (prompt minus prefix-cache hits and tokens whose KV was transferred).",
+            VLLM_LABELS,
+            buckets=build_1_2_5_buckets(engine.max_model_len),
+            registry=r,
+        ).labels(model_name, ENGINE_INDEX)
 
     def on_output(self, out: RequestOutput) -> None:
         """Called by the engine thread with every output."""
@@ -51,6 +74,7 @@ class Metrics:
         if not out.finished:
             return
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.prefill_kv_computed.observe(len(out.prompt_token_ids) - out.num_cached_tokens)
         for o in out.outputs:
             self.requests.labels(o.finish_reason or "unknown").inc()
         if out.first_token_time is not None:
@@ -111,6 +135,36 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=stats.grammar.get(key, 0))
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats.spec_decode)
+        if stats.kv_transfer is not None:
+            yield from _kv_transfer_families(stats.kv_transfer)
+
+
+def _kv_transfer_families(st: KVTransferStats):
+    """P/D disaggregation's counters (``--kv-transfer-config``): blocks and bytes sent (producer) and
+    received (consumer), pulls, fallbacks to computing the prompt, pins expired unpulled."""
+    for name, doc, sent, received in (
+        ("baige:kv_transfer_blocks", "KV blocks transferred, by direction.", st.blocks_sent, st.blocks_received),
+        ("baige:kv_transfer_bytes", "KV bytes transferred, by direction.", st.bytes_sent, st.bytes_received),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["direction"])
+        family.add_metric(["sent"], sent)
+        family.add_metric(["received"], received)
+        yield family
+    yield CounterMetricFamily("baige:kv_transfer_pulls", "Pulls that delivered every block.", value=st.pulls)
+    yield CounterMetricFamily(
+        "baige:kv_transfer_failures",
+        "Requests whose KV pull failed, timed out or did not match (they computed their prompt).",
+        value=st.pull_failures,
+    )
+    yield CounterMetricFamily(
+        "baige:kv_transfer_expired",
+        "Pinned prefills released without a pull (abort_request_timeout).",
+        value=st.expired,
+    )
+    yield GaugeMetricFamily("baige:kv_transfer_pinned", "Prefills pinned for a consumer now.", value=st.pinned)
+    yield GaugeMetricFamily(
+        "baige:kv_transfer_block_bytes", "Bytes of one KV block (all layers, K and V).", value=st.block_bytes
+    )
 
 
 def _spec_decode_families(st: SpecDecodeStats):
