@@ -287,6 +287,10 @@ def serve(
         kv_transfer_config=kv_transfer_config,
         **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
     )
+    if cfg.kv_transfer_config is not None:  # an unknown or missing transport fails now, before the model loads
+        from baige.runtime.infer.kv_transfer.registry import resolve_connector
+
+        resolve_connector(cfg.kv_transfer_config.kv_connector)
     template = read_chat_template(chat_template) if chat_template is not None else None
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)
