@@ -1,7 +1,10 @@
-"""P/D disaggregation inside one process: a producer engine and a consumer engine over the ZeroMQ
-transport (baige/runtime/infer/kv_transfer/), against a plain engine's greedy tokens."""
+"""P/D disaggregation inside one process: a producer engine and a consumer engine over each KV
+transport (baige/runtime/infer/kv_transfer/: ZeroMQ always, NIXL where installed), against a plain
+engine's greedy tokens."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from tiny import BASE, make_checkpoint, write_tiny_tokenizer
@@ -17,10 +20,19 @@ PREFILL = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    d = write_tiny_tokenizer(make_checkpoint(tmp_path_factory.mktemp("kvt") / "llama", "llama"))
-    base = dict(model=str(d), dtype="float32", kv_cache_memory="2MB", block_size=BLOCK, max_model_len=128)
-    kv = {"kv_connector": "zmq", "kv_connector_extra_config": {"transfer_timeout": 2}}
+def model_dir(tmp_path_factory):
+    return write_tiny_tokenizer(make_checkpoint(tmp_path_factory.mktemp("kvt") / "llama", "llama"))
+
+
+@pytest.fixture(scope="module", params=["zmq", "nixl"])
+def engines(request, model_dir):
+    from baige.runtime.infer.kv_transfer.registry import CONNECTORS
+
+    why = CONNECTORS[request.param].unavailable()
+    if why is not None:
+        pytest.skip(why)
+    base = dict(model=str(model_dir), dtype="float32", kv_cache_memory="2MB", block_size=BLOCK, max_model_len=128)
+    kv = {"kv_connector": request.param, "kv_connector_extra_config": {"transfer_timeout": 2}}
     prod = Engine.from_config(EngineConfig(**base, kv_transfer_config={**kv, "kv_role": "kv_producer"}))
     cons = Engine.from_config(EngineConfig(**base, kv_transfer_config={**kv, "kv_role": "kv_consumer"}))
     # the plain reference: the producer's engine serving requests without kv_transfer_params
@@ -36,6 +48,14 @@ def run(eng: Engine, rid: str, ids: list[int], params: SamplingParams, kv: dict 
             if out.finished:
                 return out
     raise AssertionError("request did not finish")
+
+
+def settle(eng: Engine, seconds: float = 0.5) -> None:
+    """Step an idle engine for ``seconds``: pulls confirmed meanwhile are released."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        eng.step()
+        time.sleep(0.02)
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -82,7 +102,7 @@ def test_mismatched_prompt_and_dead_producer_fall_back_to_computing_the_prompt(e
 def test_a_transfer_is_pulled_once_and_released(engines):
     _, prod, cons = engines
     ids = prompt(9, 7)
-    prod.step()
+    settle(prod)  # earlier tests' pulls confirmed (NIXL confirms on the producer's side-channel thread)
     pinned, used = prod.kv_transfer.stats.pinned, prod.block_manager.num_used_blocks  # earlier tests' pins
     params = run(prod, "prefill-once", ids, PREFILL, {"do_remote_decode": True}).kv_transfer_params
     assert prod.kv_transfer.stats.pinned == pinned + 1
@@ -92,7 +112,7 @@ def test_a_transfer_is_pulled_once_and_released(engines):
     failures = cons.kv_transfer.stats.pull_failures
     out = run(cons, "decode-once-b", ids, GREEDY, params)  # already pulled: refused, computed here
     assert cons.kv_transfer.stats.pull_failures == failures + 1 and out.num_cached_tokens == 0
-    prod.step()  # the producer releases pulled pins at its next step
+    settle(prod)  # the producer releases pulled pins at its next step
     assert prod.kv_transfer.stats.pinned == pinned
     assert prod.block_manager.num_used_blocks == used
 
@@ -141,8 +161,11 @@ def test_kv_transfer_config_errors_name_the_bad_key(value, message):
 
 
 def test_transport_names():
+    from baige.runtime.infer.kv_transfer.nixl_connector import NixlConnector
     from baige.runtime.infer.kv_transfer.registry import resolve_connector
 
     with pytest.raises(BaigeError, match="unknown kv_connector 'rdma'"):
         resolve_connector("rdma")
-    assert resolve_connector("auto").name == "zmq"
+    assert resolve_connector("zmq").name == "zmq"
+    nixl_here = NixlConnector.unavailable() is None  # NIXL where installed (one READ between the pools)
+    assert resolve_connector("auto").name == ("nixl" if nixl_here else "zmq")

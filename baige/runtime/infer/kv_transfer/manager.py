@@ -38,7 +38,7 @@ from baige.errors import BaigeError
 from baige.runtime.config import KVTransferConfig
 from baige.runtime.infer.block_manager import BlockManager, chain_hash
 from baige.runtime.infer.kv_cache import KVCache
-from baige.runtime.infer.kv_transfer.blocks import block_bytes, model_fingerprint, read_block, write_block
+from baige.runtime.infer.kv_transfer.blocks import block_bytes, model_fingerprint, read_block
 from baige.runtime.infer.kv_transfer.connector import TransferError
 from baige.runtime.infer.kv_transfer.registry import resolve_connector
 from baige.runtime.infer.scheduler import Scheduler, Sequence
@@ -119,7 +119,7 @@ class KVTransfer:
 
     def __init__(self, cfg: KVTransferConfig, model: torch.nn.Module, kv: KVCache, block_manager: BlockManager):
         self.cfg, self.kv, self.bm = cfg, kv, block_manager
-        self.connector = resolve_connector(cfg.kv_connector)()
+        self.connector = resolve_connector(cfg.kv_connector)(kv)
         self.engine_id = cfg.engine_id or f"baige-{uuid.uuid4().hex[:12]}"
         self.fingerprint = model_fingerprint(model, kv, block_manager.block_size)
         self.stats = KVTransferStats(block_bytes=block_bytes(kv))
@@ -217,17 +217,13 @@ class KVTransfer:
     def _pull(self, pull: _Pull) -> None:
         """Worker thread: pull the blocks into the cache; the engine's next :meth:`poll` lands it."""
         try:
-
-            def sink(i: int, payload: memoryview) -> None:
-                write_block(self.kv, pull.dst[i], payload)
-
             pull.received = self.connector.pull(
                 pull.host,
                 pull.port,
                 pull.transfer_id,
                 pull.src,
+                pull.dst,
                 self.fingerprint,
-                sink,
                 self.cfg.extra("transfer_timeout"),
             )
             if self.kv.device.type == "cuda":
@@ -329,21 +325,22 @@ class KVTransfer:
 
 
 class _BlockReader:
-    """The blocks of one pull, read from the cache as the transport sends them; :meth:`close` marks
+    """One accepted pull (:class:`.connector.BlockReader`): its blocks' bytes read from the cache as
+    the transport sends them; :meth:`close` counts them as sent when the pull succeeded and marks
     the transfer pulled (its blocks are released at the engine's next step)."""
 
     def __init__(self, owner: KVTransfer, pinned: _Pinned, block_ids: list[int]):
         self.owner, self.pinned, self.block_ids = owner, pinned, block_ids
 
     def __iter__(self) -> Iterator[memoryview]:
-        stats = self.owner.stats
         for b in self.block_ids:
-            payload = read_block(self.owner.kv, b)
-            yield payload
-            stats.blocks_sent += 1
-            stats.bytes_sent += len(payload)
+            yield read_block(self.owner.kv, b)
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
+        stats = self.owner.stats
+        if ok:
+            stats.blocks_sent += len(self.block_ids)
+            stats.bytes_sent += len(self.block_ids) * stats.block_bytes
         with self.owner._lock:
             self.pinned.busy, self.pinned.done = False, True
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from baige.errors import BaigeError
 from baige.runtime.infer.kv_transfer.connector import KVConnector
+from baige.runtime.infer.kv_transfer.nixl_connector import NixlConnector
 from baige.runtime.infer.kv_transfer.zmq_connector import ZmqConnector
 
-CONNECTORS: dict[str, type[KVConnector]] = {c.name: c for c in (ZmqConnector,)}
+# NIXL first: one READ straight between the registered pools (RDMA where the network has it)
+CONNECTORS: dict[str, type[KVConnector]] = {c.name: c for c in (NixlConnector, ZmqConnector)}
 
 
 def resolve_connector(name: str) -> type[KVConnector]:

@@ -18,7 +18,9 @@ import threading
 import time
 
 from baige.errors import BaigeError
-from baige.runtime.infer.kv_transfer.connector import BlockSink, BlockSource, KVConnector, TransferError
+from baige.runtime.infer.kv_cache import KVCache
+from baige.runtime.infer.kv_transfer.blocks import write_block
+from baige.runtime.infer.kv_transfer.connector import BlockSource, KVConnector, TransferError
 
 logger = logging.getLogger("baige.kv_transfer")
 
@@ -30,9 +32,10 @@ class ZmqConnector(KVConnector):
 
     name = "zmq"
 
-    def __init__(self) -> None:
+    def __init__(self, kv: KVCache) -> None:
         import zmq
 
+        super().__init__(kv)
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._stop = threading.Event()
@@ -48,17 +51,7 @@ class ZmqConnector(KVConnector):
 
     # ---- producer ---------------------------------------------------------------------------
     def serve(self, host: str, port: int, source: BlockSource) -> int:
-        zmq = self._zmq
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            if port == 0:
-                port = sock.bind_to_random_port(f"tcp://{host}")
-            else:
-                sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as e:
-            sock.close()
-            raise BaigeError(f"--kv-transfer-config: cannot bind the KV block server to {host}:{port} ({e})") from None
+        sock, port = bind(self._ctx, host, port)
         self._thread = threading.Thread(target=self._serve, args=(sock, source), name="baige-kv-server", daemon=True)
         self._thread.start()
         return port
@@ -88,23 +81,18 @@ class ZmqConnector(KVConnector):
         except (TransferError, ValueError, KeyError, TypeError) as e:
             sock.send_multipart([ident, b"error", str(e).encode()[:500]])
             return
+        sent = 0
         try:
-            sock.send_multipart([ident, b"ok", json.dumps({"num_blocks": len(req["block_ids"])}).encode()])
+            sock.send_multipart([ident, b"ok", json.dumps({"num_blocks": len(blocks.block_ids)}).encode()])
             for i, payload in enumerate(blocks):
                 sock.send_multipart([ident, b"block", struct.pack("<I", i), payload], copy=False)
+                sent += 1
         finally:
-            blocks.close()
+            blocks.close(ok=sent == len(blocks.block_ids))
 
     # ---- consumer ---------------------------------------------------------------------------
     def pull(
-        self,
-        host: str,
-        port: int,
-        transfer_id: str,
-        block_ids: list[int],
-        fingerprint: str,
-        sink: BlockSink,
-        timeout: float,
+        self, host: str, port: int, transfer_id: str, src: list[int], dst: list[int], fingerprint: str, timeout: float
     ) -> int:
         zmq = self._zmq
         deadline = time.monotonic() + timeout
@@ -114,17 +102,17 @@ class ZmqConnector(KVConnector):
         received = 0
         try:
             sock.connect(f"tcp://{where}")
-            req = {"transfer_id": transfer_id, "block_ids": block_ids, "fingerprint": fingerprint}
+            req = {"transfer_id": transfer_id, "block_ids": src, "fingerprint": fingerprint}
             sock.send_multipart([b"pull", json.dumps(req).encode()])
-            frames = _recv(sock, deadline, where)
+            frames = recv(sock, deadline, where)
             if frames[0] != b"ok":
                 reason = bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else "?"
                 raise TransferError(f"the producer at {where} refused the pull: {reason}")
-            for i in range(len(block_ids)):
-                frames = _recv(sock, deadline, where)
+            for i in range(len(src)):
+                frames = recv(sock, deadline, where)
                 if len(frames) != 3 or frames[0] != b"block" or struct.unpack("<I", frames[1])[0] != i:
                     raise TransferError(f"block {i} of the pull from {where} came malformed or out of order")
-                sink(i, frames[2])
+                write_block(self.kv, dst[i], frames[2])
                 received += len(frames[2])
         except zmq.ZMQError as e:
             raise TransferError(f"the pull from {where} failed: {e}") from None
@@ -138,7 +126,25 @@ class ZmqConnector(KVConnector):
             self._thread.join(timeout=5)
 
 
-def _recv(sock, deadline: float, where: str) -> list[memoryview]:
+def bind(ctx, host: str, port: int):
+    """A ROUTER socket of ``ctx`` bound to ``host:port`` (0: a free port): ``(socket, port)``. Raises
+    BaigeError when the address cannot be bound."""
+    import zmq
+
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as e:
+        sock.close()
+        raise BaigeError(f"--kv-transfer-config: cannot bind the KV block server to {host}:{port} ({e})") from None
+    return sock, port
+
+
+def recv(sock, deadline: float, where: str) -> list[memoryview]:
     """One answer message's frames (buffers, not copies). Raises TransferError past ``deadline``."""
     left_ms = int((deadline - time.monotonic()) * 1000)
     if left_ms <= 0 or not sock.poll(left_ms):
