@@ -139,6 +139,8 @@ def test_bad_kv_transfer_params_are_the_callers_error(engines):
     with pytest.raises(BaigeError, match="remote_port: expected int"):
         cons.add_request("x3", [1, 2], GREEDY, kv_transfer_params={"do_remote_prefill": True, "remote_host": "h"})
     assert not cons.has_unfinished()
+    with pytest.raises(BaigeError, match="not supported under --kv-transfer-config"):
+        prod.sleep()  # pinned blocks would outlive the released pools
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,9 @@ from baige.runtime.infer.sampling import SamplingParams
 BLOCK = 4
 MAX_TOKENS = 8
 TIMEOUT = 60.0  # seconds any one HTTP call may take
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # the tiny tokenizer has none
 SERVE = ["--dtype", "float32", "--block-size", str(BLOCK), "--kv-cache-memory", "4MB", "--max-model-len", "160"]
+SERVE += ["--chat-template", TEMPLATE]
 LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 23, 31, 40, 57, 64]  # 16 prompts, block-aligned and not
 
 
@@ -119,6 +121,17 @@ def test_pd_pair_matches_one_instance_moves_every_prompt_token_and_survives_a_ki
         bad = dict(body([1, 2]), kv_transfer_params={"do_remote_prefill": True, "remote_port": "x"})
         r = httpx.post(f"{consumer}/v1/completions", json=bad, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+        # the chat endpoint carries kv_transfer_params both ways too
+        chat = {"messages": [{"role": "user", "content": " ".join(f"t{i}" for i in prompt(21, 5))}]}
+        chat |= {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        pre = dict(chat, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        r = httpx.post(f"{producer}/v1/chat/completions", json=pre, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        decode = dict(chat, kv_transfer_params=r.json()["kv_transfer_params"])
+        got = httpx.post(f"{consumer}/v1/chat/completions", json=decode, timeout=TIMEOUT).json()
+        plain = httpx.post(f"{producer}/v1/chat/completions", json=chat, timeout=TIMEOUT).json()
+        assert got["choices"][0]["message"] == plain["choices"][0]["message"]
+        assert sample(metrics(consumer), "baige:kv_transfer_pulls_total") == len(LENGTHS) + 1
         # the producer dies after its prefill: the consumer's pull times out (transfer_timeout) and it
         # computes the prompt itself, with the same text
         ids = prompts[-1]
@@ -130,5 +143,5 @@ def test_pd_pair_matches_one_instance_moves_every_prompt_token_and_survives_a_ki
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[-1]
         m = metrics(consumer)
         assert sample(m, "baige:kv_transfer_failures_total") == 1
-        assert sample(m, "baige:kv_transfer_pulls_total") == len(LENGTHS)
-        assert sample(m, f"{name}_sum") == len(LENGTHS) + len(ids)  # this one computed its whole prompt
+        assert sample(m, "baige:kv_transfer_pulls_total") == len(LENGTHS) + 1
+        assert sample(m, f"{name}_sum") == len(LENGTHS) + 1 + len(ids)  # this one computed its whole prompt

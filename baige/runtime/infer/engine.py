@@ -93,8 +93,7 @@ class Engine:
             tp.send_kv_cache(num_blocks, cfg.block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
-        kvt = cfg.kv_transfer_config  # P/D disaggregation (kv_transfer/manager.py)
-        self.kv_transfer = KVTransfer(kvt, model, self.kv_cache, self.block_manager) if kvt is not None else None
+        self.kv_transfer = KVTransfer.build(cfg.kv_transfer_config, model, self.kv_cache, self.block_manager)
         self.spec_stats = SpecDecodeStats()
         self.num_speculative_tokens = cfg.speculative_config.num_speculative_tokens if self.proposer else 0
         self.scheduler = Scheduler(
@@ -466,8 +465,9 @@ class Engine:
                 runner.restore_kv()
 
     def _check_local(self, what: str) -> None:
-        if self.tp is not None:
-            raise BaigeError(f"{what} is not supported under tensor parallelism (--tensor-parallel-size > 1)")
+        if self.tp is not None or self.kv_transfer is not None:  # pinned or pulled K/V would outlive the weights
+            why = "tensor parallelism (--tensor-parallel-size > 1)" if self.tp is not None else "--kv-transfer-config"
+            raise BaigeError(f"{what} is not supported under {why}")
 
     # ---- offline ---------------------------------------------------------------------------
     def run_to_completion(self, request_ids: Seq[str]) -> list[RequestOutput]:

@@ -139,6 +139,13 @@ class KVTransfer:
             f", serving blocks on {cfg.kv_ip}:{self.port}" if self.port is not None else "",
         )
 
+    @classmethod
+    def build(
+        cls, cfg: KVTransferConfig | None, model: torch.nn.Module, kv: KVCache, block_manager: BlockManager
+    ) -> KVTransfer | None:
+        """The engine's P/D side for ``--kv-transfer-config`` (None without one). Raises BaigeError."""
+        return None if cfg is None else cls(cfg, model, kv, block_manager)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
