@@ -30,7 +30,7 @@ LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 23, 31, 40, 57, 64]  # 16 prompts
 
 
 def kv_config(role: str, **extra) -> list[str]:
-    cfg = {"kv_connector": "auto", "kv_role": role, "kv_connector_extra_config": {"transfer_timeout": 3, **extra}}
+    cfg = {"kv_connector": "auto", "kv_role": role, "kv_connector_extra_config": {"transfer_timeout": 10, **extra}}
     return ["--kv-transfer-config", json.dumps(cfg)]
 
 
@@ -104,6 +104,7 @@ def test_pd_pair_matches_one_instance_moves_every_prompt_token_and_survives_a_ki
             assert text == want[n], n
             assert params["remote_num_tokens"] == n and len(params["remote_block_ids"]) == -(-n // BLOCK)
         m, p = metrics(consumer), metrics(producer)
+        assert sample(m, "baige:kv_transfer_failures_total") == 0
         # every transferred request computed exactly its last prompt token (vLLM's design: its logits
         # give the first output token); each observation is >= 1, so sum == count means all are 1
         name = "vllm:request_prefill_kv_computed_tokens"

@@ -29,7 +29,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -128,8 +127,12 @@ class KVTransfer:
         self._pinned: dict[str, _Pinned] = {}
         self._params: dict[str, dict] = {}  # request id -> its response's kv_transfer_params
         self._done: queue.Queue[_Pull] = queue.Queue()
+        self._todo: queue.Queue[_Pull | None] = queue.Queue()
         self._wake = threading.Event()
-        self._pool = ThreadPoolExecutor(PULL_WORKERS, thread_name_prefix="baige-kv-pull") if cfg.is_consumer else None
+        # daemon threads (not an executor's, which exit would wait for): a pull stuck in a transport
+        # never holds up the process's exit
+        for i in range(PULL_WORKERS if cfg.is_consumer else 0):
+            threading.Thread(target=self._worker, name=f"baige-kv-pull-{i}", daemon=True).start()
         self.port = self.connector.serve(cfg.kv_ip, cfg.kv_port, self) if cfg.is_producer else None
         logger.info(
             "KV transfer: %s over %s, engine %s%s",
@@ -147,8 +150,8 @@ class KVTransfer:
         return None if cfg is None else cls(cfg, model, kv, block_manager)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in range(PULL_WORKERS):
+            self._todo.put(None)
         self.connector.close()
 
     # ---- requests (engine thread) -----------------------------------------------------------
@@ -219,7 +222,11 @@ class KVTransfer:
         self.bm.hold(pull.dst)  # an abort meanwhile frees the sequence, never blocks still being written
         for s in seqs:
             scheduler.add(s, remote_kv=True)
-        self._pool.submit(self._pull, pull)
+        self._todo.put(pull)
+
+    def _worker(self) -> None:
+        while (pull := self._todo.get()) is not None:
+            self._pull(pull)
 
     def _pull(self, pull: _Pull) -> None:
         """Worker thread: pull the blocks into the cache; the engine's next :meth:`poll` lands it."""

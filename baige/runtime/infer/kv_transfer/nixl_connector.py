@@ -60,7 +60,7 @@ class NixlConnector(KVConnector):
         self.agent.register_memory(self._pools)
         self._mem = "VRAM" if kv.device.type == "cuda" else "DRAM"
         self._dev = kv.device.index or 0
-        self._lock = threading.Lock()  # the agent, from the pull workers
+        self._lock = threading.Lock()  # the agent, shared by the pull workers and the side-channel thread
         self._remotes: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,7 +98,9 @@ class NixlConnector(KVConnector):
                 if sock.poll(POLL_MS):
                     ident, *frames = sock.recv_multipart()
                     self._answer(sock, ident, frames, source, open_pulls)
-                for msgs in self.agent.get_new_notifs().values():
+                with self._lock:  # kv_both: the pull workers use the agent too
+                    notifs = self.agent.get_new_notifs()
+                for msgs in notifs.values():
                     for msg in msgs:
                         kind, _, transfer_id = bytes(msg).decode(errors="replace").partition(" ")
                         if kind == "done" and transfer_id in open_pulls:
@@ -126,7 +128,9 @@ class NixlConnector(KVConnector):
             "bases": [t.data_ptr() for t in self._pools],
             "blocks_total": self._pools[0].shape[1],
         }
-        sock.send_multipart([ident, b"ok", json.dumps(header).encode(), self.agent.get_agent_metadata()])
+        with self._lock:
+            meta = self.agent.get_agent_metadata()
+        sock.send_multipart([ident, b"ok", json.dumps(header).encode(), meta])
 
     # ---- consumer ---------------------------------------------------------------------------
     def pull(
