@@ -13,7 +13,8 @@ reward; the JSON (``--out``) holds both runs' per-step rows and their medians. N
 ``trl==1.16.0``; it installs beside baige's pins without moving them).
 
 usage: python scripts/bench_rl_vs_trl.py --data task.jsonl [--steps 10] [--group-size 8]
-       [--prompts-per-step 2] [--max-tokens 64] [--lr 1e-6] [--threads 2] [--only baige|trl] [--out rl.json]
+       [--prompts-per-step 2] [--max-tokens 64] [--lr 1e-6] [--threads 2] [--dtype float32|bfloat16]
+       [--only baige|trl] [--out rl.json]
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def run_trl(args, rows: list[dict], model_dir: Path) -> list[dict]:
         for r in rows
     ]
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # fp32 master weights
 
     timing = {"rollout_s": 0.0, "rollout_tokens": 0}
     generate = model.generate
@@ -93,7 +94,7 @@ def run_trl(args, rows: list[dict], model_dir: Path) -> list[dict]:
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-grpo-"),
         use_cpu=True,
-        bf16=False,
+        bf16=args.dtype == "bfloat16",  # autocast to bf16 over fp32 weights, as baige's mixed precision
         per_device_train_batch_size=batch,
         num_generations=args.group_size,
         max_completion_length=args.max_tokens,
@@ -137,6 +138,8 @@ def run_baige(args, model: str) -> list[dict]:
     ]  # fmt: skip
     if args.batch_invariant:
         cmd.append("--batch-invariant")
+    # fp32 master weights either way; bfloat16: bf16 compute in the trainer and bf16 engine weights
+    cmd += ["--set", f"parallelism.mixed_precision_param={args.dtype}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     subprocess.run(cmd, check=True, env=env)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -178,15 +181,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-invariant", action="store_true", help="baige's run in batch-invariant mode")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="compute dtype of both runs (bfloat16: fp32 master weights, bf16 autocast; baige's engine in bf16)",
+    )
     ap.add_argument("--only", choices=["baige", "trl"])
+    ap.add_argument("--note", default="", help="free text kept in the record (how the machine was shared, ...)")
     ap.add_argument("--out", type=Path, default=Path("bench-results/rl_vs_trl.json"))
     args = ap.parse_args()
 
+    from baige.runtime.bench.common import environment
     from baige.runtime.weights.hub import resolve_model
 
     model_dir = resolve_model(args.model)
     rows = _records(args.data)
-    result = {"settings": {k: str(v) for k, v in vars(args).items()}, "model_dir": str(model_dir)}
+    result = {
+        "benchmark": "rl_vs_trl",
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "model_dir": str(model_dir),
+        "environment": environment(),  # machine, flags, commit, command, load average at the start
+    }
     for name, run in (
         ("baige", lambda: run_baige(args, str(model_dir))),
         ("trl", lambda: run_trl(args, rows, model_dir)),

@@ -133,3 +133,14 @@ def test_kv_cache_larger_than_memory_is_one_line():
     )
     with pytest.raises(BaigeError, match="--kv-cache-memory"):
         num_blocks_for(cfg, 16, torch.float32, torch.device("cpu"), 100 * 10**12, 64)
+
+
+def test_serve_reasoning_parser_the_model_cannot_use(cli_error):
+    """SmolLM2 has no <think> token: one line after the model loads, the engine thread stopped."""
+    import threading
+
+    err = cli_error(
+        "serve", "--port", 0, "--reasoning-parser", "qwen3", "--max-model-len", 64, "--kv-cache-memory", "8MB"
+    )
+    assert "--reasoning-parser qwen3: '<think>' is not one token of this model's vocabulary" in err
+    assert not [t for t in threading.enumerate() if "engine" in t.name.lower() and t.is_alive()]

@@ -98,6 +98,14 @@ def lora_engine_args(
     }
 
 
+class ReasoningParser(str, Enum):
+    none = "none"
+    auto = "auto"
+    qwen3 = "qwen3"
+    deepseek_r1 = "deepseek_r1"
+    gpt_oss = "gpt_oss"
+
+
 class LogLevel(str, Enum):
     critical = "critical"
     error = "error"
@@ -240,6 +248,15 @@ def serve(
             "vLLM does)."
         ),
     ] = False,
+    reasoning_parser: Annotated[
+        ReasoningParser,
+        typer.Option(
+            help="Split a reasoning model's output into message.reasoning_content and content (vLLM's names): "
+            "qwen3 / deepseek_r1 (<think>...</think>), gpt_oss (harmony channels); auto = from the chat "
+            "template's markers; none = off.",
+            case_sensitive=False,
+        ),
+    ] = ReasoningParser.none,
     speculative_config: SpeculativeConfigOpt = None,
     tensor_parallel_size: TensorParallelOpt = 1,
     enable_expert_parallel: ExpertParallelOpt = False,
@@ -310,4 +327,5 @@ def serve(
         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
         enable_rl_endpoints=enable_rl_endpoints,
         shutdown_timeout=shutdown_timeout,
+        reasoning_parser=None if reasoning_parser is ReasoningParser.none else reasoning_parser.value,
     )

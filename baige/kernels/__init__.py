@@ -169,6 +169,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q
     return (invariant if invariant.enabled() else _impl(q, "flash_attention")).attention(q, k, v, scale, q_offset)
 
 
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """Scaled-dot-product attention under an explicit boolean mask, grouped-query heads, with autograd
+    (training's packed layouts whose mask is not plain causal, e.g. several completions sharing one
+    prompt).
+
+    Args:
+        q: (B, T, n_heads, head_dim).
+        k, v: (B, S, n_kv_heads, head_dim), ``n_heads % n_kv_heads == 0``.
+        scale: softmax scale.
+        mask: (B, T, S) bool, True where query t may attend key s; every query row needs a True.
+    Returns:
+        (B, T, n_heads, head_dim) in the dtype of ``q``.
+    """
+    return reference.masked_attention(q, k, v, scale, mask)
+
+
 # ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
 # A layer's cache is (n_kv_heads, num_blocks, block_size, head_dim), heads outermost; token slot s of
 # KV head h lives at [h, s // block_size, s % block_size]. A block table row lists a sequence's blocks

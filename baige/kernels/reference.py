@@ -76,6 +76,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q
     return out.transpose(1, 2)  # (B, T, H, Dv)
 
 
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
+) -> torch.Tensor:
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, D)
+    gqa = q.shape[2] != k.shape[2]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)  # (B, T, H, Dv)
+
+
 def flash_attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,

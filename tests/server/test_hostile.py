@@ -299,6 +299,52 @@ def test_hostile_chat_fails_alone(url, witness_solo):
     assert text == witness_solo
 
 
+RESPONSES = [
+    ({"input": [{"role": "user", "content": "a"}] * 4097}, 400, "input"),  # more items than MAX_INPUT_ITEMS
+    (raw('{"input": ' + "[" * 70 + "]" * 70 + "}"), 400, None),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": {"a": {"b": {"c": [1]}}}}]}]},
+        400,
+        "input",
+    ),
+    ({"input": [{"type": "computer_call_output", "call_id": "x", "output": {}}]}, 400, "input"),
+    ({"input": [{"type": 5}]}, 400, "input"),
+    ({"input": [["nested", ["deeper"]]]}, 400, "input"),
+    ({"input": [{"foo": "bar"}]}, 400, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input"),
+    ({"input": "hi", "previous_response_id": "resp_0123"}, 404, "response_id"),
+    (
+        {
+            "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000}],
+            "max_output_tokens": 2,
+        },
+        400,
+        "input",
+    ),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#"}}}}, 400, "text"),
+    ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, 400, "tools"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, 400, "tools"),
+    (raw('{"input": "a\\ud800b"}'), 400, "input"),
+    ({"input": "hi", "max_output_tokens": 10**30}, 400, "max_output_tokens"),
+    (raw('{"input": "hi", "temperature": NaN}'), 400, "temperature"),
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
+    ({"input": "ab " * 20000, "max_output_tokens": 2}, 400, "input"),
+    ({"input": [], "instructions": "only instructions"}, 400, "input"),
+    ({"input": "hi", "background": True}, 400, "background"),
+]
+
+
+def test_hostile_responses_fail_alone(url, http, witness_solo):
+    text, responses = asyncio.run(_witness_and(url, "/v1/responses", [b for b, _, _ in RESPONSES]))
+    check_all(RESPONSES, responses)
+    assert text == witness_solo
+    for method in (http.get, http.delete):  # unknown ids: 404, nothing stored meanwhile
+        assert_openai_error(method("/v1/responses/resp_missing"), 404, "response_id")
+    ok = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
+
+
 def test_every_status_is_in_openai_shape(url, http):
     assert_openai_error(http.get("/v1/nope"), 404)
     assert_openai_error(http.get("/v1/completions"), 405)

@@ -3,6 +3,7 @@ surrogate, the k3 KL, truncated importance sampling, the aggregation modes and t
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from train_utils import tiny_model
 
 from baige.runtime.train.rl import loss as L
-from baige.runtime.train.rl.batch import MicroBatch, micro_batches, policy_logprobs
+from baige.runtime.train.rl.batch import micro_batches, policy_logprobs
 from baige.runtime.train.rl.rollout import Sample
 
 
@@ -81,35 +82,60 @@ def _sample(prompt, completion, lps=None, group=0):
     return Sample(group, prompt, completion, lps or [-1.0] * len(completion), "", "stop")
 
 
-def test_micro_batch_masks_only_the_response_tokens():
+def test_micro_batch_packs_each_prompt_once():
+    """Hand-written layout: samples 0 and 1 share prompt [5, 6, 7] (group 0) and go in one row; sample 2
+    (group 1) starts another; the third micro-batch of size 3 is not reached."""
     s0 = _sample([5, 6, 7], [8, 9], [-0.5, -0.25])
-    s1 = _sample([5], [4, 4, 4], [-1.0, -2.0, -3.0])
-    s2 = _sample([3, 3], [2])
-    (mb, rest) = micro_batches([s0, s1, s2], [1.0, -1.0, 0.5], 2, torch.device("cpu"))
-    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 4, 4, 0]]  # right-padded
-    assert mb.mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]  # targets 2, 3 predict 8, 9; the pad is masked
-    assert mb.engine_logprobs.tolist() == [[0, 0, -0.5, -0.25], [-1, -2, -3, 0]]
-    assert mb.advantages.tolist() == [1.0, -1.0] and mb.lengths == [5, 4] and mb.num_tokens == 9
-    assert rest.input_ids.tolist() == [[3, 3, 2]] and rest.mask.tolist() == [[0, 1]]
+    s1 = _sample([5, 6, 7], [4, 4, 4], [-1.0, -2.0, -3.0])
+    s2 = _sample([3, 3], [2], group=1)
+    s3 = _sample([3, 3], [1, 1], group=1)
+    (mb, rest) = micro_batches([s0, s1, s2, s3], [1.0, -1.0, 0.5, 0.25], 3, torch.device("cpu"))
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 4, 4], [3, 3, 2, 0, 0, 0, 0, 0]]  # right-padded
+    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5], [0, 1, 2, 0, 0, 0, 0, 0]]
+    assert mb.segments.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 1, -1, -1, -1, -1, -1]]
+    # row width 8: sample 0's tokens come from positions 2 (the prompt's last) and 3; sample 1's from 2, 5, 6
+    assert mb.sources.tolist() == [[2, 3, 0], [2, 5, 6], [9, 0, 0]]
+    assert mb.targets.tolist() == [[8, 9, 0], [4, 4, 4], [2, 0, 0]]
+    assert mb.mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert mb.engine_logprobs.tolist() == [[-0.5, -0.25, 0], [-1, -2, -3], [-1, 0, 0]]
+    assert mb.advantages.tolist() == [1.0, -1.0, 0.5] and mb.num_seqs == 3
+    assert mb.forward_tokens(False) == 8 + 3 and mb.forward_tokens(True) == 5 + 6 + 3
+    m = mb.attention_mask()[0].int().tolist()
+    assert m[4] == [1, 1, 1, 1, 1, 0, 0, 0]  # sample 0's second token: the prompt and its own first token
+    assert m[6] == [1, 1, 1, 0, 0, 1, 1, 0]  # sample 1's second token: not sample 0's tokens
+    assert mb.attention_mask()[1, 5].int().tolist() == [0, 0, 0, 0, 0, 1, 0, 0]  # padding: itself only
+    assert rest.input_ids.tolist() == [[3, 3, 1, 1]] and rest.sources.tolist() == [[1, 2]]
 
 
 def test_prompt_and_padding_carry_no_loss(tmp_path, one_thread):
-    """On a tiny model: the policy loss has no gradient at prompt or padding positions, and changing the
-    padding tokens changes nothing; the per-sequence path (batch-invariant) gives the same logprobs."""
+    """On a tiny model: packed logprobs equal each sequence's own causal forward (so the shared-prefix
+    mask hides the other completions), the policy loss has no gradient off the mask, changing the
+    padding changes nothing, and the per-sequence path (batch-invariant) gives the same logprobs."""
+    from baige.runtime.model.logprobs import sequence_logprobs
     from baige.runtime.weights.loader import load_model
 
     model = load_model(tiny_model(tmp_path / "m"), dtype=torch.float32, device="cpu")
-    samples = [_sample([1, 20, 21, 22], [30, 31]), _sample([1, 40], [41, 42, 43, 44, 45])]
-    (mb,) = micro_batches(samples, [1.0, -1.0], 2, torch.device("cpu"))
+    samples = [
+        _sample([1, 20, 21, 22], [30, 31]),
+        _sample([1, 20, 21, 22], [35, 36, 37]),
+        _sample([1, 40], [41, 42, 43, 44, 45], group=1),
+    ]
+    (mb,) = micro_batches(samples, [1.0, -1.0, 0.5], 3, torch.device("cpu"))
+    assert mb.input_ids.shape[0] == 2  # the first two share a row
     lp, entropy = policy_logprobs(model, mb, batch_invariant=False, entropy=True)
     assert ((lp != 0) == mb.mask.bool()).all() and ((entropy > 0) == mb.mask.bool()).all()
+    for i, s in enumerate(samples):
+        alone = sequence_logprobs(model, torch.tensor(s.prompt_ids + s.completion_ids), batch_invariant=False)
+        n = len(s.completion_ids)
+        torch.testing.assert_close(lp[i, :n], alone[-n:].detach(), rtol=0, atol=1e-5)
     leaf = lp.detach().requires_grad_()
     per_token, _ = L.policy_loss(leaf, lp.detach(), mb.advantages, 0.2, 0.2)
-    L.aggregate(per_token, mb.mask, "token-mean", float(mb.mask.sum()), 2, 8).backward()
+    L.aggregate(per_token, mb.mask, "token-mean", float(mb.mask.sum()), 3, 8).backward()
     on = mb.mask.bool()
     assert (leaf.grad[~on] == 0).all() and (leaf.grad[on] != 0).all()
-    repadded = MicroBatch(mb.input_ids.clone(), mb.mask, mb.engine_logprobs, mb.advantages, mb.lengths)
-    repadded.input_ids[0, 6:] = 77  # sequence 0's padding
+    repadded = copy.copy(mb)
+    repadded.input_ids = mb.input_ids.clone()
+    repadded.input_ids[1, 7:] = 77  # row 1's padding
     lp2, _ = policy_logprobs(model, repadded, batch_invariant=False)
     torch.testing.assert_close(lp2, lp, rtol=0, atol=1e-6)
     lp3, _ = policy_logprobs(model, mb, batch_invariant=True)

@@ -376,13 +376,29 @@ class Engine:
         """Start the grammar masks of the constrained sequences that sample this step (on the
         compiler's worker thread, overlapping the forward); returns the callable that waits for
         them, or None."""
-        constrained = {
-            i: s.payload.grammar
-            for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-            if s.payload.grammar is not None and s.num_computed_tokens + n - len(s.spec_token_ids) == len(s.token_ids)
-        }
+        constrained, opens = {}, {}
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if s.num_computed_tokens + n - len(s.spec_token_ids) != len(s.token_ids):
+                continue  # no token sampled this step
+            if s.payload.grammar is not None:
+                constrained[i] = s.payload.grammar
+            elif s.payload.undecided:  # the first token: the constraint's, or the one that opens reasoning
+                constrained[i], opens[i] = s.payload.pending_grammar, s.payload.params.reasoning_start_token_id
+        if not constrained:
+            return None
         drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
-        return self._grammars.start_masks(constrained, drafts).result if constrained else None
+        future = self._grammars.start_masks(constrained, drafts)
+        if not opens:
+            return future.result
+
+        def result() -> dict:
+            masks = future.result()
+            for i, token in opens.items():
+                masks[i] = masks[i].clone()
+                masks[i][..., token] = True
+            return masks
+
+        return result
 
     def _output(self, req: RequestState, now: float) -> RequestOutput:
         out = self.output_processor.make_output(req, now)

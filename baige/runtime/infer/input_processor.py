@@ -46,7 +46,12 @@ class InputProcessor:
         params.check_vocab(self.vocab_size)
         if params.structured_outputs is not None:
             first = self.grammars().first_mask(params.structured_outputs)  # compiles (cached) or raises now
-            if params.allowed_token_ids is not None and not bool(first[params.allowed_token_ids].any()):
+            first_free = params.reasoning_end_token_id is not None  # the constraint starts later
+            if (
+                params.allowed_token_ids is not None
+                and not first_free
+                and not bool(first[params.allowed_token_ids].any())
+            ):
                 raise BaigeError(
                     "allowed_token_ids leave no token that the structured-output constraint allows first",
                     param="allowed_token_ids",

@@ -76,6 +76,13 @@ class OutputProcessor:
             else:
                 self.scheduler.finish(seq, "stop", stop)
             return True
+        if st.pending_grammar is not None:
+            opened = not st.undecided or token == st.params.reasoning_start_token_id
+            st.undecided = False
+            if not opened or token == st.params.reasoning_end_token_id:
+                st.grammar, st.pending_grammar = st.pending_grammar, None  # the answer starts here / after it
+            if opened:
+                return False
         if st.grammar is not None:
             # An error while computing this step's mask (an engine limit: then the mask allowed only
             # EOS), or a refused token (allowed_token_ids left nothing the constraint allows).

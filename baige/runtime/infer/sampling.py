@@ -57,6 +57,13 @@ class SamplingParams:
         allowed_token_ids: when set, only these tokens can be sampled (vLLM's field).
         structured_outputs: a JSON schema / JSON object / regex / choice / grammar constraint on the
             output (:mod:`baige.runtime.infer.structured`).
+        reasoning_end_token_id: with ``structured_outputs``, the constraint engages only after the
+            sequence has generated this token (the end of its reasoning, e.g. ``</think>``: vLLM's
+            behaviour with a reasoning parser); the tokens up to it are free. None: from the first token.
+        reasoning_start_token_id: with ``reasoning_end_token_id``, the output reasons only if its first
+            token is this one (e.g. ``<think>``): the first step allows it besides what the constraint
+            allows, and any other first token starts the constrained answer at once. None: the output
+            reasons from its first token.
 
     Raises:
         BaigeError: a value out of its range (one line naming the field). Token ids are checked
@@ -83,6 +90,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -170,6 +179,11 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids),
             ("allowed_token_ids", self.allowed_token_ids or []),
             ("logit_bias", list(self.logit_bias or {})),
+            ("reasoning_end_token_id", [] if self.reasoning_end_token_id is None else [self.reasoning_end_token_id]),
+            (
+                "reasoning_start_token_id",
+                [] if self.reasoning_start_token_id is None else [self.reasoning_start_token_id],
+            ),
         ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:

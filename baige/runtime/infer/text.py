@@ -18,7 +18,10 @@ class SeqText:
         params: the request's sampling parameters (stop strings, logprobs, skip_special_tokens).
         generator: the sequence's RNG (None: greedy or the engine's shared one).
         matcher: the request's stop-string automaton (None: no stop strings); shared by its sequences.
-        grammar: this sequence's structured-output matcher (llguidance ``LLMatcher``), or None.
+        grammar: this sequence's structured-output matcher (llguidance ``LLMatcher``), or None. With
+            ``params.reasoning_end_token_id`` it waits in ``pending_grammar`` (``grammar`` None: no mask)
+            until that token is generated (:meth:`OutputProcessor.process_token` moves it), or, with
+            ``params.reasoning_start_token_id``, until a first token other than that one.
     """
 
     def __init__(
@@ -38,7 +41,11 @@ class SeqText:
         self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
         self.sent_tokens = 0
         self.sent_logprobs = 0
-        self.grammar = grammar
+        pending = grammar is not None and params.reasoning_end_token_id is not None
+        self.grammar = None if pending else grammar
+        self.pending_grammar = grammar if pending else None
+        # the first token decides whether the output reasons (params.reasoning_start_token_id)
+        self.undecided = pending and params.reasoning_start_token_id is not None
 
     def add(self, token: int, is_stop_token: bool, finished: bool, lp: Logprobs | None) -> str | None:
         """Append a generated token's text (a stop token adds none); flush the detokenizer when the

@@ -27,10 +27,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.lora import LoRANotFound
-from baige.runtime.server import chat_routes, completion_routes, lora_routes, rl_routes, routes
+from baige.runtime.server import chat_routes, completion_routes, lora_routes, responses_routes, rl_routes, routes
 from baige.runtime.server.lifecycle import ABORT_GRACE_S, DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, GracefulServer
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
+from baige.runtime.server.reasoning import reasoning_config
 from baige.runtime.server.serving import DEFAULT_MAX_N, ServerState
 from baige.runtime.server.tools import tool_config
 
@@ -40,7 +41,7 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # `baige serve --max-request-bytes`
 DEAD_EXIT_DELAY_S = 2.0  # /health answers 503 this long before the process exits
 
 # The routers every server includes; lora_routes joins them with --enable-lora (build_app).
-ROUTERS = (routes.router, completion_routes.router, chat_routes.router)
+ROUTERS = (routes.router, completion_routes.router, chat_routes.router, responses_routes.router)
 
 READ_TIMEOUT_S = 30.0  # `baige serve --read-timeout`: longest wait for a request's headers (then the
 # connection is closed) and for each next piece of its body (then 408)
@@ -178,13 +179,18 @@ def build_app(
     enable_auto_tool_choice: bool = True,
     read_timeout: float = READ_TIMEOUT_S,
     enable_rl_endpoints: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` under the model name ``served_model_name``.
 
     ``max_n``: most sequences one request may ask for; ``max_request_bytes``: largest request body;
     ``read_timeout``: seconds each piece of a body may take (408 after it);
     ``tool_call_parser`` and the two tool flags: :mod:`.tools` (``baige serve --tool-call-parser`` ...);
-    ``enable_rl_endpoints``: the RL hooks (:mod:`.rl_routes`, ``baige serve --enable-rl-endpoints``).
+    ``enable_rl_endpoints``: the RL hooks (:mod:`.rl_routes`, ``baige serve --enable-rl-endpoints``);
+    ``reasoning_parser``: :mod:`.reasoning` (``baige serve --reasoning-parser``; None: off).
+
+    Raises:
+        BaigeError: a reasoning parser whose markers are not single tokens of the vocabulary.
     """
     app = FastAPI(title="baige", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine, served_model_name)
@@ -192,7 +198,8 @@ def build_app(
     tools = tool_config(
         engine.tokenizer, tool_call_parser, exclude_tools_when_tool_choice_none, enable_auto_tool_choice
     )
-    app.state.baige = ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools)
+    reasoning = reasoning_config(engine.tokenizer, reasoning_parser)
+    app.state.baige = ServerState(engine, served_model_name, metrics, int(time.time()), max_n, tools, reasoning)
     app.state.baige_max_bytes, app.state.baige_read_timeout = max_request_bytes, read_timeout
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, guarded=rl_routes.RL_PATHS if enable_rl_endpoints else ())
@@ -285,7 +292,8 @@ def run_server(
     signal has drained it (:mod:`.lifecycle`; ``shutdown_timeout``: ``baige serve --shutdown-timeout``,
     seconds the requests in flight may take); the engine is shut down on the way out (its loop thread
     stopped, its tensor-parallel workers told to exit). ``tool_options``: :func:`build_app`'s
-    ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``;
+    ``tool_call_parser``, ``exclude_tools_when_tool_choice_none``, ``enable_auto_tool_choice``,
+    ``reasoning_parser``;
     ``read_timeout``: ``baige serve --read-timeout`` (:class:`BodyLimit`, :class:`HeadDeadline`);
     ``enable_rl_endpoints``: :func:`build_app`'s. Returns normally after a drained shutdown.
 
@@ -295,16 +303,21 @@ def run_server(
     """
     import uvicorn
 
-    app = build_app(
-        engine,
-        served_model_name,
-        api_key,
-        max_n,
-        max_request_bytes,
-        read_timeout=read_timeout,
-        enable_rl_endpoints=enable_rl_endpoints,
-        **tool_options,
-    )
+    try:
+        app = build_app(
+            engine,
+            served_model_name,
+            api_key,
+            max_n,
+            max_request_bytes,
+            read_timeout=read_timeout,
+            enable_rl_endpoints=enable_rl_endpoints,
+            **tool_options,
+        )
+    except BaigeError:  # a flag the model cannot honour (--reasoning-parser): nothing is left running
+        engine.shutdown()
+        sock.close()
+        raise
     protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": read_timeout})
     config = uvicorn.Config(app, log_level=log_level.lower(), timeout_graceful_shutdown=ABORT_GRACE_S, http=protocol)
     server = GracefulServer(config, engine, app.state.baige.lifecycle, shutdown_timeout)

@@ -4,9 +4,6 @@ whole or as server-sent events (``data: [DONE]`` last)."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,9 +11,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from baige.errors import BaigeError
 from baige.runtime.infer.outputs import RequestOutput
+from baige.runtime.server.chat import ChatJob, finish_reason, prepare_chat
 from baige.runtime.server.protocol import APIError, ChatCompletionRequest
+from baige.runtime.server.reasoning import reasoning_text
 from baige.runtime.server.serving import (
     DONE,
     ServerState,
@@ -26,58 +24,31 @@ from baige.runtime.server.serving import (
     include_usage,
     merge,
     parse,
-    prepared,
     sampling_params,
     sse,
     state_of,
     usage,
 )
 from baige.runtime.server.tool_streams import assemble, delta_of
-from baige.runtime.server.tools import ToolPlan, plan_tools
 
 router = APIRouter()
 
 
-def check_chat_size(st: ServerState, req: ChatCompletionRequest) -> None:
-    """Refuse, before rendering or tokenizing anything, a conversation whose text (messages, tool
-    calls, tools) is longer than ``Engine.max_prompt_chars``, the rule ``Engine.prepare`` applies to a
-    completion prompt. Raises APIError (400)."""
-    limit = st.engine.max_prompt_chars
-    chars = 0
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        chars += (
-            len(content)
-            + len(m.role)
-            + sum(len(c.function.arguments) + len(c.function.name) for c in m.tool_calls or [])
-        )
-    if chars <= limit and req.tools:
-        chars += len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
-    if chars > limit:
-        raise APIError(
-            f"this model's maximum context length is {st.engine.max_model_len} tokens; the conversation "
-            f"has {chars} characters, far more than that many tokens can hold",
-            param="messages",
-        )
-
-
-async def chat_prompt(st: ServerState, plan: ToolPlan) -> list[int]:
-    """Token ids of the rendered conversation (off the event loop). Raises APIError (400)."""
-    try:
-        return await asyncio.to_thread(
-            st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=True, **plan.template_vars
-        )
-    except BaigeError as e:
-        raise APIError(str(e), param="messages") from None
-    except Exception as e:  # the template met message fields it cannot render (jinja2 type errors)
-        raise APIError(
-            f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})", param="messages"
-        ) from None
-
-
-def finish_reason(o, reader) -> str | None:
-    """``tool_calls`` when the output called tools and ended normally (a cut-off call keeps ``length``)."""
-    return "tool_calls" if reader.calls and o.finish_reason == "stop" else o.finish_reason
+def chat_message(st: ServerState, job: ChatJob, reader, events: list) -> dict:
+    """The non-streamed ``message``: content and tool calls, and with a reasoning parser the reasoning
+    (``reasoning_content``, vLLM's and DeepSeek's field, and ``reasoning``, newer vLLM's; None when the
+    output did not reason or ``include_reasoning`` is false). An output that reasoned and wrote no
+    answer has content None."""
+    content, calls = assemble(events)
+    message = {"role": "assistant", "content": content}
+    if st.reasoning is not None:
+        reasoning = reasoning_text(events) if reader.reasoned and job.include_reasoning else None
+        message.update(reasoning_content=reasoning, reasoning=reasoning)
+        if reader.reasoned and not content:
+            message["content"] = None
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 @router.post("/v1/chat/completions")
@@ -88,14 +59,8 @@ async def chat_completions(request: Request):
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, st.max_n)
-    check_chat_size(st, req)
-    plan = await asyncio.to_thread(plan_tools, req, st.tools)  # tool schemas are checked by llguidance
-    if plan.constraint is not None:
-        params = dataclasses.replace(params, structured_outputs=plan.constraint)
-    if plan.keep_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    ids = await chat_prompt(st, plan)
-    ((ids, params),) = await prepared(st, [ids], params, req)
+    job = await prepare_chat(st, req, params, req.include_reasoning)
+    ids, params = job.ids, job.params
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     base = {
         "id": rid,
@@ -105,20 +70,19 @@ async def chat_completions(request: Request):
     }
     gen = st.engine.generate(ids, params, rid, st.lora_request(req.model), kv_transfer_params=req.kv_transfer_params)
     if req.stream:
-        return event_stream(stream_chat(st, req, base, len(ids), params.n, gen, plan))
+        return event_stream(stream_chat(st, req, base, len(ids), params.n, gen, job))
     finals = await collect(request, [gen])
     if finals is None:
         return Response(status_code=499)
     (final,) = finals
     choices = []
     for o in final.outputs:
-        reader = plan.stream()
-        content, calls = assemble(reader.feed(o.text) + reader.finish())
-        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        reader = job.reader()
+        events = reader.feed(o.token_ids, o.text) + reader.finish()
         choices.append(
             {
                 "index": o.index,
-                "message": message,
+                "message": chat_message(st, job, reader, events),
                 "logprobs": chat_logprobs(st.tokenizer, o.logprobs) if o.logprobs is not None else None,
                 "finish_reason": finish_reason(o, reader),
                 "stop_reason": o.stop_reason,
@@ -138,13 +102,14 @@ async def stream_chat(
     n_prompt: int,
     n: int,
     gen: AsyncIterator[RequestOutput],
-    plan: ToolPlan,
+    job: ChatJob,
 ) -> AsyncIterator[str]:
-    """Chunks of every choice: content deltas, and tool calls as OpenAI streams them (a header with the
+    """Chunks of every choice: reasoning deltas (``reasoning_content`` and ``reasoning``, vLLM's) until the
+    end of the reasoning, then content deltas and tool calls as OpenAI streams them (a header with the
     id and name, then argument fragments); the finish reason rides on each choice's last chunk."""
     chunk = {**base, "object": "chat.completion.chunk"}
     n_out = 0
-    readers = [plan.stream() for _ in range(n)]
+    readers = [job.reader() for _ in range(n)]
     for i in range(n):
         yield sse(
             {
@@ -160,7 +125,7 @@ async def stream_chat(
                 continue
             n_out += len(o.delta_token_ids)
             reader = readers[o.index]
-            events = reader.feed(o.delta_text) if o.delta_text else []
+            events = reader.feed(o.delta_token_ids, o.delta_text)
             if o.finished:
                 events += reader.finish()
             lp = chat_logprobs(st.tokenizer, o.delta_logprobs) if o.logprobs is not None else None

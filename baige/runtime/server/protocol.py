@@ -247,6 +247,7 @@ MAX_TOOLS = 128  # functions one request may declare (OpenAI's limit)
 MAX_TOOL_CALLS = 128  # calls one assistant message may carry
 MAX_DESCRIPTION = 32768  # characters of a function's description
 MAX_ID_LEN = 256  # characters of a tool call id
+MAX_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
 ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]  # OpenAI's rule for function names
 
 
@@ -306,6 +307,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ChatCompletionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
+    # vLLM's: further chat-template variables (enable_thinking, ...), and whether to return the reasoning
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    include_reasoning: bool = True
 
 
 # pydantic's names for the members of a union in an error's location ("str", "list[TextPart]",

@@ -30,6 +30,8 @@ from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.server.lifecycle import Lifecycle
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, SamplingFields, error_body, parse_body, validation_message
+from baige.runtime.server.reasoning import ReasoningConfig
+from baige.runtime.server.responses import ResponseStore
 from baige.runtime.server.tools import ToolConfig
 
 DEFAULT_MAX_N = 128  # sequences one request may ask for (n x prompts); `baige serve --max-n`
@@ -46,6 +48,8 @@ class ServerState:
     created: int
     max_n: int = DEFAULT_MAX_N
     tools: ToolConfig | None = None  # tool calling: build_app sets it from the chat template and the flags
+    reasoning: ReasoningConfig | None = None  # --reasoning-parser (None: outputs are not split)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored responses
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # draining, requests in flight (lifecycle.py)
 
     @property

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from baige.runtime.server.tool_parsers import FunctionCall, ToolParser, loads
 
 Event = tuple  # ("content", text) | ("call", index, id, name) | ("args", index, arguments fragment)
+# (| ("reasoning", text) from :mod:`.reasoning`)
 
 
 class PlainStream:
@@ -149,7 +150,9 @@ def assemble(events: list[Event]) -> tuple[str | None, list[dict]]:
 
 
 def delta_of(event: Event) -> dict:
-    """The chat.completion.chunk ``delta`` of one event (OpenAI's shape)."""
+    """The chat.completion.chunk ``delta`` of one event (OpenAI's shape; reasoning as vLLM streams it)."""
+    if event[0] == "reasoning":
+        return {"reasoning_content": event[1], "reasoning": event[1]}
     if event[0] == "content":
         return {"content": event[1]}
     if event[0] == "call":

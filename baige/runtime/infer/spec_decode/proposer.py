@@ -148,6 +148,10 @@ def assign_drafts(
     for seq, p in zip(seqs, proposals):
         drafts, probs = list(p.token_ids), p.probs
         grammar = seq.payload.grammar
+        end = seq.payload.params.reasoning_end_token_id if seq.payload.pending_grammar is not None else None
+        if end in drafts:  # the end of reasoning only as a step's last token: the constraint masks what follows
+            cut = drafts.index(end)
+            drafts, probs = drafts[:cut], (probs[:cut] if probs is not None and cut else None)
         if drafts and grammar is not None:
             keep = grammar.validate_tokens(drafts)  # proposals the constraint refuses are never verified
             drafts, probs = drafts[:keep], (probs[:keep] if probs is not None and keep else None)

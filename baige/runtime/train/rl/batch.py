@@ -1,10 +1,14 @@
-"""The trainer's side of a step's samples: padded micro-batches with their response masks, and the
-policy's log-probabilities of the sampled tokens (the one function that computes them).
+"""The trainer's side of a step's samples: micro-batches that compute each prompt once for all of its
+samples, their response masks, and the policy's log-probabilities of the sampled tokens (the one
+function that computes them).
 
-A sequence is ``prompt_ids + completion_ids``; target position ``t`` predicts token ``t + 1``, so the
-response tokens are targets ``[len(prompt) - 1, len(prompt) - 1 + len(completion))``. Sequences are
-right-padded (causal attention: padding after a sequence never reaches it) and the padding, like
-the prompt, carries no loss (``mask`` 0).
+A micro-batch packs its samples by prompt: one row holds a prompt followed by the completions of its
+samples, each completion at positions ``len(prompt) ..`` and attending to the prompt and to its own
+earlier tokens only (a shared-prefix mask), so a group of G samples costs ``prompt + G x completion``
+tokens instead of ``G x (prompt + completion)``. Completion token ``t`` of a sample is predicted by the
+hidden state of the prompt's last token (``t = 0``) or of its own token ``t - 1``. Rows are right-padded;
+padding, like the prompt, carries no loss. The per-sample tensors are completion-aligned: (S, C) with
+C the longest completion of the micro-batch.
 """
 
 from __future__ import annotations
@@ -14,59 +18,123 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from baige import kernels
 from baige.runtime.train.rl.rollout import Sample
 
 PAD_ID = 0  # any id: padded positions are masked out
+PROMPT, PAD = 0, -1  # segment ids: the prompt, padding; completions are 1, 2, ... within their row
 
 
 @dataclass
 class MicroBatch:
-    """B sequences; T = the longest sequence - 1 target positions."""
+    """S samples packed into R rows of L tokens (see the module docstring)."""
 
-    input_ids: torch.Tensor  # (B, T + 1) int64
-    mask: torch.Tensor  # (B, T) fp32: 1 on response targets
-    engine_logprobs: torch.Tensor  # (B, T) fp32: the engine's logprobs of the sampled tokens, 0 off the mask
-    advantages: torch.Tensor  # (B,) fp32
-    lengths: list[int]  # each sequence's real length (prompt + completion)
+    input_ids: torch.Tensor  # (R, L) int64: a prompt, then its samples' completions, then padding
+    positions: torch.Tensor  # (R, L) int64: RoPE positions (each completion starts at its prompt's length)
+    segments: torch.Tensor  # (R, L) int64: PROMPT, the row's k-th completion (k >= 1), or PAD
+    sources: torch.Tensor  # (S, C) int64: flat index (row * L + column) of the hidden state predicting each token
+    targets: torch.Tensor  # (S, C) int64: the completion tokens (PAD_ID off the mask)
+    mask: torch.Tensor  # (S, C) fp32: 1 on completion tokens
+    engine_logprobs: torch.Tensor  # (S, C) fp32: the engine's logprobs of the sampled tokens, 0 off the mask
+    advantages: torch.Tensor  # (S,) fp32
+    sequences: list[list[int]]  # (S,) each sample's prompt + completion ids (the per-sequence path)
 
     @property
-    def num_tokens(self) -> int:
-        """Real tokens (prompt and completion) the trainer's forward runs over."""
-        return sum(self.lengths)
+    def num_seqs(self) -> int:
+        return len(self.sequences)
+
+    def forward_tokens(self, batch_invariant: bool) -> int:
+        """Real tokens the trainer's forward runs over: the packed rows' (each prompt once), or with
+        ``batch_invariant`` every sequence whole."""
+        if batch_invariant:
+            return sum(map(len, self.sequences))
+        return int((self.segments != PAD).sum())
+
+    def attention_mask(self) -> torch.Tensor:
+        """(R, L, L) bool: query i sees key j <= i of the prompt or of its own completion; padding sees
+        itself only (a finite softmax; its outputs are never read)."""
+        seg = self.segments
+        L = seg.shape[1]
+        idx = torch.arange(L, device=seg.device)
+        causal = idx[None, :] <= idx[:, None]  # (L, L)
+        same = (seg[:, None, :] == PROMPT) | (seg[:, None, :] == seg[:, :, None])  # (R, L, L)
+        return (causal & same & (seg[:, :, None] != PAD)) | torch.eye(L, dtype=torch.bool, device=seg.device)
+
+
+def _rows(chunk: list[Sample]) -> list[list[int]]:
+    """Indices into ``chunk`` per packed row: consecutive samples of the same prompt share a row."""
+    rows: list[list[int]] = []
+    for j, s in enumerate(chunk):
+        first = chunk[rows[-1][0]] if rows else None
+        if first is not None and first.group == s.group and first.prompt_ids == s.prompt_ids:
+            rows[-1].append(j)
+        else:
+            rows.append([j])
+    return rows
+
+
+def _pack(chunk: list[Sample], advantages: list[float], device: torch.device) -> MicroBatch:
+    rows = _rows(chunk)
+    width = max(len(chunk[js[0]].prompt_ids) + sum(len(chunk[j].completion_ids) for j in js) for js in rows)
+    ids = torch.full((len(rows), width), PAD_ID, dtype=torch.int64)
+    pos = torch.zeros(len(rows), width, dtype=torch.int64)
+    seg = torch.full((len(rows), width), PAD, dtype=torch.int64)
+    C = max(1, max(len(s.completion_ids) for s in chunk))
+    sources = torch.zeros(len(chunk), C, dtype=torch.int64)
+    targets = torch.full((len(chunk), C), PAD_ID, dtype=torch.int64)
+    mask, engine = torch.zeros(len(chunk), C), torch.zeros(len(chunk), C)
+    for r, js in enumerate(rows):
+        prompt = chunk[js[0]].prompt_ids
+        P, off = len(prompt), len(prompt)
+        ids[r, :P], pos[r, :P], seg[r, :P] = torch.tensor(prompt), torch.arange(P), PROMPT
+        for k, j in enumerate(js, start=1):
+            c = chunk[j].completion_ids
+            n = len(c)
+            ids[r, off : off + n], pos[r, off : off + n], seg[r, off : off + n] = (
+                torch.tensor(c),
+                torch.arange(P, P + n),
+                k,
+            )
+            # token 0 from the prompt's last position, token t > 0 from the completion's token t - 1
+            sources[j, :n] = r * width + torch.tensor([P - 1] + list(range(off, off + n - 1)))
+            targets[j, :n], mask[j, :n] = torch.tensor(c), 1.0
+            engine[j, :n] = torch.tensor(chunk[j].engine_logprobs)
+            off += n
+    return MicroBatch(
+        ids.to(device), pos.to(device), seg.to(device), sources.to(device), targets.to(device), mask.to(device),
+        engine.to(device), torch.tensor(advantages, dtype=torch.float32, device=device),
+        [s.prompt_ids + s.completion_ids for s in chunk],
+    )  # fmt: skip
 
 
 def micro_batches(samples: list[Sample], advantages: list[float], size: int, device: torch.device) -> list[MicroBatch]:
-    """The samples in order, ``size`` sequences per micro-batch."""
-    out = []
-    for start in range(0, len(samples), size):
-        chunk = samples[start : start + size]
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in chunk]
-        width = max(lengths)
-        ids = torch.full((len(chunk), width), PAD_ID, dtype=torch.int64)
-        mask = torch.zeros(len(chunk), width - 1)
-        engine = torch.zeros(len(chunk), width - 1)
-        for b, s in enumerate(chunk):
-            p, c = len(s.prompt_ids), len(s.completion_ids)
-            ids[b, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
-            mask[b, p - 1 : p - 1 + c] = 1.0
-            engine[b, p - 1 : p - 1 + c] = torch.tensor(s.engine_logprobs)
-        adv = torch.tensor(advantages[start : start + size], dtype=torch.float32)
-        out.append(MicroBatch(ids.to(device), mask.to(device), engine.to(device), adv.to(device), lengths))
-    return out
+    """The samples in order, ``size`` sequences per micro-batch, each packed by prompt."""
+    return [
+        _pack(samples[start : start + size], advantages[start : start + size], device)
+        for start in range(0, len(samples), size)
+    ]
 
 
-def _plain_logprobs(model: nn.Module, mb: MicroBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's forward over the padded batch (causal, positions from 0); logits only at the
-    response targets. Returns (B, T) fp32 logprobs (0 off the mask) and, when asked, the (B, T) entropy
-    of the next-token distribution there (no gradient)."""
-    ids = mb.input_ids
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # (B, T + 1)
-    hidden = model(ids, positions)[:, :-1]  # (B, T, hidden)
+class _SharedPrefix:
+    """The model's attention over a micro-batch's packed rows (an ``AttentionMetadata``)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask  # (R, L, L) bool
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return kernels.masked_attention(q, k, v, scale, self.mask)
+
+
+def _packed_logprobs(model: nn.Module, mb: MicroBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's forward over the packed rows; logits only where a completion token is predicted.
+    Returns (S, C) fp32 logprobs (0 off the mask) and, when asked, the (S, C) entropy of the next-token
+    distribution there (no gradient)."""
+    hidden = model(mb.input_ids, mb.positions, _SharedPrefix(mb.attention_mask()))  # (R, L, hidden)
     where = mb.mask.bool()
-    logits = model.compute_logits(hidden[where]).float()  # (N, vocab), N response tokens
-    logp = torch.log_softmax(logits, dim=-1)  # (N, vocab)
-    chosen = logp.gather(1, ids[:, 1:][where][:, None])[:, 0]  # (N,)
-    out = torch.zeros(mb.mask.shape, dtype=torch.float32, device=ids.device).masked_scatter(where, chosen)
+    rows = hidden.reshape(-1, hidden.shape[-1])[mb.sources[where]]  # (N, hidden), N completion tokens
+    logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)  # (N, vocab)
+    chosen = logp.gather(1, mb.targets[where][:, None])[:, 0]  # (N,)
+    out = torch.zeros(mb.mask.shape, dtype=torch.float32, device=mb.mask.device).masked_scatter(where, chosen)
     if not entropy:
         return out, None
     with torch.no_grad():
@@ -77,23 +145,25 @@ def _plain_logprobs(model: nn.Module, mb: MicroBatch, entropy: bool) -> tuple[to
 def policy_logprobs(
     model: nn.Module, mb: MicroBatch, batch_invariant: bool, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The policy's log-probabilities of the sampled tokens, (B, T) fp32 with gradient (0 off the mask),
-    and with ``entropy`` the (B, T) token entropies (nats, no gradient).
+    """The policy's log-probabilities of the sampled tokens, (S, C) fp32 with gradient (0 off the mask),
+    and with ``entropy`` the (S, C) token entropies (nats, no gradient).
 
     With ``batch_invariant`` each sequence runs alone through
     :func:`baige.runtime.model.logprobs.sequence_logprobs`, whose values equal the engine's
-    sampled-token logprobs bitwise; the entropy then takes a plain forward of its own.
+    sampled-token logprobs bitwise; the entropy then takes a packed forward of its own.
     """
     if not batch_invariant:
-        return _plain_logprobs(model, mb, entropy)
+        return _packed_logprobs(model, mb, entropy)
     from baige.runtime.model.logprobs import sequence_logprobs
 
     rows = []
-    for b, n in enumerate(mb.lengths):
-        lp = sequence_logprobs(model, mb.input_ids[b, :n], batch_invariant=True)  # (n - 1,)
-        rows.append(torch.nn.functional.pad(lp, (0, mb.mask.shape[1] - (n - 1))))
-    out = torch.stack(rows) * mb.mask  # (B, T)
+    C = mb.mask.shape[1]
+    for seq, n in zip(mb.sequences, mb.mask.sum(1).long().tolist()):
+        ids = torch.tensor(seq, dtype=torch.int64, device=mb.mask.device)
+        lp = sequence_logprobs(model, ids, batch_invariant=True)[len(seq) - 1 - n :]  # (n,) the completion's
+        rows.append(torch.nn.functional.pad(lp, (0, C - n)))
+    out = torch.stack(rows) * mb.mask  # (S, C)
     if not entropy:
         return out, None
     with torch.no_grad():
-        return out, _plain_logprobs(model, mb, True)[1]
+        return out, _packed_logprobs(model, mb, True)[1]

@@ -165,7 +165,7 @@ class GRPOTrainer(TrainerBase):
         """``rl.epochs_per_step`` optimizer steps over the micro-batches. Returns this rank's metric sums
         and the step's (all-rank) loss and grad norm, each averaged over the epochs."""
         tokens = sum(float(mb.mask.sum()) for mb in batches)
-        seqs = sum(float(len(mb.lengths)) for mb in batches)
+        seqs = sum(float(mb.num_seqs) for mb in batches)
         counts = tuple(self._all_reduce_sum([tokens, seqs]))
         sums = dict.fromkeys(("entropy", "mismatch", "engine_kl", "kl", "clipped"), 0.0)
         self._old, self._ref = [], []
@@ -204,7 +204,7 @@ class GRPOTrainer(TrainerBase):
         sync_weights(self.llm, self.model, bool(self.lora_params), self.param_dtype)
         sync_s = time.perf_counter() - t2
         self.step += 1
-        trained = sum(mb.num_tokens for mb in batches) * self.cfg.rl.epochs_per_step
+        trained = sum(mb.forward_tokens(self.cfg.rl.batch_invariant) for mb in batches) * self.cfg.rl.epochs_per_step
         step_s = time.perf_counter() - t0
         times = {"rollout_s": rollout_s, "train_s": train_s, "weight_sync_s": sync_s, "step_time_s": step_s}
         return self._record(samples, values, total, update, trained, times)

@@ -1,8 +1,8 @@
 """The GRPO loss on token tensors: group advantages, the clipped policy term, the k3 KL, truncated
 importance sampling, masks and the loss aggregation modes. Pure functions over tensors.
 
-Shapes: B sequences of a micro-batch, T target positions (``input_ids`` length - 1); ``mask`` (B, T)
-is 1 exactly on the response tokens (the prompt and the padding carry no loss). Log-probabilities are
+Shapes: B sequences of a micro-batch, T token positions (the micro-batch's longest completion: see
+``rl/batch.py``); ``mask`` (B, T) is 1 exactly on the response tokens (padding carries no loss). Log-probabilities are
 fp32 natural logs of the sampled tokens.
 """
 

@@ -1,0 +1,179 @@
+"""The request schema of ``POST /v1/responses`` (OpenAI's Responses API, pydantic, strict) and its limits.
+
+Input items: a message (``{"role", "content"}``, ``"type": "message"`` optional; content a string or
+``input_text`` / ``output_text`` parts), ``function_call``, ``function_call_output`` and ``reasoning``
+(accepted and left out of the prompt, as chat templates drop earlier reasoning). Any other item type, a
+non-text content part (images, files, audio) and OpenAI's built-in tools (web search, file search,
+computer use, code interpreter, ...) are a 400 naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from baige.runtime.server.protocol import MAX_DESCRIPTION, MAX_ID_LEN, MAX_TOOLS, ToolName, _Strict
+
+MAX_INPUT_ITEMS = 4096  # items of one request's ``input``
+MAX_METADATA = 16  # metadata entries (OpenAI's limit), keys <= 64 and values <= 512 characters
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+BUILT_IN_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "computer_use_preview",
+    "computer_use",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "custom",
+)
+
+
+class TextContent(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextContent]
+    id: str | None = Field(None, max_length=MAX_ID_LEN)
+    status: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        for k, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("input_text", "output_text", "text"):
+                raise ValueError(f"content[{k}]: {kind[:40]!r} parts are not supported (text only)")
+        return v
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=MAX_ID_LEN)
+    name: ToolName
+    arguments: str
+    id: str | None = Field(None, max_length=MAX_ID_LEN)
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=MAX_ID_LEN)
+    output: str
+    id: str | None = Field(None, max_length=MAX_ID_LEN)
+    status: str | None = None
+
+
+class ReasoningItem(_Strict):
+    type: Literal["reasoning"]
+    id: str | None = Field(None, max_length=MAX_ID_LEN)
+    summary: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_INPUT_ITEMS)
+    content: list[dict[str, Any]] | None = Field(None, max_length=MAX_INPUT_ITEMS)
+
+
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Field(discriminator="type")
+]
+
+
+class FunctionTool(_Strict):
+    """OpenAI's Responses function tool (flat: name, description and parameters beside ``type``)."""
+
+    type: Literal["function"]
+    name: ToolName
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: str = Field(max_length=64)
+
+
+class TextFormat(_Strict):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its fields inline."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, max_length=256)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfigField(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``. ``background`` and ``truncation: "auto"`` are refused (not served)."""
+
+    model: str | None = None
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfigField | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = Field(None, max_length=MAX_ID_LEN)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=MAX_METADATA)
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    background: Literal[False] | None = None
+    include: list[str] | None = Field(None, max_length=16)
+    seed: int | None = None  # vLLM's extra
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, v: Any) -> Any:
+        for k, tool in enumerate(v if isinstance(v, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                what = "built-in tool" if kind in BUILT_IN_TOOLS else "tool type"
+                raise ValueError(f"[{k}]: the {what} {kind[:40]!r} is not supported (function tools only)")
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice_only(cls, v: Any) -> Any:
+        if isinstance(v, dict) and isinstance(v.get("type"), str) and v["type"] != "function":
+            raise ValueError(f"the built-in tool {v['type'][:40]!r} is not supported (function tools only)")
+        return v
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _typed_items(cls, v: Any) -> Any:
+        """Messages may leave out ``"type": "message"`` (OpenAI's easy input messages); an unknown item
+        type is named."""
+        if not isinstance(v, list):
+            return v
+        out = []
+        for k, item in enumerate(v):
+            if isinstance(item, dict) and "type" not in item and "role" in item:
+                item = {**item, "type": "message"}
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind not in ITEM_TYPES:
+                raise ValueError(f"[{k}].type: {kind[:40]!r} items are not supported (one of {', '.join(ITEM_TYPES)})")
+            out.append(item)
+        return out
