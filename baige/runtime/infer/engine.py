@@ -33,12 +33,12 @@ from baige.runtime.infer.output_processor import OutputProcessor, RequestState
 from baige.runtime.infer.outputs import RequestFailed, RequestOutput
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import SamplerRow, SamplingParams
-from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence, StepShape
+from baige.runtime.infer.scheduler import Scheduler, Sequence, StepShape
 from baige.runtime.infer.spec_decode.factory import build_proposer
 from baige.runtime.infer.spec_decode.proposer import assign_drafts
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
-from baige.runtime.infer.structured import GrammarCompiler
+from baige.runtime.infer.structured import GrammarCompiler, start_step_masks
 from baige.runtime.infer.text import SeqText
 from baige.runtime.infer.tp_worker import TensorParallelGroup, kv_config, load_engine_model, start_tensor_parallel
 from baige.runtime.model.tokenizer import Tokenizer
@@ -318,7 +318,7 @@ class Engine:
         rows = [_sampler_row(s) for s in batch.seqs]
         n_spec = [len(s.spec_token_ids) for s in batch.seqs]
         tokens, logprobs, prompt_lps = execute_isolated(
-            self.runner, batch, rows, self._start_masks(batch), self.requests.__contains__, self._fail
+            self.runner, batch, rows, start_step_masks(self._grammars, batch), self.requests.__contains__, self._fail
         )
         for i, (first, lps) in prompt_lps.items():
             req = self.requests.get(batch.seqs[i].request_id)
@@ -371,34 +371,6 @@ class Engine:
         """The constraint compiler's counters (:attr:`GrammarCompiler.stats`, a copy); empty before
         the first constrained request, so reading them never builds the compiler."""
         return {} if self._grammars is None else dict(self._grammars.stats)
-
-    def _start_masks(self, batch: ScheduledBatch):
-        """Start the grammar masks of the constrained sequences that sample this step (on the
-        compiler's worker thread, overlapping the forward); returns the callable that waits for
-        them, or None."""
-        constrained, opens = {}, {}
-        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if s.num_computed_tokens + n - len(s.spec_token_ids) != len(s.token_ids):
-                continue  # no token sampled this step
-            if s.payload.grammar is not None:
-                constrained[i] = s.payload.grammar
-            elif s.payload.undecided:  # the first token: the constraint's, or the one that opens reasoning
-                constrained[i], opens[i] = s.payload.pending_grammar, s.payload.params.reasoning_start_token_id
-        if not constrained:
-            return None
-        drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
-        future = self._grammars.start_masks(constrained, drafts)
-        if not opens:
-            return future.result
-
-        def result() -> dict:
-            masks = future.result()
-            for i, token in opens.items():
-                masks[i] = masks[i].clone()
-                masks[i][..., token] = True
-            return masks
-
-        return result
 
     def _output(self, req: RequestState, now: float) -> RequestOutput:
         out = self.output_processor.make_output(req, now)
