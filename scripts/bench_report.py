@@ -270,6 +270,26 @@ def _startup(rs, labels, prefix) -> list[str]:
     return lines
 
 
+def _router(rs, labels, prefix) -> list[str]:
+    """One row per policy of each record of scripts/bench_router.py: prefix-cache hit tokens over the backends."""
+    lines = [
+        "| date (UTC) | model | machine | backends | requests | policy | hit tokens | of the ideal | "
+        "mean latency (s) | record |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        args = r.get("args") or {}
+        for policy, x in (r.get("results") or {}).items():
+            frac = x.get("fraction_of_ideal")
+            lines.append(
+                f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {args.get('backends', DASH)} | "
+                f"{r.get('num_requests', DASH)} | `{policy}` | {_f(x.get('hit_tokens'), 0)} of "
+                f"{_f(r.get('ideal_hit_tokens'), 0)} | {_f(None if frac is None else 100 * frac)}% | "
+                f"{_f(x.get('mean_latency_s'), 3)} | {_link(r, prefix)} |"
+            )
+    return lines
+
+
 def _ratio(x) -> str:
     return DASH if x is None else f"{x:.2f}x"
 
@@ -288,6 +308,7 @@ SECTIONS = [  # (benchmark, heading, table builder)
     ("serve", "Online serving: `baige bench serve`", _serve),
     ("train", "Training: `baige bench train`", _train),
     ("startup", "Start-up: `baige bench startup` (medians from process start)", _startup),
+    ("router", "Routing: `scripts/bench_router.py` (prefix-cache hit tokens over the backends)", _router),
 ]
 
 INTRO = """\

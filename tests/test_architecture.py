@@ -29,6 +29,7 @@ RANKS = {
     "baige.runtime.infer": 5,
     "baige.runtime.train": 6,
     "baige.runtime.server": 6,
+    "baige.runtime.router": 6,  # an HTTP proxy over servers: it imports no engine
     "baige.runtime.quantize": 6,
     "baige.runtime.evaluate": 6,
     "baige.runtime.bench": 7,
@@ -190,9 +191,20 @@ def test_only_cli_imports_typer():
 
 
 def test_only_server_imports_the_web_framework():
+    """The server and the router (an HTTP front door over servers, ``baige router``) serve HTTP."""
     for mod, path in MODULES.items():
-        if not mod.startswith("baige.runtime.server"):
+        if not mod.startswith(("baige.runtime.server", "baige.runtime.router")):
             assert not third_party(path) & {"fastapi", "starlette", "uvicorn"}, mod
+
+
+def test_router_imports_no_engine():
+    """``baige router`` is an HTTP proxy: no engine, model or torch behind it (it starts in a moment)."""
+    routers = [m for m in MODULES if m.startswith("baige.runtime.router")]
+    assert "baige.runtime.router.proxy" in routers
+    for mod in routers:
+        for dep in baige_edges(MODULES[mod], MODULES):
+            assert dep in ("baige.errors", "baige.runtime.config") or dep.startswith("baige.runtime.router"), (mod, dep)
+        assert "torch" not in third_party(MODULES[mod]), mod
 
 
 def test_transformers_only_in_the_peer_benchmark():
@@ -236,6 +248,7 @@ def test_environment_is_read_in_the_settings_modules_only():
         "baige.runtime.bench.common",
         "baige.runtime.bench.serve_run",
         "baige.runtime.infer.tp_worker",
+        "baige.runtime.router.dp",  # the data-parallel ranks' environments (devices, threads)
     }
     for mod, path in MODULES.items():
         if mod in allowed:
@@ -275,31 +288,34 @@ def route_import_violations(g: dict[str, set[str]]) -> list[str]:
 
 
 def async_engine_api() -> set[str]:
-    """What the server may touch on an AsyncEngine: its public methods and properties and the public
-    attributes ``__init__`` sets, less ``engine`` (the Engine it wraps) and ``call`` (runs any function
-    on that Engine: the server asks for a named method instead)."""
-    classes = [
-        n
+    """What the server may touch on an AsyncEngine: its public methods and properties (its own and those
+    of its base classes in baige.runtime.infer, the mixins it is split into) and the public attributes
+    ``__init__`` sets, less ``engine`` (the Engine it wraps) and ``call`` (runs any function on that
+    Engine: the server asks for a named method instead)."""
+    classes = {
+        n.name: n
         for m, path in MODULES.items()
         if m.startswith("baige.runtime.infer")
         for n in ast.parse(path.read_text()).body
-        if isinstance(n, ast.ClassDef) and n.name == "AsyncEngine"
-    ]
-    assert len(classes) == 1, f"{len(classes)} AsyncEngine classes in baige.runtime.infer"
-    (cls,) = classes
-    names = set()
-    for node in cls.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
-            if node.name == "__init__":
-                names |= {
-                    t.attr
-                    for t in ast.walk(node)
-                    if isinstance(t, ast.Attribute)
-                    and isinstance(t.ctx, ast.Store)
-                    and isinstance(t.value, ast.Name)
-                    and t.value.id == "self"
-                }
+        if isinstance(n, ast.ClassDef)
+    }
+    assert "AsyncEngine" in classes, "no AsyncEngine class in baige.runtime.infer"
+    todo, names = ["AsyncEngine"], set()
+    while todo:
+        cls = classes[todo.pop()]
+        todo += [b.id for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+                if node.name == "__init__":
+                    names |= {
+                        t.attr
+                        for t in ast.walk(node)
+                        if isinstance(t, ast.Attribute)
+                        and isinstance(t.ctx, ast.Store)
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"
+                    }
     return {n for n in names if not n.startswith("_")} - {"engine", "call"}
 
 
@@ -421,7 +437,7 @@ def test_server_writes_no_engine_state():
 def test_server_seam_checks_catch_what_they_forbid():
     # the three checks above could pass by seeing nothing: each must flag these snippets
     api = async_engine_api()
-    assert {"generate", "is_alive", "tokenizer", "abort"} <= api and not api & {"engine", "call", "_thread"}
+    assert {"generate", "is_alive", "tokenizer", "abort", "sleep"} <= api and not api & {"engine", "call", "_thread"}
     bad_graph = {f"{SERVER}.chat_routes": {f"{SERVER}.routes"}, f"{SERVER}.serving": {f"{SERVER}.lora_routes"}}
     assert len(route_import_violations(bad_graph)) == 2
     assert route_import_violations({SERVER_APP: {f"{SERVER}.routes", f"{SERVER}.chat_routes"}}) == []

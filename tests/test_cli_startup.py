@@ -29,7 +29,7 @@ HEAVY = (
     "matplotlib",
     "gguf",
 )
-COMMANDS = {"convert", "generate", "chat", "quantize", "serve", "train", "bench", "eval"}
+COMMANDS = {"convert", "generate", "chat", "quantize", "serve", "router", "train", "bench", "eval"}
 BENCH_COMMANDS = {"latency", "throughput", "serve", "kernels", "train", "grpo", "compare", "startup"}
 
 

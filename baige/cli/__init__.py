@@ -7,7 +7,7 @@ import sys
 from typer.exceptions import Abort, TyperException
 
 # the command modules register their commands on `app` when imported
-from baige.cli import bench, convert, evaluate, generate, quantize, serve, train  # noqa: F401
+from baige.cli import bench, convert, evaluate, generate, quantize, router, serve, train  # noqa: F401
 from baige.cli.app import app
 from baige.errors import BaigeError
 
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: every user mistake prints one line (``error: ...``) and exits
     non-zero (1 for bad values and files, 2 for bad command-line usage); Ctrl-C exits 130."""
     try:
-        code = app(args=expand_multi_value(sys.argv[1:] if argv is None else list(argv)), standalone_mode=False)
+        args = expand_multi_value(sys.argv[1:] if argv is None else list(argv))
+        # obj: the command line as given, for a command that starts copies of itself (serve --data-parallel-size)
+        code = app(args=args, standalone_mode=False, obj={"argv": args})
     except TyperException as e:  # click's usage errors (unknown option, bad value, missing argument)
         if type(e).__name__ == "NoArgsIsHelpError":
             e.show()

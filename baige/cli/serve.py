@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -98,12 +99,58 @@ def lora_engine_args(
     }
 
 
+DP_ROUTER_OPTIONS = ("--host", "--port", "--data-parallel-size", "--api-key")  # the router's, not the ranks'
+
+
+def rank_args(argv: list[str]) -> list[str]:
+    """One data-parallel rank's ``baige serve`` arguments: the command line after ``serve`` less the
+    options the router takes (``DP_ROUTER_OPTIONS``, as ``--opt VALUE`` or ``--opt=VALUE``; the API key
+    reaches the ranks as ``BAIGE_API_KEY``)."""
+    args = argv[argv.index("serve") + 1 :] if "serve" in argv else list(argv)
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in DP_ROUTER_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in DP_ROUTER_OPTIONS)):
+            out.append(arg)
+    return out
+
+
+def start_data_parallel(
+    ctx: typer.Context, size: int, tp: int, device: str, api_key: str | None, host: str, port: int, log_level: str
+) -> None:
+    """``--data-parallel-size N``: N copies of this command behind one router (:mod:`baige.runtime.router.dp`)."""
+    from baige.runtime.router.dp import rank_environments, serve_data_parallel
+
+    gpus = 0
+    if device != "cpu":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device == "cuda" and not gpus:
+            raise BaigeError("--device cuda: no CUDA device is visible")
+    envs = rank_environments(size, tp, gpus)
+    if api_key:
+        for env in envs:
+            env["BAIGE_API_KEY"] = api_key
+    argv = (ctx.obj or {}).get("argv") or sys.argv[1:]
+    serve_data_parallel(rank_args(argv), envs, host, port, log_level)
+
+
 class ReasoningParser(str, Enum):
     none = "none"
     auto = "auto"
     qwen3 = "qwen3"
     deepseek_r1 = "deepseek_r1"
     gpt_oss = "gpt_oss"
+
+
+class Runner(str, Enum):
+    auto = "auto"
+    generate = "generate"
+    pooling = "pooling"
 
 
 class LogLevel(str, Enum):
@@ -116,6 +163,7 @@ class LogLevel(str, Enum):
 
 @app.command()
 def serve(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
@@ -274,12 +322,28 @@ def serve(
     ] = False,
     batch_invariant: BatchInvariantOpt = False,
     kv_transfer_config: KVTransferConfigOpt = None,
+    data_parallel_size: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Engine processes (vLLM's data parallelism): N copies of this server, each with its own threads "
+            "(the cores split between them) or its own GPUs (--tensor-parallel-size each), on local ports behind "
+            "one least_load router on --host/--port.",
+        ),
+    ] = 1,
+    runner: Annotated[
+        Runner,
+        typer.Option(
+            help="vLLM's runner: generate (completions, chat) or pooling (/v1/embeddings: prefill-only requests "
+            "pooled by the checkpoint's sentence-transformers config, else by the last token); auto = pooling "
+            "for a checkpoint with sentence-transformers files or a bare-decoder architecture (LlamaModel, ...).",
+            case_sensitive=False,
+        ),
+    ] = Runner.auto,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings,
+    /v1/models, /tokenize, /detokenize)."""
     from baige.runtime.config import EngineConfig
-    from baige.runtime.infer.async_engine import AsyncEngine
-    from baige.runtime.infer.engine import Engine
-    from baige.runtime.server.app import listen, run_server
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_model_name or model or "smollm2-135m-instruct"
@@ -302,6 +366,7 @@ def serve(
         enable_expert_parallel=enable_expert_parallel,
         batch_invariant=batch_invariant,
         kv_transfer_config=kv_transfer_config,
+        runner=runner.value,
         **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
     )
     if cfg.kv_transfer_config is not None:  # an unknown or missing transport fails now, before the model loads
@@ -309,6 +374,13 @@ def serve(
 
         resolve_connector(cfg.kv_transfer_config.kv_connector)
     template = read_chat_template(chat_template) if chat_template is not None else None
+    if data_parallel_size > 1:
+        args = (data_parallel_size, tensor_parallel_size, device.value, api_key, host, port, log_level.value)
+        return start_data_parallel(ctx, *args)
+    from baige.runtime.infer.async_engine import AsyncEngine
+    from baige.runtime.infer.engine import Engine
+    from baige.runtime.server.app import listen, run_server
+
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)
     if template is not None:

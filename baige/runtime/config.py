@@ -212,6 +212,9 @@ class EngineConfig:
     batch_invariant: bool = False
     # prefill/decode disaggregation: a KVTransferConfig, or its JSON text / dict (infer/kv_transfer/)
     kv_transfer_config: "KVTransferConfig | dict | str | None" = None
+    # vLLM's --runner: auto (pooling for a checkpoint with sentence-transformers files or a bare-decoder
+    # architecture, else generate) | generate | pooling (embeddings; infer/pooling.py)
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
@@ -370,22 +373,15 @@ KV_EXTRA_KEYS = {"transfer_timeout": 30.0, "abort_request_timeout": 120.0}
 class KVTransferConfig:
     """How an engine ships or receives prompts' KV blocks (vLLM's ``KVTransferConfig`` keys).
 
-    Attributes:
-        kv_connector: the transport, ``"auto"`` (the best installed) or a name registered in
-            ``baige.runtime.infer.kv_transfer.connectors`` (``zmq``, ...).
-        kv_role: ``kv_producer`` (computes prefills and serves their blocks), ``kv_consumer`` (pulls
-            blocks and decodes) or ``kv_both``.
-        engine_id: this engine's name in ``kv_transfer_params`` (None: a random one).
-        kv_ip: the address the producer's block server binds and advertises.
-        kv_port: its TCP port (0: a free one, picked at start-up).
-        kv_connector_extra_config: ``transfer_timeout`` (seconds a consumer waits for a pull before it
-            computes the prompt itself, default 30) and ``abort_request_timeout`` (seconds a producer
-            keeps a finished prefill's blocks for a consumer to pull, vLLM's
-            ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, default 120).
+    ``kv_connector``: ``"auto"`` or a transport of ``infer/kv_transfer/registry.py``; ``kv_role``: one of
+    :data:`KV_ROLES`; ``engine_id``: the name in ``kv_transfer_params`` (None: random); ``kv_ip`` /
+    ``kv_port``: where the producer's block server binds and what it advertises (port 0: a free one);
+    ``kv_connector_extra_config``: :data:`KV_EXTRA_KEYS`, seconds (a consumer's wait for a pull; how long a
+    producer keeps unpulled blocks, vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``).
     """
 
-    kv_connector: str
-    kv_role: str
+    kv_connector: str = ""
+    kv_role: str = ""
     engine_id: str | None = None
     kv_ip: str = "127.0.0.1"
     kv_port: int = 0
@@ -396,13 +392,12 @@ class KVTransferConfig:
             raise BaigeError(f"--kv-transfer-config: {msg}", param="kv_transfer_config")
 
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
-            bad(f'kv_connector must be "auto" or a transport name, got {self.kv_connector!r}')
+            bad(f'give "kv_connector": "auto" or a transport name (got {self.kv_connector!r})')
         if self.kv_role not in KV_ROLES:
             bad(f"kv_role {self.kv_role!r} is not one of {', '.join(KV_ROLES)}")
-        if self.engine_id is not None and (not isinstance(self.engine_id, str) or not self.engine_id):
-            bad(f"engine_id must be a non-empty string, got {self.engine_id!r}")
-        if not isinstance(self.kv_ip, str) or not self.kv_ip:
-            bad(f"kv_ip must be an address, got {self.kv_ip!r}")
+        for key, value in (("engine_id", self.engine_id or "-"), ("kv_ip", self.kv_ip)):
+            if not isinstance(value, str) or not value:
+                bad(f"{key} must be a non-empty string, got {value!r}")
         if not _is_plain_int(self.kv_port) or not 0 <= self.kv_port <= 65535:
             bad(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
         extra = self.kv_connector_extra_config
@@ -451,7 +446,55 @@ class KVTransferConfig:
                 f"--kv-transfer-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
                 param="kv_transfer_config",
             )
-        for key in ("kv_connector", "kv_role"):
-            if key not in value:
-                raise BaigeError(f'--kv-transfer-config: give "{key}"', param="kv_transfer_config")
         return cls(**value)
+
+
+ROUTER_POLICIES = ("round_robin", "least_load", "prefix", "pd")
+
+
+@dataclass
+class RouterConfig:
+    """``baige router`` (and the router of ``baige serve --data-parallel-size``): the policy, the
+    backends' base URLs (``backends`` for round_robin / least_load / prefix; ``prefill`` and ``decode``
+    for pd), and the health checks' period and deadline in seconds. Raises BaigeError naming a bad
+    value."""
+
+    policy: str = "round_robin"
+    backends: list[str] = field(default_factory=list)
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefix_chars: int = 256
+    balance_abs_threshold: float = 32
+    health_interval: float = 5.0
+    health_timeout: float = 5.0
+    connect_timeout: float = 5.0
+    max_request_bytes: int = 16 * 2**20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTER_POLICIES:
+            raise BaigeError(f"--policy {self.policy!r}: expected one of {', '.join(ROUTER_POLICIES)}")
+        for flag, urls in (("--backend", self.backends), ("--prefill", self.prefill), ("--decode", self.decode)):
+            for i, url in enumerate(urls):
+                if not re.fullmatch(r"https?://[^/\s]+/?", url):
+                    raise BaigeError(f"{flag} {url!r}: expected a base URL, http://HOST:PORT (or https://)")
+                urls[i] = url.rstrip("/")
+            if len(set(urls)) < len(urls):
+                raise BaigeError(f"{flag}: a URL is given twice")
+        if self.policy == "pd":
+            if self.backends:
+                raise BaigeError("--policy pd takes --prefill and --decode URLs, not --backend")
+            if not self.prefill or not self.decode:
+                raise BaigeError("--policy pd needs at least one --prefill URL and one --decode URL")
+        else:
+            if self.prefill or self.decode:
+                raise BaigeError(f"--prefill/--decode are for --policy pd, not {self.policy}")
+            if not self.backends:
+                raise BaigeError(f"--policy {self.policy} needs at least one --backend URL")
+        for name in ("health_interval", "health_timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise BaigeError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        if self.prefix_chars < 1:
+            raise BaigeError("--prefix-chars must be >= 1")

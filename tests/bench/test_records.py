@@ -18,6 +18,13 @@ def test_command_line_is_what_a_user_types():
     )
 
 
+def test_command_line_of_a_repository_script(monkeypatch):
+    monkeypatch.setattr("sys.argv", [str(REPO / "scripts" / "bench_rl_vs_trl.py"), "--dtype", "bfloat16"])
+    assert records.command_line() == "python scripts/bench_rl_vs_trl.py --dtype bfloat16"
+    monkeypatch.setattr("sys.argv", [str(REPO / "baige" / "__main__.py"), "bench", "latency"])
+    assert records.command_line() == "baige bench latency"
+
+
 @pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="not a git checkout")
 def test_git_commit_is_head_of_the_checkout():
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()

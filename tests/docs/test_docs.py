@@ -324,6 +324,20 @@ def test_bench_report_reads_the_numbers_of_hand_made_records(tmp_path):
     assert "(docs/benchmarks/records/compare-1.json)" in head
     with pytest.raises(ValueError, match="no .* block"):
         report.with_headline("a README without markers", records)
+    (tmp_path / "router").mkdir()
+    _record(
+        tmp_path / "router",
+        "router-1.json",
+        {
+            "benchmark": "router",
+            "args": {"model": "m", "backends": 4},
+            "num_requests": 32,
+            "ideal_hit_tokens": 1000,
+            "results": {"prefix": {"hit_tokens": 950.0, "fraction_of_ideal": 0.95, "mean_latency_s": 0.25}},
+        },
+    )
+    page = report.performance_page(report.load_records(tmp_path / "router"))
+    assert "| 4 | 32 | `prefix` | 950 of 1,000 | 95.0% | 0.250 | [router-1.json]" in page
 
 
 REPO_PATH = re.compile(r"`((?:baige|scripts|tests|docs)/[\w./*<>-]*)")  # globs and <placeholders> skipped

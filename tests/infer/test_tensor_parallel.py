@@ -212,3 +212,17 @@ def test_step_broadcast_carries_small_and_larger_than_one_buffer_objects(tmp_pat
     assert torch.equal(small["ids"], torch.arange(5))
     assert torch.equal(large["tables"], torch.arange(3 * STEP_BYTES // 8).view(3, -1)) and large["text"] == "x" * 100
     assert stop == "stop"
+
+
+def test_tp2_embeddings_match_one_process(tmp_path):
+    """The pooling runner on 2 ranks: every rank runs the prefill-only steps, rank 0 pools its final hidden
+    states (replicated after the last all-reduce), equal to one process's."""
+    model_dir = _checkpoint(tmp_path, "llama")
+    vecs = []
+    for tp in (1, 2):
+        llm = LLM(str(model_dir), tensor_parallel_size=tp, runner="pooling", dtype="float32", **ENGINE)
+        try:
+            vecs.append(torch.tensor([o.outputs.embedding for o in llm.embed(PROMPTS)]))
+        finally:
+            llm.engine.close()
+    torch.testing.assert_close(vecs[1], vecs[0], atol=1e-5, rtol=0)

@@ -345,6 +345,47 @@ def test_hostile_responses_fail_alone(url, http, witness_solo):
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
 
 
+TOKENIZE = [
+    ({"prompt": 5}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    (raw('{"prompt": "a\\ud800b"}'), 400, "prompt"),
+    ({"prompt": "x" * 900_000}, 400, "prompt"),  # far more characters than the context holds
+    ({"prompt": "ab", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ({"prompt": "ab", "model": "other"}, 404, "model"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x " * 300_000}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
+    (raw('{"messages": ' + "[" * 70 + "]" * 70 + "}"), 400, None),
+    (raw("[" * 100_000 + "]" * 100_000), 400, None),
+]
+DETOKENIZE = [
+    ({"tokens": [VOCAB]}, 400, "tokens"),
+    ({"tokens": [2**40]}, 400, "tokens"),
+    ({"tokens": [-1]}, 400, "tokens"),
+    ({"tokens": "abc"}, 400, "tokens"),
+    ({"tokens": [[1, 2]]}, 400, "tokens"),
+    ({"tokens": [1.5]}, 400, "tokens"),
+    ({"tokens": list(range(MAX_LEN + 1))}, 400, "tokens"),
+    ({}, 400, "tokens"),
+    (raw('{"tokens": ' + "[" * 70 + "1" + "]" * 70 + "}"), 400, None),
+]
+
+
+@pytest.mark.parametrize("path, cases", [("/tokenize", TOKENIZE), ("/detokenize", DETOKENIZE)])
+def test_hostile_tokenize_fails_alone(url, http, witness_solo, path, cases):
+    text, responses = asyncio.run(_witness_and(url, path, [b for b, _, _ in cases]))
+    check_all(cases, responses)
+    assert text == witness_solo
+    ids = http.post("/tokenize", json={"prompt": "still fine"}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "still fine"}
+    # the generate runner does not embed: a 400 naming the model, not a 404 or a 500
+    assert_openai_error(http.post("/v1/embeddings", json={"input": "hi"}), 400, "model")
+
+
 def test_every_status_is_in_openai_shape(url, http):
     assert_openai_error(http.get("/v1/nope"), 404)
     assert_openai_error(http.get("/v1/completions"), 405)
@@ -674,3 +715,99 @@ def test_dead_engine_loop_503_pending_clients_error_and_nonzero_exit(embedded_di
         assert health == 503
         assert proc.wait(timeout=60) != 0
         assert "engine loop stopped" in proc.stderr.read()
+
+
+# ---- the pooling runner: /v1/embeddings -----------------------------------------------------------
+TINY_VOCAB, TINY_MAX_LEN = 160, 64
+WITNESS_EMBED = {"input": ["t3 t4 t5", " ".join(f"t{i}" for i in range(10, 60))]}
+
+
+@pytest.fixture(scope="module")
+def pooling_url(tmp_path_factory):
+    from tiny import make_checkpoint, write_tiny_tokenizer
+
+    d = write_tiny_tokenizer(make_checkpoint(tmp_path_factory.mktemp("pool"), "llama"))
+    args = (
+        "--runner",
+        "pooling",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(TINY_MAX_LEN),
+        "--kv-cache-memory",
+        "8MB",
+    )
+    extra = (
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "8",
+        "--max-request-bytes",
+        str(MAX_BYTES),
+        "--log-level",
+        "error",
+    )
+    with serve_utils.launched(d, *args, *extra, api_key=KEY) as (url, _):
+        yield url
+
+
+EMBED = [
+    ({"input": ["t1"] * 2049}, 400, "input"),  # more inputs than one request may have (OpenAI's 2048)
+    ({"input": [[1]] * 2049}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": ""}, 400, "input"),
+    ({"input": ["t1", ""]}, 400, "input"),
+    ({"input": [[]]}, 400, "input"),
+    ({"input": [TINY_VOCAB]}, 400, "input"),
+    ({"input": [[1, 2], [-1]]}, 400, "input"),
+    ({"input": [[1, 2], [2**40]]}, 400, "input"),
+    ({"input": list(range(1, TINY_MAX_LEN + 2))}, 400, "input"),  # longer than the context
+    ({"input": "t1 " * 100_000}, 400, "input"),
+    ({"input": 5}, 400, "input"),
+    ({"input": {"a": 1}}, 400, "input"),
+    ({"input": [["t1"]]}, 400, "input"),
+    ({"input": [1, "t1"]}, 400, "input"),
+    ({"input": [1.5]}, 400, "input"),
+    ({"input": True}, 400, "input"),
+    ({}, 400, "input"),
+    (raw('{"input": "a\\ud800b"}'), 400, "input"),
+    (raw('{"input": ' + "[" * 70 + "1" + "]" * 70 + "}"), 400, None),
+    (raw('{"input": "t1", "dimensions": NaN}'), 400, "dimensions"),
+    ({"input": "t1", "dimensions": 0}, 400, "dimensions"),
+    ({"input": "t1", "dimensions": 8}, 400, "dimensions"),  # the model declares no Matryoshka dimensions
+    ({"input": "t1", "dimensions": "8"}, 400, "dimensions"),
+    ({"input": "t1", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"input": "t1", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"input": "t1", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    ({"input": "t1", "user": {"id": 5}}, 400, "user"),
+    ({"input": "t1", "model": "other"}, 404, "model"),
+    ({"input": ["t1 t2"] * 200_000}, 413, None),
+]
+
+
+async def _embed_witness_and(url: str, bodies: list):
+    """Embed the witness while every body is sent; (its embeddings, the responses)."""
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+
+        async def send(body):
+            if isinstance(body, bytes):
+                return await c.post("/v1/embeddings", content=body, headers={"content-type": "application/json"})
+            return await c.post("/v1/embeddings", json=body)
+
+        witness = asyncio.create_task(c.post("/v1/embeddings", json=WITNESS_EMBED))
+        responses = await asyncio.gather(*(send(b) for b in bodies))
+        r = await witness
+        assert r.status_code == 200, r.text[:300]
+        return [d["embedding"] for d in r.json()["data"]], responses
+
+
+def test_hostile_embeddings_fail_alone(pooling_url):
+    with httpx.Client(base_url=pooling_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http:
+        solo = [d["embedding"] for d in http.post("/v1/embeddings", json=WITNESS_EMBED).json()["data"]]
+        got, responses = asyncio.run(_embed_witness_and(pooling_url, [b for b, _, _ in EMBED]))
+        check_all(EMBED, responses)
+        assert got == solo  # the request beside them is unchanged
+        assert_openai_error(http.post("/v1/completions", json={"prompt": "t1", "max_tokens": 2}), 400)
+        m = wait_idle(http)
+        assert (m["baige:num_requests_running"], m["baige:kv_cache_blocks_used"]) == (0, 0)
+        assert http.post("/v1/embeddings", json={"input": [[1] * TINY_MAX_LEN] * 8}).status_code == 200

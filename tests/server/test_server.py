@@ -342,3 +342,7 @@ def test_metrics_exposed(http):
         assert name in m, name
     assert m["baige:generation_tokens_total"] > 0 and m["baige:e2e_request_latency_seconds_count"] > 0
     assert 0 < m["baige:prefix_cache_hit_rate"] < 1
+    # the token counters behind the rate (vLLM's prefix_cache_queries / prefix_cache_hits), one snapshot
+    hits, queries = m["baige:prefix_cache_hits_total"], m["baige:prefix_cache_queries_total"]
+    assert hits % 16 == 0 and 0 < hits < queries  # whole blocks of the default --block-size
+    assert hits / queries == pytest.approx(m["baige:prefix_cache_hit_rate"])

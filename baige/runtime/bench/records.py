@@ -50,9 +50,18 @@ def git_commit() -> tuple[str | None, bool | None]:
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command as a user would type it: ``baige`` and the arguments after the program name
-    (``python -m baige bench latency`` and the ``baige`` console script give the same string)."""
-    args = sys.argv[1:] if argv is None else argv
-    return shlex.join(["baige", *args])
+    (``python -m baige bench latency`` and the ``baige`` console script give the same string), or for a
+    script of this repository (``scripts/*.py``) ``python scripts/NAME.py`` and its arguments."""
+    if argv is None:
+        prog = Path(sys.argv[0])
+        if prog.suffix == ".py" and prog.name != "__main__.py":
+            try:
+                prog = prog.resolve().relative_to(Path(__file__).resolve().parents[3])
+            except ValueError:
+                pass
+            return shlex.join(["python", str(prog), *sys.argv[1:]])
+        argv = sys.argv[1:]
+    return shlex.join(["baige", *argv])
 
 
 def provenance() -> dict[str, str | bool | None]:

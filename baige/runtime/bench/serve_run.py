@@ -260,6 +260,22 @@ def scrape_spec_decode(base_url: str, api_key: str | None = None) -> dict | None
     }
 
 
+def describe_target(base_url: str) -> dict:
+    """What ``--base-url`` points at, for the record: ``{"kind": "router", "policy", "backends": [{url,
+    role}]}`` when its ``/health`` is a ``baige router``'s (or ``baige serve --data-parallel-size``'s),
+    else ``{"kind": "server"}``."""
+    import httpx
+
+    try:
+        info = httpx.get(base_url + "/health", timeout=10.0).json().get("router")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        info = None
+    if not isinstance(info, dict):
+        return {"kind": "server", "base_url": base_url}
+    backends = [{"url": b.get("url"), "role": b.get("role")} for b in info.get("backends") or []]
+    return {"kind": "router", "base_url": base_url, "policy": info.get("policy"), "backends": backends}
+
+
 def _send_load(
     cfg: ServeBenchConfig,
     base_url: str,
@@ -325,8 +341,10 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
     max_pos = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
     max_model_len = min(max(r.prompt_len + r.output_len for r in inputs) * 2 + 16, max_pos)
 
+    target = {"kind": "server", "base_url": None}  # launched here
     if cfg.base_url:
         wait_healthy(cfg.base_url.rstrip("/"), None, 10.0)
+        target = describe_target(cfg.base_url.rstrip("/"))
         results, duration, interrupted, spec = _send_load(cfg, cfg.base_url.rstrip("/"), name, inputs, on_done)
     else:
         extra = [*cfg.server_args]
@@ -349,6 +367,7 @@ def run_serve(cfg: ServeBenchConfig, on_done: Callable[[RequestResult], None] | 
         "environment": environment(),
         "interrupted": interrupted,
         "model_id": name,
+        "target": target,
         "num_prompts": len(inputs),
         "request_rate": args["request_rate"],
         "burstiness": cfg.burstiness,

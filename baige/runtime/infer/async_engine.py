@@ -17,17 +17,22 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import torch
-
 from baige.errors import BaigeError
-from baige.runtime.infer import weight_sync
+from baige.runtime.infer.async_weights import AsyncEngineWeights
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.kv_transfer.manager import KVTransferStats
 from baige.runtime.infer.lora import LoRARequest
-from baige.runtime.infer.outputs import EngineDeadError, RequestAborted, RequestFailed, RequestOutput
+from baige.runtime.infer.outputs import (
+    EmbeddingRequestOutput,
+    EngineDeadError,
+    RequestAborted,
+    RequestFailed,
+    RequestOutput,
+)
+from baige.runtime.infer.pooling import PoolingParams
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.model.tokenizer import Tokenizer
@@ -45,6 +50,9 @@ class EngineStats:
         kv_cache_blocks_used: KV-cache blocks referenced by a sequence.
         kv_cache_blocks_total: KV-cache blocks in the pool.
         prefix_cache_hit_rate: prompt tokens found in the prefix cache / prompt tokens looked up (0-1).
+        prefix_cache_queries: prompt tokens looked up in the prefix cache so far (vLLM's
+            ``prefix_cache_queries``).
+        prefix_cache_hits: of those, tokens found cached so far (vLLM's ``prefix_cache_hits``).
         num_preemptions: sequences preempted (recompute) so far.
         num_structured_output_requests: requests with a structured-output constraint so far.
         grammar: the constraint compiler's counters (``compiles``, ``compile_seconds``, ``mask_seconds``,
@@ -58,6 +66,8 @@ class EngineStats:
     kv_cache_blocks_used: int
     kv_cache_blocks_total: int
     prefix_cache_hit_rate: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_preemptions: int
     num_structured_output_requests: int
     grammar: dict[str, float]
@@ -65,7 +75,7 @@ class EngineStats:
     kv_transfer: KVTransferStats | None = None
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncEngineWeights):
     """Drives an :class:`Engine` from one background thread; asyncio callers stream its outputs.
 
     The HTTP server uses this class's public methods only, never the wrapped ``engine``
@@ -88,7 +98,9 @@ class AsyncEngine:
         self.on_dead = on_dead
         self.dead: BaseException | None = None
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, str | list[int], SamplingParams, float, LoRARequest | None, dict | None]] = []
+        self._adds: list[
+            tuple[str, str | list[int], SamplingParams | PoolingParams, float, LoRARequest | None, dict | None]
+        ] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
         # run once no request is in flight; until then new requests wait (update_weights, sleep)
@@ -159,6 +171,8 @@ class AsyncEngine:
             kv_cache_blocks_used=bm.num_used_blocks,
             kv_cache_blocks_total=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hit_rate,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
             num_preemptions=engine.scheduler.num_preemptions,
             num_structured_output_requests=engine.num_constrained_requests,
             grammar=engine.grammar_stats,
@@ -215,38 +229,6 @@ class AsyncEngine:
             self._cv.notify()
         return await asyncio.wrap_future(future)
 
-    # ---- weights and memory (RL hooks; the server's /update_weights_from_disk, /sleep, ...) -------
-    @property
-    def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
-
-    async def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None
-    ) -> None:
-        """:meth:`Engine.update_weights` once the requests in flight have finished with the old weights
-        (requests that arrive meanwhile wait and run with the new ones). Raises BaigeError."""
-        pairs = list(named_tensors)
-        await self.call(lambda engine: engine.update_weights(pairs, lora_name), drain=True)
-
-    async def update_weights_from_disk(self, model_path: str) -> None:
-        """Read the checkpoint at ``model_path`` off the engine's thread (the engine keeps serving), then
-        :meth:`update_weights` with it. Raises BaigeError (``weight_sync.read_checkpoint``)."""
-        state = await asyncio.to_thread(weight_sync.read_checkpoint, model_path, self.engine.model)
-        await self.update_weights(state.items())
-
-    async def sleep(self, level: int = 1) -> None:
-        """:meth:`Engine.sleep` once the requests in flight have finished; requests are then refused
-        (BaigeError) until :meth:`wake_up`. Raises BaigeError as :meth:`Engine.sleep`."""
-        await self.call(lambda engine: engine.sleep(level), drain=True)
-
-    async def wake_up(self) -> None:
-        """:meth:`Engine.wake_up`."""
-        await self.call(lambda engine: engine.wake_up())
-
-    async def reset_prefix_cache(self) -> None:
-        """:meth:`Engine.reset_prefix_cache` between two steps (requests in flight go on)."""
-        await self.call(lambda engine: engine.reset_prefix_cache())
-
     async def generate(
         self,
         prompt: str | list[int],
@@ -268,6 +250,51 @@ class AsyncEngine:
         if self._closing is not None:
             raise RequestAborted(self._closing)
         _, ids, params = self.engine.prepare(prompt, params)
+        prompt = prompt if isinstance(prompt, str) else ids
+        async for out in self._stream(request_id, prompt, params, lora_request, kv_transfer_params):
+            yield out
+
+    # ---- pooling (the pooling runner: embeddings) ------------------------------------------------
+    @property
+    def is_pooling(self) -> bool:
+        """The engine runs the pooling runner (``--runner pooling``): it embeds and does not generate."""
+        return self.engine.pooler is not None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.model.config.hidden_size
+
+    def prepare_pooling(self, prompt: str | list[int], params: PoolingParams) -> list[int]:
+        """Tokenize and validate a pooling prompt and its parameters (any thread;
+        :meth:`Engine.prepare_pooling`): its token ids. Raises BaigeError."""
+        return self.engine.prepare_pooling(prompt, params)[1]
+
+    async def embed(
+        self, prompt: str | list[int], params: PoolingParams, request_id: str | None = None
+    ) -> EmbeddingRequestOutput:
+        """Pool one prompt (:meth:`Engine.add_pooling_request`, batched with the other requests); its
+        output once its prompt is computed. Cancellation aborts it. Raises BaigeError (the generate
+        runner, bad input: before anything is queued), RequestFailed, EngineDeadError."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop has stopped; restart the server")
+        if not self.is_pooling:
+            raise BaigeError("this model runs the generate runner; embeddings need --runner pooling", param="model")
+        ids = self.prepare_pooling(prompt, params)
+        out = None
+        async for out in self._stream(request_id, ids, params, None):
+            pass
+        return out
+
+    async def _stream(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params,
+        lora_request: LoRARequest | None,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator:
+        """Hand a validated request to the loop and yield its outputs until it finishes; leaving early
+        aborts it."""
         request_id = request_id or self.new_request_id()
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -275,16 +302,7 @@ class AsyncEngine:
             if self.dead is not None:
                 raise EngineDeadError("the engine loop has stopped; restart the server")
             self._streams[request_id] = (loop, queue)
-            self._adds.append(
-                (
-                    request_id,
-                    prompt if isinstance(prompt, str) else ids,
-                    params,
-                    time.monotonic(),
-                    lora_request,
-                    kv_transfer_params,
-                )
-            )
+            self._adds.append((request_id, prompt, params, time.monotonic(), lora_request, kv_transfer_params))
             self._cv.notify()
         finished = False
         try:
@@ -400,15 +418,18 @@ class AsyncEngine:
         self,
         rid: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival: float,
         lora: LoRARequest | None = None,
         kv_transfer_params: dict | None = None,
     ) -> None:
         try:
-            self.engine.add_request(
-                rid, prompt, params, arrival, lora_request=lora, kv_transfer_params=kv_transfer_params
-            )
+            if isinstance(params, PoolingParams):
+                self.engine.add_pooling_request(rid, prompt, params, arrival)
+            else:
+                self.engine.add_request(
+                    rid, prompt, params, arrival, lora_request=lora, kv_transfer_params=kv_transfer_params
+                )
         except BaigeError as e:
             self._deliver(rid, e)
         except Exception as e:  # not the caller's mistake: log it, fail this request only

@@ -129,8 +129,12 @@ class BlockManager:
     def _cached_prefix(self, seq: SequenceLike) -> list[int]:
         """Ids of cached blocks that hold a prefix of ``seq``'s tokens (at least one token is left).
         None for a sequence that asks for prompt logprobs (``seq.prompt_logprobs`` set): those need
-        logits at every prompt position, so its prompt is computed in full."""
+        logits at every prompt position, so its prompt is computed in full; likewise a pooling sequence
+        whose pooling reads every position's hidden state (``seq.pooling.needs_whole_prompt``)."""
         if not self.enable_prefix_caching or getattr(seq, "prompt_logprobs", None) is not None:
+            return []
+        pooling = getattr(seq, "pooling", None)
+        if pooling is not None and pooling.needs_whole_prompt:
             return []
         hits: list[int] = []
         parent = root_key(getattr(seq, "lora_int_id", 0))

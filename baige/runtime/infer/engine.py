@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -22,8 +21,8 @@ import torch
 from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig, parse_size
-from baige.runtime.infer import weight_sync
 from baige.runtime.infer.block_manager import BlockManager
+from baige.runtime.infer.engine_weights import EngineWeights
 from baige.runtime.infer.input_processor import InputProcessor
 from baige.runtime.infer.isolation import execute_isolated
 from baige.runtime.infer.kv_cache import allocate_kv_cache
@@ -31,6 +30,8 @@ from baige.runtime.infer.kv_transfer.manager import KVTransfer
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.output_processor import OutputProcessor, RequestState
 from baige.runtime.infer.outputs import RequestFailed, RequestOutput
+from baige.runtime.infer.pooling import PoolerConfig, pooling_runner
+from baige.runtime.infer.pooling_engine import EnginePooling
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import SamplerRow, SamplingParams
 from baige.runtime.infer.scheduler import Scheduler, Sequence, StepShape
@@ -38,7 +39,7 @@ from baige.runtime.infer.spec_decode.factory import build_proposer
 from baige.runtime.infer.spec_decode.proposer import assign_drafts
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 from baige.runtime.infer.stop import StopMatcher
-from baige.runtime.infer.structured import GrammarCompiler, start_step_masks
+from baige.runtime.infer.structured import GrammarCompiler
 from baige.runtime.infer.text import SeqText
 from baige.runtime.infer.tp_worker import TensorParallelGroup, kv_config, load_engine_model, start_tensor_parallel
 from baige.runtime.model.tokenizer import Tokenizer
@@ -49,7 +50,7 @@ from baige.runtime.weights.hub import resolve_model
 logger = logging.getLogger("baige.engine")
 
 
-class Engine:
+class Engine(EnginePooling, EngineWeights):
     """Continuous-batching engine over one model.
 
     Args:
@@ -58,16 +59,25 @@ class Engine:
         cfg: engine settings.
         tp: the tensor-parallel group (``tp_worker.TensorParallelGroup``) when ``model`` is a shard;
             the engine sizes the KV cache, tells the workers, and closes the group in :meth:`close`.
+        pooler: set: the pooling runner (vLLM's ``--runner pooling``): the engine serves
+            :meth:`add_pooling_request` (embeddings) and refuses generation.
     Raises:
         BaigeError: settings that cannot work (a KV budget below one max-length sequence,
-        max_num_batched_tokens < max_num_seqs, ...).
+        max_num_batched_tokens < max_num_seqs, speculative decoding with the pooling runner, ...).
     """
 
     def __init__(
-        self, model: Transformer, tokenizer: Tokenizer, cfg: EngineConfig, tp: TensorParallelGroup | None = None
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        cfg: EngineConfig,
+        tp: TensorParallelGroup | None = None,
+        pooler: PoolerConfig | None = None,
     ):
         mc = model.config
-        self.model, self.tokenizer, self.cfg, self.tp = model, tokenizer, cfg, tp
+        self.model, self.tokenizer, self.cfg, self.tp, self.pooler = model, tokenizer, cfg, tp, pooler
+        if pooler is not None and cfg.speculative_config is not None:
+            raise BaigeError("--speculative-config does not apply to the pooling runner (it never decodes)")
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise BaigeError(
@@ -141,10 +151,11 @@ class Engine:
         load rank 0's shard. Raises BaigeError."""
         model_dir = resolve_model(cfg.model)
         tokenizer = Tokenizer.from_dir(model_dir)
+        pooler = pooling_runner(cfg.runner, model_dir)
         tp = start_tensor_parallel(cfg, model_dir) if cfg.tensor_parallel_size > 1 else None
         try:
-            model = load_engine_model(cfg, model_dir, tp.comm if tp is not None else None)
-            return cls(model, tokenizer, cfg, tp)
+            model = load_engine_model(cfg, model_dir, tp.comm if tp is not None else None, pooling=pooler is not None)
+            return cls(model, tokenizer, cfg, tp, pooler)
         except BaseException:
             if tp is not None:
                 tp.close()
@@ -171,7 +182,9 @@ class Engine:
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """Tokenize and validate a prompt (:meth:`InputProcessor.prepare`). Raises BaigeError as that
-        does, and while the engine is asleep (:meth:`sleep`)."""
+        does, while the engine is asleep (:meth:`sleep`), and under the pooling runner."""
+        if self.pooler is not None:
+            raise BaigeError("this model runs the pooling runner (--runner pooling): it embeds, it does not generate")
         if self.is_sleeping:
             raise BaigeError("the engine is asleep (its KV cache is released); call wake_up() first")
         return self.input_processor.prepare(prompt, params)
@@ -315,11 +328,16 @@ class Engine:
             return []
         if self.step_shapes is not None:
             self.step_shapes.append(batch.shape())
+        now = time.monotonic()
         rows = [_sampler_row(s) for s in batch.seqs]
         n_spec = [len(s.spec_token_ids) for s in batch.seqs]
         tokens, logprobs, prompt_lps = execute_isolated(
-            self.runner, batch, rows, start_step_masks(self._grammars, batch), self.requests.__contains__, self._fail
+            self.runner, batch, rows, self._start_masks(batch), self.requests.__contains__, self._fail
         )
+        for seq in batch.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.scheduled_time is None:
+                req.scheduled_time = now
         for i, (first, lps) in prompt_lps.items():
             req = self.requests.get(batch.seqs[i].request_id)
             if req is not None and req.prompt_logprobs is not None and first == len(req.prompt_logprobs):
@@ -332,6 +350,7 @@ class Engine:
                 seq.spec_budget.update(k, len(toks) - 1)
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
+        pooled = [self._finish_pooled(s, now) for s in batch.seqs if s.pooling is not None]
         lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
         touched: dict[str, RequestState] = {}
         for seq in got:
@@ -347,7 +366,7 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req
-        return [self._output(req, now) for req in touched.values()]
+        return [o for o in pooled if o is not None] + [self._output(req, now) for req in touched.values()]
 
     def _propose(self) -> None:
         """Draft tokens for the running sequences that decode next step (:func:`assign_drafts`)."""
@@ -372,6 +391,34 @@ class Engine:
         the first constrained request, so reading them never builds the compiler."""
         return {} if self._grammars is None else dict(self._grammars.stats)
 
+    def _start_masks(self, batch: ScheduledBatch):
+        """Start the grammar masks of the constrained sequences that sample this step (on the
+        compiler's worker thread, overlapping the forward); returns the callable that waits for
+        them, or None."""
+        constrained, opens = {}, {}
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if s.pooling is not None or s.num_computed_tokens + n - len(s.spec_token_ids) != len(s.token_ids):
+                continue  # no token sampled this step
+            if s.payload.grammar is not None:
+                constrained[i] = s.payload.grammar
+            elif s.payload.undecided:  # the first token: the constraint's, or the one that opens reasoning
+                constrained[i], opens[i] = s.payload.pending_grammar, s.payload.params.reasoning_start_token_id
+        if not constrained:
+            return None
+        drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
+        future = self._grammars.start_masks(constrained, drafts)
+        if not opens:
+            return future.result
+
+        def result() -> dict:
+            masks = future.result()
+            for i, token in opens.items():
+                masks[i] = masks[i].clone()
+                masks[i][..., token] = True
+            return masks
+
+        return result
+
     def _output(self, req: RequestState, now: float) -> RequestOutput:
         out = self.output_processor.make_output(req, now)
         if out.finished:
@@ -387,75 +434,6 @@ class Engine:
                 ",".join(str(o.finish_reason) for o in out.outputs),
             )
         return out
-
-    # ---- weights and memory (RL) -------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], lora_name: str | None = None) -> None:
-        """Copy new weights into the model in place (RL weight sync; ``weight_sync.copy_weights``: names,
-        layouts, DTensors), rebuild what is derived from them, and reset the prefix cache. Runs between
-        steps, as every engine call does: sequences in flight take the new weights from their next step
-        on (their K/V so far stays the old weights'); ``AsyncEngine.update_weights`` drains them first.
-        Works while asleep. ``lora_name``: the pairs are that loaded adapter's lora_A/lora_B weights
-        instead (``LoRAManager.update``). Raises BaigeError (as those; tensor parallelism; no LoRA)."""
-        self._check_local("update_weights")
-        if lora_name is not None:
-            self.resolve_lora(LoRARequest(lora_name, 1, ""))  # raises without LoRA or for a name not loaded
-            self.lora.update(lora_name, named_tensors)
-        else:
-            weight_sync.copy_weights(self.model, named_tensors)
-            if not self.is_sleeping:
-                self.runner.rebuild_native()
-        self.reset_prefix_cache()
-
-    def update_weights_from_disk(self, model_path: str) -> None:
-        """:meth:`update_weights` with every tensor of a checkpoint of the same architecture (an HF
-        directory or ``.gguf``; ``weight_sync.read_checkpoint``, which raises BaigeError)."""
-        self._check_local("update_weights_from_disk")
-        self.update_weights(weight_sync.read_checkpoint(model_path, self.model).items())
-
-    def reset_prefix_cache(self) -> None:
-        """Forget the prefix cache (``BlockManager.reset_prefix_cache``): no later request reuses K/V
-        computed so far; requests in flight keep theirs."""
-        self.block_manager.reset_prefix_cache()
-
-    @property
-    def is_sleeping(self) -> bool:
-        return not self.kv_cache.allocated
-
-    def _runners(self) -> list[ModelRunner]:
-        return [self.runner] + ([self.proposer.runner] if hasattr(self.proposer, "runner") else [])
-
-    def sleep(self, level: int = 1) -> None:
-        """Release the KV cache (vLLM's sleep level 1: the paged pools, a draft model's too) until
-        :meth:`wake_up`; the weights stay, and :meth:`update_weights` works meanwhile. New requests are
-        refused while asleep. A no-op when already asleep.
-
-        Raises:
-            BaigeError: ``level`` not 1 (level 2, which also discards the weights, is not supported),
-            requests in flight (finish or abort them first), tensor parallelism, captured CUDA graphs.
-        """
-        if level != 1:
-            raise BaigeError(
-                f"sleep level {level} is not supported; level 1 releases the KV cache (the weights stay)",
-                param="level",
-            )
-        self._check_local("sleep")
-        if self.has_unfinished():
-            raise BaigeError(f"sleep: {len(self.requests)} request(s) in flight; let them finish or abort them first")
-        if not self.is_sleeping:
-            self.block_manager.reset_prefix_cache()
-            for runner in self._runners():
-                runner.release_kv()
-
-    def wake_up(self) -> None:
-        """Allocate the KV cache again (empty) after :meth:`sleep`; a no-op when awake."""
-        if self.is_sleeping:
-            for runner in self._runners():
-                runner.restore_kv()
-
-    def _check_local(self, what: str) -> None:
-        if self.tp is not None or self.kv_transfer is not None:  # pinned or pulled K/V would outlive the weights
-            why = "tensor parallelism (--tensor-parallel-size > 1)" if self.tp is not None else "--kv-transfer-config"
-            raise BaigeError(f"{what} is not supported under {why}")
 
     # ---- offline ---------------------------------------------------------------------------
     def run_to_completion(self, request_ids: Seq[str]) -> list[RequestOutput]:
@@ -476,7 +454,9 @@ class Engine:
         return [final[r] for r in request_ids]
 
 
-def _sampler_row(s: Sequence) -> SamplerRow:
+def _sampler_row(s: Sequence) -> SamplerRow | None:
+    if s.pooling is not None:  # prefill only: never samples
+        return None
     st: SeqText = s.payload
     p = st.params
     return SamplerRow(

@@ -56,21 +56,7 @@ class InputProcessor:
                     "allowed_token_ids leave no token that the structured-output constraint allows first",
                     param="allowed_token_ids",
                 )
-        if isinstance(prompt, str):
-            _check_text(prompt, "prompt")
-            if len(prompt) > self.max_prompt_chars:
-                raise BaigeError(
-                    f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                    f"has {len(prompt)} characters, far more than that many tokens can hold"
-                )
-            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
-        else:
-            text, ids = None, list(prompt)
-        if not ids:
-            raise BaigeError("the prompt is empty")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise BaigeError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        text, ids = self._tokens(prompt)
         n = len(ids)
         if n >= self.max_model_len:
             raise BaigeError(
@@ -86,6 +72,36 @@ class InputProcessor:
                 f"in the completion); reduce the prompt or max_tokens"
             )
         return text, ids, params
+
+    def _tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and ids. Raises BaigeError: empty, not valid Unicode,
+        far longer than the context, or ids outside the vocabulary."""
+        if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
+            if len(prompt) > self.max_prompt_chars:
+                raise BaigeError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                    f"has {len(prompt)} characters, far more than that many tokens can hold"
+                )
+            text, ids = prompt, self.tokenizer.encode(prompt) if prompt else []
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise BaigeError("the prompt is empty")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise BaigeError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return text, ids
+
+    def prepare_pooling(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a pooling request's prompt (at most ``max_model_len`` tokens: nothing is
+        generated after it). Raises BaigeError as :meth:`prepare` for the prompt itself."""
+        text, ids = self._tokens(prompt)
+        if len(ids) > self.max_model_len:
+            raise BaigeError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the input has {len(ids)} tokens"
+            )
+        return text, ids
 
 
 def _check_text(text: str, field: str) -> None:

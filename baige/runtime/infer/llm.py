@@ -1,5 +1,5 @@
-"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages, params)``
-(vLLM's ``LLM``)."""
+"""The offline API: ``LLM(model).generate(prompts, params)``, ``LLM(model).chat(messages, params)`` and
+``LLM(model, runner="pooling").embed(prompts)`` (vLLM's ``LLM``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.lora import LoRARequest
-from baige.runtime.infer.outputs import RequestOutput
+from baige.runtime.infer.outputs import EmbeddingRequestOutput, RequestOutput
+from baige.runtime.infer.pooling import PoolingParams
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
 
@@ -120,6 +121,32 @@ class LLM:
             rid = f"llm-{next(self._ids)}"
             self.engine.add_request(rid, prompt, p, lora_request=lora)
             ids.append(rid)
+        return self.engine.run_to_completion(ids)
+
+    def embed(
+        self, prompts: PromptType | list[PromptType], pooling_params: PoolingParams | None = None
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (vLLM's ``LLM.embed``; needs the pooling runner: ``LLM(model,
+        runner="pooling")`` or a pooling checkpoint); ``outputs.embedding`` of each, in prompt order.
+
+        Args:
+            prompts: as :meth:`generate`'s.
+            pooling_params: ``dimensions`` (Matryoshka models) and ``normalize``, for all prompts.
+        Raises:
+            BaigeError: the generate runner, a bad prompt or parameters (nothing is queued then).
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        if self.engine.pooler is None:
+            raise BaigeError('embed() needs the pooling runner: LLM(model, runner="pooling")')
+        prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p for p in prompts]
+        for prompt in prompts:
+            self.engine.prepare_pooling(prompt, params)  # validate all before queueing any
+        ids = []
+        for prompt in prompts:
+            ids.append(f"llm-{next(self._ids)}")
+            self.engine.add_pooling_request(ids[-1], prompt, params)
         return self.engine.run_to_completion(ids)
 
     # ---- weights and memory (RL: the trainer's side of weight sync and colocation) ----------------

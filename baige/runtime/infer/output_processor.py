@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from baige.errors import BaigeError
 from baige.runtime.infer.outputs import CompletionOutput, RequestOutput
+from baige.runtime.infer.pooling import PoolingParams
 from baige.runtime.infer.sampling import Logprobs, SamplingParams
 from baige.runtime.infer.scheduler import Scheduler, Sequence
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
@@ -23,10 +24,12 @@ class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     seqs: list[Sequence]
     arrival_time: float
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # first in a step
+    last_token_time: float | None = None  # the last step that produced tokens
     prompt_logprobs: list[Logprobs | None] | None = None
     spec_stats: SpecDecodeStats | None = None
 
@@ -122,6 +125,8 @@ class OutputProcessor:
             st.sent, st.sent_tokens = upto, len(out_ids)
             st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
         finished = all(s.is_finished for s in req.seqs)
+        interval = None if req.last_token_time is None else now - req.last_token_time
+        req.last_token_time = now
         return RequestOutput(
             req.request_id,
             req.prompt,
@@ -136,4 +141,8 @@ class OutputProcessor:
             spec_decode=replace(req.spec_stats, accepted_per_pos=list(req.spec_stats.accepted_per_pos))
             if req.spec_stats is not None
             else None,
+            first_scheduled_time=req.scheduled_time,
+            token_interval=interval,
+            n=req.params.n,
+            max_tokens=req.params.max_tokens,
         )

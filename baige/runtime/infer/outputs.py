@@ -55,8 +55,11 @@ class CompletionOutput:
 class RequestOutput:
     """What a request has produced so far.
 
-    Times are ``time.monotonic()`` seconds: ``arrival_time`` (added), ``first_token_time`` (TTFT
-    = first_token_time - arrival_time), ``finished_time``.
+    Times are ``time.monotonic()`` seconds: ``arrival_time`` (added), ``first_scheduled_time`` (first
+    in a step: queue time = first_scheduled_time - arrival_time), ``first_token_time`` (TTFT =
+    first_token_time - arrival_time), ``finished_time``; ``token_interval``: seconds between the step
+    that produced this output's tokens and the previous one that produced tokens for this request
+    (vLLM's inter-token latency; None for the first). ``n`` and ``max_tokens``: the request's.
     """
 
     request_id: str
@@ -73,5 +76,33 @@ class RequestOutput:
     finished_time: float | None = None
     # speculative decoding on: this request's drafts, draft tokens and accepted tokens so far
     spec_decode: SpecDecodeStats | None = None
+    first_scheduled_time: float | None = None
+    token_interval: float | None = None
+    n: int = 1
+    max_tokens: int | None = None
     # a KV producer's finished request: where a consumer pulls its prompt's blocks (vLLM's fields)
     kv_transfer_params: dict | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """A pooling request's result (vLLM's ``EmbeddingOutput``): the embedding, a list of floats."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A finished pooling request (vLLM's ``EmbeddingRequestOutput``; what ``LLM.embed`` returns).
+
+    Times as :class:`RequestOutput`'s; ``num_cached_tokens``: prompt tokens found in the prefix cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    finished_time: float | None = None

@@ -6,7 +6,8 @@ sequence attends to its context plus drafts ``0..j-1``, so one forward scores ev
 each prefill chunk's tokens. ``slot_mapping[t]`` is the cache slot of token t;
 paged attention reads each sequence's blocks through its block table. Logits are computed only
 for the last position of each sequence that samples this step (for every row of a speculating
-one, which :func:`~baige.runtime.infer.spec_decode.rejection.verify` then accepts or rejects).
+one, which :func:`~baige.runtime.infer.spec_decode.rejection.verify` then accepts or rejects); a
+pooling sequence's rows give their final hidden states instead (``pooling.py``).
 
 Decoding sequences are grouped by context length (each group one paged-decode call whose block
 tables are only as wide as its longest sequence): attention traffic then follows the real
@@ -38,7 +39,7 @@ from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
 from baige.runtime.infer.scheduler import ScheduledBatch
 from baige.runtime.infer.spec_decode.rejection import verify_drafts
-from baige.runtime.infer.step_inputs import StepInputs, forward_step, group_by_width
+from baige.runtime.infer.step_inputs import StepInputs, StepRows, forward_step, group_by_width
 from baige.runtime.model.logprobs import check_batch_invariant
 from baige.runtime.model.transformer import Transformer
 
@@ -325,13 +326,12 @@ class ModelRunner:
         )
         return logits[:R], spans
 
-    def _run_mixed(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict[int, tuple[int, list]]]:
+    def _run_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list, dict[int, tuple[int, list]], list]:
         """Any mix of decodes (with their draft tokens) and prefill chunks, unpadded. Returns the logits
         of the rows that sample (each sequence's consecutively), per such sequence ``(batch index,
-        first row, rows)``, and prompt logprobs: a batch index whose sequence asks for them maps to
-        (index of the first prompt token scored, its :class:`Logprobs` in order)."""
+        first row, rows)``, prompt logprobs (a batch index whose sequence asks for them maps to (index
+        of the first prompt token scored, its :class:`Logprobs` in order)), and what pooling sequences
+        pool (:meth:`StepRows.pooled`)."""
         nd = batch.num_decodes
         ids, pos, slots, owner = self._decode_rows(batch.seqs[:nd])
         decode_lens = [p + 1 for p in pos]
@@ -339,46 +339,36 @@ class ModelRunner:
         flat_of_row = [0] * len(order)
         for flat, r in enumerate(order):
             flat_of_row[r] = flat
-        sample_at = list(flat_of_row)  # every decode row samples (its rows are consecutive in `owner`)
-        spans = _spans(owner)
+        rows = StepRows()
+        for i, first, n in _spans(owner):  # a sequence's decode rows are consecutive in `owner`
+            rows.decode(i, batch.seqs[i], flat_of_row[first : first + n], pos[first])
         ids, pos, slots = [ids[r] for r in order], [pos[r] for r in order], [slots[r] for r in order]
-        # prompt logprobs: flat positions, next tokens, (row, first, n)
-        score_at, score_targets, score_spans = [], [], []
         pre_tables, pre_cu, pre_lens = [], [0], []
         for i in range(nd, len(batch)):
             s, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
+            rows.prefill(i, s, start, end, len(ids))
             ids += s.token_ids[start:end]
             pos += range(start, end)
             slots += self._slots(s.block_table, start, end)
-            if s.prompt_logprobs is not None:
-                # position p's logits score prompt token p + 1
-                last = min(end, s.num_prompt_tokens - 1)
-                if last > start:
-                    score_spans.append((i, start + 1, last - start))
-                    score_at += range(len(ids) - n, len(ids) - n + last - start)
-                    score_targets += s.token_ids[start + 1 : last + 1]
             pre_tables.append(s.block_table)
             pre_cu.append(pre_cu[-1] + n)
             pre_lens.append(end)
-            if end == len(s.token_ids):
-                spans.append((i, len(sample_at), 1))
-                sample_at.append(len(ids) - 1)
-
         lora = False
         if self.lora is not None:
             lora = self._set_lora(
                 [batch.seqs[owner[r]].lora_int_id for r in order]
                 + [s.lora_int_id for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]) for _ in range(n)]
             )
+        logit_rows = rows.sample_at + rows.score_at
         if (
             self.fused_decode is not None
-            and self.fused_decode.takes_rows(len(ids), max(pre_lens))
+            and self.fused_decode.takes_rows(len(ids), max(pre_lens, default=0))
             and (not lora or self._native_lora())
         ):
-            out = self._mixed_native(batch, [owner[r] for r in order], ids, pos, slots, sample_at + score_at, lora)
-            logits, scored = out[: len(sample_at)], [out[len(sample_at) :]]
-            return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
+            out, hidden = self._mixed_native(batch, [owner[r] for r in order], ids, pos, slots, logit_rows, rows, lora)
+            logits, scored = out[: len(rows.sample_at)], [out[len(rows.sample_at) :]]
+            return logits, rows.spans, self._prompt_logprobs(batch, scored, rows), rows.pooled(hidden)
         groups = self._groups_in(order, [batch.seqs[o].block_table for o in owner], decode_lens) if nd else []
         step = StepInputs(
             self._tensor([ids]),
@@ -386,14 +376,17 @@ class ModelRunner:
             self._tensor(slots),
             len(order),
             groups,
-            logit_rows=[self._tensor(sample_at)] + ([self._tensor(score_at)] if score_at else []),
+            logit_rows=[self._tensor(rows.sample_at)] + ([self._tensor(rows.score_at)] if rows.score_at else []),
+            hidden_rows=self._tensor(rows.pool_at) if rows.pool_at else None,
         )
         if pre_lens:
             w = max(len(t) for t in pre_tables)
             step.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
             step.prefill_cu_seqlens, step.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
-        logits, *scored = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring
-        return logits, spans, self._prompt_logprobs(batch, scored, score_at, score_targets, score_spans)
+        out = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring, then pooled hidden
+        hidden = out.pop() if rows.pool_at else None
+        logits, *scored = out
+        return logits, rows.spans, self._prompt_logprobs(batch, scored, rows), rows.pooled(hidden)
 
     def _mixed_native(
         self,
@@ -403,12 +396,14 @@ class ModelRunner:
         pos: list[int],
         slots: list[int],
         rows: list[int],
+        step_rows: StepRows,
         lora: bool,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_run_mixed`'s step through the native CPU decode: every row a decode row of its own
         context (the causal mask of a prefill chunk is each row's context length, its K/V stored before
         the layer's attention reads it). ``decode_owner``: the batch index of each decode row, in row
-        order; ``ids``, ``pos``, ``slots``: every flat row's; returns the logits of the flat ``rows``."""
+        order; ``ids``, ``pos``, ``slots``: every flat row's; returns the logits of the flat ``rows`` and
+        the final hidden states of ``step_rows.pool_at`` (None when it is empty)."""
         nd = batch.num_decodes
         row_tables = [batch.seqs[o].block_table for o in decode_owner] + [
             batch.seqs[i].block_table for i in range(nd, len(batch)) for _ in range(batch.num_new_tokens[i])
@@ -422,35 +417,34 @@ class ModelRunner:
             self._tensor([p + 1 for p in pos]),
             self.lora.batch.token_lora_ids if lora else None,
         )[0]
-        return self.fused_decode.logits(hidden[self._tensor(rows)])
+        pooled = hidden[self._tensor(step_rows.pool_at)] if step_rows.pool_at else None
+        return self.fused_decode.logits(hidden[self._tensor(rows)]), pooled
 
-    def _prompt_logprobs(
-        self,
-        batch: ScheduledBatch,
-        scored: list[torch.Tensor],
-        score_at: list[int],
-        score_targets: list[int],
-        score_spans: list,
-    ) -> dict[int, tuple[int, list]]:
+    def _prompt_logprobs(self, batch: ScheduledBatch, scored: list[torch.Tensor], rows: StepRows) -> dict:
         """:meth:`_run_mixed`'s prompt logprobs from the scored rows' logits (``scored[0]``)."""
         prompt_lps: dict[int, tuple[int, list]] = {}
-        if score_at:
-            k = max(batch.seqs[i].prompt_logprobs for i, _, _ in score_spans)
-            lps = target_logprobs(scored[0], self._tensor(score_targets), k)
+        if rows.score_at:
+            k = max(batch.seqs[i].prompt_logprobs for i, _, _ in rows.score_spans)
+            lps = target_logprobs(scored[0], self._tensor(rows.score_targets), k)
             at = 0
-            for i, first, n in score_spans:
+            for i, first, n in rows.score_spans:
                 want = batch.seqs[i].prompt_logprobs
                 prompt_lps[i] = (first, [Logprobs(lp.token_id, lp.logprob, lp.top[:want]) for lp in lps[at : at + n]])
                 at += n
         return prompt_lps
 
+    def _step(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list, dict, list]:
+        """The step's forward: ``(logits, spans, prompt logprobs, pooled)`` as :meth:`_run_mixed`. A step
+        with pooling sequences always takes the mixed path (it returns hidden states)."""
+        with kernels.batch_invariant(self.batch_invariant):
+            if batch.num_decodes == len(batch) and all(s.pooling is None for s in batch.seqs):
+                return (*self._run_decode(batch), {}, [])
+            return self._run_mixed(batch)
+
     @torch.inference_mode()
     def logits(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]], dict]:
         """Run the step's forward: ``(logits, spans, prompt logprobs)`` as :meth:`_run_mixed`."""
-        with kernels.batch_invariant(self.batch_invariant):
-            if batch.num_decodes == len(batch):
-                return (*self._run_decode(batch), {})
-            return self._run_mixed(batch)
+        return self._step(batch)[:3]
 
     @torch.inference_mode()
     def execute(
@@ -472,8 +466,10 @@ class ModelRunner:
             prefill, one for a plain sample, 1 .. k + 1 for a sequence verifying k drafts) and their
             logprobs from the target's raw distribution (None entries unless asked for); and the
             prompt logprobs of this step's prefill chunks that ask for them (see :meth:`_run_mixed`).
+            A pooling sequence (``seq.pooling`` set) emits nothing: the final hidden states of its rows
+            that its pooling needs are added to ``seq.pooling`` once the whole step has succeeded.
         """
-        logits, spans, prompt_lps = self.logits(batch)
+        logits, spans, prompt_lps, pooled = self._step(batch)
         tokens: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Logprobs | None]] = [[] for _ in batch.seqs]
         if token_masks is not None:
@@ -488,4 +484,6 @@ class ModelRunner:
         spec = [(i, first, n) for i, first, n in spans if batch.seqs[i].spec_token_ids]
         if spec:
             verify_drafts(batch, rows, logits, spec, tokens, logprobs)
+        for i, start, hidden in pooled:  # last: a step that raised above has pooled nothing
+            batch.seqs[i].pooling.add(hidden, start)
         return tokens, logprobs, prompt_lps

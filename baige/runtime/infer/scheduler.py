@@ -83,6 +83,9 @@ class Sequence:
     num_new_output: int = 0  # tokens the last postprocess appended (1 + accepted drafts)
     spec_budget: Any = None  # the engine's DraftBudget of this sequence (speculative decoding on)
     lora_int_id: int = 0  # the engine's id of the LoRA adapter it runs with; 0 = the base model
+    # a pooling request (prefill only): its pooling.PoolingState; the runner adds the hidden states of
+    # each chunk to it instead of sampling, and the engine finishes the sequence once its prompt is computed
+    pooling: Any = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -71,12 +71,15 @@ class StepInputs:
     prefill_context_lens: torch.Tensor | None = None
     # per logits set the flattened token rows to project through lm_head (None: every row)
     logit_rows: list[torch.Tensor | None] = field(default_factory=lambda: [None])
+    # the flattened token rows whose final hidden states pooling sequences need (None: none)
+    hidden_rows: torch.Tensor | None = None
 
 
 def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.Tensor]:
     """Run the model on one step's flat tokens over the paged cache ``kv`` (writing their K/V);
     returns per ``s.logit_rows`` entry the logits ``(rows, vocab)`` in the model dtype (on a
-    tensor-parallel worker: its vocabulary slice, discarded)."""
+    tensor-parallel worker: its vocabulary slice, discarded), then, when ``s.hidden_rows`` is set, the
+    final hidden states ``(rows, hidden)`` of those rows (after the last norm; replicated on every rank)."""
     md = PagedAttentionMetadata(
         kv.k,
         kv.v,
@@ -88,7 +91,8 @@ def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.T
         s.prefill_context_lens,
     )
     hidden = model(s.input_ids, s.positions, md)[0]  # (T, hidden)
-    return [model.compute_logits(hidden if rows is None else hidden[rows]) for rows in s.logit_rows]
+    out = [model.compute_logits(hidden if rows is None else hidden[rows]) for rows in s.logit_rows]
+    return out if s.hidden_rows is None else [*out, hidden[s.hidden_rows]]
 
 
 # Cost of one extra decode group relative to one padded (sequence, block) of attention work, in
@@ -119,3 +123,68 @@ def group_by_width(widths: list[int], overhead: int = GROUP_OVERHEAD_BLOCKS) -> 
         ends.append(j)
         j = cut[j]
     return ends[::-1]
+
+
+@dataclass
+class StepRows:
+    """Where a mixed step's flattened rows go after the forward (the runner's ``_run_mixed``): the rows
+    that sample a token, the prompt rows scored for prompt logprobs, and the rows whose hidden states
+    pooling sequences need.
+
+    Attributes:
+        sample_at: flat rows that sample; ``spans`` per sampling sequence ``(batch index, first entry of
+            sample_at, entries)``.
+        score_at, score_targets: flat rows scored for prompt logprobs and the prompt token each scores;
+            ``score_spans`` per scoring sequence ``(batch index, first prompt token scored, tokens)``.
+        pool_at: flat rows whose final hidden states are pooled; ``pool_spans`` per pooling sequence
+            ``(batch index, first prompt position of its chunk, entries of pool_at)``.
+    """
+
+    sample_at: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    score_at: list[int] = field(default_factory=list)
+    score_targets: list[int] = field(default_factory=list)
+    score_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    pool_at: list[int] = field(default_factory=list)
+    pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def decode(self, i: int, seq, flat: list[int], position: int) -> None:
+        """Sequence ``i`` computes decode rows at flat rows ``flat`` (its last token at prompt
+        ``position`` first): they sample, or, for a pooling sequence (one row), may be pooled."""
+        if seq.pooling is None:
+            self.spans.append((i, len(self.sample_at), len(flat)))
+            self.sample_at += flat
+        else:
+            self._pool(i, seq, position, position + 1, flat[0])
+
+    def prefill(self, i: int, seq, start: int, end: int, base: int) -> None:
+        """Sequence ``i`` computes positions ``[start, end)`` at flat rows ``base ..``: score them for
+        prompt logprobs when asked (position p's logits score token p + 1), sample after the last one
+        when the chunk ends the sequence, or pool the rows its pooling needs."""
+        if seq.pooling is not None:
+            self._pool(i, seq, start, end, base)
+            return
+        if seq.prompt_logprobs is not None:
+            last = min(end, seq.num_prompt_tokens - 1)
+            if last > start:
+                self.score_spans.append((i, start + 1, last - start))
+                self.score_at += range(base, base + last - start)
+                self.score_targets += seq.token_ids[start + 1 : last + 1]
+        if end == len(seq.token_ids):
+            self.spans.append((i, len(self.sample_at), 1))
+            self.sample_at.append(base + end - start - 1)
+
+    def _pool(self, i: int, seq, start: int, end: int, base: int) -> None:
+        want = seq.pooling.positions(start, end)
+        if len(want):
+            self.pool_spans.append((i, start, len(want)))
+            self.pool_at += [base + p - start for p in want]
+
+    def pooled(self, hidden: torch.Tensor | None) -> list[tuple[int, int, torch.Tensor]]:
+        """Per pooling sequence ``(batch index, chunk start, its rows of hidden)`` from the hidden
+        states of ``pool_at`` ((len(pool_at), hidden))."""
+        out, at = [], 0
+        for i, start, n in self.pool_spans:
+            out.append((i, start, hidden[at : at + n]))
+            at += n
+        return out

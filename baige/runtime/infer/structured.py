@@ -21,7 +21,6 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 
 from baige.errors import BaigeError
-from baige.runtime.infer.scheduler import ScheduledBatch
 
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar larger than this is refused
 CACHE_SIZE = 256  # compiled constraints kept (LRU)
@@ -256,35 +254,6 @@ class GrammarCompiler:
         self.stats["mask_seconds"] += time.perf_counter() - start
         self.stats["masked_tokens"] += at
         return {r: allowed[i] if r not in drafts else allowed[i : i + 1 + len(d)] for r, (_, i, d) in zip(rows, spans)}
-
-
-def start_step_masks(compiler: GrammarCompiler | None, batch: ScheduledBatch) -> Callable[[], dict] | None:
-    """Start the grammar masks of the constrained sequences of ``batch`` that sample this step (on
-    ``compiler``'s worker thread, overlapping the forward; the engine's compiler, built by the first
-    constrained request); returns the callable that waits for them, or None."""
-    constrained, opens = {}, {}
-    for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        if s.num_computed_tokens + n - len(s.spec_token_ids) != len(s.token_ids):
-            continue  # no token sampled this step
-        if s.payload.grammar is not None:
-            constrained[i] = s.payload.grammar
-        elif s.payload.undecided:  # the first token: the constraint's, or the one that opens reasoning
-            constrained[i], opens[i] = s.payload.pending_grammar, s.payload.params.reasoning_start_token_id
-    if not constrained:
-        return None
-    drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
-    future = compiler.start_masks(constrained, drafts)
-    if not opens:
-        return future.result
-
-    def result() -> dict:
-        masks = future.result()
-        for i, token in opens.items():
-            masks[i] = masks[i].clone()
-            masks[i][..., token] = True
-        return masks
-
-    return result
 
 
 def engine_error(matcher) -> str:

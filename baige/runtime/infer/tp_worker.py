@@ -56,6 +56,7 @@ from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.outputs import EngineDeadError
+from baige.runtime.infer.pooling import pooling_runner
 from baige.runtime.infer.step_inputs import StepInputs, forward_step
 from baige.runtime.infer.tensor_parallel import Comm, check_shardable, shard_model
 from baige.runtime.model.config import ModelConfig
@@ -75,14 +76,16 @@ class WorkerDied(EngineDeadError):
     """A tensor-parallel rank died or a step failed on one: the group cannot go on."""
 
 
-def load_engine_model(cfg: EngineConfig, model_dir: Path, comm: Comm | None = None) -> Transformer:
-    """The serving model of one rank: loaded, sharded for tensor parallelism with ``comm`` (every
-    rank reads the whole checkpoint, then keeps its shard), then ``cfg.quantization`` applied.
-    Raises BaigeError (load, shard or quantization errors)."""
+def load_engine_model(
+    cfg: EngineConfig, model_dir: Path, comm: Comm | None = None, pooling: bool = False
+) -> Transformer:
+    """The serving model of one rank: loaded (``pooling``: as ``load_model``'s, for the pooling runner),
+    sharded for tensor parallelism with ``comm`` (every rank reads the whole checkpoint, then keeps its
+    shard), then ``cfg.quantization`` applied. Raises BaigeError (load, shard or quantization errors)."""
     device = resolve_device(cfg.device)
     if device.type == "cuda" and comm is not None:
         device = torch.device("cuda", torch.cuda.current_device())
-    model = load_model(model_dir, cfg.dtype, device)
+    model = load_model(model_dir, cfg.dtype, device, pooling=pooling)
     if comm is not None:
         shard_model(model, comm, cfg.enable_expert_parallel)
     if cfg.quantization:
@@ -115,6 +118,7 @@ def _to(s: StepInputs, device: torch.device) -> StepInputs:
         prefill_cu_seqlens=mv(s.prefill_cu_seqlens),
         prefill_context_lens=mv(s.prefill_context_lens),
         logit_rows=[mv(r) for r in s.logit_rows],
+        hidden_rows=mv(s.hidden_rows),
     )
 
 
@@ -375,7 +379,7 @@ def worker_loop(cfg: EngineConfig, model_dir: Path, comm: Comm, cpu_comm: Comm) 
     (:func:`_ignore_stop_signals`)."""
     _ignore_stop_signals()
     try:
-        model = load_engine_model(cfg, model_dir, comm)
+        model = load_engine_model(cfg, model_dir, comm, pooling=pooling_runner(cfg.runner, model_dir) is not None)
     except BaigeError as e:
         logger.info("tensor-parallel rank %d: %s", comm.rank, e)
         return 1

@@ -223,6 +223,11 @@ class Tokenizer:
         """Text of token ids `ids`; special tokens are left out when `skip_special_tokens`."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def id_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        """Each id's token string (its vocabulary entry, as HF's ``convert_ids_to_tokens``; None for an
+        id the tokenizer does not have)."""
+        return [self._backend.id_to_token(i) for i in ids]
+
     def render_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
     ) -> str:

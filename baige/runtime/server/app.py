@@ -27,7 +27,16 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from baige.errors import BaigeError
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.lora import LoRANotFound
-from baige.runtime.server import chat_routes, completion_routes, lora_routes, responses_routes, rl_routes, routes
+from baige.runtime.server import (
+    chat_routes,
+    completion_routes,
+    embedding_routes,
+    lora_routes,
+    responses_routes,
+    rl_routes,
+    routes,
+    tokenize_routes,
+)
 from baige.runtime.server.lifecycle import ABORT_GRACE_S, DEFAULT_SHUTDOWN_TIMEOUT_S, DrainGate, GracefulServer
 from baige.runtime.server.metrics import Metrics
 from baige.runtime.server.protocol import APIError, error_response
@@ -41,7 +50,14 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # `baige serve --max-request-bytes`
 DEAD_EXIT_DELAY_S = 2.0  # /health answers 503 this long before the process exits
 
 # The routers every server includes; lora_routes joins them with --enable-lora (build_app).
-ROUTERS = (routes.router, completion_routes.router, chat_routes.router, responses_routes.router)
+ROUTERS = (
+    routes.router,
+    completion_routes.router,
+    chat_routes.router,
+    responses_routes.router,
+    embedding_routes.router,
+    tokenize_routes.router,
+)
 
 READ_TIMEOUT_S = 30.0  # `baige serve --read-timeout`: longest wait for a request's headers (then the
 # connection is closed) and for each next piece of its body (then 408)

@@ -1,7 +1,9 @@
-"""The small endpoints: ``/health``, ``/metrics`` (Prometheus) and ``/v1/models`` (the base model and
-its loaded LoRA adapters)."""
+"""The small endpoints: ``/health``, ``/metrics`` (Prometheus), ``/version`` and ``/v1/models`` (the base
+model and its loaded LoRA adapters)."""
 
 from __future__ import annotations
+
+from importlib import metadata
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -23,6 +25,12 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/version")
+async def version() -> dict:
+    """baige's version (the installed distribution's; vLLM's ``/version`` shape)."""
+    return {"version": metadata.version("baige")}
 
 
 @router.get("/v1/models")

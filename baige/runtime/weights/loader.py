@@ -3,6 +3,7 @@ tensors assigned without copies, gpt-fast style)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -18,7 +19,10 @@ from baige.runtime.weights.safetensors_io import load_state_dict
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype | None = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+    pooling: bool = False,
 ) -> Transformer:
     """Build a :class:`Transformer` on the meta device and assign the checkpoint's tensors (strict).
 
@@ -29,6 +33,10 @@ def load_model(
     compressed-tensors ``quantization_config`` loads its Linears as ``QuantizedLinear``
     (see :func:`baige.runtime.quant.format.prepare_quantized_model`); integer tensors keep their dtype.
 
+    ``pooling`` (the engine's pooling runner, which never computes logits): a bare-decoder checkpoint
+    (transformers' ``LlamaModel``, ``Qwen3Model``, ...: tensor names without the ``model.`` prefix) loads
+    too, and a checkpoint without ``lm_head.weight`` gets the embedding as its (unused) head.
+
     Raises:
         BaigeError: bad config, missing shard/tensor, unexpected tensor, shape mismatch, an untied
         model without ``lm_head.weight``.
@@ -37,7 +45,13 @@ def load_model(
     cfg = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    state = moe_layout.to_internal(load_state_dict(model_dir, torch_dtype), cfg, str(model_dir))
+    state = load_state_dict(model_dir, torch_dtype)
+    if pooling:
+        if not any(k.startswith("model.") for k in state):
+            state = {f"model.{k}": v for k, v in state.items()}
+        if "lm_head.weight" not in state:
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    state = moe_layout.to_internal(state, cfg, str(model_dir))
     with torch.device("meta"):
         model = Transformer(cfg)
     if cfg.raw.get("quantization_config"):

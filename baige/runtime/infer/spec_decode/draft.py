@@ -40,6 +40,7 @@ class _DraftSeq:
     prompt_logprobs: int | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     fed: int = 0  # len(token_ids) of the target sequence at the last proposal (a verified prefix)
+    pooling: None = None  # never a pooling sequence (the runner's StepRows reads it)
 
     @property
     def num_prompt_tokens(self) -> int:
