@@ -34,7 +34,7 @@ from baige.runtime.infer.pooling import PoolerConfig, pooling_runner
 from baige.runtime.infer.pooling_engine import EnginePooling
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import SamplerRow, SamplingParams
-from baige.runtime.infer.scheduler import Scheduler, Sequence, StepShape
+from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence, StepShape
 from baige.runtime.infer.spec_decode.factory import build_proposer
 from baige.runtime.infer.spec_decode.proposer import assign_drafts
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
