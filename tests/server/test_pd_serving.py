@@ -1,7 +1,9 @@
 """P/D disaggregation across processes: a `baige serve` producer and a consumer
 (--kv-transfer-config, ZeroMQ transport), driven as a router's `pd` policy drives them (vLLM's
 kv_transfer_params flow: max_tokens 1 + do_remote_decode to the producer, then the original request
-with the producer's kv_transfer_params to the consumer). Greedy outputs are held to one plain engine."""
+with the producer's kv_transfer_params to the consumer), half of the prompts through `baige router
+--policy pd` (in-process), half by those two requests done here. Greedy outputs are held to one plain
+engine."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from router_utils import router_over
 from server_utils import launched
 from tiny import BASE, make_checkpoint, write_tiny_tokenizer
 
@@ -74,6 +77,13 @@ def pd_request(producer: str, consumer: str, ids: list[int]) -> tuple[dict, str]
     return params, r.json()["choices"][0]["text"]
 
 
+def routed_request(router: str, ids: list[int]) -> str:
+    """One request through the router's pd policy: the consumer's text."""
+    r = httpx.post(f"{router}/v1/completions", json=body(ids), timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
 def metrics(url: str) -> dict[str, float]:
     """``name{labels}`` -> value of every sample of ``/metrics``."""
     out = {}
@@ -97,9 +107,14 @@ def test_pd_pair_matches_one_instance_moves_every_prompt_token_and_survives_a_ki
         launched(model_dir, *SERVE, *kv_config("kv_producer")) as (producer, proc),
         launched(model_dir, *SERVE, *kv_config("kv_consumer")) as (consumer, _),
     ):
-        with ThreadPoolExecutor(4) as pool:
-            results = dict(zip(LENGTHS, pool.map(lambda n: pd_request(producer, consumer, prompts[n]), LENGTHS)))
-        for n in LENGTHS:
+        direct, routed = LENGTHS[::2], LENGTHS[1::2]
+        with router_over("pd", prefill=[producer], decode=[consumer]) as (router, _), ThreadPoolExecutor(4) as pool:
+            # half as `baige router --policy pd` sends them, half by the router's two requests done here
+            got = pool.map(lambda n: routed_request(router, prompts[n]), routed)
+            results = dict(zip(direct, pool.map(lambda n: pd_request(producer, consumer, prompts[n]), direct)))
+            for n, text in zip(routed, got):
+                assert text == want[n], n
+        for n in direct:
             params, text = results[n]
             assert text == want[n], n
             assert params["remote_num_tokens"] == n and len(params["remote_block_ids"]) == -(-n // BLOCK)
