@@ -248,6 +248,27 @@ def _train(rs, labels, prefix) -> list[str]:
     return lines
 
 
+def _train_cp(rs, labels, prefix) -> list[str]:
+    """One line per run of a ``baige bench train --cp N`` sweep: per-rank memory lists are ``rank0 / rank1 ...``."""
+    lines = [
+        "| date (UTC) | model | machine | seq_len | ranks | tokens/s per device | peak memory per rank (GiB) | "
+        "step memory per rank (GiB) | last loss | record |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        for row in r.get("rows") or []:
+            method = row.get("context_parallel_method")
+            ranks = f"{row['context_parallel_degree']}" + (f" ({method})" if method else "")
+            peak = " / ".join(f"{b / 2**30:.2f}" for b in row["peak_memory_bytes"])
+            step = " / ".join(f"{b / 2**30:.3f}" for b in row["step_memory_bytes"])
+            lines.append(
+                f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {row['seq_len']} | {ranks} | "
+                f"{_f(row['tokens_per_s_per_device'])} | {peak} | {step} | {row['last_loss']:.4f} | "
+                f"{_link(r, prefix)} |"
+            )
+    return lines
+
+
 def _startup(rs, labels, prefix) -> list[str]:
     lines = [
         "| date (UTC) | model | machine | caches | `baige --help` (s) | serve ready (s) | generate first token (s) | "
@@ -307,6 +328,11 @@ SECTIONS = [  # (benchmark, heading, table builder)
     ("throughput", "Offline throughput: `baige bench throughput`", _throughput),
     ("serve", "Online serving: `baige bench serve`", _serve),
     ("train", "Training: `baige bench train`", _train),
+    (
+        "train_cp",
+        "Context parallelism: `baige bench train --cp N` (memory per rank against sequence length)",
+        _train_cp,
+    ),
     ("startup", "Start-up: `baige bench startup` (medians from process start)", _startup),
     ("router", "Routing: `scripts/bench_router.py` (prefix-cache hit tokens over the backends)", _router),
 ]

@@ -46,7 +46,7 @@ def test_a_failed_load_leaves_no_progress_bar(cli_error, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog.")
     (tmp_path / "fake.gguf").write_bytes(b"not a gguf file")
-    assert "fake.gguf: not a readable GGUF file" in cli_error(
+    assert "fake.gguf: not a valid GGUF file: not a GGUF file (no GGUF magic)" in cli_error(
         "eval", "ppl", "--data", text, "-m", tmp_path / "fake.gguf"
     )
 

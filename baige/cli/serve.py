@@ -31,17 +31,24 @@ class ToolCallParser(str, Enum):
     mistral = "mistral"
 
 
-def read_chat_template(value: str) -> str:
-    """``--chat-template``: a jinja file, or (as vLLM takes it) the template itself. Raises BaigeError."""
+def read_chat_template(value: str) -> tuple[str, str]:
+    """``--chat-template``: a jinja file, or (as vLLM takes it) the template itself -> (template, the
+    name its errors give it). Compiled and rendered once on a sample conversation now, before the model
+    loads (:func:`~baige.runtime.model.chat_template.probe_template`). Raises BaigeError."""
+    from baige.runtime.model.chat_template import probe_template
+
     path = Path(value)
     if path.is_file():
         try:
-            return path.read_text(encoding="utf-8")
+            source, where = path.read_text(encoding="utf-8"), f"--chat-template {path}"
         except (OSError, UnicodeDecodeError) as e:
             raise BaigeError(f"--chat-template: cannot read {path} ({e})") from None
-    if "{{" in value or "{%" in value:
-        return value
-    raise BaigeError(f"--chat-template: {value} is not a file (nor a jinja template)")
+    elif "{{" in value or "{%" in value:
+        source, where = value, "--chat-template"
+    else:
+        raise BaigeError(f"--chat-template: {value} is not a file (nor a jinja template)")
+    probe_template(source, where)
+    return source, where
 
 
 def parse_lora_modules(values: list[str] | None, enable_lora: bool, served_name: str) -> dict[str, str] | None:
@@ -85,10 +92,23 @@ LoraModulesOpt = Annotated[
 ]
 MaxLorasOpt = Annotated[int, typer.Option(min=1, help="Most distinct adapters in one step (requests for others wait).")]
 MaxLoraRankOpt = Annotated[int, typer.Option(min=1, help="Largest adapter rank accepted.")]
+LoraRootOpt = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        help="Read adapters only from inside this directory (repeatable; as vLLM's --allowed-local-media-path): "
+        "a --lora-modules DIR or a load_lora_adapter lora_path elsewhere, symlinks and .. resolved, is refused. "
+        "Default: any directory."
+    ),
+]
 
 
 def lora_engine_args(
-    enable_lora: bool, lora_modules: list[str] | None, max_loras: int, max_lora_rank: int, served_name: str
+    enable_lora: bool,
+    lora_modules: list[str] | None,
+    max_loras: int,
+    max_lora_rank: int,
+    served_name: str,
+    lora_root: list[str] | None = None,
 ) -> dict:
     """The EngineConfig fields of the LoRA options. Raises BaigeError as :func:`parse_lora_modules`."""
     return {
@@ -96,6 +116,7 @@ def lora_engine_args(
         "lora_modules": parse_lora_modules(lora_modules, enable_lora, served_name),
         "max_loras": max_loras,
         "max_lora_rank": max_lora_rank,
+        "lora_roots": tuple(lora_root or ()),
     }
 
 
@@ -312,6 +333,7 @@ def serve(
     lora_modules: LoraModulesOpt = None,
     max_loras: MaxLorasOpt = 1,
     max_lora_rank: MaxLoraRankOpt = 16,
+    lora_root: LoraRootOpt = None,
     enable_rl_endpoints: Annotated[
         bool,
         typer.Option(
@@ -367,7 +389,7 @@ def serve(
         batch_invariant=batch_invariant,
         kv_transfer_config=kv_transfer_config,
         runner=runner.value,
-        **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name),
+        **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name, lora_root),
     )
     if cfg.kv_transfer_config is not None:  # an unknown or missing transport fails now, before the model loads
         from baige.runtime.infer.kv_transfer.registry import resolve_connector
@@ -384,7 +406,8 @@ def serve(
     sock = listen(host, port)  # a busy port or a bad host fails now, before the model loads
     core = Engine.from_config(cfg)
     if template is not None:
-        core.tokenizer.set_chat_template(template)
+        core.tokenizer.set_chat_template(*template)
+    core.tokenizer.check_chat_template()  # the model's own template: a hostile one fails at start-up
     run_server(
         AsyncEngine(core),
         name,

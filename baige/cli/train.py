@@ -137,6 +137,15 @@ def train(
             help="Pipeline micro-batches per --batch-size batch (must divide it; default: one window each).",
         ),
     ] = None,
+    cp: Annotated[
+        Optional[int],
+        typer.Option(
+            "--cp",
+            help="Context-parallel degree (default 1): each window's sequence sharded over CP ranks (ring "
+            "attention; --set parallelism.context_parallel_method=ulysses for all-to-all); --seq-len must be a "
+            "multiple of 2 x CP.",
+        ),
+    ] = None,
     ac: Annotated[
         Optional[str], typer.Option("--ac", help="Activation checkpointing: none, full, or N (every N-th block).")
     ] = None,
@@ -224,6 +233,7 @@ def train(
         "parallelism.pipeline_parallel_degree": pp,
         "parallelism.pipeline_parallel_schedule": pp_schedule,
         "parallelism.pipeline_parallel_microbatches": pp_microbatches,
+        "parallelism.context_parallel_degree": cp,
         "training.activation_checkpointing": ac,
         "training.compile": compile,
         "training.device": device,

@@ -203,6 +203,8 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
+    # directories adapters may be read from (--lora-root, as vLLM's --allowed-local-media-path); empty: any
+    lora_roots: tuple[str, ...] = ()
     # serving across processes (vLLM's names): Megatron-style shards of the model and KV cache on
     # this many ranks (infer/tensor_parallel.py); MoE experts placed whole on ranks instead of split
     tensor_parallel_size: int = 1
@@ -218,9 +220,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
-        ``lora_modules`` without ``enable_lora``, LoRA with tensor parallelism, ``batch_invariant``
-        with quantization, speculative decoding, LoRA or tensor parallelism, or a bad
-        ``kv_transfer_config`` (or one with tensor parallelism)."""
+        ``lora_modules`` or ``lora_roots`` without ``enable_lora``, a ``lora_roots`` entry that is not a
+        directory, LoRA with tensor parallelism, ``batch_invariant`` with quantization, speculative
+        decoding, LoRA or tensor parallelism, or a bad ``kv_transfer_config`` (or one with TP)."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (
             ("--max-num-seqs", self.max_num_seqs),
@@ -242,6 +244,11 @@ class EngineConfig:
         check_int("--max-lora-rank", self.max_lora_rank, 1)
         if self.lora_modules and not self.enable_lora:
             raise BaigeError("--lora-modules needs --enable-lora")
+        if self.lora_roots and not self.enable_lora:
+            raise BaigeError("--lora-root needs --enable-lora")
+        for root in self.lora_roots:
+            if not Path(root).expanduser().is_dir():
+                raise BaigeError(f"--lora-root {root}: not a directory")
         check_int("--tensor-parallel-size", self.tensor_parallel_size, 1)
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise BaigeError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
@@ -408,14 +415,6 @@ class KVTransferConfig:
                 bad(f"kv_connector_extra_config: unknown key {key!r} (known: {', '.join(KV_EXTRA_KEYS)})")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
                 bad(f"kv_connector_extra_config.{key} must be seconds in (0, 86400], got {value!r}")
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
 
     def extra(self, key: str) -> float:
         """A ``kv_connector_extra_config`` value in seconds (its default when not given)."""

@@ -338,6 +338,28 @@ def test_bench_report_reads_the_numbers_of_hand_made_records(tmp_path):
     )
     page = report.performance_page(report.load_records(tmp_path / "router"))
     assert "| 4 | 32 | `prefix` | 950 of 1,000 | 95.0% | 0.250 | [router-1.json]" in page
+    (tmp_path / "cp").mkdir()
+    _record(
+        tmp_path / "cp",
+        "train_cp-1.json",
+        {
+            "benchmark": "train_cp",
+            "args": {"model": "debug", "context_parallel_degree": 2},
+            "rows": [
+                {
+                    "seq_len": 4096,
+                    "context_parallel_degree": 2,
+                    "context_parallel_method": "ring",
+                    "tokens_per_s_per_device": 512.0,
+                    "peak_memory_bytes": [2**30, 3 * 2**29],
+                    "step_memory_bytes": [2**28, 2**27],
+                    "last_loss": 10.5,
+                }
+            ],
+        },
+    )
+    page = report.performance_page(report.load_records(tmp_path / "cp"))
+    assert "| 4096 | 2 (ring) | 512.0 | 1.00 / 1.50 | 0.250 / 0.125 | 10.5000 |" in page
 
 
 REPO_PATH = re.compile(r"`((?:baige|scripts|tests|docs)/[\w./*<>-]*)")  # globs and <placeholders> skipped

@@ -376,13 +376,13 @@ def test_a_tool_aware_chat_template_gets_the_tools(tmp_path, embedded_dir):
     path = tmp_path / "tools.jinja"
     path.write_text(TOOL_TEMPLATE)
     tok = Tokenizer.from_dir(embedded_dir)
-    tok.set_chat_template(read_chat_template(str(path)))
+    tok.set_chat_template(*read_chat_template(str(path)))
     plan, text = plan_of(tok, {"messages": HISTORY, "tools": TOOLS})
     assert plan.template_vars == {"tools": TOOLS} and plan.parser.name == "hermes"  # auto: <tool_call> in it
     assert "TOOLS get_weather=" + json.dumps(WEATHER) + ";add=" in text and "# Tools" not in text
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text  # an object
     assert "[call_1] 18 C" in text and "[call_2] sunny" in text
-    assert read_chat_template("{{ messages }}") == "{{ messages }}"  # inline, as vLLM takes it
+    assert read_chat_template("{{ messages }}") == ("{{ messages }}", "--chat-template")  # inline, as vLLM takes it
     with pytest.raises(BaigeError, match="not a file"):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(BaigeError, match="does not compile"):

@@ -74,8 +74,20 @@ def test_parallel_dims_with_pipeline():
     assert dims == ParallelDims(1, 2, 2, 1, 2) and dims.dp_size == 2 and dims.model_parallel_size == 4
     with pytest.raises(BaigeError, match="pipeline_parallel_degree 3 does not divide world_size 8"):
         ParallelDims.resolve(8, 1, -1, 1, pp=3)
-    with pytest.raises(BaigeError, match=r"2 \(pp\) x 1 \(replicate\) x 4 \(shard\) x 1 \(tp\) != world_size 4"):
+    with pytest.raises(
+        BaigeError, match=r"2 \(pp\) x 1 \(replicate\) x 4 \(shard\) x 1 \(cp\) x 1 \(tp\) != world_size 4"
+    ):
         ParallelDims.resolve(4, 1, 4, 1, pp=2)
+
+
+def test_parallel_dims_with_context_parallel():
+    """CP ranks come out of the data-parallel shard degree; FSDP averages over dp_shard x cp."""
+    dims = ParallelDims.resolve(8, 1, -1, 2, cp=2)
+    assert dims == ParallelDims(1, 2, 2, 1, 1, 2) and dims.dp_size == 2 and dims.dp_cp_size == 4
+    assert dims.model_parallel_size == 2 and dims.fsdp_enabled
+    assert ParallelDims.resolve(2, 1, -1, 1, cp=2).fsdp_enabled  # cp alone: FSDP over the cp ranks
+    with pytest.raises(BaigeError, match="context_parallel_degree x tensor_parallel_degree = 6"):
+        ParallelDims.resolve(8, 1, -1, 3, cp=2)
 
 
 def test_sbatch_multi_node_pp_runs_torchrun_once_per_node_with_pp(tmp_path):

@@ -13,13 +13,19 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt", "llama")
 
 
-@pytest.mark.parametrize("content", [b"garbage", b'\x08\x00\x00\x00\x00\x00\x00\x00{"a":'])
-def test_corrupt_safetensors(cli_error, ckpt, tmp_path, content):
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"garbage", "7 bytes, shorter than the 8-byte header length"),
+        (b'\x08\x00\x00\x00\x00\x00\x00\x00{"a":', "header length 8 bytes is past the end of the 13-byte file"),
+    ],
+)
+def test_corrupt_safetensors(cli_error, ckpt, tmp_path, content, problem):
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     (bad / "model.safetensors").write_bytes(content)
     err = cli_error("convert", bad, tmp_path / "out")
-    assert f"{bad / 'model.safetensors'}: not a readable safetensors file (" in err
+    assert err == f"error: {bad / 'model.safetensors'}: not a valid safetensors file: {problem}"
     assert not (tmp_path / "out").exists()
 
 

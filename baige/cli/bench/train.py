@@ -40,12 +40,33 @@ def train(
     seed: Annotated[
         int, typer.Option(help="Seed of the init, the data order and the synthetic text, 0 .. 2**63-1.")
     ] = 0,
+    cp: Annotated[
+        int,
+        typer.Option(
+            "--cp",
+            min=1,
+            help="Context-parallel degree: N >= 2 runs, per sequence length, one process and N processes "
+            "(--cp N), and reports tokens/s and memory per rank.",
+        ),
+    ] = 1,
+    cp_method: Annotated[str, typer.Option("--cp-method", help="ring | ulysses (with --cp).")] = "ring",
+    seq_lens: Annotated[
+        Optional[str],
+        typer.Option("--seq-lens", help="With --cp: comma-separated sequence lengths to sweep (default: --seq-len)."),
+    ] = None,
     output_dir: OutDirOpt = DEFAULT_OUT,
     plot: PlotOpt = False,
 ) -> None:
-    """Short training run through the Trainer: tokens/s per device, MFU (%), peak memory."""
-    from baige.runtime.bench.report import metric_table, train_rows
+    """Short training run through the Trainer: tokens/s per device, MFU (%), peak memory; with --cp, tokens/s
+    and memory per rank against sequence length, one process against context parallel."""
+    from baige.errors import BaigeError
+    from baige.runtime.bench.report import metric_table, train_cp_table, train_rows
     from baige.runtime.bench.train import TrainBenchConfig, run_train
+
+    try:
+        lens = [int(x) for x in seq_lens.split(",")] if seq_lens is not None else None
+    except ValueError:
+        raise BaigeError(f"--seq-lens {seq_lens!r}: expected comma-separated integers (e.g. 1024,2048)") from None
 
     cfg = TrainBenchConfig(
         model,
@@ -60,7 +81,15 @@ def train(
         "auto" if compile is None else compile,
         str(data) if data else None,
         seed,
+        cp,
+        cp_method,
+        lens,
     )
+    if cp > 1:
+        from baige.runtime.bench.train_cp import run_train_cp
+
+        execute("train_cp", run_train_cp, cfg, output_dir, plot, train_cp_table)
+        return
     execute(
         "train",
         run_train,

@@ -140,3 +140,11 @@ def random_token_prompts(
     out_lens = rng.integers(lo_out, hi_out + 1, num_prompts)
     first = 32 if vocab_size > 1000 else 0
     return [(rng.integers(first, vocab_size, int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
+
+
+def set_dist_env(rank: int, world_size: int, port: int) -> None:
+    """torch.distributed's launcher variables for a rank this process spawned (a local gloo/nccl group, as
+    torchrun would set them): ``MASTER_ADDR`` 127.0.0.1, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )

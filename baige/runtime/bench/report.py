@@ -150,6 +150,33 @@ def train_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     ]
 
 
+def train_cp_table(r: dict) -> Table:
+    """``baige bench train --cp N``: one row per run (sequence length x ranks), memory per rank in GiB."""
+    table = Table(title=f"baige bench train --cp {r['args']['context_parallel_degree']} (per rank)")
+    for name in (
+        "seq_len",
+        "ranks",
+        "step time (s)",
+        "tokens/s/device",
+        "peak memory (GiB)",
+        "step memory (GiB)",
+        "loss",
+    ):
+        table.add_column(name, justify="right")
+    for row in r["rows"]:
+        table.add_row(
+            str(row["seq_len"]),
+            f"{row['context_parallel_degree']}"
+            + (f" ({row['context_parallel_method']})" if row["context_parallel_method"] else ""),
+            f"{row['step_time_s']:.3f}",
+            f"{row['tokens_per_s_per_device']:.1f}",
+            " / ".join(f"{b / 2**30:.2f}" for b in row["peak_memory_bytes"]),
+            " / ".join(f"{b / 2**30:.3f}" for b in row["step_memory_bytes"]),
+            f"{row['last_loss']:.4f}",
+        )
+    return table
+
+
 def grpo_rows(r: dict) -> list[tuple[str, str, str, float | None]]:
     s = r["summary"]
     if not s:

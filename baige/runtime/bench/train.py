@@ -10,7 +10,11 @@ synchronises the device). Reported per device (this bench runs one process):
   N counts the active parameters (``num_params_active``: top-k routed experts, router, shared
   experts); peak = the data-sheet dense bf16 number on known GPUs (:data:`roofline.GPU_PEAKS`) when
   training in bf16, otherwise the measured matmul peak in the run dtype (:func:`roofline.hardware_limits`);
-- peak memory = ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU (bytes).
+- peak memory = ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS on CPU (bytes), also
+  recorded before the first step (``setup_peak_memory_bytes``): the difference is what the steps added.
+
+With ``context_parallel_degree`` > 1, :func:`~baige.runtime.bench.train_cp.run_train_cp` sweeps sequence
+lengths instead (one process per rank).
 
 Data: ``data_path`` (a UTF-8 text file) or, by default, a synthetic file of random-token text just
 long enough for the run (throughput does not depend on the text).
@@ -54,6 +58,9 @@ class TrainBenchConfig:
     compile: bool | str = "auto"  # training.compile: auto | True | False
     data_path: str | None = None
     seed: int = 0
+    context_parallel_degree: int = 1  # > 1: train_cp.py's sweep (CP=1 and CP=N per sequence length)
+    context_parallel_method: str = "ring"  # ring | ulysses
+    seq_lens: list[int] | None = None  # the CP sweep's sequence lengths (None: seq_len alone)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -61,6 +68,13 @@ class TrainBenchConfig:
         if self.steps <= self.warmup_steps:
             raise BaigeError(f"--steps ({self.steps}) must exceed --warmup-steps ({self.warmup_steps})")
         check_int("--seed", self.seed, *DATA_SEED_RANGE)
+        check_int("--cp", self.context_parallel_degree, 1)
+        if self.context_parallel_method not in ("ring", "ulysses"):
+            raise BaigeError(f"--cp-method {self.context_parallel_method!r}: choose ring or ulysses")
+        if self.context_parallel_degree > 1 and self.compile is True:
+            raise BaigeError("--compile does not apply to --cp runs (both sides of the sweep run eager)")
+        if self.seq_lens is not None and self.context_parallel_degree == 1:
+            raise BaigeError("--seq-lens is the --cp sweep's: pass --cp N (N >= 2) with it")
 
 
 def _synthetic_text(tokenizer, n_tokens: int, path: Path, seed: int) -> None:
@@ -108,14 +122,17 @@ def _train_config(cfg: TrainBenchConfig, tmp: Path) -> TrainConfig:
     )
     t.device, t.activation_checkpointing, t.compile = cfg.device, cfg.activation_checkpointing, cfg.compile
     tc.parallelism.mixed_precision_param = cfg.dtype
+    tc.parallelism.context_parallel_degree = cfg.context_parallel_degree
+    tc.parallelism.context_parallel_method = cfg.context_parallel_method
     tc.metrics.tensorboard = False
     tc.checkpoint.export_hf = False
     validate(tc)
     return tc
 
 
-def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
-    """Run ``baige bench train``; returns the JSON result (per-step samples in seconds, summary)."""
+def run_train(cfg: TrainBenchConfig, progress: Progress | None = None, measure_limits: bool = True) -> dict:
+    """Run ``baige bench train``; returns the JSON result (per-step samples in seconds, summary).
+    ``measure_limits`` False (the CP sweep's ranks): no hardware limits, no MFU in the summary."""
     import torch
 
     from baige.runtime.train.metrics import peak_memory_bytes
@@ -124,10 +141,8 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="baige-bench-train-") as tmp:
         tc = _train_config(cfg, Path(tmp))
         trainer = Trainer(tc)
+        setup_mem = peak_memory_bytes(trainer.device)
         dtype = trainer.param_dtype
-        limits = roofline.hardware_limits(trainer.device, dtype)
-        sheet = limits.datasheet_peak if dtype == torch.bfloat16 else None
-        peak, peak_source = (sheet, "data sheet (dense bf16)") if sheet else (limits.matmul_peak, "measured matmul")
         samples: list[dict] = []
         interrupted = False
         try:
@@ -142,6 +157,12 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
         except KeyboardInterrupt:
             interrupted = True
         mem = peak_memory_bytes(trainer.device)
+        # measured after the steps, so that its buffers stay out of the peak memory
+        limits = roofline.hardware_limits(trainer.device, dtype) if measure_limits else None
+        sheet = limits.datasheet_peak if limits is not None and dtype == torch.bfloat16 else None
+        peak, peak_source = (
+            (sheet, "data sheet (dense bf16)") if sheet else (limits and limits.matmul_peak, "measured matmul")
+        )
         compiled = trainer.compile  # what training.compile (auto by default) resolved to
         fpt = trainer.model.flops_per_token(cfg.seq_len)
         mc = trainer.model_config
@@ -158,16 +179,16 @@ def run_train(cfg: TrainBenchConfig, progress: Progress | None = None) -> dict:
             "step_time_s": step_s,
             "tokens_per_s_per_device": tps,
             "peak_memory_bytes": mem,
-            "peak_flops": peak,
-            "peak_source": peak_source,
-            "roofline": roofline.compute_roofline(tps, fpt, peak),
+            "setup_peak_memory_bytes": setup_mem,  # before the first step: weights, optimizer, runtime
         }
-        summary["mfu_pct"] = summary["roofline"]["pct_of_limit"]
+        if limits is not None:
+            summary.update(peak_flops=peak, peak_source=peak_source, roofline=roofline.compute_roofline(tps, fpt, peak))
+            summary["mfu_pct"] = summary["roofline"]["pct_of_limit"]
     return {
         "benchmark": "train",
         "args": asdict(cfg),
         "environment": environment(),
-        "limits": limits.to_dict(),
+        "limits": limits.to_dict() if limits is not None else None,
         "model": counts,
         "dtype": str(dtype).removeprefix("torch."),
         "compiled": compiled,

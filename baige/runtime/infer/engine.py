@@ -97,6 +97,13 @@ class Engine(EnginePooling, EngineWeights):
         kernels.backend(p)  # a bad BAIGE_KERNELS fails here, at start-up, not inside the first request
         if p.device.type == "cpu" and settings().cpu_keep_heap:
             kernels.keep_freed_heap()  # prefill temporaries reuse freed memory instead of faulting in new pages
+        self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
+        startup_adapters = []  # read and checked before the KV cache is allocated: a bad one fails first
+        if cfg.enable_lora:
+            self.lora = LoRAManager(model, cfg.max_lora_rank, tuple(cfg.lora_roots))
+            for i, (name, path) in enumerate((cfg.lora_modules or {}).items(), 1):
+                request = LoRARequest(name, i, str(path))
+                startup_adapters.append((request, self.lora.read(request)))
         self.kv_cache = allocate_kv_cache(model, kv_config(model), cfg, self.max_model_len, profile=tp is None)
         num_blocks, kv_dtype = self.kv_cache.num_blocks, self.kv_cache.dtype
         if tp is not None:
@@ -125,11 +132,10 @@ class Engine(EnginePooling, EngineWeights):
             tp,
             batch_invariant=cfg.batch_invariant,
         )
-        self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
-        if cfg.enable_lora:
-            self.lora = self.runner.lora = LoRAManager(model, cfg.max_lora_rank)
-            for name, path in (cfg.lora_modules or {}).items():
-                self.lora.load(LoRARequest(name, len(self.lora.loaded) + 1, str(path)))
+        if self.lora is not None:
+            self.runner.lora = self.lora
+            for request, adapter in startup_adapters:
+                self.lora.add(request, adapter)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(tokenizer.eos_token_ids or mc.eos_token_id)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.grammars)

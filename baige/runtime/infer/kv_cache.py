@@ -14,6 +14,7 @@ from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.device import available_memory
 
 logger = logging.getLogger("baige.engine")
 
@@ -107,18 +108,6 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
             f"use auto or {model} on {device.type}"
         )
     return dtype
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free for the cache now: free GPU memory on CUDA, ``MemAvailable`` of /proc/meminfo on CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise BaigeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory")
 
 
 @torch.inference_mode()

@@ -55,10 +55,12 @@ class LoRAManager:
     Args:
         model: the served Transformer (its projections get the stacks).
         max_lora_rank: largest adapter rank accepted (vLLM's ``--max-lora-rank``).
+        lora_roots: when given, the only directories adapters may be read from (``--lora-root``).
     """
 
-    def __init__(self, model: Transformer, max_lora_rank: int):
+    def __init__(self, model: Transformer, max_lora_rank: int, lora_roots: tuple[str, ...] = ()):
         self.model, self.max_lora_rank = model, max_lora_rank
+        self.lora_roots = lora_roots
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.batch = LoRABatch()
@@ -72,9 +74,9 @@ class LoRAManager:
         """Read and check an adapter directory (any thread; the model is only read).
 
         Raises:
-            BaigeError (one line): an empty name, a name already loaded, an
-            adapter that does not fit the base (targets, shapes: see ``load_peft_adapter``) or whose
-            rank exceeds ``max_lora_rank``.
+            BaigeError (one line): an empty name, a name already loaded, a path outside ``lora_roots``
+            (:func:`resolve_lora_path`), an adapter that does not fit the base (targets, shapes: see
+            ``load_peft_adapter``) or whose rank exceeds ``max_lora_rank``.
         """
         name = request.lora_name
         if not isinstance(name, str) or not name:
@@ -84,14 +86,11 @@ class LoRAManager:
         if name in self.loaded:
             raise BaigeError(f"the LoRA adapter {name!r} is already loaded", param="lora_name")
         with self._read_lock:
-            adapter = load_peft_adapter(Path(request.lora_path), self.model, self.dtype)
-        if adapter.rank > self.max_lora_rank:
-            raise BaigeError(
-                f"LoRA adapter {name!r} ({request.lora_path}): rank {adapter.rank} exceeds "
-                f"--max-lora-rank {self.max_lora_rank}",
-                param="lora_path",
-            )
-        return adapter
+            try:
+                path = resolve_lora_path(request.lora_path, self.lora_roots)
+                return load_peft_adapter(path, self.model, self.dtype, self.max_lora_rank)
+            except BaigeError as e:
+                raise BaigeError(f"LoRA adapter {name!r}: {e}", param=e.param or "lora_path") from None
 
     def add(self, request: LoRARequest, adapter: LoRAAdapter) -> int:
         """Register an adapter :meth:`read` returned and rebuild the stacks (between steps).
@@ -199,6 +198,29 @@ class LoRAManager:
         slots = [self._slot[i] if i else -1 for i in lora_ids]
         self.batch.token_lora_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
         return True
+
+
+def resolve_lora_path(lora_path: str, roots: tuple[str, ...] = ()) -> Path:
+    """``lora_path`` made absolute with its symlinks and ``..`` resolved; with ``roots`` (``--lora-root``,
+    as vLLM's ``--allowed-local-media-path``) it must lie inside one of them, so a client of
+    ``/v1/load_lora_adapter`` cannot make the server read any directory it can name.
+
+    Raises:
+        BaigeError: (param ``lora_path``) an empty or unresolvable path, or one outside every root.
+    """
+    if not isinstance(lora_path, str) or not lora_path or "\x00" in lora_path:
+        raise BaigeError(f"lora_path {str(lora_path)[:80]!r} is not a path", param="lora_path")
+    try:
+        path = Path(lora_path).expanduser().resolve()
+        resolved_roots = [Path(r).expanduser().resolve() for r in roots]
+    except (OSError, RuntimeError) as e:
+        raise BaigeError(f"lora_path {lora_path!r} cannot be resolved ({e})", param="lora_path") from None
+    if resolved_roots and not any(path.is_relative_to(r) for r in resolved_roots):
+        raise BaigeError(
+            f"lora_path {lora_path!r} ({path}) is outside --lora-root ({', '.join(map(str, resolved_roots))})",
+            param="lora_path",
+        )
+    return path
 
 
 def _same_path(a: str, b: str) -> bool:

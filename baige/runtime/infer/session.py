@@ -5,10 +5,8 @@ conversation, streamed as text deltas. The same engine as ``baige serve``, so ev
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig, GenerateConfig
@@ -21,12 +19,10 @@ from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.hub import DEFAULT_MODEL, resolve_model
 
 
-def generation_defaults(model_dir: Path) -> dict:
-    """Sampling defaults from ``generation_config.json`` (temperature/top_p/top_k when ``do_sample``)."""
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return {}
-    gen = json.loads(path.read_text())
+def generation_defaults(tokenizer: Tokenizer) -> dict:
+    """Sampling defaults from ``generation_config.json`` (temperature/top_p/top_k when ``do_sample``),
+    as the tokenizer read and checked it (:func:`baige.runtime.model.tokenizer.check_generation_config`)."""
+    gen = tokenizer.generation_config
     if not gen.get("do_sample", False):
         return {}
     return {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
@@ -76,7 +72,7 @@ class ChatSession:
             )
         )
         tokenizer = engine.tokenizer
-        defaults = generation_defaults(model_dir)
+        defaults = generation_defaults(tokenizer)
         params = SamplingParams(
             temperature=cfg.temperature if cfg.temperature is not None else defaults.get("temperature", 1.0),
             top_p=cfg.top_p if cfg.top_p is not None else defaults.get("top_p", 1.0),
@@ -88,6 +84,8 @@ class ChatSession:
         use_chat = tokenizer.has_chat_template if cfg.chat is None else cfg.chat
         if use_chat and not tokenizer.has_chat_template:
             raise BaigeError(f"{model_dir}: --chat needs a chat template and this tokenizer has none (use --no-chat)")
+        if use_chat:
+            tokenizer.check_chat_template()
         return cls(engine, params, cfg.model or DEFAULT_MODEL, use_chat, cfg.system)
 
     def _system(self) -> list[dict]:

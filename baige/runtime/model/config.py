@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from baige.errors import BaigeError
+from baige.runtime.model.config_checks import check_config_fields, read_json
 
 # HF model_type -> the architecture features our single decoder switches on.
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -94,20 +94,15 @@ class ModelConfig:
             value the decoder does not implement (named in the message).
         """
         if not isinstance(cfg, dict):
-            raise BaigeError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
+            raise BaigeError(f"not a JSON object but {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise BaigeError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        check_config_fields(cfg)
         hidden, n_heads, vocab_size, intermediate, n_layers = (
-            _int_field(cfg, name, minimum=1)
+            cfg[name]
             for name in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
         )
-        for name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if cfg.get(name) is not None:
-                _int_field(cfg, name, minimum=1)
-        for name in ("rms_norm_eps", "rope_theta"):
-            if cfg.get(name) is not None and (isinstance(cfg[name], bool) or not isinstance(cfg[name], (int, float))):
-                raise BaigeError(f"config.json field {name!r} must be a number, got {cfg[name]!r}")
         # transformers >= 5 writes rope settings as `rope_parameters` (with rope_theta inside);
         # older files use top-level `rope_theta` and `rope_scaling` with `rope_type` or legacy `type`.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -120,7 +115,7 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
             rope_scaling["rope_type"] = rope_type
         eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             model_type=model_type,
@@ -131,8 +126,8 @@ class ModelConfig:
             num_attention_heads=n_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "ernie4_5_moe")),
@@ -148,14 +143,19 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        """Read ``config.json``. Raises BaigeError if it is absent or not JSON."""
+        """Read ``config.json`` (:func:`~baige.runtime.model.config_checks.check_config_fields`).
+
+        Raises:
+            BaigeError: naming ``path``: absent, unreadable, not UTF-8 JSON, or a bad field.
+        """
         path = Path(path)
+        if not path.is_file():
+            raise BaigeError(f"{path}: config.json not found")
+        raw = read_json(path)
         try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except FileNotFoundError:
-            raise BaigeError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as e:
-            raise BaigeError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            return cls.from_dict(raw)
+        except BaigeError as e:
+            raise BaigeError(f"{path}: {e}", param=e.param) from None
 
     def num_params(self, non_embedding: bool = False, active: bool = False) -> int:
         """Parameter count (tied embeddings counted once); ``non_embedding`` drops embeddings and
@@ -210,12 +210,12 @@ def _int_field(cfg: dict[str, Any], *names: str, default: Any = None, minimum: i
         if cfg.get(name) is not None:
             value = cfg[name]
             if isinstance(value, bool) or not isinstance(value, int):
-                raise BaigeError(f"config.json field {name!r} must be an integer, got {value!r}")
+                raise BaigeError(f"field {name!r} must be an integer, got {value!r}")
             if minimum is not None and value < minimum:
-                raise BaigeError(f"config.json field {name!r} must be >= {minimum}, got {value}")
+                raise BaigeError(f"field {name!r} must be >= {minimum}, got {value}")
             return value
     if default is None:
-        raise BaigeError(f"config.json is missing required field {names[0]!r}")
+        raise BaigeError(f"missing required field {names[0]!r}")
     return default
 
 
@@ -281,7 +281,7 @@ def _ernie_moe(cfg: dict[str, Any], n_layers: int, coef: float) -> MoEConfig:
         renormalize=True,
         shared_intermediate_size=inter * _int_field(cfg, "moe_num_shared_experts", default=2),
         correction_bias=True,
-        norm_min=float(cfg.get("moe_norm_min", 1e-12)),
+        norm_min=float(cfg.get("moe_norm_min") or 1e-12),
         router_fp32=True,
         router_aux_loss_coef=coef,
     )

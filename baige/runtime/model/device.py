@@ -65,3 +65,22 @@ def resolve_device(name: str | None) -> torch.device:
     if not name.startswith(("cpu", "cuda")):
         raise BaigeError(f"unknown device {name!r} (choose auto, cpu, cuda)")
     return torch.device(name)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now: free GPU memory on CUDA, ``MemAvailable`` of /proc/meminfo on CPU.
+
+    Raises:
+        BaigeError: /proc/meminfo cannot be read or has no ``MemAvailable``.
+    """
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise BaigeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory")

@@ -19,70 +19,82 @@ import json
 import re
 import secrets
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from baige.errors import BaigeError
+from baige.runtime.model.chat_template import compile_template, probe_template, render
+from baige.runtime.model.config_checks import read_json
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# the largest tokenizer.json read (the biggest published ones, with 256k-entry vocabularies, are ~35 MB)
+MAX_TOKENIZER_BYTES = 2**30
 
 
-def _read_json(path: Path) -> dict:
-    """Parsed JSON object at `path`. Raises BaigeError when it is not valid JSON."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BaigeError(f"{path} is not valid JSON: {e}") from None
+def _read_object(path: Path) -> dict:
+    """The JSON object in ``path``. Raises BaigeError naming ``path`` when it is not one."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise BaigeError(f"{path}: must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def check_tokenizer_config(config: dict, path: Path | str) -> None:
+    """``tokenizer_config.json``'s fields baige reads: the special tokens (a string, an AddedToken object
+    with a string ``content``, or null), ``add_bos_token`` / ``add_eos_token`` (booleans) and
+    ``chat_template`` (a string, or HF's list of ``{"name", "template"}``). Raises BaigeError naming
+    ``path`` and the field."""
+    for key in _SPECIAL_TOKENS:
+        value = config.get(key)
+        if not (
+            value is None or isinstance(value, str) or isinstance(value, dict) and isinstance(value.get("content"), str)
+        ):
+            raise BaigeError(
+                f"{path}: {key} must be a string or an object with a string content, got {str(value)[:60]}"
+            )
+    for key in ("add_bos_token", "add_eos_token"):
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise BaigeError(f"{path}: {key} must be true or false, got {str(config[key])[:60]}")
+    template = config.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template
+    )
+    if not (template is None or isinstance(template, str) or named):
+        raise BaigeError(f"{path}: chat_template must be a string or a list of {{name, template}} objects")
+
+
+def _number_in(value: Any, low: float, high: float) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
+def check_generation_config(config: dict, path: Path | str, vocab_size: int) -> None:
+    """``generation_config.json``'s fields baige reads: the token ids (``bos/eos/pad_token_id``: null, an
+    id, or for EOS a list of ids) inside the vocabulary, and the sampling defaults: ``do_sample`` a
+    boolean, ``temperature`` in [0, 100], ``top_p`` in [0, 1], ``top_k`` an integer >= 0. Raises
+    BaigeError naming ``path`` and the field."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        ids = value if isinstance(value, list) and key == "eos_token_id" else [] if value is None else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+            raise BaigeError(f"{path}: {key} must be null or token ids in [0, {vocab_size}), got {str(value)[:60]}")
+    checks = {
+        "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+        "temperature": (lambda v: _number_in(v, 0, 100), "a number in [0, 100]"),
+        "top_p": (lambda v: _number_in(v, 0, 1), "a number in [0, 1]"),
+        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    }
+    for key, (ok, requirement) in checks.items():
+        if config.get(key) is not None and not ok(config[key]):
+            raise BaigeError(f"{path}: {key} must be {requirement}, got {str(config[key])[:60]}")
 
 
 def _token_text(value: str | dict | None) -> str | None:
     """A special token as tokenizer_config writes it: a string or an AddedToken dict `{"content": ...}`."""
     return value.get("content") if isinstance(value, dict) else value
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: HF marks assistant text with it; it renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # jinja's own tojson HTML-escapes; chat templates expect plain JSON (as HF renders it).
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox, with HF's environment settings. Raises BaigeError."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise BaigeError(f"chat template does not compile: {e.message} (line {e.lineno})") from None
 
 
 class Tokenizer:
@@ -104,11 +116,13 @@ class Tokenizer:
         config: dict,
         generation_config: dict | None = None,
         chat_template: str | None = None,
+        chat_template_source: str = "tokenizer_config.json",
     ) -> None:
         """Wrap a `tokenizers.Tokenizer` with the settings of `tokenizer_config.json` (`config`).
 
         `chat_template`, when given, overrides `config["chat_template"]`; `generation_config` is the
-        parsed `generation_config.json` (its `eos_token_id` adds stop ids).
+        parsed `generation_config.json` (its `eos_token_id` adds stop ids). `chat_template_source` names
+        where the template came from, in its errors.
         """
         self._backend = backend
         # A twin that reads special-token text as plain text; used for message content.
@@ -116,14 +130,14 @@ class Tokenizer:
         self._plain.encode_special_tokens = True
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
-        names = ("bos_token", "eos_token", "unk_token", "pad_token")
-        self._special_text = {k: _token_text(config.get(k)) for k in names}
+        self._special_text = {k: _token_text(config.get(k)) for k in _SPECIAL_TOKENS}
         self.bos_token_id: int | None = self._id_of(self._special_text["bos_token"])
         self.pad_token_id: int | None = self._id_of(self._special_text["pad_token"])
         eos = [self._id_of(self._special_text["eos_token"])]
         gen_eos = (generation_config or {}).get("eos_token_id")
         eos += gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos if i is not None))
+        self.generation_config: dict = dict(generation_config or {})  # as read (checked by from_dir)
         # tokenizer_config's flags win (as in HF); without them, whatever tokenizer.json's post-processor adds.
         with_specials = backend.encode("", add_special_tokens=True).ids
         add_bos = config.get("add_bos_token", with_specials[:1] == [self.bos_token_id])
@@ -137,6 +151,7 @@ class Tokenizer:
                 named = {t["name"]: t["template"] for t in chat_template}
                 chat_template = named.get("default")
         self.chat_template: str | None = chat_template
+        self.chat_template_source = chat_template_source
         self._compiled: jinja2.Template | None = None
 
         specials = sorted(
@@ -173,29 +188,52 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise BaigeError(f"no tokenizer.json in {path}")
+        if tokenizer_file.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise BaigeError(f"{tokenizer_file}: larger than {MAX_TOKENIZER_BYTES} bytes")
         try:
             backend = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise BaigeError(f"{tokenizer_file} is not a valid tokenizer: {e}") from None
+            raise BaigeError(f"{tokenizer_file} is not a valid tokenizer: {str(e)[:200]}") from None
         config_file, template_file, gen_file = (
             path / name for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
         )
-        config = _read_json(config_file) if config_file.is_file() else {}
-        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
-        generation_config = _read_json(gen_file) if gen_file.is_file() else None
-        return cls(backend, config, generation_config, template)
+        config = _read_object(config_file) if config_file.is_file() else {}
+        check_tokenizer_config(config, config_file)
+        source = str(config_file)
+        template = None
+        if template_file.is_file():
+            try:
+                template, source = template_file.read_text(encoding="utf-8"), str(template_file)
+            except (OSError, UnicodeDecodeError) as e:
+                raise BaigeError(f"{template_file}: not a readable UTF-8 file ({type(e).__name__})") from None
+        generation_config = _read_object(gen_file) if gen_file.is_file() else None
+        if generation_config is not None:
+            check_generation_config(generation_config, gen_file, backend.get_vocab_size(with_added_tokens=True))
+        return cls(backend, config, generation_config, template, source)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
-    def set_chat_template(self, source: str) -> None:
+    def set_chat_template(self, source: str, where: str = "--chat-template") -> None:
         """Replace the chat template (``baige serve --chat-template``, vLLM's option); compiled now.
 
         Raises:
             BaigeError: the template does not compile.
         """
-        self._compiled = _compile_template(source)
-        self.chat_template = source
+        self._compiled = compile_template(source, where)
+        self.chat_template, self.chat_template_source = source, where
+
+    def check_chat_template(self) -> None:
+        """Compile the chat template and render a one-message conversation, at start-up
+        (:func:`~baige.runtime.model.chat_template.probe_template`).
+
+        Raises:
+            ChatTemplateError: naming the template: it does not compile, breaks the sandbox or exceeds
+            its budget.
+        """
+        if self.chat_template is not None and self._compiled is None:
+            variables = {k: v for k, v in self._special_text.items() if v is not None}
+            self._compiled = probe_template(self.chat_template, self.chat_template_source, **variables)
 
     @property
     def has_chat_template(self) -> bool:
@@ -240,19 +278,24 @@ class Tokenizer:
             template_vars: further variables the template reads (`tools`, `enable_thinking`, ...).
 
         Raises:
-            BaigeError: no chat template, or the template rejects the conversation (`raise_exception`).
+            BaigeError: no chat template; ChatTemplateError (naming the template): it does not compile,
+            rejects the conversation (`raise_exception`), breaks the sandbox or exceeds its budget
+            (:mod:`baige.runtime.model.chat_template`).
         """
         if self.chat_template is None:
             raise BaigeError("this model has no chat template; pass a raw prompt instead of chat messages")
         if self._compiled is None:
-            self._compiled = _compile_template(self.chat_template)
+            self._compiled = compile_template(self.chat_template, self.chat_template_source)
         variables = {k: v for k, v in self._special_text.items() if v is not None}
         variables.update(tools=None, documents=None)
         variables.update(template_vars)
-        try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
-            raise BaigeError(f"chat template error: {e}") from None
+        return render(
+            self._compiled,
+            self.chat_template_source,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any

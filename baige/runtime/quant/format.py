@@ -82,9 +82,12 @@ def _scheme_from_weights(w: dict, where: str) -> QuantScheme:
     strategy = w.get("strategy")
     if strategy not in ("channel", "group"):
         raise BaigeError(f"{where}: weight strategy {strategy!r} is not supported (channel, group)")
+    for key in ("num_bits", "group_size") if strategy == "group" else ("num_bits",):
+        if not isinstance(w.get(key), int) or isinstance(w.get(key), bool):
+            raise BaigeError(f"{where}: weights.{key} must be an integer, got {str(w.get(key))[:40]}")
     return QuantScheme(
-        num_bits=int(w["num_bits"]),
-        group_size=int(w["group_size"]) if strategy == "group" else None,
+        num_bits=w["num_bits"],
+        group_size=w["group_size"] if strategy == "group" else None,
         symmetric=bool(w.get("symmetric", True)),
         actorder=w.get("actorder") == "weight",
     )

@@ -122,9 +122,11 @@ class TrainerBase(abc.ABC):
             p.tensor_parallel_degree,
             p.expert_parallel_degree,
             p.pipeline_parallel_degree,
+            p.context_parallel_degree,
         )
         self.mesh = self.dims.build_mesh(self.device.type)
         self.sparse_mesh = self.dims.build_sparse_mesh(self.device.type)
+        self.dp_cp_mesh = self.dims.build_dp_cp_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank(self.mesh)
 
     def _init_output(self) -> None:
@@ -204,6 +206,7 @@ class TrainerBase(abc.ABC):
             param_dtype=self.param_dtype,
             reduce_dtype=reduce_dtype,
             sparse_mesh=self.sparse_mesh,
+            dp_cp_mesh=self.dp_cp_mesh,
         )
         if not self.dims.fsdp_enabled:
             model.to(self.device)
@@ -431,7 +434,7 @@ class TrainerBase(abc.ABC):
         return (
             f"{mc.model_type} {mc.num_params() / 1e6:.1f}M params{active} | world_size "
             f"{self.dist.world_size} (pp {self.dims.pp} x dp_replicate {self.dims.dp_replicate} x dp_shard "
-            f"{self.dims.dp_shard} x tp {self.dims.tp}, ep {self.dims.ep})"
+            f"{self.dims.dp_shard} x cp {self.dims.cp} x tp {self.dims.tp}, ep {self.dims.ep})"
         )
 
     def export(self) -> Path | None:

@@ -53,6 +53,9 @@ class TrainingSection:
     # torch.compile each block; auto = on for single-device CPU training (no FSDP/TP), where the blocks'
     # reference norms/RoPE/SwiGLU otherwise run as many small eager ops (docs/benchmarks/archive.md)
     compile: bool | str = "auto"  # auto | true | false
+    # causal: attention crosses the documents packed into a window (GPT-2 / nanoGPT packing); block_causal:
+    # each token attends only within its own document (torchtitan's name for document masking)
+    attn_mask_type: str = "causal"
 
 
 @dataclass
@@ -86,6 +89,12 @@ class ParallelismSection:
     pipeline_parallel_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble (torchtitan's names)
     # micro-batches each pipeline step splits training.batch_size into (must divide it); 0 = batch_size
     pipeline_parallel_microbatches: int = 0
+    # context parallel (torchtitan's name): each window's sequence sharded over this many ranks
+    # (training.seq_len must be a multiple of 2 x the degree: load-balanced causal chunks)
+    context_parallel_degree: int = 1
+    # ring (K/V blocks passed around the CP ranks) | ulysses (all-to-all to head sharding, DeepSpeed-Ulysses:
+    # the attention heads and KV heads per rank must be divisible by the degree)
+    context_parallel_method: str = "ring"
     mixed_precision_param: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
     mixed_precision_reduce: str = "float32"
 
@@ -295,6 +304,42 @@ def _validate_moe(cfg: TrainConfig) -> None:
 
 
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+CP_METHODS = ("ring", "ulysses")
+ATTN_MASK_TYPES = ("causal", "block_causal")
+
+
+def _validate_context_parallel(cfg: TrainConfig) -> None:
+    """The context-parallel fields and document masking, and what they do not compose with. Raises
+    BaigeError naming the field."""
+    p, t = cfg.parallelism, cfg.training
+    check_int("parallelism.context_parallel_degree", p.context_parallel_degree, 1)
+    if p.context_parallel_method not in CP_METHODS:
+        raise BaigeError(
+            f"parallelism.context_parallel_method must be one of {', '.join(CP_METHODS)} "
+            f"(got {p.context_parallel_method!r})"
+        )
+    if t.attn_mask_type not in ATTN_MASK_TYPES:
+        raise BaigeError(
+            f"training.attn_mask_type must be one of {', '.join(ATTN_MASK_TYPES)} (got {t.attn_mask_type!r})"
+        )
+    cp = p.context_parallel_degree
+    if cp > 1 and t.seq_len % (2 * cp):
+        raise BaigeError(
+            f"training.seq_len {t.seq_len} must be a multiple of 2 x context_parallel_degree = {2 * cp} "
+            "(each CP rank holds two of 2 x degree equal chunks)"
+        )
+    for what, on in (
+        ("context parallel (--cp)", cp > 1),
+        ("training.attn_mask_type=block_causal", t.attn_mask_type == "block_causal"),
+    ):
+        if on and p.pipeline_parallel_degree > 1:
+            raise BaigeError(f"{what} does not compose with pipeline parallel (--pp) yet: use FSDP and TP")
+        if on and cfg.method == "grpo":
+            raise BaigeError(f"{what} is for next-token training (--method sft / pretrain), not --method grpo")
+    if cp > 1 and p.expert_parallel_degree > 1:
+        raise BaigeError("context parallel (--cp) does not compose with expert parallel (--ep) yet")
+    if cp > 1 and t.compile is True:
+        raise BaigeError("context parallel (--cp) runs eager: drop --compile (its ring exchanges break the graph)")
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:
@@ -406,6 +451,7 @@ def validate(cfg: TrainConfig) -> None:
     check_float("metrics.peak_tflops", cfg.metrics.peak_tflops, 0.0)
     _validate_moe(cfg)
     _validate_pipeline(cfg)
+    _validate_context_parallel(cfg)
     _validate_lora(cfg)
     ac = t.activation_checkpointing
     if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):

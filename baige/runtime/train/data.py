@@ -10,10 +10,14 @@ template's own end-of-turn). Documents are concatenated into one stream and cut 
 ``seq_len + 1`` tokens that overlap by one (inputs = window[:-1], targets = window[1:]). Document
 boundaries are **not** respected: a window may span two documents and attention crosses the EOS
 between them (the GPT-2 / nanoGPT / torchtitan packing), and positions restart at 0 in every window.
+With ``training.attn_mask_type = "block_causal"`` the loader also hands out where each document starts,
+and attention stays inside a document (positions keep counting over the window: RoPE sees only
+distances, so within a document that is the same as restarting them).
 
 The cache (``$BAIGE_CACHE/tokens``) is keyed by the tokenizer files' and the data file's SHA-256, so
 editing either re-tokenizes. A cache entry is ``<key>.tokens`` (uint32), ``<key>.mask`` (uint8, only
-for data with masked-out tokens) and ``<key>.json`` (written last: its presence marks the entry complete).
+for data with masked-out tokens), ``<key>.docs`` (int64 start offset of every document) and ``<key>.json``
+(written last: its presence marks the entry complete).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +36,7 @@ from baige.errors import BaigeError
 from baige.runtime.model.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100  # target id that carries no loss (PyTorch / HF convention)
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: document starts (.docs)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -120,11 +124,13 @@ def _records(path: Path, tokenizer: Tokenizer):
 
 @dataclass
 class TokenFile:
-    """One tokenized data file: ``tokens`` (N,) uint32 and ``mask`` (N,) uint8 or None (all tokens learned)."""
+    """One tokenized data file: ``tokens`` (N,) uint32, ``mask`` (N,) uint8 or None (all tokens learned) and
+    ``doc_starts`` (D,) int64, the offset of each document's first token (0 first)."""
 
     tokens: np.ndarray
     mask: np.ndarray | None
     max_id: int
+    doc_starts: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # default: one document
 
 
 def tokenize_file(path: str | Path, tokenizer: Tokenizer, tokenizer_dir: Path, cache_root: Path) -> TokenFile:
@@ -147,6 +153,7 @@ def tokenize_file(path: str | Path, tokenizer: Tokenizer, tokenizer_dir: Path, c
         for doc_ids, doc_mask in _documents(path, tokenizer):
             id_parts.append(np.asarray(doc_ids, dtype=np.uint32))
             mask_parts.append(np.ones(len(doc_ids), np.uint8) if doc_mask is None else np.asarray(doc_mask, np.uint8))
+        starts = np.cumsum([0] + [len(p) for p in id_parts[:-1]]).astype(np.int64)  # (D,)
         ids = np.concatenate(id_parts) if id_parts else np.zeros(0, np.uint32)
         mask = np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8)
         any_masked = bool((mask == 0).any())
@@ -157,12 +164,14 @@ def tokenize_file(path: str | Path, tokenizer: Tokenizer, tokenizer_dir: Path, c
         _atomic_write(base.with_suffix(".tokens"), ids.tobytes())
         if any_masked:
             _atomic_write(base.with_suffix(".mask"), mask.tobytes())
+        _atomic_write(base.with_suffix(".docs"), starts.tobytes())
         meta = {"source": str(path), "num_tokens": len(ids), "masked": any_masked, "max_id": int(ids.max())}
         _atomic_write(meta_path, json.dumps(meta).encode())
     meta = json.loads(meta_path.read_text())
     tokens = np.memmap(base.with_suffix(".tokens"), dtype=np.uint32, mode="r")
     mask_arr = np.memmap(base.with_suffix(".mask"), dtype=np.uint8, mode="r") if meta["masked"] else None
-    return TokenFile(tokens, mask_arr, int(meta["max_id"]))
+    doc_starts = np.fromfile(base.with_suffix(".docs"), dtype=np.int64)
+    return TokenFile(tokens, mask_arr, int(meta["max_id"]), doc_starts)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -186,6 +195,8 @@ class PackedWindows:
         self.num_tokens = int(self.offsets[-1])
         self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
         self.max_id = max(f.max_id for f in files)
+        # (D,) every document's first token in the concatenation; each file starts a document
+        self.doc_starts = np.concatenate([f.doc_starts + off for f, off in zip(files, self.offsets[:-1])])
 
     def _slice(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         tokens, mask = [], []
@@ -207,6 +218,22 @@ class PackedWindows:
         tokens, mask = self._slice(index * self.seq_len, (index + 1) * self.seq_len + 1)
         labels = np.where(mask[1:], tokens[1:], IGNORE_INDEX)
         return torch.from_numpy(tokens[:-1].copy()), torch.from_numpy(labels)
+
+    def starts(self, index: int) -> torch.Tensor:
+        """Window ``index``'s document starts: (seq_len,) bool, True where an input token begins a document."""
+        lo = index * self.seq_len
+        first = np.searchsorted(self.doc_starts, lo)
+        last = np.searchsorted(self.doc_starts, lo + self.seq_len)
+        out = torch.zeros(self.seq_len, dtype=torch.bool)
+        out[torch.from_numpy(self.doc_starts[first:last] - lo)] = True
+        return out
+
+    def batch(self, indices, documents: bool = False) -> tuple[torch.Tensor, ...]:
+        """Windows ``indices`` stacked: ``(input_ids, labels)``, each (B, seq_len) int64, and with
+        ``documents`` their (B, seq_len) bool :meth:`starts`."""
+        pairs = [self.window(int(i)) for i in indices]
+        out = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+        return out + (torch.stack([self.starts(int(i)) for i in indices]),) if documents else out
 
 
 def load_windows(
@@ -241,9 +268,11 @@ class DataLoader:
         dp_rank: int,
         seed: int,
         shuffle: bool,
+        documents: bool = False,
     ):
         self.windows, self.batch_size, self.grad_accum = windows, batch_size, grad_accum
         self.dp_size, self.dp_rank, self.seed, self.shuffle = dp_size, dp_rank, seed, shuffle
+        self.documents = documents
         self.global_batch = dp_size * batch_size * grad_accum
         if windows.num_windows < self.global_batch:
             raise BaigeError(
@@ -260,7 +289,8 @@ class DataLoader:
         return self._order
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's ``grad_accum`` micro-batches for the next step: (input_ids, labels), each (B, T) int64."""
+        """This rank's ``grad_accum`` micro-batches for the next step: (input_ids, labels), each (B, T) int64,
+        plus (B, T) bool document starts when the loader was built with ``documents``."""
         if self.position + self.global_batch > self.windows.num_windows:
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
         order = self._epoch_order()
@@ -268,8 +298,7 @@ class DataLoader:
         micro = []
         for a in range(self.grad_accum):
             start = self.position + (a * self.dp_size + self.dp_rank) * B
-            pairs = [self.windows.window(int(i)) for i in order[start : start + B]]
-            micro.append((torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])))
+            micro.append(self.windows.batch(order[start : start + B], self.documents))
         self.position += self.global_batch
         return micro
 
@@ -280,10 +309,13 @@ class DataLoader:
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
 
 
-def eval_batches(windows: PackedWindows, batch_size: int, dp_size: int, dp_rank: int, max_batches: int = 0):
+def eval_batches(
+    windows: PackedWindows, batch_size: int, dp_size: int, dp_rank: int, max_batches: int = 0, documents: bool = False
+):
     """This rank's evaluation micro-batches, in file order: rounds of ``dp_size * batch_size`` windows.
 
-    ``max_batches`` > 0 stops after that many rounds. Yields (input_ids, labels), each (B, T) int64.
+    ``max_batches`` > 0 stops after that many rounds. Yields (input_ids, labels), each (B, T) int64
+    (plus (B, T) bool document starts with ``documents``).
     Raises BaigeError when the eval data holds less than one round.
     """
     rounds = windows.num_windows // (dp_size * batch_size)
@@ -295,5 +327,4 @@ def eval_batches(windows: PackedWindows, batch_size: int, dp_size: int, dp_rank:
         rounds = min(rounds, max_batches)
     for r in range(rounds):
         start = (r * dp_size + dp_rank) * batch_size
-        pairs = [windows.window(i) for i in range(start, start + batch_size)]
-        yield torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        yield windows.batch(range(start, start + batch_size), documents)

@@ -27,6 +27,7 @@ from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.train.expert_parallel import ExpertParallelExperts, apply_ep, sparse_blocks
+from baige.runtime.train.tied_embedding import apply_tied_embedding_grad
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -136,48 +137,53 @@ def init_distributed(device_type: str) -> DistInfo:
 
 @dataclass
 class ParallelDims:
-    """Sizes of the mesh dimensions: ``pp x dp_replicate x dp_shard x tp == world_size``; ``ep`` (expert
-    parallel) divides ``dp_shard`` (EP borrows from the data-parallel shard dimension)."""
+    """Sizes of the mesh dimensions: ``pp x dp_replicate x dp_shard x cp x tp == world_size``; ``ep`` (expert
+    parallel) divides ``dp_shard`` (EP borrows from the data-parallel shard dimension); ``cp`` (context
+    parallel) shards each window's sequence, and FSDP shards over ``dp_shard x cp`` (torchtitan's
+    ``dp_shard_cp``)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     ep: int = 1
     pp: int = 1
+    cp: int = 1
 
     @classmethod
     def resolve(
-        cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, ep: int = 1, pp: int = 1
+        cls, world_size: int, dp_replicate: int, dp_shard: int, tp: int, ep: int = 1, pp: int = 1, cp: int = 1
     ) -> "ParallelDims":
         """``dp_shard = -1`` takes what the others leave. Raises BaigeError when the product is wrong
         or ``ep`` does not divide ``dp_shard``."""
-        if dp_replicate < 1 or tp < 1 or ep < 1 or pp < 1 or dp_shard == 0 or dp_shard < -1:
+        if dp_replicate < 1 or tp < 1 or ep < 1 or pp < 1 or cp < 1 or dp_shard == 0 or dp_shard < -1:
             raise BaigeError("parallelism degrees must be >= 1 (data_parallel_shard_degree may be -1)")
         if world_size % pp:
             raise BaigeError(f"pipeline_parallel_degree {pp} does not divide world_size {world_size}")
+        others = dp_replicate * tp * pp * cp
         if dp_shard == -1:
-            if world_size % (dp_replicate * tp * pp):
+            if world_size % others:
                 raise BaigeError(
                     f"world_size {world_size} is not divisible by pipeline_parallel_degree x "
-                    f"data_parallel_replicate_degree x tensor_parallel_degree = {pp * dp_replicate * tp}"
+                    f"data_parallel_replicate_degree x context_parallel_degree x tensor_parallel_degree = {others}"
                 )
-            dp_shard = world_size // (dp_replicate * tp * pp)
-        if pp * dp_replicate * dp_shard * tp != world_size:
+            dp_shard = world_size // others
+        if dp_shard * others != world_size:
             raise BaigeError(
-                f"parallelism degrees {pp} (pp) x {dp_replicate} (replicate) x {dp_shard} (shard) x {tp} (tp) "
-                f"!= world_size {world_size}"
+                f"parallelism degrees {pp} (pp) x {dp_replicate} (replicate) x {dp_shard} (shard) x {cp} (cp) x "
+                f"{tp} (tp) != world_size {world_size}"
             )
         if dp_shard % ep:
             raise BaigeError(
                 f"expert_parallel_degree {ep} must divide data_parallel_shard_degree {dp_shard} "
                 "(EP borrows ranks from the data-parallel shard dimension)"
             )
-        return cls(dp_replicate, dp_shard, tp, ep, pp)
+        return cls(dp_replicate, dp_shard, tp, ep, pp, cp)
 
     @property
     def model_parallel_size(self) -> int:
         """Ranks that see the same data (``tp x pp``, Megatron's model-parallel size): a sum over the
-        world of per-rank data counts is that many times the sum over data-parallel ranks."""
+        world of per-rank data counts is that many times the sum over data-parallel ranks (CP ranks
+        hold disjoint shards of the same windows, so they count as different data)."""
         return self.tp * self.pp
 
     @property
@@ -185,21 +191,43 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp_size(self) -> int:
+        """Ranks FSDP averages gradients over (data-parallel x context-parallel)."""
+        return self.dp_size * self.cp
+
+    @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_size > 1
+        return self.dp_cp_size > 1
 
     def build_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
-        """The 3-D mesh ``("dp_replicate", "dp_shard", "tp")``, with ``"pp"`` outermost when
-        pipelining (torchtitan's order: ranks of one pipeline are the farthest apart); None for a
-        single process."""
-        if self.dp_size * self.tp * self.pp == 1:
+        """The mesh ``("dp_replicate", "dp_shard", "tp")``, with ``"cp"`` before ``"tp"`` when context
+        parallel and ``"pp"`` outermost when pipelining (torchtitan's order: ranks of one pipeline are the
+        farthest apart); None for a single process."""
+        if self.dp_cp_size * self.tp * self.pp == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         shape, names = (self.dp_replicate, self.dp_shard, self.tp), ("dp_replicate", "dp_shard", "tp")
+        if self.cp > 1:
+            shape, names = (*shape[:2], self.cp, shape[2]), (*names[:2], "cp", names[2])
         if self.pp > 1:
             shape, names = (self.pp, *shape), ("pp", *names)
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    def build_dp_cp_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
+        """With context parallel, FSDP's mesh: ``dp_shard_cp`` (torchtitan's name; the ``dp_shard`` and ``cp``
+        ranks of :meth:`build_mesh` in the same order, one dimension) or ``(dp_replicate, dp_shard_cp)`` for
+        HSDP; None without CP. Built as its own mesh over the same ranks (as the experts' mesh is)."""
+        if self.cp == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard * self.cp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"),
+        )
+        return mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else mesh["dp_shard_cp"]
 
     def build_sparse_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh | None":
         """The experts' 4-D mesh ``("dp_replicate", "efsdp", "ep", "tp")`` over the same ranks in the
@@ -323,45 +351,6 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile(fullgraph=not isinstance(layer.mlp, SparseMoeBlock))
 
 
-def _embed_into_tied_grad(embed: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
-    """``embed(input_ids)`` whose backward index-adds the looked-up rows' gradient into ``weight.grad``.
-
-    Autograd's embedding backward builds a dense (vocab, hidden) gradient (a zero fill of the whole
-    table, then a scatter of the B*T rows) and adds it to the lm_head's dense gradient: two passes
-    over the table for a few hundred rows. Here the lookup reads a detached weight and a hook on the
-    output adds its (B*T, hidden) gradient into ``weight.grad`` in place. That is correct because of
-    the order of the backward: the tied lm_head's gradient comes first (the loss), and autograd runs a
-    parameter's AccumulateGrad as soon as its inputs are in, so ``weight.grad`` holds it by the time
-    the backward reaches the embedding output, the last node. (No grad yet, e.g. a frozen head: a
-    zero-filled gradient is made.)
-    """
-    weight = embed.weight
-    if not (torch.is_grad_enabled() and weight.requires_grad):
-        return nn.functional.embedding(input_ids, weight)
-    out = nn.functional.embedding(input_ids, weight.detach()).requires_grad_()  # (B, T, hidden)
-    ids = input_ids.reshape(-1)  # (B*T,)
-
-    def accumulate(grad: torch.Tensor) -> None:
-        rows = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)  # (B*T, hidden)
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, ids, rows)
-
-    out.register_hook(accumulate)
-    return out
-
-
-def apply_tied_embedding_grad(model: nn.Module) -> None:
-    """Route the input embedding's gradient into the tied lm_head's gradient (see
-    :func:`_embed_into_tied_grad`). Only for tied weights held as plain tensors (no FSDP/TP): an
-    untied table has no dense gradient to add into. The module, its class and its parameter names
-    are unchanged; only this instance's ``forward`` is replaced."""
-    embed = model.model.embed_tokens
-    if model.lm_head.weight is not embed.weight:
-        return
-    embed.forward = functools.partial(_embed_into_tied_grad, embed)
-
-
 def apply_fsdp(
     model: nn.Module,
     dp_mesh,
@@ -401,7 +390,8 @@ def apply_fsdp(
 
 
 def data_parallel_mesh(dims: ParallelDims, mesh):
-    """FSDP's mesh: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+    """FSDP's mesh without context parallel: ``dp_shard``, or the 2-D ``(dp_replicate, dp_shard)`` for HSDP
+    (with CP: :meth:`ParallelDims.build_dp_cp_mesh`)."""
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
 
@@ -415,12 +405,14 @@ def parallelize(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     sparse_mesh=None,
+    dp_cp_mesh=None,
 ) -> None:
     """Apply TP, EP, AC, compile and FSDP in that order (each only when enabled; with pipeline
     parallel, FSDP is left to :func:`~baige.runtime.train.pipeline.build_pipeline`, per stage);
     without FSDP, TP and PP, route a tied embedding's gradient into the lm_head's
     (:func:`apply_tied_embedding_grad`).
-    ``sparse_mesh``: :meth:`ParallelDims.build_sparse_mesh` (needed when ``dims.ep > 1``)."""
+    ``sparse_mesh``: :meth:`ParallelDims.build_sparse_mesh` (needed when ``dims.ep > 1``); ``dp_cp_mesh``:
+    :meth:`ParallelDims.build_dp_cp_mesh` (FSDP's mesh when ``dims.cp > 1``)."""
     if dims.tp > 1:
         apply_tp(model, mesh["tp"])
     if dims.ep > 1:
@@ -432,7 +424,8 @@ def parallelize(
         expert_mesh = None
         if dims.ep > 1:
             expert_mesh = sparse_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse_mesh["efsdp"]
-        apply_fsdp(model, data_parallel_mesh(dims, mesh), param_dtype, reduce_dtype, expert_mesh)
+        dp_mesh = dp_cp_mesh if dims.cp > 1 else data_parallel_mesh(dims, mesh)
+        apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, expert_mesh)
     elif dims.tp == 1 and dims.pp == 1:
         apply_tied_embedding_grad(model)
 

@@ -6,9 +6,12 @@ accumulation, clipping), evaluation and the loop; the set-up they share with the
 Loss normalisation: every micro-batch's summed token cross-entropy is divided by the number of valid
 target tokens of the whole step (all micro-batches, all data-parallel ranks), so accumulation and
 data parallelism give the gradient of one big batch. FSDP averages gradients over data-parallel
-ranks, so the backward loss is multiplied by the data-parallel size. Mixture-of-Experts models add
-the router terms of :class:`~baige.runtime.train.moe.MoEBalancer` (load balancing, z-loss) to each
-micro-batch's loss under the same factors; the reported ``loss`` stays the cross-entropy.
+(and context-parallel) ranks, so the backward loss is multiplied by their number. Under context
+parallelism each rank's micro-batch is its shard of the windows (``context_parallel.py``): its valid
+targets and summed loss are those of the shard, so the same sums give the one-process loss.
+Mixture-of-Experts models add the router terms of :class:`~baige.runtime.train.moe.MoEBalancer`
+(load balancing, z-loss) to each micro-batch's loss under the same factors; the reported ``loss`` stays
+the cross-entropy.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from baige.errors import BaigeError
 from baige.runtime.train import lora
 from baige.runtime.train.base import TrainerBase, TrainResult
 from baige.runtime.train.config import TrainConfig
+from baige.runtime.train.context_parallel import ContextParallel
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
 from baige.runtime.train.metrics import mfu, peak_flops, peak_memory_bytes
 from baige.runtime.train.moe import RouterLogits
@@ -32,6 +36,7 @@ class Trainer(TrainerBase):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
+        self.cp = self._context_parallel()
         self.flops_per_token = lora.flops_per_token(self.model, self.lora_params, cfg.training.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.param_dtype, cfg.metrics.peak_tflops)
 
@@ -61,19 +66,64 @@ class Trainer(TrainerBase):
                     f"{self.model_config.vocab_size}: tokenizer and model do not match"
                 )
         self.loader = DataLoader(
-            self.train_windows, t.batch_size, t.grad_accum, self.dims.dp_size, self.dp_rank, t.seed, cfg.data.shuffle
+            self.train_windows,
+            t.batch_size,
+            t.grad_accum,
+            self.dims.dp_size,
+            self.dp_rank,
+            t.seed,
+            cfg.data.shuffle,
+            documents=t.attn_mask_type == "block_causal",
         )
 
+    def _context_parallel(self) -> ContextParallel | None:
+        """The CP handle (``--cp``, or document masking on one rank); None: plain causal attention.
+
+        Raises:
+            BaigeError: CP on a Mixture-of-Experts model, on a dynamic-NTK RoPE model whose scaling
+                would differ between shards (the window longer than ``max_position_embeddings``), or
+                Ulysses with (per-TP-rank) head counts not divisible by the CP degree.
+        """
+        p, t, mc = self.cfg.parallelism, self.cfg.training, self.model_config
+        if self.dims.cp > 1:
+            if self.moe is not None:
+                raise BaigeError("context parallel (--cp) does not support Mixture-of-Experts models yet")
+            rope = (mc.rope_scaling or {}).get("rope_type")
+            if rope == "dynamic" and t.seq_len > mc.max_position_embeddings:
+                raise BaigeError(
+                    f"context parallel (--cp) with dynamic NTK RoPE needs training.seq_len <= "
+                    f"max_position_embeddings {mc.max_position_embeddings} (each shard would scale differently)"
+                )
+            for name in ("num_attention_heads", "num_key_value_heads"):
+                per_rank = getattr(mc, name) // self.dims.tp
+                if p.context_parallel_method == "ulysses" and per_rank % self.dims.cp:
+                    raise BaigeError(
+                        f"context_parallel_method=ulysses needs {name} per TP rank ({per_rank}) divisible by "
+                        f"context_parallel_degree {self.dims.cp}; use context_parallel_method=ring"
+                    )
+            return ContextParallel.from_mesh(self.mesh, p.context_parallel_method)
+        if t.attn_mask_type == "block_causal":
+            return ContextParallel(None, 1, 0)
+        return None
+
+    def _shard(self, batch: tuple[torch.Tensor, ...]) -> tuple:
+        """A loader micro-batch ``(input_ids, labels[, starts])`` (B, T) -> this rank's
+        ``(input_ids, labels, positions, attn_metadata)`` on the device: the CP shard with global positions,
+        or the whole windows with positions 0..T-1 and ``attn_metadata`` None (plain causal)."""
+        input_ids, labels = batch[0].to(self.device), batch[1].to(self.device)
+        if self.cp is None:
+            return input_ids, labels, torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids), None
+        return self.cp.shard(input_ids, labels, batch[2] if len(batch) > 2 else None)
+
     def _loss_sum(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, normalizer: float
+        self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, attn_metadata, normalizer: float
     ) -> tuple[torch.Tensor, RouterLogits | None]:
-        """Summed token cross-entropy of one micro-batch / ``normalizer``; (B, T) int64 inputs. With
-        gradients on an MoE model, also each sparse layer's (B*T, E) router logits."""
-        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
-        positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)  # (B, T)
+        """Summed token cross-entropy of one (sharded) micro-batch / ``normalizer``: :meth:`_shard`'s output,
+        (B, T) int64 on the device. With gradients on an MoE model, also each sparse layer's (B*T, E) router
+        logits."""
         router_logits = RouterLogits() if self.moe is not None and torch.is_grad_enabled() else None
         with torch.autocast(self.device.type, dtype=self.param_dtype, enabled=self.autocast):
-            hidden = self.model(input_ids, positions, router_logits=router_logits)  # (B, T, hidden)
+            hidden = self.model(input_ids, positions, attn_metadata, router_logits=router_logits)  # (B, T, hidden)
             # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight.
             loss = kernels.fused_linear_cross_entropy(hidden, self.model.lm_head.weight, labels, normalizer=normalizer)
         return loss, router_logits
@@ -98,7 +148,9 @@ class Trainer(TrainerBase):
             BaigeError: a non-finite loss or gradient norm (before the parameters change).
         """
         micro = self.loader.next_step()
-        local_valid = sum(int((labels != -100).sum()) for _, labels in micro)
+        if self.pipeline is None:
+            micro = [self._shard(batch) for batch in micro]
+        local_valid = sum(int((batch[1] != -100).sum()) for batch in micro)
         # Every rank of a TP x PP group holds the same data: divide the world sum by that degree.
         n_valid = self._all_reduce_sum([float(local_valid)])[0] / self.dims.model_parallel_size
         if n_valid == 0:
@@ -106,10 +158,10 @@ class Trainer(TrainerBase):
         local_loss = 0.0  # loss on the last pipeline stage only; the world sum / TP is the step's loss
         if self.pipeline is not None:
             local_loss = self.pipeline.step(micro, n_valid, self.dims.dp_size)
-        for input_ids, labels in micro if self.pipeline is None else ():
-            loss, router_logits = self._loss_sum(input_ids, labels, n_valid)
+        for batch in micro if self.pipeline is None else ():
+            loss, router_logits = self._loss_sum(*batch, n_valid)
             total = loss if router_logits is None else loss + self.moe.micro_batch_loss(router_logits)
-            (total * self.dims.dp_size).backward()
+            (total * self.dims.dp_cp_size).backward()
             local_loss += loss.item()
         sums = self._all_reduce_sum([local_loss] + (self.moe.step_values() if self.moe is not None else []))
         loss_value = sums[0] / self.dims.tp
@@ -125,15 +177,16 @@ class Trainer(TrainerBase):
         """Mean token loss over the eval data (``training.eval_batches`` rounds, 0 = all), nats/token."""
         t = self.cfg.training
         total, count = 0.0, 0.0
-        for input_ids, labels in eval_batches(
-            self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank, t.eval_batches
+        documents = t.attn_mask_type == "block_causal"
+        for batch in eval_batches(
+            self.eval_windows, t.batch_size, self.dims.dp_size, self.dp_rank, t.eval_batches, documents
         ):
-            total += (
-                self.pipeline.eval_loss(input_ids, labels)
-                if self.pipeline is not None
-                else self._loss_sum(input_ids, labels, 1.0)[0].item()
-            )
-            count += float((labels != -100).sum())
+            if self.pipeline is not None:
+                total += self.pipeline.eval_loss(*batch)
+            else:
+                batch = self._shard(batch)
+                total += self._loss_sum(*batch, 1.0)[0].item()
+            count += float((batch[1] != -100).sum())
         total, count = self._all_reduce_sum([total, count])
         total, count = total / self.dims.tp, count / self.dims.model_parallel_size
         loss = total / count if count else float("nan")

@@ -77,7 +77,10 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name `pre`."""
+    """The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name `pre`. Raises BaigeError when it is
+    not a string."""
+    if pre is not None and not isinstance(pre, str):
+        raise BaigeError("metadata 'tokenizer.ggml.pre' must be a string")
     if pre in _REGEX_SPLITS:
         return pre_tokenizers.Sequence(
             [
@@ -126,6 +129,8 @@ def _special_tokens(reader: gguf.GGUFReader, tokens: list[str]) -> dict[str, Any
 
     def text_of(key: str) -> str | None:
         token_id = _field(reader, f"tokenizer.ggml.{key}")
+        if token_id is not None and (isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0):
+            raise BaigeError(f"metadata 'tokenizer.ggml.{key}' must be a token id, got {str(token_id)[:40]}")
         return None if token_id is None or token_id >= len(tokens) else tokens[token_id]
 
     bos_token, eos_token = text_of("bos_token_id"), text_of("eos_token_id")
@@ -173,6 +178,8 @@ def _tokenizer_config(
         },
     }
     chat_template = _field(reader, "tokenizer.chat_template")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise BaigeError("metadata 'tokenizer.chat_template' must be a string")
     if chat_template is not None:
         config["chat_template"] = chat_template
     architecture = _field(reader, "general.architecture")
@@ -208,17 +215,38 @@ def build_tokenizer_files(reader: gguf.GGUFReader) -> tuple[dict, dict]:
     if kind != "gpt2":
         raise BaigeError(f"unsupported GGUF tokenizer model '{kind}'")
 
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
+    tokens, token_types, merges = _checked_lists(reader)
     vocab, added = _vocab(tokens, token_types)
     pairs = [tuple(merge.split(" ")) for merge in merges]
-
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
-    backend.decoder = decoders.ByteLevel()
-    # Added in one call, in id order; each is found in the vocabulary, so no id moves.
-    backend.add_tokens(added)
     specials = _special_tokens(reader, tokens)
-    backend.post_processor = _post_processor(reader, specials)
-    return json.loads(backend.to_str()), _tokenizer_config(reader, specials, vocab, added)
+    pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
+    try:
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = pre_tokenizer
+        backend.decoder = decoders.ByteLevel()
+        # Added in one call, in id order; each is found in the vocabulary, so no id moves.
+        backend.add_tokens(added)
+        backend.post_processor = _post_processor(reader, specials)
+        tokenizer_json = json.loads(backend.to_str())
+    except Exception as e:  # tokenizers raises a bare Exception on a vocabulary or merges it rejects
+        raise BaigeError(f"its tokenizer metadata does not build a tokenizer ({str(e)[:120]})") from None
+    return tokenizer_json, _tokenizer_config(reader, specials, vocab, added)
+
+
+def _checked_lists(reader: gguf.GGUFReader) -> tuple[list[str], list[int], list[str]]:
+    """``tokenizer.ggml.tokens`` (a non-empty list of strings), ``token_type`` (integers, one per token;
+    default all normal) and ``merges`` (strings ``"left right"``). Raises BaigeError naming the key."""
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise BaigeError("metadata 'tokenizer.ggml.tokens' must be a non-empty array of strings")
+    token_types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if (
+        not isinstance(token_types, list)
+        or len(token_types) != len(tokens)
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_types)
+    ):
+        raise BaigeError(f"metadata 'tokenizer.ggml.token_type' must be {len(tokens)} integers, one per token")
+    merges = _field(reader, "tokenizer.ggml.merges") or []
+    if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
+        raise BaigeError("metadata 'tokenizer.ggml.merges' must be an array of strings 'left right'")
+    return tokens, token_types, merges

@@ -15,7 +15,8 @@ from baige.runtime.model.rope import RotaryEmbedding
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.format import prepare_quantized_model
 from baige.runtime.weights import moe_layout
-from baige.runtime.weights.safetensors_io import load_state_dict
+from baige.runtime.weights.safetensors_io import checkpoint_headers, load_state_dict
+from baige.runtime.weights.validate import check_config_fits, check_fits, check_layer_count, loaded_bytes, meta_state
 
 
 def load_model(
@@ -37,25 +38,38 @@ def load_model(
     (transformers' ``LlamaModel``, ``Qwen3Model``, ...: tensor names without the ``model.`` prefix) loads
     too, and a checkpoint without ``lm_head.weight`` gets the embedding as its (unused) head.
 
+    Before any tensor is read or the model allocated: config.json is checked
+    (:func:`~baige.runtime.model.config_checks.check_config_fields`), the parameters it declares and
+    the bytes the headers declare against the memory free on the CPU and ``device``, every safetensors
+    header against the format, and the layer count, tensor names and shapes against the config
+    (:mod:`baige.runtime.weights.validate`).
+
     Raises:
-        BaigeError: bad config, missing shard/tensor, unexpected tensor, shape mismatch, an untied
-        model without ``lm_head.weight``.
+        BaigeError: bad config, a model larger than the memory free, a bad safetensors header or
+        index, missing shard/tensor, unexpected tensor, shape mismatch, an untied model without
+        ``lm_head.weight``.
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    state = load_state_dict(model_dir, torch_dtype)
+    devices = [torch.device("cpu"), device]  # tensors are read into CPU memory, then moved
+    check_config_fits(cfg, torch_dtype, devices, model_dir / "config.json")
+    headers = checkpoint_headers(model_dir)
     if pooling:
-        if not any(k.startswith("model.") for k in state):
-            state = {f"model.{k}": v for k, v in state.items()}
-        if "lm_head.weight" not in state:
+        headers = _decoder_names(headers)
+        if "lm_head.weight" not in headers:
             cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    state = moe_layout.to_internal(state, cfg, str(model_dir))
+    check_layer_count(list(headers), cfg, model_dir)
+    check_fits(loaded_bytes(headers, torch_dtype), devices, f"{model_dir}: loading the checkpoint")
     with torch.device("meta"):
         model = Transformer(cfg)
     if cfg.raw.get("quantization_config"):
         prepare_quantized_model(model, cfg.raw["quantization_config"], str(model_dir / "config.json"))
+    # names, shapes and expert layout checked on meta tensors from the headers: nothing read yet
+    check_state_dict(moe_layout.to_internal(meta_state(headers), cfg, str(model_dir)), model, model_dir)
+    state = load_state_dict(model_dir, torch_dtype)
+    state = moe_layout.to_internal(_decoder_names(state) if pooling else state, cfg, str(model_dir))
     check_state_dict(state, model, model_dir)
     state = {k: v.to(device) for k, v in state.items()}
     if cfg.tie_word_embeddings:
@@ -66,6 +80,14 @@ def load_model(
     return model.eval()
 
 
+def _decoder_names(named: dict) -> dict:
+    """A bare decoder's tensor names (transformers' ``LlamaModel``: no ``model.`` prefix) as the causal
+    LM's; names that already have the prefix stay."""
+    if any(k.startswith("model.") for k in named):
+        return named
+    return {f"model.{k}": v for k, v in named.items()}
+
+
 def check_state_dict(state: dict[str, torch.Tensor], model: Transformer, where: str | Path) -> None:
     """Check that ``state`` (baige's layout: :func:`moe_layout.to_internal` applied) holds exactly the
     tensors of ``model``, each of the model's shape; a tied model's ``lm_head.weight`` is dropped from
@@ -73,8 +95,8 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Transformer, where: 
     embedding.
 
     Raises:
-        BaigeError: naming ``where`` and the first missing, mis-shaped or unexpected tensor, or an untied
-        model without ``lm_head.weight``.
+        BaigeError: naming ``where`` and the first missing, mis-shaped or unexpected tensor, one that is
+        integer where the model holds floats (or the reverse), or an untied model without ``lm_head.weight``.
     """
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
@@ -89,6 +111,10 @@ def check_state_dict(state: dict[str, torch.Tensor], model: Transformer, where: 
             raise BaigeError(
                 f"{where}: tensor {name!r} has shape {tuple(state[name].shape)}, config expects {tuple(ref.shape)}"
             )
+        if state[name].dtype.is_floating_point != ref.dtype.is_floating_point:
+            kind = "a floating-point" if ref.dtype.is_floating_point else f"an integer ({ref.dtype})"
+            got = str(state[name].dtype).removeprefix("torch.")
+            raise BaigeError(f"{where}: tensor {name!r} is {got}, the model expects {kind} tensor")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise BaigeError(f"{where}: unexpected tensor {unexpected[0]!r} in the checkpoint ({len(unexpected)} in all)")

@@ -17,6 +17,7 @@ import torch
 from baige.errors import BaigeError
 from baige.runtime.model.config import MOE_MODEL_TYPES, ModelConfig
 from baige.runtime.weights import moe_layout
+from baige.runtime.weights.validate import TensorInfo, read_index, read_safetensors_header
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -25,16 +26,13 @@ def checkpoint_files(model_dir: Path) -> dict[str, list[str] | None]:
     """Safetensors files of a checkpoint -> the tensor names the index promises (None: unindexed).
 
     Raises:
-        BaigeError: no safetensors (pickle-only checkpoints are refused), or an index naming a missing shard.
+        BaigeError: no safetensors (pickle-only checkpoints are refused, never unpickled), an index
+        that is not valid (:func:`~baige.runtime.weights.validate.read_index`) or names a missing shard.
     """
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise BaigeError(f"{index}: not a valid safetensors index (no weight_map)") from None
         files: dict[str, list[str] | None] = {}
-        for tensor, fname in weight_map.items():
+        for tensor, fname in read_index(index).items():
             files.setdefault(fname, []).append(tensor)
         for fname in files:
             if not (model_dir / fname).is_file():
@@ -44,32 +42,52 @@ def checkpoint_files(model_dir: Path) -> dict[str, list[str] | None]:
     if single.is_file():
         return {"model.safetensors": None}
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
-        raise BaigeError(f"{model_dir}: only pickle checkpoints (*.bin/*.pt) found; baige loads safetensors only")
+        raise BaigeError(
+            f"{model_dir}: only pickle checkpoints (*.bin/*.pt) found; baige reads safetensors only, never unpickling"
+        )
     raise BaigeError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_state_dict(model_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Read every tensor of a (possibly sharded) safetensors checkpoint.
+def checkpoint_headers(model_dir: Path) -> dict[str, TensorInfo]:
+    """Every tensor of a (sharded) checkpoint as its headers declare it, each header checked
+    (:func:`~baige.runtime.weights.validate.read_safetensors_header`); no tensor data is read.
 
-    Raises BaigeError when a file is not safetensors (bad header, truncated) or an index entry's tensor
-    is absent from its shard.
+    Raises:
+        BaigeError: as :func:`checkpoint_files` and ``read_safetensors_header``; a tensor the index
+        lists that its shard lacks, or one held by two shards.
+    """
+    tensors: dict[str, TensorInfo] = {}
+    for fname, promised in checkpoint_files(model_dir).items():
+        shard = read_safetensors_header(model_dir / fname)
+        for name in promised or []:
+            if name not in shard:
+                raise BaigeError(f"{model_dir / fname}: tensor {name!r} listed in the index is absent")
+        for name, info in shard.items():
+            if name in tensors:
+                raise BaigeError(f"{model_dir / fname}: tensor {name!r} is also in another shard")
+            tensors[name] = info
+    return tensors
+
+
+def load_state_dict(model_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read every tensor of a (possibly sharded) safetensors checkpoint, its headers checked first
+    (:func:`checkpoint_headers`).
+
+    Raises BaigeError (naming the file) when a header is not valid, an index entry's tensor is absent
+    from its shard, or the file cannot be read.
     """
     from safetensors import SafetensorError, safe_open
 
+    checkpoint_headers(model_dir)
     state: dict[str, torch.Tensor] = {}
-    for fname, promised in checkpoint_files(model_dir).items():
+    for fname in checkpoint_files(model_dir):
         try:
-            f = safe_open(str(model_dir / fname), framework="pt")
-        except SafetensorError as e:
+            with safe_open(str(model_dir / fname), framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        except (SafetensorError, OSError) as e:  # a file changed since its header was checked
             raise BaigeError(f"{model_dir / fname}: not a readable safetensors file ({e})") from None
-        with f:
-            present = set(f.keys())
-            for name in promised or []:
-                if name not in present:
-                    raise BaigeError(f"{model_dir / fname}: tensor {name!r} listed in the index is absent")
-            for name in present:
-                t = f.get_tensor(name)
-                state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return state
 
 

@@ -131,9 +131,9 @@ class KVTransfer:
         self._wake = threading.Event()
         # daemon threads (not an executor's, which exit would wait for): a pull stuck in a transport
         # never holds up the process's exit
-        for i in range(PULL_WORKERS if cfg.is_consumer else 0):
+        for i in range(PULL_WORKERS if cfg.kv_role != "kv_producer" else 0):
             threading.Thread(target=self._worker, name=f"baige-kv-pull-{i}", daemon=True).start()
-        self.port = self.connector.serve(cfg.kv_ip, cfg.kv_port, self) if cfg.is_producer else None
+        self.port = self.connector.serve(cfg.kv_ip, cfg.kv_port, self) if cfg.kv_role != "kv_consumer" else None
         logger.info(
             "KV transfer: %s over %s, engine %s%s",
             cfg.kv_role,
@@ -168,13 +168,13 @@ class KVTransfer:
         if not isinstance(params, dict):
             raise BaigeError(f"{PARAM} must be an object", param=PARAM)
         if params.get("do_remote_decode"):
-            if not self.cfg.is_producer:
+            if not self.cfg.kv_role != "kv_consumer":
                 raise BaigeError(f"{PARAM}.do_remote_decode: this server is not a KV producer", param=PARAM)
             self._to_pin.add(seqs[0].request_id)
             return False
         if not params.get("do_remote_prefill"):
             return False
-        if not self.cfg.is_consumer:
+        if not self.cfg.kv_role != "kv_producer":
             raise BaigeError(f"{PARAM}.do_remote_prefill: this server is not a KV consumer", param=PARAM)
         remote = _remote_fields(params)
         why = self._mismatch(seqs[0], remote)
