@@ -168,13 +168,13 @@ class KVTransfer:
         if not isinstance(params, dict):
             raise BaigeError(f"{PARAM} must be an object", param=PARAM)
         if params.get("do_remote_decode"):
-            if not self.cfg.kv_role != "kv_consumer":
+            if self.cfg.kv_role == "kv_consumer":
                 raise BaigeError(f"{PARAM}.do_remote_decode: this server is not a KV producer", param=PARAM)
             self._to_pin.add(seqs[0].request_id)
             return False
         if not params.get("do_remote_prefill"):
             return False
-        if not self.cfg.kv_role != "kv_producer":
+        if self.cfg.kv_role == "kv_producer":
             raise BaigeError(f"{PARAM}.do_remote_prefill: this server is not a KV consumer", param=PARAM)
         remote = _remote_fields(params)
         why = self._mismatch(seqs[0], remote)
