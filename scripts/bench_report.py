@@ -230,19 +230,22 @@ def _compare(rs, labels, prefix) -> list[str]:
 
 def _train(rs, labels, prefix) -> list[str]:
     lines = [
-        "| date (UTC) | model | machine | dtype | batch x seq | compiled | tokens/s per device | MFU (%) | "
-        "peak for MFU | peak memory (GiB) | record |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| date (UTC) | model | machine | dtype | optimizer | batch x seq | steps | compiled | tokens/s per device | "
+        "step time (s) | MFU (%) | peak for MFU | peak memory (GiB) | last loss | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rs:
         s, a = r.get("summary") or {}, r.get("args") or {}
         peak, mem = s.get("peak_flops"), s.get("peak_memory_bytes")
         peak_text = DASH if peak is None else f"{peak / 1e9:.1f} GFLOP/s ({s.get('peak_source', DASH)})"
         mem_text = DASH if mem is None else f"{mem / 2**30:.2f}"
+        samples = r.get("samples") or [{}]
         lines.append(
             f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {r.get('dtype', DASH)} | "
-            f"{a.get('batch_size', DASH)} x {a.get('seq_len', DASH)} | {r.get('compiled', DASH)} | "
-            f"{_f(s.get('tokens_per_s_per_device'))} | {_f(s.get('mfu_pct'))} | {peak_text} | {mem_text} | "
+            f"{a.get('optimizer', 'adamw')} | {a.get('batch_size', DASH)} x {a.get('seq_len', DASH)} | "
+            f"{a.get('steps', DASH)} | {r.get('compiled', DASH)} | {_f(s.get('tokens_per_s_per_device'))} | "
+            f"{_f(s.get('step_time_s'), 2)} | {_f(s.get('mfu_pct'))} | {peak_text} | {mem_text} | "
+            f"{_f(samples[-1].get('loss'), 3)} | "
             f"{_link(r, prefix)} |"
         )
     return lines
@@ -266,6 +269,23 @@ def _train_cp(rs, labels, prefix) -> list[str]:
                 f"{_f(row['tokens_per_s_per_device'])} | {peak} | {step} | {row['last_loss']:.4f} | "
                 f"{_link(r, prefix)} |"
             )
+    return lines
+
+
+def _train_vs_hf(rs, labels, prefix) -> list[str]:
+    lines = [
+        "| date (UTC) | machine | threads | load | baige dtype | baige tokens/s | HF's fastest (dtype) | "
+        "HF tokens/s | speedup | HF fp32 tokens/s | record |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rs:
+        runs, best = r.get("runs") or {}, r.get("best_hf")
+        tps = {name: run.get("tokens_per_second") for name, run in runs.items()}
+        lines.append(
+            f"| {_date(r)} | {labels[_machine_key(r)]} | {_env(r).get('torch_num_threads', DASH)} | {_load(r)} | "
+            f"{r.get('baige_dtype', DASH)} | {_f(tps.get('baige'))} | {(best or DASH).removeprefix('hf ')} | "
+            f"{_f(tps.get(best))} | {_ratio(r.get('speedup'))} | {_f(tps.get('hf float32'))} | {_link(r, prefix)} |"
+        )
     return lines
 
 
@@ -333,6 +353,7 @@ SECTIONS = [  # (benchmark, heading, table builder)
         "Context parallelism: `baige bench train --cp N` (memory per rank against sequence length)",
         _train_cp,
     ),
+    ("train_vs_hf", "Training against a plain HF loop: `scripts/bench_train_vs_hf.py`", _train_vs_hf),
     ("startup", "Start-up: `baige bench startup` (medians from process start)", _startup),
     ("router", "Routing: `scripts/bench_router.py` (prefix-cache hit tokens over the backends)", _router),
 ]

@@ -143,6 +143,7 @@ def run_baige(args, model: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     subprocess.run(cmd, check=True, env=env)
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["split"] == "train"]  # not the checkpoint records
     return [
         dict(
             wall_s=r["step_time_s"],

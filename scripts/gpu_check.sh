@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Kernel checks on a CUDA machine (the kernels issue's GPU step; about 5-8 minutes on one H100/H200;
-# the step timeouts add up to 550 s, inside the device tool's 600 s per command):
+# the step timeouts add up to 580 s, inside the device tool's 600 s per command):
 #   1. the Triton kernel tests natively, bf16 included (tests/kernels/, the MoE ops too; slow ones too);
 #   2. the three targets measured directly (scripts/gpu_targets.py);
 #   3. an end-to-end smoke test, dense and MoE: engine greedy tokens with Triton + decode capture vs
 #      the reference, and one training step's loss and gradients (scripts/gpu_smoke.py);
 #   4. `baige bench kernels` at Llama-3-8B shapes in bf16 (fused_moe at Mixtral-8x7B's expert shapes),
-#      forward and forward+backward.
+#      forward and forward+backward;
+#   5. the CUDA-only paths of serving's second KV tier (host-memory tier, pinned copies, CUDA events).
 # Everything lands in $OUT (default ./gpu-check): kernel-tests.txt, targets.md(.json), smoke.txt, kernels-*.json,
 # and summary.txt, the combined table. Uses the python that has CUDA torch + triton (PYTHON, default python3);
 # baige runs from this checkout (PYTHONPATH), so no install is needed.
@@ -41,7 +42,10 @@ COLUMNS=160 timeout 80 $PY -m baige bench kernels --shape llama3-8b --dtype bflo
 COLUMNS=160 timeout 60 $PY -m baige bench kernels --shape llama3-8b --dtype bfloat16 --sizes 4096 --no-compile --backward \
     --output-dir "$OUT" 2>&1 | tee "$OUT/bench-bwd.txt" || status=1
 
-{ cat "$OUT/gpu.txt"; echo; tail -n 3 "$OUT/kernel-tests.txt"; echo; cat "$OUT/targets.md" 2>/dev/null; echo
+echo "== 5. KV offload tier on CUDA"
+timeout 30 $PY -m pytest -q -p no:cacheprovider tests/infer/test_kv_offload.py -k cuda 2>&1 | tee "$OUT/kv-offload.txt" || status=1
+
+{ cat "$OUT/gpu.txt"; echo; tail -n 3 "$OUT/kernel-tests.txt"; tail -n 1 "$OUT/kv-offload.txt"; echo; cat "$OUT/targets.md" 2>/dev/null; echo
   grep -E "^(engine|train)" "$OUT/smoke.txt"; } > "$OUT/summary.txt"
 echo "== summary ($OUT/summary.txt)"; cat "$OUT/summary.txt"
 exit $status

@@ -71,9 +71,10 @@ TIMING += ("peak_memory_gib",)
 
 
 def read_records(output: Path) -> dict[int, dict]:
-    """step -> the GRPO record of metrics.jsonl without its timing fields (later records of a step win)."""
+    """step -> the GRPO (train) record of metrics.jsonl without its timing fields (later records of a step win)."""
     out = {}
     for line in (output / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out[r["step"]] = {k: v for k, v in r.items() if k not in TIMING}
+        if r["split"] == "train":  # not the checkpoint records
+            out[r["step"]] = {k: v for k, v in r.items() if k not in TIMING}
     return out

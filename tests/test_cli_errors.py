@@ -21,6 +21,8 @@ def test_serve_options_fail_before_the_model_loads(cli_error):
     assert "kv_role 'decode'" in cli_error(
         "serve", "--kv-transfer-config", '{"kv_connector": "auto", "kv_role": "decode"}'
     )
+    assert "--kv-offload-size: bad size 'lots'" in cli_error("serve", "--kv-offload-size", "lots")
+    assert "--kv-offload-dir needs --kv-offload-size" in cli_error("serve", "--kv-offload-dir", "/tmp")
     for bad in ("-1", "nan"):
         assert "Invalid value for '--shutdown-timeout'" in cli_error("serve", "--shutdown-timeout", bad)
 

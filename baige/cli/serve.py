@@ -231,6 +231,21 @@ def serve(
             "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of shared prompt prefixes."
         ),
     ] = True,
+    kv_offload_size: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Second KV tier, e.g. 8GB or 512MiB: prefix-cache blocks evicted from the pool are kept there "
+            "(host memory for a GPU pool, files under --kv-offload-dir for a CPU pool) and loaded back on a later "
+            "prefix hit instead of recomputed. Default: off."
+        ),
+    ] = None,
+    kv_offload_dir: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Directory of the second KV tier's files (reused across restarts of the same model). "
+            "Default: a temporary directory removed at exit (CPU pool) or host memory (GPU pool)."
+        ),
+    ] = None,
     enforce_eager: Annotated[
         bool,
         typer.Option(
@@ -379,6 +394,8 @@ def serve(
         block_size=block_size,
         kv_cache_memory=kv_cache_memory,
         enable_prefix_caching=enable_prefix_caching,
+        kv_offload_size=kv_offload_size,
+        kv_offload_dir=kv_offload_dir,
         enforce_eager=enforce_eager,
         seed=seed,
         quantization=quantization,

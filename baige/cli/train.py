@@ -87,6 +87,23 @@ def train(
             f"warm-up, then lr_scheduler.name decays it (default {D.lr_scheduler.name})."
         ),
     ] = None,
+    optimizer: Annotated[
+        Optional[str],
+        typer.Option(
+            "--optimizer",
+            help="adamw (default) or muon: Newton-Schulz orthogonalised momentum on the hidden matrices, AdamW on "
+            "embeddings, the LM head, norms and biases, one --lr for both (optimizer.momentum, optimizer.ns_steps).",
+        ),
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            "--dtype",
+            help="Compute dtype (parallelism.mixed_precision_param): auto (default: bf16 on CUDA and on CPUs with "
+            "native bf16, AVX-512 BF16 or AMX; else float32), float32 or bfloat16. Master weights, gradient "
+            "reductions and optimizer state stay fp32.",
+        ),
+    ] = None,
     output: Annotated[
         Optional[str],
         typer.Option(
@@ -225,6 +242,8 @@ def train(
         "training.batch_size": batch_size,
         "training.grad_accum": grad_accum,
         "optimizer.lr": lr,
+        "optimizer.name": optimizer,
+        "parallelism.mixed_precision_param": dtype,
         "output": output,
         "checkpoint.resume": resume,
         "parallelism.tensor_parallel_degree": tp,

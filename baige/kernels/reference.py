@@ -258,7 +258,9 @@ def _ce_chunk_blocked(h, weight, t, valid, scale, grad_h, grad_w, first):
 
 def _ce_chunk_generic(h, weight, t, valid, scale, grad_h, grad_w, first):
     """:func:`_ce_chunk_blocked` for any dtype: (n, vocab) logits cast to fp32 for the log-sum-exp, the
-    gradient cast back to ``h``'s dtype for the two matmuls, ``grad_w`` accumulated in fp32."""
+    gradient cast back to ``h``'s dtype for the two matmuls, ``grad_w`` accumulated over the chunks in fp32
+    (each chunk's product in bf16 for bf16 inputs, at bf16 speed as a bf16 linear's weight gradient is; in
+    fp32 for fp16 inputs, whose range a (vocab, hidden) product over many tokens may exceed)."""
     logits = (h @ weight.t()).float()  # (n, vocab)
     lse = torch.logsumexp(logits, dim=-1)  # (n,)
     safe_t = torch.where(valid, t, 0)
@@ -273,10 +275,12 @@ def _ce_chunk_generic(h, weight, t, valid, scale, grad_h, grad_w, first):
     if grad_h is not None:
         grad_h.copy_(g @ weight)  # (n, hidden)
     if grad_w is not None:
+        acc = torch.bfloat16 if h.dtype == torch.bfloat16 else grad_w.dtype
+        gw = g.t().to(acc) @ h.to(acc)  # (vocab, hidden)
         if first:
-            torch.mm(g.t().to(grad_w.dtype), h.to(grad_w.dtype), out=grad_w)  # (vocab, hidden)
+            grad_w.copy_(gw)
         else:
-            grad_w.addmm_(g.t().to(grad_w.dtype), h.to(grad_w.dtype))
+            grad_w.add_(gw)
     return loss
 
 

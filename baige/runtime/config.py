@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from baige.errors import BaigeError
+from baige.runtime.kv_transfer_config import KVTransferConfig
 
 # torch.Generator.manual_seed takes any 64-bit integer, signed or unsigned (the engine's RNG)
 TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -217,12 +218,18 @@ class EngineConfig:
     # vLLM's --runner: auto (pooling for a checkpoint with sentence-transformers files or a bare-decoder
     # architecture, else generate) | generate | pooling (embeddings; infer/pooling.py)
     runner: str = "auto"
+    # a second KV tier (infer/kv_offload.py): bytes (or a size such as "8GB") of evicted prefix-cache
+    # blocks kept in host memory (GPU pool) or in files under kv_offload_dir (CPU pool; default a
+    # temporary directory removed at exit)
+    kv_offload_size: int | str | None = None
+    kv_offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
         ``lora_modules`` or ``lora_roots`` without ``enable_lora``, a ``lora_roots`` entry that is not a
         directory, LoRA with tensor parallelism, ``batch_invariant`` with quantization, speculative
-        decoding, LoRA or tensor parallelism, or a bad ``kv_transfer_config`` (or one with TP)."""
+        decoding, LoRA or tensor parallelism, a bad ``kv_offload_size`` (or one without prefix caching, or
+        with tensor parallelism), or a bad ``kv_transfer_config`` (or one with TP)."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (
             ("--max-num-seqs", self.max_num_seqs),
@@ -261,6 +268,20 @@ class EngineConfig:
             ):
                 if used:
                     raise BaigeError(f"--batch-invariant does not support {option}")
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        if isinstance(self.kv_offload_size, str):
+            self.kv_offload_size = parse_size(self.kv_offload_size, "--kv-offload-size")
+        if self.kv_offload_size is None:
+            if self.kv_offload_dir is not None:
+                raise BaigeError("--kv-offload-dir needs --kv-offload-size")
+            return
+        check_int("--kv-offload-size", self.kv_offload_size, 1)
+        if not self.enable_prefix_caching:
+            raise BaigeError("--kv-offload-size needs prefix caching (drop --no-enable-prefix-caching)")
+        if self.tensor_parallel_size > 1:
+            raise BaigeError("--kv-offload-size with --tensor-parallel-size > 1 is not supported yet")
 
 
 # ---- speculative decoding (--speculative-config) ------------------------------------------------
@@ -369,83 +390,6 @@ class SpeculativeConfig:
 
 def _is_plain_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-# ---- prefill/decode disaggregation (--kv-transfer-config) ---------------------------------------
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-KV_EXTRA_KEYS = {"transfer_timeout": 30.0, "abort_request_timeout": 120.0}
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """How an engine ships or receives prompts' KV blocks (vLLM's ``KVTransferConfig`` keys).
-
-    ``kv_connector``: ``"auto"`` or a transport of ``infer/kv_transfer/registry.py``; ``kv_role``: one of
-    :data:`KV_ROLES`; ``engine_id``: the name in ``kv_transfer_params`` (None: random); ``kv_ip`` /
-    ``kv_port``: where the producer's block server binds and what it advertises (port 0: a free one);
-    ``kv_connector_extra_config``: :data:`KV_EXTRA_KEYS`, seconds (a consumer's wait for a pull; how long a
-    producer keeps unpulled blocks, vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``).
-    """
-
-    kv_connector: str = ""
-    kv_role: str = ""
-    engine_id: str | None = None
-    kv_ip: str = "127.0.0.1"
-    kv_port: int = 0
-    kv_connector_extra_config: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        def bad(msg: str):
-            raise BaigeError(f"--kv-transfer-config: {msg}", param="kv_transfer_config")
-
-        if not isinstance(self.kv_connector, str) or not self.kv_connector:
-            bad(f'give "kv_connector": "auto" or a transport name (got {self.kv_connector!r})')
-        if self.kv_role not in KV_ROLES:
-            bad(f"kv_role {self.kv_role!r} is not one of {', '.join(KV_ROLES)}")
-        for key, value in (("engine_id", self.engine_id or "-"), ("kv_ip", self.kv_ip)):
-            if not isinstance(value, str) or not value:
-                bad(f"{key} must be a non-empty string, got {value!r}")
-        if not _is_plain_int(self.kv_port) or not 0 <= self.kv_port <= 65535:
-            bad(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
-        extra = self.kv_connector_extra_config
-        if not isinstance(extra, dict):
-            bad("kv_connector_extra_config must be a JSON object")
-        for key, value in extra.items():
-            if key not in KV_EXTRA_KEYS:
-                bad(f"kv_connector_extra_config: unknown key {key!r} (known: {', '.join(KV_EXTRA_KEYS)})")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-                bad(f"kv_connector_extra_config.{key} must be seconds in (0, 86400], got {value!r}")
-
-    def extra(self, key: str) -> float:
-        """A ``kv_connector_extra_config`` value in seconds (its default when not given)."""
-        return float(self.kv_connector_extra_config.get(key, KV_EXTRA_KEYS[key]))
-
-    @classmethod
-    def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
-        """From a JSON object text, a dict or a config (None stays None). Raises BaigeError naming the
-        bad key or value (unknown keys are refused)."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise BaigeError(
-                    f"--kv-transfer-config: not valid JSON ({e.msg} at character {e.pos})", param="kv_transfer_config"
-                ) from None
-        if not isinstance(value, dict):
-            raise BaigeError(
-                '--kv-transfer-config: a JSON object such as {"kv_connector": "auto", "kv_role": "kv_producer"}',
-                param="kv_transfer_config",
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise BaigeError(
-                f"--kv-transfer-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
-                param="kv_transfer_config",
-            )
-        return cls(**value)
 
 
 ROUTER_POLICIES = ("round_robin", "least_load", "prefix", "pd")

@@ -411,6 +411,7 @@ def test_bench_configs_refuse_bad_values_in_one_line():
         (lambda: KernelsConfig(shape="llama9"), "--shape 'llama9'"),
         (lambda: TrainBenchConfig(dtype="float16"), "--dtype 'float16': choose auto, float32 or bfloat16"),
         (lambda: TrainBenchConfig(steps=2, warmup_steps=2), "--steps (2) must exceed --warmup-steps (2)"),
+        (lambda: TrainBenchConfig(optimizer="sgd"), "--optimizer 'sgd': choose adamw or muon"),
     ]:
         with pytest.raises(BaigeError) as e:
             make()

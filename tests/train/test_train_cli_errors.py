@@ -30,6 +30,9 @@ def base(tmp_path):
     "args,needle",
     [
         (["--lr", "nan"], "optimizer.lr must be a finite number >= 0 (got nan)"),
+        (["--optimizer", "lion"], "optimizer.name must be adamw or muon (got 'lion')"),
+        (["--dtype", "float16"], "parallelism.mixed_precision_param must be auto, float32 or bfloat16"),
+        (["--set", "optimizer.ns_steps=0"], "optimizer.ns_steps must be an integer in [1, 99] (got 0)"),
         (["--lr", "-1"], "optimizer.lr must be a finite number >= 0 (got -1.0)"),
         (["--lr", "inf"], "optimizer.lr must be a finite number >= 0 (got inf)"),
         (["--seed", "-1"], "training.seed must be an integer in [0, 9223372036854775807] (got -1)"),

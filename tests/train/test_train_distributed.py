@@ -231,6 +231,7 @@ def test_metrics_records(runs):
     import json
 
     records = [json.loads(line) for line in (runs / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r["split"] == "train"]  # not the checkpoint records
     assert {"loss", "grad_norm", "lr", "tokens_per_second_per_device", "mfu", "peak_memory_gib"} <= set(records[0])
     assert records[0]["lr"] == pytest.approx(0.5e-2)  # warmup step 1 of 2
     assert all(r["tokens_per_second_per_device"] > 0 and 0 < r["mfu"] for r in records)
@@ -244,7 +245,11 @@ def test_lora_two_ranks_match_one_process(runs, run):
         assert abs(two[step] - single[step]) < 1e-5, (step, two[step], single[step])
     # Adam hides a gradient scaled by a constant; the global gradient norm does not
     norms = [
-        [json.loads(r)["grad_norm"] for r in (runs / d / "metrics.jsonl").read_text().splitlines()]
+        [
+            r["grad_norm"]
+            for r in map(json.loads, (runs / d / "metrics.jsonl").read_text().splitlines())
+            if "grad_norm" in r
+        ]
         for d in (run, "lora_single")
     ]
     assert max(abs(x - y) for x, y in zip(*norms)) < 1e-5 * max(norms[1]), norms

@@ -25,7 +25,16 @@ def train(
     grad_accum: Annotated[int, typer.Option(min=1, help="Micro-batches per optimizer step.")] = 1,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps, warm-up included.")] = 6,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Untimed steps.")] = 2,
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16.")] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Compute dtype: auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | float32 | bfloat16."
+        ),
+    ] = "auto",
+    optimizer: Annotated[
+        str, typer.Option(help="adamw | muon (Newton-Schulz on the hidden matrices, AdamW for the rest).")
+    ] = "adamw",
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate (default: baige train's).")] = None,
     device: DeviceOpt = Device.auto,
     activation_checkpointing: Annotated[str, typer.Option(help="none | full | N.")] = "none",
     compile: Annotated[
@@ -84,6 +93,8 @@ def train(
         cp,
         cp_method,
         lens,
+        optimizer,
+        lr,
     )
     if cp > 1:
         from baige.runtime.bench.train_cp import run_train_cp
@@ -96,5 +107,7 @@ def train(
         cfg,
         output_dir,
         plot,
-        lambda r: metric_table(f"baige bench train ({batch_size} x {seq_len} tokens/step)", train_rows(r)),
+        lambda r: metric_table(
+            f"baige bench train ({batch_size} x {seq_len} tokens/step, {r['dtype']}, {optimizer})", train_rows(r)
+        ),
     )

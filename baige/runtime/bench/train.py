@@ -1,8 +1,8 @@
 """``baige bench train``: short training runs through the :class:`~baige.runtime.train.trainer.Trainer`.
 
 Each step is one optimizer step (forward + backward of ``batch_size`` windows of ``seq_len`` tokens,
-gradient clipping, AdamW), timed from before the step to after it (``loss.item()`` inside the step
-synchronises the device). Reported per device (this bench runs one process):
+gradient clipping, AdamW or Muon: ``optimizer``), timed from before the step to after it (``loss.item()``
+inside the step synchronises the device). Reported per device (this bench runs one process):
 
 - tokens/s = batch_size * seq_len * grad_accum / step time (median of the timed steps);
 - MFU = tokens/s * FLOPs/token / peak (PaLM, Chowdhery et al. 2022, appendix B) with FLOPs/token =
@@ -35,7 +35,7 @@ from baige.errors import BaigeError
 from baige.runtime import roofline
 from baige.runtime.bench.common import environment
 from baige.runtime.bench.offline import Progress
-from baige.runtime.config import DATA_SEED_RANGE, check_int
+from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int
 
 if TYPE_CHECKING:
     from baige.runtime.train.config import TrainConfig
@@ -52,7 +52,7 @@ class TrainBenchConfig:
     grad_accum: int = 1
     steps: int = 6  # optimizer steps, warm-up included
     warmup_steps: int = 2  # untimed
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"  # auto (bf16 on CUDA and on CPUs with native bf16, else fp32) | float32 | bfloat16
     device: str = "auto"
     activation_checkpointing: str = "none"
     compile: bool | str = "auto"  # training.compile: auto | True | False
@@ -61,10 +61,16 @@ class TrainBenchConfig:
     context_parallel_degree: int = 1  # > 1: train_cp.py's sweep (CP=1 and CP=N per sequence length)
     context_parallel_method: str = "ring"  # ring | ulysses
     seq_lens: list[int] | None = None  # the CP sweep's sequence lengths (None: seq_len alone)
+    optimizer: str = "adamw"  # adamw | muon (optimizer.name)
+    lr: float | None = None  # optimizer.lr (None: the training default)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise BaigeError(f"--dtype {self.dtype!r}: choose auto, float32 or bfloat16")
+        if self.optimizer not in ("adamw", "muon"):
+            raise BaigeError(f"--optimizer {self.optimizer!r}: choose adamw or muon")
+        if self.lr is not None:
+            check_float("--lr", self.lr, 0.0)
         if self.steps <= self.warmup_steps:
             raise BaigeError(f"--steps ({self.steps}) must exceed --warmup-steps ({self.warmup_steps})")
         check_int("--seed", self.seed, *DATA_SEED_RANGE)
@@ -124,6 +130,9 @@ def _train_config(cfg: TrainBenchConfig, tmp: Path) -> TrainConfig:
     tc.parallelism.mixed_precision_param = cfg.dtype
     tc.parallelism.context_parallel_degree = cfg.context_parallel_degree
     tc.parallelism.context_parallel_method = cfg.context_parallel_method
+    tc.optimizer.name = cfg.optimizer
+    if cfg.lr is not None:
+        tc.optimizer.lr = cfg.lr
     tc.metrics.tensorboard = False
     tc.checkpoint.export_hf = False
     validate(tc)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from baige.errors import BaigeError
 from baige.runtime.infer.async_weights import AsyncEngineWeights
 from baige.runtime.infer.engine import Engine
+from baige.runtime.infer.kv_offload import KVOffloadStats
 from baige.runtime.infer.kv_transfer.manager import KVTransferStats
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import (
@@ -59,6 +60,7 @@ class EngineStats:
             ``masked_tokens``); empty before its first use.
         spec_decode: speculative decoding's acceptance counters (a copy); None without a proposer.
         kv_transfer: the KV transfers' counters (a copy); None without ``--kv-transfer-config``.
+        kv_offload: the second KV tier's counters (a copy); None without ``--kv-offload-size``.
     """
 
     num_requests_running: int
@@ -73,6 +75,7 @@ class EngineStats:
     grammar: dict[str, float]
     spec_decode: SpecDecodeStats | None
     kv_transfer: KVTransferStats | None = None
+    kv_offload: KVOffloadStats | None = None
 
 
 class AsyncEngine(AsyncEngineWeights):
@@ -178,6 +181,7 @@ class AsyncEngine(AsyncEngineWeights):
             grammar=engine.grammar_stats,
             spec_decode=spec,
             kv_transfer=dataclasses.replace(engine.kv_transfer.stats) if engine.kv_transfer is not None else None,
+            kv_offload=dataclasses.replace(engine.kv_offload.stats) if engine.kv_offload is not None else None,
         )
 
     @property

@@ -17,6 +17,11 @@ adapter's own root key (:func:`root_key`) instead of nothing, so the KV of two a
 adapter and the base) is never shared: the same tokens give different K/V under each adapter.
 Blocks nobody references stay cached until the pool runs out, then the least recently freed one is
 evicted (LRU).
+
+A second tier (``offload``, an :class:`OffloadTier` such as ``kv_offload.KVOffload``) keeps evicted
+blocks: the manager hands it every cached block it evicts (before the block is reused), and a prefix
+walk that misses the pool asks it for the key; a hit is loaded into a fresh block, cached under its
+key again, and its tokens are not computed. ``prefix_hits`` counts pool hits only.
 """
 
 from __future__ import annotations
@@ -36,6 +41,18 @@ class SequenceLike(Protocol):
     num_computed_tokens: int
     num_cached_tokens: int
     lora_int_id: int  # 0: the base model; else the engine's id of the sequence's LoRA adapter
+
+
+class OffloadTier(Protocol):
+    """A second KV tier keyed by chain keys (``kv_offload.KVOffload``); all calls on the engine thread."""
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def save(self, block_id: int, key: bytes, token_ids: tuple[int, ...]) -> None: ...
+
+    def load(self, block_id: int, key: bytes, token_ids: tuple[int, ...]) -> bool: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass
@@ -87,6 +104,7 @@ class BlockManager:
         # prefix-cache statistics, in tokens
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.offload: OffloadTier | None = None  # the second tier (kv_offload.py), set by the engine
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -115,6 +133,8 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)  # least recently freed
             block = self.blocks[block_id]
             del self._cached[block.hash]
+            if self.offload is not None:
+                self.offload.save(block_id, block.hash, block.token_ids)
             block.hash, block.token_ids = None, ()
         self.blocks[block_id].ref_count = 1
         self._stale.discard(block_id)  # handed out afresh: its slots are written before they are read
@@ -126,28 +146,63 @@ class BlockManager:
             self._evictable.pop(block_id)
         block.ref_count += 1
 
-    def _cached_prefix(self, seq: SequenceLike) -> list[int]:
-        """Ids of cached blocks that hold a prefix of ``seq``'s tokens (at least one token is left).
-        None for a sequence that asks for prompt logprobs (``seq.prompt_logprobs`` set): those need
-        logits at every prompt position, so its prompt is computed in full; likewise a pooling sequence
-        whose pooling reads every position's hidden state (``seq.pooling.needs_whole_prompt``)."""
+    def _unref(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        return block.ref_count
+
+    def _cached_prefix(self, seq: SequenceLike) -> list[int | bytes]:
+        """The cached blocks that hold a prefix of ``seq``'s tokens (at least one token is left): a pool
+        block's id, or the chain key of a block found in the second tier. None for a sequence that
+        asks for prompt logprobs (``seq.prompt_logprobs`` set): those need logits at every prompt
+        position, so its prompt is computed in full; likewise a pooling sequence whose pooling reads
+        every position's hidden state (``seq.pooling.needs_whole_prompt``)."""
         if not self.enable_prefix_caching or getattr(seq, "prompt_logprobs", None) is not None:
             return []
         pooling = getattr(seq, "pooling", None)
         if pooling is not None and pooling.needs_whole_prompt:
             return []
-        hits: list[int] = []
+        hits: list[int | bytes] = []
         parent = root_key(getattr(seq, "lora_int_id", 0))
         # never the whole sequence: the last token must be computed to get its logits
         for i in range((len(seq.token_ids) - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             block_id = self._cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is not None and self.blocks[block_id].token_ids == tokens:
+                hits.append(block_id)
+            elif block_id is None and self.offload is not None and self.offload.contains(h):
+                hits.append(h)
+            else:
                 break
-            hits.append(block_id)
             parent = h
         return hits
+
+    def _load_offloaded(self, seq: SequenceLike, hits: list[int | bytes]) -> list[int]:
+        """Reference ``hits``' pool blocks and load its second-tier blocks into fresh ones (cached under
+        their keys again); the hits up to the first block that fails to load, as block ids (the pool
+        blocks after it are released again)."""
+        for b in hits:
+            if isinstance(b, int):
+                self._ref(b)  # first, so loading the tier's blocks never evicts one of them
+        got: list[int] = []
+        for i, b in enumerate(hits):
+            if isinstance(b, bytes):
+                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                block_id = self._take_block()
+                if not self.offload.load(block_id, b, tokens):
+                    self.blocks[block_id].ref_count = 0
+                    self._free.appendleft(block_id)
+                    for x in hits[i + 1 :]:  # pool hits after the gap: cached, so evictable again
+                        if isinstance(x, int) and self._unref(x) == 0:
+                            self._evictable[x] = None
+                    break
+                block = self.blocks[block_id]
+                block.hash, block.token_ids = b, tokens
+                self._cached[b] = block_id
+                b = block_id
+            got.append(b)
+        return got
 
     def can_allocate(self, seq: SequenceLike, num_new_tokens: int) -> bool:
         """Whether :meth:`allocate` would succeed."""
@@ -155,8 +210,9 @@ class BlockManager:
             return self.can_append(seq, min(num_new_tokens, len(seq.token_ids) - seq.num_computed_tokens))
         hits = self._cached_prefix(seq)
         n_cached = len(hits) * self.block_size
-        evictable_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        need = self.blocks_needed(n_cached + min(num_new_tokens, len(seq.token_ids) - n_cached)) - len(hits)
+        pool = [b for b in hits if isinstance(b, int)]  # the tier's hits need fresh blocks
+        evictable_hits = sum(1 for b in pool if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(n_cached + min(num_new_tokens, len(seq.token_ids) - n_cached)) - len(pool)
         return need <= self.num_free_blocks - evictable_hits
 
     def allocate(self, seq: SequenceLike, num_new_tokens: int) -> int:
@@ -176,12 +232,12 @@ class BlockManager:
             self.append_slots(seq, num_new_tokens)
             return num_new_tokens
         hits = self._cached_prefix(seq)
-        for b in hits:
-            self._ref(b)
+        n_pool = sum(isinstance(b, int) for b in hits)
+        hits = self._load_offloaded(seq, hits)
         n_cached = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_queries += len(seq.token_ids)
-            self.prefix_hits += n_cached
+            self.prefix_hits += min(n_pool, len(hits)) * self.block_size
         seq.block_table = list(hits)
         seq.num_cached_tokens = seq.num_computed_tokens = n_cached
         num_new_tokens = min(num_new_tokens, len(seq.token_ids) - n_cached)
@@ -242,6 +298,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.hash, block.token_ids = None, ()
         self._cached.clear()
+        if self.offload is not None:
+            self.offload.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._stale = {b.block_id for b in self.blocks if b.ref_count > 0}

@@ -26,6 +26,7 @@ from baige.runtime.infer.engine_weights import EngineWeights
 from baige.runtime.infer.input_processor import InputProcessor
 from baige.runtime.infer.isolation import execute_isolated
 from baige.runtime.infer.kv_cache import allocate_kv_cache
+from baige.runtime.infer.kv_offload import attach_kv_offload
 from baige.runtime.infer.kv_transfer.manager import KVTransfer
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.output_processor import OutputProcessor, RequestState
@@ -109,6 +110,7 @@ class Engine(EnginePooling, EngineWeights):
         if tp is not None:
             tp.send_kv_cache(num_blocks, cfg.block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv_offload = attach_kv_offload(cfg, model, self.kv_cache, self.block_manager)  # a second KV tier
         self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
         self.kv_transfer = KVTransfer.build(cfg.kv_transfer_config, model, self.kv_cache, self.block_manager)
         self.spec_stats = SpecDecodeStats()
@@ -168,15 +170,14 @@ class Engine(EnginePooling, EngineWeights):
             raise
 
     def close(self) -> None:
-        """Stop the KV transport and the tensor-parallel workers. The engine cannot step afterwards."""
-        if self.kv_transfer is not None:
-            self.kv_transfer.close()
-        if self.tp is not None:
-            self.tp.close()
+        """Stop the KV transport, the KV offload writer and the tensor-parallel workers. The engine cannot
+        step afterwards."""
+        for part in (self.kv_transfer, self.kv_offload, self.tp):
+            if part is not None:
+                part.close()
 
     def kill(self) -> None:
-        """SIGKILL the tensor-parallel workers and remove their rendezvous, without waiting (no-op on
-        one rank): for a process that exits at once. The engine cannot step afterwards."""
+        """SIGKILL the tensor-parallel workers, remove their rendezvous, no waiting (no-op on one rank)."""
         if self.tp is not None:
             self.tp.kill()
 

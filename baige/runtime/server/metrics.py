@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baige.runtime.infer.async_engine import AsyncEngine, EngineStats
+from baige.runtime.infer.kv_offload import KVOffloadStats
 from baige.runtime.infer.kv_transfer.manager import KVTransferStats
 from baige.runtime.infer.outputs import EmbeddingRequestOutput, RequestOutput
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
@@ -131,8 +132,38 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=stats.grammar.get(key, 0))
         if stats.spec_decode is not None:
             yield from _spec_decode_families(stats.spec_decode)
+        if stats.kv_offload is not None:
+            yield from _kv_offload_families(stats.kv_offload)
         if stats.kv_transfer is not None:
             yield from _kv_transfer_families(stats.kv_transfer)
+
+
+def _kv_offload_families(st: KVOffloadStats):
+    """The second KV tier's counters (``--kv-offload-size``): hits (blocks, tokens), stores, LRU
+    evictions, bytes by direction, records refused as corrupted, stores dropped; its size now."""
+    for name, doc, value in (
+        ("baige:kv_offload_hit_blocks", "KV blocks loaded from the second tier instead of computed.", st.hit_blocks),
+        ("baige:kv_offload_hit_tokens", "Prompt tokens whose KV was loaded from the second tier.", st.hit_tokens),
+        ("baige:kv_offload_stores", "KV blocks evicted from the pool and written to the second tier.", st.stores),
+        ("baige:kv_offload_evictions", "KV blocks dropped from the second tier (LRU, size bound).", st.evictions),
+        (
+            "baige:kv_offload_corrupted",
+            "Second-tier blocks that failed their checks (checksum, fingerprint) and were recomputed.",
+            st.corrupted,
+        ),
+        ("baige:kv_offload_dropped", "Evicted blocks not stored (writer behind, or a write failed).", st.dropped),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
+    moved = CounterMetricFamily("baige:kv_offload_bytes", "KV bytes moved by the second tier.", labels=["direction"])
+    moved.add_metric(["load"], st.load_bytes)
+    moved.add_metric(["store"], st.store_bytes)
+    yield moved
+    yield GaugeMetricFamily("baige:kv_offload_usage_bytes", "Bytes held in the second KV tier.", value=st.used_bytes)
+    yield GaugeMetricFamily(
+        "baige:kv_offload_capacity_bytes",
+        "Size bound of the second KV tier (--kv-offload-size).",
+        value=st.capacity_bytes,
+    )
 
 
 def _kv_transfer_families(st: KVTransferStats):

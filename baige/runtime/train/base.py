@@ -1,6 +1,7 @@
 """What every ``baige train`` method shares (:class:`TrainerBase`): the process group and device mesh,
-the model and tokenizer, LoRA, the parallelisms in torchtitan's order, AdamW and its clipped step, the
-learning-rate schedule, DCP checkpoints with exact resume, the metrics logger and the HF export.
+the model and tokenizer, LoRA, the parallelisms in torchtitan's order, the optimizer (AdamW or Muon:
+``optimizer.py``) and its clipped step, the compute dtype, the learning-rate schedule, DCP checkpoints with
+exact resume, the metrics logger and the HF export.
 
 A method is a subclass that builds its data (:meth:`TrainerBase._build_data`) and runs its own loop:
 next-token training (SFT / pre-training, :class:`~baige.runtime.train.trainer.Trainer`) and GRPO
@@ -47,6 +48,7 @@ class TrainResult:
     start_step: int = 0
     checkpoint: Path | None = None
     export: Path | None = None
+    stopped: bool = False  # a stop signal (SIGTERM / SIGINT) ended the run early, after a checkpoint
 
 
 def _has_cxx_compiler() -> bool:
@@ -90,7 +92,10 @@ class TrainerBase(abc.ABC):
         self.optimizer = self._build_optimizer()
         self._clip_in_optimizer = self._can_clip_in_optimizer()
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.num_optimizer_steps)
-        self.ckpt = CheckpointManager(self.output / "checkpoints", self.dist.is_main, cfg.checkpoint.keep_latest)
+        c = cfg.checkpoint
+        self.ckpt = CheckpointManager(
+            self.output / "checkpoints", self.dist.is_main, c.keep_latest, c.async_mode, self.log.log
+        )
         self.step = 0
 
     @property
@@ -186,9 +191,7 @@ class TrainerBase(abc.ABC):
         Sets ``moe``, ``param_dtype``, ``compile`` and ``autocast``."""
         p = self.cfg.parallelism
         mp = p.mixed_precision_param
-        self.param_dtype = DTYPES[
-            "bfloat16" if mp == "auto" and self.device.type == "cuda" else ("float32" if mp == "auto" else mp)
-        ]
+        self.param_dtype = self._auto_compute_dtype() if mp == "auto" else DTYPES[mp]
         reduce_dtype = DTYPES[p.mixed_precision_reduce if p.mixed_precision_reduce != "auto" else "float32"]
         self.moe = (
             MoEBalancer(model, self.cfg.moe, self.cfg.training.grad_accum, self._dp_sum)
@@ -231,6 +234,15 @@ class TrainerBase(abc.ABC):
             return self.pipeline.model
         return model
 
+    def _auto_compute_dtype(self) -> torch.dtype:
+        """``parallelism.mixed_precision_param = auto``: bf16 on CUDA; on the CPU bf16 where it computes
+        bf16 natively (AVX-512 BF16 or AMX: :func:`~baige.runtime.model.device.cpu_auto_dtype`, the
+        choice ``--dtype auto`` makes for inference, ``BAIGE_CPU_AUTO_DTYPE`` overriding it), else fp32.
+        The parameters (master weights), gradients' reduction and optimizer state stay fp32."""
+        from baige.runtime.model.device import cpu_auto_dtype
+
+        return torch.bfloat16 if self.device.type == "cuda" else cpu_auto_dtype()
+
     def _resolve_compile(self) -> bool:
         """``training.compile``; ``auto`` compiles on a CPU without FSDP or TP when a C++ compiler exists
         and the model is dense (a sparse layer's expert grouping reads counts to the host: graph breaks).
@@ -259,22 +271,24 @@ class TrainerBase(abc.ABC):
         return enabled
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW (Loshchilov & Hutter 2019) with no weight decay on norms, biases and embeddings."""
-        from torch.distributed.tensor import DTensor
+        """``optimizer.name``: AdamW, or Muon for the hidden matrices with AdamW for the rest
+        (:func:`~baige.runtime.train.optimizer.build_optimizer`); Muon's Newton-Schulz runs in the
+        compute dtype (``param_dtype``: bf16 under mixed precision, as Keller Jordan's Muon does)."""
+        from baige.runtime.train.optimizer import build_optimizer
 
         o = self.cfg.optimizer
-        groups: dict[tuple[bool, bool], list] = {}
-        for name, param in ((n, p) for n, p in self.model.named_parameters() if p.requires_grad):  # not a frozen base
-            decay = param.ndim >= 2 and "embed_tokens" not in name
-            # fused/foreach kernels take one kind per group: DTensors (FSDP/TP/EP, any mesh) apart from
-            # plain tensors; the same groups on every layout, so checkpoints reshard between them
-            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
-        groups = [
-            {"params": params, "weight_decay": o.weight_decay if decay else 0.0}
-            for (decay, _), params in sorted(groups.items(), reverse=True)
-        ]
-        fused = o.fused != "false"  # auto: torch has fused AdamW kernels for CUDA and CPU
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused or None)
+        return build_optimizer(
+            self.model,
+            o.name,
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=o.fused != "false",  # auto: torch has fused AdamW kernels for CUDA and CPU
+            momentum=o.momentum,
+            ns_steps=o.ns_steps,
+            ns_dtype=self.param_dtype,
+        )
 
     def _can_clip_in_optimizer(self) -> bool:
         """Whether gradient clipping folds into the optimizer step.
@@ -351,6 +365,7 @@ class TrainerBase(abc.ABC):
         fold_clip = fold_clip and grad_norm + 1e-6 > max_norm
         if fold_clip:
             self.optimizer.grad_scale = (norm.float() + 1e-6) / max_norm
+        self.ckpt.before_optimizer_step(self.step + 1)  # a save in flight finishes staging first
         try:
             self.optimizer.step()
         finally:
@@ -386,8 +401,9 @@ class TrainerBase(abc.ABC):
         return {**state, **self._extra_state()}
 
     def save(self) -> Path:
-        path = self.ckpt.save(self.step, self._state(), self.cfg.to_toml())
-        self.log.print(f"saved checkpoint {path}")
+        path = self.ckpt.save(self.step, self._state, self.cfg.to_toml())
+        background = self.ckpt.async_mode != "disabled"
+        self.log.print(f"checkpoint {path}: writing in the background" if background else f"saved checkpoint {path}")
         return path
 
     def resume(self, path: Path) -> None:

@@ -60,12 +60,16 @@ class TrainingSection:
 
 @dataclass
 class OptimizerSection:
+    # adamw | muon (Newton-Schulz orthogonalised momentum on the hidden matrices, AdamW on embeddings,
+    # the LM head, norms and biases; one lr, Muon's scaled to AdamW's update RMS: train/optimizer.py)
     name: str = "adamw"
     lr: float = 3e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1  # not applied to norms, biases and embeddings
     fused: str = "auto"  # auto = true (torch has fused AdamW for CUDA and CPU) | true | false
+    momentum: float = 0.95  # muon: momentum of the orthogonalised updates (Nesterov)
+    ns_steps: int = 5  # muon: Newton-Schulz iterations per step
 
 
 @dataclass
@@ -95,7 +99,9 @@ class ParallelismSection:
     # ring (K/V blocks passed around the CP ranks) | ulysses (all-to-all to head sharding, DeepSpeed-Ulysses:
     # the attention heads and KV heads per rank must be divisible by the degree)
     context_parallel_method: str = "ring"
-    mixed_precision_param: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
+    # compute dtype (--dtype): auto (bfloat16 on CUDA and on CPUs with native bf16, else float32) | float32 |
+    # bfloat16; the parameters (master weights) and optimizer state stay fp32
+    mixed_precision_param: str = "auto"
     mixed_precision_reduce: str = "float32"
 
 
@@ -121,11 +127,18 @@ class LoRASection:
     merge: bool = False  # also write <output>/hf: the base with the adapter merged in
 
 
+# checkpoint.async_mode's choices (torchtitan's names; baige/runtime/train/checkpoint.py says what each does)
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
 @dataclass
 class CheckpointSection:
     interval: int = 500  # steps between DCP checkpoints (0 = only at the end)
     keep_latest: int = 2  # complete checkpoints kept (0 = all)
     resume: str = "auto"  # auto (newest complete step, fresh start if none) | none | PATH to a step dir
+    # disabled (write on the critical path) | async (stage a host copy, write in the background) |
+    # async_with_pinned_mem (also stage in the background, into reused, page-locked on CUDA, host buffers)
+    async_mode: str = "disabled"
     export_hf: bool = True  # write an HF directory (output/hf) at the end
     export_dtype: str = "auto"  # auto (the model config's torch_dtype) | float32 | bfloat16 | float16
 
@@ -458,8 +471,10 @@ def validate(cfg: TrainConfig) -> None:
         raise BaigeError(
             f"training.activation_checkpointing must be none, full or a block interval N >= 1 (got {ac!r})"
         )
-    if cfg.optimizer.name != "adamw":
-        raise BaigeError(f"optimizer.name {cfg.optimizer.name!r} is not supported (adamw)")
+    if o.name not in ("adamw", "muon"):
+        raise BaigeError(f"optimizer.name must be adamw or muon (got {o.name!r})")
+    check_float("optimizer.momentum", o.momentum, 0.0, 1.0)
+    check_int("optimizer.ns_steps", o.ns_steps, 1, 99)
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):  # nan fails too
         raise BaigeError(f"optimizer.betas must be two numbers in [0, 1) (got {cfg.optimizer.betas})")
     if t.compile not in (True, False, "auto"):
@@ -471,6 +486,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("mixed_precision_param", "mixed_precision_reduce"):
         if getattr(cfg.parallelism, name) not in ("auto", "float32", "bfloat16"):
             raise BaigeError(f"parallelism.{name} must be auto, float32 or bfloat16")
+    if cfg.checkpoint.async_mode not in ASYNC_MODES:
+        raise BaigeError(f"checkpoint.async_mode must be {', '.join(ASYNC_MODES)} (got {cfg.checkpoint.async_mode!r})")
     if cfg.checkpoint.export_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise BaigeError("checkpoint.export_dtype must be auto, float32, bfloat16 or float16")
     if cfg.model.name is not None and cfg.model.config is not None:

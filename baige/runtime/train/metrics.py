@@ -72,7 +72,9 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         """One record: ``{"split": "train"|"eval", "step": int, ...numbers}``; MoE runs add ``aux_loss``,
         ``z_loss`` and per-layer lists ``expert_load_max_mean`` / ``expert_load_cv`` (for ``moe_layers``);
-        pipeline runs add the ``pp_*`` timings of :meth:`~baige.runtime.train.pipeline.Pipeline.metrics`."""
+        pipeline runs add the ``pp_*`` timings of :meth:`~baige.runtime.train.pipeline.Pipeline.metrics`;
+        ``{"split": "checkpoint", ...}`` records are the checkpoint manager's, one per complete save
+        (:class:`~baige.runtime.train.checkpoint.CheckpointManager`)."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
@@ -87,6 +89,12 @@ class MetricsLogger:
                         self._tb.add_scalar(f"{record['split']}/{key}/layer_{layer}", v, record["step"])
         if "reward" in record:
             self.console.print(_rl_line(record), highlight=False)
+        elif record["split"] == "checkpoint":  # CheckpointManager's record of a complete save
+            self.console.print(
+                f"checkpoint step {record['step']} complete: {record['critical_path_seconds']:.3f} s on the "
+                f"critical path ({record['async_mode']}), written in {record['write_seconds']:.3f} s",
+                highlight=False,
+            )
         elif record["split"] == "train":
             moe = ""
             if "aux_loss" in record:  # MoE: balance loss, and the worst layer's expert load

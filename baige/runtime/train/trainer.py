@@ -27,6 +27,7 @@ from baige.runtime.train.base import TrainerBase, TrainResult
 from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.context_parallel import ContextParallel
 from baige.runtime.train.data import DataLoader, eval_batches, load_windows
+from baige.runtime.train.lifecycle import StopSignal, end_run, inject_fault, step_boundary
 from baige.runtime.train.metrics import mfu, peak_flops, peak_memory_bytes
 from baige.runtime.train.moe import RouterLogits
 
@@ -124,8 +125,12 @@ class Trainer(TrainerBase):
         router_logits = RouterLogits() if self.moe is not None and torch.is_grad_enabled() else None
         with torch.autocast(self.device.type, dtype=self.param_dtype, enabled=self.autocast):
             hidden = self.model(input_ids, positions, attn_metadata, router_logits=router_logits)  # (B, T, hidden)
-            # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight.
-            loss = kernels.fused_linear_cross_entropy(hidden, self.model.lm_head.weight, labels, normalizer=normalizer)
+            # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight
+            # (in param_dtype under FSDP's MixedPrecisionPolicy).
+            weight = self.model.lm_head.weight
+            if self.autocast:  # the head's matmuls in the compute dtype too (autocast does not cast inside the op)
+                hidden, weight = hidden.to(self.param_dtype), weight.to(self.param_dtype)
+            loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer)
         return loss, router_logits
 
     # ---- checkpoint state -------------------------------------------------------------------------
@@ -193,13 +198,35 @@ class Trainer(TrainerBase):
         self.log.log({"split": "eval", "step": self.step, "loss": loss, "tokens": int(count)})
         return loss
 
+    def _log_train_step(self, loss: float, grad_norm: float, lr: float, tokens: float, t0: float) -> None:
+        """The ``train`` record of this step: ``tokens`` per device trained since ``t0`` (perf_counter s)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        tps = tokens / elapsed
+        self.log.log(
+            {
+                "split": "train",
+                "step": self.step,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens_per_second_per_device": tps,
+                "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
+                "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
+                "seconds": elapsed,
+                "trainable_params": self.lora_params or self.model_config.num_params(),
+                **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
+                **(self.pipeline.metrics() if self.pipeline is not None else {}),
+            }
+        )
+
     def train(self) -> TrainResult:
         """Resume if asked, train to ``training.steps``, evaluate, checkpoint, export. Collective."""
         cfg, t = self.cfg, self.cfg.training
         result = TrainResult()
         self._start_run()
         result.start_step = self.step
-        mc = self.model_config
         self.log.print(
             f"{self._describe_model()} | {self.train_windows.num_tokens} training tokens | global batch "
             f"{self.loader.global_batch} x {t.seq_len} tokens | peak {self.peak_flops / 1e12:.2f} TFLOP/s per "
@@ -211,46 +238,25 @@ class Trainer(TrainerBase):
             result.eval_losses[0] = self.evaluate()
         tokens_per_step_per_device = self.loader.global_batch * t.seq_len / self.dist.world_size
         window_t0, window_steps = time.perf_counter(), 0
-        last_saved = self.step
-        while self.step < t.steps:
-            loss, grad_norm, lr = self.train_step()
-            result.losses[self.step] = loss
-            window_steps += 1
-            if self.step % cfg.metrics.log_every == 0 or self.step == t.steps:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - window_t0
-                tps = window_steps * tokens_per_step_per_device / elapsed
-                self.log.log(
-                    {
-                        "split": "train",
-                        "step": self.step,
-                        "loss": loss,
-                        "grad_norm": grad_norm,
-                        "lr": lr,
-                        "tokens_per_second_per_device": tps,
-                        "mfu": mfu(tps, self.flops_per_token, self.peak_flops),
-                        "peak_memory_gib": peak_memory_bytes(self.device) / 2**30,
-                        "seconds": elapsed,
-                        "trainable_params": self.lora_params or mc.num_params(),
-                        **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
-                        **(self.pipeline.metrics() if self.pipeline is not None else {}),
-                    }
-                )
-                window_t0, window_steps = time.perf_counter(), 0
-            evaluated = False
-            if self.eval_windows is not None and (
-                (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
-            ):
-                result.eval_losses[self.step] = self.evaluate()
-                evaluated = True
-            interval = cfg.checkpoint.interval
-            if (interval and self.step % interval == 0) or self.step == t.steps:
-                result.checkpoint = self.save()
-                last_saved = self.step
-            if evaluated or self.step == last_saved:
-                window_t0 = time.perf_counter()  # evaluation and saving are not training throughput
-        if cfg.checkpoint.export_hf:
+        with StopSignal() as stop:
+            while self.step < t.steps and not result.stopped:
+                inject_fault(self.step + 1, self.dist.rank)
+                loss, grad_norm, lr = self.train_step()
+                result.losses[self.step] = loss
+                window_steps += 1
+                if self.step % cfg.metrics.log_every == 0 or self.step == t.steps:
+                    self._log_train_step(loss, grad_norm, lr, window_steps * tokens_per_step_per_device, window_t0)
+                    window_t0, window_steps = time.perf_counter(), 0
+                evaluated = False
+                if self.eval_windows is not None and (
+                    (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
+                ):
+                    result.eval_losses[self.step] = self.evaluate()
+                    evaluated = True
+                if step_boundary(self, result, stop) or evaluated:
+                    window_t0 = time.perf_counter()  # evaluation and saving are not training throughput
+            end_run(self, result, stop)
+        if cfg.checkpoint.export_hf and not result.stopped:
             result.export = self.export()
         self.log.close()
         return result

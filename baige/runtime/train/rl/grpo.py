@@ -34,6 +34,7 @@ from baige.errors import BaigeError
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.train.base import TrainerBase, TrainResult
 from baige.runtime.train.config import TrainConfig
+from baige.runtime.train.lifecycle import StopSignal, end_run, inject_fault, step_boundary
 from baige.runtime.train.metrics import peak_memory_bytes
 from baige.runtime.train.rl import loss as L
 from baige.runtime.train.rl.batch import MicroBatch, micro_batches, policy_logprobs
@@ -83,6 +84,12 @@ class GRPOTrainer(TrainerBase):
     def _resolve_compile(self) -> bool:
         """``training.compile``; ``auto`` is off here: every micro-batch has another length (recompiles)."""
         return self.cfg.training.compile is True and super()._resolve_compile()
+
+    def _auto_compute_dtype(self) -> torch.dtype:
+        """``mixed_precision_param = auto``: bf16 on CUDA, fp32 on every CPU (bf16 CPUs included, unlike
+        next-token training): GRPO's engine-vs-trainer logprob checks (``--batch-invariant``: bitwise) are
+        tested in fp32 on the CPU; ``parallelism.mixed_precision_param = bfloat16`` asks for bf16."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
     def _on_base_model(self, model: Transformer) -> None:
         """Refuse what GRPO does not support; keep the frozen reference policy when ``rl.kl_coef`` > 0."""
@@ -284,14 +291,15 @@ class GRPOTrainer(TrainerBase):
             f"{self._describe_model()} | {len(self.records)} prompts | per step {rl.prompts_per_step} prompts x "
             f"{rl.group_size} samples of <= {rl.max_tokens} tokens | rewards {rewards}"
         )
-        while self.step < cfg.training.steps:
-            record = self.train_step()
-            result.losses[self.step] = record["loss"]
-            self.log.log(record)
-            interval = cfg.checkpoint.interval
-            if (interval and self.step % interval == 0) or self.step == cfg.training.steps:
-                result.checkpoint = self.save()
-        if cfg.checkpoint.export_hf:
+        with StopSignal() as stop:
+            while self.step < cfg.training.steps and not result.stopped:
+                inject_fault(self.step + 1, self.dist.rank)
+                record = self.train_step()
+                result.losses[self.step] = record["loss"]
+                self.log.log(record)
+                step_boundary(self, result, stop)
+            end_run(self, result, stop)
+        if cfg.checkpoint.export_hf and not result.stopped:
             result.export = self.export()
         self.llm.engine.close()
         self.log.close()
