@@ -21,6 +21,7 @@ RANKS = {
     "baige.errors": 0,
     "baige.kernels": 0,
     "baige.runtime.config": 1,
+    "baige.runtime.kv_transfer_config": 0.5,  # below config, which parses --kv-transfer-config into it
     "baige.runtime.settings": 1,
     "baige.runtime.roofline": 1,
     "baige.runtime.model": 2,

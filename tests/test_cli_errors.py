@@ -15,6 +15,12 @@ def test_serve_options_fail_before_the_model_loads(cli_error):
         "serve", "--seed", 2**64
     )
     assert "--kv-cache-memory: bad size 'lots'" in cli_error("serve", "--kv-cache-memory", "lots")
+    assert "unknown kv_connector 'rdma'" in cli_error(
+        "serve", "--kv-transfer-config", '{"kv_connector": "rdma", "kv_role": "kv_producer"}'
+    )
+    assert "kv_role 'decode'" in cli_error(
+        "serve", "--kv-transfer-config", '{"kv_connector": "auto", "kv_role": "decode"}'
+    )
     assert "--kv-offload-size: bad size 'lots'" in cli_error("serve", "--kv-offload-size", "lots")
     assert "--kv-offload-dir needs --kv-offload-size" in cli_error("serve", "--kv-offload-dir", "/tmp")
     for bad in ("-1", "nan"):

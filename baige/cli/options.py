@@ -59,6 +59,17 @@ BatchInvariantOpt = Annotated[
         "fixed reduction orders; plain fp32/bf16 dense models only.",
     ),
 ]
+KVTransferConfigOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--kv-transfer-config",
+        help='Prefill/decode disaggregation, vLLM\'s JSON keys: {"kv_connector": "auto" (or "zmq"), "kv_role": '
+        '"kv_producer" | "kv_consumer" | "kv_both", "kv_ip": ADDR, "kv_port": PORT (0: free), '
+        '"kv_connector_extra_config": {"transfer_timeout": S, "abort_request_timeout": S}}. A producer serves '
+        "its finished prefills' KV blocks; a consumer pulls them for requests carrying kv_transfer_params. "
+        "Default: off.",
+    ),
+]
 SpeculativeConfigOpt = Annotated[
     Optional[str],
     typer.Option(

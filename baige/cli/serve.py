@@ -17,6 +17,7 @@ from baige.cli.options import (
     Device,
     DType,
     ExpertParallelOpt,
+    KVTransferConfigOpt,
     SpeculativeConfigOpt,
     TensorParallelOpt,
 )
@@ -357,6 +358,7 @@ def serve(
         ),
     ] = False,
     batch_invariant: BatchInvariantOpt = False,
+    kv_transfer_config: KVTransferConfigOpt = None,
     data_parallel_size: Annotated[
         int,
         typer.Option(
@@ -402,9 +404,14 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         enable_expert_parallel=enable_expert_parallel,
         batch_invariant=batch_invariant,
+        kv_transfer_config=kv_transfer_config,
         runner=runner.value,
         **lora_engine_args(enable_lora, lora_modules, max_loras, max_lora_rank, name, lora_root),
     )
+    if cfg.kv_transfer_config is not None:  # an unknown or missing transport fails now, before the model loads
+        from baige.runtime.infer.kv_transfer.registry import resolve_connector
+
+        resolve_connector(cfg.kv_transfer_config.kv_connector)
     template = read_chat_template(chat_template) if chat_template is not None else None
     if data_parallel_size > 1:
         args = (data_parallel_size, tensor_parallel_size, device.value, api_key, host, port, log_level.value)

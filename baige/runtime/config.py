@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from baige.errors import BaigeError
+from baige.runtime.kv_transfer_config import KVTransferConfig
 
 # torch.Generator.manual_seed takes any 64-bit integer, signed or unsigned (the engine's RNG)
 TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -212,6 +213,8 @@ class EngineConfig:
     # a sequence's logprobs independent of its batch and chunking, equal to the trainer's bit for bit
     # (kernels/invariant.py; CPU, plain dense models); with quantization, speculation, LoRA or TP: refused
     batch_invariant: bool = False
+    # prefill/decode disaggregation: a KVTransferConfig, or its JSON text / dict (infer/kv_transfer/)
+    kv_transfer_config: "KVTransferConfig | dict | str | None" = None
     # vLLM's --runner: auto (pooling for a checkpoint with sentence-transformers files or a bare-decoder
     # architecture, else generate) | generate | pooling (embeddings; infer/pooling.py)
     runner: str = "auto"
@@ -225,8 +228,8 @@ class EngineConfig:
         """Raises BaigeError for a seed outside 64 bits, sizes below 1, a bad ``kv_cache_memory``,
         ``lora_modules`` or ``lora_roots`` without ``enable_lora``, a ``lora_roots`` entry that is not a
         directory, LoRA with tensor parallelism, ``batch_invariant`` with quantization, speculative
-        decoding, LoRA or tensor parallelism, or a bad ``kv_offload_size`` (or one without prefix caching,
-        or with tensor parallelism)."""
+        decoding, LoRA or tensor parallelism, a bad ``kv_offload_size`` (or one without prefix caching, or
+        with tensor parallelism), or a bad ``kv_transfer_config`` (or one with TP)."""
         check_int("--seed", self.seed, *TORCH_SEED_RANGE)
         for option, value in (
             ("--max-num-seqs", self.max_num_seqs),
@@ -241,6 +244,9 @@ class EngineConfig:
         elif self.kv_cache_memory is not None:
             check_int("--kv-cache-memory", self.kv_cache_memory, 0)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+            raise BaigeError("--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet")
         check_int("--max-loras", self.max_loras, 1)
         check_int("--max-lora-rank", self.max_lora_rank, 1)
         if self.lora_modules and not self.enable_lora:

@@ -24,6 +24,7 @@ from baige.errors import BaigeError
 from baige.runtime.infer.async_weights import AsyncEngineWeights
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.kv_offload import KVOffloadStats
+from baige.runtime.infer.kv_transfer.manager import KVTransferStats
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.outputs import (
     EmbeddingRequestOutput,
@@ -58,6 +59,7 @@ class EngineStats:
         grammar: the constraint compiler's counters (``compiles``, ``compile_seconds``, ``mask_seconds``,
             ``masked_tokens``); empty before its first use.
         spec_decode: speculative decoding's acceptance counters (a copy); None without a proposer.
+        kv_transfer: the KV transfers' counters (a copy); None without ``--kv-transfer-config``.
         kv_offload: the second KV tier's counters (a copy); None without ``--kv-offload-size``.
     """
 
@@ -72,6 +74,7 @@ class EngineStats:
     num_structured_output_requests: int
     grammar: dict[str, float]
     spec_decode: SpecDecodeStats | None
+    kv_transfer: KVTransferStats | None = None
     kv_offload: KVOffloadStats | None = None
 
 
@@ -98,7 +101,9 @@ class AsyncEngine(AsyncEngineWeights):
         self.on_dead = on_dead
         self.dead: BaseException | None = None
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, str | list[int], SamplingParams | PoolingParams, float, LoRARequest | None]] = []
+        self._adds: list[
+            tuple[str, str | list[int], SamplingParams | PoolingParams, float, LoRARequest | None, dict | None]
+        ] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]] = []
         # run once no request is in flight; until then new requests wait (update_weights, sleep)
@@ -175,6 +180,7 @@ class AsyncEngine(AsyncEngineWeights):
             num_structured_output_requests=engine.num_constrained_requests,
             grammar=engine.grammar_stats,
             spec_decode=spec,
+            kv_transfer=dataclasses.replace(engine.kv_transfer.stats) if engine.kv_transfer is not None else None,
             kv_offload=dataclasses.replace(engine.kv_offload.stats) if engine.kv_offload is not None else None,
         )
 
@@ -233,9 +239,11 @@ class AsyncEngine(AsyncEngineWeights):
         params: SamplingParams,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; leaving early (or cancellation) aborts it.
-        ``lora_request``: the adapter it runs with (None: the base model).
+        ``lora_request``: the adapter it runs with (None: the base model); ``kv_transfer_params``:
+        vLLM's P/D fields (:meth:`Engine.add_request`; a producer's final output carries its own).
 
         Validation happens before the first yield: bad input raises BaigeError at the first
         ``__anext__`` and nothing is queued. Raises RequestFailed when the engine fails this
@@ -246,7 +254,8 @@ class AsyncEngine(AsyncEngineWeights):
         if self._closing is not None:
             raise RequestAborted(self._closing)
         _, ids, params = self.engine.prepare(prompt, params)
-        async for out in self._stream(request_id, prompt if isinstance(prompt, str) else ids, params, lora_request):
+        prompt = prompt if isinstance(prompt, str) else ids
+        async for out in self._stream(request_id, prompt, params, lora_request, kv_transfer_params):
             yield out
 
     # ---- pooling (the pooling runner: embeddings) ------------------------------------------------
@@ -281,7 +290,12 @@ class AsyncEngine(AsyncEngineWeights):
         return out
 
     async def _stream(
-        self, request_id: str | None, prompt: str | list[int], params, lora_request: LoRARequest | None
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params,
+        lora_request: LoRARequest | None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator:
         """Hand a validated request to the loop and yield its outputs until it finishes; leaving early
         aborts it."""
@@ -292,7 +306,7 @@ class AsyncEngine(AsyncEngineWeights):
             if self.dead is not None:
                 raise EngineDeadError("the engine loop has stopped; restart the server")
             self._streams[request_id] = (loop, queue)
-            self._adds.append((request_id, prompt, params, time.monotonic(), lora_request))
+            self._adds.append((request_id, prompt, params, time.monotonic(), lora_request, kv_transfer_params))
             self._cv.notify()
         finished = False
         try:
@@ -391,8 +405,8 @@ class AsyncEngine(AsyncEngineWeights):
         _run_calls(engine, calls)
         for rid in aborts:
             engine.abort(rid)
-        for rid, prompt, params, arrival, lora in adds:
-            self._add(rid, prompt, params, arrival, lora)
+        for rid, prompt, params, arrival, lora, kv_params in adds:
+            self._add(rid, prompt, params, arrival, lora, kv_params)
         if engine.has_unfinished():
             for out in self._step():
                 self._emit(out)
@@ -411,12 +425,15 @@ class AsyncEngine(AsyncEngineWeights):
         params: SamplingParams | PoolingParams,
         arrival: float,
         lora: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         try:
             if isinstance(params, PoolingParams):
                 self.engine.add_pooling_request(rid, prompt, params, arrival)
             else:
-                self.engine.add_request(rid, prompt, params, arrival, lora_request=lora)
+                self.engine.add_request(
+                    rid, prompt, params, arrival, lora_request=lora, kv_transfer_params=kv_transfer_params
+                )
         except BaigeError as e:
             self._deliver(rid, e)
         except Exception as e:  # not the caller's mistake: log it, fail this request only

@@ -205,7 +205,9 @@ class BlockManager:
         return got
 
     def can_allocate(self, seq: SequenceLike, num_new_tokens: int) -> bool:
-        """Whether :meth:`allocate` for a sequence without blocks would succeed."""
+        """Whether :meth:`allocate` would succeed."""
+        if seq.block_table:
+            return self.can_append(seq, min(num_new_tokens, len(seq.token_ids) - seq.num_computed_tokens))
         hits = self._cached_prefix(seq)
         n_cached = len(hits) * self.block_size
         pool = [b for b in hits if isinstance(b, int)]  # the tier's hits need fresh blocks
@@ -218,12 +220,17 @@ class BlockManager:
 
         Sets ``seq.block_table``, ``seq.num_cached_tokens`` and ``seq.num_computed_tokens`` (both
         to the cached prefix length). Returns the number of tokens to compute now (the request
-        minus nothing; capped at what is left of the sequence). Raises RuntimeError when the pool
-        is too small (call :meth:`can_allocate` first).
+        minus nothing; capped at what is left of the sequence). A sequence that arrives with its
+        blocks and computed count (its prompt's KV pulled from another engine, ``kv_transfer/``) only
+        gets slots for the tokens left. Raises RuntimeError when the pool is too small (call
+        :meth:`can_allocate` first).
         """
-        assert not seq.block_table, "sequence already has blocks"
         if not self.can_allocate(seq, num_new_tokens):
             raise RuntimeError("out of KV blocks")
+        if seq.block_table:
+            num_new_tokens = min(num_new_tokens, len(seq.token_ids) - seq.num_computed_tokens)
+            self.append_slots(seq, num_new_tokens)
+            return num_new_tokens
         hits = self._cached_prefix(seq)
         n_pool = sum(isinstance(b, int) for b in hits)
         hits = self._load_offloaded(seq, hits)
@@ -298,12 +305,17 @@ class BlockManager:
         self._stale = {b.block_id for b in self.blocks if b.ref_count > 0}
         return dropped
 
-    def free(self, seq: SequenceLike) -> None:
-        """Drop ``seq``'s references; cached blocks become evictable, the others free.
+    def hold(self, block_ids: list[int]) -> None:
+        """One more reference on each block (a KV transfer pins a finished prefill's blocks until a
+        consumer has pulled them, and a pull's destination blocks until it ends); :meth:`release`
+        drops it."""
+        for block_id in block_ids:
+            self._ref(block_id)
 
-        Blocks are released last-first so the tail of a sequence is evicted before its prefix.
-        """
-        for block_id in reversed(seq.block_table):
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block (last-first, so a tail is evicted before its prefix);
+        cached blocks nobody references become evictable, the others free."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
@@ -312,5 +324,9 @@ class BlockManager:
                     self._evictable[block_id] = None
                 else:
                     self._free.appendleft(block_id)
+
+    def free(self, seq: SequenceLike) -> None:
+        """Drop ``seq``'s references (:meth:`release`) and clear its block table."""
+        self.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0  # num_cached_tokens keeps its value: the last admission's (reported)

@@ -27,6 +27,7 @@ from baige.runtime.infer.input_processor import InputProcessor
 from baige.runtime.infer.isolation import execute_isolated
 from baige.runtime.infer.kv_cache import allocate_kv_cache
 from baige.runtime.infer.kv_offload import attach_kv_offload
+from baige.runtime.infer.kv_transfer.manager import KVTransfer
 from baige.runtime.infer.lora import LoRAManager, LoRARequest
 from baige.runtime.infer.output_processor import OutputProcessor, RequestState
 from baige.runtime.infer.outputs import RequestFailed, RequestOutput
@@ -111,6 +112,7 @@ class Engine(EnginePooling, EngineWeights):
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_offload = attach_kv_offload(cfg, model, self.kv_cache, self.block_manager)  # a second KV tier
         self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
+        self.kv_transfer = KVTransfer.build(cfg.kv_transfer_config, model, self.kv_cache, self.block_manager)
         self.spec_stats = SpecDecodeStats()
         self.num_speculative_tokens = cfg.speculative_config.num_speculative_tokens if self.proposer else 0
         self.scheduler = Scheduler(
@@ -120,6 +122,7 @@ class Engine(EnginePooling, EngineWeights):
             self.max_model_len,
             on_release=self.proposer.release if self.proposer else None,
             max_loras=cfg.max_loras if cfg.enable_lora else None,
+            on_finish=self.kv_transfer.on_finish if self.kv_transfer is not None else None,
         )
         self.runner = ModelRunner(
             model,
@@ -167,8 +170,9 @@ class Engine(EnginePooling, EngineWeights):
             raise
 
     def close(self) -> None:
-        """Stop the KV offload writer and the tensor-parallel workers. The engine cannot step afterwards."""
-        for part in (self.kv_offload, self.tp):
+        """Stop the KV transport, the KV offload writer and the tensor-parallel workers. The engine cannot
+        step afterwards."""
+        for part in (self.kv_transfer, self.kv_offload, self.tp):
             if part is not None:
                 part.close()
 
@@ -200,13 +204,17 @@ class Engine(EnginePooling, EngineWeights):
         arrival_time: float | None = None,
         *,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         """Queue a request (``params.n`` sequences), with ``lora_request``'s adapter (loaded from its
-        path on first use) or the base model. Raises BaigeError as :meth:`prepare`, for a request id
-        already in flight, or for an adapter without ``enable_lora`` or that cannot load
-        (``LoRANotFound`` for an unknown name without a path)."""
+        path on first use) or the base model; ``kv_transfer_params``: vLLM's P/D fields
+        (:meth:`KVTransfer.on_add`). Raises BaigeError as :meth:`prepare`, for a request id already in
+        flight, for an adapter without ``enable_lora`` or that cannot load (``LoRANotFound`` for an
+        unknown name without a path), or for ``kv_transfer_params`` without ``kv_transfer_config``."""
         if request_id in self.requests:
             raise BaigeError(f"request id {request_id!r} is already in use")
+        if kv_transfer_params is not None and self.kv_transfer is None:
+            raise BaigeError("kv_transfer_params: this server has no --kv-transfer-config", param="kv_transfer_params")
         text, ids, params = self.prepare(prompt, params)
         lora_id = self.resolve_lora(lora_request)
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -235,8 +243,10 @@ class Engine(EnginePooling, EngineWeights):
                 lora_int_id=lora_id,
             )
             seqs.append(seq)
-        for seq in seqs:  # queued only once all are built: a failure above leaves nothing behind
-            self.scheduler.add(seq)
+        kvt = self.kv_transfer  # queued only once all are built: a failure above leaves nothing behind
+        if kvt is None or not kvt.on_add(seqs, kv_transfer_params, self.scheduler):
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.requests[request_id] = RequestState(
             request_id,
             text,
@@ -314,10 +324,14 @@ class Engine(EnginePooling, EngineWeights):
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns an output for every request that produced a token (or finished)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll(self.scheduler)
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
         if not len(batch):
+            if self.kv_transfer is not None:  # only pulls in flight: wait for one instead of spinning
+                self.kv_transfer.wait(0.05)
             return []
         if self.step_shapes is not None:
             self.step_shapes.append(batch.shape())
@@ -415,6 +429,8 @@ class Engine(EnginePooling, EngineWeights):
     def _output(self, req: RequestState, now: float) -> RequestOutput:
         out = self.output_processor.make_output(req, now)
         if out.finished:
+            if self.kv_transfer is not None:
+                out.kv_transfer_params = self.kv_transfer.take_params(req.request_id)
             del self.requests[req.request_id]
             logger.info(
                 "request %s: %d prompt tokens, %d output tokens, %.3f s, finish %s",

@@ -83,5 +83,6 @@ class EngineWeights:
                 runner.restore_kv()
 
     def _check_local(self, what: str) -> None:
-        if self.tp is not None:
-            raise BaigeError(f"{what} is not supported under tensor parallelism (--tensor-parallel-size > 1)")
+        if self.tp is not None or self.kv_transfer is not None:  # pinned or pulled K/V would outlive the weights
+            why = "tensor parallelism (--tensor-parallel-size > 1)" if self.tp is not None else "--kv-transfer-config"
+            raise BaigeError(f"{what} is not supported under {why}")

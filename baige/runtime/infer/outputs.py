@@ -80,6 +80,8 @@ class RequestOutput:
     token_interval: float | None = None
     n: int = 1
     max_tokens: int | None = None
+    # a KV producer's finished request: where a consumer pulls its prompt's blocks (vLLM's fields)
+    kv_transfer_params: dict | None = None
 
 
 @dataclass

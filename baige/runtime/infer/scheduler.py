@@ -18,6 +18,10 @@ Policy (vLLM's, simplified):
   whose adapter would be one too many is passed over (it keeps its place at the front) and the
   ones behind it may be admitted (vLLM's policy).
 
+- P/D disaggregation (vLLM's ``WAITING_FOR_REMOTE_KVS``): a sequence whose prompt's KV blocks are
+  being pulled from another engine is held aside, its blocks already allocated, until
+  :meth:`Scheduler.remote_kv_done` queues it (its computed count then covers the pulled tokens).
+
 Finishing a sequence (stop, length, abort) is O(1): it is marked finished and its blocks freed at
 once, and the queues drop finished entries when they next pass them (the running list at the start
 of each step, the waiting queue at its head), so aborting a request of ``n`` sequences costs O(n).
@@ -37,6 +41,7 @@ from baige.runtime.infer.block_manager import BlockManager
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its prompt's KV is being pulled (kv_transfer/)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -166,6 +171,8 @@ class Scheduler:
         on_release: called with a sequence whose blocks are freed (finished or preempted), so a
             draft proposer can free its own state.
         max_loras: most distinct LoRA adapters among the running sequences (None: no limit).
+        on_finish: called with a sequence that finishes, with its reason, before its blocks are
+            freed (a KV producer pins them for a consumer to pull).
     """
 
     def __init__(
@@ -176,6 +183,7 @@ class Scheduler:
         max_model_len: int,
         on_release: Callable[[Sequence], None] | None = None,
         max_loras: int | None = None,
+        on_finish: Callable[[Sequence, str], None] | None = None,
     ):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -191,21 +199,38 @@ class Scheduler:
         self.num_preemptions = 0
         self.on_release = on_release
         self.max_loras = max_loras
+        self.on_finish = on_finish
+        self._remote: dict[int, Sequence] = {}  # seq_id -> sequence waiting for its remote KV
 
     @property
     def waiting(self) -> list[Sequence]:
-        """Unfinished sequences waiting for admission, front first (O(queue); for metrics and tests)."""
-        return [s for s in self._waiting if not s.is_finished]
+        """Unfinished sequences waiting for admission, front first, then those waiting for their remote
+        KV (O(queue); for metrics and tests)."""
+        return [s for s in self._waiting if not s.is_finished] + list(self._remote.values())
 
     @property
     def running(self) -> list[Sequence]:
         """Unfinished running sequences in admission order (O(running))."""
         return [s for s in self._running if not s.is_finished]
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, remote_kv: bool = False) -> None:
+        """Queue a sequence; ``remote_kv``: hold it aside (its blocks allocated, their KV being pulled)
+        until :meth:`remote_kv_done`."""
+        self._num_unfinished += 1
+        if remote_kv:
+            seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+            self._remote[seq.seq_id] = seq
+            return
         seq.status = SequenceStatus.WAITING
         self._waiting.append(seq)
-        self._num_unfinished += 1
+
+    def remote_kv_done(self, seq: Sequence) -> None:
+        """Queue a sequence held by ``add(seq, remote_kv=True)`` (a no-op once it has finished: aborted
+        meanwhile). Its ``block_table`` and ``num_computed_tokens`` say what the pull filled (an empty
+        table: nothing, it computes its prompt)."""
+        if self._remote.pop(seq.seq_id, None) is not None and not seq.is_finished:
+            seq.status = SequenceStatus.WAITING
+            self._waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return self._num_unfinished > 0
@@ -366,6 +391,9 @@ class Scheduler:
         if seq.is_finished:
             return
         self._num_unfinished -= 1
+        self._remote.pop(seq.seq_id, None)
+        if self.on_finish is not None:
+            self.on_finish(seq, reason)
         self.block_manager.free(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED

@@ -68,7 +68,7 @@ async def chat_completions(request: Request):
         "created": int(time.time()),
         "model": req.model or st.served_model_name,
     }
-    gen = st.engine.generate(ids, params, rid, st.lora_request(req.model))
+    gen = st.engine.generate(ids, params, rid, st.lora_request(req.model), kv_transfer_params=req.kv_transfer_params)
     if req.stream:
         return event_stream(stream_chat(st, req, base, len(ids), params.n, gen, job))
     finals = await collect(request, [gen])
@@ -89,7 +89,10 @@ async def chat_completions(request: Request):
             }
         )
     n_out = sum(len(o.token_ids) for o in final.outputs)
-    return {**base, "choices": choices, "usage": usage(len(ids), n_out)}
+    body = {**base, "choices": choices, "usage": usage(len(ids), n_out)}
+    if final.kv_transfer_params is not None:  # a KV producer's answer: where its prefill's blocks wait
+        body["kv_transfer_params"] = final.kv_transfer_params
+    return body
 
 
 async def stream_chat(

@@ -75,6 +75,8 @@ async def completions(request: Request):
     params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, len(prompts), st.max_n)
     if score_prompt:
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+    if req.kv_transfer_params is not None and len(prompts) > 1:
+        raise APIError("kv_transfer_params goes with one prompt", param="kv_transfer_params")
     jobs = await prepared(st, prompts, params, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     lora = st.lora_request(req.model)
@@ -89,7 +91,10 @@ async def completions(request: Request):
     )
     if echo_only:
         return await echo_only_completion(request, st, job)
-    gens = [st.engine.generate(ids, sp, f"{rid}-{k}", lora) for k, (ids, sp) in enumerate(jobs)]
+    gens = [
+        st.engine.generate(ids, sp, f"{rid}-{k}", lora, kv_transfer_params=req.kv_transfer_params)
+        for k, (ids, sp) in enumerate(jobs)
+    ]
     if not req.stream:
         return await plain_completion(request, st, job, gens)
     return event_stream(stream_completion(st, job, gens))
@@ -154,7 +159,10 @@ async def plain_completion(
                 }
             )
             n_out += len(o.token_ids)
-    return {**job.base, "choices": choices, "usage": usage(job.num_prompt_tokens, n_out)}
+    body = {**job.base, "choices": choices, "usage": usage(job.num_prompt_tokens, n_out)}
+    if finals[0].kv_transfer_params is not None:  # a KV producer's answer: where its prefill's blocks wait
+        body["kv_transfer_params"] = finals[0].kv_transfer_params
+    return body
 
 
 async def stream_completion(

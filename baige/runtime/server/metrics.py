@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from baige.runtime.infer.async_engine import AsyncEngine, EngineStats
 from baige.runtime.infer.kv_offload import KVOffloadStats
+from baige.runtime.infer.kv_transfer.manager import KVTransferStats
 from baige.runtime.infer.outputs import EmbeddingRequestOutput, RequestOutput
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
 
@@ -133,6 +134,8 @@ class _EngineCollector:
             yield from _spec_decode_families(stats.spec_decode)
         if stats.kv_offload is not None:
             yield from _kv_offload_families(stats.kv_offload)
+        if stats.kv_transfer is not None:
+            yield from _kv_transfer_families(stats.kv_transfer)
 
 
 def _kv_offload_families(st: KVOffloadStats):
@@ -160,6 +163,34 @@ def _kv_offload_families(st: KVOffloadStats):
         "baige:kv_offload_capacity_bytes",
         "Size bound of the second KV tier (--kv-offload-size).",
         value=st.capacity_bytes,
+    )
+
+
+def _kv_transfer_families(st: KVTransferStats):
+    """P/D disaggregation's counters (``--kv-transfer-config``): blocks and bytes sent (producer) and
+    received (consumer), pulls, fallbacks to computing the prompt, pins expired unpulled."""
+    for name, doc, sent, received in (
+        ("baige:kv_transfer_blocks", "KV blocks transferred, by direction.", st.blocks_sent, st.blocks_received),
+        ("baige:kv_transfer_bytes", "KV bytes transferred, by direction.", st.bytes_sent, st.bytes_received),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["direction"])
+        family.add_metric(["sent"], sent)
+        family.add_metric(["received"], received)
+        yield family
+    yield CounterMetricFamily("baige:kv_transfer_pulls", "Pulls that delivered every block.", value=st.pulls)
+    yield CounterMetricFamily(
+        "baige:kv_transfer_failures",
+        "Requests whose KV pull failed, timed out or did not match (they computed their prompt).",
+        value=st.pull_failures,
+    )
+    yield CounterMetricFamily(
+        "baige:kv_transfer_expired",
+        "Pinned prefills released without a pull (abort_request_timeout).",
+        value=st.expired,
+    )
+    yield GaugeMetricFamily("baige:kv_transfer_pinned", "Prefills pinned for a consumer now.", value=st.pinned)
+    yield GaugeMetricFamily(
+        "baige:kv_transfer_block_bytes", "Bytes of one KV block (all layers, K and V).", value=st.block_bytes
     )
 
 
@@ -274,7 +305,7 @@ class VllmMetrics:
                 ("request_params_max_tokens", "The max_tokens request parameter.", tokens),
                 (
                     "request_prefill_kv_computed_tokens",
-                    "Prefill tokens computed (prompt minus prefix-cache hits).",
+                    "Prefill tokens computed (prompt minus prefix-cache hits and tokens whose KV was transferred).",
                     tokens,
                 ),
                 ("time_to_first_token_seconds", "Time to first token (TTFT) in seconds.", TTFT_BUCKETS),

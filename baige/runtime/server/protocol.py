@@ -175,6 +175,9 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's P/D disaggregation fields (do_remote_decode to a producer, the producer's answer to a
+    # consumer); checked by the engine (baige/runtime/infer/kv_transfer/manager.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def constraint(self):
         """The request's :class:`StructuredOutputsParams` (None: free), from ``response_format`` or
