@@ -147,6 +147,7 @@ class StandIn:
         self.break_after: int | None = None
         self.kv_transfer_params: dict | None = None
         self.received: list[tuple[str, dict, dict]] = []  # (path, body, headers)
+        self.stored: dict[str, dict] = {}  # the Responses API's responses made here, by id
         self.app = self._build()
 
     def bodies(self, path: str | None = None) -> list[dict]:
@@ -193,9 +194,40 @@ class StandIn:
                 answer["kv_transfer_params"] = self.kv_transfer_params
             return answer
 
-        for path in ("/v1/completions", "/v1/chat/completions"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
             app.add_api_route(path, complete, methods=["POST"])
+        self._add_responses(app)
         return app
+
+    def _add_responses(self, app: FastAPI) -> None:
+        @app.get("/version")
+        async def version():
+            return {"version": self.name}
+
+        @app.post("/v1/responses")
+        async def create(request: Request):
+            body = json.loads(await request.body())
+            self.received.append((request.url.path, body, dict(request.headers)))
+            if self.status != 200:
+                return JSONResponse({"error": {"message": f"{self.name} says {self.status}"}}, status_code=self.status)
+            previous = body.get("previous_response_id")
+            if previous and previous not in self.stored:
+                return JSONResponse({"error": {"message": f"{self.name}: no {previous}"}}, status_code=404)
+            if body.get("stream"):
+                return StreamingResponse(self._stream(), media_type="text/event-stream")
+            answer = {"id": f"resp_{self.name}{len(self.stored)}", "object": "response", "previous": previous}
+            self.stored[answer["id"]] = answer
+            return answer
+
+        @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+        async def stored(request: Request, response_id: str):
+            self.received.append((request.url.path, {"method": request.method}, dict(request.headers)))
+            if response_id not in self.stored:
+                return JSONResponse({"error": {"message": f"{self.name}: no {response_id}"}}, status_code=404)
+            if request.method == "DELETE":
+                del self.stored[response_id]
+                return {"id": response_id, "object": "response", "deleted": True}
+            return self.stored[response_id]
 
 
 def client(url: str) -> httpx.Client:

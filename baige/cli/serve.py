@@ -140,7 +140,15 @@ def rank_args(argv: list[str]) -> list[str]:
 
 
 def start_data_parallel(
-    ctx: typer.Context, size: int, tp: int, device: str, api_key: str | None, host: str, port: int, log_level: str
+    ctx: typer.Context,
+    size: int,
+    tp: int,
+    device: str,
+    api_key: str | None,
+    host: str,
+    port: int,
+    log_level: str,
+    shutdown_timeout: float,
 ) -> None:
     """``--data-parallel-size N``: N copies of this command behind one router (:mod:`baige.runtime.router.dp`)."""
     from baige.runtime.router.dp import rank_environments, serve_data_parallel
@@ -157,7 +165,7 @@ def start_data_parallel(
         for env in envs:
             env["BAIGE_API_KEY"] = api_key
     argv = (ctx.obj or {}).get("argv") or sys.argv[1:]
-    serve_data_parallel(rank_args(argv), envs, host, port, log_level)
+    serve_data_parallel(rank_args(argv), envs, host, port, log_level, shutdown_timeout=shutdown_timeout)
 
 
 class ReasoningParser(str, Enum):
@@ -415,7 +423,7 @@ def serve(
     template = read_chat_template(chat_template) if chat_template is not None else None
     if data_parallel_size > 1:
         args = (data_parallel_size, tensor_parallel_size, device.value, api_key, host, port, log_level.value)
-        return start_data_parallel(ctx, *args)
+        return start_data_parallel(ctx, *args, shutdown_timeout)
     from baige.runtime.infer.async_engine import AsyncEngine
     from baige.runtime.infer.engine import Engine
     from baige.runtime.server.app import listen, run_server

@@ -52,3 +52,30 @@ def test_data_parallel_cli_errors(cli_error, tmp_path):
 
     if not torch.cuda.is_available():
         assert "no CUDA device" in cli_error("serve", "--device", "cuda", "--data-parallel-size", "2", "--port", "0")
+
+
+def test_stop_forwards_the_signal_it_got(tmp_path):
+    """The ranks get the parent's signal itself (SIGTERM stays SIGTERM); a clean exit of every rank is
+    reported clean, a rank that exits non-zero is not."""
+    import signal
+    import subprocess
+    import sys
+
+    from baige.runtime.router.dp import _stop
+
+    code = (
+        "import signal, sys, time\n"
+        "def on(sig, _):\n"
+        "    print(signal.Signals(sig).name, flush=True); sys.exit(int(sys.argv[1]))\n"
+        "signal.signal(signal.SIGTERM, on); signal.signal(signal.SIGINT, on)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, rc], stdout=subprocess.PIPE, text=True) for rc in ("0", "0")]
+    assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+    assert _stop(procs, signal.SIGTERM, 30) is True
+    assert [p.stdout.read().strip() for p in procs] == ["SIGTERM", "SIGTERM"]
+    procs = [subprocess.Popen([sys.executable, "-c", code, rc], stdout=subprocess.PIPE, text=True) for rc in ("0", "3")]
+    assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+    assert _stop(procs, signal.SIGINT, 30) is False
+    assert [p.stdout.read().strip() for p in procs] == ["SIGINT", "SIGINT"] and procs[1].returncode == 3

@@ -11,7 +11,7 @@ one word, one token, so prompt lengths are exact):
   on another; 503 when none is left;
 - `baige bench serve --base-url` on a router records it measured a router;
 - `baige serve --data-parallel-size 2`: one command, two engines behind a router, the same greedy
-  tokens as one engine.
+  tokens as one engine; one SIGTERM stops it all with exit code 0.
 
 Four backends live for the module (each a process with one thread), started together; the kill test
 comes after the tests that need all four. Every wait is bounded."""
@@ -19,6 +19,7 @@ comes after the tests that need all four. Every wait is bounded."""
 from __future__ import annotations
 
 import random
+import signal
 
 import httpx
 import pytest
@@ -172,7 +173,7 @@ def test_serve_data_parallel_one_command(backends, model_dir):
     body = {"prompt": "t9 t8 t7 t6", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     one = httpx.post(f"{backends[0][0]}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
     with (
-        launched(model_dir, *ARGS, "--device", "cpu", "--data-parallel-size", "2", timeout=600) as (url, _),
+        launched(model_dir, *ARGS, "--device", "cpu", "--data-parallel-size", "2", timeout=600) as (url, proc),
         client(url) as c,
     ):
         health = c.get("/health").json()["router"]
@@ -182,6 +183,8 @@ def test_serve_data_parallel_one_command(backends, model_dir):
         assert texts == [one] * 4
         ranks = [b["url"] for b in health["backends"]]
         assert all(httpx.get(f"{r}/health", timeout=TIMEOUT).status_code == 200 for r in ranks)
+        proc.send_signal(signal.SIGTERM)  # one signal: the router and the ranks drain, and the command exits 0
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
     for rank in ranks:  # the command stopped its ranks on the way out
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{rank}/health", timeout=TIMEOUT)

@@ -1,7 +1,9 @@
 """`baige router` over stand-in OpenAI servers (apps on threads of the test, :mod:`router_utils`):
 streams relayed event by event, a backend that breaks mid-stream (error event, marked down, later
 requests elsewhere, re-admitted by a health check), fail-over before streaming (connection refused,
-a 503 answer), 503 in OpenAI's shape when no backend is healthy, least_load from /metrics, the pd
+a 503 answer), 503 in OpenAI's shape when no backend is healthy, the newer endpoints
+(/v1/embeddings, /tokenize, /detokenize, /version, /v1/responses and its stored responses followed to
+their backend), 404 ``not_found_error`` for unknown paths, least_load from /metrics, the pd
 flow's request fields, and the router's own /health and /metrics."""
 
 from __future__ import annotations
@@ -160,8 +162,56 @@ def test_body_limit_and_unknown_paths(pair):
     with router_over("round_robin", backends=[ua], max_request_bytes=2048) as (url, _), client(url) as c:
         r = c.post("/v1/completions", json={**BODY, "prompt": "x" * 4096})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-        assert c.get("/v1/nothing").status_code == 404 and "error" in c.get("/v1/nothing").json()
+        r = c.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert r.json()["error"]["message"] == "not found: /v1/nothing"
+        assert c.post("/v1/responses/x/cancel", json={}).json()["error"]["type"] == "not_found_error"
         assert c.get("/v1/completions").status_code == 405
+
+
+def test_newer_endpoints_pass_through_by_policy(pair):
+    (a, ua), (b, ub) = pair
+    with router_over("round_robin", backends=[ua, ub]) as (url, _), client(url) as c:
+        for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
+            got = [c.post(path, json={**BODY, "n": i}).json()["choices"][0]["text"] for i in range(2)]
+            assert sorted(got) == ["a", "b"]
+            assert {x["n"] for x in a.bodies(path) + b.bodies(path)} == {0, 1}
+        assert c.get("/version").json()["version"] in ("a", "b")
+        a.status = b.status = 400  # the backend's 4xx passes through
+        r = c.post("/v1/embeddings", json=BODY)
+        assert r.status_code == 400 and r.json()["error"]["message"] in ("a says 400", "b says 400")
+
+
+def test_responses_stream_and_follow_their_backend(pair):
+    """A stored response lives on the backend that made it: GET, DELETE and previous_response_id reach
+    that backend whichever one round robin would pick next."""
+    (a, ua), (b, ub) = pair
+    a.gate, a.events = threading.Event(), 3
+    with router_over("round_robin", backends=[ua, ub]) as (url, _), client(url) as c:
+        ids = [c.post("/v1/responses", json={"model": "m", "input": "hi"}).json()["id"] for _ in range(2)]
+        assert sorted(ids) == ["resp_a0", "resp_b0"]
+        for rid in ids * 2:  # twice each: round robin alone would send one of each pair to the other
+            r = c.get(f"/v1/responses/{rid}")
+            assert r.status_code == 200 and r.json()["id"] == rid
+        for _ in range(2):
+            r = c.post("/v1/responses", json={"model": "m", "input": "more", "previous_response_id": "resp_b0"})
+            assert r.status_code == 200 and r.json()["previous"] == "resp_b0" and r.json()["id"].startswith("resp_b")
+        assert not [x for x in a.bodies("/v1/responses") if x.get("previous_response_id")]
+        r = c.post("/v1/responses", json={"model": "m", "input": "x", "previous_response_id": "resp_zz"})
+        assert r.status_code == 404  # held nowhere: the backend's own 404
+        assert c.delete("/v1/responses/resp_a0").json()["deleted"] is True
+        r = c.get("/v1/responses/resp_a0")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        assert r.json()["error"]["code"] == "response_not_found" and "resp_b0" in b.stored
+        # stream: relayed event by event as chat is (the stand-in holds after its first event)
+        b.status = 503  # so the stream goes to a
+        with c.stream("POST", "/v1/responses", json={"model": "m", "input": "hi", "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = r.iter_lines()
+            assert texts(sse_data(next(line for line in lines if line.startswith("data: ")))) == ["a-0"]
+            a.gate.set()
+            rest = sse_data("\n".join(lines))
+        assert texts(rest) == ["a-1", "a-2"] and rest[-1] == "[DONE]"
 
 
 # ---- pd ---------------------------------------------------------------------------------------

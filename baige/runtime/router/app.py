@@ -3,7 +3,10 @@
 Routes: ``/health`` (200 while every role has a healthy backend, else 503; the body names the policy
 and each backend's state), ``/metrics`` (the router's own, :mod:`.metrics`), ``/v1/models`` (a healthy
 backend's answer), ``/v1/completions`` and ``/v1/chat/completions`` (forwarded by policy,
-:mod:`.proxy` and :mod:`.pd`). The router keeps no request state between requests, so several
+:mod:`.proxy` and :mod:`.pd`), ``/v1/embeddings``, ``/tokenize``, ``/detokenize``, ``/version`` and
+``/v1/responses`` (forwarded by policy; under ``pd`` to the decode backends) and
+``GET``/``DELETE /v1/responses/{id}`` (to the backend holding it, :mod:`.responses`). Any other path
+is 404 with OpenAI's ``not_found_error``. The router keeps no request state between requests, so several
 routers over the same backends can sit behind one load balancer; the prefix policy's hash is stable
 across processes, so they agree on where a prefix goes.
 """
@@ -30,10 +33,12 @@ from baige.runtime.router.metrics import RouterMetrics
 from baige.runtime.router.pd import forward_pd
 from baige.runtime.router.policies import LeastLoad, Prefix, make_policy, prompt_prefix
 from baige.runtime.router.proxy import RouterState, error_response, forward, forwarded_headers
+from baige.runtime.router.responses import forward_response, forward_stored
 
 logger = logging.getLogger("baige.router")
 
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
+PASSED_PATHS = ("/v1/embeddings", "/tokenize", "/detokenize")  # POST, by policy, no pd split
 
 
 class BodyTooLarge(Exception):
@@ -77,10 +82,32 @@ def _add_routes(app: FastAPI, state: RouterState) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        role = "decode" if cfg.policy == "pd" else "backend"
-        return await forward(state, role, "GET", "/v1/models", b"", forwarded_headers(request.headers), b"")
+    role = "decode" if cfg.policy == "pd" else "backend"
+
+    async def get_any(request: Request) -> Response:
+        return await forward(state, role, "GET", request.url.path, b"", forwarded_headers(request.headers), b"")
+
+    for path in ("/v1/models", "/version"):
+        app.add_api_route(path, get_any, methods=["GET"])
+
+    async def stored(request: Request, response_id: str) -> Response:
+        return await forward_stored(state, role, request.method, response_id, forwarded_headers(request.headers))
+
+    app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"])
+
+    async def passed(request: Request) -> Response:
+        content = await read_body(request, cfg.max_request_bytes)
+        try:
+            body = json.loads(content)
+        except ValueError:
+            body = None  # the backend's validation answers it (its 400)
+        headers, key = forwarded_headers(request.headers), prompt_prefix(body, cfg.prefix_chars)
+        if request.url.path == "/v1/responses":
+            return await forward_response(state, role, body, content, headers, key)
+        return await forward(state, role, "POST", request.url.path, content, headers, key)
+
+    for path in (*PASSED_PATHS, "/v1/responses"):
+        app.add_api_route(path, passed, methods=["POST"])
 
     async def proxied(request: Request) -> Response:
         content = await read_body(request, cfg.max_request_bytes)
@@ -111,7 +138,7 @@ def _add_error_handlers(app: FastAPI, max_bytes: int) -> None:
         if e.status_code == 405:
             return error_response(f"method {request.method} not allowed on {request.url.path[:200]}", 405)
         if e.status_code == 404:
-            return error_response(f"not found: {request.url.path[:200]}", 404)
+            return error_response(f"not found: {request.url.path[:200]}", 404, "not_found")
         return error_response(str(e.detail)[:300], e.status_code)
 
     async def internal(request: Request, e: Exception) -> Response:

@@ -9,7 +9,10 @@ behind one router on the command's ``--host``/``--port``.
   environment: each rank is a one-machine server, whose own tensor parallelism starts its workers.
 - The router checks the ranks' health as ``baige router`` does: a rank that exits is taken out of
   rotation and the others go on serving; when every rank has exited the command exits non-zero.
-  Ctrl-C stops the router, then the ranks (SIGINT, SIGKILL after 15 s).
+  SIGTERM or SIGINT drains the router (up to 5 s), then sends that same signal to the ranks, which
+  drain as ``baige serve`` does, and exits 0 once every rank has exited 0 (SIGKILL to a rank still
+  running after ``--shutdown-timeout`` + 15 s, and then a non-zero exit). A second signal forwards it
+  to the ranks (which exit at once) and exits at once, 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -60,8 +63,26 @@ def rank_environments(size: int, tensor_parallel_size: int, gpus: int) -> list[d
     return [dict(base, OMP_NUM_THREADS=threads) for _ in range(size)]
 
 
-def _exit_on_sigterm(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)
+class _Stopping(BaseException):
+    """The first SIGTERM/SIGINT (outside uvicorn's own handling, which replays it once it has drained)."""
+
+
+class _Signals:
+    """The parent's SIGTERM/SIGINT handler: the first signal raises :class:`_Stopping` and is kept for
+    the ranks; the next forwards itself to the ranks and exits at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.procs: list[subprocess.Popen] = []
+
+    def __call__(self, signum: int, _frame) -> None:
+        if self.received is None:
+            self.received = signum
+            raise _Stopping()
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+        os._exit(128 + signum)
 
 
 def _free_port() -> int:
@@ -89,17 +110,22 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout: float
         time.sleep(0.25)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], signum: int, grace: float) -> bool:
+    """Send ``signum`` to the running ranks and wait ``grace`` s for them; SIGKILL those left. True when
+    every rank exited 0."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + 15
+            p.send_signal(signum)
+    deadline = time.monotonic() + grace
+    clean = True
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+        clean = clean and p.returncode == 0
+    return clean
 
 
 def _watch(procs: list[subprocess.Popen], server, stop: threading.Event, all_exited: threading.Event) -> None:
@@ -123,19 +149,23 @@ def serve_data_parallel(
     port: int,
     log_level: str = "info",
     startup_timeout: float = 1800,
+    shutdown_timeout: float = 30.0,
 ) -> None:
     """Run ``len(envs)`` ranks of ``baige serve serve_args`` (rank i with ``--host 127.0.0.1 --port P``
     added and the environment ``envs[i]``) behind a ``least_load`` router on ``host:port``, until
-    interrupted or every rank has exited.
+    interrupted or every rank has exited. Returns after a clean drain on SIGTERM/SIGINT (module
+    docstring); ``shutdown_timeout`` is the ranks' ``--shutdown-timeout``.
 
     Raises:
         BaigeError: the router's port cannot be bound, a rank fails to start in ``startup_timeout``
-        seconds, or every rank exited while serving.
+        seconds, every rank exited while serving, or a rank did not exit 0 when stopped.
     """
     sock = listen(host, port)  # a busy port fails now, before any model loads
-    # SIGTERM as an exception, so the ranks are stopped on the way out (uvicorn re-raises the signal it
-    # caught once it has shut down; with the default handler the process would die on the spot)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # uvicorn handles SIGTERM/SIGINT while the router serves and replays the signal once it has drained;
+    # this handler then turns it into _Stopping, so the ranks get the same signal on the way out
+    signals = _Signals()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signals)
     ports = [_free_port() for _ in envs]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen] = []
@@ -154,15 +184,24 @@ def serve_data_parallel(
                 str(rank_port),
             ]
             procs.append(subprocess.Popen(argv, env=env))
+            signals.procs = procs
         _wait_healthy(urls, procs, startup_timeout)
         cfg = RouterConfig(policy="least_load", backends=urls, host=host, port=port, log_level=log_level)
         server = make_server(cfg)
         logger.info("data parallel: %d ranks (%s) behind http://%s:%d", len(urls), ", ".join(urls), host, port)
         threading.Thread(target=_watch, args=(procs, server, stop, all_exited), daemon=True).start()
         server.run(sockets=[sock])
+    except _Stopping:
+        pass
     finally:
         stop.set()
         sock.close()
-        _stop(procs)
+        clean = _stop(procs, signals.received or signal.SIGINT, shutdown_timeout + 15)
+    if signals.received is not None:
+        logger.info("data parallel: stopped by signal %d", signals.received)
+        if not clean:
+            codes = ", ".join(str(p.returncode) for p in procs)
+            raise BaigeError(f"data-parallel ranks did not all exit 0 when stopped (exit codes {codes})")
+        return
     if all_exited.is_set():
         raise BaigeError("every data-parallel rank exited; see their logs above")

@@ -36,7 +36,13 @@ RETRY_STATUSES = frozenset({502, 503, 504})  # a backend that cannot take the re
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 PASSED_BACK_HEADERS = ("content-type", "x-request-id")
 DONE = b"data: [DONE]\n\n"
-_ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 502: "server_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    502: "server_error",
+}
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict:
