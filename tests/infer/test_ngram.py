@@ -73,7 +73,7 @@ def test_disable_by_batch_size_stops_proposing_above_it():
             max_tokens=50,
             num_output_tokens=1,
             spec_budget=None,
-            payload=SimpleNamespace(grammar=None),
+            payload=SimpleNamespace(grammar=None, pending_grammar=None),
             spec_token_ids=[],
             spec_draft_probs=None,
         )

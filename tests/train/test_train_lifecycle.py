@@ -56,16 +56,23 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 
 def test_stop_signal_flag_and_second_signal():
-    with StopSignal() as stop:
-        assert stop.received is None and not stop.agreed(torch.device("cpu"))
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # the handler runs in the main thread between bytecodes
-        assert stop.received == "SIGINT" and stop.agreed(torch.device("cpu"))
-        with pytest.raises(KeyboardInterrupt):  # the second one: the default behaviour at once
+    # the process's own handlers first: a pytest-xdist worker ignores SIGINT, and StopSignal hands the
+    # second signal to whatever was installed before it
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with StopSignal() as stop:
+            assert stop.received is None and not stop.agreed(torch.device("cpu"))
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            time.sleep(0.01)  # the handler runs in the main thread between bytecodes
+            assert stop.received == "SIGINT" and stop.agreed(torch.device("cpu"))
+            with pytest.raises(KeyboardInterrupt):  # the second one: the default behaviour at once
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
 
 
 def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(setup, tmp_path, one_thread):
