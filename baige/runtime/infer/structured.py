@@ -167,8 +167,8 @@ class GrammarCompiler:
                 self._executor = LLExecutor()
         if self._unsupported is not None:
             raise BaigeError(
-                "structured_outputs: structured outputs are not supported for this model's tokenizer "
-                f"(the grammar engine cannot read it: {self._unsupported})",
+                "structured outputs (response_format, forced tool calls) are not supported for this "
+                f"model's tokenizer: the grammar engine cannot read it ({self._unsupported})",
                 param="structured_outputs",
             )
         return self._lltok
