@@ -103,6 +103,24 @@ def test_kernel_settings_are_checked_when_a_command_runs_not_for_its_help(cli_er
     assert e.value.code == 0 and "Usage:" in capsys.readouterr().out
 
 
+def test_serve_help_names_every_openai_endpoint(capsys):
+    from baige.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert e.value.code == 0
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/models",
+        "/tokenize",
+    ):
+        assert f"{path}," in text or f"{path})" in text, (path, text[:600])
+
+
 def test_importing_baige_compiles_no_native_code(tmp_path):
     """Every baige module imported, and the command line built, with an empty cache and a C compiler
     that records its calls: nothing compiled, nothing written to the cache. Then the first use of the

@@ -386,8 +386,8 @@ def serve(
         ),
     ] = Runner.auto,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/embeddings,
-    /v1/models, /tokenize, /detokenize)."""
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/responses,
+    /v1/embeddings, /v1/models, /tokenize, /detokenize)."""
     from baige.runtime.config import EngineConfig
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -119,3 +119,18 @@ def test_compiled_constraints_are_cached_by_content(compiler):
 def test_constraints_no_token_sequence_can_write_are_refused(compiler, kw):
     with pytest.raises(BaigeError, match="accepts no output"):
         compiler.matcher(StructuredOutputsParams(**kw))
+
+
+def test_a_tokenizer_the_engine_cannot_read_is_refused_once_and_for_all():
+    """A character tokenizer with a Fuse decoder (tests/train_utils.py's): llguidance cannot tell each
+    token's bytes; every constraint is a BaigeError naming the tokenizer, never a ValueError."""
+    vocab = {p: i for i, p in enumerate(["<unk>", "</s>", "a", "{", "}"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(["<unk>", "</s>"])
+    tok.decoder = decoders.Fuse()
+    fused = GrammarCompiler(tok.to_str(), len(vocab), [1])
+    for _ in range(2):  # the second refusal comes from the cached verdict
+        with pytest.raises(BaigeError, match="not supported for this model's tokenizer") as e:
+            fused.first_mask(StructuredOutputsParams(json={"type": "object"}))
+        assert e.value.param == "structured_outputs"
+    assert fused.stats["compiles"] == 0

@@ -801,6 +801,22 @@ async def _embed_witness_and(url: str, bodies: list):
         return [d["embedding"] for d in r.json()["data"]], responses
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/embeddings", {"input": ["t1"] * 100_000}, "input: too many items (100000; at most 2048)"),
+        ("/v1/embeddings", {"input": []}, "input: the list is empty"),
+        ("/v1/responses", {"input": [{"role": "user", "content": "a"}] * 5000}, "input: too many items"),
+    ],
+)
+def test_a_list_of_the_wrong_length_is_named_as_such(pooling_url, path, body, message):
+    """A list too long (or empty) for a union field is its count that is wrong, not "should be a valid
+    string" (the union's str member) or "should be a valid integer" (its token-id list member)."""
+    r = httpx.post(f"{pooling_url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert_openai_error(r, 400, "input")
+    assert r.json()["error"]["message"].startswith(message), r.text
+
+
 def test_hostile_embeddings_fail_alone(pooling_url):
     with httpx.Client(base_url=pooling_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http:
         solo = [d["embedding"] for d in http.post("/v1/embeddings", json=WITNESS_EMBED).json()["data"]]

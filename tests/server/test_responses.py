@@ -171,6 +171,36 @@ def test_function_call_round_trip(client, model):
     assert second.usage.input_tokens == len(tok.apply_chat_template(history, tools=[chat_tool]))
 
 
+def test_a_call_cut_off_by_max_output_tokens_still_continues(client, model):
+    """A call truncated by max_output_tokens is stored as written (incomplete, arguments not JSON); the
+    conversation goes on with its output, as do client-sent arguments that are not JSON (OpenAI takes
+    arguments strings as given): the prompt shows the model the text as a JSON string."""
+    kwargs = dict(model="chain", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0)
+    full = client.responses.create(input="Weather in Paris?", **kwargs)
+    cut = client.responses.create(input="Weather in Paris?", max_output_tokens=full.usage.output_tokens - 2, **kwargs)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    call = cut.output[-1]
+    assert call.type == "function_call" and '{"city": "Paris"}'.startswith(call.arguments) and call.arguments
+    answer = [{"type": "function_call_output", "call_id": call.call_id, "output": "?"}]
+    second = client.responses.create(model="chain", previous_response_id=cut.id, input=answer, temperature=0)
+    assert second.status == "completed" and items(second)[-1] == ("message", ANSWER_TEXT)
+    sent = [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{not json"}, answer[0]]
+    sent[1] = {**sent[1], "call_id": "c1"}
+    third = client.responses.create(model="chain", input=[{"role": "user", "content": "q"}, *sent], max_output_tokens=4)
+    history = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "?"},
+    ]
+    assert third.usage.input_tokens == len(Tokenizer.from_dir(model).apply_chat_template(history))
+
+
 def test_text_format_json_schema(client):
     schema = {
         "type": "object",

@@ -13,6 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 from server_utils import launched
+from train_utils import tiny_model
 
 KEY = "so-key"
 
@@ -226,3 +227,29 @@ def test_structured_metrics_count_requests_compiles_and_masked_tokens(http):
     assert after["baige:grammar_compiles"] - before["baige:grammar_compiles"] == 1  # the second is a cache hit
     n = after["baige:structured_masked_tokens"] - before["baige:structured_masked_tokens"]
     assert 2 <= n <= 6
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_400(tmp_path):
+    """tests/train_utils.py's character tokenizer (a Fuse decoder, which llguidance cannot read): every
+    constrained request is a 400 naming the field that asked for the constraint, never a 500; free
+    requests still run."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    cases = [
+        ("/v1/chat/completions", {"messages": ASK, "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "/v1/responses",
+            {"input": "x", "tools": [tool], "tool_choice": {"type": "function", "name": "f"}},
+            "tool_choice",
+        ),
+        ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_object"}}}, "text"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ]
+    with launched(tiny_model(tmp_path), "--max-model-len", "128", "--kv-cache-memory", "10MB") as (url, _):
+        for path, body, param in cases:
+            r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2} if "messages" in body else body, timeout=120)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == param, err
+            assert "not supported for this model's tokenizer" in err["message"], err
+        free = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=120)
+        assert free.status_code == 200 and free.json()["usage"]["completion_tokens"] == 2, free.text

@@ -141,6 +141,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
         self._tokenizer_json, self.vocab_size, self._eos = tokenizer_json, vocab_size, list(eos_token_ids)
         self._lltok = None
+        self._unsupported: str | None = None  # llguidance's verdict on this tokenizer, once refused
         self._lock = threading.Lock()
         self._protos: OrderedDict[str, tuple[Any, torch.Tensor]] = OrderedDict()  # key -> (prototype, first mask)
         self._executor = None
@@ -148,11 +149,28 @@ class GrammarCompiler:
         self.stats = {"compiles": 0, "compile_seconds": 0.0, "mask_seconds": 0.0, "masked_tokens": 0}
 
     def _tokenizer(self):
+        """llguidance's view of the tokenizer, built once (costly for a large vocabulary: on the first
+        constrained request).
+
+        Raises:
+            BaigeError: llguidance cannot read this tokenizer (e.g. a ``Fuse`` decoder: it cannot tell
+            the bytes of each token); the verdict is cached, every later request gets the same error.
+        """
         from llguidance import LLExecutor, LLTokenizer
 
-        if self._lltok is None:  # costly for a large vocabulary: built on the first constrained request
-            self._lltok = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
-            self._executor = LLExecutor()
+        if self._lltok is None and self._unsupported is None:
+            try:
+                self._lltok = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
+            except ValueError as e:
+                self._unsupported = _one_line(e)
+            else:
+                self._executor = LLExecutor()
+        if self._unsupported is not None:
+            raise BaigeError(
+                "structured outputs (response_format, forced tool calls) are not supported for this "
+                f"model's tokenizer: the grammar engine cannot read it ({self._unsupported})",
+                param="structured_outputs",
+            )
         return self._lltok
 
     def matcher(self, params: StructuredOutputsParams):

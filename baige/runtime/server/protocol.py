@@ -322,8 +322,22 @@ def validation_message(e: ValidationError) -> tuple[str, str | None]:
     matched the input furthest: a content part missing ``text`` names ``text``), and the top-level
     field it concerns."""
     errors = e.errors()
-    err = max(errors, key=lambda x: len([p for p in x["loc"] if not _UNION_TAG.match(str(p))]))
+    # a list of the wrong length matched a list member of the union: its count is the problem, not
+    # the other members' complaints ("should be a valid string", its items "should be integers")
+    counts = [x for x in errors if x["type"] in ("too_long", "too_short")]
+    err = max(counts or errors, key=lambda x: len([p for p in x["loc"] if not _UNION_TAG.match(str(p))]))
     loc = ".".join(str(x) for x in err["loc"] if not _UNION_TAG.match(str(x)))[:200]
     first = str(err["loc"][0]) if err["loc"] else None
-    msg = err["msg"][:300]
+    msg = _count_message(err) or err["msg"][:300]
     return (f"{loc}: {msg}" if loc else msg), first
+
+
+def _count_message(err: dict) -> str | None:
+    """A list-length error in words: too many items (with the limit), or an empty list."""
+    ctx, n = err.get("ctx") or {}, err.get("input")
+    n = len(n) if isinstance(n, list | dict) else ctx.get("actual_length")
+    if err["type"] == "too_long" and "max_length" in ctx:
+        return f"too many items ({n}; at most {ctx['max_length']})"
+    if err["type"] == "too_short" and "min_length" in ctx:
+        return "the list is empty" if n == 0 else f"too few items ({n}; at least {ctx['min_length']})"
+    return None

@@ -29,6 +29,7 @@ from baige.runtime.server.responses_protocol import (
     MessageItem,
     ResponsesRequest,
 )
+from baige.runtime.server.tool_parsers import loads
 from baige.runtime.server.tool_streams import Event
 
 STORE_MAX_RESPONSES = 1024  # responses kept for previous_response_id / GET (oldest dropped first)
@@ -109,23 +110,39 @@ def _text(content) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
+def _replayable(call: dict) -> dict:
+    """A function call as the chat pipeline takes it. The Responses API takes ``arguments`` strings as
+    given (a call cut off by ``max_output_tokens`` stores a truncated one): a string that is not JSON
+    goes on JSON-quoted, so the chat pipeline hands the template that text as a string (templates that
+    take string arguments, as Qwen3's, show it as written; others ``tojson`` it)."""
+    args = call["function"]["arguments"]
+    try:
+        loads(args)
+    except ValueError:
+        return {**call, "function": {**call["function"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return call
+
+
 def conversation(req: ResponsesRequest, previous: list[dict]) -> list[dict]:
     """The chat messages of a request: ``instructions`` as the system message, the previous response's
     conversation (``previous``), then the input items (``developer`` is ``system``; function calls join
-    the assistant message before them; outputs become ``tool`` messages; reasoning items are dropped)."""
+    the assistant message before them; outputs become ``tool`` messages; reasoning items are dropped).
+    Call arguments that are not JSON are kept as text (:func:`_replayable`), never refused."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    messages += [dict(m) for m in previous]
+    for m in previous:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_replayable(c) for c in m["tool_calls"]]
+        messages.append(m)
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     for item in items:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
+            call = _replayable(
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            )
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last["tool_calls"] = [*last.get("tool_calls", []), call]

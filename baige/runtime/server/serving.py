@@ -154,7 +154,8 @@ async def prepared(
 ) -> list[tuple[list[int], SamplingParams]]:
     """Validate and tokenize every prompt before anything runs (the same 400 whether streaming or
     not), off the event loop so a long prompt does not stall other clients' streams. A constraint's
-    error names the field the request gave it in (``response_format`` or ``structured_outputs``)."""
+    error names the field the request gave it in (``response_format``, ``structured_outputs``, or
+    ``tool_choice`` for a forced tool call)."""
 
     def run() -> list[tuple[list[int], SamplingParams]]:
         out = []
@@ -163,8 +164,9 @@ async def prepared(
                 out.append(st.engine.prepare(p, params))
             except BaigeError as e:
                 param = e.param or "prompt"
-                if param == "structured_outputs" and req.structured_outputs is None and req.response_format:
-                    param = "response_format"
+                if param == "structured_outputs" and req.structured_outputs is None:  # the constraint's source
+                    forced = getattr(req, "tool_choice", None) is not None
+                    param = "response_format" if req.response_format else "tool_choice" if forced else param
                 raise APIError(str(e), param=param) from None
         return out
 
