@@ -157,18 +157,20 @@ def test_a_request_never_loads_an_adapter_the_server_unloaded(dirs):
         with pytest.raises(LoRANotFound, match="'sql' is not loaded"):
             asyncio.run(first())
         assert "sql" not in llm.engine.lora.loaded
-        # offline, one name with another directory is an error, not the first adapter's weights
-        llm.engine.lora.load(LoRARequest("sql", 1, str(dirs["sql"])))
-        with pytest.raises(BaigeError, match=r"'sql' is loaded from .*sql, not .*chat: unload it first"):
-            llm.generate(PROMPT, SamplingParams(max_tokens=2), lora_request=LoRARequest("sql", 2, str(dirs["chat"])))
-        assert (
-            llm.generate(
-                PROMPT,
-                SamplingParams(max_tokens=2),  # the same directory spelled differently
-                lora_request=LoRARequest("sql", 3, str(dirs["sql"]) + "/"),
-            )[0]
-            .outputs[0]
-            .token_ids
-        )
     finally:
         driver.shutdown()
+    # offline, on an engine no loop thread steps: one name with another directory is an error, not the
+    # first adapter's weights
+    llm = LLM(str(dirs["base"]), enable_lora=True, max_loras=2, max_lora_rank=5, dtype="float32", **ENGINE)
+    llm.engine.lora.load(LoRARequest("sql", 1, str(dirs["sql"])))
+    with pytest.raises(BaigeError, match=r"'sql' is loaded from .*sql, not .*chat: unload it first"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=2), lora_request=LoRARequest("sql", 2, str(dirs["chat"])))
+    assert (
+        llm.generate(
+            PROMPT,
+            SamplingParams(max_tokens=2),  # the same directory spelled differently
+            lora_request=LoRARequest("sql", 3, str(dirs["sql"]) + "/"),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
