@@ -79,19 +79,7 @@ class Engine(EnginePooling, EngineWeights):
         self.model, self.tokenizer, self.cfg, self.tp, self.pooler = model, tokenizer, cfg, tp, pooler
         if pooler is not None and cfg.speculative_config is not None:
             raise BaigeError("--speculative-config does not apply to the pooling runner (it never decodes)")
-        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise BaigeError(
-                f"--max-model-len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({mc.max_position_embeddings})"
-            )
-        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
-            raise BaigeError(
-                f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= "
-                f"--max-num-seqs ({cfg.max_num_seqs})"
-            )
-        if cfg.block_size < 1 or cfg.max_num_seqs < 1:
-            raise BaigeError("--block-size and --max-num-seqs must be >= 1")
+        self.max_model_len = _checked_limits(cfg, mc.max_position_embeddings)
         if isinstance(cfg.kv_cache_memory, str):
             cfg = self.cfg = replace(cfg, kv_cache_memory=parse_size(cfg.kv_cache_memory))
         p = next(model.parameters())
@@ -459,6 +447,23 @@ class Engine(EnginePooling, EngineWeights):
         if failed:
             raise next(iter(failed.values()))
         return [final[r] for r in request_ids]
+
+
+def _checked_limits(cfg: EngineConfig, max_position_embeddings: int) -> int:
+    """The engine's ``max_model_len`` (``cfg``'s, else the model's context). Raises BaigeError for a length
+    past the model's context, a token budget below ``max_num_seqs``, or sizes below 1."""
+    max_model_len = cfg.max_model_len or max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        raise BaigeError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({max_position_embeddings})"
+        )
+    if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+        raise BaigeError(
+            f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --max-num-seqs ({cfg.max_num_seqs})"
+        )
+    if cfg.block_size < 1 or cfg.max_num_seqs < 1:
+        raise BaigeError("--block-size and --max-num-seqs must be >= 1")
+    return max_model_len
 
 
 def _sampler_row(s: Sequence) -> SamplerRow | None:
