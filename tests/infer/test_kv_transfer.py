@@ -171,3 +171,29 @@ def test_transport_names():
     assert resolve_connector("zmq").name == "zmq"
     nixl_here = NixlConnector.unavailable() is None  # NIXL where installed (one READ between the pools)
     assert resolve_connector("auto").name == ("nixl" if nixl_here else "zmq")
+
+
+def test_write_blocks_lands_read_block_bytes_in_other_blocks():
+    """A block's bytes (K of every layer, then V of every layer) written by write_blocks into other
+    block ids: every layer's K and V there equal the source's, other blocks untouched, a short
+    payload refused."""
+    import torch
+
+    from baige.runtime.infer.kv_transfer.blocks import block_bytes, read_block, write_blocks
+
+    class Pool:  # the two attributes of a KVCache these functions read
+        def __init__(self, seed: int):
+            g = torch.Generator().manual_seed(seed)
+            self.k = [torch.randn(3, 7, 4, 5, generator=g).to(torch.bfloat16) for _ in range(2)]
+            self.v = [torch.randn(3, 7, 4, 5, generator=g).to(torch.bfloat16) for _ in range(2)]
+            self.dtype = torch.bfloat16
+
+    src, dst = Pool(0), Pool(1)
+    before = [t.clone() for t in dst.k + dst.v]
+    write_blocks(dst, [5, 0], [read_block(src, 2), read_block(src, 6)])
+    assert block_bytes(src) == 2 * 2 * 3 * 4 * 5 * 2
+    for s, d, b in zip(src.k + src.v, dst.k + dst.v, before):
+        assert torch.equal(d[:, 5], s[:, 2]) and torch.equal(d[:, 0], s[:, 6])
+        assert torch.equal(d[:, 1:5], b[:, 1:5]) and torch.equal(d[:, 6], b[:, 6])
+    with pytest.raises(ValueError, match="bytes"):
+        write_blocks(dst, [1], [memoryview(b"\0" * 10)])

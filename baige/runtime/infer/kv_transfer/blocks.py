@@ -31,19 +31,31 @@ def read_block(kv: KVCache, block_id: int) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def write_block(kv: KVCache, block_id: int, payload: memoryview) -> None:
-    """Fill block ``block_id`` of every layer from ``payload`` (the layout of :func:`read_block`).
+def write_blocks(kv: KVCache, block_ids: list[int], payloads: list[memoryview]) -> None:
+    """Fill blocks ``block_ids[i]`` of every layer from ``payloads[i]`` (the layout of
+    :func:`read_block`): one ``index_copy_`` per layer and K/V for all the blocks, not one copy per
+    block and layer (a pull's writes hold the interpreter lock that long on the consumer, whose
+    engine thread decodes meanwhile).
 
     Raises:
-        ValueError: ``payload`` is not :func:`block_bytes` long.
+        ValueError: a payload is not :func:`block_bytes` long, or the two lists differ in length.
     """
-    if len(payload) != block_bytes(kv):
-        raise ValueError(f"a KV block is {block_bytes(kv)} bytes, got {len(payload)}")
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(kv.dtype)
-    per = kv.k[0][:, 0].numel()
+    if len(block_ids) != len(payloads):
+        raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
+    if not block_ids:
+        return
+    size = block_bytes(kv)
+    for p in payloads:
+        if len(p) != size:
+            raise ValueError(f"a KV block is {size} bytes, got {len(p)}")
+    n, layers = len(block_ids), len(kv.k)
     shape = kv.k[0][:, 0].shape  # (n_kv_heads, block_size, head_dim)
-    for i, t in enumerate([*kv.k, *kv.v]):
-        t[:, block_id].copy_(flat[i * per : (i + 1) * per].view(shape), non_blocking=False)
+    flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(kv.dtype)
+    data = flat.view(n, 2, layers, *shape)  # block, K/V, layer, head, token, dim
+    dst = torch.tensor(block_ids, dtype=torch.long, device=kv.k[0].device)
+    for kind, caches in enumerate((kv.k, kv.v)):
+        for layer, t in enumerate(caches):
+            t.index_copy_(1, dst, data[:, kind, layer].transpose(0, 1).to(t.device))
 
 
 def model_fingerprint(model: torch.nn.Module, kv: KVCache, block_size: int) -> str:

@@ -4,9 +4,9 @@ The producer binds a ROUTER socket served by one background thread. A consumer's
 DEALER socket and sends one request message ``[b"pull", JSON {transfer_id, block_ids,
 fingerprint}]``; the producer answers with a header message ``[b"ok", JSON {"num_blocks"}]`` (or
 ``[b"error", reason]``), then one message ``[b"block", index as 4 bytes little-endian, bytes]``
-per block, each sent as soon as it is read from the cache (zero-copy from the block's buffer), so
-the consumer writes block ``i`` while block ``i + 1`` travels. ZeroMQ does the framing,
-reconnection and queueing; the messages above are the whole protocol.
+per block, each sent as soon as it is read from the cache (zero-copy from the block's buffer); the
+consumer writes them into its cache :data:`WRITE_BATCH` blocks at a time while the next ones travel.
+ZeroMQ does the framing, reconnection and queueing; the messages above are the whole protocol.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import time
 
 from baige.errors import BaigeError
 from baige.runtime.infer.kv_cache import KVCache
-from baige.runtime.infer.kv_transfer.blocks import write_block
+from baige.runtime.infer.kv_transfer.blocks import write_blocks
 from baige.runtime.infer.kv_transfer.connector import BlockSource, KVConnector, TransferError
 
 logger = logging.getLogger("baige.kv_transfer")
 
 POLL_MS = 100  # the server thread's wake-up to notice close()
+WRITE_BATCH = 16  # blocks a consumer receives before it writes them into its cache at once
 
 
 class ZmqConnector(KVConnector):
@@ -108,12 +109,16 @@ class ZmqConnector(KVConnector):
             if frames[0] != b"ok":
                 reason = bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else "?"
                 raise TransferError(f"the producer at {where} refused the pull: {reason}")
+            pending: list[memoryview] = []
             for i in range(len(src)):
                 frames = recv(sock, deadline, where)
                 if len(frames) != 3 or frames[0] != b"block" or struct.unpack("<I", frames[1])[0] != i:
                     raise TransferError(f"block {i} of the pull from {where} came malformed or out of order")
-                write_block(self.kv, dst[i], frames[2])
+                pending.append(frames[2])
                 received += len(frames[2])
+                if len(pending) == WRITE_BATCH or i == len(src) - 1:
+                    write_blocks(self.kv, dst[i + 1 - len(pending) : i + 1], pending)
+                    pending = []
         except zmq.ZMQError as e:
             raise TransferError(f"the pull from {where} failed: {e}") from None
         finally:
