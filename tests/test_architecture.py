@@ -22,6 +22,7 @@ RANKS = {
     "baige.kernels": 0,
     "baige.runtime.config": 1,
     "baige.runtime.kv_transfer_config": 0.5,  # below config, which parses --kv-transfer-config into it
+    "baige.runtime.json_flag": 0.25,  # the JSON-object flags' parser both of those use
     "baige.runtime.settings": 1,
     "baige.runtime.roofline": 1,
     "baige.runtime.model": 2,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from baige.errors import BaigeError
+from baige.runtime.json_flag import json_flag_object
 from baige.runtime.kv_transfer_config import KVTransferConfig
 
 # torch.Generator.manual_seed takes any 64-bit integer, signed or unsigned (the engine's RNG)
@@ -357,26 +357,12 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise BaigeError(
-                    f"--speculative-config: not valid JSON ({e.msg} at character {e.pos})", param="speculative_config"
-                ) from None
-        if not isinstance(value, dict):
-            raise BaigeError(
-                '--speculative-config: a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}',
-                param="speculative_config",
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise BaigeError(
-                f"--speculative-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
-                param="speculative_config",
-            )
-        value = dict(value)
+        value = json_flag_object(
+            value,
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4}',
+            {f.name for f in fields(cls)},
+        )
         if "method" not in value:
             if "model" not in value:
                 raise BaigeError(

@@ -3,10 +3,10 @@ dataclass :class:`baige.runtime.config.EngineConfig` parses its flag into."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 
 from baige.errors import BaigeError
+from baige.runtime.json_flag import json_flag_object
 
 
 def _is_plain_int(x) -> bool:
@@ -68,23 +68,10 @@ class KVTransferConfig:
         bad key or value (unknown keys are refused)."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise BaigeError(
-                    f"--kv-transfer-config: not valid JSON ({e.msg} at character {e.pos})", param="kv_transfer_config"
-                ) from None
-        if not isinstance(value, dict):
-            raise BaigeError(
-                '--kv-transfer-config: a JSON object such as {"kv_connector": "auto", "kv_role": "kv_producer"}',
-                param="kv_transfer_config",
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise BaigeError(
-                f"--kv-transfer-config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})",
-                param="kv_transfer_config",
-            )
+        value = json_flag_object(
+            value,
+            "--kv-transfer-config",
+            '{"kv_connector": "auto", "kv_role": "kv_producer"}',
+            {f.name for f in fields(cls)},
+        )
         return cls(**value)
