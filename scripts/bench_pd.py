@@ -31,12 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from baige.runtime.bench.common import environment, summarize
+from baige.runtime.bench.common import environment, summarize, write_result
 from baige.runtime.bench.serve import RequestInput, send_completion
 from baige.runtime.bench.serve_run import free_port, server_env, stop_server, wait_healthy
 from baige.runtime.model.tokenizer import Tokenizer
@@ -228,9 +227,7 @@ def main() -> int:
         "runs": runs,
         "verdict": verdict,
     }
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = Path(args.output_dir) / f"pd-vs-colocated-{stamp}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = write_result(args.output_dir, "pd-vs-colocated", record)
     print(f"wrote {out}")
     return 0
 

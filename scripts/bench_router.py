@@ -14,19 +14,17 @@ hitting the whole shared prefix (its common token prefix, in whole blocks). Writ
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
-from baige.runtime.bench.common import environment
+from baige.runtime.bench.common import environment, write_result
 from baige.runtime.bench.serve_run import free_port, server_env, stop_server, wait_healthy
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.hub import resolve_model
@@ -161,9 +159,7 @@ def main() -> int:
         "ideal_hit_tokens": ideal,
         "results": results,
     }
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = Path(args.output_dir) / f"router-{stamp}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = write_result(args.output_dir, "router", record)
     print(f"wrote {out}")
     return 0
 
