@@ -135,7 +135,8 @@ class StandIn:
     /v1/* answer that status with an OpenAI error body), ``events`` (stream length), ``gate`` (a stream
     waits for it after its first event), ``break_after`` (a stream raises after that many events: the
     connection is cut, and /health answers 503 from then on), ``kv_transfer_params`` (a request with
-    ``do_remote_decode`` gets them back)."""
+    ``do_remote_decode`` gets them back), ``stall`` (a completion waits for it before answering: a hung
+    engine that keeps the connection open)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -144,6 +145,7 @@ class StandIn:
         self.status = 200
         self.events = 3
         self.gate: threading.Event | None = None
+        self.stall: threading.Event | None = None  # /v1/* requests wait for it before answering at all
         self.break_after: int | None = None
         self.kv_transfer_params: dict | None = None
         self.received: list[tuple[str, dict, dict]] = []  # (path, body, headers)
@@ -184,6 +186,8 @@ class StandIn:
         async def complete(request: Request):
             body = json.loads(await request.body())
             self.received.append((request.url.path, body, dict(request.headers)))
+            if self.stall is not None:
+                await anyio.to_thread.run_sync(self.stall.wait, TIMEOUT)
             if self.status != 200:
                 error = {"message": f"{self.name} says {self.status}", "type": "x", "param": None, "code": None}
                 return JSONResponse({"error": error}, status_code=self.status)

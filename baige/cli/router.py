@@ -76,6 +76,14 @@ def router(
     connect_timeout: Annotated[
         float, typer.Option(min=0.05, help="Seconds to connect to a backend before trying the next one.")
     ] = 5.0,
+    request_timeout_secs: Annotated[
+        float,
+        typer.Option(
+            min=0.05,
+            help="Seconds a request may take end to end (SGLang's flag): past it the client gets a 504 "
+            "request_timeout, or an error event if its stream had begun.",
+        ),
+    ] = 1800.0,
     max_request_bytes: Annotated[
         int, typer.Option(min=1024, help="Largest request body in bytes; larger bodies get 413.")
     ] = 16 * 2**20,
@@ -102,6 +110,7 @@ def router(
         health_interval=health_interval,
         health_timeout=health_timeout,
         connect_timeout=connect_timeout,
+        request_timeout_secs=request_timeout_secs,
         max_request_bytes=max_request_bytes,
         log_level=log_level.value,
     )

@@ -385,7 +385,8 @@ ROUTER_POLICIES = ("round_robin", "least_load", "prefix", "pd")
 class RouterConfig:
     """``baige router`` (and the router of ``baige serve --data-parallel-size``): the policy, the
     backends' base URLs (``backends`` for round_robin / least_load / prefix; ``prefill`` and ``decode``
-    for pd), and the health checks' period and deadline in seconds. Raises BaigeError naming a bad
+    for pd), the health checks' period and deadline, and each client request's deadline
+    (``request_timeout_secs``, SGLang's router flag), in seconds. Raises BaigeError naming a bad
     value."""
 
     policy: str = "round_robin"
@@ -399,6 +400,7 @@ class RouterConfig:
     health_interval: float = 5.0
     health_timeout: float = 5.0
     connect_timeout: float = 5.0
+    request_timeout_secs: float = 1800.0
     max_request_bytes: int = 16 * 2**20
     log_level: str = "info"
 
@@ -422,7 +424,7 @@ class RouterConfig:
                 raise BaigeError(f"--prefill/--decode are for --policy pd, not {self.policy}")
             if not self.backends:
                 raise BaigeError(f"--policy {self.policy} needs at least one --backend URL")
-        for name in ("health_interval", "health_timeout", "connect_timeout"):
+        for name in ("health_interval", "health_timeout", "connect_timeout", "request_timeout_secs"):
             if not getattr(self, name) > 0:
                 raise BaigeError(f"--{name.replace('_', '-')} must be > 0 seconds")
         if self.prefix_chars < 1:

@@ -303,3 +303,28 @@ def test_router_stream_with_httpx_async_client(pair):
         assert sorted(o[0][0] for o in outs) == ["a"] * 8 + ["b"] * 8
         assert all(o == [f"{o[0][0]}-{i}" for i in range(6)] for o in outs)
         assert all(x.in_flight == 0 for x in state.pool.backends)
+
+
+def test_request_timeout_secs_bounds_a_hung_backend(pair):
+    """A backend that keeps the connection open and never answers: the client gets a 504
+    request_timeout after --request-timeout-secs; a stream that stalls after its first event ends with a
+    request_timeout error event and [DONE]. The backend is not marked down; both are counted."""
+    (a, ua), _ = pair
+    a.stall = threading.Event()
+    with router_over("round_robin", backends=[ua], request_timeout_secs=1.0) as (url, state), client(url) as c:
+        backend = state.pool.backends[0]
+        wait_until(lambda: backend.healthy, "the first health check")
+        r = c.post("/v1/completions", json=BODY)
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["code"] == "request_timeout" and "--request-timeout-secs" in error["message"]
+        a.stall.set()
+        a.gate = threading.Event()  # now the stream stalls after its first event
+        events = sse_data(c.post("/v1/completions", json={**BODY, "stream": True}).text)
+        assert texts(events) == ["a-0"] and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "request_timeout"
+        a.gate.set()
+        assert backend.healthy
+        wait_until(lambda: backend.in_flight == 0, "the router to close both backend requests")
+        m = prom(c.get("/metrics").text)
+        assert m[f'baige:router_request_timeouts_total{{backend="{ua}",role="backend"}}'] == 2

@@ -1,5 +1,6 @@
 """The router's own Prometheus metrics (``baige:router_*``), in its own registry: requests by backend
-and status, retries, requests refused for want of a backend, streams broken mid-way, pd requests
+and status, retries, requests refused for want of a backend, streams broken mid-way, requests past
+their deadline, pd requests
 whose producer sent no ``kv_transfer_params``, and each backend's health and in-flight requests."""
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class RouterMetrics:
         self.stream_errors = Counter(
             "baige:router_stream_errors",
             "Streams whose backend failed after streaming began (the client got an error event).",
+            ["backend", "role"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "baige:router_request_timeouts",
+            "Requests that passed --request-timeout-secs at a backend (a 504 or an error event).",
             ["backend", "role"],
             registry=r,
         )

@@ -21,7 +21,7 @@ import logging
 
 from fastapi.responses import Response, StreamingResponse
 
-from baige.runtime.router.proxy import RouterState, error_response, forward
+from baige.runtime.router.proxy import RouterState, deadline_after, error_response, forward
 
 logger = logging.getLogger("baige.router")
 
@@ -46,12 +46,12 @@ def producer_request(body: dict) -> dict:
 
 
 async def _prefill(
-    state: RouterState, path: str, body: dict, headers: dict, key: bytes
+    state: RouterState, path: str, body: dict, headers: dict, key: bytes, deadline: float
 ) -> tuple[dict | None, Response | None]:
     """Run the prefill on a producer: ``(its kv_transfer_params or None, None)``, or ``(None, the
     response to give the client)`` when no producer answered 200 (its 4xx, or 503)."""
     content = json.dumps(producer_request(body)).encode()
-    resp = await forward(state, "prefill", "POST", path, content, headers, key)
+    resp = await forward(state, "prefill", "POST", path, content, headers, key, deadline)
     if isinstance(resp, StreamingResponse):  # asked for no stream, got one: drain it (frees the backend)
         async for _ in resp.body_iterator:
             pass
@@ -68,7 +68,8 @@ async def _prefill(
 
 async def forward_pd(state: RouterState, path: str, body: dict, headers: dict, key: bytes) -> Response:
     """The pd flow for one completion or chat request (``body`` parsed); the consumer's answer."""
-    params, refused = await _prefill(state, path, body, headers, key)
+    deadline = deadline_after(state)  # the two phases share the client's --request-timeout-secs
+    params, refused = await _prefill(state, path, body, headers, key, deadline)
     if refused is not None:
         return refused
     decode = dict(body)
@@ -81,4 +82,4 @@ async def forward_pd(state: RouterState, path: str, body: dict, headers: dict, k
         decode.pop("kv_transfer_params", None)
     else:
         decode["kv_transfer_params"] = params
-    return await forward(state, "decode", "POST", path, json.dumps(decode).encode(), headers, key)
+    return await forward(state, "decode", "POST", path, json.dumps(decode).encode(), headers, key, deadline)

@@ -11,6 +11,12 @@ its answer through.
   (OpenAI's error body, code ``backend_failed``) and ``data: [DONE]`` instead of a cut connection,
   and the backend is marked down.
 - When no backend is healthy, or every one failed, the answer is 503 in OpenAI's error shape.
+- Every client request has a deadline, ``--request-timeout-secs`` after it arrived (SGLang's router
+  flag; a pd request's two phases share one): a backend that has not answered by then (a hung engine
+  whose connection stays open) gets the client a 504 ``request_timeout``; a stream that has not ended by
+  then gets an error event (code ``request_timeout``) and ``[DONE]``. Either way the router closes the
+  backend's connection (the backend aborts the request) and does not mark it down: a slow request is
+  not a dead backend, and the health checks judge the rest.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ _ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     502: "server_error",
+    504: "server_error",
 }
 
 
@@ -57,6 +64,27 @@ def error_response(message: str, status: int, code: str | None = None) -> JSONRe
 
 def sse_event(obj: Any) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+class RequestTimedOut(Exception):
+    """The client's deadline passed before the backend answered (its connection is closed)."""
+
+
+def deadline_after(state: "RouterState") -> float:
+    """A request's deadline on anyio's clock: ``--request-timeout-secs`` from now."""
+    return anyio.current_time() + state.config.request_timeout_secs
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - anyio.current_time(), 0.0)
+
+
+def timed_out(state: "RouterState", backend: Backend, what: str) -> JSONResponse:
+    """The 504 ``request_timeout`` (OpenAI's error shape) of a request whose deadline passed at ``backend``."""
+    timeout = state.config.request_timeout_secs
+    logger.warning("%s at %s passed --request-timeout-secs (%g s)", what, backend.url, timeout)
+    message = f"the request passed --request-timeout-secs ({timeout:g} s) waiting for {backend.url}"
+    return error_response(message, 504, "request_timeout")
 
 
 class BackendFailed(Exception):
@@ -118,14 +146,32 @@ async def _close(resp: httpx.Response) -> None:
 
 
 async def relay(
-    state: RouterState, backend: Backend, resp: httpx.Response, events: AsyncIterator[bytes], first: bytes
+    state: RouterState,
+    backend: Backend,
+    resp: httpx.Response,
+    events: AsyncIterator[bytes],
+    first: bytes,
+    deadline: float,
 ) -> AsyncIterator[bytes]:
-    """Pass a started stream on; a backend failure becomes an error event and ``[DONE]``."""
+    """Pass a started stream on; a backend failure, or the deadline passing, becomes an error event and
+    ``[DONE]``."""
     try:
         if first:
             yield first
         try:
-            async for event in events:
+            while True:
+                event = None
+                with anyio.move_on_after(_left(deadline)):
+                    event = await anext(events, b"")
+                if event is None:  # the deadline passed while the backend was silent
+                    state.metrics.timeouts.labels(backend.url, backend.role).inc()
+                    timeout = state.config.request_timeout_secs
+                    message = f"the request passed --request-timeout-secs ({timeout:g} s) at {backend.url}"
+                    yield sse_event(error_body(message + "; the response is incomplete", 504, "request_timeout"))
+                    yield DONE
+                    return
+                if not event:
+                    break
                 yield event
         except httpx.TransportError as e:
             why = f"{type(e).__name__}: {e}"
@@ -142,57 +188,78 @@ async def relay(
 
 
 async def try_backend(
-    state: RouterState, backend: Backend, method: str, path: str, content: bytes, headers: dict[str, str]
+    state: RouterState,
+    backend: Backend,
+    method: str,
+    path: str,
+    content: bytes,
+    headers: dict[str, str],
+    deadline: float,
 ) -> Response:
     """One try at ``backend``: its answer as the client's response (a stream once its first event is
-    in). Raises BackendFailed when the client should be given another backend's answer instead."""
+    in). Raises BackendFailed when the client should be given another backend's answer instead, and
+    RequestTimedOut when ``deadline`` (anyio's clock) passes before the answer or first event."""
     request = state.client.build_request(method, backend.url + path, content=content or None, headers=headers)
     backend.in_flight += 1
     handed_off = False
+    resp = None
     try:
-        try:
-            resp = await state.client.send(request, stream=True)
-        except httpx.TransportError as e:
-            raise BackendFailed(f"{type(e).__name__}: {e}", transport=True) from None
-        if resp.status_code in RETRY_STATUSES:
-            await _close(resp)
-            raise BackendFailed(f"it answered {resp.status_code}", transport=False)
-        passed = {k: resp.headers[k] for k in PASSED_BACK_HEADERS if k in resp.headers}
-        if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+        with anyio.fail_after(_left(deadline)):
             try:
-                body = await resp.aread()
+                resp = await state.client.send(request, stream=True)
             except httpx.TransportError as e:
                 raise BackendFailed(f"{type(e).__name__}: {e}", transport=True) from None
-            finally:
-                await _close(resp)
-            state.metrics.requests.labels(backend.url, backend.role, str(resp.status_code)).inc()
-            return Response(body, status_code=resp.status_code, headers=passed)
-        events = sse_events(resp)
-        try:
-            first = await anext(events)
-        except (StopAsyncIteration, httpx.TransportError) as e:
-            await _close(resp)
-            raise BackendFailed(
-                f"its stream ended before the first event ({type(e).__name__})", transport=True
-            ) from None
+            if resp.status_code in RETRY_STATUSES:
+                raise BackendFailed(f"it answered {resp.status_code}", transport=False)
+            passed = {k: resp.headers[k] for k in PASSED_BACK_HEADERS if k in resp.headers}
+            if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                try:
+                    body = await resp.aread()
+                except httpx.TransportError as e:
+                    raise BackendFailed(f"{type(e).__name__}: {e}", transport=True) from None
+                state.metrics.requests.labels(backend.url, backend.role, str(resp.status_code)).inc()
+                return Response(body, status_code=resp.status_code, headers=passed)
+            events = sse_events(resp)
+            try:
+                first = await anext(events)
+            except (StopAsyncIteration, httpx.TransportError) as e:
+                raise BackendFailed(
+                    f"its stream ended before the first event ({type(e).__name__})", transport=True
+                ) from None
         handed_off = True
         return StreamingResponse(
-            relay(state, backend, resp, events, first), status_code=resp.status_code, headers=passed
+            relay(state, backend, resp, events, first, deadline), status_code=resp.status_code, headers=passed
         )
+    except TimeoutError:
+        state.metrics.timeouts.labels(backend.url, backend.role).inc()
+        raise RequestTimedOut() from None
     finally:
         if not handed_off:
             backend.in_flight -= 1
+            if resp is not None:
+                await _close(resp)
 
 
 async def forward(
-    state: RouterState, role: str, method: str, path: str, content: bytes, headers: dict[str, str], key: bytes
+    state: RouterState,
+    role: str,
+    method: str,
+    path: str,
+    content: bytes,
+    headers: dict[str, str],
+    key: bytes,
+    deadline: float | None = None,
 ) -> Response:
     """Send a request to the backends of ``role`` in policy order until one takes it; 503 (OpenAI's
-    error shape) when none is healthy or every one failed before answering."""
+    error shape) when none is healthy or every one failed before answering, 504 when ``deadline``
+    (anyio's clock; None: :func:`deadline_after` now) passes first."""
+    deadline = deadline_after(state) if deadline is None else deadline
     last = None
     for backend in state.order(role, key):
         try:
-            return await try_backend(state, backend, method, path, content, headers)
+            return await try_backend(state, backend, method, path, content, headers, deadline)
+        except RequestTimedOut:
+            return timed_out(state, backend, f"{method} {path}")
         except BackendFailed as e:
             logger.warning("%s %s at %s failed, trying the next backend: %s", method, path, backend.url, e.why)
             state.metrics.retries.labels(backend.url, backend.role).inc()

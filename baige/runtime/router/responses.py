@@ -23,7 +23,16 @@ import httpx
 from fastapi.responses import Response
 
 from baige.runtime.router.backends import Backend
-from baige.runtime.router.proxy import BackendFailed, RouterState, error_response, forward, try_backend
+from baige.runtime.router.proxy import (
+    BackendFailed,
+    RequestTimedOut,
+    RouterState,
+    deadline_after,
+    error_response,
+    forward,
+    timed_out,
+    try_backend,
+)
 
 logger = logging.getLogger("baige.router")
 
@@ -34,7 +43,8 @@ async def holder(state: RouterState, role: str, response_id: str, headers: dict[
     path = f"/v1/responses/{quote(response_id, safe='')}"
     for backend in state.pool.healthy(role):
         try:
-            resp = await state.client.get(backend.url + path, headers=headers)
+            timeout = httpx.Timeout(state.config.request_timeout_secs, connect=state.config.connect_timeout)
+            resp = await state.client.get(backend.url + path, headers=headers, timeout=timeout)
         except httpx.TransportError as e:
             state.pool.mark_down(backend, f"{type(e).__name__}: {e}")
             continue
@@ -49,11 +59,13 @@ async def forward_stored(
     """``method`` (GET or DELETE) of a stored response: the first backend's answer that is not 404 (or
     a retryable failure); 404 in OpenAI's shape when no healthy backend has it."""
     path = f"/v1/responses/{quote(response_id, safe='')}"
-    tried = 0
+    tried, deadline = 0, deadline_after(state)
     for backend in state.pool.healthy(role):
         tried += 1
         try:
-            resp = await try_backend(state, backend, method, path, b"", headers)
+            resp = await try_backend(state, backend, method, path, b"", headers, deadline)
+        except RequestTimedOut:
+            return timed_out(state, backend, f"{method} {path}")
         except BackendFailed as e:
             if e.transport:
                 state.pool.mark_down(backend, e.why)
@@ -72,13 +84,16 @@ async def forward_response(
     (should that backend fail before answering, by policy: the one it goes to answers that it lacks
     the previous response), else by policy."""
     previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    deadline = deadline_after(state)
     if isinstance(previous, str) and previous:
         owner = await holder(state, role, previous, headers)
         if owner is not None:
             try:
-                return await try_backend(state, owner, "POST", "/v1/responses", content, headers)
+                return await try_backend(state, owner, "POST", "/v1/responses", content, headers, deadline)
+            except RequestTimedOut:
+                return timed_out(state, owner, "POST /v1/responses")
             except BackendFailed as e:
                 logger.warning("POST /v1/responses at %s (holding %s) failed: %s", owner.url, previous, e.why)
                 if e.transport:
                     state.pool.mark_down(owner, e.why)
-    return await forward(state, role, "POST", "/v1/responses", content, headers, key)
+    return await forward(state, role, "POST", "/v1/responses", content, headers, key, deadline)
