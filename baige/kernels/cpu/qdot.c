@@ -226,7 +226,7 @@ static inline __m256i dp(__m256i t, __m256i u, __m256i s, int bits) {
         const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
         u = _mm256_sign_epi8(w, w);
         s = _mm256_sign_epi8(s, w);
-    }  /* int4: |u| <= 15, |s| <= 127: each int16 pair sum stays below 32767 */
+    }  /* int4 (|u| <= 15, |s| <= 127: each int16 pair sum below 32767); tile() itself adds int4's in int16 */
     return _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
