@@ -73,6 +73,32 @@ def _limits(r: dict) -> dict:
     return r.get("limits") or (r.get("roofline") or {}).get("limits") or {}
 
 
+# baige/kernels/cpu/isa.py's VARIANTS (the flags each native variant needs), highest first as isa.best ranks
+# them: a record whose variant is below the highest its CPU's flags allow ran with BAIGE_CPU_ISA forcing it
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl")
+VARIANT_FLAGS = (
+    ("avx512_amx", (*_AVX512, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")),
+    ("avx512_bf16", (*_AVX512, "avx512_vnni", "avx512_bf16")),
+    ("avx512_vnni", (*_AVX512, "avx512_vnni")),
+    ("avx512", _AVX512),
+    ("avx2_vnni", (*_AVX2, "avx_vnni")),
+    ("avx2", _AVX2),
+)
+
+
+def best_isa(flags) -> str | None:
+    """The native variant a CPU with ``flags`` loads by default (isa.best), None without AVX2."""
+    return next((name for name, need in VARIANT_FLAGS if set(need) <= set(flags)), None)
+
+
+def _forced_isa(r: dict) -> str | None:
+    """The record's native variant when it is below its CPU's default (forced by BAIGE_CPU_ISA), else None."""
+    e = _env(r)
+    isa, best = e.get("cpu_isa"), best_isa(e.get("cpu_flags") or ())
+    return isa if isa and best and isa != best else None
+
+
 def _machine_key(r: dict) -> tuple:
     e = _env(r)
     return (e.get("device") or "?", e.get("cpu_model") or "?", e.get("cpu_count"), tuple(e.get("cpu_flags") or ()))
@@ -118,7 +144,7 @@ def _machine_table(records: list[dict], labels: dict[tuple, str]) -> list[str]:
         )
         peak = DASH if not peaks else f"{peaks[-1][0]:.1f} GFLOP/s ({peaks[-1][1]})"
         device, cpu, cores, flags = key
-        isa = _env(rs[0]).get("cpu_isa") or "off"
+        isa = _env(next((r for r in rs if not _forced_isa(r)), rs[0])).get("cpu_isa") or "off"
         what = cpu if device == "cpu" else f"{device} ({cpu})"
         lines.append(
             f"| {label} | {what} | {cores or DASH} | {' '.join(flags) or DASH} | {isa} | {bw} | {peak} | {len(rs)} |"
@@ -140,6 +166,11 @@ def _provenance(rs: list[dict], prefix: str) -> list[str]:
     return out
 
 
+def _forced_note(r: dict) -> str:
+    forced = _forced_isa(r)
+    return f" (`{forced}` forced)" if forced else ""
+
+
 def _latency(rs, labels, prefix) -> list[str]:
     lines = [
         "| date (UTC) | model | machine | dtype | batch | in / out | TTFT (ms) | TPOT (ms) | decode tokens/s | "
@@ -150,8 +181,9 @@ def _latency(rs, labels, prefix) -> list[str]:
         s, a = r.get("summary") or {}, r.get("args") or {}
         dec = s.get("decode_roofline") or {}
         lines.append(
-            f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]} | {_limits(r).get('dtype', DASH)} | "
-            f"{a.get('batch_size', DASH)} | {a.get('input_len', DASH)} / {a.get('output_len', DASH)} | "
+            f"| {_date(r)} | {_model(r)} | {labels[_machine_key(r)]}{_forced_note(r)} | "
+            f"{_limits(r).get('dtype', DASH)} | {a.get('batch_size', DASH)} | "
+            f"{a.get('input_len', DASH)} / {a.get('output_len', DASH)} | "
             f"{_f((s.get('ttft_s') or 0) * 1e3)} | {_f((s.get('tpot_s') or 0) * 1e3)} | "
             f"{_f(s.get('decode_tokens_per_s'))} | {_f(dec.get('pct_of_limit'))} | {_link(r, prefix)} |"
         )
@@ -407,7 +439,8 @@ def performance_page(records: list[dict]) -> str:
 
 def headline(records: list[dict]) -> str:
     """The README's block of current numbers: the newest compare against HF transformers and the newest
-    latency and throughput runs, each with its machine and a link to its record."""
+    latency (on its CPU's default native variant, not a forced lower one) and throughput runs, each with its
+    machine and a link to its record."""
     prefix = str(RECORDS) + "/"
     lines = []
     cmp = next((r for r in records if _kind(r) == "compare" and (r.get("summary") or {}).get("ratios")), None)
@@ -423,7 +456,7 @@ def headline(records: list[dict]) -> str:
             f"batching), on {_model(cmp)} in {_limits(cmp).get('dtype', DASH)}; {_ratio(ratios[best])} at batch 1 "
             f"with `{row}` ({_where(cmp)}; {_link(cmp, prefix)})."
         )
-    lat = next((r for r in records if _kind(r) == "latency" and r.get("summary")), None)
+    lat = next((r for r in records if _kind(r) == "latency" and r.get("summary") and not _forced_isa(r)), None)
     if lat:
         s = lat["summary"]
         lines.append(

@@ -362,6 +362,31 @@ def test_bench_report_reads_the_numbers_of_hand_made_records(tmp_path):
     assert "| 4096 | 2 (ring) | 512.0 | 1.00 / 1.50 | 0.250 / 0.125 | 10.5000 |" in page
 
 
+def test_bench_report_marks_a_forced_native_variant(tmp_path):
+    """A latency record run with BAIGE_CPU_ISA forcing a variant below its CPU's default is marked so in the
+    latency table, and neither the README's headline nor the machine's "native kernels" cell takes it; the
+    script's copy of the variant flags ranks variants as baige.kernels.cpu.isa.best does."""
+    from baige.kernels.cpu import isa
+
+    report = _bench_report()
+    for name, (need, _) in isa.VARIANTS.items():
+        assert set(dict(report.VARIANT_FLAGS)[name]) == set(need), name
+        assert report.best_isa(need) == isa.best(frozenset(need)) == name
+    assert report.best_isa(["avx", "sse4_2"]) is None
+    flags = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"]
+    for i, (variant, tps) in enumerate([("avx512", 40.0), ("avx2", 30.0)]):
+        env = {"device": "cpu", "cpu_model": "Test CPU", "cpu_count": 2, "cpu_flags": flags, "cpu_isa": variant}
+        env["date"] = f"2026-12-07T1{i}:00:00+0000"  # the forced avx2 run is the newer one
+        summary = {"ttft_s": 0.1, "tpot_s": 0.02, "decode_tokens_per_s": tps, "decode_roofline": {"pct_of_limit": 50}}
+        record = {"benchmark": "latency", "args": {"batch_size": 1}, "summary": summary, "environment": env}
+        (tmp_path / f"latency-{i}.json").write_text(json.dumps(record))
+    records = report.load_records(tmp_path)
+    page = report.performance_page(records)
+    assert "| M1 (`avx2` forced) | — | 1 |" in page and "| M1 | — | 1 |" in page
+    assert "| avx512 | — | — | 2 |" in page  # the machine's default variant
+    assert "**40.0 tokens/s batch-1 decode" in report.headline(records)
+
+
 REPO_PATH = re.compile(r"`((?:baige|scripts|tests|docs)/[\w./*<>-]*)")  # globs and <placeholders> skipped
 
 

@@ -51,3 +51,25 @@ def test_a_library_with_an_undefined_function_is_refused(sources):
     with pytest.raises(RuntimeError, match="baige_missing"):
         build.compile_variant("avx2")
     assert not list((sources.parent / "cache").glob("*.so"))  # nothing cached
+
+
+def _qdot_asm(variant: str) -> str:
+    """qdot.c compiled to assembly with ``variant``'s flags (as build.py compiles it)."""
+    from baige.kernels.cpu import isa
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    flags = [*build.CFLAGS, *isa.VARIANTS[variant][1]]
+    flags = [f for f in flags if f != "-shared"]
+    r = subprocess.run([cc, *flags, "-S", "-o", "-", str(build._HERE / "qdot.c")], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"{cc} cannot compile the {variant} variant here: {r.stderr.strip()[:200]}")
+    return r.stdout
+
+
+def test_the_vnni_variants_dot_with_vpdpbusd_and_avx2_with_maddubs():
+    """The integer-dot kernels' instructions per variant (compiled here whatever this CPU runs): avx2_vnni (Alder
+    Lake, Zen 5) uses AVX-VNNI's VEX vpdpbusd on 256-bit registers, plain avx2 maddubs + madd and no vpdpbusd,
+    and neither touches a 512-bit register."""
+    vnni, avx2 = _qdot_asm("avx2_vnni"), _qdot_asm("avx2")
+    assert "{vex} vpdpbusd" in vnni and "%zmm" not in vnni
+    assert "vpdpbusd" not in avx2 and "vpmaddubsw" in avx2 and "vpmaddwd" in avx2 and "%zmm" not in avx2

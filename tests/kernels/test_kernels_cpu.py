@@ -185,6 +185,32 @@ def test_int_dot_known_values():
     assert abs(float(cpu.quantized_linear(x, w8, torch.tensor([1.0, 1.0]), None, None, passes=1)[0, 0]) - 528) > 1e-2
 
 
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_int_dot_int4_extreme_products_exact(use_isa, variant, rows, passes):
+    """int4 g32 at the integer extremes, 19 rows x 200 columns (a partial tile, a partial block): x = +-127
+    (d = 1 exactly, q = x, the residual pass all zero), weights -8 and 7 (stored nibbles 0 and 15) with row 0
+    all 7 and row 1 all -8, so a lane's 8 pair sums of a block reach 2 * 15 * 127 * 8 = 30480 (the AVX2
+    kernel adds them in int16 before widening). Scales 0.25: every partial sum is a multiple of 0.25 below
+    2^24, exact in fp32 in any order, so the result equals the int64 product bit for bit."""
+    use_isa(variant)
+    out_f, in_f = 19, 200
+    g = torch.Generator().manual_seed(4)
+    q = torch.where(torch.rand(out_f, in_f, generator=g) < 0.5, -8, 7).to(torch.int8)
+    q[0], q[1] = 7, -8
+    x = torch.full((rows, in_f), 127.0)
+    if rows > 1:
+        x[1] = -127.0
+        x[2, 1::2] = -127.0
+        x[2, 5:40:3] = 127.0 * -torch.sign(x[2, 5:40:3])
+    scale = torch.full((out_f, in_f // 32 + 1), 0.25)  # 7 groups: the last one 8 columns
+    out = cpu.quantized_linear(x, pack_int4(q), scale, None, 32, passes=passes)
+    want = (x.to(torch.int64) @ q.to(torch.int64).T).double() * 0.25
+    assert torch.equal(out.double(), want), (out.double() - want).abs().max()
+    assert float(out[0, 0]) == 127 * 7 * in_f * 0.25
+
+
 def test_repack_layouts_hand_indexed():
     """qdot.c's tiles, element by element from the documented formulas: int8 byte [t][b][j][r][i] =
     w[16t + r][32b + 4j + i] + 128 (128 padding); int4 word [t][4b + j][r] = word 4b + j of row 16t + r

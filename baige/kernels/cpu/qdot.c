@@ -226,7 +226,7 @@ static inline __m256i dp(__m256i t, __m256i u, __m256i s, int bits) {
         const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
         u = _mm256_sign_epi8(w, w);
         s = _mm256_sign_epi8(s, w);
-    }  /* int4: |u| <= 15, |s| <= 127: each int16 pair sum stays below 32767 */
+    }  /* int4 (|u| <= 15, |s| <= 127: each int16 pair sum below 32767); tile() itself adds int4's in int16 */
     return _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
@@ -262,15 +262,34 @@ static inline __attribute__((always_inline)) void tile(
                 for (int h = 0; h < 2; h++)
                     acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m][h]), _mm256_set1_ps(d[m * nb + b]), acc[m][h]);
         } else {
+#ifndef QDOT_VNNI
+            /* the block's 8 maddubs pair sums per lane added in int16, then one madd to int32: each pair is at
+             * most 2 * 15 * 127 = 3810 in magnitude (u <= 15, |q| <= 127), so the 8 sum to at most 30480 <
+             * 32767, exact (the int32 result is that of a madd per maddubs): per weight vector and activation
+             * row 2 maddubs + 2 adds instead of 2 x (maddubs + madd + add) */
+            __m256i s16[MR][2];
+            for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+#endif
             for (int j = 0; j < 4; j++)
                 for (int h = 0; h < 2; h++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * h));
                     const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
                     for (int m = 0; m < mr; m++) {
+#ifdef QDOT_VNNI
                         t[m][h] = dp(t[m][h], lo, _mm256_set1_epi32(ld32(xb + m * ldq + 8 * j)), 4);
                         t[m][h] = dp(t[m][h], hi, _mm256_set1_epi32(ld32(xb + m * ldq + 8 * j + 4)), 4);
+#else
+                        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ld32(xb + m * ldq + 8 * j)));
+                        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ld32(xb + m * ldq + 8 * j + 4)));
+                        s16[m][h] = _mm256_add_epi16(s16[m][h], _mm256_add_epi16(pl, ph));
+#endif
                     }
                 }
+#ifndef QDOT_VNNI
+            for (int m = 0; m < mr; m++)
+                for (int h = 0; h < 2; h++)
+                    t[m][h] = _mm256_add_epi32(t[m][h], _mm256_madd_epi16(s16[m][h], _mm256_set1_epi16(1)));
+#endif
             for (int h = 0; h < 2; h++) {
                 const __m256 sv = scales8(sr, sbf, g * RT + 8 * h);
                 for (int m = 0; m < mr; m++)
