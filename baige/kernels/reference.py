@@ -294,11 +294,14 @@ class _FusedLinearCrossEntropy(FusedLinearCrossEntropyGrads):
         chunk = max(1, (1 << 24) // vocab)  # ~16M logits (64 MB in fp32) at a time
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
-        # fp32 (fp64 for fp64 weights) accumulator, cast to the weight's dtype in backward
+        # fp32 (fp64 for fp64 weights) accumulator, cast to the weight's dtype in backward (a no-op for
+        # fp32 master weights with bf16 hidden: no bf16 round trip of the (vocab, hidden) gradient)
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
         grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device) if want_w else None
         if want_w and n_tokens == 0:
             grad_w.zero_()
+        ctx.weight_dtype = weight.dtype
+        weight = weight.to(hidden.dtype)  # mixed precision: the matmuls in hidden's dtype (one cast)
         blocked = hidden.dtype == weight.dtype and hidden.dtype in (torch.float32, torch.float64)
         chunk_fn = _ce_chunk_blocked if blocked else _ce_chunk_generic
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -317,7 +320,6 @@ class _FusedLinearCrossEntropy(FusedLinearCrossEntropyGrads):
                 s == 0,
             )
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
         return total / normalizer
 
 
