@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from baige.kernels import invariant, moe_cpu, native, reference, train_attention
+from baige.kernels import ce_cpu, invariant, moe_cpu, native, reference, train_attention
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
     DENSE_NATIVE_MAX_ROWS,
     FEW_ROWS,
@@ -306,9 +306,9 @@ def fused_linear_cross_entropy(
         () fp32 loss: ``sum(-log softmax(logits)[target]) / normalizer`` in nats per token.
     """
     impl = _impl(hidden, "cross_entropy")
-    if impl is not reference and weight.dtype != hidden.dtype:
-        weight = weight.to(hidden.dtype)
-    return impl.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
+    if impl is reference:  # on the CPU with a native bf16 row pass (ce_cpu.py), else the reference
+        return ce_cpu.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
+    return impl.fused_linear_cross_entropy(hidden, weight.to(hidden.dtype), targets, ignore_index, normalizer)
 
 
 def flash_attention_varlen(
