@@ -8,14 +8,16 @@ The same set-up as the benchmark (its ``baige_runner`` / ``hf_runner``): each ru
 step by step, then one more step of each is profiled. Categories are matched on the profiler's op names
 (aten ops, oneDNN / mkldnn calls, Inductor's compiled kernels, autograd nodes):
 
-- ``matmul``: aten::mm / addmm / bmm / linear's kernels (forward and backward, oneDNN);
-- ``attention``: scaled_dot_product_attention and its flash-attention backward;
-- ``fused kernels (compiled)``: Inductor's generated C++ kernels (norms, RoPE, SiLU, casts inside the blocks);
-- ``optimizer``: the fused AdamW and the gradient-norm clip;
+- ``matmul``: aten::mm / addmm / linear's kernels (forward and backward, oneDNN);
+- ``attention``: scaled_dot_product_attention and its flash-attention backward, and aten::bmm (in these
+  models only attention multiplies batched matrices: baige's short-sequence training attention);
+- ``fused kernels (compiled)``: the calls of Inductor's compiled graphs (baige's blocks: norms, RoPE, SiLU,
+  softmax, and the weights' bf16 casts inside them);
+- ``cross-entropy (besides its matmuls)``: baige's fused linear cross-entropy's own time (its native row
+  pass included), HF's log_softmax / nll_loss and their backward;
+- ``optimizer and clipping``: the fused AdamW and the gradient-norm clip;
 - ``casts / copies``: aten::to / copy_ / _to_copy outside compiled code;
-- ``elementwise / reductions``: the other aten ops;
-- ``cross-entropy``: what runs inside baige's fused linear cross-entropy (its matmuls included; HF's logits
-  matmul is under ``matmul`` and its cross-entropy under ``elementwise``).
+- ``elementwise / reductions / other``: everything else (autograd bookkeeping included).
 
     python scripts/profile_train_step.py --threads 1 --seq-len 128 --batch-size 2 --output prof.json
 """
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shlex
 import sys
 import tempfile
 import time
@@ -37,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_train_vs_hf as bench  # noqa: E402  (scripts/: the benchmark's runners)
 
 CATEGORIES = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn", "onednn")),
-    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
-    ("optimizer", ("adam", "clip_grad", "foreach", "_fused")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "aten::bmm")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkldnn", "onednn")),
+    ("cross-entropy (besides its matmuls)", ("crossentropy", "log_softmax", "nll_loss", "logsumexp")),
+    ("optimizer and clipping", ("adam", "clip_grad", "foreach", "_fused", "vector_norm")),
     ("casts / copies", ("aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::contiguous")),
 )
 
@@ -47,7 +52,7 @@ CATEGORIES = (
 def category(name: str) -> str:
     """The category of one profiler event name (see the module docstring)."""
     low = name.lower()
-    if "cpp_fused" in low or "graph_" in low or "inductor" in low or "compiledfunction" in low:
+    if "cpp_fused" in low or "compiledfxgraph" in low or "inductor" in low:
         return "fused kernels (compiled)"
     for cat, keys in CATEGORIES:
         if any(k in low for k in keys):
@@ -99,18 +104,33 @@ def main() -> None:
             for step in runners.values():
                 step()
         cpu: dict[str, list[float]] = {n: [] for n in runners}
+        usage: dict[str, list[tuple]] = {n: [] for n in runners}
         for _ in range(args.steps):
             for name, step in runners.items():
-                t0 = time.process_time()
+                t0, r0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
                 step()
                 cpu[name].append(time.process_time() - t0)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                usage[name].append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))
         result = {}
         for name, step in runners.items():
             cats, ops = profile_step(step)
-            result[name] = {"process_time_s": cpu[name], "categories_s": cats, "top_ops": ops}
+            result[name] = {
+                "process_time_s": cpu[name],
+                "user_s": [u[0] for u in usage[name]],
+                "system_s": [u[1] for u in usage[name]],  # the kernel's time: page faults, mostly
+                "minor_page_faults": [u[2] for u in usage[name]],
+                "categories_s": cats,
+                "top_ops": ops,
+            }
     tokens = args.seq_len * args.batch_size
+    from baige.runtime.bench.common import environment
+
+    env = environment()  # versions, CPU flags, threads, load, commit; the command is this script's
+    env["command"] = shlex.join(["python", "scripts/profile_train_step.py", *sys.argv[1:]])
     out = {
         "benchmark": "train_step_profile",
+        "environment": env,
         "args": vars(args),
         "tokens_per_step": tokens,
         "flops_per_token": trainer.flops_per_token,
@@ -121,6 +141,7 @@ def main() -> None:
     for name, r in result.items():
         best = min(r["process_time_s"])
         print(f"\n== {name}: CPU s/step {[round(s, 3) for s in r['process_time_s']]} -> {tokens / best:.1f} tok/CPU-s")
+        print(f"   system s/step {[round(s, 3) for s in r['system_s']]}, minor page faults {r['minor_page_faults']}")
         for cat, s in sorted(r["categories_s"].items(), key=lambda kv: -kv[1]):
             print(f"   {cat:36s} {s:7.3f} s")
         for o in r["top_ops"][:15]:
