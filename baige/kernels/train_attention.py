@@ -9,8 +9,8 @@ products accumulated in fp32, as the flash kernel accumulates), the causal mask,
 Inductor fuses the mask and softmax with their neighbours. The grouped-query heads share their K/V head by
 a reshape of the queries (no repeat of K/V).
 
-:func:`use_materialized` decides when (the speed crossover is a measurement: docs/performance.md,
-"Where a training step's time goes"); :func:`baige.kernels.attention` dispatches.
+:func:`use_materialized` decides when (the speed crossover is a measurement: docs/commands/train.md,
+"Where a bf16 training step's time goes"); :func:`baige.kernels.attention` dispatches.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ thresholds (``mallopt``, glibc's documented tuning; the same as the ``MALLOC_MMA
 ``MALLOC_TRIM_THRESHOLD_`` environment variables) keeps allocations up to :data:`MMAP_THRESHOLD` on the
 heap and freed heap memory in the process, as a caching allocator would: the process's resident memory
 stays at its peak instead of shrinking between steps. The fault counts and the step time it saves are
-measured in docs/performance.md ("Where a training step's time goes").
+measured in docs/commands/train.md ("Where a bf16 training step's time goes").
 
 Elsewhere (musl, macOS: no ``mallopt``) nothing changes.
 """
