@@ -308,18 +308,18 @@ def _median(xs: list) -> float | None:
 def _train_step_profile(rs, labels, prefix) -> list[str]:
     heads = " | ".join(f"{h} (s)" for _, h in PROFILE_CATEGORIES)
     lines = [
-        f"| date (UTC) | machine | threads | load | run | CPU s/step | system s/step | page faults/step | {heads} "
-        "| record |",
-        "|---" * (9 + len(PROFILE_CATEGORIES)) + "|",
+        f"| date (UTC) | commit | machine | threads | load | run | CPU s/step | system s/step | page faults/step | "
+        f"{heads} | record |",
+        "|---" * (10 + len(PROFILE_CATEGORIES)) + "|",
     ]
     for r in rs:
         for name, run in (r.get("runs") or {}).items():
             cats = run.get("categories_s") or {}
+            cpu, system = _median(run.get("process_time_s")), _median(run.get("system_s"))
             faults = _median(run.get("minor_page_faults"))
             lines.append(
-                f"| {_date(r)} | {labels[_machine_key(r)]} | {_env(r).get('torch_num_threads', DASH)} | {_load(r)} | "
-                f"{name} | {_f(_median(run.get('process_time_s')), 3)} | {_f(_median(run.get('system_s')), 3)} | "
-                f"{_f(faults, 0)} | "
+                f"| {_date(r)} | {_commit(r)} | {labels[_machine_key(r)]} | {_env(r).get('torch_num_threads', DASH)} | "
+                f"{_load(r)} | {name} | {_f(cpu, 3)} | {_f(system, 3)} | {_f(faults, 0)} | "
                 + " | ".join(_f(cats.get(c), 3) for c, _ in PROFILE_CATEGORIES)
                 + f" | {_link(r, prefix)} |"
             )
@@ -393,8 +393,7 @@ SECTIONS = [  # (benchmark, heading, table builder)
     ("train_vs_hf", "Training against a plain HF loop: `scripts/bench_train_vs_hf.py`", _train_vs_hf),
     (
         "train_step_profile",
-        "Where a training step's CPU time goes: `scripts/profile_train_step.py` (one profiled step, self CPU "
-        "seconds by category; CPU and system seconds: medians of the timed steps)",
+        "Where a training step's CPU time goes: `scripts/profile_train_step.py`",
         _train_step_profile,
     ),
     ("startup", "Start-up: `baige bench startup` (medians from process start)", _startup),

@@ -19,19 +19,17 @@ import torch
 
 from baige.kernels.settings import settings
 
-# Longest sequence that takes the materialised path, eager and inside torch.compile (the compiled graph
-# fuses the mask and softmax, so it pays to a longer length); the choice is measured, see the module docstring.
-MAX_LEN_EAGER = 128
-MAX_LEN_COMPILED = 256
+# Longest sequence that takes the materialised path (eager or inside torch.compile): the crossover with the
+# flash kernel is measured, see the module docstring.
+MAX_LEN = 128
 
 
 def use_materialized(q: torch.Tensor, k: torch.Tensor, q_offset: int) -> bool:
     """Whether :func:`baige.kernels.attention` takes :func:`causal_attention`: ``BAIGE_KERNELS`` unset or
     ``auto`` (``reference`` keeps PyTorch's attention), CPU tensors in bf16 or fp16 that need a gradient
-    (training), plain causal self-attention (``q_offset`` 0, as many keys as queries) at most
-    :data:`MAX_LEN_EAGER` tokens long (:data:`MAX_LEN_COMPILED` inside ``torch.compile``)."""
+    (training), plain causal self-attention (``q_offset`` 0, as many keys as queries) at most :data:`MAX_LEN`
+    tokens long."""
     T = q.shape[1]
-    limit = MAX_LEN_COMPILED if torch.compiler.is_compiling() else MAX_LEN_EAGER
     return (
         settings().mode == "auto"
         and q.device.type == "cpu"
@@ -40,7 +38,7 @@ def use_materialized(q: torch.Tensor, k: torch.Tensor, q_offset: int) -> bool:
         and torch.is_grad_enabled()
         and q_offset == 0
         and k.shape[1] == T
-        and T <= limit
+        and T <= MAX_LEN
     )
 
 

@@ -54,7 +54,7 @@ def test_kernels_attention_dispatch(monkeypatch):
     assert not train_attention.use_materialized(q, k, 1)  # an offset query block: the general path
     with torch.no_grad():  # inference: PyTorch's attention
         assert not train_attention.use_materialized(q, k, 0)
-    long_q = torch.zeros(1, train_attention.MAX_LEN_EAGER + 1, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    long_q = torch.zeros(1, train_attention.MAX_LEN + 1, 4, 16, dtype=torch.bfloat16, requires_grad=True)
     assert not train_attention.use_materialized(long_q, long_q, 0)
     fp32 = q.detach().float().requires_grad_()
     assert not train_attention.use_materialized(fp32, fp32, 0)  # fp32 keeps the flash kernel
