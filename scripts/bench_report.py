@@ -321,6 +321,43 @@ def _train_vs_hf(rs, labels, prefix) -> list[str]:
     return lines
 
 
+PROFILE_CATEGORIES = (  # scripts/profile_train_step.py's categories, in the table's order
+    ("matmul", "matmul"),
+    ("attention", "attention"),
+    ("fused kernels (compiled)", "compiled blocks"),
+    ("cross-entropy (besides its matmuls)", "cross-entropy"),
+    ("optimizer and clipping", "optimizer"),
+    ("casts / copies", "casts"),
+    ("elementwise / reductions / other", "other"),
+)
+
+
+def _median(xs: list) -> float | None:
+    xs = sorted(xs or [])
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def _train_step_profile(rs, labels, prefix) -> list[str]:
+    heads = " | ".join(f"{h} (s)" for _, h in PROFILE_CATEGORIES)
+    lines = [
+        f"| date (UTC) | commit | machine | threads | load | run | CPU s/step | system s/step | page faults/step | "
+        f"{heads} | record |",
+        "|---" * (10 + len(PROFILE_CATEGORIES)) + "|",
+    ]
+    for r in rs:
+        for name, run in (r.get("runs") or {}).items():
+            cats = run.get("categories_s") or {}
+            cpu, system = _median(run.get("process_time_s")), _median(run.get("system_s"))
+            faults = _median(run.get("minor_page_faults"))
+            lines.append(
+                f"| {_date(r)} | {_commit(r)} | {labels[_machine_key(r)]} | {_env(r).get('torch_num_threads', DASH)} | "
+                f"{_load(r)} | {name} | {_f(cpu, 3)} | {_f(system, 3)} | {_f(faults, 0)} | "
+                + " | ".join(_f(cats.get(c), 3) for c, _ in PROFILE_CATEGORIES)
+                + f" | {_link(r, prefix)} |"
+            )
+    return lines
+
+
 def _startup(rs, labels, prefix) -> list[str]:
     lines = [
         "| date (UTC) | model | machine | caches | `baige --help` (s) | serve ready (s) | generate first token (s) | "
@@ -386,6 +423,11 @@ SECTIONS = [  # (benchmark, heading, table builder)
         _train_cp,
     ),
     ("train_vs_hf", "Training against a plain HF loop: `scripts/bench_train_vs_hf.py`", _train_vs_hf),
+    (
+        "train_step_profile",
+        "Where a training step's CPU time goes: `scripts/profile_train_step.py`",
+        _train_step_profile,
+    ),
     ("startup", "Start-up: `baige bench startup` (medians from process start)", _startup),
     ("router", "Routing: `scripts/bench_router.py` (prefix-cache hit tokens over the backends)", _router),
 ]

@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from baige.kernels import invariant, moe_cpu, native, reference
+from baige.kernels import ce_cpu, invariant, moe_cpu, native, reference, train_attention
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
     DENSE_NATIVE_MAX_ROWS,
     FEW_ROWS,
@@ -166,6 +166,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q
     Returns:
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
+    if not invariant.enabled() and train_attention.use_materialized(q, k, q_offset):  # short bf16 training
+        return train_attention.causal_attention(q, k, v, scale)
     return (invariant if invariant.enabled() else _impl(q, "flash_attention")).attention(q, k, v, scale, q_offset)
 
 
@@ -292,7 +294,8 @@ def fused_linear_cross_entropy(
 
     Args:
         hidden: (..., hidden) final hidden states, any float dtype.
-        weight: (vocab, hidden) output projection (``lm_head.weight``), the dtype of ``hidden``.
+        weight: (vocab, hidden) output projection (``lm_head.weight``), ``hidden``'s dtype or fp32 (master
+            weights: matmuls in ``hidden``'s dtype, the gradient in fp32 with no bf16 round trip on the CPU).
         targets: (...) int64 next-token ids in ``[0, vocab)`` or ``ignore_index``, the leading shape of
             ``hidden``; the Triton path does not range-check them (no device sync), so an out-of-range
             id gives an undefined loss instead of the reference's IndexError.
@@ -303,7 +306,9 @@ def fused_linear_cross_entropy(
         () fp32 loss: ``sum(-log softmax(logits)[target]) / normalizer`` in nats per token.
     """
     impl = _impl(hidden, "cross_entropy")
-    return impl.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
+    if impl is reference:  # on the CPU with a native bf16 row pass (ce_cpu.py), else the reference
+        return ce_cpu.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
+    return impl.fused_linear_cross_entropy(hidden, weight.to(hidden.dtype), targets, ignore_index, normalizer)
 
 
 def flash_attention_varlen(

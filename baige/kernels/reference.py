@@ -256,24 +256,35 @@ def _ce_chunk_blocked(h, weight, t, valid, scale, grad_h, grad_w, first):
     return loss
 
 
-def _ce_chunk_generic(h, weight, t, valid, scale, grad_h, grad_w, first):
-    """:func:`_ce_chunk_blocked` for any dtype: (n, vocab) logits cast to fp32 for the log-sum-exp, the
-    gradient cast back to ``h``'s dtype for the two matmuls, ``grad_w`` accumulated over the chunks in fp32
-    (each chunk's product in bf16 for bf16 inputs, at bf16 speed as a bf16 linear's weight gradient is; in
-    fp32 for fp16 inputs, whose range a (vocab, hidden) product over many tokens may exceed)."""
-    logits = (h @ weight.t()).float()  # (n, vocab)
-    lse = torch.logsumexp(logits, dim=-1)  # (n,)
+def _ce_rows_torch(logits, t, valid, scale, want_grad):
+    """(n, vocab) logits of one chunk in the compute dtype -> (summed loss () fp32, the logits' gradient
+    ``scale * (softmax - one_hot(target))`` (n, vocab) in their dtype, or None without ``want_grad``); the
+    log-sum-exp in fp32, ignored rows (``valid`` False) contributing nothing. ``kernels/ce_cpu.py`` has the
+    native bf16 twin."""
+    z = logits.float()  # (n, vocab)
+    lse = torch.logsumexp(z, dim=-1)  # (n,)
     safe_t = torch.where(valid, t, 0)
     rows = torch.arange(len(t), device=t.device)
-    loss = ((lse - logits[rows, safe_t]) * valid).sum()
-    if grad_h is None and grad_w is None:
-        return loss
+    loss = ((lse - z[rows, safe_t]) * valid).sum()
+    if not want_grad:
+        return loss, None
     # d(sum of losses)/d(logits) = softmax - one_hot(target), zero on ignored rows (in place)
-    g = logits.sub_(lse[:, None]).exp_()
+    g = z.sub_(lse[:, None]).exp_()
     g[rows, safe_t] -= 1.0
-    g = g.mul_(scale[:, None]).to(h.dtype)
+    return loss, g.mul_(scale[:, None]).to(logits.dtype)
+
+
+def _ce_chunk_generic(h, weight, t, valid, scale, grad_h, grad_w, first, rows=_ce_rows_torch):
+    """:func:`_ce_chunk_blocked` for any dtype: (n, vocab) logits in ``h``'s dtype, the loss and their gradient
+    from ``rows`` (:func:`_ce_rows_torch`: the log-sum-exp in fp32), the gradient in ``h``'s dtype for the two
+    matmuls, ``grad_w`` accumulated over the chunks in fp32 (each chunk's product in bf16 for bf16 inputs, at
+    bf16 speed as a bf16 linear's weight gradient is; in fp32 for fp16 inputs, whose range a (vocab, hidden)
+    product over many tokens may exceed)."""
+    loss, g = rows(h @ weight.t(), t, valid, scale, grad_h is not None or grad_w is not None)
+    if g is None:
+        return loss
     if grad_h is not None:
-        grad_h.copy_(g @ weight)  # (n, hidden)
+        torch.mm(g, weight, out=grad_h)  # (n, hidden)
     if grad_w is not None:
         acc = torch.bfloat16 if h.dtype == torch.bfloat16 else grad_w.dtype
         gw = g.t().to(acc) @ h.to(acc)  # (vocab, hidden)
@@ -290,35 +301,45 @@ class _FusedLinearCrossEntropy(FusedLinearCrossEntropyGrads):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, normalizer):
-        n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        chunk = max(1, (1 << 24) // vocab)  # ~16M logits (64 MB in fp32) at a time
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        # fp32 (fp64 for fp64 weights) accumulator, cast to the weight's dtype in backward
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device) if want_w else None
-        if want_w and n_tokens == 0:
-            grad_w.zero_()
-        blocked = hidden.dtype == weight.dtype and hidden.dtype in (torch.float32, torch.float64)
-        chunk_fn = _ce_chunk_blocked if blocked else _ce_chunk_generic
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for s in range(0, n_tokens, chunk):
-            t = targets[s : s + chunk]
-            valid = t != ignore_index
-            scale = valid.to(acc) / normalizer  # (n,) d(loss)/d(token loss)
-            total += chunk_fn(
-                hidden[s : s + chunk],
-                weight,
-                t,
-                valid,
-                scale,
-                grad_h[s : s + chunk] if want_h else None,
-                grad_w,
-                s == 0,
-            )
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
-        return total / normalizer
+        return chunked_ce_forward(ctx, hidden, weight, targets, ignore_index, normalizer, _ce_chunk_generic)
+
+
+def chunked_ce_forward(ctx, hidden, weight, targets, ignore_index, normalizer, generic_chunk):
+    """The forward of the reference's fused linear + cross-entropy (and of ``kernels/ce_cpu.py``'s, which
+    passes its own ``generic_chunk``): the loss, with both gradients saved on ``ctx`` for
+    :class:`FusedLinearCrossEntropyGrads`. fp32 / fp64 take :func:`_ce_chunk_blocked`, other dtypes
+    ``generic_chunk`` (:func:`_ce_chunk_generic`'s signature)."""
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    chunk = max(1, (1 << 24) // vocab)  # ~16M logits (64 MB in fp32) at a time
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_h = torch.empty_like(hidden) if want_h else None
+    # fp32 (fp64 for fp64 weights) accumulator, cast to the weight's dtype in backward (a no-op for
+    # fp32 master weights with bf16 hidden: no bf16 round trip of the (vocab, hidden) gradient)
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device) if want_w else None
+    if want_w and n_tokens == 0:
+        grad_w.zero_()
+    ctx.weight_dtype = weight.dtype
+    weight = weight.to(hidden.dtype)  # mixed precision: the matmuls in hidden's dtype (one cast)
+    blocked = hidden.dtype == weight.dtype and hidden.dtype in (torch.float32, torch.float64)
+    chunk_fn = _ce_chunk_blocked if blocked else generic_chunk
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for s in range(0, n_tokens, chunk):
+        t = targets[s : s + chunk]
+        valid = t != ignore_index
+        scale = valid.to(acc) / normalizer  # (n,) d(loss)/d(token loss)
+        total += chunk_fn(
+            hidden[s : s + chunk],
+            weight,
+            t,
+            valid,
+            scale,
+            grad_h[s : s + chunk] if want_h else None,
+            grad_w,
+            s == 0,
+        )
+    ctx.save_for_backward(grad_h, grad_w)
+    return total / normalizer
 
 
 def fused_linear_cross_entropy(

@@ -118,3 +118,30 @@ def test_reference_cross_entropy_without_weight_grad_and_all_ignored():
     loss = reference.fused_linear_cross_entropy(h2, w2, torch.full((8,), -100), normalizer=8.0)
     loss.backward()
     assert loss.item() == 0.0 and h2.grad.abs().max().item() == 0.0 and w2.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("n_tokens", [97, 700])  # one token chunk; two (grad_w written, then accumulated)
+def test_reference_cross_entropy_fp32_weight_with_bf16_hidden(n_tokens):
+    # mixed precision (fp32 master weight, bf16 activations): the op casts the weight itself and returns
+    # an fp32 weight gradient with no bf16 round trip; loss and hidden gradient equal the all-bf16 call's
+    # bitwise, the weight gradient equals its fp32 accumulator (the all-bf16 call rounds that to bf16),
+    # and all three follow the fp64 definition
+    g = torch.Generator().manual_seed(11)
+    vocab = 30000
+    h = (torch.randn(n_tokens, 64, generator=g)).to(torch.bfloat16)
+    w = torch.randn(vocab, 64, generator=g) * 0.2
+    t = torch.randint(0, vocab, (n_tokens,), generator=g)
+    t[::5] = -100
+    hm, wm = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = reference.fused_linear_cross_entropy(hm, wm, t, normalizer=500.0)
+    (2.0 * loss).backward()
+    assert wm.grad.dtype == torch.float32 and hm.grad.dtype == torch.bfloat16
+    hb, wb = h.clone().requires_grad_(), w.to(torch.bfloat16).requires_grad_()
+    loss_b = reference.fused_linear_cross_entropy(hb, wb, t, normalizer=500.0)
+    (2.0 * loss_b).backward()
+    assert torch.equal(loss, loss_b)
+    assert torch.equal(hm.grad, hb.grad)
+    assert torch.equal(wm.grad.to(torch.bfloat16), wb.grad)  # bf16(fp32 accumulator) both ways
+    exp_loss, exp_gh, exp_gw = _unfused_fp64(h.float(), w.to(torch.bfloat16).float(), t, 500.0, 2.0)
+    assert abs(loss.item() - exp_loss.item()) <= 2e-3 * exp_loss.item()
+    assert (wm.grad.double() - exp_gw).abs().max().item() <= 2e-2 * exp_gw.abs().max().item()

@@ -24,7 +24,7 @@ from baige.errors import BaigeError
 from baige.runtime.model.device import DTYPES
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.settings import settings
-from baige.runtime.train import lora, parallel
+from baige.runtime.train import host_memory, lora, parallel
 from baige.runtime.train.checkpoint import (
     CheckpointManager,
     export_hf,
@@ -81,6 +81,8 @@ class TrainerBase(abc.ABC):
             if not Path(path).is_file():
                 raise BaigeError(f"{path}: data file not found")
         self._init_distributed()
+        if self.device.type == "cpu":  # reuse freed host memory between steps (no page faults per step)
+            host_memory.keep_freed_memory()
         self._init_output()
         self._resolve_model_and_tokenizer()
         model = self._load_or_init_weights()

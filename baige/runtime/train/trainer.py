@@ -128,8 +128,8 @@ class Trainer(TrainerBase):
             # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight
             # (in param_dtype under FSDP's MixedPrecisionPolicy).
             weight = self.model.lm_head.weight
-            if self.autocast:  # the head's matmuls in the compute dtype too (autocast does not cast inside the op)
-                hidden, weight = hidden.to(self.param_dtype), weight.to(self.param_dtype)
+            if self.autocast:  # the head's matmuls in the compute dtype too; the fp32 weight is cast inside
+                hidden = hidden.to(self.param_dtype)  # the op, whose fp32 weight gradient needs no cast back
             loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer)
         return loss, router_logits
 
