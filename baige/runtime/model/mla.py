@@ -15,7 +15,8 @@ Two equal forms (the score ``q_nope . (W_UK c_kv) = (W_UK^T q_nope) . c_kv``):
   holds ``[c_kv, k_pe]`` per token as one shared KV "head" whose value is the same row; the output's
   first ``kv_lora_rank`` columns are the attended latent, mapped per head through ``W_UV``. So the
   cache stores ``kv_lora_rank + qk_rope_head_dim`` values per token per layer, and every paged kernel,
-  prefix caching and chunked prefill work on it unchanged.
+  prefix caching and chunked prefill work on it unchanged. A metadata with ``attend_latent`` (the
+  engine's) runs decode through ``kernels.mla_decode_attention``, which reads each row once.
 """
 
 from __future__ import annotations
@@ -119,5 +120,9 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("bthn,hnl->bthl", q_nope, w_uk)  # (B, T, H, Dl)
         q = torch.cat([q_lat, q_pe], dim=-1)  # (B, T, H, Dl + Dr)
         kv = torch.cat([c_kv, k_pe[:, :, 0]], dim=-1)[:, :, None]  # (B, T, 1, Dl + Dr)
-        o = attn_metadata.attend(self.layer_idx, q, kv, kv, self.scale)[..., : self.kv_lora_rank]  # (B, T, H, Dl)
+        latent = getattr(attn_metadata, "attend_latent", None)  # the engine's paged metadata has the MLA kernel
+        if latent is not None:
+            o = latent(self.layer_idx, q, kv, self.scale, self.kv_lora_rank)  # (B, T, H, Dl)
+        else:  # any other cache owner: one KV head whose value is the key row
+            o = attn_metadata.attend(self.layer_idx, q, kv, kv, self.scale)[..., : self.kv_lora_rank]
         return torch.einsum("bthl,hvl->bthv", o, w_uv)  # (B, T, H, Dv)
