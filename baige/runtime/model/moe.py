@@ -108,6 +108,10 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, H) -> (router logits (N, E), topk_weights (N, k) fp32, topk_ids (N, k) int64)."""
         logits = self.gate(x)
+        return (logits, *self.topk(logits))
+
+    def topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> (topk_weights (N, k) fp32, topk_ids (N, k) int64), the family's rule."""
         if self.routing is not None:
             r = self.routing
             weights, ids = kernels.grouped_topk(
@@ -120,10 +124,9 @@ class SparseMoeBlock(nn.Module):
                 correction_bias=self.gate.e_score_correction_bias,
                 routed_scaling_factor=r.routed_scaling_factor,
             )
-            return logits, weights, ids
+            return weights, ids
         bias = self.moe_statics.e_score_correction_bias[0] if self.moe_statics is not None else None
-        weights, ids = kernels.moe_topk(logits, self.top_k, self.renormalize, bias, self.norm_min)
-        return logits, weights, ids
+        return kernels.moe_topk(logits, self.top_k, self.renormalize, bias, self.norm_min)
 
     def forward(self, x: torch.Tensor, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x: (B, T, H) -> (B, T, H). ``router_logits``: when a list, this layer's (B*T, E) logits are
