@@ -260,3 +260,31 @@ def test_unsupported_fields_are_named(change, needle):
     }
     with pytest.raises(BaigeError, match=needle):
         ModelConfig.from_dict({**base, **change})
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_deepseek_loads_and_decodes_through_the_latent_cache(ckpt, tmp_path, method, exact_quant_kernels):
+    """`baige quantize` on the tiny checkpoint: the reloaded model's MLA projections are quantized,
+    its absorbed form (W_UK / W_UV from the dequantized kv_b_proj) equals its expanded form, and its
+    logits stay near the fp32 model's where the routing agrees (the group-limited choice is
+    discontinuous, so a token whose experts flip may differ more)."""
+    from baige.runtime.config import QuantizeConfig
+    from baige.runtime.quant.linear import QuantizedLinear
+    from baige.runtime.quantize import quantize_checkpoint
+
+    name, path = ckpt
+    if name != "deepseek-v3":
+        pytest.skip("one family is enough for the quantizer's path")
+    out, _ = quantize_checkpoint(QuantizeConfig(str(path), method, str(tmp_path / "q"), group_size=32, device="cpu"))
+    q, ref = load_model(out, dtype="float32"), load_model(path, dtype="float32")
+    attn = q.model.layers[1].self_attn
+    assert all(isinstance(getattr(attn, n), QuantizedLinear) for n in ("q_a_proj", "kv_b_proj", "o_proj"))
+    ids = torch.randint(0, 160, (2, 21), generator=torch.Generator().manual_seed(8))
+    positions = torch.arange(21)[None].expand(2, -1)
+    with torch.no_grad():
+        expanded = q.compute_logits(q(ids, positions))
+        absorbed = q.compute_logits(q(ids, positions, ContiguousKVCache(q, 2, 21)))
+        fp32 = ref.compute_logits(ref(ids, positions))
+    assert (absorbed - expanded).abs().max().item() < 1e-4
+    err = (expanded - fp32).abs().amax(-1)  # (2, 21) per token
+    assert err.median().item() < (0.1 if method == "int8" else 1.2), err  # logits span about +-3
