@@ -326,6 +326,8 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
     """The kernel's description of a sparse MoE block (router in fp32, the stacked experts' fp32 / bf16
     weights read in place, the shared expert's projections), or (None, why not)."""
     E = m.gate.weight.shape[0]
+    if m.gate.bias is not None or getattr(m.experts, "gate_up_proj_bias", None) is not None:
+        return None, "a biased router and biased, clamped-SwiGLU experts (gpt_oss) run on the per-op path"
     if not 1 <= m.top_k <= E:
         return None, f"top_k {m.top_k} is outside 1..{E} experts"
     if any(getattr(mod, "lora_stack", None) is not None for mod in m.modules()):
