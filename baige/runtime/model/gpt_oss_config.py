@@ -122,3 +122,22 @@ def check_unsupported(cfg: dict[str, Any]) -> None:
     rope = rope_parameters(cfg)
     if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise BaigeError("gpt_oss: rope_parameters.partial_rotary_factor other than 1 is not supported")
+
+
+def model_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """The attention-side :class:`~baige.runtime.model.config.ModelConfig` keyword arguments of a
+    gpt_oss config.json (``{}`` for other model types): ``layer_types``, ``sliding_window``,
+    ``attention_sinks`` and ``o_proj_bias`` (``attention_bias`` covers all four projections).
+
+    Raises:
+        BaigeError: a bad ``layer_types`` or ``sliding_window`` (named).
+    """
+    if cfg.get("model_type") != MODEL_TYPE:
+        return {}
+    types = layer_types(cfg, n_layers)
+    return dict(
+        layer_types=types,
+        sliding_window=sliding_window(cfg, types),
+        attention_sinks=True,
+        o_proj_bias=bool(cfg.get("attention_bias", True)),
+    )

@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -85,7 +85,7 @@ class Attention(nn.Module):
         # sliding window (None: full), its per-head sink logits (an (n_heads,) parameter or None) and
         # the logit soft-cap (None: none); the families that have them set them
         self.sliding_window: int | None = cfg.layer_window(layer_idx)
-        self.sinks: torch.Tensor | None = None
+        self.sinks: torch.Tensor | None = nn.Parameter(torch.empty(self.n_heads)) if cfg.attention_sinks else None
         self.softcap: float | None = None
 
     def forward(self, x, cos, sin, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
