@@ -30,9 +30,9 @@ def test_gpt_oss_trains_and_exports(tmp_path, one_thread):
     model_dir = tiny_model(tmp_path / "m", "llama", **GPT_OSS)  # seq_len 32: longer than the window
     data = tmp_path / "train.txt"
     data.write_text(shakespeare(8_000))
-    run_training(tiny_config(model_dir, data, tmp_path / "out", **{"training.steps": 6, "training.batch_size": 2}))
+    run_training(tiny_config(model_dir, data, tmp_path / "out", **{"training.steps": 4, "training.batch_size": 2}))
     losses = read_metrics(tmp_path / "out")
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
     before, after = load_model(model_dir, dtype=torch.float32), load_model(tmp_path / "out" / "hf", dtype=torch.float32)
     for name in ("model.layers.0.self_attn.sinks", "model.layers.1.mlp.experts.down_proj_bias"):
         assert not torch.equal(before.state_dict()[name], after.state_dict()[name]), name
