@@ -193,6 +193,7 @@ def test_engine_greedy_equals_transformers_generate(pair, ckpt, embedded_dir, tm
     while eng.has_unfinished():
         step()
     assert [finals[f"r{i}"] for i in range(len(prompts))] == expected
+    assert eng.kv_cache.sliding_window == 5  # the sliding layers' blocks came from their own pool
     assert eng.block_manager.prefix_hits >= 32
     assert eng.block_manager.num_used_blocks == 0
 
