@@ -143,7 +143,8 @@ def test_gradients_match_transformers(pair):
 def test_engine_greedy_equals_transformers_generate(pair, ckpt, embedded_dir, tmp_path):
     """A mixed batch through the Engine: prompts of 3..40 tokens (all but one longer than the 5-token
     window), two sharing a 32-token prefix (prefix-cache hits), chunked prefill (16-token budget),
-    8-token blocks; greedy tokens equal transformers' ``generate``."""
+    8-token blocks; greedy tokens equal transformers' ``generate``, and every decode step's top-5
+    logprobs (the paged cache's step-by-step logits) are within 1e-4 of transformers' on the whole sequence."""
     import shutil
 
     from baige.runtime.config import EngineConfig
@@ -183,16 +184,21 @@ def test_engine_greedy_equals_transformers_generate(pair, ckpt, embedded_dir, tm
     finals = {}
 
     def step():
-        finals.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+        finals.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
 
     for i, (p, n) in enumerate(zip(prompts, n_new)):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5))
         if i == 3:  # the last prompt arrives once the shared prefix is computed and cached
             for _ in range(8):  # 16-token chunks: the 34-token prompt is computed and its blocks cached
                 step()
     while eng.has_unfinished():
         step()
-    assert [finals[f"r{i}"] for i in range(len(prompts))] == expected
+    assert [finals[f"r{i}"].token_ids for i in range(len(prompts))] == expected
+    with torch.no_grad():
+        for i, (p, gen) in enumerate(zip(prompts, expected)):
+            ref = torch.log_softmax(hf(torch.tensor([p + gen])).logits[0, len(p) - 1 : -1], -1)  # (n_new, vocab)
+            got = finals[f"r{i}"].logprobs
+            assert max(abs(v - ref[j, t].item()) for j, lp in enumerate(got) for t, v in lp.top) < TOL
     assert eng.kv_cache.sliding_window == 5  # the sliding layers' blocks came from their own pool
     assert eng.block_manager.prefix_hits >= 32
     assert eng.block_manager.num_used_blocks == 0
