@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from baige.kernels import ce_cpu, invariant, moe_cpu, native, reference, train_attention
+from baige.kernels import ce_cpu, dispatch, invariant, moe_cpu, native, reference
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
     DENSE_NATIVE_MAX_ROWS,
     FEW_ROWS,
@@ -62,36 +62,6 @@ __all__ = [*OPS, "OPS", *MLA_OPS]
 # inside `with batch_invariant():` (kernels/invariant.py) the ops below take its batch-invariant kernels
 __all__ += ["batch_invariant", "batch_invariant_enabled", "batch_invariant_linear", "batch_invariant_pointwise"]
 
-_TRITON_MODULES: dict[str, object] = {}  # imported on first use; a plain dict read stays traceable by torch.compile
-
-
-def _impl(x: torch.Tensor, module: str):
-    """The module holding the implementation for ``x``: :mod:`reference` or ``triton_ops.<module>``."""
-    if backend(x) == "reference":
-        return reference
-    mod = _TRITON_MODULES.get(module)
-    if mod is None:
-        mod = _TRITON_MODULES[module] = importlib.import_module(f"baige.kernels.triton_ops.{module}")
-    return mod
-
-
-_CPU_OPS: list = []  # [baige.kernels.cpu.ops] once imported
-
-
-def _native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = (), bf16: bool = False):
-    """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
-    mode, fp32 CPU tensors -- or all bf16 with ``bf16`` -- needing no gradient, KV ``caches`` fp32,
-    fp16 or bf16, not inside a ``torch.compile`` trace, the library built), else None (see
-    :mod:`baige.kernels.cpu`). Called once per op: kept to a few attribute reads."""
-    if tensors[0].device.type != "cpu":
-        return None
-    if not _CPU_OPS:
-        from baige.kernels.cpu import native_allowed, ops
-
-        _CPU_OPS.extend((ops, native_allowed))
-    ops, native_allowed = _CPU_OPS
-    return ops if native_allowed() and ops.usable(*tensors, caches=caches, bf16=bf16) else None
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square layer norm (Zhang & Sennrich 2019, arXiv:1910.07467).
@@ -105,7 +75,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         (..., hidden) in the promoted dtype of ``weight`` and ``x``.
     """
-    impl = invariant if invariant.enabled() else _native_cpu(x, weight, bf16=True) or _impl(x, "norm")
+    impl = (
+        invariant if invariant.enabled() else dispatch.native_cpu(x, weight, bf16=True) or dispatch.impl_for(x, "norm")
+    )
     return impl.rms_norm(x, weight, eps)
 
 
@@ -121,7 +93,11 @@ def add_rms_norm(
     Returns:
         ``(rms_norm(x + residual), x + residual)``, both (..., hidden).
     """
-    impl = invariant if invariant.enabled() else _native_cpu(x, residual, weight, bf16=True) or _impl(x, "norm")
+    impl = (
+        invariant
+        if invariant.enabled()
+        else dispatch.native_cpu(x, residual, weight, bf16=True) or dispatch.impl_for(x, "norm")
+    )
     return impl.add_rms_norm(x, residual, weight, eps)
 
 
@@ -137,8 +113,10 @@ def apply_rope(
     Returns:
         ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
     """
-    native = _native_cpu(q, k, cos, sin, bf16=True) if q.shape[-1] % 2 == 0 else None  # odd: the reference's error
-    impl = invariant if invariant.enabled() else native or _impl(q, "rope")
+    native = (
+        dispatch.native_cpu(q, k, cos, sin, bf16=True) if q.shape[-1] % 2 == 0 else None
+    )  # odd: the reference's error
+    impl = invariant if invariant.enabled() else native or dispatch.impl_for(q, "rope")
     return impl.apply_rope(q, k, cos, sin)
 
 
@@ -150,135 +128,22 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., intermediate).
     """
-    impl = invariant if invariant.enabled() else _native_cpu(gate, up, bf16=True) or _impl(gate, "swiglu")
+    impl = (
+        invariant
+        if invariant.enabled()
+        else dispatch.native_cpu(gate, up, bf16=True) or dispatch.impl_for(gate, "swiglu")
+    )
     return impl.silu_mul(gate, up)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
-    """Causal scaled-dot-product attention with grouped-query heads over contiguous K/V.
-
-    Query ``i`` is at absolute position ``q_offset + i`` and attends to keys ``0..q_offset + i``
-    (the causal mask is aligned to the bottom right when ``q_offset = S - T``).
-
-    Args:
-        q: (B, T, n_heads, head_dim).
-        k, v: (B, S, n_kv_heads, head_dim) with ``n_heads % n_kv_heads == 0`` and ``S >= q_offset + T``.
-        scale: softmax scale, usually ``head_dim ** -0.5``.
-        q_offset: absolute position of the first query.
-    Returns:
-        (B, T, n_heads, head_dim) in the dtype of ``q``.
-    """
-    if not invariant.enabled() and train_attention.use_materialized(q, k, q_offset):  # short bf16 training
-        return train_attention.causal_attention(q, k, v, scale)
-    return (invariant if invariant.enabled() else _impl(q, "flash_attention")).attention(q, k, v, scale, q_offset)
-
-
-def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
-) -> torch.Tensor:
-    """Scaled-dot-product attention under an explicit boolean mask, grouped-query heads, with autograd
-    (training's packed layouts whose mask is not plain causal, e.g. several completions sharing one
-    prompt).
-
-    Args:
-        q: (B, T, n_heads, head_dim).
-        k, v: (B, S, n_kv_heads, head_dim), ``n_heads % n_kv_heads == 0``.
-        scale: softmax scale.
-        mask: (B, T, S) bool, True where query t may attend key s; every query row needs a True.
-    Returns:
-        (B, T, n_heads, head_dim) in the dtype of ``q``.
-    """
-    return reference.masked_attention(q, k, v, scale, mask)
-
-
-# ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
-# A layer's cache is (n_kv_heads, num_blocks, block_size, head_dim), heads outermost; token slot s of
-# KV head h lives at [h, s // block_size, s % block_size]. A block table row lists a sequence's blocks
-# in order. Heads outermost makes gathering a batch's blocks produce (n_kv_heads, S, tokens, head_dim)
-# directly, the layout of a batched matmul per KV head (no transpose copy after the gather).
-
-
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write new tokens' K/V into their cache slots, in place.
-
-    Args:
-        k, v: (N, n_kv_heads, head_dim). On CPU they are rounded to the cache's dtype (an fp16 cache
-            under an fp32 model, ``kv_cache_dtype``); the Triton path needs the cache's dtype.
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
-        slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct and
-            inside the pool. The Triton path does not range-check them (that would need a device sync):
-            an out-of-range slot writes outside the pool.
-    Raises:
-        ValueError (Triton path): K/V and cache dtypes differ, or slot_mapping is not (N,).
-    """
-    same = k.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16  # bf16 into bf16: native row copies
-    impl = _native_cpu(k, v, caches=(k_cache, v_cache), bf16=same) or _impl(k, "paged_attention")
-    impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of one query per sequence over its cached K/V (decode), grouped-query heads.
-
-    The query's own K/V must already be stored; it attends to the first ``context_lens[i]`` cached
-    tokens of sequence ``i``. Shapes are fixed by the padding of ``block_tables``, so one compiled
-    graph (or CUDA graph) serves every decode step of a given batch and table width. Work and memory
-    traffic grow with ``S * W``: callers group sequences of similar length (see the model runner).
-
-    Args:
-        q: (S, n_heads, head_dim).
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous; on CPU their
-            dtype may differ from q's (read converted to it), on the Triton path it must not.
-        block_tables: (S, W) int64 block ids; entries past a sequence's blocks must be valid ids
-            (any block: they are masked).
-        context_lens: (S,) int64 tokens in the cache per sequence, 1 <= context_lens <= W * block_size.
-        scale: softmax scale.
-    Returns:
-        (S, n_heads, head_dim) in the dtype of ``q``.
-    """
-    impl = invariant if invariant.enabled() else _native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or _impl(q, "paged_attention")
-    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of prefill chunks over their cached prefix plus themselves (chunked prefill,
-    prefix caching), grouped-query heads, sequences packed without padding.
-
-    Sequence ``i`` has queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`` (its last ``T_i`` tokens, whose
-    K/V are already stored) and ``context_lens[i]`` tokens in the cache; query ``j`` sits at position
-    ``context_lens[i] - T_i + j`` and sees keys ``0..`` that position.
-
-    Args:
-        q: (N, n_heads, head_dim), N = total query tokens.
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous; on CPU their
-            dtype may differ from q's (read converted to it), on the Triton path it must not.
-        block_tables: (P, W) int64 block ids per sequence.
-        cu_seqlens_q: (P + 1,) int64 cumulative query counts, starting at 0.
-        context_lens: (P,) int64 cached tokens per sequence, the new ones included.
-        scale: softmax scale.
-    Returns:
-        (N, n_heads, head_dim) in the dtype of ``q``.
-    """
-    impl = invariant if invariant.enabled() else _native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or _impl(q, "paged_attention")
-    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+from baige.kernels.attention_ops import (  # noqa: E402  (in OPS; dispatched as the ops here)
+    attention,
+    flash_attention_varlen,
+    masked_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv,
+)
 
 
 def fused_linear_cross_entropy(
@@ -307,42 +172,10 @@ def fused_linear_cross_entropy(
     Returns:
         () fp32 loss: ``sum(-log softmax(logits)[target]) / normalizer`` in nats per token.
     """
-    impl = _impl(hidden, "cross_entropy")
+    impl = dispatch.impl_for(hidden, "cross_entropy")
     if impl is reference:  # on the CPU with a native bf16 row pass (ce_cpu.py), else the reference
         return ce_cpu.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
     return impl.fused_linear_cross_entropy(hidden, weight.to(hidden.dtype), targets, ignore_index, normalizer)
-
-
-def flash_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention over packed variable-length sequences, grouped-query heads, with autograd
-    (FlashAttention-2's online softmax, Dao 2023, arXiv:2307.08691; ``flash_attn_varlen_func``'s
-    argument convention).
-
-    Sequence ``i`` owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys
-    ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``; with ``Lq <= Lk`` tokens the causal mask is aligned to the
-    bottom right: query ``j`` sees keys ``0..Lk - Lq + j``.
-
-    Args:
-        q: (Nq, n_heads, head_dim) fp32/fp16/bf16.
-        k, v: (Nk, n_kv_heads, head_dim), ``n_heads % n_kv_heads == 0``.
-        cu_seqlens_q, cu_seqlens_k: (P + 1,) int32/int64 cumulative lengths starting at 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence of each (host ints: no device sync); each
-            sequence needs ``0 < Lq <= Lk`` and lengths no longer than these, or rows are left unwritten.
-        scale: softmax scale.
-    Returns:
-        (Nq, n_heads, head_dim) in the dtype of ``q``; softmax statistics are fp32.
-    """
-    impl = _impl(q, "flash_attention")
-    return impl.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 
 def quantized_linear(
@@ -383,21 +216,21 @@ def quantized_linear(
     matmul on oneDNN's AMX kernels; everything else dequantizes and calls ``F.linear`` (the reference).
     """
     widen = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad and backend(x) == "reference"
-    if widen and int_dot is not False and _native_cpu(x, bf16=True) is not None:
+    if widen and int_dot is not False and dispatch.native_cpu(x, bf16=True) is not None:
         from baige.kernels.cpu import qlinear
 
         if qlinear.takes_amx_dequant(x, qweight):  # many bf16 rows on AMX: the reference's bf16 matmul
             w = qlinear.dequantized_bf16(x, qweight, scale, zero_point, group_size)
             return torch.nn.functional.linear(x, w, None if bias is None else bias.to(torch.bfloat16))
     xf = x.float() if widen else x
-    if _native_cpu(xf) is not None:
+    if dispatch.native_cpu(xf) is not None:
         from baige.kernels.cpu import qlinear
 
         if qlinear.supports(xf, qweight, group_size, bias, int_dot):
             bias_f = None if bias is None else bias.float()
             y = qlinear.quantized_linear(xf, qweight, scale.float(), zero_point, group_size, bias_f, int_dot=int_dot)
             return y.to(x.dtype)
-    return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+    return dispatch.impl_for(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
 
 
 # ---- Mixture-of-Experts (Mixtral, Qwen2/3-MoE, ERNIE-4.5 routing; vLLM's fused_moe block layout) ---------
@@ -428,7 +261,7 @@ def moe_topk(
         the reference runs (the Triton kernel is forward only).
     """
     needs_grad = router_logits.requires_grad and torch.is_grad_enabled()
-    impl = reference if needs_grad else _impl(router_logits, "moe")
+    impl = reference if needs_grad else dispatch.impl_for(router_logits, "moe")
     return impl.moe_topk(router_logits, top_k, renormalize, correction_bias, norm_min)
 
 
@@ -450,7 +283,7 @@ def moe_align_block_size(
     Args:
         topk_ids: (T, top_k) integer expert ids in ``[0, num_experts)``.
     """
-    return _impl(topk_ids, "moe").moe_align_block_size(topk_ids, num_experts, block_size)
+    return dispatch.impl_for(topk_ids, "moe").moe_align_block_size(topk_ids, num_experts, block_size)
 
 
 def fused_moe(
@@ -472,14 +305,14 @@ def fused_moe(
     Returns:
         (T, H) in x's dtype; differentiable w.r.t. x, w13, w2 and topk_weights on both paths.
     """
-    impl = _impl(x, "moe")
+    impl = dispatch.impl_for(x, "moe")
     if impl is reference and x.device.type == "cpu" and not torch.is_grad_enabled():
         return moe_cpu.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
-from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
+from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4, visible_keys  # noqa: E402
 
 __all__ += [
     "argmax",
@@ -492,6 +325,7 @@ __all__ += [
     "dequantize_weight",
     "expand_groups",
     "unpack_int4",
+    "visible_keys",
     "backend",
     "check_startup",
     "settings",

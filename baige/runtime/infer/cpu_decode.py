@@ -115,6 +115,8 @@ class FusedDecoder:
         descs = []
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
+            if any(getattr(a, name, None) is not None for name in ("sliding_window", "sinks", "softcap")):
+                return None, f"layer {i}: a sliding window, sinks or soft-capping (the native step has none)"
             moe = None
             if isinstance(m, SparseMoeBlock):
                 moe, why = _describe_moe(m)
@@ -328,6 +330,8 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
     """The kernel's description of a sparse MoE block (router in fp32, the stacked experts' fp32 / bf16
     weights read in place, the shared expert's projections), or (None, why not)."""
     E = m.gate.weight.shape[0]
+    if m.gate.bias is not None or getattr(m.experts, "gate_up_proj_bias", None) is not None:
+        return None, "a biased router and biased, clamped-SwiGLU experts (gpt_oss) run on the per-op path"
     if not 1 <= m.top_k <= E:
         return None, f"top_k {m.top_k} is outside 1..{E} experts"
     if any(getattr(mod, "lora_stack", None) is not None for mod in m.modules()):

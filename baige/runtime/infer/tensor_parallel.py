@@ -57,6 +57,8 @@ def check_shardable(cfg: ModelConfig, world_size: int, expert_parallel: bool = F
         raise BaigeError(
             f"--tensor-parallel-size {world_size}: {cfg.model_type} (Multi-head Latent Attention) runs on one rank"
         )
+    if cfg.attention_sinks:
+        raise BaigeError(f"--tensor-parallel-size {world_size}: {cfg.model_type} (attention sinks) is not supported")
     _split(cfg.num_attention_heads, world_size, "num_attention_heads")
     k = cfg.num_key_value_heads
     if k % world_size and world_size % k:

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from baige.errors import BaigeError
+from baige.runtime.model import gpt_oss_config
 from baige.runtime.model.config_checks import check_config_fields, read_json
 from baige.runtime.model.mla_config import MLA_MODEL_TYPES, GroupedRouting, MLAConfig, deepseek_overrides
 
 # HF model_type -> the architecture features our single decoder switches on.
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe", gpt_oss_config.MODEL_TYPE)
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + MLA_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # The projections of a Llama-family block (HF names), the usual LoRA targets. Here, beside the other
@@ -39,6 +40,10 @@ class MoEConfig:
         shared_gate: the shared expert's output is scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
         router_fp32: the router's matmul runs in fp32 with fp32 weights (ERNIE-4.5).
         router_aux_loss_coef: weight of the load-balancing loss in training (Switch/GShard form).
+        router_bias: the router's linear has a bias (``router.bias``, gpt-oss), added to the logits.
+        expert_bias: the experts' projections have biases (``gate_up_proj_bias``, ``down_proj_bias``).
+        swiglu_alpha, swiglu_limit: gpt-oss's clamped SwiGLU (None: the plain one); see
+            :mod:`baige.runtime.model.gpt_oss_config`.
     """
 
     num_experts: int
@@ -53,6 +58,10 @@ class MoEConfig:
     router_fp32: bool = False
     router_aux_loss_coef: float = 0.0
     routing: GroupedRouting | None = None  # DeepSeek's group-limited router (mla_config.py); None: moe_topk
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def is_sparse(self, layer_idx: int) -> bool:
         return layer_idx in self.sparse_layers
@@ -83,6 +92,11 @@ class ModelConfig:
     rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) instead of (i, i + D/2) (ERNIE-4.5)
     moe: MoEConfig | None = None  # None: every layer dense
     mla: MLAConfig | None = None  # Multi-head Latent Attention (DeepSeek, mla_config.py); None: GQA
+    # per layer "full_attention" or "sliding_attention" (HF ``layer_types``); None: every layer full
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # the sliding layers' window in tokens (HF ``sliding_window``)
+    attention_sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
+    o_proj_bias: bool = False  # the output projection carries a bias (gpt-oss)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -109,6 +123,9 @@ class ModelConfig:
         # transformers >= 5 writes rope settings as `rope_parameters` (with rope_theta inside);
         # older files use top-level `rope_theta` and `rope_scaling` with `rope_type` or legacy `type`.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if model_type == gpt_oss_config.MODEL_TYPE:
+            gpt_oss_config.check_unsupported(cfg)
+            rope = dict(gpt_oss_config.rope_parameters(cfg))
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -138,6 +155,7 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_interleaved=model_type == "ernie4_5_moe",
             moe=_moe_config(cfg, model_type, n_layers),
+            **gpt_oss_config.model_fields(cfg, n_layers),
             torch_dtype=str(dtype),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
@@ -172,6 +190,7 @@ class ModelConfig:
         attn += 2 * self.head_dim if self.qk_norm else 0
         if self.mla is not None:
             attn = self.mla.attn_params(h, self.num_attention_heads, self.attention_bias)
+        attn += (h if self.o_proj_bias else 0) + (self.num_attention_heads if self.attention_sinks else 0)
         body = h
         for i in range(self.num_hidden_layers):
             body += attn + self._mlp_params(i, active) + 2 * h
@@ -186,8 +205,17 @@ class ModelConfig:
             return 3 * h * self.intermediate_size
         experts = m.top_k if active else m.num_experts
         n = experts * 3 * h * m.intermediate_size + m.num_experts * h  # experts + router
+        n += experts * (2 * m.intermediate_size + h) if m.expert_bias else 0
+        n += m.num_experts if m.router_bias else 0
         n += 3 * h * m.shared_intermediate_size + (h if m.shared_gate else 0)
         return n + (m.num_experts if m.correction_bias else 0)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` in tokens (a query at position p sees keys
+        ``p - w < s <= p``), or None for a full-attention layer (every layer when ``layer_types`` is None)."""
+        if self.layer_types is None or self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies in the cache across all layers (MLA: the latent and the
@@ -217,7 +245,7 @@ def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
         if cfg.get("use_bias"):
             raise BaigeError("ernie4_5_moe with use_bias=true (biases on every linear) is not supported")
         return False
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", gpt_oss_config.MODEL_TYPE):
         return bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
     return bool(cfg.get("attention_bias", model_type == "qwen2"))
 
@@ -259,6 +287,8 @@ def _moe_config(cfg: dict[str, Any], model_type: str, n_layers: int) -> MoEConfi
         )
     if model_type == "ernie4_5_moe":
         return _ernie_moe(cfg, n_layers, coef)
+    if model_type == gpt_oss_config.MODEL_TYPE:
+        return MoEConfig(**gpt_oss_config.moe_fields(cfg, n_layers))
     e = _int_field(cfg, "num_experts", "num_local_experts")  # transformers 5 saves the second name
     step = _int_field(cfg, "decoder_sparse_step", default=1)
     dense = set(cfg.get("mlp_only_layers") or [])

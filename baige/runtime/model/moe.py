@@ -20,6 +20,7 @@ from torch import nn
 
 from baige import kernels
 from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.gpt_oss import biased_experts
 from baige.runtime.model.linear import project
 
 
@@ -37,26 +38,54 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    """``num_experts`` SwiGLU experts as stacked weights (see the module docstring)."""
+    """``num_experts`` SwiGLU experts as stacked weights (see the module docstring).
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    gpt-oss (``bias``, ``swiglu_alpha`` / ``swiglu_limit``): ``gate_up_proj_bias`` (E, 2I) in the rows'
+    order and ``down_proj_bias`` (E, H), and the clamped SwiGLU; those run
+    :func:`baige.runtime.model.gpt_oss.biased_experts` (``kernels.fused_moe`` has neither)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        bias: bool = False,
+        swiglu_alpha: float | None = None,
+        swiglu_limit: float | None = None,
+    ):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: (N, H); topk_weights (N, k) fp32; topk_ids (N, k) int64 -> (N, H) in x's dtype."""
+        if self.gate_up_proj_bias is not None or self.swiglu_limit is not None:
+            return biased_experts(
+                x,
+                self.gate_up_proj,
+                self.gate_up_proj_bias,
+                self.down_proj,
+                self.down_proj_bias,
+                topk_weights,
+                topk_ids,
+                self.swiglu_alpha,
+                self.swiglu_limit,
+            )
         return kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
 class Router(nn.Module):
-    """``gate``: the router's linear (E, H), plus ERNIE-4.5's per-expert selection bias."""
+    """``gate``: the router's linear (E, H) (with gpt-oss's bias (E,): ``router.bias`` on disk)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         m = cfg.moe
         self.weight = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(m.num_experts)) if m.router_bias else None
         self.fp32 = m.router_fp32
         self.e_score_correction_bias = None  # DeepSeek-V3's selection bias, stored with the router
         if m.routing is not None and m.correction_bias:
@@ -65,8 +94,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, H) -> router logits (N, E), fp32 when the family computes them so (ERNIE), else x's dtype."""
         if self.fp32:
-            return F.linear(x.float(), self.weight.float())
-        return F.linear(x, self.weight)
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return F.linear(x, self.weight, self.bias)
 
 
 class MoEStatics(nn.Module):
@@ -84,7 +113,8 @@ class MoEStatics(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router -> top-k experts -> weighted sum, plus the shared expert when the family has one.
 
-    Parameter names: ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``,
+    Parameter names: ``gate.weight`` (+ ``gate.bias``, gpt-oss's ``router.bias``), ``experts.gate_up_proj``,
+    ``experts.down_proj`` (+ ``experts.gate_up_proj_bias``, ``experts.down_proj_bias``),
     ``shared_expert.*`` + ``shared_expert_gate.weight`` (Qwen2-MoE), ``shared_experts.*`` and
     ``moe_statics.e_score_correction_bias`` (ERNIE-4.5); ``shared_experts.*`` and
     ``gate.e_score_correction_bias`` (DeepSeek-V3, routed by :func:`baige.kernels.grouped_topk`).
@@ -95,7 +125,9 @@ class SparseMoeBlock(nn.Module):
         m = cfg.moe
         self.top_k, self.renormalize, self.norm_min = m.top_k, m.renormalize, m.norm_min
         self.gate = Router(cfg)
-        self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size)
+        self.experts = Experts(
+            m.num_experts, cfg.hidden_size, m.intermediate_size, m.expert_bias, m.swiglu_alpha, m.swiglu_limit
+        )
         self.routing = m.routing  # DeepSeek's group-limited router (kernels.grouped_topk), else None
         self.moe_statics = MoEStatics(m.num_experts) if m.correction_bias and m.routing is None else None
         shared = SwiGLU(cfg.hidden_size, m.shared_intermediate_size) if m.shared_intermediate_size else None

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from baige import kernels
+from baige.errors import BaigeError
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.moe import Experts
 from baige.runtime.quant.linear import QuantizedLinear
@@ -212,6 +213,11 @@ def unstack_experts(model: nn.Module) -> int:
     n = 0
     for i in cfg.moe.sparse_layers:
         block = model.model.layers[i].mlp
+        if isinstance(block.experts, Experts) and block.experts.gate_up_proj_bias is not None:
+            raise BaigeError(
+                f"{cfg.model_type}: layer {i}'s experts have biases and the clamped SwiGLU "
+                "(swiglu_limit), which the per-expert quantized layout does not hold; quantizing them is not supported"
+            )
         if isinstance(block.experts, Experts):
             block.experts = QuantizedExperts.from_stacked(block.experts, expert_names(cfg, i)[1])
             n += 1

@@ -138,6 +138,8 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
             f"({model.config.model_type} has no sparse layer)"
         )
     e = model.config.moe.num_experts
+    if model.config.moe.expert_bias:
+        raise BaigeError(f"expert_parallel_degree={ep}: {model.config.model_type}'s biased experts are not supported")
     if e % ep:
         raise BaigeError(f"num_experts={e} is not divisible by expert_parallel_degree={ep}")
     for block in blocks:

@@ -268,6 +268,8 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
 
     tp = tp_mesh.size()
     cfg = model.config
+    if cfg.attention_sinks:
+        raise BaigeError(f"tensor_parallel_degree={tp}: {cfg.model_type} (attention sinks) is not supported")
     widths = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
     if len(sparse_blocks(model)) < cfg.num_hidden_layers:
         widths.append(("intermediate_size", cfg.intermediate_size))

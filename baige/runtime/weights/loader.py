@@ -14,7 +14,7 @@ from baige.runtime.model.device import resolve_dtype
 from baige.runtime.model.rope import RotaryEmbedding
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.format import prepare_quantized_model
-from baige.runtime.weights import moe_layout
+from baige.runtime.weights import gpt_oss_layout, moe_layout
 from baige.runtime.weights.safetensors_io import checkpoint_headers, load_state_dict
 from baige.runtime.weights.validate import check_config_fits, check_fits, check_layer_count, loaded_bytes, meta_state
 
@@ -50,7 +50,7 @@ def load_model(
         ``lm_head.weight``.
     """
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_file(model_dir / "config.json")
+    cfg = gpt_oss_layout.dense_config(ModelConfig.from_file(model_dir / "config.json"))  # MXFP4: dequantized
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     devices = [torch.device("cpu"), device]  # tensors are read into CPU memory, then moved

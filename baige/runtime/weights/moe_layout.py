@@ -19,6 +19,7 @@ import torch
 from baige.errors import BaigeError
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.quant.experts import expert_names
+from baige.runtime.weights import gpt_oss_layout
 
 
 def _is_quantized(state: dict[str, torch.Tensor], prefix: str) -> bool:
@@ -46,6 +47,8 @@ def to_internal(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str = "
     """
     if cfg.moe is None:
         return state
+    if cfg.model_type == "gpt_oss":  # stacked on disk already, interleaved, with biases and MXFP4
+        return gpt_oss_layout.to_internal(state, cfg, where)
     state = dict(state)
     for i in cfg.moe.sparse_layers:
         hf, (g, u, d) = expert_names(cfg, i)
@@ -83,6 +86,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     (``QuantizedExperts``, quantized or not) keep their tensors, only Mixtral's prefix changes."""
     if cfg.moe is None:
         return state
+    if cfg.model_type == "gpt_oss":
+        return gpt_oss_layout.to_hf(state, cfg)
     state = dict(state)
     for i in cfg.moe.sparse_layers:
         hf, (g, u, d) = expert_names(cfg, i)
