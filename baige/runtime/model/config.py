@@ -80,6 +80,8 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) instead of (i, i + D/2) (ERNIE-4.5)
     moe: MoEConfig | None = None  # None: every layer dense
+    # DeepSeek-V3's multi-token-prediction modules (model/mtp.py), ``num_nextn_predict_layers``; 0: none
+    mtp_depth: int = 0
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -135,6 +137,7 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_interleaved=model_type == "ernie4_5_moe",
             moe=_moe_config(cfg, model_type, n_layers),
+            mtp_depth=_int_field(cfg, "num_nextn_predict_layers", default=0, minimum=0),
             torch_dtype=str(dtype),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
