@@ -117,6 +117,11 @@ class ModelRunner:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
         # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
         self.lora = None  # the engine's LoRAManager when LoRA is enabled
+        # keep_hidden (an MTP proposer): every step runs the mixed path and keeps its rows' final hidden states
+        self.keep_hidden, self.last_hidden = (
+            False,
+            [],
+        )  # last_hidden: StepRows.kept_hidden of the steps since the engine took it
         # the LoRAManager.version the native table was last built for, and whether that build succeeded
         self._fused_lora_version, self._fused_lora_ok = 0, False
         self.fused_decode, self.fused_decode_why = None, "not on the CPU"
@@ -339,7 +344,7 @@ class ModelRunner:
         flat_of_row = [0] * len(order)
         for flat, r in enumerate(order):
             flat_of_row[r] = flat
-        rows = StepRows()
+        rows = StepRows(keep_all=self.keep_hidden)
         for i, first, n in _spans(owner):  # a sequence's decode rows are consecutive in `owner`
             rows.decode(i, batch.seqs[i], flat_of_row[first : first + n], pos[first])
         ids, pos, slots = [ids[r] for r in order], [pos[r] for r in order], [slots[r] for r in order]
@@ -368,6 +373,7 @@ class ModelRunner:
         ):
             out, hidden = self._mixed_native(batch, [owner[r] for r in order], ids, pos, slots, logit_rows, rows, lora)
             logits, scored = out[: len(rows.sample_at)], [out[len(rows.sample_at) :]]
+            self.last_hidden += rows.kept_hidden(hidden, batch.seqs)
             return logits, rows.spans, self._prompt_logprobs(batch, scored, rows), rows.pooled(hidden)
         groups = self._groups_in(order, [batch.seqs[o].block_table for o in owner], decode_lens) if nd else []
         step = StepInputs(
@@ -377,15 +383,16 @@ class ModelRunner:
             len(order),
             groups,
             logit_rows=[self._tensor(rows.sample_at)] + ([self._tensor(rows.score_at)] if rows.score_at else []),
-            hidden_rows=self._tensor(rows.pool_at) if rows.pool_at else None,
+            hidden_rows=rows.hidden_rows(len(ids), self.device),
         )
         if pre_lens:
             w = max(len(t) for t in pre_tables)
             step.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
             step.prefill_cu_seqlens, step.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
         out = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring, then pooled hidden
-        hidden = out.pop() if rows.pool_at else None
+        hidden = out.pop() if step.hidden_rows is not None else None
         logits, *scored = out
+        self.last_hidden += rows.kept_hidden(hidden, batch.seqs)
         return logits, rows.spans, self._prompt_logprobs(batch, scored, rows), rows.pooled(hidden)
 
     def _mixed_native(
@@ -417,7 +424,9 @@ class ModelRunner:
             self._tensor([p + 1 for p in pos]),
             self.lora.batch.token_lora_ids if lora else None,
         )[0]
-        pooled = hidden[self._tensor(step_rows.pool_at)] if step_rows.pool_at else None
+        pooled = (
+            hidden if step_rows.keep_all else hidden[self._tensor(step_rows.pool_at)] if step_rows.pool_at else None
+        )
         return self.fused_decode.logits(hidden[self._tensor(rows)]), pooled
 
     def _prompt_logprobs(self, batch: ScheduledBatch, scored: list[torch.Tensor], rows: StepRows) -> dict:
@@ -437,7 +446,7 @@ class ModelRunner:
         """The step's forward: ``(logits, spans, prompt logprobs, pooled)`` as :meth:`_run_mixed`. A step
         with pooling sequences always takes the mixed path (it returns hidden states)."""
         with kernels.batch_invariant(self.batch_invariant):
-            if batch.num_decodes == len(batch) and all(s.pooling is None for s in batch.seqs):
+            if batch.num_decodes == len(batch) and all(s.pooling is None for s in batch.seqs) and not self.keep_hidden:
                 return (*self._run_decode(batch), {}, [])
             return self._run_mixed(batch)
 
