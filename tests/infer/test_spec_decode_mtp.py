@@ -107,3 +107,29 @@ def test_mtp_speculative_config_keys():
     assert SpeculativeConfig.parse('{"method": "mtp"}').num_speculative_tokens == 1  # vLLM's default for DS-V3
     with pytest.raises(BaigeError, match="method mtp proposes with the target's own MTP modules"):
         SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}')
+
+
+def test_mtp_drafts_equal_the_training_path_predictions(ckpts):
+    """Draft 1 is depth 1's prediction at the last fed position and draft 2 depth 2's (the training
+    forward's ``mtp_hidden`` over the tokens plus draft 1); draft 3 reuses depth 2 one position further."""
+    from baige.runtime.infer.sampling import SamplerRow
+    from baige.runtime.infer.scheduler import Sequence, SequenceStatus
+    from baige.runtime.infer.spec_decode.mtp import MTPProposer
+
+    model = load_model(ckpts["random2"], dtype="float32")
+    tokens = torch.randint(3, 97, (17,), generator=torch.Generator().manual_seed(5)).tolist()
+    n = len(tokens)
+    seq = Sequence(list(tokens), max_tokens=8, status=SequenceStatus.RUNNING)
+    prop = MTPProposer(model, 3, model.config.vocab_size)
+    with torch.no_grad():
+        hidden = model(torch.tensor([tokens[:-1]]), torch.arange(n - 1)[None])[0]  # the target fed n-1 tokens
+        prop.observe([(seq, 0, hidden[:5]), (seq, 5, hidden[5:])])  # two chunks
+        drafts = prop.propose([seq], [3], [SamplerRow(SamplingParams(temperature=0))])[0].token_ids
+        mtp: list = []
+        ext = tokens + drafts[:1]
+        model(torch.tensor([ext]), torch.arange(len(ext))[None], mtp_hidden=mtp)
+    assert len(drafts) == 3
+    assert drafts[0] == int(model.compute_logits(mtp[0][0, n - 2]).argmax())
+    assert drafts[1] == int(model.compute_logits(mtp[1][0, n - 2]).argmax())
+    prop.release(seq)
+    assert not prop.states
