@@ -13,6 +13,7 @@ import torch
 from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.infer.sampling import SamplingParams, sample
+from baige.runtime.model.config import kv_cache_dims
 from baige.runtime.model.transformer import Transformer
 
 
@@ -27,7 +28,7 @@ class ContiguousKVCache:
     def __init__(self, model: Transformer, batch_size: int, max_len: int):
         cfg = model.config
         p = next(model.parameters())
-        shape = (batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (batch_size, max_len, *kv_cache_dims(cfg))
         self.k = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.empty(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
         self.max_len = max_len

@@ -35,6 +35,8 @@ from baige.kernels.invariant import enabled as batch_invariant_enabled
 from baige.kernels.invariant import linear as batch_invariant_linear  # noqa: F401
 from baige.kernels.invariant import pointwise as batch_invariant_pointwise
 from baige.kernels.lora import lora_apply  # noqa: F401  (in OPS)
+from baige.kernels.mla import *  # noqa: F403  (DeepSeek: MLA over the latent cache, grouped routing)
+from baige.kernels.mla import MLA_OPS
 from baige.kernels.native import *  # noqa: F403  (re-exported: the native CPU library's names besides the ops)
 from baige.kernels.settings import KernelSettings, reload_settings, settings
 
@@ -56,7 +58,7 @@ OPS = (
     "fused_moe",
     "lora_apply",
 )
-__all__ = [*OPS, "OPS"]
+__all__ = [*OPS, "OPS", *MLA_OPS]
 # inside `with batch_invariant():` (kernels/invariant.py) the ops below take its batch-invariant kernels
 __all__ += ["batch_invariant", "batch_invariant_enabled", "batch_invariant_linear", "batch_invariant_pointwise"]
 

@@ -13,7 +13,7 @@ import torch
 from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
-from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.config import ModelConfig, kv_cache_dims
 from baige.runtime.model.device import available_memory
 
 logger = logging.getLogger("baige.engine")
@@ -49,7 +49,9 @@ class KVCache:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.scratch_block = num_blocks
         self.device = torch.device(device)
-        self._shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
+        heads, head_dim = kv_cache_dims(cfg)
+        self._shape = (heads, num_blocks + 1, block_size, head_dim)
+        self._latent = cfg.mla is not None  # MLA: one pool per layer, V is K's latent columns (kernels.mla)
         self._layers = cfg.num_hidden_layers
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -65,7 +67,7 @@ class KVCache:
             return torch.zeros(self._shape, dtype=self.dtype, device=self.device)
 
         self.k = [pool() for _ in range(self._layers)]
-        self.v = [pool() for _ in range(self._layers)]
+        self.v = self.k if self._latent else [pool() for _ in range(self._layers)]
 
     def release(self) -> None:
         """Drop the pools (the engine's ``sleep``): their memory goes back to the OS (CPU: the pools'

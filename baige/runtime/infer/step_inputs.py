@@ -55,6 +55,27 @@ class PagedAttentionMetadata:
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[None]  # (1, T, H, D)
 
+    def attend_latent(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, scale: float, kv_lora_rank: int):
+        """MLA over the latent cache (``model/mla.py``; the layer's K and V pools are one tensor):
+        q (1, T, n_heads, Dl + Dr) absorbed queries, kv (1, T, 1, Dl + Dr) the new rows -> the
+        attended latents (1, T, n_heads, Dl). Decode rows through ``kernels.mla_decode_attention``,
+        prefill chunks through the paged prefill kernel (value = the key row)."""
+        kc = self.k_cache[layer_idx]
+        q, kv = q[0], kv[0]  # (T, H, Dl + Dr), (T, 1, Dl + Dr)
+        kernels.store_kv(kv, kv, kc, kc, self.slot_mapping)
+        nd, parts, row = self.num_decodes, [], 0
+        for tables, lens in self.decode_groups:
+            n = tables.shape[0]
+            parts.append(kernels.mla_decode_attention(q[row : row + n], kc, tables, lens, scale, kv_lora_rank))
+            row += n
+        if nd < q.shape[0]:
+            out = kernels.paged_prefill_attention(
+                q[nd:], kc, kc, self.prefill_block_tables, self.prefill_cu_seqlens, self.prefill_context_lens, scale
+            )
+            parts.append(out[..., :kv_lora_rank])
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out[None]  # (1, T, H, Dl)
+
 
 @dataclass
 class StepInputs:

@@ -53,6 +53,10 @@ def check_shardable(cfg: ModelConfig, world_size: int, expert_parallel: bool = F
     ``world_size`` ranks: query heads, KV heads (a multiple of the ranks or a divisor of them), the
     dense, routed (unless ``expert_parallel``) and shared intermediate sizes. Reads only the config,
     so it runs before any worker starts."""
+    if cfg.mla is not None and world_size > 1:
+        raise BaigeError(
+            f"--tensor-parallel-size {world_size}: {cfg.model_type} (Multi-head Latent Attention) runs on one rank"
+        )
     _split(cfg.num_attention_heads, world_size, "num_attention_heads")
     k = cfg.num_key_value_heads
     if k % world_size and world_size % k:

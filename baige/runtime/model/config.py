@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from baige.errors import BaigeError
 from baige.runtime.model.config_checks import check_config_fields, read_json
+from baige.runtime.model.mla_config import MLA_MODEL_TYPES, GroupedRouting, MLAConfig, deepseek_overrides
 
 # HF model_type -> the architecture features our single decoder switches on.
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe")
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + MLA_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # The projections of a Llama-family block (HF names), the usual LoRA targets. Here, beside the other
 # torch-free facts of the architecture, so that option help and config checks need no torch.
@@ -51,6 +52,7 @@ class MoEConfig:
     norm_min: float = 0.0
     router_fp32: bool = False
     router_aux_loss_coef: float = 0.0
+    routing: GroupedRouting | None = None  # DeepSeek's group-limited router (mla_config.py); None: moe_topk
 
     def is_sparse(self, layer_idx: int) -> bool:
         return layer_idx in self.sparse_layers
@@ -80,6 +82,7 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) instead of (i, i + D/2) (ERNIE-4.5)
     moe: MoEConfig | None = None  # None: every layer dense
+    mla: MLAConfig | None = None  # Multi-head Latent Attention (DeepSeek, mla_config.py); None: GQA
     # DeepSeek-V3's multi-token-prediction modules (model/mtp.py), ``num_nextn_predict_layers``; 0: none
     mtp_depth: int = 0
     torch_dtype: str = "float32"
@@ -119,7 +122,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        return cls(
+        config = cls(
             model_type=model_type,
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -143,6 +146,9 @@ class ModelConfig:
             eos_token_id=eos_ids,
             raw=dict(cfg),
         )
+        if model_type in MLA_MODEL_TYPES:
+            config = replace(config, **deepseek_overrides(cfg, model_type, n_layers, MoEConfig))
+        return config
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -167,6 +173,8 @@ class ModelConfig:
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.mla is not None:
+            attn = self.mla.attn_params(h, self.num_attention_heads, self.attention_bias)
         body = h
         for i in range(self.num_hidden_layers):
             body += attn + self._mlp_params(i, active) + 2 * h
@@ -185,12 +193,23 @@ class ModelConfig:
         return n + (m.num_experts if m.correction_bias else 0)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies in the cache across all layers."""
+        """Bytes of K and V one token occupies in the cache across all layers (MLA: the latent and the
+        rope key, ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes`` per layer)."""
+        if self.mla is not None:
+            return self.num_hidden_layers * self.mla.latent_dim * dtype_bytes
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
+def kv_cache_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """``(heads, head_dim)`` of one layer's cached K (and V) per token: the KV heads, or MLA's one
+    shared latent row of ``kv_lora_rank + qk_rope_head_dim`` (its value is the same row, one pool)."""
+    return (1, cfg.mla.latent_dim) if cfg.mla is not None else (cfg.num_key_value_heads, cfg.head_dim)
+
+
 def softmax_scale(cfg: ModelConfig) -> float:
-    """``1/sqrt(head_dim)`` (Vaswani et al. 2017)."""
+    """``1/sqrt(head_dim)`` (Vaswani et al. 2017); MLA's own (``MLAConfig.scale``)."""
+    if cfg.mla is not None:
+        return cfg.mla.scale
     return 1.0 / math.sqrt(cfg.head_dim)
 
 

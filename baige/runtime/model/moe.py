@@ -58,6 +58,9 @@ class Router(nn.Module):
         m = cfg.moe
         self.weight = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size))
         self.fp32 = m.router_fp32
+        self.e_score_correction_bias = None  # DeepSeek-V3's selection bias, stored with the router
+        if m.routing is not None and m.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(m.num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, H) -> router logits (N, E), fp32 when the family computes them so (ERNIE), else x's dtype."""
@@ -83,7 +86,8 @@ class SparseMoeBlock(nn.Module):
 
     Parameter names: ``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``,
     ``shared_expert.*`` + ``shared_expert_gate.weight`` (Qwen2-MoE), ``shared_experts.*`` and
-    ``moe_statics.e_score_correction_bias`` (ERNIE-4.5).
+    ``moe_statics.e_score_correction_bias`` (ERNIE-4.5); ``shared_experts.*`` and
+    ``gate.e_score_correction_bias`` (DeepSeek-V3, routed by :func:`baige.kernels.grouped_topk`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -92,7 +96,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize, self.norm_min = m.top_k, m.renormalize, m.norm_min
         self.gate = Router(cfg)
         self.experts = Experts(m.num_experts, cfg.hidden_size, m.intermediate_size)
-        self.moe_statics = MoEStatics(m.num_experts) if m.correction_bias else None
+        self.routing = m.routing  # DeepSeek's group-limited router (kernels.grouped_topk), else None
+        self.moe_statics = MoEStatics(m.num_experts) if m.correction_bias and m.routing is None else None
         shared = SwiGLU(cfg.hidden_size, m.shared_intermediate_size) if m.shared_intermediate_size else None
         if m.shared_gate:  # Qwen2-MoE's names
             self.shared_expert, self.shared_experts = shared, None
@@ -103,9 +108,25 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (N, H) -> (router logits (N, E), topk_weights (N, k) fp32, topk_ids (N, k) int64)."""
         logits = self.gate(x)
+        return (logits, *self.topk(logits))
+
+    def topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> (topk_weights (N, k) fp32, topk_ids (N, k) int64), the family's rule."""
+        if self.routing is not None:
+            r = self.routing
+            weights, ids = kernels.grouped_topk(
+                logits,
+                self.top_k,
+                n_group=r.n_group,
+                topk_group=r.topk_group,
+                scoring_func=r.scoring_func,
+                renormalize=self.renormalize,
+                correction_bias=self.gate.e_score_correction_bias,
+                routed_scaling_factor=r.routed_scaling_factor,
+            )
+            return weights, ids
         bias = self.moe_statics.e_score_correction_bias[0] if self.moe_statics is not None else None
-        weights, ids = kernels.moe_topk(logits, self.top_k, self.renormalize, bias, self.norm_min)
-        return logits, weights, ids
+        return kernels.moe_topk(logits, self.top_k, self.renormalize, bias, self.norm_min)
 
     def forward(self, x: torch.Tensor, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x: (B, T, H) -> (B, T, H). ``router_logits``: when a list, this layer's (B*T, E) logits are

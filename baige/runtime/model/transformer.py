@@ -23,6 +23,7 @@ from torch import nn
 from baige import kernels
 from baige.runtime.model.config import ModelConfig, softmax_scale
 from baige.runtime.model.linear import project
+from baige.runtime.model.mla import MLAttention
 from baige.runtime.model.moe import SparseMoeBlock, SwiGLU
 from baige.runtime.model.mtp import MTPLayer
 from baige.runtime.model.rope import RotaryEmbedding
@@ -91,7 +92,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = MLAttention(cfg, layer_idx, RMSNorm) if cfg.mla is not None else Attention(cfg, layer_idx)
         sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
         self.mlp = SparseMoeBlock(cfg) if sparse else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -199,4 +200,5 @@ class Transformer(nn.Module):
         """
         c = self.config
         n = self.config.num_params(non_embedding=True, active=True)
-        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+        dim = (c.mla.qk_head_dim + c.mla.v_head_dim) / 2 if c.mla is not None else c.head_dim  # MLA: QK^T and PV widths
+        return int(6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * dim * seq_len)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from baige.errors import BaigeError
 from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.train.config import MoESection
 
@@ -131,7 +132,11 @@ class MoEBalancer:
         default = 0.0 if self.bias_mode else m.router_aux_loss_coef
         self.aux_coef = default if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef
         self.z_coef, self.rate = cfg.router_z_loss_coef, cfg.bias_update_rate
-        self.own_bias = m.correction_bias  # ERNIE-4.5: selection already biased by its moe_statics
+        self.own_bias = m.correction_bias  # ERNIE-4.5 / DeepSeek-V3: selection already biased by their own
+        if self.bias_mode and m.routing is not None and not m.correction_bias:
+            raise BaigeError(
+                f"moe.load_balance=bias: {model.config.model_type}'s router has no selection bias to train"
+            )
         if self.bias_mode and not self.own_bias:
             for block in self.blocks:
                 block.moe_statics = SelectionBias(self.num_experts)
@@ -163,8 +168,11 @@ class MoEBalancer:
         with torch.no_grad():  # the experts actually chosen (bias included) per layer
             chosen = []
             for j, x in enumerate(logits):
-                scores, bias = torch.softmax(x.detach().float(), dim=-1), self._selection_bias(j)
-                ids = torch.topk(scores if bias is None else scores + bias, self.top_k, dim=-1).indices
+                if self.blocks[j].routing is not None:  # DeepSeek's group-limited rule
+                    ids = self.blocks[j].topk(x.detach())[1]
+                else:
+                    scores, bias = torch.softmax(x.detach().float(), dim=-1), self._selection_bias(j)
+                    ids = torch.topk(scores if bias is None else scores + bias, self.top_k, dim=-1).indices
                 chosen.append(torch.bincount(ids.reshape(-1), minlength=self.num_experts))
             local = torch.cat(
                 [
@@ -196,7 +204,12 @@ class MoEBalancer:
             for j, block in enumerate(self.blocks):
                 load = self.step_load[j]
                 delta = self.rate * torch.sign(load.mean() - load)  # (E,) fp64
-                _add_(block.moe_statics.e_score_correction_bias, delta.float().view(1, -1))
+                bias = (
+                    block.moe_statics.e_score_correction_bias
+                    if block.routing is None
+                    else block.gate.e_score_correction_bias
+                )
+                _add_(bias, delta.float().view(bias.shape))
         self.window_load += self.step_load
         self.step_load.zero_()
 
