@@ -133,3 +133,21 @@ def test_mtp_drafts_equal_the_training_path_predictions(ckpts):
     assert drafts[1] == int(model.compute_logits(mtp[1][0, n - 2]).argmax())
     prop.release(seq)
     assert not prop.states
+
+
+def test_deepseek_v3_mtp_block_is_mla_and_speculates_token_identically(tmp_path, one_thread):
+    """On a tiny deepseek_v3 the MTP block is built by the model's own DecoderLayer (MLA attention), loads
+    and saves under layer ``num_hidden_layers``, and greedy MTP speculation equals plain decoding."""
+    from mla_tiny import make_mla_checkpoint
+    from train_utils import shakespeare, write_char_tokenizer
+
+    from baige.runtime.model.mla import MLAttention
+
+    src = make_mla_checkpoint(tmp_path / "ds", "deepseek-v3", vocab_size=97, max_position_embeddings=256)
+    write_char_tokenizer(src, shakespeare(200_000))
+    ckpt = _with_mtp(src, tmp_path / "ds-mtp", 1, echo=False)
+    model = load_model(ckpt, dtype="float32")
+    assert len(model.mtp) == 1 and isinstance(model.mtp[0].block.self_attn, MLAttention)
+    _, ref = _run(src)
+    eng, got = _run(ckpt, {"method": "mtp", "num_speculative_tokens": 2})
+    assert got == ref and eng.spec_stats.num_draft_tokens > 0
