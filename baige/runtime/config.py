@@ -285,7 +285,7 @@ class EngineConfig:
 
 
 # ---- speculative decoding (--speculative-config) ------------------------------------------------
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 MAX_SPECULATIVE_TOKENS = 32  # proposals per sequence per step
 
 
@@ -295,8 +295,10 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup: proposals copied from the sequence's own prompt and
-            output) or ``"draft_model"`` (a smaller model with the same tokenizer proposes).
-        num_speculative_tokens: k, the most tokens proposed per sequence per step (1..32).
+            output), ``"draft_model"`` (a smaller model with the same tokenizer proposes) or ``"mtp"``
+            (the target's own multi-token-prediction modules propose, DeepSeek-V3's MTP).
+        num_speculative_tokens: k, the most tokens proposed per sequence per step (1..32); mtp
+            without it: 1 (vLLM: the model's MTP depth, 1 for DeepSeek-V3).
         prompt_lookup_max, prompt_lookup_min: ngram only: the longest and shortest suffix (in tokens)
             looked up in the sequence; the longest that matches wins. Defaults 4 and 1.
         model: draft_model only: the draft's model spec (a directory, a hub id, a .gguf, or a
@@ -342,6 +344,9 @@ class SpeculativeConfig:
                 bad(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
+        elif self.method == "mtp":
+            if self.model is not None or self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                bad("method mtp proposes with the target's own MTP modules: drop model / prompt_lookup_*")
         else:
             if not isinstance(self.model, str) or not self.model:
                 bad('method draft_model needs "model": the draft\'s model spec')
@@ -366,9 +371,11 @@ class SpeculativeConfig:
         if "method" not in value:
             if "model" not in value:
                 raise BaigeError(
-                    '--speculative-config: give "method" (ngram or draft_model)', param="speculative_config"
+                    '--speculative-config: give "method" (ngram, draft_model or mtp)', param="speculative_config"
                 )
             value["method"] = "draft_model"
+        if "num_speculative_tokens" not in value and value["method"] == "mtp":
+            value["num_speculative_tokens"] = 1
         if "num_speculative_tokens" not in value:
             raise BaigeError('--speculative-config: give "num_speculative_tokens"', param="speculative_config")
         return cls(**value)

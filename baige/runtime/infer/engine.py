@@ -127,6 +127,7 @@ class Engine(EnginePooling, EngineWeights):
             tp,
             batch_invariant=cfg.batch_invariant,
         )
+        self.runner.keep_hidden = self.proposer is not None and self.proposer.needs_hidden  # an MTP proposer
         if self.lora is not None:
             self.runner.lora = self.lora
             for request, adapter in startup_adapters:
@@ -370,6 +371,9 @@ class Engine(EnginePooling, EngineWeights):
 
     def _propose(self) -> None:
         """Draft tokens for the running sequences that decode next step (:func:`assign_drafts`)."""
+        if self.runner.keep_hidden:
+            hidden, self.runner.last_hidden = self.runner.last_hidden, []
+            self.proposer.observe(hidden)
         assign_drafts(
             self.proposer,
             self.scheduler.running,

@@ -39,33 +39,18 @@ from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
 from baige.runtime.infer.scheduler import ScheduledBatch
 from baige.runtime.infer.spec_decode.rejection import verify_drafts
-from baige.runtime.infer.step_inputs import StepInputs, StepRows, forward_step, group_by_width, sliding_view
+from baige.runtime.infer.step_inputs import (
+    StepInputs,
+    StepRows,
+    forward_step,
+    group_by_width,
+    owner_spans,
+    rows_by_length,
+    size_buckets,
+    sliding_view,
+)
 from baige.runtime.model.logprobs import check_batch_invariant
 from baige.runtime.model.transformer import Transformer
-
-
-def _by_length(lens: list[int]) -> list[int]:
-    """Row indices by ascending context length (stable): the decode rows' order in a step."""
-    return sorted(range(len(lens)), key=lens.__getitem__)
-
-
-def _spans(owner: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of equal owners: ``(owner, first row, rows)`` for rows grouped by owner, in order."""
-    spans: list[tuple[int, int, int]] = []
-    for r, o in enumerate(owner):
-        if spans and spans[-1][0] == o:
-            spans[-1] = (o, spans[-1][1], spans[-1][2] + 1)
-        else:
-            spans.append((o, r, 1))
-    return spans
-
-
-def _buckets(limit: int) -> list[int]:
-    """1, 2, 4, ... up to and including ``limit``."""
-    out = [1]
-    while out[-1] < limit:
-        out.append(min(out[-1] * 2, limit))
-    return out
 
 
 class ModelRunner:
@@ -104,8 +89,8 @@ class ModelRunner:
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
-        self.batch_buckets = _buckets(max_num_seqs * (1 + num_speculative_tokens))
-        self.width_buckets = _buckets(-(-max_model_len // self.block_size))
+        self.batch_buckets = size_buckets(max_num_seqs * (1 + num_speculative_tokens))
+        self.width_buckets = size_buckets(-(-max_model_len // self.block_size))
         self.enforce_eager = enforce_eager
         self._decode_fn = self._decode_forward
         # Capture on GPU only: torch.compile "reduce-overhead" records CUDA graphs of the fixed-shape
@@ -118,6 +103,9 @@ class ModelRunner:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
         # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
         self.lora = None  # the engine's LoRAManager when LoRA is enabled
+        # keep_hidden (an MTP proposer): every step runs the mixed path and keeps its rows' final hidden states
+        self.keep_hidden = False
+        self.last_hidden: list = []  # StepRows.kept_hidden of the steps since the engine took it
         # the LoRAManager.version the native table was last built for, and whether that build succeeded
         self._fused_lora_version, self._fused_lora_ok = 0, False
         self.fused_decode, self.fused_decode_why = None, "not on the CPU"
@@ -267,7 +255,7 @@ class ModelRunner:
             ``(order, groups)``: the row order (indices into the rows) and per group its block tables
             (rows, widest row's blocks) and context lengths, padded with the scratch block.
         """
-        order = _by_length(lens)
+        order = rows_by_length(lens)
         return order, self._groups_in(order, tables, lens)
 
     def _groups_in(
@@ -291,7 +279,7 @@ class ModelRunner:
         seqs = batch.seqs
         ids, pos, slots, owner = self._decode_rows(seqs)
         R = len(ids)
-        spans = _spans(owner)
+        spans = owner_spans(owner)
         lora = self.lora is not None and any(s.lora_int_id for s in seqs)
         if not self.captures or lora:  # eager: unpadded, grouped by length
             order, groups = self._decode_groups([seqs[o].block_table for o in owner], [p + 1 for p in pos])
@@ -342,12 +330,12 @@ class ModelRunner:
         nd = batch.num_decodes
         ids, pos, slots, owner = self._decode_rows(batch.seqs[:nd])
         decode_lens = [p + 1 for p in pos]
-        order = _by_length(decode_lens)  # _decode_groups' order; its groups only on the per-op path
+        order = rows_by_length(decode_lens)  # _decode_groups' order; its groups only on the per-op path
         flat_of_row = [0] * len(order)
         for flat, r in enumerate(order):
             flat_of_row[r] = flat
-        rows = StepRows()
-        for i, first, n in _spans(owner):  # a sequence's decode rows are consecutive in `owner`
+        rows = StepRows(keep_all=self.keep_hidden)
+        for i, first, n in owner_spans(owner):  # a sequence's decode rows are consecutive in `owner`
             rows.decode(i, batch.seqs[i], flat_of_row[first : first + n], pos[first])
         ids, pos, slots = [ids[r] for r in order], [pos[r] for r in order], [slots[r] for r in order]
         pre_tables, pre_cu, pre_lens = [], [0], []
@@ -375,6 +363,7 @@ class ModelRunner:
         ):
             out, hidden = self._mixed_native(batch, [owner[r] for r in order], ids, pos, slots, logit_rows, rows, lora)
             logits, scored = out[: len(rows.sample_at)], [out[len(rows.sample_at) :]]
+            self.last_hidden += rows.kept_hidden(hidden, batch.seqs)
             return logits, rows.spans, self._prompt_logprobs(batch, scored, rows), rows.pooled(hidden)
         groups = self._groups_in(order, [batch.seqs[o].block_table for o in owner], decode_lens) if nd else []
         step = StepInputs(
@@ -384,7 +373,7 @@ class ModelRunner:
             len(order),
             groups,
             logit_rows=[self._tensor(rows.sample_at)] + ([self._tensor(rows.score_at)] if rows.score_at else []),
-            hidden_rows=self._tensor(rows.pool_at) if rows.pool_at else None,
+            hidden_rows=rows.hidden_rows(len(ids), self.device),
         )
         if self.sliding:
             row_seqs = [batch.seqs[owner[r]] for r in order]
@@ -395,8 +384,9 @@ class ModelRunner:
             step.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])
             step.prefill_cu_seqlens, step.prefill_context_lens = self._tensor(pre_cu), self._tensor(pre_lens)
         out = self._forward(step)  # (n_sample, vocab), then (n_score, vocab) when scoring, then pooled hidden
-        hidden = out.pop() if rows.pool_at else None
+        hidden = out.pop() if step.hidden_rows is not None else None
         logits, *scored = out
+        self.last_hidden += rows.kept_hidden(hidden, batch.seqs)
         return logits, rows.spans, self._prompt_logprobs(batch, scored, rows), rows.pooled(hidden)
 
     def _mixed_native(
@@ -428,7 +418,9 @@ class ModelRunner:
             self._tensor([p + 1 for p in pos]),
             self.lora.batch.token_lora_ids if lora else None,
         )[0]
-        pooled = hidden[self._tensor(step_rows.pool_at)] if step_rows.pool_at else None
+        pooled = (
+            hidden if step_rows.keep_all else hidden[self._tensor(step_rows.pool_at)] if step_rows.pool_at else None
+        )
         return self.fused_decode.logits(hidden[self._tensor(rows)]), pooled
 
     def _prompt_logprobs(self, batch: ScheduledBatch, scored: list[torch.Tensor], rows: StepRows) -> dict:
@@ -448,7 +440,7 @@ class ModelRunner:
         """The step's forward: ``(logits, spans, prompt logprobs, pooled)`` as :meth:`_run_mixed`. A step
         with pooling sequences always takes the mixed path (it returns hidden states)."""
         with kernels.batch_invariant(self.batch_invariant):
-            if batch.num_decodes == len(batch) and all(s.pooling is None for s in batch.seqs):
+            if batch.num_decodes == len(batch) and all(s.pooling is None for s in batch.seqs) and not self.keep_hidden:
                 return (*self._run_decode(batch), {}, [])
             return self._run_mixed(batch)
 

@@ -207,6 +207,9 @@ class StepRows:
             ``score_spans`` per scoring sequence ``(batch index, first prompt token scored, tokens)``.
         pool_at: flat rows whose final hidden states are pooled; ``pool_spans`` per pooling sequence
             ``(batch index, first prompt position of its chunk, entries of pool_at)``.
+        keep_all: the forward returns every row's final hidden state (an MTP proposer reads them);
+            ``kept`` per sequence ``(batch index, position of its first row, its flat rows in position
+            order)``.
     """
 
     sample_at: list[int] = field(default_factory=list)
@@ -216,10 +219,27 @@ class StepRows:
     score_spans: list[tuple[int, int, int]] = field(default_factory=list)
     pool_at: list[int] = field(default_factory=list)
     pool_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    keep_all: bool = False
+    kept: list[tuple[int, int, list[int]]] = field(default_factory=list)
+
+    def hidden_rows(self, num_rows: int, device: torch.device) -> torch.Tensor | None:
+        """The flat rows whose final hidden states the forward returns (StepInputs.hidden_rows)."""
+        if self.keep_all:
+            return torch.arange(num_rows, device=device)
+        return torch.tensor(self.pool_at, dtype=torch.long, device=device) if self.pool_at else None
+
+    def kept_hidden(self, hidden: torch.Tensor | None, seqs: list) -> list[tuple[object, int, torch.Tensor]]:
+        """Per ``kept`` sequence ``(sequence, first position, (rows, hidden))`` from every row's hidden
+        states ((num_rows, hidden)); ``seqs``: the batch's sequences; [] unless ``keep_all``."""
+        if not self.keep_all:
+            return []
+        return [(seqs[i], p, hidden[torch.tensor(f, device=hidden.device)]) for i, p, f in self.kept]
 
     def decode(self, i: int, seq, flat: list[int], position: int) -> None:
         """Sequence ``i`` computes decode rows at flat rows ``flat`` (its last token at prompt
         ``position`` first): they sample, or, for a pooling sequence (one row), may be pooled."""
+        if self.keep_all:
+            self.kept.append((i, position, flat))
         if seq.pooling is None:
             self.spans.append((i, len(self.sample_at), len(flat)))
             self.sample_at += flat
@@ -230,6 +250,8 @@ class StepRows:
         """Sequence ``i`` computes positions ``[start, end)`` at flat rows ``base ..``: score them for
         prompt logprobs when asked (position p's logits score token p + 1), sample after the last one
         when the chunk ends the sequence, or pool the rows its pooling needs."""
+        if self.keep_all:
+            self.kept.append((i, start, list(range(base, base + end - start))))
         if seq.pooling is not None:
             self._pool(i, seq, start, end, base)
             return
@@ -251,9 +273,35 @@ class StepRows:
 
     def pooled(self, hidden: torch.Tensor | None) -> list[tuple[int, int, torch.Tensor]]:
         """Per pooling sequence ``(batch index, chunk start, its rows of hidden)`` from the hidden
-        states of ``pool_at`` ((len(pool_at), hidden))."""
+        states of ``pool_at`` ((len(pool_at), hidden); of every row under ``keep_all``)."""
+        if self.keep_all and self.pool_at:
+            hidden = hidden[torch.tensor(self.pool_at, device=hidden.device)]
         out, at = [], 0
         for i, start, n in self.pool_spans:
             out.append((i, start, hidden[at : at + n]))
             at += n
         return out
+
+
+def rows_by_length(lens: list[int]) -> list[int]:
+    """Row indices by ascending context length (stable): the decode rows' order in a step."""
+    return sorted(range(len(lens)), key=lens.__getitem__)
+
+
+def owner_spans(owner: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal owners: ``(owner, first row, rows)`` for rows grouped by owner, in order."""
+    spans: list[tuple[int, int, int]] = []
+    for r, o in enumerate(owner):
+        if spans and spans[-1][0] == o:
+            spans[-1] = (o, spans[-1][1], spans[-1][2] + 1)
+        else:
+            spans.append((o, r, 1))
+    return spans
+
+
+def size_buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... up to and including ``limit``."""
+    out = [1]
+    while out[-1] < limit:
+        out.append(min(out[-1] * 2, limit))
+    return out

@@ -97,6 +97,8 @@ class ModelConfig:
     sliding_window: int | None = None  # the sliding layers' window in tokens (HF ``sliding_window``)
     attention_sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
     o_proj_bias: bool = False  # the output projection carries a bias (gpt-oss)
+    # DeepSeek-V3's multi-token-prediction modules (model/mtp.py), ``num_nextn_predict_layers``; 0: none
+    mtp_depth: int = 0
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -156,6 +158,7 @@ class ModelConfig:
             rope_interleaved=model_type == "ernie4_5_moe",
             moe=_moe_config(cfg, model_type, n_layers),
             **gpt_oss_config.model_fields(cfg, n_layers),
+            mtp_depth=_int_field(cfg, "num_nextn_predict_layers", default=0, minimum=0),
             torch_dtype=str(dtype),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,

@@ -26,6 +26,7 @@ from baige.runtime.model.config import ModelConfig, softmax_scale
 from baige.runtime.model.linear import project
 from baige.runtime.model.mla import MLAttention
 from baige.runtime.model.moe import SparseMoeBlock, SwiGLU
+from baige.runtime.model.mtp import MTPLayer
 from baige.runtime.model.rope import RotaryEmbedding
 
 
@@ -157,6 +158,13 @@ class Transformer(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList(self.mtp_layer(k) for k in range(cfg.mtp_depth))
+
+    def mtp_layer(self, k: int) -> MTPLayer:
+        """A fresh MTP module of depth ``k + 1`` (its block is layer ``num_hidden_layers + k``'s kind)."""
+        c = self.config
+        block = DecoderLayer(c, c.num_hidden_layers + k)
+        return MTPLayer(c.hidden_size, block, lambda: RMSNorm(c.hidden_size, c.rms_norm_eps))
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (needed after weights are assigned into a tied model)."""
@@ -169,6 +177,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata | None = None,
         router_logits: list[torch.Tensor] | None = None,
+        mtp_hidden: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the decoder.
 
@@ -178,14 +187,24 @@ class Transformer(nn.Module):
             attn_metadata: ``None`` for causal attention within the batch, else a KV-cache owner.
             router_logits: a list to receive each sparse layer's (B*T, num_experts) router logits,
                 in layer order (the load-balancing loss reads them); None: not collected.
+            mtp_hidden: a list to receive, per MTP depth k = 1 .. ``mtp_depth``, ``shared_head.norm(h^k)``
+                of shape (B, T - k, hidden): position i predicts token ``t_{i+k+1}`` (training's MTP
+                loss; ``attn_metadata`` must be None). None: the MTP modules do not run.
         Returns:
             (B, T, hidden) final hidden states (after the last norm), in the model dtype.
         """
-        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-        cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, D) each
+        emb = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        cos, sin = self.rotary_emb(positions, emb.dtype)  # (B, T, D) each
+        x = emb
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn_metadata, router_logits)
-        return self.model.norm(x)
+        x = self.model.norm(x)
+        if mtp_hidden is not None:
+            h = x
+            for k, mtp in enumerate(self.mtp, 1):  # depth k: inputs t_{i+k} and h_i^{k-1}, i = 0 .. T-1-k
+                h = mtp(emb[:, k:], h[:, :-1], cos[:, :-k], sin[:, :-k], None, router_logits)
+                mtp_hidden.append(mtp.shared_head.norm(h))
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., vocab) logits in the model dtype."""

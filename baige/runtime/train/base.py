@@ -36,6 +36,7 @@ from baige.runtime.train.config import TrainConfig
 from baige.runtime.train.lr_scheduler import build_lr_scheduler
 from baige.runtime.train.metrics import MetricsLogger
 from baige.runtime.train.moe import MoEBalancer
+from baige.runtime.train.mtp import set_mtp_depth
 from baige.runtime.train.presets import init_weights, scratch_config
 
 
@@ -183,6 +184,8 @@ class TrainerBase(abc.ABC):
             )
             model = Transformer(mcfg)
             init_weights(model, float(mcfg.raw.get("initializer_range", 0.02)))
+        if self.cfg.model.mtp_depth is not None and self.cfg.model.mtp_depth != model.config.mtp_depth:
+            set_mtp_depth(model, self.cfg.model.mtp_depth, float(model.config.raw.get("initializer_range", 0.02)))
         model.train()
         self.model_config = model.config
         return model

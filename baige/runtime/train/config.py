@@ -1,9 +1,8 @@
 """``baige train``'s configuration: one dataclass per TOML section, file + flags + ``--set`` overrides.
 
-Resolution order (later wins): the dataclass defaults, ``--config run.toml``, the command-line flags,
-then ``--set section.field=value`` overrides. ``value`` is read as a TOML value (``3e-4``, ``true``,
-``[0.9, 0.95]``, ``"text"``); a bare word that is not TOML is taken as a string
-(``--set model.name=/data/llama``).
+Resolution order (later wins): the dataclass defaults, ``--config run.toml``, the command-line flags, then
+``--set section.field=value`` overrides. ``value`` is read as a TOML value (``3e-4``, ``true``, ``[0.9, 0.95]``,
+``"text"``); a bare word that is not TOML is taken as a string (``--set model.name=/data/llama``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import tomllib
 from baige.errors import BaigeError
 from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int, check_output_path
 from baige.runtime.model.config import LORA_TARGETS
+from baige.runtime.train.mtp import validate_mtp
 from baige.runtime.train.rl.config import RLSection, validate_rl
 
 
@@ -29,6 +29,8 @@ class ModelSection:
     name: str | None = None  # pretrained weights: any spec the loader accepts (None = the embedded default)
     config: str | None = None  # from scratch instead: a config.json path or a preset name (see train.PRESETS)
     tokenizer: str | None = None  # tokenizer dir/spec; default: the model's own (or the config.json's dir)
+    mtp_depth: int | None = None  # multi-token-prediction modules (train/mtp.py); None: the checkpoint's
+    mtp_loss_scaling_factor: float = 0.3  # MTP loss weight (DeepSeek-V3's lambda; Megatron's name)
 
 
 @dataclass
@@ -455,17 +457,14 @@ def validate(cfg: TrainConfig) -> None:
             raise BaigeError(f"{where} must be >= 0 (got {value})")
     check_int("training.seed", t.seed, *DATA_SEED_RANGE)  # torch.manual_seed and the data order's numpy seed
     o = cfg.optimizer
-    check_float("optimizer.lr", o.lr, 0.0)
-    check_float("optimizer.eps", o.eps, 0.0)
-    check_float("optimizer.weight_decay", o.weight_decay, 0.0)
+    for name in ("lr", "eps", "weight_decay"):
+        check_float(f"optimizer.{name}", getattr(o, name), 0.0)
     check_float("training.max_norm", t.max_norm, 0.0)
     check_float("lr_scheduler.min_lr_ratio", cfg.lr_scheduler.min_lr_ratio, 0.0, 1.0)
     check_float("lr_scheduler.decay_ratio", cfg.lr_scheduler.decay_ratio, 0.0, 1.0)
     check_float("metrics.peak_tflops", cfg.metrics.peak_tflops, 0.0)
-    _validate_moe(cfg)
-    _validate_pipeline(cfg)
-    _validate_context_parallel(cfg)
-    _validate_lora(cfg)
+    for check in (_validate_moe, _validate_pipeline, _validate_context_parallel, _validate_lora, validate_mtp):
+        check(cfg)
     ac = t.activation_checkpointing
     if ac not in ("none", "full") and not (ac.isdigit() and int(ac) >= 1):
         raise BaigeError(

@@ -11,7 +11,8 @@ parallelism each rank's micro-batch is its shard of the windows (``context_paral
 targets and summed loss are those of the shard, so the same sums give the one-process loss.
 Mixture-of-Experts models add the router terms of :class:`~baige.runtime.train.moe.MoEBalancer`
 (load balancing, z-loss) to each micro-batch's loss under the same factors; the reported ``loss`` stays
-the cross-entropy.
+the cross-entropy. With ``model.mtp_depth`` the multi-token-prediction loss (``train/mtp.py``) is added the
+same way and logged as ``mtp_loss``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from baige.runtime.train.data import DataLoader, eval_batches, load_windows
 from baige.runtime.train.lifecycle import StopSignal, end_run, inject_fault, step_boundary
 from baige.runtime.train.metrics import mfu, peak_flops, peak_memory_bytes
 from baige.runtime.train.moe import RouterLogits
+from baige.runtime.train.mtp import mtp_loss_sums, num_valid
 
 
 class Trainer(TrainerBase):
@@ -38,6 +40,7 @@ class Trainer(TrainerBase):
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
         self.cp = self._context_parallel()
+        self.mtp_loss: float | None = None  # the last step's mean MTP loss over depths (model.mtp_depth)
         self.flops_per_token = lora.flops_per_token(self.model, self.lora_params, cfg.training.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.param_dtype, cfg.metrics.peak_tflops)
 
@@ -117,21 +120,33 @@ class Trainer(TrainerBase):
         return self.cp.shard(input_ids, labels, batch[2] if len(batch) > 2 else None)
 
     def _loss_sum(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, attn_metadata, normalizer: float
-    ) -> tuple[torch.Tensor, RouterLogits | None]:
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata,
+        normalizer: float,
+        mtp_normalizers: list[float] | None = None,
+    ) -> tuple[torch.Tensor, RouterLogits | None, list[torch.Tensor]]:
         """Summed token cross-entropy of one (sharded) micro-batch / ``normalizer``: :meth:`_shard`'s output,
         (B, T) int64 on the device. With gradients on an MoE model, also each sparse layer's (B*T, E) router
-        logits."""
+        logits. With ``mtp_normalizers`` (per MTP depth its step's valid targets), per depth the summed
+        depth-k cross-entropy / its normalizer (:func:`~baige.runtime.train.mtp.mtp_loss_sums`), else []."""
         router_logits = RouterLogits() if self.moe is not None and torch.is_grad_enabled() else None
+        mtp = [] if mtp_normalizers is not None else None
         with torch.autocast(self.device.type, dtype=self.param_dtype, enabled=self.autocast):
-            hidden = self.model(input_ids, positions, attn_metadata, router_logits=router_logits)  # (B, T, hidden)
+            # (B, T, hidden)
+            hidden = self.model(input_ids, positions, attn_metadata, router_logits=router_logits, mtp_hidden=mtp)
             # FSDP keeps the root's parameters (lm_head) unsharded after forward, so this is the full weight
             # (in param_dtype under FSDP's MixedPrecisionPolicy).
             weight = self.model.lm_head.weight
             if self.autocast:  # the head's matmuls in the compute dtype too; the fp32 weight is cast inside
                 hidden = hidden.to(self.param_dtype)  # the op, whose fp32 weight gradient needs no cast back
             loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer)
-        return loss, router_logits
+            if mtp:
+                mtp = [h.to(weight.dtype) for h in mtp]
+                return loss, router_logits, mtp_loss_sums(mtp, weight, labels, mtp_normalizers)
+        return loss, router_logits, []
 
     # ---- checkpoint state -------------------------------------------------------------------------
 
@@ -160,17 +175,26 @@ class Trainer(TrainerBase):
         n_valid = self._all_reduce_sum([float(local_valid)])[0] / self.dims.model_parallel_size
         if n_valid == 0:
             raise BaigeError(f"step {self.step + 1}: no target token carries loss in the whole batch")
-        local_loss = 0.0  # loss on the last pipeline stage only; the world sum / TP is the step's loss
+        depth, mtp_norms = self.model_config.mtp_depth, None
+        if depth:  # per depth the valid targets of the whole step, as n_valid
+            counts = [sum(num_valid(batch[1], depth)[k] for batch in micro) for k in range(depth)]
+            mtp_norms = [v / self.dims.model_parallel_size for v in self._all_reduce_sum([float(c) for c in counts])]
+        local_loss = local_mtp = 0.0  # loss on the last pipeline stage only; the world sum / TP is the step's loss
         if self.pipeline is not None:
             local_loss = self.pipeline.step(micro, n_valid, self.dims.dp_size)
         for batch in micro if self.pipeline is None else ():
-            loss, router_logits = self._loss_sum(*batch, n_valid)
+            loss, router_logits, mtp_sums = self._loss_sum(*batch, n_valid, mtp_norms)
             total = loss if router_logits is None else loss + self.moe.micro_batch_loss(router_logits)
+            if mtp_sums:  # DeepSeek-V3's lambda / D * sum_k L_k
+                total = total + self.cfg.model.mtp_loss_scaling_factor / depth * sum(mtp_sums)
+                local_mtp += sum(m.item() for m in mtp_sums) / depth
             (total * self.dims.dp_cp_size).backward()
             local_loss += loss.item()
-        sums = self._all_reduce_sum([local_loss] + (self.moe.step_values() if self.moe is not None else []))
+        moe_values = self.moe.step_values() if self.moe is not None else []
+        sums = self._all_reduce_sum([local_loss, local_mtp] + moe_values)
         loss_value = sums[0] / self.dims.tp
-        self.moe_losses = dict(zip(("aux_loss", "z_loss"), (v / self.dims.tp for v in sums[1:])))
+        self.mtp_loss = sums[1] / self.dims.tp if depth else None
+        self.moe_losses = dict(zip(("aux_loss", "z_loss"), (v / self.dims.tp for v in sums[2:])))
         grad_norm, lr = self._clip_and_step(loss_value)
         if self.moe is not None:
             self.moe.end_step()
@@ -217,6 +241,7 @@ class Trainer(TrainerBase):
                 "seconds": elapsed,
                 "trainable_params": self.lora_params or self.model_config.num_params(),
                 **(dict(self.moe_losses, **self.moe.metrics()) if self.moe is not None else {}),
+                **({"mtp_loss": self.mtp_loss} if self.mtp_loss is not None else {}),
                 **(self.pipeline.metrics() if self.pipeline is not None else {}),
             }
         )

@@ -14,7 +14,7 @@ from baige.runtime.model.device import resolve_dtype
 from baige.runtime.model.rope import RotaryEmbedding
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.format import prepare_quantized_model
-from baige.runtime.weights import gpt_oss_layout, moe_layout
+from baige.runtime.weights import gpt_oss_layout, moe_layout, mtp_layout
 from baige.runtime.weights.safetensors_io import checkpoint_headers, load_state_dict
 from baige.runtime.weights.validate import check_config_fits, check_fits, check_layer_count, loaded_bytes, meta_state
 
@@ -33,6 +33,10 @@ def load_model(
     Every checkpoint tensor must be consumed and every parameter loaded. A config.json with a
     compressed-tensors ``quantization_config`` loads its Linears as ``QuantizedLinear``
     (see :func:`baige.runtime.quant.format.prepare_quantized_model`); integer tensors keep their dtype.
+
+    DeepSeek-V3's MTP modules (``num_nextn_predict_layers``) load as ``model.mtp``
+    (:mod:`baige.runtime.weights.mtp_layout`); a checkpoint whose config declares them but that holds
+    none of their tensors loads without them (``mtp_depth`` 0).
 
     ``pooling`` (the engine's pooling runner, which never computes logits): a bare-decoder checkpoint
     (transformers' ``LlamaModel``, ``Qwen3Model``, ...: tensor names without the ``model.`` prefix) loads
@@ -60,6 +64,9 @@ def load_model(
         headers = _decoder_names(headers)
         if "lm_head.weight" not in headers:
             cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    if cfg.mtp_depth and not mtp_layout.has_mtp(headers, cfg):
+        cfg = dataclasses.replace(cfg, mtp_depth=0)  # published without its MTP layers: the main model only
+    headers = mtp_layout.to_internal(headers, cfg, str(model_dir))
     check_layer_count(list(headers), cfg, model_dir)
     check_fits(loaded_bytes(headers, torch_dtype), devices, f"{model_dir}: loading the checkpoint")
     with torch.device("meta"):
@@ -69,6 +76,7 @@ def load_model(
     # names, shapes and expert layout checked on meta tensors from the headers: nothing read yet
     check_state_dict(moe_layout.to_internal(meta_state(headers), cfg, str(model_dir)), model, model_dir)
     state = load_state_dict(model_dir, torch_dtype)
+    state = mtp_layout.to_internal(state, cfg, str(model_dir))
     state = moe_layout.to_internal(_decoder_names(state) if pooling else state, cfg, str(model_dir))
     check_state_dict(state, model, model_dir)
     state = {k: v.to(device) for k, v in state.items()}

@@ -16,7 +16,7 @@ import torch
 
 from baige.errors import BaigeError
 from baige.runtime.model.config import MLA_MODEL_TYPES, MOE_MODEL_TYPES, ModelConfig
-from baige.runtime.weights import moe_layout
+from baige.runtime.weights import moe_layout, mtp_layout
 from baige.runtime.weights.validate import TensorInfo, read_index, read_safetensors_header
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -161,6 +161,8 @@ def save_hf_checkpoint(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise BaigeError(f"{out_dir}: already exists and is not empty; choose a new output directory")
+    if any(k.startswith("mtp.") for k in state):  # MTP modules under DeepSeek-V3's published names
+        state = mtp_layout.to_hf(state, ModelConfig.from_dict(config))
     if config.get("model_type") in (
         *MOE_MODEL_TYPES,
         *MLA_MODEL_TYPES,

@@ -7,6 +7,7 @@ import torch
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.spec_decode.draft import DraftModelProposer, check_same_vocab
+from baige.runtime.infer.spec_decode.mtp import MTPProposer
 from baige.runtime.infer.spec_decode.ngram import NgramProposer
 from baige.runtime.infer.spec_decode.proposer import Proposer
 from baige.runtime.model.tokenizer import Tokenizer
@@ -29,8 +30,8 @@ def build_proposer(
     tokens as the target's plus k per sequence (its own memory, on top of ``kv_cache_memory``).
 
     Raises:
-        BaigeError: the draft cannot be found or loaded, its vocabulary differs from the target's,
-        or its context is shorter than ``max_model_len``.
+        BaigeError: method mtp on a model without MTP modules; the draft cannot be found or loaded,
+        its vocabulary differs from the target's, or its context is shorter than ``max_model_len``.
     """
     sc = cfg.speculative_config
     if sc is None:
@@ -38,6 +39,8 @@ def build_proposer(
     k = sc.num_speculative_tokens
     if sc.method == "ngram":
         return NgramProposer(k, sc.prompt_lookup_max, sc.prompt_lookup_min)
+    if sc.method == "mtp":
+        return MTPProposer(model, k, model.config.vocab_size)
     try:
         draft_dir = resolve_model(sc.model)
     except BaigeError as e:

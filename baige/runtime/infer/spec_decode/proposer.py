@@ -3,9 +3,9 @@
 A proposer sees the sequences about to decode and returns per sequence up to its budget of draft
 tokens, with the distribution each was drawn from when it drew at random (None: chosen
 deterministically, which the rejection sampler treats as a one-hot draft distribution). Nothing
-else crosses the boundary, so a trained head (EAGLE, MTP) is one more subclass: it needs the
-target's hidden states, which :meth:`Proposer.propose` may take from ``hidden`` once the runner
-passes them (it does not yet).
+else crosses the boundary, so a trained head (EAGLE, MTP) is one more subclass: one that sets
+``needs_hidden`` gets the target's final hidden states of every row the runner computed
+(:meth:`Proposer.observe`) before each :meth:`Proposer.propose`.
 """
 
 from __future__ import annotations
@@ -93,6 +93,13 @@ class DraftBudget:
 
 class Proposer(ABC):
     """Guesses tokens for decoding sequences (see the module docstring)."""
+
+    needs_hidden = False  # True: the runner keeps every row's final hidden state for observe()
+
+    def observe(self, hidden: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """The target's steps since the last proposal: per computed chunk ``(sequence, position of its
+        first row, (rows, hidden) final hidden states in position order)``, rejected draft rows included
+        (a proposer keeps what is still part of the sequence). Called only when ``needs_hidden``."""
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], budgets: list[int], rows: list[SamplerRow]) -> list[Proposal]:
