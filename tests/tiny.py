@@ -43,6 +43,13 @@ VARIANTS = {
     "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False),
 }
 
+# ERNIE-4.5 dense and the Gemmas: hidden not a power of two (tests/model/test_model_families.py)
+FAMILY_VARIANTS = {
+    # the 0.3B layout: interleaved RoPE, embeddings tied by default
+    "ernie4.5": dict(model_type="ernie4_5", hidden_size=72, head_dim=18, num_hidden_layers=3),
+}
+VARIANTS.update(FAMILY_VARIANTS)
+
 # Mixture-of-Experts: hidden 72 (not a power of two), dense and sparse layers mixed, shared
 # experts where the family has them, an odd number of experts
 MOE = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=2, head_dim=18, num_hidden_layers=3)

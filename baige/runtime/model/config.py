@@ -11,9 +11,10 @@ from baige.errors import BaigeError
 from baige.runtime.model.config_checks import check_config_fields, read_json
 
 # HF model_type -> the architecture features our single decoder switches on.
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ernie4_5")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+ERNIE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")  # interleaved RoPE, embeddings tied unless the file says not
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # The projections of a Llama-family block (HF names), the usual LoRA targets. Here, beside the other
 # torch-free facts of the architecture, so that option help and config checks need no torch.
@@ -130,10 +131,10 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "ernie4_5_moe")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in ERNIE_MODEL_TYPES)),
             attention_bias=_attention_bias(cfg, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            rope_interleaved=model_type == "ernie4_5_moe",
+            rope_interleaved=model_type in ERNIE_MODEL_TYPES,
             moe=_moe_config(cfg, model_type, n_layers),
             torch_dtype=str(dtype),
             bos_token_id=cfg.get("bos_token_id"),
@@ -194,9 +195,9 @@ def softmax_scale(cfg: ModelConfig) -> float:
 def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
     """q/k/v biases: ``attention_bias`` (Llama), Qwen2's always, Qwen2-MoE's ``qkv_bias`` (transformers
     5's name; older files have no key and a bias); ERNIE-4.5's ``use_bias`` must be false."""
-    if model_type == "ernie4_5_moe":
+    if model_type in ERNIE_MODEL_TYPES:
         if cfg.get("use_bias"):
-            raise BaigeError("ernie4_5_moe with use_bias=true (biases on every linear) is not supported")
+            raise BaigeError(f"{model_type} with use_bias=true (biases on every linear) is not supported")
         return False
     if model_type == "qwen2_moe":
         return bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
