@@ -44,9 +44,36 @@ VARIANTS = {
 }
 
 # ERNIE-4.5 dense and the Gemmas: hidden not a power of two (tests/model/test_model_families.py)
+GEMMA = dict(
+    hidden_size=56, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=88, sliding_window=12
+)
 FAMILY_VARIANTS = {
     # the 0.3B layout: interleaved RoPE, embeddings tied by default
     "ernie4.5": dict(model_type="ernie4_5", hidden_size=72, head_dim=18, num_hidden_layers=3),
+    # a 12-token window (prompts are longer), both layer kinds, each kind its own RoPE (the full layers'
+    # with linear scaling), a softmax scale from query_pre_attn_scalar, final logits soft-capped hard
+    "gemma3": dict(
+        model_type="gemma3_text",
+        **GEMMA,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=20,
+        final_logit_softcapping=2.0,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1_000_000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+        },
+    ),
+    # the default alternation (sliding, full, sliding), attention scores and logits soft-capped hard, untied
+    "gemma2": dict(
+        model_type="gemma2",
+        **GEMMA,
+        num_hidden_layers=3,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=False,
+    ),
 }
 VARIANTS.update(FAMILY_VARIANTS)
 

@@ -10,9 +10,11 @@ import pytest
 import torch
 from tiny import FAMILY_VARIANTS, make_checkpoint
 
+from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.sampling import SamplingParams
+from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.loader import load_model
 from baige.runtime.weights.safetensors_io import TOKENIZER_FILES, save_hf_checkpoint
@@ -98,3 +100,76 @@ def test_hf_export_reloads_in_transformers_with_identical_logits(ckpt, tmp_path)
         a = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
         b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
     assert torch.equal(a, b), name
+
+
+def _gemma3_dict(**fields):
+    base = dict(
+        model_type="gemma3_text",
+        vocab_size=160,
+        hidden_size=56,
+        intermediate_size=88,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    return {**base, **fields}
+
+
+def test_gemma3_legacy_rope_fields_and_layer_pattern():
+    """Published Gemma 3 configs (before transformers 5): top-level ``rope_theta`` / ``rope_scaling`` for
+    the full layers, ``rope_local_base_freq`` for the sliding ones, ``sliding_window_pattern`` 6 ->
+    every sixth layer full; transformers' defaults where fields are absent."""
+    cfg = ModelConfig.from_dict(
+        _gemma3_dict(
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            sliding_window=512,
+            sliding_window_pattern=6,
+        )
+    )
+    assert cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert [cfg.layer_window(i) for i in (0, 5, 6)] == [512, None, 512]
+    assert (cfg.rope_theta, cfg.rope_scaling) == (1_000_000.0, {"rope_type": "linear", "factor": 8.0})
+    assert (cfg.gemma.local_rope_theta, cfg.gemma.local_rope_scaling) == (10_000.0, None)
+    assert cfg.gemma.query_pre_attn_scalar == 256 and cfg.gemma.final_logit_softcapping is None
+    assert cfg.tie_word_embeddings and cfg.qk_norm
+    from transformers import Gemma3TextConfig
+
+    hf = Gemma3TextConfig(**{k: v for k, v in _gemma3_dict().items() if k != "model_type"}, sliding_window=512)
+    assert cfg.layer_types == tuple(hf.layer_types)
+
+
+def test_gemma2_defaults_soft_cap_as_transformers():
+    """Gemma 2 files that leave the caps out get transformers' 50 / 30; null turns them off."""
+    base = _gemma3_dict(model_type="gemma2", num_hidden_layers=3)
+    cfg = ModelConfig.from_dict(base)
+    assert (cfg.gemma.attn_logit_softcapping, cfg.gemma.final_logit_softcapping) == (50.0, 30.0)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert cfg.gemma.local_rope_theta is None and cfg.sliding_window == 4096
+    off = ModelConfig.from_dict({**base, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (off.gemma.attn_logit_softcapping, off.gemma.final_logit_softcapping) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"use_bidirectional_attention": True}, "gemma3_text with use_bidirectional_attention=true"),
+        ({"attention_bias": True}, "gemma3_text with attention_bias=true"),
+        ({"hidden_activation": "relu"}, "field 'hidden_activation' must be 'gelu_pytorch_tanh'"),
+        ({"layer_types": ["full_attention"]}, "field 'layer_types' must be a list of 7"),
+        ({"sliding_window": None}, "field 'sliding_window' must be an integer >= 1"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "longrope"}}}, "unsupported rope type 'longrope'"),
+        ({"final_logit_softcapping": -1.0}, "field 'final_logit_softcapping' must be a finite number > 0"),
+    ],
+)
+def test_unsupported_gemma_fields_are_named(change, message):
+    with pytest.raises(BaigeError) as e:
+        ModelConfig.from_dict(_gemma3_dict(**change))
+    assert message in str(e.value)
+
+
+def test_ernie_dense_with_biases_is_refused():
+    with pytest.raises(BaigeError, match="ernie4_5 with use_bias=true"):
+        ModelConfig.from_dict({**_gemma3_dict(model_type="ernie4_5"), "use_bias": True})

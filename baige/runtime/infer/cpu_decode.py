@@ -98,6 +98,8 @@ class FusedDecoder:
         """``(decoder, "")`` when the model is eligible (module docstring), else ``(None, why)``."""
         if not settings().cpu_decode or not kernels.native_allowed():
             return None, "disabled (BAIGE_CPU_DECODE=0 or BAIGE_KERNELS set)"
+        if model.config.gemma is not None:
+            return None, "Gemma's (1 + w) norms, GeGLU MLP and soft-caps are not in the native step"
         dtype = model.model.embed_tokens.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             return None, f"the model is {dtype}, not fp32 or bf16"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,9 +10,10 @@ from typing import Any
 
 from baige.errors import BaigeError
 from baige.runtime.model.config_checks import check_config_fields, read_json
+from baige.runtime.model.config_gemma import GEMMA_MODEL_TYPES, GemmaConfig, gemma_fields
 
 # HF model_type -> the architecture features our single decoder switches on.
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ernie4_5")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ernie4_5") + GEMMA_MODEL_TYPES
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe")
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 ERNIE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")  # interleaved RoPE, embeddings tied unless the file says not
@@ -84,6 +86,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3: norms, embedding scale, soft-caps, two RoPE bases
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the config.json as read
 
     @classmethod
@@ -118,7 +121,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        return cls(
+        config = cls(
             model_type=model_type,
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -141,6 +144,9 @@ class ModelConfig:
             eos_token_id=eos_ids,
             raw=dict(cfg),
         )
+        if model_type in GEMMA_MODEL_TYPES:  # Gemma 2 / 3 (config_gemma.py)
+            config = dataclasses.replace(config, **gemma_fields(cfg, SUPPORTED_ROPE_TYPES))
+        return config
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -167,7 +173,7 @@ class ModelConfig:
         attn += 2 * self.head_dim if self.qk_norm else 0
         body = h
         for i in range(self.num_hidden_layers):
-            body += attn + self._mlp_params(i, active) + 2 * h
+            body += attn + self._mlp_params(i, active) + (4 if self.gemma else 2) * h  # Gemma: 4 norms
         if non_embedding:
             return body
         emb = self.vocab_size * h

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from baige import kernels
 from baige.errors import BaigeError
+from baige.runtime.model.gemma import lm_head_cross_entropy
 from baige.runtime.train import lora
 from baige.runtime.train.base import TrainerBase, TrainResult
 from baige.runtime.train.config import TrainConfig
@@ -130,7 +130,7 @@ class Trainer(TrainerBase):
             weight = self.model.lm_head.weight
             if self.autocast:  # the head's matmuls in the compute dtype too (autocast does not cast inside the op)
                 hidden, weight = hidden.to(self.param_dtype), weight.to(self.param_dtype)
-            loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer)
+            loss = lm_head_cross_entropy(self.model_config, hidden, weight, labels, normalizer)  # Gemma: capped
         return loss, router_logits
 
     # ---- checkpoint state -------------------------------------------------------------------------
