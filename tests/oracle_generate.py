@@ -34,7 +34,7 @@ class ContiguousKVCache:
         self.start = 0  # tokens already cached
         self.pending = 0  # tokens of the forward in flight
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx: int, q, k, v, scale: float, *, window=None, sinks=None, softcap=None) -> torch.Tensor:
         T = q.shape[1]
         end = self.start + T
         if end > self.max_len:
@@ -42,7 +42,9 @@ class ContiguousKVCache:
         self.k[layer_idx][:, self.start : end] = k
         self.v[layer_idx][:, self.start : end] = v
         self.pending = T
-        return kernels.attention(q, self.k[layer_idx][:, :end], self.v[layer_idx][:, :end], scale, q_offset=self.start)
+        k_all, v_all = self.k[layer_idx][:, :end], self.v[layer_idx][:, :end]
+        extra = {"window": window, "sinks": sinks, "softcap": softcap}
+        return kernels.attention(q, k_all, v_all, scale, q_offset=self.start, **extra)
 
     def advance(self) -> None:
         self.start += self.pending

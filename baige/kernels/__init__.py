@@ -152,129 +152,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return impl.silu_mul(gate, up)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
-    """Causal scaled-dot-product attention with grouped-query heads over contiguous K/V.
-
-    Query ``i`` is at absolute position ``q_offset + i`` and attends to keys ``0..q_offset + i``
-    (the causal mask is aligned to the bottom right when ``q_offset = S - T``).
-
-    Args:
-        q: (B, T, n_heads, head_dim).
-        k, v: (B, S, n_kv_heads, head_dim) with ``n_heads % n_kv_heads == 0`` and ``S >= q_offset + T``.
-        scale: softmax scale, usually ``head_dim ** -0.5``.
-        q_offset: absolute position of the first query.
-    Returns:
-        (B, T, n_heads, head_dim) in the dtype of ``q``.
-    """
-    return (invariant if invariant.enabled() else _impl(q, "flash_attention")).attention(q, k, v, scale, q_offset)
-
-
-def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
-) -> torch.Tensor:
-    """Scaled-dot-product attention under an explicit boolean mask, grouped-query heads, with autograd
-    (training's packed layouts whose mask is not plain causal, e.g. several completions sharing one
-    prompt).
-
-    Args:
-        q: (B, T, n_heads, head_dim).
-        k, v: (B, S, n_kv_heads, head_dim), ``n_heads % n_kv_heads == 0``.
-        scale: softmax scale.
-        mask: (B, T, S) bool, True where query t may attend key s; every query row needs a True.
-    Returns:
-        (B, T, n_heads, head_dim) in the dtype of ``q``.
-    """
-    return reference.masked_attention(q, k, v, scale, mask)
-
-
-# ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
-# A layer's cache is (n_kv_heads, num_blocks, block_size, head_dim), heads outermost; token slot s of
-# KV head h lives at [h, s // block_size, s % block_size]. A block table row lists a sequence's blocks
-# in order. Heads outermost makes gathering a batch's blocks produce (n_kv_heads, S, tokens, head_dim)
-# directly, the layout of a batched matmul per KV head (no transpose copy after the gather).
-
-
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write new tokens' K/V into their cache slots, in place.
-
-    Args:
-        k, v: (N, n_kv_heads, head_dim). On CPU they are rounded to the cache's dtype (an fp16 cache
-            under an fp32 model, ``kv_cache_dtype``); the Triton path needs the cache's dtype.
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous.
-        slot_mapping: (N,) int64 slot of each token, ``block_id * block_size + offset``; distinct and
-            inside the pool. The Triton path does not range-check them (that would need a device sync):
-            an out-of-range slot writes outside the pool.
-    Raises:
-        ValueError (Triton path): K/V and cache dtypes differ, or slot_mapping is not (N,).
-    """
-    same = k.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16  # bf16 into bf16: native row copies
-    impl = _native_cpu(k, v, caches=(k_cache, v_cache), bf16=same) or _impl(k, "paged_attention")
-    impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of one query per sequence over its cached K/V (decode), grouped-query heads.
-
-    The query's own K/V must already be stored; it attends to the first ``context_lens[i]`` cached
-    tokens of sequence ``i``. Shapes are fixed by the padding of ``block_tables``, so one compiled
-    graph (or CUDA graph) serves every decode step of a given batch and table width. Work and memory
-    traffic grow with ``S * W``: callers group sequences of similar length (see the model runner).
-
-    Args:
-        q: (S, n_heads, head_dim).
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous; on CPU their
-            dtype may differ from q's (read converted to it), on the Triton path it must not.
-        block_tables: (S, W) int64 block ids; entries past a sequence's blocks must be valid ids
-            (any block: they are masked).
-        context_lens: (S,) int64 tokens in the cache per sequence, 1 <= context_lens <= W * block_size.
-        scale: softmax scale.
-    Returns:
-        (S, n_heads, head_dim) in the dtype of ``q``.
-    """
-    impl = invariant if invariant.enabled() else _native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or _impl(q, "paged_attention")
-    return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of prefill chunks over their cached prefix plus themselves (chunked prefill,
-    prefix caching), grouped-query heads, sequences packed without padding.
-
-    Sequence ``i`` has queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`` (its last ``T_i`` tokens, whose
-    K/V are already stored) and ``context_lens[i]`` tokens in the cache; query ``j`` sits at position
-    ``context_lens[i] - T_i + j`` and sees keys ``0..`` that position.
-
-    Args:
-        q: (N, n_heads, head_dim), N = total query tokens.
-        k_cache, v_cache: (n_kv_heads, num_blocks, block_size, head_dim), contiguous; on CPU their
-            dtype may differ from q's (read converted to it), on the Triton path it must not.
-        block_tables: (P, W) int64 block ids per sequence.
-        cu_seqlens_q: (P + 1,) int64 cumulative query counts, starting at 0.
-        context_lens: (P,) int64 cached tokens per sequence, the new ones included.
-        scale: softmax scale.
-    Returns:
-        (N, n_heads, head_dim) in the dtype of ``q``.
-    """
-    impl = invariant if invariant.enabled() else _native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or _impl(q, "paged_attention")
-    return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+from baige.kernels.attention_ops import (  # noqa: E402  (in OPS; they dispatch through _impl / _native_cpu above)
+    attention,
+    flash_attention_varlen,
+    masked_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv,
+)
 
 
 def fused_linear_cross_entropy(
@@ -304,38 +189,6 @@ def fused_linear_cross_entropy(
     """
     impl = _impl(hidden, "cross_entropy")
     return impl.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
-
-
-def flash_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention over packed variable-length sequences, grouped-query heads, with autograd
-    (FlashAttention-2's online softmax, Dao 2023, arXiv:2307.08691; ``flash_attn_varlen_func``'s
-    argument convention).
-
-    Sequence ``i`` owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys
-    ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``; with ``Lq <= Lk`` tokens the causal mask is aligned to the
-    bottom right: query ``j`` sees keys ``0..Lk - Lq + j``.
-
-    Args:
-        q: (Nq, n_heads, head_dim) fp32/fp16/bf16.
-        k, v: (Nk, n_kv_heads, head_dim), ``n_heads % n_kv_heads == 0``.
-        cu_seqlens_q, cu_seqlens_k: (P + 1,) int32/int64 cumulative lengths starting at 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence of each (host ints: no device sync); each
-            sequence needs ``0 < Lq <= Lk`` and lengths no longer than these, or rows are left unwritten.
-        scale: softmax scale.
-    Returns:
-        (Nq, n_heads, head_dim) in the dtype of ``q``; softmax statistics are fp32.
-    """
-    impl = _impl(q, "flash_attention")
-    return impl.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 
 def quantized_linear(

@@ -8,6 +8,8 @@ import pytest
 import torch
 from cp_utils import ring_case, run_ranks
 
+from baige import kernels
+from baige.errors import BaigeError
 from baige.runtime.train import context_parallel
 from baige.runtime.train.context_parallel import (
     RingAttention,
@@ -126,3 +128,28 @@ def test_token_cache_records_where_each_document_starts(tmp_path):
     assert len(f.tokens) == 12 and f.doc_starts.tolist() == [0, 4, 6]
     again = tokenize_file(data, Tokenizer.from_dir(tmp_path), tmp_path, tmp_path / "cache")  # from the cache
     assert again.doc_starts.tolist() == [0, 4, 6]
+
+
+def test_masked_attention_with_window_sinks_softcap_on_a_permuted_sequence():
+    """Documents, a sliding window, sinks and a soft-cap on Ulysses' shard order equal each document's own
+    windowed attention (kernels.attention) in position order."""
+    (q, k, v, _, doc), _ = ring_case(3, 5, True)
+    H = q.shape[2]
+    extra = {"window": 4, "sinks": torch.linspace(-1.0, 2.0, H, dtype=q.dtype), "softcap": 2.5}
+    order = torch.cat([shard_positions(30, 3, r) for r in range(3)])
+    out = masked_attention(q[:, order], k[:, order], v[:, order], 0.41, order, doc[:, order], **extra)
+    ref = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        for d in doc[b].unique().tolist():
+            at = (doc[b] == d).nonzero()[:, 0]
+            ref[b, at] = kernels.attention(q[b : b + 1, at], k[b : b + 1, at], v[b : b + 1, at], 0.41, **extra)[0]
+    assert (out - ref[:, order]).abs().max() < 1e-10
+
+
+def test_ring_attention_refuses_a_window():
+    cp = context_parallel.ContextParallel(None, 2, 0, "ring")
+    meta = context_parallel.TrainAttention.__new__(context_parallel.TrainAttention)
+    meta.cp, meta.positions, meta.docs, meta._ring = cp, torch.arange(4), None, None
+    q = torch.zeros(1, 4, 2, 4)
+    with pytest.raises(BaigeError, match="ring attention does not support window"):
+        meta.attend(0, q, q, q, 0.5, window=8)

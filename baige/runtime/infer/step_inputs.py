@@ -34,24 +34,34 @@ class PagedAttentionMetadata:
     prefill_cu_seqlens: torch.Tensor | None = None  # (P + 1,) int64
     prefill_context_lens: torch.Tensor | None = None  # (P,) int64
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: (1, T, n_heads, D); k, v: (1, T, n_kv_heads, D) -> (1, T, n_heads, D)."""
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """q: (1, T, n_heads, D); k, v: (1, T, n_kv_heads, D) -> (1, T, n_heads, D); ``window``, ``sinks``,
+        ``softcap`` as :func:`baige.kernels.attention`'s."""
         kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
         q, k, v = q[0], k[0], v[0]  # (T, H, D), (T, Hkv, D)
         kernels.store_kv(k, v, kc, vc, self.slot_mapping)
+        extra = {"window": window, "sinks": sinks, "softcap": softcap}
         nd = self.num_decodes
         parts = []
         row = 0
         for tables, lens in self.decode_groups:
             n = tables.shape[0]
-            parts.append(kernels.paged_decode_attention(q[row : row + n], kc, vc, tables, lens, scale))
+            parts.append(kernels.paged_decode_attention(q[row : row + n], kc, vc, tables, lens, scale, **extra))
             row += n
         if nd < q.shape[0]:
-            parts.append(
-                kernels.paged_prefill_attention(
-                    q[nd:], kc, vc, self.prefill_block_tables, self.prefill_cu_seqlens, self.prefill_context_lens, scale
-                )
-            )
+            tables, cu, lens = self.prefill_block_tables, self.prefill_cu_seqlens, self.prefill_context_lens
+            parts.append(kernels.paged_prefill_attention(q[nd:], kc, vc, tables, cu, lens, scale, **extra))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[None]  # (1, T, H, D)
 

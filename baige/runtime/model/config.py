@@ -83,6 +83,9 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1) instead of (i, i + D/2) (ERNIE-4.5)
     moe: MoEConfig | None = None  # None: every layer dense
+    # per layer "full_attention" or "sliding_attention" (HF ``layer_types``); None: every layer full
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # the sliding layers' window in tokens (HF ``sliding_window``)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -187,6 +190,13 @@ class ModelConfig:
         n = experts * 3 * h * m.intermediate_size + m.num_experts * h  # experts + router
         n += 3 * h * m.shared_intermediate_size + (h if m.shared_gate else 0)
         return n + (m.num_experts if m.correction_bias else 0)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` in tokens (a query at position p sees keys
+        ``p - w < s <= p``), or None for a full-attention layer (every layer when ``layer_types`` is None)."""
+        if self.layer_types is None or self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies in the cache across all layers."""

@@ -9,8 +9,9 @@ trainer uses a fused linear + cross-entropy).
 
 Attention metadata is passed explicitly: ``None`` means plain causal attention over the batch
 (training, one-shot scoring); otherwise it is an object with
-``attend(layer_idx, q, k, v, scale) -> out`` that owns the KV cache (the engine's paged
-metadata in ``infer/runner.py``; ``tests/oracle_generate.py`` has a contiguous one).
+``attend(layer_idx, q, k, v, scale, *, window=None, sinks=None, softcap=None) -> out`` that owns the KV
+cache (the engine's paged metadata in ``infer/runner.py``; ``tests/oracle_generate.py`` has a
+contiguous one).
 """
 
 from __future__ import annotations
@@ -29,8 +30,22 @@ from baige.runtime.model.rope import rotary_embedding
 
 
 class AttentionMetadata(Protocol):
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: (B, T, n_heads, D); k, v: (B, T, n_kv_heads, D) for the new tokens -> (B, T, n_heads, D)."""
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """q: (B, T, n_heads, D); k, v: (B, T, n_kv_heads, D) for the new tokens -> (B, T, n_heads, D).
+
+        ``window``, ``sinks`` (n_heads,) and ``softcap`` mean what they mean in :func:`baige.kernels.attention`;
+        an implementer that cannot honour one raises :class:`~baige.errors.BaigeError` naming it."""
         ...
 
 
@@ -67,6 +82,12 @@ class Attention(nn.Module):
             list(range(0, self.head_dim, 2)) + list(range(1, self.head_dim, 2)) if cfg.rope_interleaved else None
         )
         self._perm: dict[torch.device, torch.Tensor] = {}  # rope_perm as an index tensor per device
+        # what the attention kernels add to plain causal attention (kernels.attention): this layer's
+        # sliding window (None: full), its per-head sink logits (an (n_heads,) parameter or None) and
+        # the logit soft-cap (None: none); the families that have them set them
+        self.sliding_window: int | None = cfg.layer_window(layer_idx)
+        self.sinks: torch.Tensor | None = None
+        self.softcap: float | None = None
 
     def forward(self, x, cos, sin, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -81,10 +102,11 @@ class Attention(nn.Module):
                 perm = self._perm[q.device] = torch.tensor(self.rope_perm, dtype=torch.long, device=q.device)
             q, k = q.index_select(-1, perm), k.index_select(-1, perm)
         q, k = kernels.apply_rope(q, k, cos, sin)
+        extra = {"window": self.sliding_window, "sinks": self.sinks, "softcap": self.softcap}
         if attn_metadata is None:
-            o = kernels.attention(q, k, v, self.scale)
+            o = kernels.attention(q, k, v, self.scale, **extra)
         else:
-            o = attn_metadata.attend(self.layer_idx, q, k, v, self.scale)
+            o = attn_metadata.attend(self.layer_idx, q, k, v, self.scale, **extra)
         return project(self.o_proj, o.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, hidden)
 
 

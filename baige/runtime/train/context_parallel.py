@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from baige import kernels
+from baige.errors import BaigeError
+from baige.kernels.reference import visible_keys
 
 # ---- load-balanced sharding -------------------------------------------------------------------------
 
@@ -277,25 +278,28 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad.contiguous(), ctx.group, ctx.n, not ctx.to_heads), None, None, None
 
 
-def masked_attention(q, k, v, scale: float, positions: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
+def masked_attention(
+    q, k, v, scale: float, positions: torch.Tensor, docs: torch.Tensor | None, **extra
+) -> torch.Tensor:
     """Attention over a whole (possibly permuted) sequence: query at ``positions[i]`` sees keys at
-    positions ``<=`` its own, of the same document when ``docs`` (B, T) is given.
+    positions ``<=`` its own (and ``> positions[i] - window`` with a window), of the same document when
+    ``docs`` (B, T) is given.
 
-    q (B, T, H, D), k/v (B, T, Hkv, D), positions (T,) int64 -> (B, T, H, D). Plain causal attention in
-    position order goes through ``kernels.attention``; a document mask through SDPA with a boolean mask.
+    q (B, T, H, D), k/v (B, T, Hkv, D), positions (T,) int64 -> (B, T, H, D); ``extra``: ``window``,
+    ``sinks`` ((H,), this call's heads), ``softcap`` as :func:`baige.kernels.attention`'s. Plain causal
+    attention in position order goes through ``kernels.attention``; a document mask through
+    ``kernels.masked_attention``.
     """
     if docs is None:
         order = torch.argsort(positions)
         if torch.equal(order, torch.arange(len(order), device=order.device)):
-            return kernels.attention(q, k, v, scale)
+            return kernels.attention(q, k, v, scale, **extra)
         inverse = torch.argsort(order)
-        o = kernels.attention(q[:, order], k[:, order], v[:, order], scale)
+        o = kernels.attention(q[:, order], k[:, order], v[:, order], scale, **extra)
         return o[:, inverse]
-    mask = (positions[None, :] <= positions[:, None])[None] & (docs[:, :, None] == docs[:, None, :])  # (B, T, T)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=True
-    )
-    return out.transpose(1, 2)  # (B, T, H, D)
+    window = extra.pop("window", None)
+    mask = visible_keys(positions, positions, window)[None] & (docs[:, :, None] == docs[:, None, :])  # (B, T, T)
+    return kernels.masked_attention(q, k, v, scale, mask, **extra)
 
 
 # ---- the trainer's handle ---------------------------------------------------------------------------
@@ -342,16 +346,28 @@ class TrainAttention:
         self.cp, self.positions, self.docs = cp, positions, docs  # (T/N,) global positions, (B, T) or None
         self._ring = ProcessGroupRing(cp.group) if cp.size > 1 and cp.method == "ring" else None
 
-    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
-        """q (B, T/N, H, D), k/v (B, T/N, Hkv, D) of this rank's shard -> (B, T/N, H, D)."""
+    def attend(self, layer_idx: int, q, k, v, scale: float, *, window=None, sinks=None, softcap=None) -> torch.Tensor:
+        """q (B, T/N, H, D), k/v (B, T/N, Hkv, D) of this rank's shard -> (B, T/N, H, D); ``window``,
+        ``sinks`` (H,), ``softcap`` as :func:`baige.kernels.attention`'s.
+
+        Raises:
+            BaigeError: ring attention (``cp.method`` ring, more than one rank) asked for one of them.
+        """
         cp = self.cp
+        extra = {"window": window, "sinks": sinks, "softcap": softcap}
         if cp.size == 1:
-            return masked_attention(q, k, v, scale, self.positions, self.docs)
+            return masked_attention(q, k, v, scale, self.positions, self.docs, **extra)
         if cp.method == "ring":
+            for name, value in extra.items():
+                if value is not None:
+                    raise BaigeError(f"context parallelism with ring attention does not support {name} (use ulysses)")
             return RingAttention.apply(q, k, v, scale, self._ring, self.docs)
         n = cp.size
         qh, kh, vh = (_AllToAll.apply(t, cp.group, n, True) for t in (q, k, v))  # (B, T, H/N, D)
         every = torch.cat([shard_positions(len(self.positions) * n, n, i, q.device) for i in range(n)])  # (T,)
         docs = self.docs[:, every] if self.docs is not None else None
-        o = masked_attention(qh, kh, vh, scale, every, docs)
+        if sinks is not None:  # this rank holds query heads [rank * H/N, (rank + 1) * H/N) after the all-to-all
+            per = qh.shape[2]
+            extra["sinks"] = sinks[cp.rank * per : (cp.rank + 1) * per]
+        o = masked_attention(qh, kh, vh, scale, every, docs, **extra)
         return _AllToAll.apply(o, cp.group, n, False)  # (B, T/N, H, D)

@@ -118,18 +118,22 @@ def micro_batches(samples: list[Sample], advantages: list[float], size: int, dev
 class _SharedPrefix:
     """The model's attention over a micro-batch's packed rows (an ``AttentionMetadata``)."""
 
-    def __init__(self, mask: torch.Tensor):
-        self.mask = mask  # (R, L, L) bool
+    def __init__(self, mask: torch.Tensor, positions: torch.Tensor):
+        self.mask, self.positions = mask, positions  # (R, L, L) bool, (R, L) int64
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return kernels.masked_attention(q, k, v, scale, self.mask)
+    def attend(self, layer_idx: int, q, k, v, scale: float, *, window=None, sinks=None, softcap=None) -> torch.Tensor:
+        mask = self.mask
+        if window is not None:  # on the true positions: each completion continues from its prompt's
+            pos = self.positions
+            mask = mask & (pos[:, :, None] - pos[:, None, :] < window)
+        return kernels.masked_attention(q, k, v, scale, mask, sinks=sinks, softcap=softcap)
 
 
 def _packed_logprobs(model: nn.Module, mb: MicroBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's forward over the packed rows; logits only where a completion token is predicted.
     Returns (S, C) fp32 logprobs (0 off the mask) and, when asked, the (S, C) entropy of the next-token
     distribution there (no gradient)."""
-    hidden = model(mb.input_ids, mb.positions, _SharedPrefix(mb.attention_mask()))  # (R, L, hidden)
+    hidden = model(mb.input_ids, mb.positions, _SharedPrefix(mb.attention_mask(), mb.positions))  # (R, L, hidden)
     where = mb.mask.bool()
     rows = hidden.reshape(-1, hidden.shape[-1])[mb.sources[where]]  # (N, hidden), N completion tokens
     logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)  # (N, vocab)
