@@ -4,6 +4,7 @@ than the sliding window) token-identical to transformers' ``generate``, and the 
 transformers with identical logits. Full-forward and cached-decode parity run for these variants in
 test_model_parity.py (they are part of tiny.VARIANTS)."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -173,3 +174,44 @@ def test_unsupported_gemma_fields_are_named(change, message):
 def test_ernie_dense_with_biases_is_refused():
     with pytest.raises(BaigeError, match="ernie4_5 with use_bias=true"):
         ModelConfig.from_dict({**_gemma3_dict(model_type="ernie4_5"), "use_bias": True})
+
+
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3"])
+def test_each_gemma_feature_changes_the_logits(tmp_path, variant):
+    """The parity tests are not vacuous: with the window, a soft-cap or the sliding layers' own RoPE base
+    switched off, the tiny checkpoints' logits move well past the 1e-4 tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_checkpoint(tmp_path / variant, variant)
+    ids = torch.randint(0, 160, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(ids).logits
+    model = load_model(path)
+    attns = [layer.self_attn for layer in model.model.layers]
+
+    def moved():
+        with torch.no_grad():
+            got = model.compute_logits(model(ids, torch.arange(40)[None]))
+        return (got - ref).abs().max().item()
+
+    assert moved() < 1e-4
+    for a in attns:
+        a.sliding_window = None
+    assert moved() > 1e-3  # the window
+    for a in attns:
+        a.sliding_window = model.config.layer_window(a.layer_idx)
+    if variant == "gemma3":
+        halves = [layer.rope_half for layer in model.model.layers]
+        assert halves == [1, 0, 1, 0]
+        for layer in model.model.layers:
+            layer.rope_half = 0  # every layer on the full layers' RoPE
+        assert moved() > 1e-3
+    model = load_model(path)
+    g = model.config.gemma
+    model.config.gemma = dataclasses.replace(g, final_logit_softcapping=None)
+    assert moved() > 1e-3
+    model.config.gemma = g
+    if variant == "gemma2":
+        for layer in model.model.layers:
+            layer.self_attn.softcap = None
+        assert moved() > 1e-3
