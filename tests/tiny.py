@@ -125,11 +125,11 @@ VARIANTS.update(MOE_VARIANTS)
 def make_checkpoint(path: Path, variant: str, seed: int = 0, *, embed_std: float = 0.1, **overrides) -> Path:
     """Write a random tiny HF checkpoint of ``variant`` with transformers; returns the directory.
 
-    Weights N(0, 0.1), biases N(0, 2), norms U(0.5, 1.5). ``embed_std``: the token embeddings' std
-    (the tied lm_head's too). At 0.1 the residual stream starts at RMS 0.1 and the first attention
-    adds RMS ~0.4 (measured on the tiny Mixtral and Llama), so the token's embedding is soon a small
-    part of the stream; 1.0 starts the stream at unit RMS, as the embedding scaling of the original
-    Transformer and of Gemma (x sqrt(hidden)) does. The quantization-accuracy tests use 1.0."""
+    Weights N(0, 0.1), biases N(0, 2), norms scale by U(0.5, 1.5) (Gemma's stored offsets from one U(-0.5,
+    0.5)). ``embed_std``: the token embeddings' std (the tied lm_head's too). At 0.1 the residual stream starts
+    at RMS 0.1 and the first attention adds RMS ~0.4 (measured on the tiny Mixtral and Llama), so the token's
+    embedding is soon a small part of the stream; 1.0 starts the stream at unit RMS, as the embedding scaling of
+    the original Transformer and of Gemma (x sqrt(hidden)) does. The quantization-accuracy tests use 1.0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = {**BASE, **VARIANTS[variant], **overrides}
@@ -143,8 +143,8 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, *, embed_std: float
                 p.normal_(0.0, 0.05)  # ERNIE's selection bias: changes which experts win, not all of them
             elif name.endswith("bias"):
                 p.normal_(0.0, 2.0)  # large q/k/v biases (Qwen2)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)  # non-unit norms (incl. Qwen3 q_norm/k_norm)
+            elif "norm" in name:  # non-unit norms (incl. Qwen3 q_norm/k_norm): scales U(0.5, 1.5)
+                p.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else p.uniform_(0.5, 1.5)  # Gemma: 1 + w
             elif name.endswith("embed_tokens.weight"):
                 p.normal_(0.0, embed_std)
             else:
