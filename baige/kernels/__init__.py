@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from baige.kernels import invariant, moe_cpu, native, reference
+from baige.kernels import dispatch, invariant, moe_cpu, native, reference
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
     DENSE_NATIVE_MAX_ROWS,
     FEW_ROWS,
@@ -60,36 +60,6 @@ __all__ = [*OPS, "OPS"]
 # inside `with batch_invariant():` (kernels/invariant.py) the ops below take its batch-invariant kernels
 __all__ += ["batch_invariant", "batch_invariant_enabled", "batch_invariant_linear", "batch_invariant_pointwise"]
 
-_TRITON_MODULES: dict[str, object] = {}  # imported on first use; a plain dict read stays traceable by torch.compile
-
-
-def _impl(x: torch.Tensor, module: str):
-    """The module holding the implementation for ``x``: :mod:`reference` or ``triton_ops.<module>``."""
-    if backend(x) == "reference":
-        return reference
-    mod = _TRITON_MODULES.get(module)
-    if mod is None:
-        mod = _TRITON_MODULES[module] = importlib.import_module(f"baige.kernels.triton_ops.{module}")
-    return mod
-
-
-_CPU_OPS: list = []  # [baige.kernels.cpu.ops] once imported
-
-
-def _native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = (), bf16: bool = False):
-    """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
-    mode, fp32 CPU tensors -- or all bf16 with ``bf16`` -- needing no gradient, KV ``caches`` fp32,
-    fp16 or bf16, not inside a ``torch.compile`` trace, the library built), else None (see
-    :mod:`baige.kernels.cpu`). Called once per op: kept to a few attribute reads."""
-    if tensors[0].device.type != "cpu":
-        return None
-    if not _CPU_OPS:
-        from baige.kernels.cpu import native_allowed, ops
-
-        _CPU_OPS.extend((ops, native_allowed))
-    ops, native_allowed = _CPU_OPS
-    return ops if native_allowed() and ops.usable(*tensors, caches=caches, bf16=bf16) else None
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square layer norm (Zhang & Sennrich 2019, arXiv:1910.07467).
@@ -103,7 +73,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         (..., hidden) in the promoted dtype of ``weight`` and ``x``.
     """
-    impl = invariant if invariant.enabled() else _native_cpu(x, weight, bf16=True) or _impl(x, "norm")
+    impl = (
+        invariant if invariant.enabled() else dispatch.native_cpu(x, weight, bf16=True) or dispatch.impl_for(x, "norm")
+    )
     return impl.rms_norm(x, weight, eps)
 
 
@@ -119,7 +91,11 @@ def add_rms_norm(
     Returns:
         ``(rms_norm(x + residual), x + residual)``, both (..., hidden).
     """
-    impl = invariant if invariant.enabled() else _native_cpu(x, residual, weight, bf16=True) or _impl(x, "norm")
+    impl = (
+        invariant
+        if invariant.enabled()
+        else dispatch.native_cpu(x, residual, weight, bf16=True) or dispatch.impl_for(x, "norm")
+    )
     return impl.add_rms_norm(x, residual, weight, eps)
 
 
@@ -135,8 +111,10 @@ def apply_rope(
     Returns:
         ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
     """
-    native = _native_cpu(q, k, cos, sin, bf16=True) if q.shape[-1] % 2 == 0 else None  # odd: the reference's error
-    impl = invariant if invariant.enabled() else native or _impl(q, "rope")
+    native = (
+        dispatch.native_cpu(q, k, cos, sin, bf16=True) if q.shape[-1] % 2 == 0 else None
+    )  # odd: the reference's error
+    impl = invariant if invariant.enabled() else native or dispatch.impl_for(q, "rope")
     return impl.apply_rope(q, k, cos, sin)
 
 
@@ -148,11 +126,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         (..., intermediate).
     """
-    impl = invariant if invariant.enabled() else _native_cpu(gate, up, bf16=True) or _impl(gate, "swiglu")
+    impl = (
+        invariant
+        if invariant.enabled()
+        else dispatch.native_cpu(gate, up, bf16=True) or dispatch.impl_for(gate, "swiglu")
+    )
     return impl.silu_mul(gate, up)
 
 
-from baige.kernels.attention_ops import (  # noqa: E402  (in OPS; they dispatch through _impl / _native_cpu above)
+from baige.kernels.attention_ops import (  # noqa: E402  (in OPS; dispatched as the ops here)
     attention,
     flash_attention_varlen,
     masked_attention,
@@ -187,7 +169,7 @@ def fused_linear_cross_entropy(
     Returns:
         () fp32 loss: ``sum(-log softmax(logits)[target]) / normalizer`` in nats per token.
     """
-    impl = _impl(hidden, "cross_entropy")
+    impl = dispatch.impl_for(hidden, "cross_entropy")
     return impl.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
 
 
@@ -229,21 +211,21 @@ def quantized_linear(
     matmul on oneDNN's AMX kernels; everything else dequantizes and calls ``F.linear`` (the reference).
     """
     widen = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not x.requires_grad and backend(x) == "reference"
-    if widen and int_dot is not False and _native_cpu(x, bf16=True) is not None:
+    if widen and int_dot is not False and dispatch.native_cpu(x, bf16=True) is not None:
         from baige.kernels.cpu import qlinear
 
         if qlinear.takes_amx_dequant(x, qweight):  # many bf16 rows on AMX: the reference's bf16 matmul
             w = qlinear.dequantized_bf16(x, qweight, scale, zero_point, group_size)
             return torch.nn.functional.linear(x, w, None if bias is None else bias.to(torch.bfloat16))
     xf = x.float() if widen else x
-    if _native_cpu(xf) is not None:
+    if dispatch.native_cpu(xf) is not None:
         from baige.kernels.cpu import qlinear
 
         if qlinear.supports(xf, qweight, group_size, bias, int_dot):
             bias_f = None if bias is None else bias.float()
             y = qlinear.quantized_linear(xf, qweight, scale.float(), zero_point, group_size, bias_f, int_dot=int_dot)
             return y.to(x.dtype)
-    return _impl(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
+    return dispatch.impl_for(x, "quant_matmul").quantized_linear(x, qweight, scale, zero_point, group_size, bias)
 
 
 # ---- Mixture-of-Experts (Mixtral, Qwen2/3-MoE, ERNIE-4.5 routing; vLLM's fused_moe block layout) ---------
@@ -274,7 +256,7 @@ def moe_topk(
         the reference runs (the Triton kernel is forward only).
     """
     needs_grad = router_logits.requires_grad and torch.is_grad_enabled()
-    impl = reference if needs_grad else _impl(router_logits, "moe")
+    impl = reference if needs_grad else dispatch.impl_for(router_logits, "moe")
     return impl.moe_topk(router_logits, top_k, renormalize, correction_bias, norm_min)
 
 
@@ -296,7 +278,7 @@ def moe_align_block_size(
     Args:
         topk_ids: (T, top_k) integer expert ids in ``[0, num_experts)``.
     """
-    return _impl(topk_ids, "moe").moe_align_block_size(topk_ids, num_experts, block_size)
+    return dispatch.impl_for(topk_ids, "moe").moe_align_block_size(topk_ids, num_experts, block_size)
 
 
 def fused_moe(
@@ -318,14 +300,14 @@ def fused_moe(
     Returns:
         (T, H) in x's dtype; differentiable w.r.t. x, w13, w2 and topk_weights on both paths.
     """
-    impl = _impl(x, "moe")
+    impl = dispatch.impl_for(x, "moe")
     if impl is reference and x.device.type == "cpu" and not torch.is_grad_enabled():
         return moe_cpu.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return impl.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 # Quantization math shared with the runtime's quantizer (pure PyTorch).
-from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4  # noqa: E402
+from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int4, visible_keys  # noqa: E402
 
 __all__ += [
     "argmax",
@@ -338,6 +320,7 @@ __all__ += [
     "dequantize_weight",
     "expand_groups",
     "unpack_int4",
+    "visible_keys",
     "backend",
     "check_startup",
     "settings",

@@ -3,15 +3,15 @@ contiguous causal attention, masked attention, packed variable-length attention 
 store and attention ops, each with an optional sliding window, attention sinks and logit soft-capping
 where the issue's models need them.
 
-Dispatch goes through the package's ``_impl`` / ``_native_cpu`` looked up at call time, so a test that
-swaps them on :mod:`baige.kernels` reroutes these ops too.
+Dispatch goes through :mod:`baige.kernels.dispatch`'s ``impl_for`` / ``native_cpu`` looked up at call
+time, so a test that swaps them there reroutes these ops too.
 """
 
 from __future__ import annotations
 
 import torch
 
-import baige.kernels as _k
+from baige.kernels import dispatch, invariant, reference
 
 
 def _variant(window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
@@ -53,8 +53,8 @@ def attention(
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
     if _variant(window, sinks, softcap):
-        return _k.reference.attention(q, k, v, scale, q_offset, window=window, sinks=sinks, softcap=softcap)
-    return (_k.invariant if _k.invariant.enabled() else _k._impl(q, "flash_attention")).attention(
+        return reference.attention(q, k, v, scale, q_offset, window=window, sinks=sinks, softcap=softcap)
+    return (invariant if invariant.enabled() else dispatch.impl_for(q, "flash_attention")).attention(
         q, k, v, scale, q_offset
     )
 
@@ -83,7 +83,7 @@ def masked_attention(
     Returns:
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
-    return _k.reference.masked_attention(q, k, v, scale, mask, sinks=sinks, softcap=softcap)
+    return reference.masked_attention(q, k, v, scale, mask, sinks=sinks, softcap=softcap)
 
 
 # ---- paged KV cache (vLLM's PagedAttention layout, Kwon et al. 2023, arXiv:2309.06180) ------------
@@ -109,7 +109,7 @@ def store_kv(
         ValueError (Triton path): K/V and cache dtypes differ, or slot_mapping is not (N,).
     """
     same = k.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16  # bf16 into bf16: native row copies
-    impl = _k._native_cpu(k, v, caches=(k_cache, v_cache), bf16=same) or _k._impl(k, "paged_attention")
+    impl = dispatch.native_cpu(k, v, caches=(k_cache, v_cache), bf16=same) or dispatch.impl_for(k, "paged_attention")
     impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -145,11 +145,11 @@ def paged_decode_attention(
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
     if _variant(window, sinks, softcap):
-        return _k.reference.paged_decode_attention(
+        return reference.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, window=window, sinks=sinks, softcap=softcap
         )
-    impl = _k.invariant if _k.invariant.enabled() else _k._native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or _k._impl(q, "paged_attention")
+    impl = invariant if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
+    impl = impl or dispatch.impl_for(q, "paged_attention")
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -187,7 +187,7 @@ def paged_prefill_attention(
         (N, n_heads, head_dim) in the dtype of ``q``.
     """
     if _variant(window, sinks, softcap):
-        return _k.reference.paged_prefill_attention(
+        return reference.paged_prefill_attention(
             q,
             k_cache,
             v_cache,
@@ -199,8 +199,8 @@ def paged_prefill_attention(
             sinks=sinks,
             softcap=softcap,
         )
-    impl = _k.invariant if _k.invariant.enabled() else _k._native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or _k._impl(q, "paged_attention")
+    impl = invariant if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
+    impl = impl or dispatch.impl_for(q, "paged_attention")
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
@@ -232,5 +232,5 @@ def flash_attention_varlen(
     Returns:
         (Nq, n_heads, head_dim) in the dtype of ``q``; softmax statistics are fp32.
     """
-    impl = _k._impl(q, "flash_attention")
+    impl = dispatch.impl_for(q, "flash_attention")
     return impl.flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)

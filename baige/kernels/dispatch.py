@@ -6,10 +6,12 @@ dispatch the same way without importing the package that re-exports them.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
 
+from baige.kernels import reference
 from baige.kernels.settings import BACKENDS, int_dot_passes, settings
 
 
@@ -67,3 +69,34 @@ def check_startup() -> None:
         int_dot_passes()
     except ValueError as e:
         raise KernelConfigError(str(e)) from None
+
+
+_TRITON_MODULES: dict[str, object] = {}  # imported on first use; a plain dict read stays traceable by torch.compile
+
+
+def impl_for(x: torch.Tensor, module: str):
+    """The module holding the implementation for ``x``: :mod:`reference` or ``triton_ops.<module>``."""
+    if backend(x) == "reference":
+        return reference
+    mod = _TRITON_MODULES.get(module)
+    if mod is None:
+        mod = _TRITON_MODULES[module] = importlib.import_module(f"baige.kernels.triton_ops.{module}")
+    return mod
+
+
+_CPU_OPS: list = []  # [baige.kernels.cpu.ops] once imported
+
+
+def native_cpu(*tensors: torch.Tensor, caches: tuple[torch.Tensor, ...] = (), bf16: bool = False):
+    """:mod:`baige.kernels.cpu.ops` when these tensors may run on the native CPU kernels (``auto``
+    mode, fp32 CPU tensors -- or all bf16 with ``bf16`` -- needing no gradient, KV ``caches`` fp32,
+    fp16 or bf16, not inside a ``torch.compile`` trace, the library built), else None (see
+    :mod:`baige.kernels.cpu`). Called once per op: kept to a few attribute reads."""
+    if tensors[0].device.type != "cpu":
+        return None
+    if not _CPU_OPS:
+        from baige.kernels.cpu import native_allowed, ops
+
+        _CPU_OPS.extend((ops, native_allowed))
+    ops, native_allowed = _CPU_OPS
+    return ops if native_allowed() and ops.usable(*tensors, caches=caches, bf16=bf16) else None

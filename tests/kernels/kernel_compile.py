@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from baige import kernels
+from baige.kernels import dispatch
 from baige.kernels.triton_ops import (
     cross_entropy,
     flash_attention_bwd,
@@ -68,8 +69,8 @@ def _record() -> list:
     paged_attention._tiles = lambda g, d, dev, decode: tiles(g, d, CUDA, decode)
     cross_entropy._launch_options = lambda vocab, dev: ce_opts(vocab, CUDA)
     norm._dw_programs = lambda x, n_rows: min(n_rows, 132)  # H100/H200: 132 SMs
-    kernels.backend = lambda x: "triton"
-    kernels._native_cpu = lambda *tensors, **kw: None  # CPU tensors, but the Triton launchers are what is recorded
+    kernels.backend = dispatch.backend = lambda x: "triton"
+    dispatch.native_cpu = lambda *tensors, **kw: None  # CPU tensors, but the Triton launchers are what is recorded
     return calls
 
 

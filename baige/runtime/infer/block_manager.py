@@ -22,6 +22,10 @@ A second tier (``offload``, an :class:`OffloadTier` such as ``kv_offload.KVOfflo
 blocks: the manager hands it every cached block it evicts (before the block is reused), and a prefix
 walk that misses the pool asks it for the key; a hit is loaded into a fresh block, cached under its
 key again, and its tokens are not computed. ``prefix_hits`` counts pool hits only.
+
+Sliding-window layers (``sliding_window`` set): their blocks live in a second pool and a second table per
+sequence, ``seq.sliding_table``, and are given back once wholly before the window
+(:mod:`baige.runtime.infer.sliding_blocks`); every method below keeps both tables in step.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from baige.runtime.infer.sliding_blocks import SlidingPool
+
 
 class SequenceLike(Protocol):
     """What the block manager reads and writes on a sequence (see ``scheduler.Sequence``)."""
 
     token_ids: list[int]
     block_table: list[int]
+    sliding_table: list[int]  # the sliding-window layers' blocks (read only with a sliding pool)
     num_computed_tokens: int
     num_cached_tokens: int
     lora_int_id: int  # 0: the base model; else the engine's id of the sequence's LoRA adapter
@@ -84,9 +91,19 @@ class BlockManager:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
         enable_prefix_caching: reuse computed full blocks across sequences.
+        sliding_window: the window of the model's sliding-window layers, whose blocks then come from a
+            pool of their own (``sliding``); None: one pool for every layer.
+        num_sliding_blocks: the sliding pool's blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+        num_sliding_blocks: int = 0,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -105,6 +122,10 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.offload: OffloadTier | None = None  # the second tier (kv_offload.py), set by the engine
+        self.sliding: SlidingPool | None = None
+        if sliding_window is not None:
+            pool = BlockManager(num_sliding_blocks, block_size, enable_prefix_caching)
+            self.sliding = SlidingPool(pool, sliding_window)
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -178,6 +199,20 @@ class BlockManager:
             parent = h
         return hits
 
+    def _prefix_hits(self, seq: SequenceLike) -> tuple[list[int | bytes], list[bytes]]:
+        """:meth:`_cached_prefix`, cut to what the sliding pool can serve (:meth:`SlidingPool.usable_hit`),
+        and the hit blocks' chained keys."""
+        hits = self._cached_prefix(seq)
+        keys = [b if isinstance(b, bytes) else self.blocks[b].hash for b in hits]
+        if self.sliding is not None and hits:
+            j = self.sliding.usable_hit(keys, self._tokens_of(seq))
+            hits, keys = hits[:j], keys[:j]
+        return hits, keys
+
+    def _tokens_of(self, seq: SequenceLike):
+        bs = self.block_size
+        return lambda i: tuple(seq.token_ids[i * bs : (i + 1) * bs])
+
     def _load_offloaded(self, seq: SequenceLike, hits: list[int | bytes]) -> list[int]:
         """Reference ``hits``' pool blocks and load its second-tier blocks into fresh ones (cached under
         their keys again); the hits up to the first block that fails to load, as block ids (the pool
@@ -208,11 +243,14 @@ class BlockManager:
         """Whether :meth:`allocate` would succeed."""
         if seq.block_table:
             return self.can_append(seq, min(num_new_tokens, len(seq.token_ids) - seq.num_computed_tokens))
-        hits = self._cached_prefix(seq)
+        hits, keys = self._prefix_hits(seq)
         n_cached = len(hits) * self.block_size
         pool = [b for b in hits if isinstance(b, int)]  # the tier's hits need fresh blocks
         evictable_hits = sum(1 for b in pool if self.blocks[b].ref_count == 0)
-        need = self.blocks_needed(n_cached + min(num_new_tokens, len(seq.token_ids) - n_cached)) - len(pool)
+        n_tokens = n_cached + min(num_new_tokens, len(seq.token_ids) - n_cached)
+        need = self.blocks_needed(n_tokens) - len(pool)
+        if self.sliding is not None and not self.sliding.can_allocate(keys, self._tokens_of(seq), n_tokens):
+            return False
         return need <= self.num_free_blocks - evictable_hits
 
     def allocate(self, seq: SequenceLike, num_new_tokens: int) -> int:
@@ -231,7 +269,7 @@ class BlockManager:
             num_new_tokens = min(num_new_tokens, len(seq.token_ids) - seq.num_computed_tokens)
             self.append_slots(seq, num_new_tokens)
             return num_new_tokens
-        hits = self._cached_prefix(seq)
+        hits, keys = self._prefix_hits(seq)
         n_pool = sum(isinstance(b, int) for b in hits)
         hits = self._load_offloaded(seq, hits)
         n_cached = len(hits) * self.block_size
@@ -241,12 +279,16 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.num_cached_tokens = seq.num_computed_tokens = n_cached
         num_new_tokens = min(num_new_tokens, len(seq.token_ids) - n_cached)
+        if self.sliding is not None:
+            self.sliding.allocate(seq, keys[: len(hits)], self._tokens_of(seq), n_cached + num_new_tokens)
         self.append_slots(seq, num_new_tokens)
         return num_new_tokens
 
     def can_append(self, seq: SequenceLike, num_new_tokens: int) -> bool:
         """Whether the pool has the blocks to hold ``num_new_tokens`` more computed tokens."""
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if self.sliding is not None and not self.sliding.can_append(seq, num_new_tokens):
+            return False
         return need <= self.num_free_blocks
 
     def append_slots(self, seq: SequenceLike, num_new_tokens: int) -> None:
@@ -254,6 +296,8 @@ class BlockManager:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need > self.num_free_blocks:
             raise RuntimeError("out of KV blocks")
+        if self.sliding is not None:
+            self.sliding.append_slots(seq, num_new_tokens)
         for _ in range(need):
             seq.block_table.append(self._take_block())
 
@@ -267,11 +311,18 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count == 0 and block.hash is None
             self._free.appendleft(block_id)
+        if self.sliding is not None:
+            self.sliding.trim(seq)
 
     def cache_computed_blocks(self, seq: SequenceLike) -> None:
-        """Register the hashes of ``seq``'s full blocks whose tokens are all computed now."""
-        if not self.enable_prefix_caching:
-            return
+        """Register the hashes of ``seq``'s full blocks whose tokens are all computed now (in the sliding
+        pool too), then give back the sliding blocks wholly before the window (:meth:`SlidingPool.slide`)."""
+        if self.enable_prefix_caching:
+            self._cache_blocks(seq)
+        if self.sliding is not None:
+            self.sliding.slide(seq)
+
+    def _cache_blocks(self, seq: SequenceLike) -> None:
         parent = root_key(getattr(seq, "lora_int_id", 0))
         for i in range(seq.num_computed_tokens // self.block_size):
             if seq.block_table[i] in self._stale:
@@ -286,6 +337,8 @@ class BlockManager:
                 parent = h
             else:
                 parent = block.hash
+            if self.sliding is not None:
+                self.sliding.cache_block(seq, i, parent, tokens)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (vLLM's ``reset_prefix_cache``; after the model's weights change,
@@ -303,6 +356,8 @@ class BlockManager:
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._stale = {b.block_id for b in self.blocks if b.ref_count > 0}
+        if self.sliding is not None:
+            self.sliding.pool.reset_prefix_cache()
         return dropped
 
     def hold(self, block_ids: list[int]) -> None:
@@ -329,4 +384,6 @@ class BlockManager:
         """Drop ``seq``'s references (:meth:`release`) and clear its block table."""
         self.release(seq.block_table)
         seq.block_table = []
+        if self.sliding is not None:
+            self.sliding.free(seq)
         seq.num_computed_tokens = 0  # num_cached_tokens keeps its value: the last admission's (reported)

@@ -115,6 +115,8 @@ class FusedDecoder:
         descs = []
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
+            if any(getattr(a, name, None) is not None for name in ("sliding_window", "sinks", "softcap")):
+                return None, f"layer {i}: a sliding window, sinks or soft-capping (the native step has none)"
             moe = None
             if isinstance(m, SparseMoeBlock):
                 moe, why = _describe_moe(m)

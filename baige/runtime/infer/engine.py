@@ -93,11 +93,16 @@ class Engine(EnginePooling, EngineWeights):
             for i, (name, path) in enumerate((cfg.lora_modules or {}).items(), 1):
                 request = LoRARequest(name, i, str(path))
                 startup_adapters.append((request, self.lora.read(request)))
-        self.kv_cache = allocate_kv_cache(model, kv_config(model), cfg, self.max_model_len, profile=tp is None)
-        num_blocks, kv_dtype = self.kv_cache.num_blocks, self.kv_cache.dtype
+        # sliding-window layers get a pool of their own (block_manager.py), except where the KV moves as
+        # whole blocks of every layer (offload, P/D transfer) or lives on other ranks
+        separate = tp is None and cfg.kv_offload_size is None and cfg.kv_transfer_config is None
+        kv = self.kv_cache = allocate_kv_cache(model, kv_config(model), cfg, self.max_model_len, tp is None, separate)
+        num_blocks, kv_dtype = kv.num_blocks, kv.dtype
         if tp is not None:
             tp.send_kv_cache(num_blocks, cfg.block_size, kv_dtype)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, kv.sliding_window, kv.num_sliding_blocks
+        )
         self.kv_offload = attach_kv_offload(cfg, model, self.kv_cache, self.block_manager)  # a second KV tier
         self.proposer = build_proposer(cfg, self.max_model_len, tokenizer, model, num_blocks, kv_dtype)
         self.kv_transfer = KVTransfer.build(cfg.kv_transfer_config, model, self.kv_cache, self.block_manager)

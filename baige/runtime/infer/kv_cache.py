@@ -43,14 +43,32 @@ class KVCache:
         block_size: token slots per block.
         dtype: cache dtype (the model's, or ``--kv-cache-dtype``: :func:`resolve_kv_cache_dtype`).
         device: where the pool lives.
+        num_sliding_blocks: None: every layer's pool has ``num_blocks`` blocks. Else the sliding-window
+            layers (``cfg.layer_window(i)`` set: ``sliding_layers``) get pools of that many blocks (plus
+            their scratch block ``sliding_scratch``), indexed by the sequences' ``sliding_table``
+            (``sliding_blocks.py``).
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_sliding_blocks: int | None = None,
+    ):
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.scratch_block = num_blocks
         self.device = torch.device(device)
         self._shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)
         self._layers = cfg.num_hidden_layers
+        self.sliding_window = cfg.sliding_window if num_sliding_blocks is not None else None
+        self.sliding_layers = frozenset(
+            i for i in range(self._layers) if num_sliding_blocks is not None and cfg.layer_window(i) is not None
+        )
+        self.num_sliding_blocks = self.sliding_scratch = num_sliding_blocks or 0
+        self._sliding_shape = (cfg.num_key_value_heads, self.num_sliding_blocks + 1, block_size, cfg.head_dim)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.allocate()
@@ -59,13 +77,14 @@ class KVCache:
         """(Re)create the pools, zero-filled (the engine's ``wake_up``): every block's K/V is gone."""
         on_cpu = self.device.type == "cpu"
 
-        def pool() -> torch.Tensor:
+        def pool(i: int) -> torch.Tensor:
+            shape = self._sliding_shape if i in self.sliding_layers else self._shape
             if on_cpu:
-                return kernels.zeroed_pages(self._shape, self.dtype)
-            return torch.zeros(self._shape, dtype=self.dtype, device=self.device)
+                return kernels.zeroed_pages(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-        self.k = [pool() for _ in range(self._layers)]
-        self.v = [pool() for _ in range(self._layers)]
+        self.k = [pool(i) for i in range(self._layers)]
+        self.v = [pool(i) for i in range(self._layers)]
 
     def release(self) -> None:
         """Drop the pools (the engine's ``sleep``): their memory goes back to the OS (CPU: the pools'
@@ -170,13 +189,38 @@ def num_blocks_for(
     return int(num_blocks)
 
 
+def sliding_split(kv_cfg: ModelConfig, cfg: EngineConfig, num_blocks: int) -> tuple[int, int]:
+    """``(full blocks, sliding blocks)`` of a budget of ``num_blocks`` blocks of every layer, for a model
+    with sliding-window layers whose blocks get a pool of their own. The sliding pool holds what
+    ``max_num_seqs`` sequences need at once: each the ``ceil(w / block_size) + 1`` blocks of its
+    window plus two partial blocks, plus the blocks of one step's ``max_num_batched_tokens`` prefill
+    tokens (at most ``num_blocks``); the full layers get the rest of the bytes. A model without full
+    layers keeps ``num_blocks`` full blocks, which then hold nothing (the block manager's count of
+    each sequence's tokens)."""
+    bs, n_layers = cfg.block_size, kv_cfg.num_hidden_layers
+    n_sliding = sum(kv_cfg.layer_window(i) is not None for i in range(n_layers))
+    w = kv_cfg.sliding_window
+    need = cfg.max_num_seqs * (-(-w // bs) + 3) + -(-cfg.max_num_batched_tokens // bs)
+    sliding = min(num_blocks, need)
+    n_full = n_layers - n_sliding
+    full = (num_blocks * n_layers - sliding * n_sliding) // n_full if n_full else num_blocks
+    return full, sliding
+
+
 def allocate_kv_cache(
-    model: torch.nn.Module, kv_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int, profile: bool = True
+    model: torch.nn.Module,
+    kv_cfg: ModelConfig,
+    cfg: EngineConfig,
+    max_model_len: int,
+    profile: bool = True,
+    separate_sliding: bool = False,
 ) -> KVCache:
     """The engine's KV cache: ``cfg.kv_cache_memory`` bytes (an int), or without it a fraction of the memory
     free after a warm-up step of the largest batch (:func:`profile_activation_peak`, skipped when not
     ``profile``: tensor-parallel ranks), in blocks of ``cfg.block_size`` tokens of ``kv_cfg``'s shape
-    (this rank's KV heads) in the dtype :func:`resolve_kv_cache_dtype` picks. Logs its size.
+    (this rank's KV heads) in the dtype :func:`resolve_kv_cache_dtype` picks. Logs its size. With
+    ``separate_sliding`` and a model with sliding-window layers, those get a pool of their own
+    (:func:`sliding_split`).
 
     Raises:
         BaigeError: as :func:`resolve_kv_cache_dtype` and :func:`num_blocks_for`.
@@ -201,4 +245,11 @@ def allocate_kv_cache(
         num_blocks * KVCache.bytes_per_block(kv_cfg, cfg.block_size, dtype) / 1e6,
         str(dtype).removeprefix("torch."),
     )
-    return KVCache(kv_cfg, num_blocks, cfg.block_size, dtype, p.device)
+    sliding = separate_sliding and any(kv_cfg.layer_window(i) is not None for i in range(kv_cfg.num_hidden_layers))
+    if not sliding:
+        return KVCache(kv_cfg, num_blocks, cfg.block_size, dtype, p.device)
+    num_blocks, num_sliding = sliding_split(kv_cfg, cfg, num_blocks)
+    logger.info(
+        "KV cache: the sliding-window layers' own pool of %d blocks, the full layers' %d", num_sliding, num_blocks
+    )
+    return KVCache(kv_cfg, num_blocks, cfg.block_size, dtype, p.device, num_sliding_blocks=num_sliding)

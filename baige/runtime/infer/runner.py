@@ -39,7 +39,7 @@ from baige.runtime.infer.kv_cache import KVCache
 from baige.runtime.infer.sampling import Logprobs, SamplerRow, sample_batch, target_logprobs
 from baige.runtime.infer.scheduler import ScheduledBatch
 from baige.runtime.infer.spec_decode.rejection import verify_drafts
-from baige.runtime.infer.step_inputs import StepInputs, StepRows, forward_step, group_by_width
+from baige.runtime.infer.step_inputs import StepInputs, StepRows, forward_step, group_by_width, sliding_view
 from baige.runtime.model.logprobs import check_batch_invariant
 from baige.runtime.model.transformer import Transformer
 
@@ -112,7 +112,8 @@ class ModelRunner:
         # decode. On CPU the step is bound by weight-streaming memory traffic, which a compiled graph does
         # not reduce, while each width bucket would pay a long compile: the CPU decode runs eager (measured:
         # docs/benchmarks/archive.md); the shapes are fixed either way.
-        self.captures = not enforce_eager and self.device.type == "cuda" and tp is None
+        self.sliding = bool(kv_cache.sliding_layers)  # their own pool (kv_cache.py): tables per step, no graph
+        self.captures = not enforce_eager and self.device.type == "cuda" and tp is None and not self.sliding
         if self.captures:
             self._decode_fn = torch.compile(self._decode_forward, dynamic=False, mode="reduce-overhead")
         # CPU fp32: decode-only steps run every layer in one native call (cpu_decode.py), when eligible
@@ -184,9 +185,11 @@ class ModelRunner:
         slot_mapping: torch.Tensor,
         groups: list[tuple[torch.Tensor, torch.Tensor]],
         native: bool = True,
+        sliding=None,
     ) -> torch.Tensor:
-        """Decode: (1, B) ids/positions, (B,) slots, groups of ((B_g, W_g) tables, (B_g,) lengths)
-        covering the B rows in order -> (B, vocab) logits. ``native`` False: never the native CPU step."""
+        """Decode: (1, B) ids/positions, (B,) slots, groups of ((B_g, W_g) tables, (B_g,) lengths) covering
+        the B rows in order -> (B, vocab) logits. ``native`` False: never the native CPU step; ``sliding``:
+        the sliding layers' :class:`SlidingInputs` (never with the native step, see cpu_decode.py)."""
         if self.fused_decode is not None and native:
             # one table for every row: the native kernel reads only each row's own context
             if len(groups) == 1:
@@ -198,7 +201,8 @@ class ModelRunner:
             lora_ids = self.lora.batch.token_lora_ids if self.lora is not None else None
             hidden = self.fused_decode(input_ids, positions, slot_mapping, tables, lens, lora_ids)
             return self.fused_decode.logits(hidden[0])
-        return self._forward(StepInputs(input_ids, positions, slot_mapping, input_ids.shape[1], groups))[0]
+        step = StepInputs(input_ids, positions, slot_mapping, input_ids.shape[1], groups, sliding=sliding)
+        return self._forward(step)[0]
 
     def _forward(self, s: StepInputs) -> list[torch.Tensor]:
         """:func:`forward_step` on this rank; under tensor parallelism the inputs go to every worker
@@ -245,8 +249,7 @@ class ModelRunner:
         ids, pos, slots, owner = [], [], [], []
         for i, s in enumerate(seqs):
             p0 = len(s.token_ids) - 1
-            for j, t in enumerate([s.token_ids[-1], *s.spec_token_ids]):
-                p = p0 + j
+            for p, t in enumerate([s.token_ids[-1], *s.spec_token_ids], start=p0):
                 ids.append(t)
                 pos.append(p)
                 slots.append(s.block_table[p // bs] * bs + p % bs)
@@ -295,12 +298,16 @@ class ModelRunner:
             # with adapters: the native step with their stacks, else the module path (their hooks)
             self._set_lora([seqs[owner[i]].lora_int_id for i in order] if lora else [])
             fn = self._decode_forward if lora else self._decode_fn
+            in_order = [pos[i] for i in order]
+            row_seqs = [seqs[owner[i]] for i in order]
+            sliding = sliding_view(self.kv, self._tensor, row_seqs, in_order, groups, []) if self.sliding else None
             logits = fn(
                 self._tensor([[ids[i] for i in order]]),
-                self._tensor([[pos[i] for i in order]]),
+                self._tensor([in_order]),
                 self._tensor([slots[i] for i in order]),
                 groups,
                 native=not lora or self._native_lora(),
+                sliding=sliding,
             )
             if order == sorted(order):  # already in row order (one row, or lengths ascending): no gather
                 return logits, spans
@@ -379,6 +386,10 @@ class ModelRunner:
             logit_rows=[self._tensor(rows.sample_at)] + ([self._tensor(rows.score_at)] if rows.score_at else []),
             hidden_rows=self._tensor(rows.pool_at) if rows.pool_at else None,
         )
+        if self.sliding:
+            row_seqs = [batch.seqs[owner[r]] for r in order]
+            row_seqs += [s for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]) for _ in range(n)]
+            step.sliding = sliding_view(self.kv, self._tensor, row_seqs, pos, groups, batch.seqs[nd:])
         if pre_lens:
             w = max(len(t) for t in pre_tables)
             step.prefill_block_tables = self._tensor([t + [self.kv.scratch_block] * (w - len(t)) for t in pre_tables])

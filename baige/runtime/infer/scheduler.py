@@ -69,6 +69,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    # the sliding-window layers' blocks when they have a pool of their own (block_manager.py)
+    sliding_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # tokens found in the prefix cache at the last admission
     finish_reason: str | None = None  # "stop" | "length" | "abort"

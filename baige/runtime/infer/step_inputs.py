@@ -18,6 +18,36 @@ from baige.runtime.model.transformer import Transformer
 
 
 @dataclass
+class SlidingInputs:
+    """The sliding-window layers' side of one step when they have a pool of their own (``kv_cache.py``,
+    ``block_manager.py``): the same rows, context lengths and decode grouping as the full layers', with
+    slots and block tables from each sequence's ``sliding_table``."""
+
+    slot_mapping: torch.Tensor  # (T,) int64
+    decode_tables: list[torch.Tensor]  # per decode group (S_g, W_g) int64, as decode_groups' tables
+    prefill_block_tables: torch.Tensor | None = None  # (P, W) int64
+
+
+def sliding_view(kv: KVCache, tensor, row_seqs: list, positions: list[int], groups: list, prefills: list):
+    """:class:`SlidingInputs` of a step: ``row_seqs`` / ``positions`` per flat row (step order), ``groups``
+    the full layers' decode groups (over the first rows), ``prefills`` the prefilling sequences in order;
+    ``tensor`` makes a device tensor from nested lists. Tables are padded with the sliding scratch block."""
+    bs, scratch = kv.block_size, kv.sliding_scratch
+    slots = [seq.sliding_table[p // bs] * bs + p % bs for seq, p in zip(row_seqs, positions)]
+    decode_tables, r = [], 0
+    for tables, _ in groups:
+        n, w = tables.shape
+        rows = [row_seqs[r + i].sliding_table[:w] for i in range(n)]
+        decode_tables.append(tensor([t + [scratch] * (w - len(t)) for t in rows]))
+        r += n
+    pre = None
+    if prefills:
+        w = max(len(seq.sliding_table) for seq in prefills)
+        pre = tensor([seq.sliding_table + [scratch] * (w - len(seq.sliding_table)) for seq in prefills])
+    return SlidingInputs(tensor(slots), decode_tables, pre)
+
+
+@dataclass
 class PagedAttentionMetadata:
     """Attention metadata of one step (see ``model.AttentionMetadata``); owns the cache writes.
 
@@ -33,6 +63,8 @@ class PagedAttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None  # (P, W) int64
     prefill_cu_seqlens: torch.Tensor | None = None  # (P + 1,) int64
     prefill_context_lens: torch.Tensor | None = None  # (P,) int64
+    # the sliding-window layers' slots and tables (their own pool); None: they use the ones above
+    sliding: SlidingInputs | None = None
 
     def attend(
         self,
@@ -47,20 +79,24 @@ class PagedAttentionMetadata:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """q: (1, T, n_heads, D); k, v: (1, T, n_kv_heads, D) -> (1, T, n_heads, D); ``window``, ``sinks``,
-        ``softcap`` as :func:`baige.kernels.attention`'s."""
+        ``softcap`` as :func:`baige.kernels.attention`'s. A layer with a window reads and writes the
+        sliding pool through ``sliding`` when it is set."""
         kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]
         q, k, v = q[0], k[0], v[0]  # (T, H, D), (T, Hkv, D)
-        kernels.store_kv(k, v, kc, vc, self.slot_mapping)
+        own = self.sliding if window is not None else None
+        kernels.store_kv(k, v, kc, vc, self.slot_mapping if own is None else own.slot_mapping)
         extra = {"window": window, "sinks": sinks, "softcap": softcap}
         nd = self.num_decodes
         parts = []
         row = 0
-        for tables, lens in self.decode_groups:
+        for g, (tables, lens) in enumerate(self.decode_groups):
             n = tables.shape[0]
+            tables = tables if own is None else own.decode_tables[g]
             parts.append(kernels.paged_decode_attention(q[row : row + n], kc, vc, tables, lens, scale, **extra))
             row += n
         if nd < q.shape[0]:
-            tables, cu, lens = self.prefill_block_tables, self.prefill_cu_seqlens, self.prefill_context_lens
+            tables = self.prefill_block_tables if own is None else own.prefill_block_tables
+            cu, lens = self.prefill_cu_seqlens, self.prefill_context_lens
             parts.append(kernels.paged_prefill_attention(q[nd:], kc, vc, tables, cu, lens, scale, **extra))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out[None]  # (1, T, H, D)
@@ -83,6 +119,7 @@ class StepInputs:
     logit_rows: list[torch.Tensor | None] = field(default_factory=lambda: [None])
     # the flattened token rows whose final hidden states pooling sequences need (None: none)
     hidden_rows: torch.Tensor | None = None
+    sliding: SlidingInputs | None = None  # as PagedAttentionMetadata's
 
 
 def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.Tensor]:
@@ -99,6 +136,7 @@ def forward_step(model: Transformer, kv: KVCache, s: StepInputs) -> list[torch.T
         s.prefill_block_tables,
         s.prefill_cu_seqlens,
         s.prefill_context_lens,
+        s.sliding,
     )
     hidden = model(s.input_ids, s.positions, md)[0]  # (T, hidden)
     out = [model.compute_logits(hidden if rows is None else hidden[rows]) for rows in s.logit_rows]

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from baige import kernels
 from baige.errors import BaigeError
-from baige.kernels.reference import visible_keys
 
 # ---- load-balanced sharding -------------------------------------------------------------------------
 
@@ -298,7 +297,9 @@ def masked_attention(
         o = kernels.attention(q[:, order], k[:, order], v[:, order], scale, **extra)
         return o[:, inverse]
     window = extra.pop("window", None)
-    mask = visible_keys(positions, positions, window)[None] & (docs[:, :, None] == docs[:, None, :])  # (B, T, T)
+    mask = kernels.visible_keys(positions, positions, window)[None] & (
+        docs[:, :, None] == docs[:, None, :]
+    )  # (B, T, T)
     return kernels.masked_attention(q, k, v, scale, mask, **extra)
 
 
