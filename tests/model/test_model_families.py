@@ -31,10 +31,12 @@ def ckpt(request, tmp_path_factory, embedded_dir):
 
 
 def _hf_greedy(path, prompts, n_new):
+    """transformers' greedy tokens for each prompt, and the (n, vocab) fp32 log-softmax of the logits each
+    generated token was picked from (a full forward over prompt + generated tokens)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    expected = []
+    expected, logprobs = [], []
     with torch.no_grad():
         for p, n in zip(prompts, n_new):
             out = hf.generate(
@@ -46,12 +48,14 @@ def _hf_greedy(path, prompts, n_new):
                 pad_token_id=0,
             )
             expected.append(out[0, len(p) :].tolist())
-    return expected
+            logprobs.append(torch.log_softmax(hf(out).logits[0, len(p) - 1 : -1].float(), -1))
+    return expected, logprobs
 
 
 def test_engine_greedy_equals_transformers_generate(ckpt):
     """Prompts of 3..45 tokens (the tiny Gemmas' window is 12), two sharing a 32-token prefix (prefix-cache
-    hits); a 16-token step budget splits the long prompts into chunks that join decode steps."""
+    hits); a 16-token step budget splits the long prompts into chunks that join decode steps. The tokens
+    and each step's log-probabilities match transformers'."""
     name, path = ckpt
     model = load_model(path)
     vocab = model.config.vocab_size
@@ -60,7 +64,7 @@ def test_engine_greedy_equals_transformers_generate(ckpt):
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 17, 45)]
     prompts += [shared + [7, 8], shared + [9]]
     n_new = [12, 9, 20, 10, 8]
-    expected = _hf_greedy(path, prompts, n_new)
+    expected, hf_logprobs = _hf_greedy(path, prompts, n_new)
     eng = Engine(
         model,
         Tokenizer.from_dir(path),
@@ -71,18 +75,25 @@ def test_engine_greedy_equals_transformers_generate(ckpt):
     finals = {}
 
     def step():
-        finals.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+        finals.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
 
     for i, (p, n) in enumerate(zip(prompts, n_new)):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5))
         if i == 3:  # the last prompt arrives once the shared prefix is computed and cached
             for _ in range(4):
                 step()
     while eng.has_unfinished():
         step()
-    assert [finals[f"r{i}"] for i in range(len(prompts))] == expected, name
+    assert [finals[f"r{i}"].token_ids for i in range(len(prompts))] == expected, name
+    # every decode step's distribution (the sampled token's and the top-5 log-probabilities) within 1e-4
+    for i, ref in enumerate(hf_logprobs):
+        for t, lp in enumerate(finals[f"r{i}"].logprobs):
+            assert abs(lp.logprob - ref[t, lp.token_id].item()) < 1e-4, (name, i, t)
+            assert max(abs(v - ref[t, tok].item()) for tok, v in lp.top) < 1e-4, (name, i, t)
     assert eng.block_manager.prefix_hits >= 32  # the shared prefix was served from the cache
     assert eng.block_manager.num_used_blocks == 0
+    # the Gemmas' sliding layers run on a pool of their own, blocks before the window given back
+    assert (eng.block_manager.sliding is not None) == name.startswith("gemma")
 
 
 def test_hf_export_reloads_in_transformers_with_identical_logits(ckpt, tmp_path):
