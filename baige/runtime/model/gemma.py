@@ -44,7 +44,13 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`GemmaRMSNorm`'s math: x (..., dim) any float dtype, weight (dim,) the offset from one ->
+    (..., dim) in x's dtype."""
+    return kernels.rms_norm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -59,9 +65,13 @@ class ScaledEmbedding(nn.Embedding):
         self.embed_scale = embedding_dim**0.5
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.scale_rows(super().forward(input_ids))
+
+    def scale_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Looked-up rows (..., hidden) times the scale (for a replaced lookup, e.g. the trainer's tied one)."""
         w = self.weight
         scale = torch.tensor(self.embed_scale, dtype=torch.float32, device=w.device).to(w.dtype)  # () 0-dim
-        return super().forward(input_ids) * scale
+        return rows * scale
 
 
 class GeGLU(nn.Module):
