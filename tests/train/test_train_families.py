@@ -52,3 +52,24 @@ def test_training_lowers_the_loss_and_exports_for_transformers(tmp_path, variant
         ref = theirs(input_ids=ids).logits
         got = ours.compute_logits(ours(ids, torch.arange(40).expand(2, 40)))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["ernie4.5", "gemma2", "gemma3"])
+def test_trainer_loss_equals_transformers_on_its_first_batch(tmp_path, variant, one_thread):
+    """The trainer's own forward and loss (grad on: the tied embedding's lookup, the fused or soft-capped
+    cross-entropy) on its first micro-batch equal transformers' cross-entropy of the same windows."""
+    from transformers import AutoModelForCausalLM
+
+    from baige.runtime.train.trainer import Trainer
+
+    model = tiny_model(tmp_path / "model", variant)
+    data = tmp_path / "train.txt"
+    data.write_text(shakespeare(8_000))
+    trainer = Trainer(tiny_config(model, data, tmp_path / "out", **{"training.steps": 1, "training.batch_size": 2}))
+    ids, labels, positions, md = trainer._shard(trainer.loader.next_step()[0])
+    loss, _ = trainer._loss_sum(ids, labels, positions, md, float((labels != -100).sum()))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)(input_ids=ids).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    assert torch.is_grad_enabled() and loss.requires_grad
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-5, atol=1e-5)
