@@ -145,9 +145,10 @@ def paged_decode_attention(
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
     if _variant(window, sinks, softcap):
-        return reference.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, context_lens, scale, window=window, sinks=sinks, softcap=softcap
-        )
+        extra = {"window": window, "sinks": sinks, "softcap": softcap}
+        native = None if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
+        impl = native or reference  # Triton and the batch-invariant kernels: the reference
+        return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, **extra)
     impl = invariant if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
     impl = impl or dispatch.impl_for(q, "paged_attention")
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -187,17 +188,11 @@ def paged_prefill_attention(
         (N, n_heads, head_dim) in the dtype of ``q``.
     """
     if _variant(window, sinks, softcap):
-        return reference.paged_prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            cu_seqlens_q,
-            context_lens,
-            scale,
-            window=window,
-            sinks=sinks,
-            softcap=softcap,
+        extra = {"window": window, "sinks": sinks, "softcap": softcap}
+        native = None if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
+        impl = native or reference  # Triton and the batch-invariant kernels: the reference
+        return impl.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **extra
         )
     impl = invariant if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
     impl = impl or dispatch.impl_for(q, "paged_attention")

@@ -242,6 +242,19 @@ def forward_flops_per_token(num_params_non_embedding: int, attn_dims: int, conte
     return 2 * num_params_non_embedding + 4 * attn_dims * context_len
 
 
+def kv_read_bytes_per_token(cfg, dtype_bytes: int, context_len: float) -> float:
+    """Bytes of K and V a decode step reads per cached token of a context of ``context_len`` tokens:
+    ``cfg.kv_bytes_per_token`` with each sliding-window layer (``cfg.layer_window(i)``) counting only the
+    ``min(context_len, window) / context_len`` share of the context it reads (its window's blocks; the
+    paged kernels skip the blocks before it)."""
+    full = cfg.kv_bytes_per_token(dtype_bytes)
+    if context_len <= 0 or not any(cfg.layer_window(i) for i in range(cfg.num_hidden_layers)):
+        return full
+    per_layer = full / cfg.num_hidden_layers
+    read = sum(min(context_len, cfg.layer_window(i) or context_len) for i in range(cfg.num_hidden_layers))
+    return per_layer * read / context_len
+
+
 def decode_roofline(
     tokens_per_s: float,
     batch_size: int,
@@ -256,7 +269,8 @@ def decode_roofline(
         tokens_per_s: decode tokens/s summed over the batch.
         batch_size: sequences decoded per step.
         weight_bytes_: bytes of weights read per step (:func:`weight_bytes`).
-        kv_bytes_per_token: bytes of K+V per cached token (``ModelConfig.kv_bytes_per_token``).
+        kv_bytes_per_token: bytes of K+V read per cached token (``ModelConfig.kv_bytes_per_token``; with
+            sliding-window layers :func:`kv_read_bytes_per_token`).
         context_len: mean tokens in each sequence's cache during decode.
         bandwidth: measured bytes/s.
     Returns:

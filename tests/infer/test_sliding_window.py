@@ -159,3 +159,25 @@ def test_engine_greedy_equals_the_contiguous_reference(sliding_llama):
                 assert eng.block_manager.sliding.held(seq) <= BOUND
     assert [final[f"r{i}"] for i in range(3)] == expected
     assert eng.block_manager.prefix_hits > 0  # r2 reused r0's prompt blocks
+
+
+def test_batch_invariant_mode_refuses_a_window(sliding_llama):
+    from baige.errors import BaigeError
+    from baige.runtime.model.logprobs import check_batch_invariant
+
+    _, model = sliding_llama
+    with pytest.raises(
+        BaigeError, match=r"does not support attention with sliding_window \(model.layers.0.self_attn\)"
+    ):
+        check_batch_invariant(model)
+
+
+def test_roofline_counts_a_sliding_layers_bounded_reads(sliding_llama):
+    from baige.runtime import roofline
+
+    _, model = sliding_llama
+    cfg = model.config  # 3 layers, 2 KV heads x 16 dims: 256 bytes of fp32 K+V per token and layer
+    assert cfg.kv_bytes_per_token(4) == 3 * 256
+    assert roofline.kv_read_bytes_per_token(cfg, 4, 4) == 3 * 256  # a context inside the window: every layer whole
+    # a context of 4 windows: the full layer reads 24 keys, each sliding layer 6 -> (24 + 6 + 6) / 24 of a layer
+    assert roofline.kv_read_bytes_per_token(cfg, 4, 4 * WINDOW) == 256 * (24 + 6 + 6) / 24

@@ -130,5 +130,11 @@ SIGNATURES: list[tuple[str, list, type | None]] = [
         [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _int, _int],
         _int,
     ),
+    (
+        "baige_paged_attention_ext",
+        [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _f32, _i64, _ptr, _f32, _ptr]
+        + [_int, _int],
+        _int,
+    ),
     ("baige_set_int8_prefetch", [_int], None),
 ]

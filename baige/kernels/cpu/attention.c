@@ -436,3 +436,88 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
     return rc;
 }
 
+
+/* In place over p[0..n): scores of positions < off masked (weight 0), the others soft-capped
+ * (softcap > 0: c * tanh(x / c)), then the softmax with an optional sink logit in the denominator (sink
+ * NULL: none). */
+static void softmax_ext(float *p, int64_t n, int64_t off, float softcap, const float *sink) {
+    float m = sink ? *sink : -INFINITY;
+    for (int64_t i = off; i < n; i++) {
+        if (softcap > 0.0f) p[i] = softcap * tanhf(p[i] / softcap);
+        m = p[i] > m ? p[i] : m;
+    }
+    float sum = sink ? expf(*sink - m) : 0.0f;
+    for (int64_t i = 0; i < off; i++) p[i] = 0.0f;
+    for (int64_t i = off; i < n; i++) {
+        p[i] = expf(p[i] - m);
+        sum += p[i];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t i = off; i < n; i++) p[i] *= inv;
+}
+
+/* One (sequence, KV head) item of baige_paged_attention_ext: the group's n scores per head from the n
+ * keys at table (offset already applied), softmax_ext, the weighted V sums. kv is a constant at every
+ * call site. */
+static inline __attribute__((always_inline)) void attend_ext(const float *q, const void *kh, const void *vh, int kv,
+                                                             const int64_t *table, int64_t bs, int64_t d, int64_t n,
+                                                             int64_t off, int64_t group, float scale, float softcap,
+                                                             const float *sinks, float *p, float *out) {
+    for (int64_t b0 = 0; b0 < n; b0 += bs) {
+        const int64_t rows = n - b0 < bs ? n - b0 : bs;
+        const int64_t at = table[b0 / bs] * bs * d;
+        const void *kb = kv ? (const void *)((const uint16_t *)kh + at) : (const void *)((const float *)kh + at);
+        for (int64_t j = 0; j < group; j++) qk_rows(q + j * d, kb, kv, rows, d, scale, p + j * n + b0);
+    }
+    for (int64_t j = 0; j < group; j++) {
+        softmax_ext(p + j * n, n, off, softcap, sinks ? sinks + j : NULL);
+        pv_sum(p + j * n, vh, kv, table, bs, d, n, out + j * d);
+    }
+}
+
+/* baige_paged_decode_attention (same arguments and layout) with the attention variants of issue #47, on the
+ * 8-lane kernels: window > 0: row s sees its last `window` keys only -- reading starts at the block holding
+ * key L - window, so the blocks before it are never read (their table entries may be any id) and the keys
+ * before L - window in that block get weight 0; sinks (hq,) fp32 or NULL: per query head a logit in the
+ * softmax denominator with no value (gpt-oss); softcap > 0: scores c * tanh(score / c) before the mask
+ * (Gemma 2). Returns 0, or -1 when a scratch buffer cannot be allocated. */
+int baige_paged_attention_ext(const float *q, const void *k_cache, const void *v_cache, int64_t S, int64_t hq,
+                              int64_t hk, int64_t d, int64_t num_blocks, int64_t bs, const int64_t *block_tables,
+                              int64_t W, const int64_t *table_of_row, const int64_t *context_lens, float scale,
+                              int64_t window, const float *sinks, float softcap, float *out, int kv_dtype,
+                              int nthreads) {
+    const int64_t group = hq / hk;
+    int64_t max_len = 1;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t L = context_lens[s], n = window > 0 && L > window ? window + bs : L;
+        max_len = n > max_len ? n : max_len;
+    }
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && S * hk > 1)
+    {
+        float *p = malloc(sizeof(float) * (size_t)(group * max_len));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < S * hk; item++) {
+            if (!p) {
+#pragma omp atomic write
+                rc = -1;
+                continue;
+            }
+            const int64_t s = item / hk, g = item % hk, L = context_lens[s];
+            const int64_t start = window > 0 && L > window ? L - window : 0, first = start / bs;
+            const int64_t *table = block_tables + (table_of_row ? table_of_row[s] : s) * W + first;
+            const int64_t n = L - first * bs, off = start - first * bs, head0 = s * hq + g * group;
+            const int64_t base = g * num_blocks * bs * d;
+            const void *kh = kv_dtype ? (const void *)((const uint16_t *)k_cache + base) : (const float *)k_cache + base;
+            const void *vh = kv_dtype ? (const void *)((const uint16_t *)v_cache + base) : (const float *)v_cache + base;
+            const float *qs = q + head0 * d, *sk = sinks ? sinks + g * group : NULL;
+            float *os = out + head0 * d;
+            if (kv_dtype == KV_F16) attend_ext(qs, kh, vh, KV_F16, table, bs, d, n, off, group, scale, softcap, sk, p, os);
+            else if (kv_dtype == KV_BF16)
+                attend_ext(qs, kh, vh, KV_BF16, table, bs, d, n, off, group, scale, softcap, sk, p, os);
+            else attend_ext(qs, kh, vh, KV_F32, table, bs, d, n, off, group, scale, softcap, sk, p, os);
+        }
+        free(p);
+    }
+    return rc;
+}

@@ -268,14 +268,19 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     table_of_row: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Runs ``attention.c`` on ``torch.get_num_threads()`` OpenMP threads over (sequence, KV head)
     pairs, in fp32 (a bf16 ``q`` is widened, the result rounded back to bf16) -- except the scores of
     a bf16 cache where :func:`amx_scores` holds: there ``q`` is rounded to bf16 and q . K runs on the
     AMX tiles (``attention_amx.c``; fp32 sums of exact bf16 products). ``table_of_row`` (S,) int64,
-    optional: row ``s`` reads ``block_tables[table_of_row[s]]`` (default: row ``s``). Raises
-    MemoryError when a thread's score buffer (n_heads / n_kv_heads x longest context floats) cannot be
-    allocated."""
+    optional: row ``s`` reads ``block_tables[table_of_row[s]]`` (default: row ``s``). ``window``,
+    ``sinks``, ``softcap`` (:func:`baige.kernels.attention`'s): ``baige_paged_attention_ext`` on the 8-lane
+    kernels, reading only the blocks from the one holding the window's first key. Raises MemoryError when a
+    thread's score buffer (n_heads / n_kv_heads x longest context floats) cannot be allocated."""
     S, H, D = q.shape
     hk, nb, bs, _ = k_cache.shape
     q32 = q.float().contiguous()
@@ -283,6 +288,17 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int64).contiguous()
     rows = None if table_of_row is None else table_of_row.to(torch.int64).contiguous()
     out = torch.empty_like(q32)
+    if window is not None or sinks is not None or softcap is not None:
+        sinks32 = None if sinks is None else sinks.detach().float().contiguous()
+        rc = library().baige_paged_attention_ext(
+            q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), S, H, hk, D, nb, bs, tables.data_ptr(),
+            tables.shape[1], None if rows is None else rows.data_ptr(), lens.data_ptr(), scale, window or 0,
+            None if sinks32 is None else sinks32.data_ptr(), softcap or 0.0, out.data_ptr(),
+            kv_dtype_code(k_cache.dtype), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("paged decode attention: could not allocate the score buffer")
+        return out.to(q.dtype)
     rc = library().baige_paged_decode_attention(
         q32.data_ptr(),
         k_cache.data_ptr(),
@@ -342,6 +358,10 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Prefill chunks through the decode kernel, one query row per token: token ``j`` of sequence
     ``i``'s chunk of ``T_i`` reads sequence ``i``'s block table and a context of
@@ -350,22 +370,29 @@ def paged_prefill_attention(
     :data:`SDPA_BF16_PREFILL_ISAS`, go to the reference (torch's SDPA) instead, the whole call at once --
     but where :func:`amx_prefill` holds (bf16 q and cache under avx512_amx), the whole call runs
     ``prefill_amx.c`` (the query heads a multiple of the KV heads). Same dtypes and errors as
-    :func:`paged_decode_attention`."""
+    :func:`paged_decode_attention`. With ``window`` / ``sinks`` / ``softcap`` never the AMX kernel, and a
+    window bounds the keys a row reads (to ``window + block_size``)."""
     D = k_cache.shape[-1]
     lens_all = context_lens.to(torch.int64)
-    if amx_prefill(q.dtype, k_cache.dtype, D, k_cache.shape[2]):  # None where the kernel declines
+    extra = {"window": window, "sinks": sinks, "softcap": softcap}
+    variant = window is not None or sinks is not None or softcap is not None
+    if not variant and amx_prefill(q.dtype, k_cache.dtype, D, k_cache.shape[2]):  # None where the kernel declines
         out = _prefill_amx(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens_all, scale)
         if out is not None:
             return out
-    if (lens_all.numel() and int(lens_all.max()) * D * 2 * k_cache.element_size() > PREFILL_NATIVE_MAX_BYTES) or (
+    longest = int(lens_all.max()) if lens_all.numel() else 0
+    longest = longest if window is None else min(longest, window + k_cache.shape[2])
+    if longest * D * 2 * k_cache.element_size() > PREFILL_NATIVE_MAX_BYTES or (
         q.dtype == torch.bfloat16 and current_isa() in SDPA_BF16_PREFILL_ISAS
     ):
-        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        return reference.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **extra
+        )
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
     seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)  # (N,) sequence of each token
     pos = torch.arange(q.shape[0]) - cu_seqlens_q.to(torch.int64)[seq]  # (N,) index within its chunk
     lens = lens_all[seq] - counts[seq] + pos + 1
-    return paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, table_of_row=seq)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, table_of_row=seq, **extra)
 
 
 def _prefill_amx(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> torch.Tensor | None:

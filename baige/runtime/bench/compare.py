@@ -359,7 +359,7 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
                     tps,
                     1,
                     rows.weight_bytes[name],
-                    mc.kv_bytes_per_token(rows.dtype_bytes[name]),
+                    roofline.kv_read_bytes_per_token(mc, rows.dtype_bytes[name], cfg.input_len + cfg.output_len / 2),
                     cfg.input_len + cfg.output_len / 2,
                     limits.bandwidth,
                 ),

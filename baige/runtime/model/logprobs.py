@@ -29,8 +29,8 @@ def check_batch_invariant(model: Transformer, kv_cache_dtype: torch.dtype | None
     """Raise BaigeError (one line) when batch-invariant mode cannot hold for ``model``: parameters off the
     CPU, compiled modules (``torch.compile`` would fuse the fixed-order ops and round differently),
     Mixture-of-Experts layers, a linear projection that is not a plain ``nn.Linear`` without hooks
-    (quantized, fp16-weight, LoRA, tensor-parallel shards), or a KV cache dtype other than the model's (its
-    rounding would differ from the trainer's)."""
+    (quantized, fp16-weight, LoRA, tensor-parallel shards), attention with a sliding window, sinks or a
+    soft-cap, or a KV cache dtype other than the model's (its rounding would differ from the trainer's)."""
     p = next(model.parameters())
     if p.device.type != "cpu":
         raise BaigeError(f"batch-invariant mode runs on the CPU only; the model is on {p.device.type}")
@@ -43,6 +43,9 @@ def check_batch_invariant(model: Transformer, kv_cache_dtype: torch.dtype | None
             raise BaigeError(f"batch-invariant mode runs eagerly; {name or 'the model'} is compiled (torch.compile)")
         if isinstance(mod, SparseMoeBlock):
             raise BaigeError(f"batch-invariant mode does not support Mixture-of-Experts layers ({name})")
+        for what in ("sliding_window", "sinks", "softcap"):  # kernels/invariant.py has plain causal attention only
+            if getattr(mod, what, None) is not None:
+                raise BaigeError(f"batch-invariant mode does not support attention with {what} ({name})")
         if not hasattr(mod, "in_features"):
             continue
         if type(mod) is not nn.Linear:
