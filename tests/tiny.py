@@ -43,6 +43,40 @@ VARIANTS = {
     "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False),
 }
 
+# ERNIE-4.5 dense and the Gemmas: hidden not a power of two (tests/model/test_model_families.py)
+GEMMA = dict(
+    hidden_size=56, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=88, sliding_window=12
+)
+FAMILY_VARIANTS = {
+    # the 0.3B layout: interleaved RoPE, embeddings tied by default
+    "ernie4.5": dict(model_type="ernie4_5", hidden_size=72, head_dim=18, num_hidden_layers=3),
+    # a 12-token window (prompts are longer), both layer kinds, each kind its own RoPE (the full layers'
+    # with linear scaling), a softmax scale from query_pre_attn_scalar, final logits soft-capped hard
+    "gemma3": dict(
+        model_type="gemma3_text",
+        **GEMMA,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=20,
+        final_logit_softcapping=2.0,
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1_000_000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+        },
+    ),
+    # the default alternation (sliding, full, sliding), attention scores and logits soft-capped hard, untied
+    "gemma2": dict(
+        model_type="gemma2",
+        **GEMMA,
+        num_hidden_layers=3,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=False,
+    ),
+}
+VARIANTS.update(FAMILY_VARIANTS)
+
 # Mixture-of-Experts: hidden 72 (not a power of two), dense and sparse layers mixed, shared
 # experts where the family has them, an odd number of experts
 MOE = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=2, head_dim=18, num_hidden_layers=3)
@@ -91,11 +125,11 @@ VARIANTS.update(MOE_VARIANTS)
 def make_checkpoint(path: Path, variant: str, seed: int = 0, *, embed_std: float = 0.1, **overrides) -> Path:
     """Write a random tiny HF checkpoint of ``variant`` with transformers; returns the directory.
 
-    Weights N(0, 0.1), biases N(0, 2), norms U(0.5, 1.5). ``embed_std``: the token embeddings' std
-    (the tied lm_head's too). At 0.1 the residual stream starts at RMS 0.1 and the first attention
-    adds RMS ~0.4 (measured on the tiny Mixtral and Llama), so the token's embedding is soon a small
-    part of the stream; 1.0 starts the stream at unit RMS, as the embedding scaling of the original
-    Transformer and of Gemma (x sqrt(hidden)) does. The quantization-accuracy tests use 1.0."""
+    Weights N(0, 0.1), biases N(0, 2), norms scale by U(0.5, 1.5) (Gemma's stored offsets from one U(-0.5,
+    0.5)). ``embed_std``: the token embeddings' std (the tied lm_head's too). At 0.1 the residual stream starts
+    at RMS 0.1 and the first attention adds RMS ~0.4 (measured on the tiny Mixtral and Llama), so the token's
+    embedding is soon a small part of the stream; 1.0 starts the stream at unit RMS, as the embedding scaling of
+    the original Transformer and of Gemma (x sqrt(hidden)) does. The quantization-accuracy tests use 1.0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = {**BASE, **VARIANTS[variant], **overrides}
@@ -109,8 +143,8 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, *, embed_std: float
                 p.normal_(0.0, 0.05)  # ERNIE's selection bias: changes which experts win, not all of them
             elif name.endswith("bias"):
                 p.normal_(0.0, 2.0)  # large q/k/v biases (Qwen2)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)  # non-unit norms (incl. Qwen3 q_norm/k_norm)
+            elif "norm" in name:  # non-unit norms (incl. Qwen3 q_norm/k_norm): scales U(0.5, 1.5)
+                p.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else p.uniform_(0.5, 1.5)  # Gemma: 1 + w
             elif name.endswith("embed_tokens.weight"):
                 p.normal_(0.0, embed_std)
             else:

@@ -79,7 +79,8 @@ def _check(model, monkeypatch, atol=1e-4, kv_dtype=torch.float32, lora=None, aga
 
 
 @pytest.mark.parametrize(
-    "variant", ["llama", "llama-tied", "mistral-head-dim", "qwen2-bias", "qwen3-qk-norm", "llama-llama3-rope"]
+    "variant",
+    ["llama", "llama-tied", "mistral-head-dim", "qwen2-bias", "qwen3-qk-norm", "llama-llama3-rope", "ernie4.5"],
 )
 def test_fused_decode_matches_module_path(tmp_path, monkeypatch, variant):
     model = load_model(make_checkpoint(tmp_path / variant, variant), "float32")
@@ -294,6 +295,12 @@ def test_ineligible_models_say_why(tmp_path, monkeypatch):
     model = load_model(path, "float32")
     add_lora(model.model.layers[0].self_attn.v_proj, 4, 8.0)
     assert FusedDecoder.build(model, kv) == (None, "layer 0 v_proj: it has a training LoRA adapter")
+    gemma = load_model(make_checkpoint(tmp_path / "g", "gemma2"), "float32")
+    gemma_kv = KVCache(gemma.config, 4, BS, torch.float32, torch.device("cpu"))
+    assert FusedDecoder.build(gemma, gemma_kv) == (
+        None,
+        "Gemma's (1 + w) norms, GeGLU MLP and soft-caps are not in the native step",
+    )
     monkeypatch.setenv("BAIGE_CPU_DECODE", "0")
     reload_settings()
     assert FusedDecoder.build(load_model(path, "float32"), kv)[0] is None

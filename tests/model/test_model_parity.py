@@ -58,6 +58,11 @@ def test_variant_features_are_exercised(pair):
         assert model.model.layers[0].self_attn.q_proj.bias.abs().max() > 1.0
     if name == "qwen3-qk-norm":
         assert not torch.allclose(model.model.layers[0].self_attn.q_norm.weight, torch.ones(32))
+    if name.startswith("gemma"):  # both layer kinds, a window shorter than the prompts
+        assert {cfg.layer_window(i) for i in range(cfg.num_hidden_layers)} == {12, None}
+        assert cfg.gemma.final_logit_softcapping is not None
+    if name.startswith("ernie4.5"):
+        assert cfg.rope_interleaved
     if name == "mistral-head-dim":
         assert cfg.head_dim == 24 != cfg.hidden_size // cfg.num_attention_heads
     tied = model.lm_head.weight is model.model.embed_tokens.weight

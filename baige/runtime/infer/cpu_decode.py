@@ -100,6 +100,8 @@ class FusedDecoder:
             return None, "disabled (BAIGE_CPU_DECODE=0 or BAIGE_KERNELS set)"
         if model.config.mla is not None:
             return None, "Multi-head Latent Attention (deepseek) runs on the per-op path"
+        if model.config.gemma is not None:
+            return None, "Gemma's (1 + w) norms, GeGLU MLP and soft-caps are not in the native step"
         dtype = model.model.embed_tokens.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             return None, f"the model is {dtype}, not fp32 or bf16"

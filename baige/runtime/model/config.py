@@ -10,12 +10,14 @@ from typing import Any
 from baige.errors import BaigeError
 from baige.runtime.model import gpt_oss_config
 from baige.runtime.model.config_checks import check_config_fields, read_json
+from baige.runtime.model.config_gemma import GEMMA_MODEL_TYPES, GemmaConfig, gemma_fields
 from baige.runtime.model.mla_config import MLA_MODEL_TYPES, GroupedRouting, MLAConfig, deepseek_overrides
 
 # HF model_type -> the architecture features our single decoder switches on.
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ernie4_5") + GEMMA_MODEL_TYPES
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "ernie4_5_moe", gpt_oss_config.MODEL_TYPE)
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + MLA_MODEL_TYPES
+ERNIE_MODEL_TYPES = ("ernie4_5", "ernie4_5_moe")  # interleaved RoPE, embeddings tied unless the file says not
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # The projections of a Llama-family block (HF names), the usual LoRA targets. Here, beside the other
 # torch-free facts of the architecture, so that option help and config checks need no torch.
@@ -102,6 +104,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3: norms, embedding scale, soft-caps, two RoPE bases
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # the config.json as read
 
     @classmethod
@@ -152,10 +155,10 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "ernie4_5_moe")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in ERNIE_MODEL_TYPES)),
             attention_bias=_attention_bias(cfg, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            rope_interleaved=model_type == "ernie4_5_moe",
+            rope_interleaved=model_type in ERNIE_MODEL_TYPES,
             moe=_moe_config(cfg, model_type, n_layers),
             **gpt_oss_config.model_fields(cfg, n_layers),
             mtp_depth=_int_field(cfg, "num_nextn_predict_layers", default=0, minimum=0),
@@ -166,6 +169,8 @@ class ModelConfig:
         )
         if model_type in MLA_MODEL_TYPES:
             config = replace(config, **deepseek_overrides(cfg, model_type, n_layers, MoEConfig))
+        if model_type in GEMMA_MODEL_TYPES:  # Gemma 2 / 3 (config_gemma.py)
+            config = replace(config, **gemma_fields(cfg, SUPPORTED_ROPE_TYPES))
         return config
 
     @classmethod
@@ -196,7 +201,7 @@ class ModelConfig:
         attn += (h if self.o_proj_bias else 0) + (self.num_attention_heads if self.attention_sinks else 0)
         body = h
         for i in range(self.num_hidden_layers):
-            body += attn + self._mlp_params(i, active) + 2 * h
+            body += attn + self._mlp_params(i, active) + (4 if self.gemma else 2) * h  # Gemma: 4 norms
         if non_embedding:
             return body
         emb = self.vocab_size * h
@@ -244,9 +249,9 @@ def softmax_scale(cfg: ModelConfig) -> float:
 def _attention_bias(cfg: dict[str, Any], model_type: str) -> bool:
     """q/k/v biases: ``attention_bias`` (Llama), Qwen2's always, Qwen2-MoE's ``qkv_bias`` (transformers
     5's name; older files have no key and a bias); ERNIE-4.5's ``use_bias`` must be false."""
-    if model_type == "ernie4_5_moe":
+    if model_type in ERNIE_MODEL_TYPES:
         if cfg.get("use_bias"):
-            raise BaigeError("ernie4_5_moe with use_bias=true (biases on every linear) is not supported")
+            raise BaigeError(f"{model_type} with use_bias=true (biases on every linear) is not supported")
         return False
     if model_type in ("qwen2_moe", gpt_oss_config.MODEL_TYPE):
         return bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))

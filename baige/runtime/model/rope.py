@@ -8,6 +8,7 @@ al. 2023, arXiv:2309.00071) including its attention factor.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -111,3 +112,32 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             cos, sin = emb.cos(), emb.sin()
         return (cos * self.attention_scaling).to(dtype), (sin * self.attention_scaling).to(dtype)
+
+
+class LayerKindRotaryEmbedding(torch.nn.Module):
+    """Two RoPE bases for two kinds of layer (Gemma 3: ``rope_theta`` / ``rope_scaling`` for the full
+    layers, ``rope_local_base_freq`` for the sliding ones): the full layers' and the sliding layers'
+    tables side by side, each layer reading its half.
+
+    Forward: positions (...,) int64 -> cos, sin each (..., 2 * head_dim) in ``dtype``: ``[..., :head_dim]``
+    the full layers', ``[..., head_dim:]`` the sliding layers'.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        g = cfg.gemma
+        local = dataclasses.replace(cfg, rope_theta=g.local_rope_theta, rope_scaling=g.local_rope_scaling)
+        self.full, self.local = RotaryEmbedding(cfg), RotaryEmbedding(local)
+        self.dynamic = self.full.dynamic or self.local.dynamic
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        (cos_f, sin_f), (cos_l, sin_l) = self.full(positions, dtype), self.local(positions, dtype)
+        return torch.cat((cos_f, cos_l), dim=-1), torch.cat((sin_f, sin_l), dim=-1)
+
+
+def rotary_embedding(cfg: ModelConfig) -> torch.nn.Module:
+    """The model's rotary module: :class:`LayerKindRotaryEmbedding` when the sliding layers have their own
+    base (Gemma 3), else :class:`RotaryEmbedding`."""
+    if cfg.gemma is not None and cfg.gemma.local_rope_theta is not None:
+        return LayerKindRotaryEmbedding(cfg)
+    return RotaryEmbedding(cfg)

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from baige import kernels
+from baige.runtime.model import gemma
 from baige.runtime.model.config import ModelConfig, softmax_scale
 from baige.runtime.model.linear import project
 from baige.runtime.model.mla import MLAttention
 from baige.runtime.model.moe import SparseMoeBlock, SwiGLU
 from baige.runtime.model.mtp import MTPLayer
-from baige.runtime.model.rope import RotaryEmbedding
+from baige.runtime.model.rope import rotary_embedding
 
 
 class AttentionMetadata(Protocol):
@@ -138,6 +139,9 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.gemma is not None:  # Gemma 2 / 3: scaled embedding, four-norm GeGLU layers (model/gemma.py)
+            self.embed_tokens, self.layers, self.norm = gemma.decoder_parts(cfg, Attention)
+            return
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -155,7 +159,7 @@ class Transformer(nn.Module):
         self.config = cfg
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(cfg)
+        self.rotary_emb = rotary_embedding(cfg)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList(self.mtp_layer(k) for k in range(cfg.mtp_depth))
@@ -207,8 +211,11 @@ class Transformer(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., vocab) logits in the model dtype."""
-        return project(self.lm_head, hidden)
+        """(..., hidden) -> (..., vocab) logits in the model dtype (soft-capped when the config says so:
+        Gemma's ``final_logit_softcapping``)."""
+        logits = project(self.lm_head, hidden)
+        cap = self.config.gemma.final_logit_softcapping if self.config.gemma is not None else None
+        return logits if cap is None else gemma.softcap(logits, cap)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; see :meth:`ModelConfig.num_params`."""

@@ -25,6 +25,7 @@ from torch import nn
 
 from baige import kernels
 from baige.errors import BaigeError
+from baige.runtime.model.gemma import GemmaRMSNorm, gemma_rms_norm
 from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.train.expert_parallel import ExpertParallelExperts, apply_ep, sparse_blocks
 from baige.runtime.train.tied_embedding import apply_tied_embedding_grad
@@ -326,8 +327,9 @@ class _SumGradOverGroup(torch.autograd.Function):
 def _head_norm_forward(norm: nn.Module, group, x: torch.Tensor) -> torch.Tensor:
     """A q/k head norm under TP: x (B, T, local heads, D); its weight is replicated and each rank's
     gradient covers only its heads, so the gradient is summed over the TP group (Megatron's
-    sequence-parallel norm rule)."""
-    return kernels.rms_norm(x, _SumGradOverGroup.apply(norm.weight, group), norm.eps)
+    sequence-parallel norm rule). Gemma 3's head norms scale by ``1 + weight`` (:func:`gemma_rms_norm`)."""
+    norm_fn = gemma_rms_norm if isinstance(norm, GemmaRMSNorm) else kernels.rms_norm
+    return norm_fn(x, _SumGradOverGroup.apply(norm.weight, group), norm.eps)
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:

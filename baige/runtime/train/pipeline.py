@@ -48,8 +48,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from baige import kernels
 from baige.errors import BaigeError
+from baige.runtime.model.gemma import lm_head_cross_entropy
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.train import parallel
 
@@ -113,6 +113,7 @@ class StageModule(nn.Module):
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
         self.rotary_emb = model.rotary_emb
+        self.config = model.config  # the loss reads the final logit soft-cap (Gemma)
         self.is_first, self.is_last, self.autocast_dtype = first, last, autocast_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,9 +239,7 @@ class PipelineLoss:
                 hidden.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
             ),
         ):  # as the unpipelined step
-            loss = kernels.fused_linear_cross_entropy(
-                hidden, self.last.lm_head.weight, labels, normalizer=self.normalizer
-            )
+            loss = lm_head_cross_entropy(self.last.config, hidden, self.last.lm_head.weight, labels, self.normalizer)
         self.values.append(loss.detach())
         return loss * self.scale
 

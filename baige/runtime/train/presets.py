@@ -9,6 +9,7 @@ import torch
 
 from baige.errors import BaigeError
 from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.gemma import GemmaRMSNorm
 from baige.runtime.model.transformer import Transformer
 
 # Architectures for training from scratch (vocab_size comes from the tokenizer).
@@ -67,13 +68,15 @@ PRESETS: dict[str, dict] = {
 
 
 def init_weights(model: Transformer, std: float) -> None:
-    """Seeded init from the current RNG: Linear/Embedding weights ~ N(0, std), biases 0, norms 1 (HF Llama)."""
+    """Seeded init from the current RNG: Linear/Embedding weights ~ N(0, std), biases 0, norms 1 (HF Llama);
+    Gemma's norms, which scale by ``1 + weight``, 0 (HF Gemma)."""
+    offset = {id(m.weight) for m in model.modules() if isinstance(m, GemmaRMSNorm)}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.zero_()
             elif p.ndim == 1:
-                p.fill_(1.0)
+                p.fill_(0.0 if id(p) in offset else 1.0)
             else:
                 p.normal_(0.0, std)
 

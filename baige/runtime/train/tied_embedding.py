@@ -10,9 +10,12 @@ import functools
 import torch
 from torch import nn
 
+from baige.runtime.model.gemma import ScaledEmbedding
+
 
 def _embed_into_tied_grad(embed: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
-    """``embed(input_ids)`` whose backward index-adds the looked-up rows' gradient into ``weight.grad``.
+    """``embed(input_ids)`` (a :class:`ScaledEmbedding`'s scale included) whose backward index-adds the
+    looked-up rows' gradient into ``weight.grad``.
 
     Autograd's embedding backward builds a dense (vocab, hidden) gradient (a zero fill of the whole
     table, then a scatter of the B*T rows) and adds it to the lm_head's dense gradient: two passes
@@ -24,8 +27,9 @@ def _embed_into_tied_grad(embed: nn.Embedding, input_ids: torch.Tensor) -> torch
     zero-filled gradient is made.)
     """
     weight = embed.weight
+    scaled = embed.scale_rows if isinstance(embed, ScaledEmbedding) else (lambda rows: rows)  # Gemma's sqrt(h)
     if not (torch.is_grad_enabled() and weight.requires_grad):
-        return nn.functional.embedding(input_ids, weight)
+        return scaled(nn.functional.embedding(input_ids, weight))
     out = nn.functional.embedding(input_ids, weight.detach()).requires_grad_()  # (B, T, hidden)
     ids = input_ids.reshape(-1)  # (B*T,)
 
@@ -36,7 +40,7 @@ def _embed_into_tied_grad(embed: nn.Embedding, input_ids: torch.Tensor) -> torch
         weight.grad.index_add_(0, ids, rows)
 
     out.register_hook(accumulate)
-    return out
+    return scaled(out)
 
 
 def apply_tied_embedding_grad(model: nn.Module) -> None:

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from baige import kernels
 from baige.errors import BaigeError
+from baige.runtime.model.gemma import lm_head_cross_entropy
 from baige.runtime.train import lora
 from baige.runtime.train.base import TrainerBase, TrainResult
 from baige.runtime.train.config import TrainConfig
@@ -142,7 +142,7 @@ class Trainer(TrainerBase):
             weight = self.model.lm_head.weight
             if self.autocast:  # the head's matmuls in the compute dtype too; the fp32 weight is cast inside
                 hidden = hidden.to(self.param_dtype)  # the op, whose fp32 weight gradient needs no cast back
-            loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer)
+            loss = lm_head_cross_entropy(self.model_config, hidden, weight, labels, normalizer)  # Gemma: capped
             if mtp:
                 mtp = [h.to(weight.dtype) for h in mtp]
                 return loss, router_logits, mtp_loss_sums(mtp, weight, labels, mtp_normalizers)

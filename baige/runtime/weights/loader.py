@@ -11,7 +11,7 @@ import torch
 from baige.errors import BaigeError
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.device import resolve_dtype
-from baige.runtime.model.rope import RotaryEmbedding
+from baige.runtime.model.rope import rotary_embedding
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.quant.format import prepare_quantized_model
 from baige.runtime.weights import gpt_oss_layout, moe_layout, mtp_layout
@@ -84,7 +84,7 @@ def load_model(
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
-    model.rotary_emb = RotaryEmbedding(cfg).to(device)  # its buffer was built on meta
+    model.rotary_emb = rotary_embedding(cfg).to(device)  # its buffer was built on meta
     return model.eval()
 
 
