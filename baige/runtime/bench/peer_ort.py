@@ -13,6 +13,7 @@ asked tokens count, as HF's static batching).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,9 +32,7 @@ def _convert(model_dir: Path, fmt: str, out: Path) -> None:
     argv = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(out)]
     argv += ["-p", fmt, "-e", "cpu", "-c", str(out / "_hf_cache")]
     run_tool(argv, f"onnxruntime_genai's model builder (-p {fmt} -e cpu)")
-    for p in sorted((out / "_hf_cache").rglob("*"), reverse=True):
-        p.unlink() if p.is_file() else p.rmdir()
-    (out / "_hf_cache").rmdir()
+    shutil.rmtree(out / "_hf_cache", ignore_errors=True)  # the builder's download cache (none from a directory)
 
 
 class Runner:
