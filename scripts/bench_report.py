@@ -201,6 +201,9 @@ def _compare(rs, labels, prefix) -> list[str]:
     for r in rs:
         s, a = r.get("summary") or {}, r.get("args") or {}
         dec, tp, ratios = s.get("decode") or {}, s.get("throughput") or {}, s.get("ratios") or {}
+        pre = s.get("prefill") or {}
+        pps = list(dict.fromkeys(pp for row in pre.values() for pp in row))  # prompt lengths: "pp128", ...
+        pp_head = "".join(f"prefill {pp.removeprefix('pp')} tokens/s | " for pp in pps)
         lines += [
             f"**{_date(r)} UTC, {_model(r)}, machine {labels[_machine_key(r)]}, baige in "
             f"{_limits(r).get('dtype', DASH)}** ({_link(r, prefix)}): decode batch 1, {a.get('input_len', DASH)} in / "
@@ -208,24 +211,33 @@ def _compare(rs, labels, prefix) -> list[str]:
             f"{a.get('tp_input_len', DASH)} in / {a.get('tp_output_len', DASH)} out "
             f"(±{(a.get('range_ratio') or 0):.0%}); median of {a.get('repeats', 1)} round(s).",
             "",
-            "| row | decode tokens/s | % of bandwidth | vs HF best (decode) | throughput total tokens/s | "
+            f"| row | decode tokens/s | % of bandwidth | vs HF best (decode) | {pp_head}throughput total tokens/s | "
             "vs HF best (throughput) |",
-            "|---|---|---|---|---|---|",
+            "|---|---|---|---|" + "---|" * len(pps) + "---|---|",
         ]
-        for row in dict.fromkeys([*dec, *tp]):
+        for row in dict.fromkeys([*dec, *pre, *tp]):
             d, t = dec.get(row) or {}, tp.get(row) or {}
+            pp_cells = "".join(f"{_f(((pre.get(row) or {}).get(pp) or {}).get('tokens_per_s'))} | " for pp in pps)
             lines.append(
                 f"| {row} | {_f(d.get('tokens_per_s'))} | {_f((d.get('roofline') or {}).get('pct_of_limit'))} | "
-                f"{_ratio(ratios.get(f'decode_{row}_over_hf-best'))} | {_f(t.get('tokens_per_s'))} | "
+                f"{_ratio(ratios.get(f'decode_{row}_over_hf-best'))} | {pp_cells}{_f(t.get('tokens_per_s'))} | "
                 f"{_ratio(ratios.get(f'throughput_{row}_over_hf-best'))} |"
             )
-        peers = {k: v for k, v in ratios.items() if "_over_llama.cpp" in k}
+        peers = {k: v for k, v in ratios.items() if _equal_bits(k)}
         if peers:
-            lines += ["", "Against llama.cpp: " + "; ".join(f"{k} {_ratio(v)}" for k, v in peers.items()) + "."]
+            lines += ["", "At equal bits: " + "; ".join(f"{k} {_ratio(v)}" for k, v in peers.items()) + "."]
         for note in r.get("notes") or []:
             lines += ["", f"Note: {note}"]
         lines.append("")
     return lines[:-1]
+
+
+def _equal_bits(key: str) -> bool:
+    """A compare ratio of a quantized baige row over a quantized peer row (llama.cpp's, OpenVINO's, ONNX Runtime
+    GenAI's, CTranslate2's, or the fastest of them at those bits)."""
+    _, _, rest = key.partition("_")
+    ours, _, peer = rest.partition("_over_")
+    return ours.startswith("baige-") and not peer.startswith(("hf-", "baige"))
 
 
 def _train(rs, labels, prefix) -> list[str]:

@@ -217,11 +217,13 @@ def test_bad_peers_and_variants(cli_error, tmp_path, args, needle):
 def test_setup_sh_options():
     out = subprocess.run(["bash", "scripts/setup.sh", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     assert out.returncode == 0 and "--with-llama-cpp" in out.stdout and "llama-cpp-python 0.3.36" in out.stdout
+    assert "--with-peers" in out.stdout and ".peers-venv" in out.stdout
     out = subprocess.run(
         ["bash", "scripts/setup.sh", "--with-llama"], cwd=ROOT, capture_output=True, text=True, timeout=10
     )
     assert (
-        out.returncode == 2 and out.stderr == "error: unknown option --with-llama (known: --with-llama-cpp, --help)\n"
+        out.returncode == 2
+        and out.stderr == "error: unknown option --with-llama (known: --with-llama-cpp, --with-peers, --help)\n"
     )
 
 

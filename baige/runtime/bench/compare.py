@@ -330,17 +330,12 @@ def _fit_prefill(cfg: CompareConfig, model_dir: Path, notes: list[str]) -> Compa
     config.json) cannot hold with one new token; each dropped length is a note."""
     import json
 
-    try:
-        limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        limit = None
+    config = model_dir / "config.json"
+    limit = (json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None) or 0
     if not limit:
         return cfg
-    fits = tuple(n for n in cfg.prefill_lens if n < limit)
-    for n in cfg.prefill_lens:
-        if n >= limit:
-            notes.append(f"prefill pp{n} skipped: the model's context is {limit} tokens")
-    return dataclasses.replace(cfg, prefill_lens=fits)
+    notes += [f"prefill pp{n} skipped: the model's context is {limit} tokens" for n in cfg.prefill_lens if n >= limit]
+    return dataclasses.replace(cfg, prefill_lens=tuple(n for n in cfg.prefill_lens if n < limit))
 
 
 def time_rows(

@@ -1,8 +1,8 @@
 """OpenVINO as a peer of ``baige bench compare`` (:mod:`baige.runtime.bench.peers`).
 
 Conversion: optimum-intel's exporter (``optimum-cli export openvino --task text-generation-with-past
---weight-format int8|int4``; NNCF weight compression: int8 per output channel, int4 in groups of 128 with
-``--ratio 1.0``, every matmul int4 but the lm_head, which NNCF keeps int8). optimum-intel pins
+--weight-format int8|int4``; NNCF weight compression: int8 per output channel, int4 in groups of 128 (64 or
+32 where 128 does not divide the widths: :func:`group_size`) with ``--ratio 1.0``, every matmul int4 but the lm_head, which NNCF keeps int8). optimum-intel pins
 transformers and torch versions of its own, so it is run from another Python when this one cannot import it
 (``options["export_python"]``: ``baige bench compare --peer-venv``; ``scripts/setup.sh --with-peers`` makes
 ``.peers-venv``); the timing needs only ``openvino-genai``, which shares baige's environment.
@@ -30,12 +30,23 @@ def formats(variants: tuple[str, ...]) -> tuple[str, ...]:
     return FORMATS
 
 
+def group_size(model_dir: Path) -> int:
+    """The int4 group: 128 (NNCF's default, OpenVINO's fastest), else the largest of 64 / 32 that divides every
+    matmul's input width (``hidden_size``, ``intermediate_size``: SmolLM2-135M's 576 takes 64); NNCF refuses
+    a group that does not divide a channel."""
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    widths = [cfg.get("hidden_size") or 0, cfg.get("intermediate_size") or 0]
+    return next((g for g in (128, 64, 32) if all(w % g == 0 for w in widths)), 32)
+
+
 def export_argv(model_dir: Path, fmt: str, out: Path, python: str) -> list[str]:
     """optimum-intel's export command line, run by ``python``."""
     argv = [python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(model_dir)]
     argv += ["--task", "text-generation-with-past", "--weight-format", fmt]
     if fmt == "int4":
-        argv += ["--group-size", "128", "--ratio", "1.0"]
+        argv += ["--group-size", str(group_size(model_dir)), "--ratio", "1.0"]
     return [*argv, str(out)]
 
 
@@ -62,10 +73,14 @@ class Runner:
         self.path = path
         self.pipe = og.LLMPipeline(str(path), "CPU", **self.props)
         self.cb = None  # the ContinuousBatchingPipeline, made at the first batch
-        kv = str(ov.Core().get_property("CPU", "KV_CACHE_PRECISION"))
-        self.kv_bytes = 1 if kv in ("u8", "i8") else 2 if kv in ("f16", "bf16") else 4
+        core = ov.Core()
+        kv, math = core.get_property("CPU", "KV_CACHE_PRECISION"), core.get_property("CPU", "INFERENCE_PRECISION_HINT")
+        self.kv_bytes = kv.size  # bytes per cached element (u8 by default on x86)
         self.weight_bytes = tree_bytes(path, ("_model.bin",))
-        self.settings = f"INFERENCE_NUM_THREADS {threads}, PERFORMANCE_HINT LATENCY, KV cache {kv}"
+        self.settings = (
+            f"INFERENCE_NUM_THREADS {threads}, PERFORMANCE_HINT LATENCY, KV cache {kv.get_type_name()}, "
+            f"inference precision {math.get_type_name()}"
+        )
 
     def _config(self, n: int):
         cfg = self.og.GenerationConfig()
