@@ -2,8 +2,9 @@
 
 Conversion: optimum-intel's exporter (``optimum-cli export openvino --task text-generation-with-past
 --weight-format int8|int4``; NNCF weight compression: int8 per output channel, int4 in groups of 128 (64 or
-32 where 128 does not divide the widths: :func:`group_size`) with ``--ratio 1.0``, every matmul int4 but the lm_head, which NNCF keeps int8). optimum-intel pins
-transformers and torch versions of its own, so it is run from another Python when this one cannot import it
+32 where 128 does not divide the widths: :func:`group_size`) with ``--ratio 1.0``, every matmul int4 but the
+embedding and lm_head, which NNCF's default keeps int8). optimum-intel pins transformers and torch versions
+of its own, so it is run from another Python when this one cannot import it
 (``options["export_python"]``: ``baige bench compare --peer-venv``; ``scripts/setup.sh --with-peers`` makes
 ``.peers-venv``); the timing needs only ``openvino-genai``, which shares baige's environment.
 
