@@ -226,10 +226,65 @@ def _compare(rs, labels, prefix) -> list[str]:
         peers = {k: v for k, v in ratios.items() if _equal_bits(k)}
         if peers:
             lines += ["", "At equal bits: " + "; ".join(f"{k} {_ratio(v)}" for k, v in peers.items()) + "."]
+        targets = _targets(s)
+        if targets:
+            lines += ["", "Targets: " + "; ".join(targets) + "."]
         for note in r.get("notes") or []:
             lines += ["", f"Note: {note}"]
         lines.append("")
     return lines[:-1]
+
+
+# baige's quantized rows and the peer rows at the same bits per weight (as baige/runtime/bench/compare_ratios.py)
+BITS = {
+    "int8": (
+        ("baige-int8", "baige-int8+int8-weight"),
+        ("llama.cpp-Q8_0", "openvino-int8", "onnxruntime-genai-int8", "ctranslate2-int8", "ctranslate2-int8_float32"),
+    ),
+    "int4": (
+        ("baige-int4", "baige-int4-g32", "baige-int4-g32+int8-weight"),
+        ("llama.cpp-Q4_0", "llama.cpp-Q4_1", "llama.cpp-Q4_K_M", "openvino-int4", "onnxruntime-genai-int4"),
+    ),
+}
+
+
+def _best(rows: dict, names) -> tuple[str, float] | None:
+    got = [(n, rows[n]["tokens_per_s"]) for n in names if n in rows]
+    return max(got, key=lambda x: x[1]) if got else None
+
+
+def _target(what: str, ratio: float, goal: float) -> str:
+    verdict = "met" if ratio >= goal else f"missed by {100 * (1 - ratio / goal):.0f}%"
+    return f"{what} {ratio:.2f}x (goal {goal}x: {verdict})"
+
+
+def _targets(s: dict) -> list[str]:
+    """The issue's CPU targets checked on one compare summary: batch-1 decode >= 1.3x and throughput >= 1.5x
+    the fastest peer at equal bits, quantized decode >= 75% of the measured bandwidth, prefill >= 1.2x
+    llama.cpp at equal bits, throughput >= 2x HF's best dtype."""
+    out = []
+    dec, tp, pre = s.get("decode") or {}, s.get("throughput") or {}, s.get("prefill") or {}
+    for bits, (ours, theirs) in BITS.items():
+        for kind, rows, goal in (("decode", dec, 1.3), ("throughput", tp, 1.5)):
+            a, b = _best(rows, ours), _best(rows, theirs)
+            if a and b:
+                out.append(_target(f"{kind} {bits} {a[0]} / fastest peer {b[0]}", a[1] / b[1], goal))
+        pct = [(n, dec[n]["roofline"]["pct_of_limit"]) for n in ours if n in dec and "roofline" in dec[n]]
+        if pct:
+            n, p = max(pct, key=lambda x: x[1])
+            verdict = "met" if p >= 75 else f"missed by {75 - p:.0f} points"
+            out.append(f"decode {bits} {n} at {p:.0f}% of the bandwidth (goal 75%: {verdict})")
+        llama = [n for n in theirs if n.startswith("llama.cpp")]
+        for pp in dict.fromkeys(pp for row in pre.values() for pp in row):
+            rows = {k: v[pp] for k, v in pre.items() if pp in v}
+            a, b = _best(rows, ours), _best(rows, llama)
+            if a and b:
+                out.append(_target(f"prefill {pp} {bits} {a[0]} / {b[0]}", a[1] / b[1], 1.2))
+    hf = _best(tp, [k for k in tp if k.startswith("hf-")])
+    ours = _best(tp, [k for k in tp if k.startswith("baige")])
+    if hf and ours:
+        out.append(_target(f"throughput {ours[0]} / HF's best {hf[0]}", ours[1] / hf[1], 2.0))
+    return out
 
 
 def _equal_bits(key: str) -> bool:
