@@ -90,3 +90,35 @@ def test_compare_with_stand_in_peers(tiny_model, tmp_path, monkeypatch):
     assert s["ratios"]["decode_baige-int8_over_fastest-peer-int8"] == pytest.approx(
         s["decode"]["baige-int8"]["tokens_per_s"] / fastest
     )
+
+
+def test_ratios_by_hand_at_equal_bits_and_per_prefill_length():
+    from baige.runtime.bench.compare_ratios import ratios
+
+    s = {
+        "decode": {
+            "baige": {"tokens_per_s": 50.0},
+            "baige-int4-g32": {"tokens_per_s": 120.0},
+            "openvino-int4": {"tokens_per_s": 60.0},
+            "onnxruntime-genai-int4": {"tokens_per_s": 80.0},
+            "ctranslate2-int8": {"tokens_per_s": 40.0},
+        },
+        "prefill": {
+            "baige": {"pp128": {"tokens_per_s": 600.0}, "pp512": {"tokens_per_s": 500.0}},
+            "baige-int4-g32": {"pp512": {"tokens_per_s": 450.0}},
+            "llama.cpp-Q4_0": {"pp128": {"tokens_per_s": 400.0}, "pp512": {"tokens_per_s": 300.0}},
+        },
+    }
+    assert ratios(s) == pytest.approx(
+        {
+            "decode_baige_over_openvino-int4": 50 / 60,
+            "decode_baige_over_onnxruntime-genai-int4": 50 / 80,
+            "decode_baige_over_ctranslate2-int8": 50 / 40,
+            "decode_baige-int4-g32_over_openvino-int4": 2.0,
+            "decode_baige-int4-g32_over_onnxruntime-genai-int4": 1.5,
+            "decode_baige-int4-g32_over_fastest-peer-int4": 1.5,  # ORT's 80 the fastest at 4 bits
+            "prefill-pp128_baige_over_llama.cpp-Q4_0": 1.5,
+            "prefill-pp512_baige_over_llama.cpp-Q4_0": 500 / 300,
+            "prefill-pp512_baige-int4-g32_over_llama.cpp-Q4_0": 1.5,
+        }
+    )
