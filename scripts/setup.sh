@@ -8,6 +8,9 @@
 #   scripts/setup.sh            # set up only
 #   scripts/setup.sh --with-llama-cpp   # also llama-cpp-python 0.3.36, the peer `baige bench compare` times
 #                                       # (compiled from source: 10-15 min on 2 cores, then cached by pip)
+#   scripts/setup.sh --with-peers       # also OpenVINO GenAI, ONNX Runtime GenAI and CTranslate2 (into .venv,
+#                                       # only if none of baige's pinned packages moves) and optimum-intel,
+#                                       # OpenVINO's exporter, in a venv of its own: .peers-venv
 #   BAIGE_TORCH_SPEC='torch==2.5.1' scripts/setup.sh   # choose the torch build yourself
 #
 # The benchmarks' real-sized model (1.1 GB, never needed by the tests) is a separate step:
@@ -15,11 +18,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 with_llama_cpp=0
+with_peers=0
 for arg in "$@"; do
   case $arg in
     --with-llama-cpp) with_llama_cpp=1 ;;
+    --with-peers) with_peers=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) echo "error: unknown option $arg (known: --with-llama-cpp, --help)" >&2; exit 2 ;;
+    *) echo "error: unknown option $arg (known: --with-llama-cpp, --with-peers, --help)" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -64,4 +69,24 @@ if [ "$with_llama_cpp" = 1 ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/
     extra=(--no-cache-dir)
   fi
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} pip install -q ${extra[@]+"${extra[@]}"} "llama-cpp-python==0.3.36"
+fi
+
+# The other CPU engines `baige bench compare --peers` times. Into .venv under constraints that pin every package
+# baige's install resolved (pip refuses rather than move one); optimum-intel wants transformers < 5.6 (baige pins
+# 5.24), so it gets .peers-venv, used only to export models to OpenVINO (compare's --peer-venv).
+if [ "$with_peers" = 1 ]; then
+  pins=$(mktemp)
+  pip freeze --exclude-editable | grep '==' > "$pins"
+  pip install -q -c "$pins" openvino-genai openvino-tokenizers onnxruntime-genai onnx onnx-ir ctranslate2
+  rm -f "$pins"
+  [ -x .peers-venv/bin/python ] || "$PY" -m venv .peers-venv
+  if ! .peers-venv/bin/python -c "import optimum.intel" 2>/dev/null; then
+    side=$(mktemp)
+    printf '%s\n' "${torch_spec}" "torchvision==0.28.0" "transformers<5.6" > "$side"   # torch 2.13's torchvision
+    .peers-venv/bin/python -m pip install -q -c "$side" "${torch_spec}" "optimum-intel[openvino]"
+    rm -f "$side"
+    # PyPI's torchvision is built for the CUDA torch: on the CPU build its ops fail to register and transformers
+    # then cannot import PreTrainedModel. Exporting a text model does not need it.
+    .peers-venv/bin/python -m pip uninstall -q -y torchvision
+  fi
 fi

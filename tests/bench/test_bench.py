@@ -318,6 +318,7 @@ def test_compare_ratios_by_hand():
     }
     r = ratios(s)
     assert r == {
+        "decode_baige-int4-g32_over_fastest-peer-int4": 1.2,  # Q4_1's 75 tokens/s the fastest at 4 bits
         "decode_baige_over_llama.cpp-Q4_1": 0.4,
         "decode_baige_over_llama.cpp-Q8_0": 0.75,
         "decode_baige_over_llama.cpp-Q4_0": 30.0 / 72.0,
@@ -710,7 +711,10 @@ def test_cli_compare_peers_none_and_one_variant(tiny_dir, tmp_path, monkeypatch)
     )
     assert res.exit_code == 0, res.output
     r = _result(tmp_path, "compare")
-    assert list(r["samples"]["decode"]) == ["baige", "baige-int8"] and r["notes"] == []
+    assert list(r["samples"]["decode"]) == ["baige", "baige-int8"]
+    # the tiny model's context (256) holds the default prefill's 128 tokens, not its 512
+    assert r["notes"] == ["prefill pp512 skipped: the model's context is 256 tokens"]
+    assert r["args"]["prefill_lens"] == [128] and set(r["summary"]["prefill"]["baige-int8"]) == {"pp128"}
     assert r["args"]["peers"] == [] and r["args"]["quantized"] == ["int8"]
     assert set(r["summary"]["ratios"]) == set()  # no peer row, no ratio
     w, w8 = (r["summary"]["throughput"][k]["workload_roofline"] for k in ("baige", "baige-int8"))
@@ -758,9 +762,9 @@ def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(
         compare.Rows,
         "add",
-        lambda self, name, decode, batch, wb, db: add(
+        lambda self, name, decode, batch, wb, db, prefill=None: add(
             self, name, tagged("decode", name, decode), tagged("throughput", name, batch), wb, db
-        ),
+        ),  # no prefill (--prefill-lens none)
     )
     monkeypatch.setattr(compare, "_timed", lambda fn: (fn(), seconds[fn.key].pop(0))[1])
     res = _cli(
@@ -786,6 +790,8 @@ def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
             "--no-quantized",
             "--repeats",
             "2",
+            "--prefill-lens",
+            "none",
             "--output-dir",
             str(tmp_path),
             "--plot",

@@ -81,6 +81,12 @@ def test_add_llama_cpp_rows_and_the_failed_row_skipped(tmp_path, monkeypatch):
         "llama_cpp_decode",
         lambda path, prompt, n, threads: (decoded.append((path, n, threads)), lambda: None)[1],
     )
+    prefilled = []
+    monkeypatch.setattr(
+        llama_peer,
+        "llama_cpp_prefill",
+        lambda path, n_ctx, threads: (prefilled.append((path, n_ctx, threads)), lambda prompt: None)[1],
+    )
     monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path / "cache")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -98,6 +104,9 @@ def test_add_llama_cpp_rows_and_the_failed_row_skipped(tmp_path, monkeypatch):
     import torch
 
     assert decoded == [(gguf, 5, torch.get_num_threads()), (q4_0, 5, torch.get_num_threads())]
+    # prefill on a context for the longest prompt (512 tokens by default) and its new token
+    assert prefilled == [(gguf, 520, torch.get_num_threads()), (q4_0, 520, torch.get_num_threads())]
+    assert list(rows.prefill) == ["llama.cpp-Q4_1", "llama.cpp-Q4_0"]
     # only the variants being timed bring their llama.cpp type; the shipped type is never re-made
     rows, notes = compare.Rows(), []
     compare._add_llama_cpp(
@@ -166,9 +175,13 @@ def test_peers_and_variants_parsing():
     assert split_names("none") == () and split_names("") == ()
     cfg = compare.CompareConfig(bench_engine(), peers=("llama.cpp", "llama.cpp"), quantized=("int8", "int4-g32"))
     assert cfg.peers == ("llama.cpp",) and cfg.quantized == ("int8", "int4-g32")
-    assert compare.CompareConfig(bench_engine()).peers == ("hf", "llama.cpp")
+    assert compare.CompareConfig(bench_engine()).peers == ("hf", "llama.cpp")  # the converting peers: by name
+    assert compare.PEERS == ("hf", "llama.cpp", "openvino", "onnxruntime-genai", "ctranslate2")
     assert compare.CompareConfig(bench_engine()).quantized == compare.VARIANTS
-    with pytest.raises(BaigeError, match=r"^--peers: unknown 'vllm', 'sglang' \(known: hf, llama.cpp\)$"):
+    with pytest.raises(
+        BaigeError,
+        match=r"^--peers: unknown 'vllm', 'sglang' \(known: hf, llama.cpp, openvino, onnxruntime-genai, ctranslate2\)$",
+    ):
         compare.CompareConfig(bench_engine(), peers=("hf", "vllm", "sglang"))
     with pytest.raises(BaigeError) as e:
         compare.CompareConfig(bench_engine(), quantized=("int8", "int3"))
@@ -179,11 +192,20 @@ def test_peers_and_variants_parsing():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["compare", "--peers", "vllm"], "--peers: unknown 'vllm' (known: hf, llama.cpp)"),
-        (["--peers", "hf,tgi", "compare"], "--peers: unknown 'tgi' (known: hf, llama.cpp)"),
+        (
+            ["compare", "--peers", "vllm"],
+            "--peers: unknown 'vllm' (known: hf, llama.cpp, openvino, onnxruntime-genai, ctranslate2)",
+        ),
+        (
+            ["--peers", "hf,tgi", "compare"],
+            "--peers: unknown 'tgi' (known: hf, llama.cpp, openvino, onnxruntime-genai, ctranslate2)",
+        ),
         (["compare", "--variants", "int8,int2"], "--variants: unknown 'int2' (known: "),
         (["--peers", "hf", "latency"], "--peers does not apply to `bench latency`"),
-        (["--peers", "foo", "latency"], "--peers: unknown 'foo' (known: hf, llama.cpp)"),  # the name first
+        (
+            ["--peers", "foo", "latency"],
+            "--peers: unknown 'foo' (known: hf, llama.cpp, openvino, onnxruntime-genai, ctranslate2)",
+        ),  # the name first
         (["--peers", "", "compare"], "--peers is empty (none: baige's rows only)"),
         (["compare", "--peers", " , "], "--peers is empty (none: baige's rows only)"),
     ],
@@ -195,11 +217,13 @@ def test_bad_peers_and_variants(cli_error, tmp_path, args, needle):
 def test_setup_sh_options():
     out = subprocess.run(["bash", "scripts/setup.sh", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     assert out.returncode == 0 and "--with-llama-cpp" in out.stdout and "llama-cpp-python 0.3.36" in out.stdout
+    assert "--with-peers" in out.stdout and ".peers-venv" in out.stdout
     out = subprocess.run(
         ["bash", "scripts/setup.sh", "--with-llama"], cwd=ROOT, capture_output=True, text=True, timeout=10
     )
     assert (
-        out.returncode == 2 and out.stderr == "error: unknown option --with-llama (known: --with-llama-cpp, --help)\n"
+        out.returncode == 2
+        and out.stderr == "error: unknown option --with-llama (known: --with-llama-cpp, --with-peers, --help)\n"
     )
 
 

@@ -1,8 +1,9 @@
-"""``baige bench compare``: baige against HF transformers and llama.cpp on the same model."""
+"""``baige bench compare``: baige against HF transformers, llama.cpp and the other CPU engines on the same model."""
 
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -18,6 +19,7 @@ from baige.cli.bench.options import (
     PlotOpt,
     SeedOpt,
     engine_config,
+    parse_numbers,
     parse_peers,
     split_names,
 )
@@ -54,6 +56,21 @@ def compare(
         ),
     ] = None,
     peers: PeersOpt = "hf,llama.cpp",
+    prefill_lens: Annotated[
+        str,
+        typer.Option(
+            help="Prefill: prompt lengths (tokens, comma-separated; none: no prefill), each timed as one "
+            "batch-1 prompt and one new token (llama-bench's pp)."
+        ),
+    ] = "128,512",
+    peer_venv: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="A venv whose python runs a peer's converter that cannot share baige's environment "
+            "(optimum-intel's OpenVINO export; scripts/setup.sh --with-peers makes .peers-venv). Default: "
+            ".peers-venv when it exists."
+        ),
+    ] = None,
     kv_cache_dtype: KVCacheDTypeOpt = DType.auto,
     hf_dtype: Annotated[
         Optional[list[HFDType]],
@@ -72,8 +89,9 @@ def compare(
     output_dir: OutDirOpt = DEFAULT_OUT,
     plot: PlotOpt = False,
 ) -> None:
-    """baige vs HF transformers and llama.cpp (when installed): batch-1 decode tokens/s, offline throughput
-    total tokens/s, their ratios, and llama.cpp at baige's bits per weight."""
+    """baige vs HF transformers, llama.cpp, OpenVINO, ONNX Runtime GenAI and CTranslate2 (--peers; those
+    installed): batch-1 decode, prefill and offline throughput tokens/s, their ratios, and the peers at
+    baige's bits per weight."""
     from baige.runtime.bench.compare import CompareConfig, run_compare
     from baige.runtime.bench.report import compare_ratios_table, compare_table
 
@@ -102,6 +120,10 @@ def compare(
         quantized=() if not quantized else split_names(variants) if variants else CompareConfig.quantized,
         hf_dtypes=tuple(d.value for d in hf_dtype) if hf_dtype else CompareConfig.hf_dtypes,
         peers=parse_peers(peers),
+        prefill_lens=tuple(parse_numbers(prefill_lens, "--prefill-lens", int, "comma-separated token counts"))
+        if split_names(prefill_lens)
+        else (),
+        peer_venv=str(peer_venv) if peer_venv else (".peers-venv" if Path(".peers-venv").is_dir() else None),
     )
 
     def render(r):

@@ -48,8 +48,10 @@ DatasetOpt = Annotated[Optional[Path], typer.Option(help="ShareGPT-format JSON i
 PeersOpt = Annotated[
     str,
     typer.Option(
-        help="Comparison: the peers to time, comma-separated: hf (HF transformers) and/or llama.cpp "
-        "(llama-cpp-python), or none (baige rows only). On a big model HF's rows take minutes: --peers llama.cpp."
+        help="Comparison: the peers to time, comma-separated: hf (HF transformers), llama.cpp (llama-cpp-python), "
+        "openvino, onnxruntime-genai, ctranslate2 (each converts the model once with its own tool and times each "
+        "row in its own process), or none (baige rows only). Default: hf,llama.cpp. On a big model HF's rows "
+        "take minutes: --peers llama.cpp."
     ),
 ]
 ServerArgOpt = Annotated[

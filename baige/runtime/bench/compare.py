@@ -13,21 +13,26 @@ Workloads (greedy, EOS ignored, every system generates exactly the asked tokens)
   fastest but ran static batches far slower than fp32; docs/benchmarks/archive.md, "The first CPU
   runs").
 
-Peers (``peers``, vLLM-style names ``hf`` and ``llama.cpp``; both by default): HF transformers
-(``generate``) in float32 and bfloat16; llama-cpp-python on the same GGUF when installed (decode only,
-the same thread count), as shipped and re-quantized by llama.cpp to baige's bit widths
-(:mod:`baige.runtime.bench.llama_peer`). The quantized rows are baige on int8 / int4 (RTN, group 128) /
-int4-g32 (group 32, the group of llama.cpp's Q4_0) copies of the model quantized into a temporary directory, baige with
-``--quantization fp16-weight``
-(fp16-stored weights, fp32 math; CPU fp32 only), and ``int8+fp16-weight`` (the int8 copy with its
-remaining fp32 Linear, the tied lm_head, stored fp16); decode and throughput for each. Every repeat runs each system
-once in turn
-and the report keeps the median per system. Ratios are baige / peer, keyed
+- **prefill**: batch 1, one random-token prompt of each of ``prefill_lens`` tokens, one new token;
+  tokens/s = prompt tokens / seconds (llama-bench's ``pp``).
+
+Peers (``peers``; ``hf`` and ``llama.cpp`` by default): HF transformers (``generate``) in float32 and
+bfloat16; llama-cpp-python on the same GGUF when installed (decode and prefill, the same thread count), as
+shipped and re-quantized by llama.cpp to baige's bit widths (:mod:`baige.runtime.bench.llama_peer`);
+``openvino``, ``onnxruntime-genai`` and ``ctranslate2``, each on the model converted by its own tool and
+timed one row per child process (:mod:`baige.runtime.bench.peers`; they run after baige's rounds).
+The quantized rows are baige on int8 / int4 (RTN, group 128) / int4-g32 (group 32, the group of
+llama.cpp's Q4_0) copies of the model quantized into a temporary directory, baige with
+``--quantization fp16-weight`` (fp16-stored weights, fp32 math; CPU fp32 only), and ``int8+fp16-weight``
+(the int8 copy with its remaining fp32 Linear, the tied lm_head, stored fp16); decode, prefill and
+throughput for each. Every repeat runs each in-process system once in turn and the report keeps the median
+per system. Ratios are baige / peer (:mod:`baige.runtime.bench.compare_ratios`), keyed
 ``<workload>_<baige row>_over_<peer row>`` (``hf-best``: the fastest HF dtype).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import statistics
 import tempfile
@@ -39,14 +44,16 @@ from pathlib import Path
 import torch
 
 from baige.runtime import roofline
-from baige.runtime.bench import llama_peer
+from baige.runtime.bench import llama_peer, peers
 from baige.runtime.bench.common import environment, random_token_prompts
+from baige.runtime.bench.compare_ratios import EQUAL_BITS, ratio_key, ratios  # noqa: F401  (the public names)
 from baige.runtime.bench.offline import Progress, build_llm, run_args
 from baige.runtime.config import DATA_SEED_RANGE, EngineConfig, check_int
 from baige.runtime.infer.scheduler import StepShape
 
 Requests = list[tuple[list[int], int]]  # (prompt token ids, output tokens) per request
-PEERS = ("hf", "llama.cpp")
+PEERS = ("hf", "llama.cpp", *peers.PEER_MODULES)
+DEFAULT_PEERS = ("hf", "llama.cpp")  # the child-process peers convert the model: asked for by name
 # baige variants: a dtype (fp32 / bf16: the model's other floats, whatever --dtype auto picked for the
 # "baige" row), a quantized copy (int8; int4 RTN g128; int4-g32, the bits of llama.cpp's Q4_0), a
 # serving-time rewrite (--quantization fp16-weight / int8-weight), or a combination ("+")
@@ -82,14 +89,21 @@ class CompareConfig:
     hf_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     quantized: tuple[str, ...] = VARIANTS
     seed: int = 0
-    peers: tuple[str, ...] = PEERS  # which peers run: "hf", "llama.cpp"
+    peers: tuple[str, ...] = DEFAULT_PEERS  # which peers run (names of PEERS)
+    prefill_lens: tuple[int, ...] = (128, 512)  # tokens, prefill prompts
+    peer_venv: str | None = None  # a venv whose python exports for a peer that cannot share baige's (OpenVINO)
 
     def __post_init__(self) -> None:
-        """Raises BaigeError for an unknown peer or variant."""
+        """Raises BaigeError for an unknown peer or variant, or a prefill length below 1."""
         self.hf_dtypes = tuple(dict.fromkeys(self.hf_dtypes))
         self.peers = tuple(dict.fromkeys(self.peers))
         self.quantized = tuple(dict.fromkeys(self.quantized))
+        self.prefill_lens = tuple(dict.fromkeys(self.prefill_lens))
         check_int("--seed", self.seed, *DATA_SEED_RANGE)
+        if any(n < 1 for n in self.prefill_lens):
+            from baige.errors import BaigeError
+
+            raise BaigeError(f"--prefill-lens: token counts must be >= 1, got {','.join(map(str, self.prefill_lens))}")
         check_names("--peers", self.peers, PEERS)
         check_names("--variants", self.quantized, VARIANTS)
 
@@ -109,6 +123,7 @@ class Rows:
 
     decode: dict[str, Callable[[], None]] = field(default_factory=dict)  # batch-1 decode call
     batch: dict[str, Callable[[], None]] = field(default_factory=dict)  # offline throughput call
+    prefill: dict[str, Callable[[list[int]], None]] = field(default_factory=dict)  # prompt -> 1 token
     weight_bytes: dict[str, int] = field(default_factory=dict)  # bytes read per decode step
     dtype_bytes: dict[str, int] = field(default_factory=dict)  # bytes per cached K/V element
     # baige rows: the schedule of the last throughput call and the model's roofline.model_counts
@@ -122,10 +137,13 @@ class Rows:
         batch: Callable[[], None] | None,
         weight_bytes: int,
         dtype_bytes: int,
+        prefill: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.decode[name] = decode
         if batch is not None:
             self.batch[name] = batch
+        if prefill is not None:
+            self.prefill[name] = prefill
         self.weight_bytes[name], self.dtype_bytes[name] = weight_bytes, dtype_bytes
 
 
@@ -153,12 +171,14 @@ def _add_baige(rows: Rows, name: str, llm, prompt: list[int], reqs: Requests, n:
         finally:
             llm.engine.step_shapes = None
 
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows.add(
         name,
         lambda: llm.generate([{"prompt_token_ids": prompt}], decode_params),
         batch,
         batch1_bytes,
         llm.engine.kv_cache.k[0].element_size(),
+        prefill=lambda p: llm.generate([{"prompt_token_ids": p}], first),
     )
 
 
@@ -209,6 +229,7 @@ def _add_hf(
             _hf_static(hf, reqs, cfg.hf_batch_size, pad_id),
             roofline.weight_bytes(hf),
             torch.tensor([], dtype=getattr(torch, dt)).element_size(),
+            prefill=lambda p, m=hf: _hf_generate(m, [p], 1, pad_id),
         )
 
 
@@ -264,7 +285,7 @@ def _gguf_of(spec: str | None) -> Path | None:
 
 
 def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str]) -> None:
-    """Rows ``llama.cpp-<type>`` (decode only, ``torch.get_num_threads()`` threads): the model's GGUF as
+    """Rows ``llama.cpp-<type>`` (decode and prefill, ``torch.get_num_threads()`` threads): the model's GGUF as
     shipped and, for the int8 / int4-g32 variants being timed, the GGUF re-quantized by llama.cpp to Q8_0 /
     Q4_0 (cached, in a child process). Without llama-cpp-python or a GGUF, or when a re-quantization
     fails, one note and no row."""
@@ -292,28 +313,55 @@ def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: lis
             None,
             path.stat().st_size,
             2,
+            prefill=llama_peer.llama_cpp_prefill(path, max(cfg.prefill_lens) + 8, threads)
+            if cfg.prefill_lens
+            else None,
         )
 
 
 def _context_len(cfg: CompareConfig) -> int:
-    """Tokens of context every baige engine is built for: the decode run, or twice the mean throughput request."""
-    return max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len))
+    """Tokens of context every baige engine is built for: the decode run, the longest prefill prompt and
+    its token, or twice the mean throughput request."""
+    return max(cfg.input_len + cfg.output_len, 2 * (cfg.tp_input_len + cfg.tp_output_len), *cfg.prefill_lens, 0) + 1
 
 
-def time_rows(rows: Rows, repeats: int, progress: Progress | None = None) -> tuple[dict, bool]:
+def _fit_prefill(cfg: CompareConfig, model_dir: Path, notes: list[str]) -> CompareConfig:
+    """``cfg`` without the prefill lengths the model's context (``max_position_embeddings`` of its
+    config.json) cannot hold with one new token; each dropped length is a note."""
+    import json
+
+    config = model_dir / "config.json"
+    limit = (json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None) or 0
+    if not limit:
+        return cfg
+    notes += [f"prefill pp{n} skipped: the model's context is {limit} tokens" for n in cfg.prefill_lens if n >= limit]
+    return dataclasses.replace(cfg, prefill_lens=tuple(n for n in cfg.prefill_lens if n < limit))
+
+
+def time_rows(
+    rows: Rows, repeats: int, progress: Progress | None = None, prefill_prompts: tuple[list[int], ...] = ()
+) -> tuple[dict, bool]:
     """One warm-up decode call per row (compilation, allocation, first-touch page faults), then
-    ``repeats`` rounds, each timing every decode row, then every throughput row, once in turn. Round 1
-    times every HF dtype's static batching; later rounds only the one fastest in round 1.
+    ``repeats`` rounds, each timing every decode row, then every prefill row on each of
+    ``prefill_prompts``, then every throughput row, once in turn. Round 1 times every HF dtype's static
+    batching; later rounds only the one fastest in round 1.
 
-    Returns ``({"decode": {row: [seconds per round]}, "throughput": {...}}, interrupted)``; a
-    ``KeyboardInterrupt`` while timing ends the rounds early with ``interrupted`` True.
+    Returns ``({"decode": {row: [seconds per round]}, "prefill": {row: [[seconds per round] per prompt]},
+    "throughput": {...}}, interrupted)``; a ``KeyboardInterrupt`` while timing ends the rounds early with
+    ``interrupted`` True.
     """
     for fn in rows.decode.values():
         fn()
     batch = rows.batch
-    samples: dict[str, dict[str, list[float]]] = {"decode": {k: [] for k in rows.decode}, "throughput": {}}
+    pre = {k: fn for k, fn in rows.prefill.items() if prefill_prompts}
+    samples: dict[str, dict] = {
+        "decode": {k: [] for k in rows.decode},
+        "prefill": {k: [[] for _ in prefill_prompts] for k in pre},
+        "throughput": {},
+    }
     n_hf = sum(k.startswith("hf-") for k in batch)
-    total = repeats * (len(rows.decode) + len(batch) - n_hf + min(n_hf, 1)) + max(n_hf - 1, 0)
+    per_round = len(rows.decode) + len(pre) * len(prefill_prompts) + len(batch) - n_hf + min(n_hf, 1)
+    total = repeats * per_round + max(n_hf - 1, 0)
     done = 0
 
     def tick(what: str) -> None:
@@ -327,6 +375,10 @@ def time_rows(rows: Rows, repeats: int, progress: Progress | None = None) -> tup
             for name, fn in rows.decode.items():
                 samples["decode"][name].append(_timed(fn))
                 tick(f"decode {name}")
+            for name, fn in pre.items():
+                for i, p in enumerate(prefill_prompts):
+                    samples["prefill"][name][i].append(_timed(lambda fn=fn, p=p: fn(p)))
+                    tick(f"prefill {name} pp{len(p)}")
             if r == 0:
                 samples["throughput"] = {k: [] for k in batch}
             for name, fn in batch.items():
@@ -349,7 +401,7 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
     machine and the least time any schedule of the same requests needs (``workload_roofline``:
     :func:`roofline.workload_summary`); plus the ratios."""
     tp_tokens = sum(len(p) + n for p, n in reqs)
-    summary: dict = {"decode": {}, "throughput": {}}
+    summary: dict = {"decode": {}, "prefill": {}, "throughput": {}}
     for name, ts in samples["decode"].items():
         if ts:
             tps = cfg.output_len / statistics.median(ts)
@@ -385,6 +437,15 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
                     statistics.median(ts),
                     requests=[(len(p), n) for p, n in reqs],
                 )
+    for name, per_len in samples.get("prefill", {}).items():
+        for n_tok, ts in zip(cfg.prefill_lens, per_len):
+            if ts:
+                tps = n_tok / statistics.median(ts)
+                flops = roofline.forward_flops_per_token(counts["num_params_active"], counts["attn_dims"], n_tok)
+                summary["prefill"].setdefault(name, {})[f"pp{n_tok}"] = {
+                    "tokens_per_s": tps,
+                    "roofline": roofline.compute_roofline(tps, flops, limits.matmul_peak),
+                }
     summary["ratios"] = ratios(summary)
     return summary
 
@@ -397,11 +458,13 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     auto_model = _transformers() if "hf" in cfg.peers and cfg.hf_dtypes else None
     model_dir = resolve_model(cfg.engine.model)
     notes: list[str] = []
+    cfg = _fit_prefill(cfg, Path(model_dir), notes)
     baige = build_llm(cfg.engine, _context_len(cfg), cfg.num_prompts)
     dtype = next(baige.engine.model.parameters()).dtype  # --dtype auto's pick: limits.dtype in the result
     vocab = baige.engine.vocab_size
     decode_prompt = random_token_prompts(vocab, 1, cfg.input_len, 1, 0.0, cfg.seed)[0][0]
     reqs = random_token_prompts(vocab, cfg.num_prompts, cfg.tp_input_len, cfg.tp_output_len, cfg.range_ratio, cfg.seed)
+    prefill_prompts = tuple(random_token_prompts(vocab, 1, n, 1, 0.0, cfg.seed)[0][0] for n in cfg.prefill_lens)
     rows = Rows()
     _add_baige(rows, "baige", baige, decode_prompt, reqs, cfg.output_len)
     if auto_model is not None:
@@ -412,7 +475,10 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
             _add_llama_cpp(rows, cfg, decode_prompt, notes)
         # before the load, once; the matmul peak in the dtype baige runs (bf16 where --dtype auto picks it)
         limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device, dtype)
-        samples, interrupted = time_rows(rows, cfg.repeats, progress)
+        samples, interrupted = time_rows(rows, cfg.repeats, progress, prefill_prompts)
+        if not interrupted:
+            job = peers.job_factory(cfg, Path(model_dir), decode_prompt, prefill_prompts, reqs, torch.get_num_threads())
+            peers.add_rows(cfg, rows, samples, job, notes, progress)
         if not interrupted:  # the better of before and after the timing (not after a Ctrl-C: no waiting then)
             limits = roofline.remeasure_limits(limits)
     counts = roofline.model_counts(baige.engine.model)
@@ -428,48 +494,3 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
         "samples": samples,
         "summary": summary,
     }
-
-
-# (baige row, llama.cpp row) at about the same bits per weight: int8 per channel vs Q8_0 (8.5 bits),
-# int4 g32 vs Q4_0 (4.5) and Q4_1 (5.0; the embedded GGUF as shipped), int4 vs Q4_K_M (about 4.9;
-# Qwen2.5-Coder-1.5B's GGUF as shipped). llama.cpp quantizes the output matrix too (a tied lm_head
-# included), so the "+int8-weight" rows, whose remaining float linears (the tied lm_head) are int8,
-# are the closer match in bytes read per token.
-EQUAL_BITS = (
-    ("baige-int8", "llama.cpp-Q8_0"),
-    ("baige-int8+int8-weight", "llama.cpp-Q8_0"),
-    ("baige-int4-g32", "llama.cpp-Q4_0"),
-    ("baige-int4-g32+int8-weight", "llama.cpp-Q4_0"),
-    ("baige-int4-g32", "llama.cpp-Q4_1"),
-    ("baige-int4-g32+int8-weight", "llama.cpp-Q4_1"),
-    ("baige-int4", "llama.cpp-Q4_K_M"),
-    ("baige-int4-g32", "llama.cpp-Q4_K_M"),
-    ("baige-int4-g32+int8-weight", "llama.cpp-Q4_K_M"),
-)
-
-
-def ratio_key(kind: str, ours: str, peer: str) -> str:
-    """The ratios' key: ``<workload>_<baige row>_over_<peer row>``, e.g. ``decode_baige-int8_over_llama.cpp-Q8_0``."""
-    return f"{kind}_{ours}_over_{peer}"
-
-
-def ratios(summary: dict) -> dict[str, float]:
-    """baige / peer tokens/s for every peer row, baige and each baige variant against ``hf-best`` (the
-    fastest HF dtype), and the :data:`EQUAL_BITS` pairs present. Keys: :func:`ratio_key`."""
-    out = {}
-    for kind in ("decode", "throughput"):
-        rows = {k: v["tokens_per_s"] for k, v in summary.get(kind, {}).items()}
-        if "baige" not in rows:
-            continue
-        peers = {k: v for k, v in rows.items() if not k.startswith("baige")}
-        for k, v in peers.items():
-            out[ratio_key(kind, "baige", k)] = rows["baige"] / v
-        hf = [v for k, v in peers.items() if k.startswith("hf-")]
-        if hf:
-            for k, v in rows.items():  # baige and every variant (quantized, fp16-weight) against the best HF
-                if k.startswith("baige"):
-                    out[ratio_key(kind, k, "hf-best")] = v / max(hf)
-        for ours_k, peer_k in EQUAL_BITS:
-            if ours_k in rows and peer_k in rows:
-                out[ratio_key(kind, ours_k, peer_k)] = rows[ours_k] / rows[peer_k]
-    return out

@@ -125,6 +125,22 @@ def llama_cpp_decode(gguf: Path, prompt: list[int], n: int, threads: int) -> Cal
     return run
 
 
+def llama_cpp_prefill(gguf: Path, n_ctx: int, threads: int) -> Callable[[list[int]], None]:
+    """A call that evaluates a prompt (at most ``n_ctx`` tokens) with llama.cpp on ``gguf`` from an empty
+    cache, on ``threads`` threads, in batches of up to ``n_ctx`` tokens (llama-bench's ``pp``)."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
+
+    def run(prompt: list[int]) -> None:
+        llm.reset()
+        llm.eval(prompt)
+
+    return run
+
+
 def _quantize_main(argv: list[str]) -> int:
     """The child: ``SRC DST TYPE THREADS`` -> ``llama_model_quantize``'s return code."""
     import llama_cpp

@@ -248,11 +248,19 @@ def compare_table(r: dict) -> Table:
     table.add_column("system", no_wrap=True)
     for col in ("tokens/s", "achieved", "% of limit", "baige / row"):
         table.add_column(col, justify="right")
-    kinds = [k for k in ("decode", "throughput") if s.get(k)]
+    sections = {"decode": s.get("decode") or {}}
+    for name, by_len in (s.get("prefill") or {}).items():  # one section per prompt length, as llama-bench's pp
+        for pp, row in by_len.items():
+            sections.setdefault(pp, {})[name] = row
+    sections["throughput"] = s.get("throughput") or {}
+    kinds = [k for k, rows in sections.items() if rows]
     for i, kind in enumerate(kinds):
-        rows = s[kind]
+        rows = sections[kind]
         ours = rows.get("baige", {}).get("tokens_per_s")
-        label = "batch-1 decode" if kind == "decode" else f"offline throughput ({r['args']['num_prompts']} prompts)"
+        label = {
+            "decode": "batch-1 decode",
+            "throughput": f"offline throughput ({r['args']['num_prompts']} prompts)",
+        }.get(kind, f"prefill {kind.removeprefix('pp')} tokens (batch 1)")
         table.add_row(f"[bold]{label}[/bold]", "", "", "", "")
         for j, (name, row) in enumerate(rows.items()):
             rf = row["roofline"]

@@ -16,8 +16,9 @@ from baige.runtime.bench.report import ratio_label, write_plots
 
 def suite_configs(model: str | None, kv_cache_dtype: str = "auto", peers: tuple[str, ...] | None = None) -> dict:
     """The four parts and their (small) sizes; ``kv_cache_dtype`` goes to every baige engine, the
-    launched server included; ``peers`` (default: all) to compare. Raises BaigeError for an unknown peer."""
-    from baige.runtime.bench.compare import PEERS, CompareConfig
+    launched server included; ``peers`` (default: HF and llama.cpp, compare's default) to compare. Raises
+    BaigeError for an unknown peer."""
+    from baige.runtime.bench.compare import DEFAULT_PEERS, CompareConfig
     from baige.runtime.bench.offline import LatencyConfig, ThroughputConfig, bench_engine
     from baige.runtime.bench.serve_run import ServeBenchConfig
 
@@ -36,7 +37,7 @@ def suite_configs(model: str | None, kv_cache_dtype: str = "auto", peers: tuple[
             num_prompts=32,
             tp_input_len=64,
             tp_output_len=32,
-            peers=PEERS if peers is None else peers,
+            peers=DEFAULT_PEERS if peers is None else peers,
         ),
     }
 
