@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from baige.kernels import dispatch
 from baige.kernels.settings import settings
 
 # Longest sequence that takes the materialised path (eager or inside torch.compile): the crossover with the
@@ -26,13 +27,14 @@ MAX_LEN = 128
 
 def use_materialized(q: torch.Tensor, k: torch.Tensor, q_offset: int) -> bool:
     """Whether :func:`baige.kernels.attention` takes :func:`causal_attention`: ``BAIGE_KERNELS`` unset or
-    ``auto`` (``reference`` keeps PyTorch's attention), CPU tensors in bf16 or fp16 that need a gradient
-    (training), plain causal self-attention (``q_offset`` 0, as many keys as queries) at most :data:`MAX_LEN`
-    tokens long."""
+    ``auto`` (``reference`` keeps PyTorch's attention) with the dispatch on its reference backend, CPU
+    tensors in bf16 or fp16 that need a gradient (training), plain causal self-attention (``q_offset`` 0,
+    as many keys as queries) at most :data:`MAX_LEN` tokens long."""
     T = q.shape[1]
     return (
         settings().mode == "auto"
         and q.device.type == "cpu"
+        and dispatch.backend(q) == "reference"  # looked up per call: a test that forces Triton reroutes it
         and q.dtype in (torch.bfloat16, torch.float16)
         and (q.requires_grad or k.requires_grad)
         and torch.is_grad_enabled()

@@ -20,7 +20,7 @@ import tomllib
 from baige.errors import BaigeError
 from baige.runtime.config import DATA_SEED_RANGE, check_float, check_int, check_output_path
 from baige.runtime.model.config import LORA_TARGETS
-from baige.runtime.train.mtp import validate_mtp
+from baige.runtime.train.mtp_config import validate_mtp
 from baige.runtime.train.rl.config import RLSection, validate_rl
 
 

@@ -20,31 +20,8 @@ import torch
 from torch import nn
 
 from baige import kernels
-from baige.errors import BaigeError
 
 IGNORE = -100
-
-
-def validate_mtp(cfg) -> None:
-    """``model.mtp_depth`` / ``model.mtp_loss_scaling_factor`` of a TrainConfig and what MTP does not compose
-    with yet. Raises BaigeError naming the field."""
-    m, p = cfg.model, cfg.parallelism
-    if m.mtp_depth is not None and (isinstance(m.mtp_depth, bool) or m.mtp_depth < 0):
-        raise BaigeError(f"model.mtp_depth must be an integer >= 0 (got {m.mtp_depth!r})")
-    if not m.mtp_loss_scaling_factor >= 0.0:
-        raise BaigeError(f"model.mtp_loss_scaling_factor must be >= 0 (got {m.mtp_loss_scaling_factor})")
-    if not m.mtp_depth:
-        return
-    for what, on in (
-        ("--pp", p.pipeline_parallel_degree != 1),
-        ("--tp", p.tensor_parallel_degree != 1),
-        ("--cp", p.context_parallel_degree != 1),
-        ("training.attn_mask_type=block_causal", cfg.training.attn_mask_type == "block_causal"),
-        ("--method grpo", cfg.method == "grpo"),
-        ("--lora-rank", cfg.lora.rank is not None),
-    ):
-        if on:
-            raise BaigeError(f"model.mtp_depth={m.mtp_depth} does not support {what} yet")
 
 
 def set_mtp_depth(model: nn.Module, depth: int, std: float) -> None:
