@@ -40,7 +40,7 @@ def _case(lens, H, Hkv, D, bs, kv_dtype, seed):
 @pytest.mark.parametrize("variant", isa.supported())
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "-".join(v))
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["kv32", "kv16", "kvbf16"])
-@pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (6, 3, 20), (6, 6, 59)])
+@pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (6, 6, 59)])  # GQA, and MHA with an odd head size
 def test_decode_and_prefill_on_every_variant(use_isa, variant, v, kv_dtype, H, Hkv, D):
     use_isa(variant)
     extra = _extra(v)
