@@ -116,48 +116,10 @@ class FusedDecoder:
             return None, "the native CPU library is not available"
         descs = []
         for i, layer in enumerate(model.model.layers):
-            a, m = layer.self_attn, layer.mlp
-            if any(getattr(a, name, None) is not None for name in ("sliding_window", "sinks", "softcap")):
-                return None, f"layer {i}: a sliding window, sinks or soft-capping (the native step has none)"
-            moe = None
-            if isinstance(m, SparseMoeBlock):
-                moe, why = _describe_moe(m)
-                if moe is None:
-                    return None, f"layer {i} Mixture-of-Experts: {why}"
-                mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-            else:
-                mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            linears = []
-            for name, mod in zip(kernels.DECODE_PROJECTIONS, mods):
-                lin, why = _describe(mod)
-                if lin is None:
-                    return None, f"layer {i} {name}_proj: {why}"
-                linears.append(lin)
-            linears += [None] * (len(kernels.DECODE_PROJECTIONS) - len(linears))
-            norms = [_f32(n.weight) if n is not None else None for n in (a.q_norm, a.k_norm)]
-            if a.rope_perm is not None:  # interleaved RoPE: q and k computed in the permuted order, as below
-                perm = torch.tensor(a.rope_perm)
-                for j, heads in ((0, a.n_heads), (1, a.n_kv_heads)):
-                    linears[j] = _head_dims_permuted(linears[j], perm, heads)
-                    if linears[j] is None:
-                        return None, (
-                            f"layer {i}: interleaved RoPE takes the native step with plain fp32 / bf16 "
-                            "q and k projections only"
-                        )
-                norms = [None if w is None else w[perm].contiguous() for w in norms]
-            if not (kv.k[i].is_contiguous() and kv.v[i].is_contiguous()):
-                return None, "a KV pool is not contiguous"
-            descs.append(
-                kernels.DecodeLayerDesc(
-                    linears,
-                    _f32(layer.input_layernorm.weight),
-                    _f32(layer.post_attention_layernorm.weight),
-                    *norms,
-                    kv.k[i],
-                    kv.v[i],
-                    moe,
-                )
-            )
+            desc, why = _describe_layer(i, layer, kv)
+            if desc is None:
+                return None, why
+            descs.append(desc)
         head = model.lm_head
         if type(head) is nn.Linear and head.weight.dtype in (torch.float32, torch.bfloat16):
             _to_arena(head.weight)  # read right after the last layer (logits)
@@ -326,6 +288,53 @@ def _describe_all(parent: nn.Module, names, label: str) -> tuple[tuple | None, s
             return None, f"{label}{name}: {why}"
         out.append(lin)
     return tuple(out), ""
+
+
+def _describe_layer(i: int, layer: nn.Module, kv: KVCache) -> tuple["kernels.DecodeLayerDesc | None", str]:
+    """Layer ``i``'s native description (its projections, norms and KV pools), or ``(None, why)`` when the
+    native step cannot run it."""
+    a, m = layer.self_attn, layer.mlp
+    if any(getattr(a, name, None) is not None for name in ("sliding_window", "sinks", "softcap")):
+        return None, f"layer {i}: a sliding window, sinks or soft-capping (the native step has none)"
+    moe = None
+    if isinstance(m, SparseMoeBlock):
+        moe, why = _describe_moe(m)
+        if moe is None:
+            return None, f"layer {i} Mixture-of-Experts: {why}"
+        mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+    else:
+        mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+    linears = []
+    for name, mod in zip(kernels.DECODE_PROJECTIONS, mods):
+        lin, why = _describe(mod)
+        if lin is None:
+            return None, f"layer {i} {name}_proj: {why}"
+        linears.append(lin)
+    linears += [None] * (len(kernels.DECODE_PROJECTIONS) - len(linears))
+    norms = [_f32(n.weight) if n is not None else None for n in (a.q_norm, a.k_norm)]
+    if a.rope_perm is not None:  # interleaved RoPE: q and k computed in the permuted order, as below
+        perm = torch.tensor(a.rope_perm)
+        for j, heads in ((0, a.n_heads), (1, a.n_kv_heads)):
+            linears[j] = _head_dims_permuted(linears[j], perm, heads)
+            if linears[j] is None:
+                return None, (
+                    f"layer {i}: interleaved RoPE takes the native step with plain fp32 / bf16 q and k projections only"
+                )
+        norms = [None if w is None else w[perm].contiguous() for w in norms]
+    if not (kv.k[i].is_contiguous() and kv.v[i].is_contiguous()):
+        return None, "a KV pool is not contiguous"
+    return (
+        kernels.DecodeLayerDesc(
+            linears,
+            _f32(layer.input_layernorm.weight),
+            _f32(layer.post_attention_layernorm.weight),
+            *norms,
+            kv.k[i],
+            kv.v[i],
+            moe,
+        ),
+        "",
+    )
 
 
 def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]:
