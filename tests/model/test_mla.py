@@ -286,3 +286,45 @@ def test_quantized_deepseek_loads_and_decodes_through_the_latent_cache(tmp_path,
     assert (absorbed - expanded).abs().max().item() < 1e-4
     err = (expanded - fp32).abs().amax(-1)  # (2, 21) per token
     assert err.median().item() < (0.1 if method == "int8" else 1.2), err  # logits span about +-3
+
+
+def test_expanded_cache_equals_the_latent_cache_through_the_engine(ckpt):
+    """``use_expanded_cache``: the same model serving with an MHA-sized cache (per-head K and V of
+    max(qk, v) values each, decode not absorbed) gives the latent cache's greedy tokens and their
+    top-5 logprobs within 1e-5; its pools and --kv-cache-memory admission follow its formula."""
+    from baige.runtime.model.mla import use_expanded_cache
+
+    name, path = ckpt
+    spec = MLA_VARIANTS[name]
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (5, 29)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
+    engine_cfg = EngineConfig(
+        max_model_len=64, kv_cache_memory=2_000_000, block_size=8, max_num_seqs=4, max_num_batched_tokens=16
+    )
+    runs = {}
+    for mode in ("latent", "expanded"):
+        model = load_model(path, dtype="float32")
+        if mode == "expanded":
+            use_expanded_cache(model)
+        eng = Engine(model, Tokenizer.from_dir(path), engine_cfg)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params)
+        outs = {o.request_id: o.outputs[0] for o in eng.run_to_completion(["r0", "r1"])}
+        runs[mode] = (eng, [outs[f"r{i}"] for i in range(len(prompts))])
+    (lat_eng, lat), (exp_eng, exp) = runs["latent"], runs["expanded"]
+    assert [o.token_ids for o in exp] == [o.token_ids for o in lat], name
+    for a, b in zip(lat, exp):
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 1e-5, name
+    H, L = exp_eng.model.config.num_attention_heads, 3
+    width = max(spec["qk_nope_head_dim"] + spec["qk_rope_head_dim"], spec["v_head_dim"])
+    per_token = 2 * L * H * width * 4  # fp32 K and V of every head
+    assert exp_eng.model.config.kv_bytes_per_token(4) == per_token
+    blocks = 2_000_000 // (8 * per_token)
+    assert (
+        exp_eng.kv_cache.k[0].shape == (H, blocks + 1, 8, width) and exp_eng.kv_cache.v[0] is not exp_eng.kv_cache.k[0]
+    )
+    lat_per_token = L * (spec["kv_lora_rank"] + spec["qk_rope_head_dim"]) * 4
+    assert lat_eng.kv_cache.k[0].shape == (1, 2_000_000 // (8 * lat_per_token) + 1, 8, lat_per_token // (4 * L))

@@ -63,7 +63,8 @@ class KVCache:
         self.device = torch.device(device)
         heads, head_dim = kv_cache_dims(cfg)
         self._shape = (heads, num_blocks + 1, block_size, head_dim)
-        self._latent = cfg.mla is not None  # MLA: one pool per layer, V is K's latent columns (kernels.mla)
+        # MLA: one pool per layer, V is K's latent columns (kernels.mla); its expanded cache: K and V pools
+        self._latent = cfg.mla is not None and not cfg.mla.expanded_cache
         self._layers = cfg.num_hidden_layers
         self.sliding_window = cfg.sliding_window if num_sliding_blocks is not None else None
         self.sliding_layers = frozenset(

@@ -227,15 +227,21 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token occupies in the cache across all layers (MLA: the latent and the
-        rope key, ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes`` per layer)."""
-        if self.mla is not None:
+        rope key, ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes`` per layer; MLA with
+        ``expanded_cache``: K and V of every head, ``2 * n_heads * expanded_width * dtype_bytes``)."""
+        if self.mla is not None and not self.mla.expanded_cache:
             return self.num_hidden_layers * self.mla.latent_dim * dtype_bytes
+        if self.mla is not None:
+            return 2 * self.num_hidden_layers * self.num_attention_heads * self.mla.expanded_width * dtype_bytes
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
 def kv_cache_dims(cfg: ModelConfig) -> tuple[int, int]:
     """``(heads, head_dim)`` of one layer's cached K (and V) per token: the KV heads, or MLA's one
-    shared latent row of ``kv_lora_rank + qk_rope_head_dim`` (its value is the same row, one pool)."""
+    shared latent row of ``kv_lora_rank + qk_rope_head_dim`` (its value is the same row, one pool),
+    or with ``expanded_cache`` every head at ``expanded_width``."""
+    if cfg.mla is not None and cfg.mla.expanded_cache:
+        return cfg.num_attention_heads, cfg.mla.expanded_width
     return (1, cfg.mla.latent_dim) if cfg.mla is not None else (cfg.num_key_value_heads, cfg.head_dim)
 
 

@@ -17,9 +17,15 @@ Two equal forms (the score ``q_nope . (W_UK c_kv) = (W_UK^T q_nope) . c_kv``):
   cache stores ``kv_lora_rank + qk_rope_head_dim`` values per token per layer, and every paged kernel,
   prefix caching and chunked prefill work on it unchanged. A metadata with ``attend_latent`` (the
   engine's) runs decode through ``kernels.mla_decode_attention``, which reads each row once.
+
+:func:`use_expanded_cache` switches a model to the expanded form with a cache owner too: the cache then
+holds every head's K and V (an MHA-sized cache, ``2 * n_heads * max(qk_head_dim, v_head_dim)`` values
+per token per layer), the baseline the latent cache is measured against (scripts/bench_arch.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +47,7 @@ class MLAttention(nn.Module):
         m = cfg.mla
         self.layer_idx, self.n_heads = layer_idx, cfg.num_attention_heads
         self.n_kv_heads = 1  # the cache's one shared latent row per token (config.kv_cache_dims)
+        self.expanded_cache = False  # use_expanded_cache: per-head K/V in the cache, decode not absorbed
         self.kv_lora_rank, self.nope, self.rope, self.v_dim = (
             m.kv_lora_rank,
             m.qk_nope_head_dim,
@@ -95,13 +102,19 @@ class MLAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)  # (B, T, Dl)
         q_pe, k_pe = self._rope(q_pe, k_pe.view(B, T, 1, self.rope), cos, sin)  # (B, T, H, Dr), (B, T, 1, Dr)
         if attn_metadata is None:
-            o = self._expanded(q_nope, q_pe, c_kv, k_pe)
+            q, k, v = self._per_head(q_nope, q_pe, c_kv, k_pe)
+            o = kernels.attention(q, k, v, self.scale)[..., : self.v_dim]
+        elif self.expanded_cache:
+            q, k, v = self._per_head(q_nope, q_pe, c_kv, k_pe)
+            o = attn_metadata.attend(self.layer_idx, q, k, v, self.scale)[..., : self.v_dim]
         else:
             o = self._absorbed(q_nope, q_pe, c_kv, k_pe, attn_metadata)
         return project(self.o_proj, o.reshape(B, T, H * self.v_dim))  # (B, T, hidden)
 
-    def _expanded(self, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
-        """Per-head K/V from the latent, causal attention over the batch -> (B, T, H, Dv)."""
+    def _per_head(self, q_nope, q_pe, c_kv, k_pe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The expanded form's q, k, v, each (B, T, H, max(Dqk, Dv)): K/V per head from the latent,
+        the narrower of qk and v zero-padded to one head width for the kernels (zero columns change no
+        score; the output's first Dv columns are the value)."""
         B, T, H, _ = q_nope.shape
         kv = project(self.kv_b_proj, c_kv).view(B, T, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, T, H, Dn), (B, T, H, Dv)
@@ -112,7 +125,7 @@ class MLAttention(nn.Module):
             q, k = F.pad(q, (0, width - self.qk_dim)), F.pad(k, (0, width - self.qk_dim))
         if self.v_dim < width:
             v = F.pad(v, (0, width - self.v_dim))
-        return kernels.attention(q, k, v, self.scale)[..., : self.v_dim]
+        return q, k, v
 
     def _absorbed(self, q_nope, q_pe, c_kv, k_pe, attn_metadata) -> torch.Tensor:
         """Attention over the latent cache (module docstring) -> (B, T, H, Dv)."""
@@ -126,3 +139,24 @@ class MLAttention(nn.Module):
         else:  # any other cache owner: one KV head whose value is the key row
             o = attn_metadata.attend(self.layer_idx, q, kv, kv, self.scale)[..., : self.kv_lora_rank]
         return torch.einsum("bthl,hvl->bthv", o, w_uv)  # (B, T, H, Dv)
+
+
+def use_expanded_cache(model: nn.Module) -> nn.Module:
+    """Switch an MLA model (in place) to the expanded form under a cache owner too: its config's
+    ``mla.expanded_cache`` is set (so ``kv_cache_dims`` / ``kv_bytes_per_token`` size an MHA cache:
+    ``n_heads`` rows of ``max(qk_head_dim, v_head_dim)`` for K and for V) and every MLA block caches
+    per-head K/V and attends without absorption. Same weights, same outputs (to float rounding);
+    only what the cache holds and how decode reads it change. Call before building an Engine.
+    Returns ``model``.
+
+    Raises:
+        ValueError: ``model`` has no MLA layers (a programming error: only MLA models have the choice).
+    """
+    cfg = model.config
+    if cfg.mla is None:
+        raise ValueError(f"use_expanded_cache needs an MLA model, got {cfg.model_type}")
+    model.config = replace(cfg, mla=replace(cfg.mla, expanded_cache=True))
+    for m in model.modules():
+        if isinstance(m, MLAttention):
+            m.expanded_cache, m.n_kv_heads = True, m.n_heads
+    return model

@@ -30,6 +30,10 @@ class MLAConfig:
             mscale_all_dim) ** 2`` under a scaled RoPE (transformers' ``yarn_apply_mscale``).
         rope_interleave: RoPE rotates pairs ``(2i, 2i + 1)`` of the rope dims (V2 always; V3's
             ``rope_interleave``), else halves ``(i, i + D/2)``.
+        expanded_cache: False (what ``config.json`` gives): the cache holds the latent, decode is
+            absorbed. True (set by :func:`baige.runtime.model.mla.use_expanded_cache`, never read from
+            a file): the cache holds every head's K and V (``expanded_width`` values each), the
+            MHA-sized cache a comparison runs against.
     """
 
     q_lora_rank: int | None
@@ -39,6 +43,7 @@ class MLAConfig:
     v_head_dim: int
     scale: float
     rope_interleave: bool
+    expanded_cache: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -48,6 +53,12 @@ class MLAConfig:
     def latent_dim(self) -> int:
         """Cached values per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def expanded_width(self) -> int:
+        """Values per head of K (and of V) in the expanded cache: ``max(qk_head_dim, v_head_dim)``
+        (the paged kernels take one head width for K and V, so the narrower is zero-padded)."""
+        return max(self.qk_head_dim, self.v_head_dim)
 
     def attn_params(self, hidden: int, n_heads: int, bias: bool) -> int:
         """Parameters of one MLA block (projections, the two latent norms, biases when ``bias``)."""
