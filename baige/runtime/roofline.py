@@ -193,13 +193,15 @@ def model_counts(model) -> dict[str, int]:
     ``num_params_non_embedding``, ``num_params_active`` (non-embedding parameters one token uses:
     for MoE models only its ``top_k`` routed experts, :meth:`ModelConfig.num_params`), ``attn_dims``
     (= L * H * Q, layers x heads x head_dim), ``weight_bytes``, ``lm_head_params`` (vocab x hidden), and for MoE models
-    ``routed_expert_bytes`` (all routed experts of all sparse layers), ``num_experts``, ``top_k``."""
+    ``routed_expert_bytes`` (all routed experts of all sparse layers), ``num_experts``, ``top_k``.
+    ``attn_dims`` is ``ModelConfig.attn_dims`` (MLA: the mean of its QK^T and PV head widths); attention
+    sinks are parameters (``n_heads`` per layer), so they are in ``weight_bytes`` and the counts."""
     c = model.config
     counts = {
         "num_params": model.num_params(),
         "num_params_non_embedding": model.num_params(non_embedding=True),
         "num_params_active": c.num_params(non_embedding=True, active=True),
-        "attn_dims": c.num_hidden_layers * c.num_attention_heads * c.head_dim,
+        "attn_dims": c.attn_dims(),
         "weight_bytes": weight_bytes(model),
         "routed_expert_bytes": 0,
         "num_experts": 0,
@@ -244,7 +246,8 @@ def forward_flops_per_token(num_params_non_embedding: int, attn_dims: int, conte
 
 def kv_read_bytes_per_token(cfg, dtype_bytes: int, context_len: float) -> float:
     """Bytes of K and V a decode step reads per cached token of a context of ``context_len`` tokens:
-    ``cfg.kv_bytes_per_token`` with each sliding-window layer (``cfg.layer_window(i)``) counting only the
+    ``cfg.kv_bytes_per_token`` (MLA: its latent rows, ``kv_lora_rank + qk_rope_head_dim`` values per
+    layer, read once for all heads) with each sliding-window layer (``cfg.layer_window(i)``) counting only the
     ``min(context_len, window) / context_len`` share of the context it reads (its window's blocks; the
     paged kernels skip the blocks before it)."""
     full = cfg.kv_bytes_per_token(dtype_bytes)

@@ -252,7 +252,8 @@ def test_latency_summary_by_hand():
         "num_params_active": 1000,
         "attn_dims": 10,
         "weight_bytes": 8000,
-        "kv_bytes_per_token": 100,
+        "kv_bytes_per_token": 150,
+        "kv_read_bytes_per_token": 100,  # what decode reads (a sliding layer: its window), not what it holds
     }
     samples = [{"latency": 1.0, "ttft": 0.2}, {"latency": 3.0, "ttft": 0.2}]
     s = latency_summary(samples, cfg, info, LIMITS)

@@ -151,6 +151,9 @@ def run_latency(cfg: LatencyConfig, progress: Progress | None = None) -> dict:
     if not interrupted:  # the better of before and after the timing (not after a Ctrl-C: no waiting then)
         limits = roofline.remeasure_limits(limits)
     info = _model_info(llm, dtype_bytes)
+    # the cache one decode step reads per cached token at the decode's mean context (sliding layers: their window)
+    ctx = cfg.input_len + cfg.output_len / 2
+    info["kv_read_bytes_per_token"] = roofline.kv_read_bytes_per_token(llm.engine.model.config, dtype_bytes, ctx)
     return {
         "benchmark": "latency",
         "args": run_args(cfg, llm),
@@ -188,7 +191,7 @@ def latency_summary(samples: list[dict], cfg: LatencyConfig, info: dict, limits)
         decode_tps,
         B,
         roofline.step_weight_bytes(info, B),
-        info["kv_bytes_per_token"],
+        info["kv_read_bytes_per_token"],
         n_in + n_out / 2,
         limits.bandwidth,
     )

@@ -218,6 +218,14 @@ class ModelConfig:
         n += 3 * h * m.shared_intermediate_size + (h if m.shared_gate else 0)
         return n + (m.num_experts if m.correction_bias else 0)
 
+    def attn_dims(self) -> float:
+        """``L * H * Q`` of the attention FLOP count ``4 L H Q T`` (PaLM, appendix B: QK^T and PV, 2
+        FLOPs a multiply-add): Q = ``head_dim``; MLA's mean of the QK^T and PV widths,
+        ``(qk_head_dim + v_head_dim) / 2`` (the expanded form's: of MLA's two equal forms, the one of
+        fewer FLOPs; the absorbed decode reads fewer bytes, ``kv_bytes_per_token``)."""
+        dim = (self.mla.qk_head_dim + self.mla.v_head_dim) / 2 if self.mla is not None else self.head_dim
+        return self.num_hidden_layers * self.num_attention_heads * dim
+
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` in tokens (a query at position p sees keys
         ``p - w < s <= p``), or None for a full-attention layer (every layer when ``layer_types`` is None)."""

@@ -227,7 +227,5 @@ class Transformer(nn.Module):
         N = non-embedding parameters a token uses (for MoE the active ones: top-k routed experts,
         router and shared experts), L layers, H heads, Q head_dim, T sequence length.
         """
-        c = self.config
         n = self.config.num_params(non_embedding=True, active=True)
-        dim = (c.mla.qk_head_dim + c.mla.v_head_dim) / 2 if c.mla is not None else c.head_dim  # MLA: QK^T and PV widths
-        return int(6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * dim * seq_len)
+        return int(6 * n + 12 * self.config.attn_dims() * seq_len)  # MLA: ModelConfig.attn_dims' widths
