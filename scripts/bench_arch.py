@@ -172,11 +172,12 @@ def mla_part(root: Path, args) -> dict:
         eng = engine_for(model, path, max(contexts) + args.decode_tokens + 2 * BLOCK, budget)
         timed_decode(eng, random_ids(64, 99), 8, f"{mode}-warmup")  # first-touch of weights and pools, untimed
         runs = {}
+        weights = roofline.step_weight_bytes(roofline.model_counts(model), 1)  # batch 1: top-k experts a layer
         for i, ctx in enumerate(contexts):
             runs[str(ctx)] = run = timed_decode(eng, random_ids(ctx, i), args.decode_tokens, f"{mode}{ctx}")
             kv_read = cfg.kv_bytes_per_token(4) * ctx
-            run["decode_bytes_per_step"] = roofline.weight_bytes(model) + kv_read
             run["kv_bytes_read_per_step"] = kv_read
+            run["decode_bytes_per_step"] = weights + kv_read  # the decode roofline's count
             print(mode, ctx, f"{run['decode_tokens_per_s']:.2f} tok/s", flush=True)
         modes[mode] = {
             "kv_bytes_per_token": cfg.kv_bytes_per_token(4),
