@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tiny import write_random_checkpoint
 
 BASE = dict(
     vocab_size=160,
@@ -102,26 +103,19 @@ def make_mla_checkpoint(path: Path, variant: str, seed: int = 0, **overrides) ->
 
     Weights N(0, 0.1) (the routers N(0, 0.5), so scores spread), biases N(0, 0.5), norms
     U(0.5, 1.5), V3's ``e_score_correction_bias`` N(0, 0.1) (it changes which experts win)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**BASE, **MLA_VARIANTS[variant], **overrides}
-    model_type = spec.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, **spec)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("e_score_correction_bias"):
-                p.normal_(0.0, 0.1)
-            elif not p.is_floating_point() or "inv_freq" in name:
-                continue
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    return path
+    def init(name: str, p: torch.Tensor, model_type: str) -> None:
+        if name.endswith("e_score_correction_bias"):
+            p.normal_(0.0, 0.1)
+        elif not p.is_floating_point() or "inv_freq" in name:
+            return
+        elif name.endswith("mlp.gate.weight"):
+            p.normal_(0.0, 0.5)
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.5)
+        elif "norm" in name:
+            p.uniform_(0.5, 1.5)
+        else:
+            p.normal_(0.0, 0.1)
+
+    return write_random_checkpoint(path, {**BASE, **MLA_VARIANTS[variant], **overrides}, seed, init, buffers=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -122,6 +123,24 @@ MOE_VARIANTS = {
 VARIANTS.update(MOE_VARIANTS)
 
 
+def write_random_checkpoint(path: Path, spec: dict, seed: int, init: Callable, *, buffers: bool = False) -> Path:
+    """Build the model ``spec`` describes (``model_type`` and its config's fields) with transformers in fp32
+    after ``torch.manual_seed(seed)``, call ``init(name, tensor, model_type)`` on every parameter (and buffer
+    with ``buffers``) under ``torch.no_grad`` to refill it in place, and save it to ``path``; returns ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(spec)
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *(model.named_buffers() if buffers else ())]:
+            init(name, p, model_type)
+    model.save_pretrained(path)
+    return path
+
+
 def make_checkpoint(path: Path, variant: str, seed: int = 0, *, embed_std: float = 0.1, **overrides) -> Path:
     """Write a random tiny HF checkpoint of ``variant`` with transformers; returns the directory.
 
@@ -130,27 +149,20 @@ def make_checkpoint(path: Path, variant: str, seed: int = 0, *, embed_std: float
     at RMS 0.1 and the first attention adds RMS ~0.4 (measured on the tiny Mixtral and Llama), so the token's
     embedding is soon a small part of the stream; 1.0 starts the stream at unit RMS, as the embedding scaling of
     the original Transformer and of Gemma (x sqrt(hidden)) does. The quantization-accuracy tests use 1.0."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**BASE, **VARIANTS[variant], **overrides}
-    model_type = spec.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, **spec)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.normal_(0.0, 0.05)  # ERNIE's selection bias: changes which experts win, not all of them
-            elif name.endswith("bias"):
-                p.normal_(0.0, 2.0)  # large q/k/v biases (Qwen2)
-            elif "norm" in name:  # non-unit norms (incl. Qwen3 q_norm/k_norm): scales U(0.5, 1.5)
-                p.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else p.uniform_(0.5, 1.5)  # Gemma: 1 + w
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0.0, embed_std)
-            else:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    return path
+    def init(name: str, p: torch.Tensor, model_type: str) -> None:
+        if name.endswith("e_score_correction_bias"):
+            p.normal_(0.0, 0.05)  # ERNIE's selection bias: changes which experts win, not all of them
+        elif name.endswith("bias"):
+            p.normal_(0.0, 2.0)  # large q/k/v biases (Qwen2)
+        elif "norm" in name:  # non-unit norms (incl. Qwen3 q_norm/k_norm): scales U(0.5, 1.5)
+            p.uniform_(-0.5, 0.5) if model_type.startswith("gemma") else p.uniform_(0.5, 1.5)  # Gemma: 1 + w
+        elif name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, embed_std)
+        else:
+            p.normal_(0.0, 0.1)
+
+    return write_random_checkpoint(path, {**BASE, **VARIANTS[variant], **overrides}, seed, init)
 
 
 def make_lora_adapter(

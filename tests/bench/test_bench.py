@@ -916,41 +916,13 @@ def test_interrupted_run_still_writes_what_was_measured(tmp_path, monkeypatch):
     r = run_kernels(KernelsConfig(sizes=(8, 16), ops=("silu_mul",), compile=False, iters=1), stop_after_first)
     assert r["interrupted"] and [row["tokens"] for row in r["samples"]] == [8, 8]  # baige + reference at n=8
 
-    res = _cli(
-        [
-            "bench",
-            "kernels",
-            "--op",
-            "silu_mul",
-            "--sizes",
-            "8,16",
-            "--no-compile",
-            "--iters",
-            "1",
-            "--output-dir",
-            str(tmp_path),
-        ]
-    )
-    assert res.exit_code == 0
+    cmd = ["bench", "kernels", "--op", "silu_mul", "--sizes", "8,16", "--no-compile", "--iters", "1", "--output-dir"]
+    assert _cli([*cmd, str(tmp_path)]).exit_code == 0
     monkeypatch.setattr(
         "baige.runtime.bench.kernels.run_kernels", lambda cfg, progress: run_kernels(cfg, stop_after_first)
     )
     out2 = tmp_path / "interrupted"
-    res = _cli(
-        [
-            "bench",
-            "kernels",
-            "--op",
-            "silu_mul",
-            "--sizes",
-            "8,16",
-            "--no-compile",
-            "--iters",
-            "1",
-            "--output-dir",
-            str(out2),
-        ]
-    )
+    res = _cli([*cmd, str(out2)])
     assert res.exit_code == 130
     r = _result(out2, "kernels")
     assert r["interrupted"] and len(r["samples"]) == 2

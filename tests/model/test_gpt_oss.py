@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from hf_parity import copy_tokenizer, hf_greedy, mixed_prompts, run_mixed_batch
 from oracle_generate import ContiguousKVCache
 from tiny import make_checkpoint
 
@@ -145,35 +146,14 @@ def test_engine_greedy_equals_transformers_generate(pair, ckpt, embedded_dir, tm
     window), two sharing a 32-token prefix (prefix-cache hits), chunked prefill (16-token budget),
     8-token blocks; greedy tokens equal transformers' ``generate``, and every decode step's top-5
     logprobs (the paged cache's step-by-step logits) are within 1e-4 of transformers' on the whole sequence."""
-    import shutil
-
     from baige.runtime.config import EngineConfig
     from baige.runtime.infer.engine import Engine
-    from baige.runtime.infer.sampling import SamplingParams
     from baige.runtime.model.tokenizer import Tokenizer
-    from baige.runtime.weights.safetensors_io import TOKENIZER_FILES
 
     hf, model = pair
-    for name in TOKENIZER_FILES:  # ids < 160 decode with any byte-level tokenizer; the engine needs one
-        if (embedded_dir / name).is_file():
-            shutil.copy(embedded_dir / name, tmp_path / name)
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randint(0, 160, (32,), generator=g).tolist()
-    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (3, 17, 40)]
-    prompts += [shared + [7, 8], shared + [9]]
-    n_new = [12, 9, 15, 10, 8]
-    with torch.no_grad():
-        expected = [
-            hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
-            for p, n in zip(prompts, n_new)
-        ]
+    copy_tokenizer(embedded_dir, tmp_path)
+    prompts, n_new = mixed_prompts(160), [12, 9, 15, 10, 8]
+    expected = hf_greedy(hf, prompts, n_new)
     eng = Engine(
         load_model(ckpt, dtype=torch.float32),
         Tokenizer.from_dir(tmp_path),
@@ -181,18 +161,8 @@ def test_engine_greedy_equals_transformers_generate(pair, ckpt, embedded_dir, tm
             max_model_len=128, kv_cache_memory=4_000_000, block_size=8, max_num_seqs=8, max_num_batched_tokens=16
         ),
     )
-    finals = {}
-
-    def step():
-        finals.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
-
-    for i, (p, n) in enumerate(zip(prompts, n_new)):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5))
-        if i == 3:  # the last prompt arrives once the shared prefix is computed and cached
-            for _ in range(8):  # 16-token chunks: the 34-token prompt is computed and its blocks cached
-                step()
-    while eng.has_unfinished():
-        step()
+    # 16-token chunks: in 8 steps the 34-token prompt is computed and its blocks cached
+    finals = run_mixed_batch(eng, prompts, n_new, warm_steps=8, logprobs=5)
     assert [finals[f"r{i}"].token_ids for i in range(len(prompts))] == expected
     with torch.no_grad():
         for i, (p, gen) in enumerate(zip(prompts, expected)):

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from baige.kernels.triton_ops import moe_gemm
-from baige.kernels.triton_ops.common import block_for, new_empty
+from baige.kernels.triton_ops.common import block_for, new_empty, router_topk_buffers
 
 ALIGN_CHUNK = 128  # pairs per program of the alignment's histogram and scatter kernels
 
@@ -87,11 +87,8 @@ def moe_topk(
         raise ValueError(f"moe_topk: top_k {top_k} is not in [1, {E}]")
     if correction_bias is not None and correction_bias.shape != (E,):
         raise ValueError(f"moe_topk: correction_bias {tuple(correction_bias.shape)} != ({E},)")
-    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = new_empty((T, top_k), torch.float32, logits.device)
-    ids = new_empty((T, top_k), torch.int64, logits.device)
+    logits, bias, weights, ids = router_topk_buffers(router_logits, top_k, correction_bias)
     if T:
-        bias = correction_bias.contiguous() if correction_bias is not None else logits
         _topk_kernel[(T,)](
             logits,
             bias,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from baige.kernels.triton_ops.common import block_for, new_empty
+from baige.kernels.triton_ops.common import block_for, router_topk_buffers
 
 
 @triton.jit
@@ -91,11 +91,8 @@ def grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`baige.kernels.grouped_topk` (arguments checked there); forward only."""
     T, E = router_logits.shape
-    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = new_empty((T, top_k), torch.float32, logits.device)
-    ids = new_empty((T, top_k), torch.int64, logits.device)
+    logits, bias, weights, ids = router_topk_buffers(router_logits, top_k, correction_bias)
     if T:
-        bias = correction_bias.contiguous() if correction_bias is not None else logits
         _grouped_topk_kernel[(T,)](
             logits,
             bias,
