@@ -3,7 +3,7 @@ was run), then the records of kinds without a table of their own."""
 
 from __future__ import annotations
 
-from . import compare, inference, training
+from . import arch, compare, inference, training
 from .machines import lead, machine_table, machines
 from .records import DASH, commit, date, env, kind, link, load, table, threads
 
@@ -26,6 +26,9 @@ SECTIONS = [  # (benchmark, heading, table builder)
     ),
     ("startup", "Start-up: `baige bench startup` (medians from process start)", inference.startup),
     ("router", "Routing: `scripts/bench_router.py` (prefix-cache hit tokens over the backends)", inference.router),
+    ("arch_mla", "MLA's latent cache against an MHA-sized cache: `scripts/bench_arch.py mla`", arch.mla),
+    ("arch_window", "Sliding-window memory over four windows: `scripts/bench_arch.py window`", arch.window),
+    ("arch_quant", "int8 and int4 against fp32 on the new families: `scripts/bench_arch.py quant`", arch.quant),
 ]
 
 INTRO = """\

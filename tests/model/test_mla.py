@@ -13,6 +13,7 @@ from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.kv_cache import KVCache, num_blocks_for
+from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.config import ModelConfig
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.loader import load_model
