@@ -241,6 +241,15 @@ def test_quantized_deepseek_loads_and_decodes_through_the_latent_cache(tmp_path,
         absorbed = q.compute_logits(q(ids, positions, ContiguousKVCache(q, 2, 21)))
         fp32 = ref.compute_logits(ref(ids, positions))
     assert (absorbed - expanded).abs().max().item() < 1e-4
+    # the absorbed form's W_UK / W_UV: dequantized once, kept, and dequantized again after an in-place change
+    H, Dn = attn.n_heads, attn.nope
+    w_uk, w_uv = attn.latent_weights()
+    assert w_uk.data_ptr() == attn.latent_weights()[0].data_ptr()
+    w = attn.kv_b_proj.dequantized_weight().view(H, Dn + attn.v_dim, attn.kv_lora_rank)
+    assert torch.equal(w_uk, w[:, :Dn]) and torch.equal(w_uv, w[:, Dn:])
+    with torch.no_grad():
+        attn.kv_b_proj.weight_scale.mul_(2)
+    assert torch.equal(attn.latent_weights()[1], 2 * w[:, Dn:])
     err = (expanded - fp32).abs().amax(-1)  # (2, 21) per token
     assert err.median().item() < (0.1 if method == "int8" else 1.2), err  # logits span about +-3
 

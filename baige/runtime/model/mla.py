@@ -48,6 +48,7 @@ class MLAttention(nn.Module):
         self.layer_idx, self.n_heads = layer_idx, cfg.num_attention_heads
         self.n_kv_heads = 1  # the cache's one shared latent row per token (config.kv_cache_dims)
         self.expanded_cache = False  # use_expanded_cache: per-head K/V in the cache, decode not absorbed
+        self._dequantized: tuple[tuple, torch.Tensor] | None = None  # a quantized kv_b_proj's float weight
         self.kv_lora_rank, self.nope, self.rope, self.v_dim = (
             m.kv_lora_rank,
             m.qk_nope_head_dim,
@@ -82,10 +83,18 @@ class MLAttention(nn.Module):
         return kernels.apply_rope(q_pe.contiguous(), k_pe.contiguous(), cos, sin)
 
     def latent_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W_UK (H, Dn, Dl), W_UV (H, Dv, Dl))``: views of ``kv_b_proj``'s weight (dequantized when
-        the projection is quantized)."""
+        """``(W_UK (H, Dn, Dl), W_UV (H, Dv, Dl))``: views of ``kv_b_proj``'s weight. A quantized
+        projection is dequantized once and the float weight kept (as vLLM keeps W_UK / W_UV in the model
+        dtype: the absorbed form multiplies by them every step) until one of its tensors changes (another
+        storage, or an in-place write: ``Tensor._version``)."""
         lin = self.kv_b_proj
-        w = lin.weight if isinstance(lin, nn.Linear) else lin.dequantized_weight()  # (H * (Dn + Dv), Dl)
+        if isinstance(lin, nn.Linear):
+            w = lin.weight  # (H * (Dn + Dv), Dl)
+        else:
+            key = tuple((t.data_ptr(), t._version) for t in [*lin.parameters(), *lin.buffers()])
+            if self._dequantized is None or self._dequantized[0] != key:
+                self._dequantized = (key, lin.dequantized_weight())
+            w = self._dequantized[1]
         w = w.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)  # (H, Dn + Dv, Dl)
         return w[:, : self.nope], w[:, self.nope :]
 
