@@ -195,7 +195,9 @@ def model_counts(model) -> dict[str, int]:
     (= L * H * Q, layers x heads x head_dim), ``weight_bytes``, ``lm_head_params`` (vocab x hidden), and for MoE models
     ``routed_expert_bytes`` (all routed experts of all sparse layers), ``num_experts``, ``top_k``.
     ``attn_dims`` is ``ModelConfig.attn_dims`` (MLA: the mean of its QK^T and PV head widths); attention
-    sinks are parameters (``n_heads`` per layer), so they are in ``weight_bytes`` and the counts."""
+    sinks are parameters (``n_heads`` per layer), so they are in ``weight_bytes`` and the counts.
+    ``num_layers``, ``sliding_layers`` (layers with a window) and ``sliding_window`` (tokens, 0 without)
+    let the workload bounds count a sliding layer's bounded reads and pairs."""
     c = model.config
     counts = {
         "num_params": model.num_params(),
@@ -207,6 +209,9 @@ def model_counts(model) -> dict[str, int]:
         "num_experts": 0,
         "top_k": 0,
         "lm_head_params": c.vocab_size * c.hidden_size,
+        "num_layers": c.num_hidden_layers,
+        "sliding_layers": sum(c.layer_window(i) is not None for i in range(c.num_hidden_layers)),
+        "sliding_window": c.sliding_window or 0,
     }
     if c.moe is not None:
         experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
@@ -319,6 +324,8 @@ def workload_roofline(
     :func:`forward_flops_per_token` plus the lm_head rows actually projected) and ``bytes =
     step_weight_bytes(counts, tokens) + kv_bytes_per_token * (kv_tokens + tokens)`` (every weight
     once, the cache read once and the new K/V written). Activations are assumed to stay in cache.
+    With sliding-window layers (``counts["sliding_layers"]`` of ``counts["num_layers"]``; absent: none)
+    those layers count the step's ``window_attn_pairs`` and ``window_kv_tokens`` instead.
 
     Args:
         steps: the schedule, one ``baige.runtime.infer.scheduler.StepShape`` per engine step (any object
@@ -338,9 +345,11 @@ def workload_roofline(
     compute_s = memory_s = 0.0
     n_memory = 0
     for s in steps:
-        flops = 2 * counts["num_params_active"] * s.tokens + 4 * counts["attn_dims"] * s.attn_pairs
+        pairs = _layer_mean(counts, s.attn_pairs, getattr(s, "window_attn_pairs", None))
+        kv_read = _layer_mean(counts, s.kv_tokens, getattr(s, "window_kv_tokens", None))
+        flops = 2 * counts["num_params_active"] * s.tokens + 4 * counts["attn_dims"] * pairs
         flops += 2 * counts["lm_head_params"] * s.sampled
-        nbytes = step_weight_bytes(counts, s.tokens) + kv_bytes_per_token * (s.kv_tokens + s.tokens)
+        nbytes = step_weight_bytes(counts, s.tokens) + kv_bytes_per_token * (kv_read + s.tokens)
         tc, tm = flops / peak, nbytes / bandwidth
         if tm > tc:
             memory_s += tm
@@ -354,6 +363,15 @@ def workload_roofline(
         "steps": len(steps),
         "bandwidth_bound_steps": n_memory,
     }
+
+
+def _layer_mean(counts: dict, full: float, windowed: float | None) -> float:
+    """A per-layer count averaged over the layers: ``full`` for full-attention layers, ``windowed`` for
+    the ``counts["sliding_layers"]`` sliding ones (``full`` where ``windowed`` is None)."""
+    n_layers, n_sliding = counts.get("num_layers", 1), counts.get("sliding_layers", 0)
+    if windowed is None or not n_sliding:
+        return full
+    return ((n_layers - n_sliding) * full + n_sliding * windowed) / n_layers
 
 
 def workload_floor(
@@ -372,8 +390,9 @@ def workload_floor(
     - Bytes: a step emits at most one token per sequence, so there are at least ``max O`` steps, each
       reading every weight once (``step_weight_bytes`` of one token: for MoE the fewest experts a step
       can touch); each request reads its cache at least as a one-chunk prefill followed by
-      ``O - 1`` decode steps does (``P + sum_{t=1}^{O-1} (P + t)`` cached tokens) and writes its
-      ``T`` new tokens' K/V.
+      ``O - 1`` decode steps does (``P + sum_{t=1}^{O-1} (P + t)`` cached tokens; a sliding layer of
+      window w: ``P + sum_{t=1}^{O-1} min(P + t, w)``) and writes its ``T`` new tokens' K/V.
+    - A sliding layer of window w scores ``sum_{p<T} min(p + 1, w)`` pairs.
 
     Args:
         requests: ``(prompt_len, output_len)`` per request, tokens (both >= 1).
@@ -389,11 +408,15 @@ def workload_floor(
     if not requests or min(min(p, o) for p, o in requests) < 1:
         raise ValueError("workload_floor needs at least one request, each with prompt and output lengths >= 1")
     flops = kv_tokens = 0
+    w = counts.get("sliding_window", 0)
     for p, o in requests:
         t = p + o - 1
-        flops += 2 * counts["num_params_active"] * t + 4 * counts["attn_dims"] * (t * (t + 1) // 2)
+        pairs = _layer_mean(counts, t * (t + 1) // 2, sum(min(i + 1, w) for i in range(t)) if w else None)
+        flops += 2 * counts["num_params_active"] * t + 4 * counts["attn_dims"] * pairs
         flops += 2 * counts["lm_head_params"] * o
-        kv_tokens += p + (o - 1) * p + (o - 1) * o // 2 + t  # reads (one-chunk prefill, then decodes) + writes
+        full = p + (o - 1) * p + (o - 1) * o // 2  # reads: a one-chunk prefill, then the decodes
+        windowed = p + sum(min(p + i, w) for i in range(1, o)) if w else None
+        kv_tokens += _layer_mean(counts, full, windowed) + t  # + the writes
     steps = max(o for _, o in requests)
     compute_s = flops / peak
     memory_s = (steps * step_weight_bytes(counts, 1) + kv_bytes_per_token * kv_tokens) / bandwidth

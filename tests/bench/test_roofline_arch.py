@@ -111,3 +111,67 @@ def test_bench_latency_roofline_reads_only_the_windows(gemma3_dir):
     assert r["model"]["kv_read_bytes_per_token"] == pytest.approx(per_layer * (12 + ctx + 12 + ctx) / ctx)
     dec = r["summary"]["decode_roofline"]
     assert dec["bytes_per_step"] == pytest.approx(r["model"]["weight_bytes"] + per_layer * (12 + ctx + 12 + ctx))
+
+
+class _Seq:
+    """The fields ``ScheduledBatch.shape`` reads."""
+
+    def __init__(self, computed: int, total: int):
+        self.num_computed_tokens, self.token_ids, self.spec_token_ids = computed, list(range(total)), []
+
+
+def test_step_shape_counts_a_windows_keys_and_pairs():
+    from baige.runtime.infer.scheduler import ScheduledBatch
+
+    # window 4: a 6-token prompt chunk from 0 and one decode row after 10 cached tokens
+    batch = ScheduledBatch([_Seq(10, 11), _Seq(0, 6)], [1, 6], num_decodes=1)
+    s = batch.shape(window=4)
+    assert (s.kv_tokens, s.attn_pairs, s.sampled) == (11 + 6, 11 + 21, 2)
+    # the decode reads its last 4 keys; the chunk its 6 (all in reach); pairs min(p + 1, 4): 4 and 1+2+3+4+4+4
+    assert (s.window_kv_tokens, s.window_attn_pairs) == (4 + 6, 4 + 18)
+    assert batch.shape().window_kv_tokens is None
+
+
+def test_workload_bounds_count_sliding_layers_by_hand():
+    from baige.runtime.infer.scheduler import StepShape
+
+    # two layers, one sliding: each count is the mean of the full layer's and the window's
+    counts = {
+        "num_params_active": 1000,
+        "attn_dims": 10,
+        "lm_head_params": 500,
+        "weight_bytes": 4000,
+        "num_layers": 2,
+        "sliding_layers": 1,
+        "sliding_window": 2,
+    }
+    step = StepShape(7, 17, 32, 2, window_kv_tokens=10, window_attn_pairs=22)
+    b = roofline.workload_roofline([step], counts, 100, peak=1e6, bandwidth=1e5)
+    # FLOPs 2*1000*7 + 4*10*(32 + 22)/2 + 2*500*2 = 17080 (0.01708 s); bytes 4000 + 100*((17 + 10)/2 + 7) = 6050
+    assert b["min_time_s"] == pytest.approx(0.0605) and b["bandwidth_bound_steps"] == 1
+    # one request of 3 prompt and 4 output tokens, window 2: T = 6; pairs 21 full, 1+2+2+2+2+2 = 11 windowed;
+    # cache reads 3 + (3+1) + (3+2) + (3+3) = 18 full, 3 + 2 + 2 + 2 = 9 windowed, plus 6 writes
+    f = roofline.workload_floor([(3, 4)], counts, 100, peak=1e6, bandwidth=1e5)
+    assert f["compute_s"] == pytest.approx((12000 + 40 * 16 + 4000) / 1e6)
+    assert f["memory_s"] == pytest.approx((4 * 4000 + 100 * (13.5 + 6)) / 1e5)
+
+
+def test_engine_records_the_window_counts_of_its_steps(gemma3_dir):
+    from baige.runtime.config import EngineConfig
+    from baige.runtime.infer.engine import Engine
+    from baige.runtime.infer.sampling import SamplingParams
+    from baige.runtime.model.tokenizer import Tokenizer
+    from baige.runtime.weights.loader import load_model
+
+    cfg = EngineConfig(
+        max_model_len=64, kv_cache_memory=1_000_000, block_size=4, max_num_seqs=1, max_num_batched_tokens=16
+    )
+    eng = Engine(load_model(gemma3_dir, dtype="float32"), Tokenizer.from_dir(gemma3_dir), cfg)
+    eng.step_shapes = []
+    eng.add_request("r", list(range(40, 60)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    eng.run_to_completion(["r"])
+    # chunks of 16 and 4 prompt tokens, then two decodes; window 12: the second chunk reads 11 + 4 keys
+    assert [s.kv_tokens for s in eng.step_shapes] == [16, 20, 21, 22]
+    assert [s.window_kv_tokens for s in eng.step_shapes] == [16, 15, 12, 12]
+    counts = roofline.model_counts(eng.model)
+    assert (counts["num_layers"], counts["sliding_layers"], counts["sliding_window"]) == (4, 2, 12)

@@ -328,7 +328,9 @@ class Engine(EnginePooling, EngineWeights):
                 self.kv_transfer.wait(0.05)
             return []
         if self.step_shapes is not None:
-            self.step_shapes.append(batch.shape())
+            mc = self.model.config  # a model with sliding-window layers: the step's window counts too
+            window = mc.sliding_window if any(mc.layer_window(i) for i in range(mc.num_hidden_layers)) else None
+            self.step_shapes.append(batch.shape(window))
         now = time.monotonic()
         rows = [_sampler_row(s) for s in batch.seqs]
         n_spec = [len(s.spec_token_ids) for s in batch.seqs]

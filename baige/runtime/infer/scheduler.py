@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baige.runtime.infer.block_manager import BlockManager
+from baige.runtime.model.config import window_pairs
 
 
 class SequenceStatus(enum.Enum):
@@ -120,13 +121,18 @@ class StepShape:
     attention has to read, summed over its sequences (each sequence's context after the step: a chunk
     reads its sequence's cache once); ``attn_pairs``: (query, key) pairs scored, summed over the
     computed tokens (a chunk of n tokens after c cached ones: ``n * c + n * (n + 1) / 2``);
-    ``sampled``: rows the lm_head projects (sequences that sample a token this step).
+    ``sampled``: rows the lm_head projects (sequences that sample a token this step);
+    ``window_kv_tokens`` / ``window_attn_pairs``: the same two counts for a sliding-window layer (a query
+    at p sees keys ``p - w < s <= p``: a chunk of n after c cached reads ``min(c + n, w - 1 + n)`` keys),
+    None when the step was taken without a window (then a layer's counts are the ones above).
     """
 
     tokens: int
     kv_tokens: int
     attn_pairs: int
     sampled: int
+    window_kv_tokens: int | None = None
+    window_attn_pairs: int | None = None
 
 
 @dataclass
@@ -148,16 +154,22 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def shape(self) -> StepShape:
+    def shape(self, window: int | None = None) -> StepShape:
         """The :class:`StepShape` of this batch, taken before it runs
-        (the sequences' ``num_computed_tokens`` not yet advanced). Draft tokens count as computed."""
-        kv = pairs = sampled = 0
+        (the sequences' ``num_computed_tokens`` not yet advanced). Draft tokens count as computed.
+        ``window``: the model's sliding window in tokens (its window counts), None for none."""
+        kv = pairs = sampled = w_kv = w_pairs = 0
         for s, n in zip(self.seqs, self.num_new_tokens):
             c = s.num_computed_tokens
             kv += c + n
             pairs += n * c + n * (n + 1) // 2
             sampled += c + n - len(s.spec_token_ids) >= len(s.token_ids)
-        return StepShape(tokens=self.num_tokens, kv_tokens=kv, attn_pairs=pairs, sampled=sampled)
+            if window is not None:
+                w_kv += min(c + n, window - 1 + n)
+                w_pairs += window_pairs(c, n, window)
+        if window is None:
+            return StepShape(tokens=self.num_tokens, kv_tokens=kv, attn_pairs=pairs, sampled=sampled)
+        return StepShape(self.num_tokens, kv, pairs, sampled, window_kv_tokens=w_kv, window_attn_pairs=w_pairs)
 
 
 class Scheduler:

@@ -244,6 +244,14 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
+def window_pairs(c: int, n: int, w: int) -> int:
+    """(query, key) pairs a sliding-window layer of window ``w`` tokens scores for ``n`` queries at
+    positions ``c .. c + n - 1`` (a query at p sees ``min(p + 1, w)`` keys): ``sum_p min(p + 1, w)``."""
+    ramp_end = min(c + n, w)  # queries p < w see p + 1 keys
+    ramp = (ramp_end * (ramp_end + 1) - c * (c + 1)) // 2 if ramp_end > c else 0
+    return ramp + w * max(0, c + n - max(c, w))
+
+
 def kv_cache_dims(cfg: ModelConfig) -> tuple[int, int]:
     """``(heads, head_dim)`` of one layer's cached K (and V) per token: the KV heads, or MLA's one
     shared latent row of ``kv_lora_rank + qk_rope_head_dim`` (its value is the same row, one pool),
