@@ -263,6 +263,14 @@ def kv_read_bytes_per_token(cfg, dtype_bytes: int, context_len: float) -> float:
     return per_layer * read / context_len
 
 
+def attn_context(counts: dict, context_len: float) -> float:
+    """The T of :func:`forward_flops_per_token`'s ``4 L H Q T`` for a model whose sliding-window layers
+    (:func:`model_counts`' ``sliding_layers`` of ``num_layers``, window ``sliding_window``; absent: none)
+    attend over at most their window: the layer mean of ``context_len`` and ``min(context_len, window)``."""
+    w = counts.get("sliding_window", 0)
+    return _layer_mean(counts, context_len, min(context_len, w) if w else None)
+
+
 def decode_roofline(
     tokens_per_s: float,
     batch_size: int,

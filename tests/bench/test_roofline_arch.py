@@ -109,6 +109,12 @@ def test_bench_latency_roofline_reads_only_the_windows(gemma3_dir):
     ctx = 40 + 8 / 2  # the mean context of the decode
     assert r["model"]["kv_bytes_per_token"] == 4 * per_layer
     assert r["model"]["kv_read_bytes_per_token"] == pytest.approx(per_layer * (12 + ctx + 12 + ctx) / ctx)
+    # prefill FLOPs/token 2 N + 4 L H Q T with T the layer mean of the 40-token prompt and the 12-token window
+    m = r["model"]
+    assert roofline.attn_context(m, 40) == (40 + 12 + 40 + 12) / 4
+    assert r["summary"]["prefill_roofline"]["flops_per_token"] == pytest.approx(
+        2 * m["num_params_active"] + 4 * m["attn_dims"] * 26
+    )
     dec = r["summary"]["decode_roofline"]
     assert dec["bytes_per_step"] == pytest.approx(r["model"]["weight_bytes"] + per_layer * (12 + ctx + 12 + ctx))
 

@@ -420,7 +420,7 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
         if ts:
             tps = tp_tokens / statistics.median(ts)
             flops = roofline.forward_flops_per_token(
-                counts["num_params_active"], counts["attn_dims"], tp_tokens / len(reqs)
+                counts["num_params_active"], counts["attn_dims"], roofline.attn_context(counts, tp_tokens / len(reqs))
             )
             summary["throughput"][name] = {
                 "tokens_per_s": tps,
@@ -441,7 +441,8 @@ def _summary(cfg: CompareConfig, rows: Rows, samples: dict, reqs: Requests, coun
         for n_tok, ts in zip(cfg.prefill_lens, per_len):
             if ts:
                 tps = n_tok / statistics.median(ts)
-                flops = roofline.forward_flops_per_token(counts["num_params_active"], counts["attn_dims"], n_tok)
+                ctx = roofline.attn_context(counts, n_tok)  # sliding layers: their window
+                flops = roofline.forward_flops_per_token(counts["num_params_active"], counts["attn_dims"], ctx)
                 summary["prefill"].setdefault(name, {})[f"pp{n_tok}"] = {
                     "tokens_per_s": tps,
                     "roofline": roofline.compute_roofline(tps, flops, limits.matmul_peak),

@@ -111,7 +111,8 @@ def _model_info(llm, dtype_bytes: int) -> dict:
 
 
 def _fwd_flops(info: dict, context_len: float) -> float:
-    return roofline.forward_flops_per_token(info["num_params_active"], info["attn_dims"], context_len)
+    ctx = roofline.attn_context(info, context_len)  # sliding layers attend over their window at most
+    return roofline.forward_flops_per_token(info["num_params_active"], info["attn_dims"], ctx)
 
 
 def _limits(llm):
