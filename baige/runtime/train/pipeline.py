@@ -21,6 +21,12 @@ gradients); the schedules are built with ``scale_grads=False``. The gradient is 
 of one process over the global batch, SFT loss masks included (torchtitan's global-token
 normalisation).
 
+Mixture-of-Experts. The router losses stay off (both coefficients 0; the load-balancing loss couples
+every stage's logits). Each stage keeps its sparse layers' detached router logits per micro-batch;
+after the schedule the trainer hands them to the balancer, whose one all-reduce per micro-batch sums
+the expert load over the data-parallel ranks and the stages (disjoint layers): the ``bias`` update
+and the router metrics are the one-process ones.
+
 Bubble. ``pp_bubble_fraction`` is measured: per pipeline rank, ``1 - compute / wall`` over the
 logged steps, where ``compute`` is the time in its stages' forward, backward and loss (not in
 transfers or waits) and ``wall`` the time of the schedule's steps; the record holds the mean over
