@@ -142,10 +142,17 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x)
         return (logits, *self.topk(logits))
 
-    def topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits (N, E) -> (topk_weights (N, k) fp32, topk_ids (N, k) int64), the family's rule."""
+    def topk(
+        self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> (topk_weights (N, k) fp32, topk_ids (N, k) int64), the family's rule.
+
+        ``correction_bias`` (E,) fp32: DeepSeek's selection bias to use instead of the router's own
+        (the trainer passes the whole tensor when FSDP holds the router's as a sharded DTensor)."""
         if self.routing is not None:
             r = self.routing
+            if correction_bias is None:
+                correction_bias = self.gate.e_score_correction_bias
             weights, ids = kernels.grouped_topk(
                 logits,
                 self.top_k,
@@ -153,7 +160,7 @@ class SparseMoeBlock(nn.Module):
                 topk_group=r.topk_group,
                 scoring_func=r.scoring_func,
                 renormalize=self.renormalize,
-                correction_bias=self.gate.e_score_correction_bias,
+                correction_bias=correction_bias,
                 routed_scaling_factor=r.routed_scaling_factor,
             )
             return weights, ids

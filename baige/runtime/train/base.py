@@ -235,6 +235,7 @@ class TrainerBase(abc.ABC):
                 param_dtype=self.param_dtype,
                 reduce_dtype=reduce_dtype,
                 autocast_dtype=self.param_dtype if self.autocast else None,
+                moe=self.moe,
             )
             return self.pipeline.model
         return model
@@ -337,12 +338,13 @@ class TrainerBase(abc.ABC):
         return t.tolist()
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """A fp64 tensor summed over the data-parallel ranks (the world sum / the TP x PP degree)."""
+        """A fp64 tensor of per-layer statistics summed over the data-parallel ranks and the pipeline
+        stages (each contributes the layers it holds): the world sum / the TP degree."""
         if not dist.is_initialized():
             return t
         t = t.to(self.device)
         dist.all_reduce(t)
-        return t / self.dims.model_parallel_size
+        return t / self.dims.tp
 
     # ---- the optimizer step ---------------------------------------------------------------------
 

@@ -123,7 +123,8 @@ class MoEBalancer:
     def __init__(
         self, model: nn.Module, cfg: MoESection, grad_accum: int, all_reduce: Callable[[torch.Tensor], torch.Tensor]
     ):
-        """``all_reduce``: sums a fp64 tensor over the data-parallel ranks (world sum / TP degree)."""
+        """``all_reduce``: sums a fp64 tensor over the data-parallel ranks and the pipeline stages (the
+        world sum / the TP degree: TP ranks hold the same statistics, pipeline stages disjoint layers)."""
         m = model.config.moe
         self.layers = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
         self.blocks = [model.model.layers[i].mlp for i in self.layers]
@@ -146,11 +147,16 @@ class MoEBalancer:
         self._aux = self._z = 0.0  # this rank's share of the step's values
 
     def _selection_bias(self, j: int) -> torch.Tensor | None:
-        statics = self.blocks[j].moe_statics
-        if statics is None:
+        """Layer ``j``'s whole selection bias (an FSDP-sharded one gathered): ERNIE's / the installed
+        :class:`SelectionBias` (1, E), DeepSeek's ``gate.e_score_correction_bias`` (E,); None without."""
+        block = self.blocks[j]
+        if block.routing is not None:
+            bias = block.gate.e_score_correction_bias
+        else:
+            bias = None if block.moe_statics is None else block.moe_statics.e_score_correction_bias
+        if bias is None:
             return None
-        bias = statics.e_score_correction_bias
-        return bias.full_tensor() if hasattr(bias, "full_tensor") else bias  # (1, E)
+        return bias.full_tensor() if hasattr(bias, "full_tensor") else bias
 
     def micro_batch_loss(self, router_logits: RouterLogits) -> torch.Tensor:
         """The router terms of one micro-batch to add to its loss (before the trainer's data-parallel
@@ -164,19 +170,38 @@ class MoEBalancer:
         logits = router_logits.tensors[: len(self.blocks)]
         if not (self.aux_coef or self.z_coef):  # measured for the metrics only
             logits = [x.detach() for x in logits]
-        counts, prob_sum, rows = balance_statistics(logits, self.top_k)
+        aux, z = self._observe(list(enumerate(logits)))
+        return (self.aux_coef * aux + self.z_coef * z) / self.grad_accum
+
+    def observe_stages(self, logits_by_layer: dict[int, torch.Tensor]) -> None:
+        """Pipeline parallel: the statistics of one micro-batch from the sparse layers this rank's
+        stages hold (``{model layer index: (N, E) detached logits}``, possibly empty): the expert load
+        for the bias update and the ``aux_loss`` / ``z_loss`` metrics, no gradient (the pipeline runs
+        only with both coefficients 0). Collective; the all-reduce sums over the data-parallel ranks
+        and the stages, whose layers are disjoint, so the values are the one-process ones."""
+        self._observe([(self.layers.index(i), x.detach()) for i, x in sorted(logits_by_layer.items())])
+
+    def _observe(self, pairs: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate one micro-batch's expert load (chosen experts, selection bias included) from
+        ``(block position, (N, E) logits)`` pairs; returns this rank's shares of ``(aux, z)``, () fp32
+        (differentiable w.r.t. the logits that carry gradient). Collective (one all-reduce)."""
+        logits = [x for _, x in pairs]
+        if logits:
+            counts, prob_sum, rows = balance_statistics(logits, self.top_k)
+        else:  # a pipeline rank whose stages hold no sparse layer
+            counts, prob_sum, rows = torch.zeros(self.num_experts), torch.zeros(self.num_experts), 0
         with torch.no_grad():  # the experts actually chosen (bias included) per layer
-            chosen = []
-            for j, x in enumerate(logits):
+            chosen = torch.zeros(self.step_load.shape, dtype=torch.float64, device=counts.device)
+            for j, x in pairs:
                 if self.blocks[j].routing is not None:  # DeepSeek's group-limited rule
-                    ids = self.blocks[j].topk(x.detach())[1]
+                    ids = self.blocks[j].topk(x.detach(), self._selection_bias(j))[1]
                 else:
                     scores, bias = torch.softmax(x.detach().float(), dim=-1), self._selection_bias(j)
                     ids = torch.topk(scores if bias is None else scores + bias, self.top_k, dim=-1).indices
-                chosen.append(torch.bincount(ids.reshape(-1), minlength=self.num_experts))
+                chosen[j] = torch.bincount(ids.reshape(-1), minlength=self.num_experts).to(chosen)
             local = torch.cat(
                 [
-                    torch.stack(chosen).reshape(-1).double(),
+                    chosen.reshape(-1),
                     counts.double(),
                     torch.tensor([float(rows)], dtype=torch.float64, device=counts.device),
                 ]
@@ -187,10 +212,10 @@ class MoEBalancer:
         global_counts, global_rows = total[n_load:-1], float(total[-1])
         f = (global_counts / global_rows).to(prob_sum.device, torch.float32)  # (E,) fraction of rows per expert
         aux = self.num_experts * torch.sum(f * (prob_sum / global_rows))  # this rank's share
-        z = sum(torch.logsumexp(x.float(), dim=-1).square().sum() for x in logits) / global_rows
+        z = sum((torch.logsumexp(x.float(), dim=-1).square().sum() for x in logits), torch.zeros(())) / global_rows
         self._aux += aux.item() / self.grad_accum
         self._z += z.item() / self.grad_accum
-        return (self.aux_coef * aux + self.z_coef * z) / self.grad_accum
+        return aux, z
 
     def step_values(self) -> list[float]:
         """This rank's shares of the step's ``[aux_loss, z_loss]`` (sum them over the ranks); resets."""

@@ -21,6 +21,12 @@ gradients); the schedules are built with ``scale_grads=False``. The gradient is 
 of one process over the global batch, SFT loss masks included (torchtitan's global-token
 normalisation).
 
+Mixture-of-Experts. The router losses stay off (both coefficients 0; the load-balancing loss couples
+every stage's logits). Each stage keeps its sparse layers' detached router logits per micro-batch;
+after the schedule the trainer hands them to the balancer, whose one all-reduce per micro-batch sums
+the expert load over the data-parallel ranks and the stages (disjoint layers): the ``bias`` update
+and the router metrics are the one-process ones.
+
 Bubble. ``pp_bubble_fraction`` is measured: per pipeline rank, ``1 - compute / wall`` over the
 logged steps, where ``compute`` is the time in its stages' forward, backward and loss (not in
 transfers or waits) and ``wall`` the time of the schedule's steps; the record holds the mean over
@@ -50,8 +56,10 @@ from torch.distributed.pipelining import (
 
 from baige.errors import BaigeError
 from baige.runtime.model.gemma import lm_head_cross_entropy
+from baige.runtime.model.moe import SparseMoeBlock
 from baige.runtime.model.transformer import Transformer
 from baige.runtime.train import parallel
+from baige.runtime.train.moe import MoEBalancer, RouterLogits
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -115,6 +123,9 @@ class StageModule(nn.Module):
         self.rotary_emb = model.rotary_emb
         self.config = model.config  # the loss reads the final logit soft-cap (Gemma)
         self.is_first, self.is_last, self.autocast_dtype = first, last, autocast_dtype
+        self.sparse = [i for i in layers if isinstance(model.model.layers[i].mlp, SparseMoeBlock)]
+        # per forward with gradients, this stage's sparse layers' (N, E) router logits, detached
+        self.router_logits: list[dict[int, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T) int64 token ids on the first stage, else the previous stage's (B, T, hidden)
@@ -130,8 +141,11 @@ class StageModule(nn.Module):
             B, T = x.shape[:2]
             positions = torch.arange(T, device=x.device).expand(B, T)  # (B, T)
             cos, sin = self.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
+            router = RouterLogits() if self.sparse and torch.is_grad_enabled() else None
             for layer in self.model.layers.values():
-                x = layer(x, cos, sin, None)
+                x = layer(x, cos, sin, None, router)
+            if router is not None:  # (an activation-checkpointing recompute appends later: not read)
+                self.router_logits.append({i: t.detach() for i, t in zip(self.sparse, router.tensors)})
             if self.is_last:
                 x = self.model.norm(x)
         return x
@@ -269,15 +283,25 @@ class Pipeline:
         self.timer = stages[0].timer
         self._wall, self._steps = 0.0, 0
         self.description = description  # one line for the log: schedule, stages and their layers
+        self.router_logits: list[dict[int, torch.Tensor]] = []
 
     def _run(self, fn: Callable, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """One schedule pass over a (B, T) batch; returns the sum of its micro-batches' unscaled
-        losses on a rank with the last stage, 0 elsewhere."""
+        losses on a rank with the last stage, 0 elsewhere. With gradients on an MoE model, appends
+        to ``router_logits`` this rank's sparse layers' logits of the batch: ``{layer: (B * T, E)}``,
+        the pipeline micro-batches' rows in batch order."""
         self.loss.values = []
+        for stage in self.stages:
+            stage.submod.router_logits = []
         args = (input_ids.to(self.device),) if self.has_first else ()
         fn(*args, target=labels.to(self.device) if self.has_last else None, losses=[])
         # the last n: a schedule's first step also runs the loss once to infer the stages' shapes
         values = self.loss.values[-self.microbatches :] if self.has_last else []
+        if torch.is_grad_enabled() and self.model.config.moe is not None:  # every rank: the balancer's collectives
+            # the last n again: the first step's shape inference runs each stage once on empty tensors
+            seen = [m for stage in self.stages for m in stage.submod.router_logits[-self.microbatches :]]
+            layers = sorted({i for m in seen for i in m})
+            self.router_logits.append({i: torch.cat([m[i] for m in seen if i in m]) for i in layers})
         return float(sum(v.item() for v in values))
 
     def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], normalizer: float, scale: float) -> float:
@@ -285,6 +309,7 @@ class Pipeline:
         pipeline micro-batches. Returns this rank's summed loss / ``normalizer`` (nats/token; 0 off
         the last stage). Gradients accumulate in the parameters' ``.grad``."""
         self.loss.normalizer, self.loss.scale = normalizer, scale
+        self.router_logits: list[dict[int, torch.Tensor]] = []  # per micro-batch of `micro` (see _run)
         t0 = time.perf_counter()
         total = sum(self._run(self.schedule.step, ids, labels) for ids, labels in micro)
         if self.device.type == "cuda":
@@ -395,6 +420,7 @@ def build_pipeline(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     autocast_dtype: torch.dtype | None,
+    moe: MoEBalancer | None = None,
 ) -> Pipeline:
     """Split ``model`` (already on ``device``, TP/AC/compile applied) into this rank's stages, shard
     each with FSDP when data parallel (no resharding between micro-batches), and build the schedule.
@@ -405,16 +431,20 @@ def build_pipeline(
     Tied embeddings: the first and the last stage each hold the tensor; their ranks sum its
     gradient (:meth:`Pipeline._sync_tied_grad`) and so stay equal.
 
+    Mixture-of-Experts (``moe``, the run's balancer): the stages keep their sparse layers' router
+    logits for the expert load (the ``bias`` update, metrics); the router losses must be off.
+
     Raises:
-        BaigeError: a Mixture-of-Experts model, more stages than layers, a micro-batch count the
+        BaigeError: router losses with a coefficient, more stages than layers, a micro-batch count the
         schedule rejects, or tied embeddings under FSDP with ZBVZeroBubble (one rank would hold the
         tensor in two FSDP units).
     """
     cfg = model.config
-    if cfg.moe is not None:
+    if moe is not None and (moe.aux_coef or moe.z_coef):
         raise BaigeError(
-            "pipeline parallel (--pp) does not support Mixture-of-Experts models yet: the router "
-            "losses need every layer's router logits at the last stage"
+            f"pipeline parallel (--pp) trains Mixture-of-Experts models without router losses: set "
+            f"moe.router_aux_loss_coef=0 (here {moe.aux_coef}) and moe.router_z_loss_coef=0 (here {moe.z_coef}), "
+            "e.g. with moe.load_balance=bias (the load-balancing loss couples the router logits of every stage)"
         )
     v_shape, tied = schedule == "ZBVZeroBubble", model.lm_head.weight is model.model.embed_tokens.weight
     if tied and v_shape and dims.fsdp_enabled:

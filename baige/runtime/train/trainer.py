@@ -182,6 +182,8 @@ class Trainer(TrainerBase):
         local_loss = local_mtp = 0.0  # loss on the last pipeline stage only; the world sum / TP is the step's loss
         if self.pipeline is not None:
             local_loss = self.pipeline.step(micro, n_valid, self.dims.dp_size)
+            for logits in self.pipeline.router_logits if self.moe is not None else ():
+                self.moe.observe_stages(logits)  # the expert load and router metrics; no router loss
         for batch in micro if self.pipeline is None else ():
             loss, router_logits, mtp_sums = self._loss_sum(*batch, n_valid, mtp_norms)
             total = loss if router_logits is None else loss + self.moe.micro_batch_loss(router_logits)
