@@ -383,7 +383,8 @@ def main() -> None:
     env = environment()
     notes = (
         f"load average {load_before} before, {env['load_average']} after, on {env['cpu_count']} CPUs shared with "
-        "other work: timings are noisy; random weights (transformers' initialisation), fp32"
+        f"other work: timings are noisy; CPU flags {' '.join(env['cpu_flags'])}; random weights (transformers' "
+        "initialisation), fp32"
     )
     record = {"benchmark": f"arch_{args.part}", **result, "environment": env, "notes": notes}
     path = write_result(args.out, f"arch_{args.part}", record)
