@@ -13,7 +13,7 @@ from baige.runtime.config import EngineConfig
 from baige.runtime.infer.async_engine import AsyncEngine
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.outputs import EngineDeadError, RequestFailed
-from baige.runtime.infer.sampling import MAX_STOP_STRINGS, SamplingParams
+from baige.runtime.infer.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from baige.runtime.model.tokenizer import Tokenizer
 from baige.runtime.weights.loader import load_model
 

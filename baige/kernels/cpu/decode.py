@@ -157,6 +157,30 @@ def _takes_dot(d: LinearDesc) -> bool:
     return d.kind in (LINEAR_INT8, LINEAR_INT4) and takes_int_dot(d.w, d.group_size if d.kind == LINEAR_INT4 else None)
 
 
+class _CacheArgs:
+    """The paged-cache, adapter and thread arguments that end both decode entry points (decode.c: slots,
+    tables, W, lens, kv_dtype, lora_ids, nthreads), from (M,) int64 ``slot_mapping``, (M, W) int64
+    ``block_tables``, (M,) int64 ``context_lens`` and (M,) ``lora_ids`` or None; holds the contiguous copies
+    the pointers address until the call returns."""
+
+    def __init__(self, slot_mapping, block_tables, context_lens, lora_ids):
+        self.slots = slot_mapping.contiguous()
+        self.tables = block_tables.contiguous()
+        self.lens = context_lens.contiguous()
+        self.lora_ids = None if lora_ids is None else lora_ids.to(torch.int64).contiguous()
+
+    def args(self, kv_dtype: int) -> tuple:
+        return (
+            self.slots.data_ptr(),
+            self.tables.data_ptr(),
+            self.tables.shape[1],
+            self.lens.data_ptr(),
+            kv_dtype,
+            _ptr(self.lora_ids),
+            torch.get_num_threads(),
+        )
+
+
 class DecodeLayers:
     """The packed layer table of one model and KV cache; call it for each decode step.
 
@@ -200,6 +224,13 @@ class DecodeLayers:
         self.blocked = kinds <= {LINEAR_BF16, _INT8_DOT, _INT4_DOT}
         self._kv_dtype = kv_dtype_code(layers[0].k_cache.dtype)
         self._num_blocks, self._block_size = layers[0].k_cache.shape[1], layers[0].k_cache.shape[2]
+
+    def _shape_args(self, M: int) -> tuple:
+        """The model-shape arguments that begin both decode entry points (decode.c: layers, n_layers, M,
+        hidden, hq, hk, d, inter, eps, scale, num_blocks, bs) for a step of ``M`` tokens."""
+        n_layers, *dims = self._dims  # then hidden, hq, hk, d, inter
+        table, blocks = ctypes.addressof(self._table), (self._num_blocks, self._block_size)
+        return (table, n_layers, M, *dims, self._eps, self._scale, *blocks)
 
     def _moe(self, d: MoEDesc, kinds: set[int]) -> _Moe:
         """The C struct of one MoE MLP (kept referenced with its tensors); adds the experts' kinds to ``kinds``."""
@@ -336,33 +367,9 @@ class DecodeLayers:
         Raises:
             MemoryError: the kernel's scratch buffers could not be allocated.
         """
-        n_layers, hidden, hq, hk, d, inter = self._dims
-        tables = block_tables.contiguous()
-        if lora_ids is not None:
-            lora_ids = lora_ids.to(torch.int64).contiguous()
+        cache = _CacheArgs(slot_mapping, block_tables, context_lens, lora_ids)
         rc = library().baige_decode_layers(
-            ctypes.addressof(self._table),
-            n_layers,
-            h.shape[0],
-            hidden,
-            hq,
-            hk,
-            d,
-            inter,
-            self._eps,
-            self._scale,
-            self._num_blocks,
-            self._block_size,
-            h.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            slot_mapping.contiguous().data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            context_lens.contiguous().data_ptr(),
-            self._kv_dtype,
-            _ptr(lora_ids),
-            torch.get_num_threads(),
+            *self._shape_args(h.shape[0]), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), *cache.args(self._kv_dtype)
         )
         if rc != 0:
             raise MemoryError("native decode step: could not allocate its scratch buffers")
@@ -394,26 +401,13 @@ class DecodeLayers:
             them and call again: nothing was written). Raises ValueError for a token id outside the
             vocabulary, MemoryError when scratch memory cannot be allocated.
         """
-        n_layers, hidden, hq, hk, d, inter = self._dims
+        hidden = self._dims[1]
         M = input_ids.shape[0]
         ids, pos = input_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         h, out = torch.empty(M, hidden), torch.empty(M, hidden)
-        tables = block_tables.contiguous()
-        if lora_ids is not None:
-            lora_ids = lora_ids.to(torch.int64).contiguous()
+        cache = _CacheArgs(slot_mapping, block_tables, context_lens, lora_ids)
         rc = library().baige_decode_step(
-            ctypes.addressof(self._table),
-            n_layers,
-            M,
-            hidden,
-            hq,
-            hk,
-            d,
-            inter,
-            self._eps,
-            self._scale,
-            self._num_blocks,
-            self._block_size,
+            *self._shape_args(M),
             embed.data_ptr(),
             int(embed.dtype == torch.bfloat16),
             embed.shape[0],
@@ -425,13 +419,7 @@ class DecodeLayers:
             final_norm.data_ptr(),
             h.data_ptr(),
             out.data_ptr(),
-            slot_mapping.contiguous().data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            context_lens.contiguous().data_ptr(),
-            self._kv_dtype,
-            _ptr(lora_ids),
-            torch.get_num_threads(),
+            *cache.args(self._kv_dtype),
         )
         if rc == -2:
             if bool(((ids < 0) | (ids >= embed.shape[0])).any()):

@@ -32,11 +32,14 @@ from baige.kernels.triton_ops.common import block_for, new_empty
 
 
 @triton.jit
-def _block_pairs(SORTED, pid_m, num_pairs, top_k, BLOCK_M: tl.constexpr):
-    """Pair ids (int64), their tokens and the row mask (not the sentinel) of block ``pid_m``."""
+def _block_tile(SORTED, EXPERTS, pid_m, pid_n, num_pairs, top_k, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows and columns of a row-wise kernel's program (block ``pid_m``, column tile ``pid_n`` of ``N``):
+    ``(pairs, tokens, m_mask, e, cols, n_mask)``: the block's pair ids (int64), their tokens, the row mask
+    (not the sentinel), its expert (int64), the tile's column ids and their mask."""
     pairs = tl.load(SORTED + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    mask = pairs < num_pairs
-    return pairs, pairs // top_k, mask
+    e = tl.load(EXPERTS + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs, pairs // top_k, pairs < num_pairs, e, cols, cols < N
 
 
 @triton.jit
@@ -97,10 +100,9 @@ def _gate_up_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTPP):  # past the padded total: sorted_token_ids ends before this block
         return
-    pairs, tok, m_mask = _block_pairs(SORTED, pid_m, num_pairs, top_k, BLOCK_M)
-    e = tl.load(EXPERTS + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < inter
+    pairs, tok, m_mask, e, cols, n_mask = _block_tile(
+        SORTED, EXPERTS, pid_m, pid_n, num_pairs, top_k, inter, BLOCK_M, BLOCK_N
+    )
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = X + tok[:, None] * sx_t + offs_k[None, :]
     g_ptrs = W13 + e * sw_e + cols[None, :] * sw_n + offs_k[:, None] * sw_k  # (BLOCK_K, BLOCK_N) of gate_proj
@@ -151,10 +153,9 @@ def _grouped_rows_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTPP):  # past the padded total: sorted_token_ids ends before this block
         return
-    pairs, _, m_mask = _block_pairs(SORTED, pid_m, num_pairs, top_k, BLOCK_M)
-    e = tl.load(EXPERTS + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < N
+    pairs, _, m_mask, e, cols, n_mask = _block_tile(
+        SORTED, EXPERTS, pid_m, pid_n, num_pairs, top_k, N, BLOCK_M, BLOCK_N
+    )
     acc = _rows_dot(
         A, pairs, m_mask, B + e * sb_e, cols, n_mask, K, sa_m, sb_n, sb_k, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
     )
@@ -192,10 +193,9 @@ def _down_backward_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NTPP):  # past the padded total: sorted_token_ids ends before this block
         return
-    pairs, tok, m_mask = _block_pairs(SORTED, pid_m, num_pairs, top_k, BLOCK_M)
-    e = tl.load(EXPERTS + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < inter
+    pairs, tok, m_mask, e, cols, n_mask = _block_tile(
+        SORTED, EXPERTS, pid_m, pid_n, num_pairs, top_k, inter, BLOCK_M, BLOCK_N
+    )
     # g[p, i] = sum_h dout[t, h] * w2[e, h, i]: d(unweighted down output) back through w2
     g = _rows_dot(
         DOUT, tok, m_mask, W2 + e * sw_e, cols, n_mask, hidden, sdo_t, sw_i, sw_h, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K

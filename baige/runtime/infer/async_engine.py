@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from baige.errors import BaigeError
+from baige.runtime.infer.async_lora import AsyncEngineLoRA
 from baige.runtime.infer.async_weights import AsyncEngineWeights
 from baige.runtime.infer.engine import Engine
 from baige.runtime.infer.kv_offload import KVOffloadStats
@@ -78,7 +79,7 @@ class EngineStats:
     kv_offload: KVOffloadStats | None = None
 
 
-class AsyncEngine(AsyncEngineWeights):
+class AsyncEngine(AsyncEngineWeights, AsyncEngineLoRA):
     """Drives an :class:`Engine` from one background thread; asyncio callers stream its outputs.
 
     The HTTP server uses this class's public methods only, never the wrapped ``engine``
@@ -183,41 +184,6 @@ class AsyncEngine(AsyncEngineWeights):
             kv_transfer=dataclasses.replace(engine.kv_transfer.stats) if engine.kv_transfer is not None else None,
             kv_offload=dataclasses.replace(engine.kv_offload.stats) if engine.kv_offload is not None else None,
         )
-
-    @property
-    def lora_enabled(self) -> bool:
-        """LoRA adapters can be served (``--enable-lora``)."""
-        return self.engine.lora is not None
-
-    def lora_adapters(self) -> dict[str, LoRARequest]:
-        """The loaded LoRA adapters by name, in load order (empty without LoRA)."""
-        lora = self.engine.lora
-        return {} if lora is None else {name: a.request for name, a in list(lora.loaded.items())}
-
-    async def load_lora_adapter(self, lora_request: LoRARequest) -> None:
-        """Load a PEFT adapter directory: read and checked off the event loop and off the loop thread
-        (disk, shapes), then put on the model between two steps, so requests in flight go on unharmed.
-
-        Raises:
-            BaigeError: LoRA is not enabled, or as :meth:`LoRAManager.read` (a bad, mismatched or too
-            large adapter, an empty name, a name already loaded).
-            EngineDeadError: the loop has stopped.
-        """
-        lora = self.engine.lora
-        if lora is None:
-            raise BaigeError("LoRA is not enabled (--enable-lora)")
-        adapter = await asyncio.to_thread(lora.read, lora_request)
-        await self.call(lambda engine: engine.lora.add(lora_request, adapter))
-
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        """Unload an adapter between two steps (:meth:`Engine.unload_lora_adapter`).
-
-        Raises:
-            LoRANotFound: no adapter of that name is loaded.
-            BaigeError: LoRA is not enabled, or requests in flight use the adapter (they finish).
-            EngineDeadError: the loop has stopped.
-        """
-        await self.call(lambda engine: engine.unload_lora_adapter(lora_name))
 
     async def call(self, fn: Callable[[Engine], object], drain: bool = False) -> object:
         """Run ``fn(engine)`` on the loop thread between two steps (what changes the model, such as

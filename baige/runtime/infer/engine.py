@@ -22,6 +22,7 @@ from baige import kernels
 from baige.errors import BaigeError
 from baige.runtime.config import EngineConfig, parse_size
 from baige.runtime.infer.block_manager import BlockManager
+from baige.runtime.infer.engine_structured import EngineStructured
 from baige.runtime.infer.engine_weights import EngineWeights
 from baige.runtime.infer.input_processor import InputProcessor
 from baige.runtime.infer.isolation import execute_isolated
@@ -35,7 +36,7 @@ from baige.runtime.infer.pooling import PoolerConfig, pooling_runner
 from baige.runtime.infer.pooling_engine import EnginePooling
 from baige.runtime.infer.runner import ModelRunner
 from baige.runtime.infer.sampling import SamplerRow, SamplingParams
-from baige.runtime.infer.scheduler import ScheduledBatch, Scheduler, Sequence, StepShape
+from baige.runtime.infer.scheduler import Scheduler, Sequence, StepShape
 from baige.runtime.infer.spec_decode.factory import build_proposer
 from baige.runtime.infer.spec_decode.proposer import assign_drafts
 from baige.runtime.infer.spec_decode.stats import SpecDecodeStats
@@ -51,7 +52,7 @@ from baige.runtime.weights.hub import resolve_model
 logger = logging.getLogger("baige.engine")
 
 
-class Engine(EnginePooling, EngineWeights):
+class Engine(EnginePooling, EngineWeights, EngineStructured):
     """Continuous-batching engine over one model.
 
     Args:
@@ -384,46 +385,6 @@ class Engine(EnginePooling, EngineWeights):
             _sampler_row,
             self.cfg.speculative_config.disable_by_batch_size,
         )
-
-    def grammars(self) -> GrammarCompiler:
-        """The structured-output compiler of this engine's tokenizer and vocabulary."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
-        return self._grammars
-
-    @property
-    def grammar_stats(self) -> dict[str, float]:
-        """The constraint compiler's counters (:attr:`GrammarCompiler.stats`, a copy); empty before
-        the first constrained request, so reading them never builds the compiler."""
-        return {} if self._grammars is None else dict(self._grammars.stats)
-
-    def _start_masks(self, batch: ScheduledBatch):
-        """Start the grammar masks of the constrained sequences that sample this step (on the
-        compiler's worker thread, overlapping the forward); returns the callable that waits for
-        them, or None."""
-        constrained, opens = {}, {}
-        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if s.pooling is not None or s.num_computed_tokens + n - len(s.spec_token_ids) != len(s.token_ids):
-                continue  # no token sampled this step
-            if s.payload.grammar is not None:
-                constrained[i] = s.payload.grammar
-            elif s.payload.undecided:  # the first token: the constraint's, or the one that opens reasoning
-                constrained[i], opens[i] = s.payload.pending_grammar, s.payload.params.reasoning_start_token_id
-        if not constrained:
-            return None
-        drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
-        future = self._grammars.start_masks(constrained, drafts)
-        if not opens:
-            return future.result
-
-        def result() -> dict:
-            masks = future.result()
-            for i, token in opens.items():
-                masks[i] = masks[i].clone()
-                masks[i][..., token] = True
-            return masks
-
-        return result
 
     def _output(self, req: RequestState, now: float) -> RequestOutput:
         out = self.output_processor.make_output(req, now)
