@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from .machines import forced_isa
-from .records import DASH, RECORDS, commit, date, env, kind, limits, link, load, model, num, ratio, threads
+from .records import DASH, DEFAULT_MODEL, RECORDS, commit, date, env, kind, limits, link, load, model, num, ratio, threads
 
 BEGIN, END = "<!-- bench-report:begin -->", "<!-- bench-report:end -->"
 
 
 def headline(records: list[dict]) -> str:
     """The README's block of current numbers: the newest compare against HF transformers and the newest
-    latency (on its CPU's default native variant, not a forced lower one) and throughput runs, each with its
-    machine and a link to its record."""
+    latency (on its CPU's default native variant, not a forced lower one) and throughput runs of the default
+    model (records of other models, e.g. the random checkpoints of scripts/bench_arch.py, stay on the
+    performance page only), each with its machine and a link to its record."""
     prefix = str(RECORDS) + "/"
     lines = []
+    records = [r for r in records if model(r) == f"`{DEFAULT_MODEL}`"]
     cmp = next((r for r in records if kind(r) == "compare" and (r.get("summary") or {}).get("ratios")), None)
     if cmp:
         ratios = cmp["summary"]["ratios"]
