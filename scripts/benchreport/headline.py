@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 from .machines import forced_isa
-from .records import DASH, DEFAULT_MODEL, RECORDS, commit, date, env, kind, limits, link, load, model, num, ratio, threads
+from .records import (
+    DASH,
+    DEFAULT_MODEL,
+    RECORDS,
+    commit,
+    date,
+    env,
+    kind,
+    limits,
+    link,
+    load,
+    model,
+    num,
+    ratio,
+    threads,
+)
 
 BEGIN, END = "<!-- bench-report:begin -->", "<!-- bench-report:end -->"
 

@@ -304,7 +304,7 @@ def test_bench_report_reads_the_numbers_of_hand_made_records(tmp_path):
         "compare-1.json",
         {
             "benchmark": "compare",
-            "args": {"engine": {"model": "q/int8"}},
+            "args": {"engine": {"model": None}},
             "limits": limits,
             "summary": {
                 "decode": {"baige": {"tokens_per_s": 30.0}, "hf-float32": {"tokens_per_s": 10.0}},
@@ -313,15 +313,29 @@ def test_bench_report_reads_the_numbers_of_hand_made_records(tmp_path):
             },
         },
     )
+    _record(  # another model's compare, listed first (same date, later name): the page only, not the headline
+        tmp_path,
+        "compare-2.json",
+        {
+            "benchmark": "compare",
+            "args": {"engine": {"model": "/tmp/mid/gemma3_text"}},
+            "limits": limits,
+            "summary": {
+                "decode": {"baige": {"tokens_per_s": 14.0}, "hf-float32": {"tokens_per_s": 7.0}},
+                "ratios": {"decode_baige_over_hf-best": 2.0, "throughput_baige_over_hf-best": 1.5},
+            },
+        },
+    )
     records = report.load_records(tmp_path)
     page = report.performance_page(records)
-    assert "| M1 | Test CPU | 2 | avx2 fma | avx2 | 20.0 GB/s | 100.0 GFLOP/s (float32) | 2 |" in page
+    assert "| M1 | Test CPU | 2 | avx2 fma | avx2 | 20.0 GB/s | 100.0 GFLOP/s (float32) | 3 |" in page
     assert "| 1 | 32 / 16 | 125.0 | 40.0 | 25.0 | 62.5 | [latency-1.json](benchmarks/records/latency-1.json) |" in page
     assert "| baige | 30.0 | — | 3.00x | 200.0 | 2.50x |" in page
     assert "commit 0123456+, 2026-12-07 10:00 UTC, 1 thread, load 0.5 on 2 cores" in page
     head = report.headline(records)
     assert "**3.00x HF transformers' batch-1 decode**" in head and "2.50x its offline throughput" in head
-    assert "(docs/benchmarks/records/compare-1.json)" in head
+    assert "(docs/benchmarks/records/compare-1.json)" in head and "compare-2.json" not in head
+    assert "`/tmp/mid/gemma3_text`" in page and "| baige | 14.0 |" in page
     with pytest.raises(ValueError, match="no .* block"):
         report.with_headline("a README without markers", records)
     (tmp_path / "router").mkdir()
