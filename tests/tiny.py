@@ -195,3 +195,27 @@ def write_tiny_tokenizer(path: Path, vocab_size: int = BASE["vocab_size"]) -> Pa
     tok.save(str(Path(path) / "tokenizer.json"))
     (Path(path) / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t0"}))
     return Path(path)
+
+
+def write_bpe_tokenizer(path: Path) -> Path:
+    """A byte-level BPE ``tokenizer.json`` (GPT-2's byte alphabet as ids 0-255, the merges ``Ġ t`` -> 256
+    and ``h e`` -> 257, ``<|endoftext|>`` -> 258 as BOS and EOS) that llama.cpp accepts as a ``gpt2``
+    vocabulary; written into ``path`` beside a ``tokenizer_config.json``. Checkpoints using it need a
+    ``vocab_size`` of at least 259."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from baige.runtime.weights.gguf_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)} | {"Ġt": 256, "he": 257}
+    tok = HFTokenizer(models.BPE(vocab, [("Ġ", "t"), ("h", "e")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(Path(path) / "tokenizer.json"))
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(special))
+    return Path(path)
