@@ -351,3 +351,28 @@ def test_llama_cpp_logits_equal_transformers(exported, family):
     finally:
         llm.close()
     assert np.abs(got - want).max() <= FAMILIES[family][2]
+
+
+def test_llama_cpp_tokenizes_text_as_the_hf_tokenizer(embedded_dir, tmp_path):
+    """SmolLM2's byte-level BPE (49152 tokens, digits split off first: ``tokenizer.ggml.pre`` smollm) on a
+    one-layer checkpoint: llama.cpp's tokenization of mixed text equals the HF tokenizer's."""
+    import shutil
+
+    pytest.importorskip("llama_cpp")
+    from llama_cpp import Llama
+    from tokenizers import Tokenizer
+
+    shape = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    ckpt = make_checkpoint(tmp_path / "smol", "llama", vocab_size=49152, num_key_value_heads=1, **shape)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_dir / name, ckpt / name)
+    path = convert_checkpoint(str(ckpt), tmp_path / "smol.gguf", "float32")
+    assert _reader(path).fields["tokenizer.ggml.pre"].contents() == "smollm"
+    text = "Hello world!  It's 2026: 12345 tokens, naïve café\n\tdone <|im_end|>"
+    want = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == want
+        assert llm.token_eos() == _reader(path).fields["tokenizer.ggml.eos_token_id"].contents()
+    finally:
+        llm.close()

@@ -263,7 +263,13 @@ def export_gguf(src_dir: Path, out: Path, dtype: str = "auto", notes: list[str] 
         dtype = str(checkpoint_dtype(cfg)).removeprefix("torch.")
     if dtype not in GGUF_DTYPES:
         raise BaigeError(f"--dtype {dtype}: a GGUF is written as float32, float16 or bfloat16")
-    gguf_arch(cfg)  # an unknown family fails before the (slow) load
+    import gguf
+
+    from baige.runtime.weights.gguf_export_vocab import add_vocab
+
+    arch = gguf_arch(cfg)  # an unknown family, an unmappable field or tokenizer fail before the (slow) load
+    add_hparams(gguf.GGUFWriter(None, arch), cfg, arch, None if notes is None else [])
+    add_vocab(gguf.GGUFWriter(None, arch), Path(src_dir), cfg.vocab_size)
     model = load_model(src_dir, "float32")
     with torch.no_grad():
         state = {k: v.float() for k, v in model.state_dict().items()}

@@ -194,3 +194,15 @@ def add_hparams(writer, cfg: ModelConfig, arch: str, notes: list[str] | None = N
         _add_deepseek2(writer, cfg)
     elif arch == "gpt-oss":
         _add_gpt_oss(writer, cfg, notes)
+
+
+def differing_fields(cfg: ModelConfig) -> list[str]:
+    """One line per field of ``cfg`` that llama.cpp's graph computes differently (what :func:`add_hparams`
+    collects as ``notes``), found without writing anything. Raises BaigeError as :func:`add_hparams` does for
+    a field the GGUF cannot hold, or a family baige does not map."""
+    import gguf
+
+    arch = gguf_arch(cfg)
+    notes: list[str] = []
+    add_hparams(gguf.GGUFWriter(None, arch), cfg, arch, notes)
+    return notes

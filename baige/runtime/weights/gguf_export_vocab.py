@@ -12,7 +12,8 @@ Two tokenizer kinds map:
 
 - byte-level BPE (``model.type`` BPE, a ByteLevel decoder, no ``byte_fallback``): ``tokenizer.ggml.model``
   ``gpt2``, and ``tokenizer.ggml.pre`` the name llama.cpp gives the split rule (``llama-vocab.cpp``): plain
-  GPT-2 (a ByteLevel pre-tokenizer with its own regex), Llama 3's and Qwen 2's regexes
+  GPT-2 (a ByteLevel pre-tokenizer with its own regex), SmolLM's (each digit split off first), Llama 3's and
+  Qwen 2's regexes
   (:mod:`baige.runtime.weights.gguf_tokenizer` holds the same table for the import direction);
 - SentencePiece-style BPE (``byte_fallback``, ``▁`` for spaces; Gemma, ERNIE 4.5, Llama 2): ``llama``, each
   token scored ``-id`` (earlier ids win merges, the order SentencePiece assigns them) and the ``<0xNN>``
@@ -34,12 +35,14 @@ from baige.runtime.weights.gguf_tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # llama.cpp's tokenizer.ggml.pre names of the split regexes baige knows (llama-vocab.cpp)
-_SPLIT_NAMES = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
+_DIGITS_THEN_GPT2 = "each digit alone, then GPT-2's rule"  # SmolLM's Sequence[Digits, ByteLevel]
+_SPLIT_NAMES = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2", _DIGITS_THEN_GPT2: "smollm"}
 
 
 def _split_regex(pre: dict[str, Any] | None) -> str | None | bool:
     """The byte-level pre-tokenizer's split regex: the Split step's pattern, None for GPT-2's own
-    (a lone ByteLevel with ``use_regex``), False for a shape this module does not know."""
+    (a lone ByteLevel with ``use_regex``), :data:`_DIGITS_THEN_GPT2` for SmolLM's digits-then-GPT-2, False for
+    a shape this module does not know."""
     if pre is None:
         return False
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
@@ -47,6 +50,9 @@ def _split_regex(pre: dict[str, Any] | None) -> str | None | bool:
     levels = [s for s in steps if s.get("type") == "ByteLevel"]
     if len(steps) == 1 and levels and levels[0].get("use_regex", True):
         return None
+    digits = [s for s in steps if s.get("type") == "Digits" and s.get("individual_digits")]
+    if len(steps) == 2 and digits and levels and levels[0].get("use_regex", True):
+        return _DIGITS_THEN_GPT2
     if len(splits) == 1 and len(levels) == 1 and len(steps) == 2 and not levels[0].get("use_regex", True):
         pattern = splits[0].get("pattern", {})
         return pattern.get("Regex", False) if isinstance(pattern, dict) else False
@@ -63,7 +69,7 @@ def _pre_name(tok: dict[str, Any]) -> str:
     what = "its pre_tokenizer" if regex is False else f"its split regex {regex[:60]!r}"
     raise BaigeError(
         f"tokenizer.json: {what} has no llama.cpp tokenizer.ggml.pre name baige knows "
-        "(known: GPT-2's ByteLevel, Llama 3's and Qwen 2's regexes)"
+        "(known: GPT-2's ByteLevel, SmolLM's digits then ByteLevel, Llama 3's and Qwen 2's regexes)"
     )
 
 
