@@ -219,3 +219,31 @@ def write_bpe_tokenizer(path: Path) -> Path:
     special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
     (Path(path) / "tokenizer_config.json").write_text(json.dumps(special))
     return Path(path)
+
+
+def write_spm_tokenizer(path: Path, space_prefix: bool = True) -> Path:
+    """A SentencePiece-style BPE ``tokenizer.json`` (``byte_fallback``, ``▁`` for spaces, as Llama 2's,
+    ERNIE 4.5's and Gemma's): ``<unk>``, ``<s>``, ``</s>``, the 256 ``<0xNN>`` byte tokens, then a few
+    characters and merged pieces numbered in merge order (so SentencePiece's rule -- the highest-scored,
+    i.e. earliest, piece merges first -- is HF's merge rank). ``space_prefix``: a ``▁`` is prepended to the
+    text (Llama 2; Gemma prepends none). Checkpoints using it need a ``vocab_size`` of at least 278."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", "a", "b", "e", "h", "l", "o", "t"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "t"), ("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("▁", "hello"), ("▁t", "he")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    steps = [normalizers.Prepend("▁")] if space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(Path(path) / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(special))
+    return Path(path)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from mla_tiny import make_mla_checkpoint
-from tiny import make_checkpoint, write_bpe_tokenizer, write_tiny_tokenizer
+from tiny import make_checkpoint, write_bpe_tokenizer, write_spm_tokenizer, write_tiny_tokenizer
 
 from baige.errors import BaigeError
 from baige.runtime.weights.convert import convert_checkpoint
@@ -48,14 +48,29 @@ OSS = dict(
 )
 
 
-def _gpt_oss(path):
+def _gpt_oss(path, mxfp4: bool = False):
+    """A tiny gpt_oss checkpoint, four distinct sinks per layer; ``mxfp4``: hidden 96 and experts 64 wide
+    (whole 32-element blocks), the experts stored as published (random E2M1 codes, scales 2 ** -6 .. 2 ** -3,
+    ``quantization_config.quant_method: mxfp4``)."""
     from safetensors.torch import load_file, save_file
 
-    make_checkpoint(path, "llama", vocab_size=V, **OSS)
+    shape = dict(hidden_size=96, intermediate_size=64, head_dim=24) if mxfp4 else {}
+    make_checkpoint(path, "llama", vocab_size=V, **{**OSS, **shape})
     state = load_file(str(path / "model.safetensors"))
-    for i in range(OSS["num_hidden_layers"]):  # four distinct sinks per layer
+    g = torch.Generator().manual_seed(7)
+    for i in range(OSS["num_hidden_layers"]):
         state[f"model.layers.{i}.self_attn.sinks"] = torch.tensor([-2.0, 0.0, 1.5, 4.0]) + 0.5 * i
+        for name, rows, k in (("gate_up_proj", 128, 96), ("down_proj", 96, 64)) if mxfp4 else ():
+            p = f"model.layers.{i}.mlp.experts."
+            del state[p + name]
+            state[f"{p}{name}_blocks"] = torch.randint(0, 256, (5, rows, k // 32, 16), generator=g, dtype=torch.uint8)
+            state[f"{p}{name}_scales"] = torch.randint(121, 125, (5, rows, k // 32), generator=g, dtype=torch.uint8)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if mxfp4:
+        cfg = json.loads((path / "config.json").read_text())
+        keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": keep}
+        (path / "config.json").write_text(json.dumps(cfg))
 
 
 # family -> (writer of the checkpoint, llama.cpp architecture, logits tolerance)
@@ -84,6 +99,8 @@ FAMILIES = {
         1e-4,
     ),
     "gpt-oss": (_gpt_oss, "gpt-oss", 1e-4),
+    # MXFP4 experts, written dequantized (llama.cpp against transformers' own dequantized load)
+    "gpt-oss-mxfp4": (lambda p: _gpt_oss(p, mxfp4=True), "gpt-oss", 1e-4),
 }
 
 
@@ -178,7 +195,7 @@ def test_names_keys_and_shapes_follow_the_gguf_tables(exported, family):
         assert shapes[f"blk.{last}.ffn_gate_exps.weight"] == [h, cfg["moe_intermediate_size"], cfg["n_routed_experts"]]
         assert f"blk.{last}.exp_probs_b.bias" in shapes
     if arch == "gpt-oss":
-        e, inter = OSS["num_local_experts"], OSS["intermediate_size"]
+        e, inter = OSS["num_local_experts"], cfg["intermediate_size"]
         assert shapes["blk.0.ffn_up_exps.weight"] == [h, inter, e] and shapes["blk.0.ffn_up_exps.bias"] == [inter, e]
         assert shapes["blk.0.ffn_down_exps.weight"] == [inter, h, e] and shapes["blk.0.attn_sinks.weight"] == [4]
     if arch == "gemma3":
@@ -272,6 +289,20 @@ def test_values_gpt_oss_experts_deinterleaved_and_transposed(exported):
     assert np.array_equal(got["blk.1.ffn_gate_inp.bias"], hf["model.layers.1.mlp.router.bias"].numpy())
     norm = hf["model.layers.1.post_attention_layernorm.weight"].numpy()
     assert np.array_equal(got["blk.1.post_attention_norm.weight"], norm)
+
+
+def test_values_gpt_oss_mxfp4_experts_dequantized_as_transformers_does(exported):
+    from transformers import AutoModelForCausalLM
+
+    ckpt, path = exported["gpt-oss-mxfp4"]
+    got = _tensors(path)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)  # CPU: transformers dequantizes on load
+    experts = hf.model.layers[2].mlp.experts
+    gate_up, down = experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy()  # (E, H, 2I), (E, I, H)
+    assert np.array_equal(got["blk.2.ffn_gate_exps.weight"], gate_up[:, :, ::2].transpose(0, 2, 1))
+    assert np.array_equal(got["blk.2.ffn_up_exps.weight"], gate_up[:, :, 1::2].transpose(0, 2, 1))
+    assert np.array_equal(got["blk.2.ffn_down_exps.weight"], down.transpose(0, 2, 1))
+    assert {t.tensor_type.name for t in _reader(path).tensors if "_exps" in t.name} == {"F32"}
 
 
 @pytest.mark.parametrize(
@@ -374,5 +405,33 @@ def test_llama_cpp_tokenizes_text_as_the_hf_tokenizer(embedded_dir, tmp_path):
     try:
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == want
         assert llm.token_eos() == _reader(path).fields["tokenizer.ggml.eos_token_id"].contents()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("space_prefix", [True, False])
+def test_llama_cpp_tokenizes_sentencepiece_style_bpe_as_the_hf_tokenizer(tmp_path, space_prefix):
+    """A byte-fallback BPE (Llama 2 / ERNIE 4.5 / Gemma style) written as ``tokenizer.ggml.model llama``: pieces,
+    merges by score, bytes for characters outside the vocabulary, the space prefix or not."""
+    from tokenizers import Tokenizer
+
+    ckpt = make_checkpoint(tmp_path / "spm", "ernie4.5", vocab_size=290)
+    write_spm_tokenizer(ckpt, space_prefix)
+    path = convert_checkpoint(str(ckpt), tmp_path / "spm.gguf", "float32")
+    fields = _reader(path).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is space_prefix
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert types[:4] == [2, 3, 3, 6] and types[258] == 6 and types[259] == 1 and types[-1] == 5  # unk, control, byte
+    text = "hello the tall ball 7 naïve  hello"
+    want = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert 273 in want and 3 + ord("7") in want  # "▁the" (two merges deep) and a byte fallback
+    pytest.importorskip("llama_cpp")
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == want
+        assert (llm.token_bos(), llm.token_eos()) == (1, 2)
     finally:
         llm.close()

@@ -73,6 +73,21 @@ def _pre_name(tok: dict[str, Any]) -> str:
     )
 
 
+def _space_prefix(tok: dict[str, Any]) -> bool:
+    """Whether a SentencePiece-style tokenizer puts ``▁`` before the text (SentencePiece's
+    ``add_dummy_prefix``: a ``Prepend("▁")`` normalizer as Llama 2's, or a Metaspace pre-tokenizer that
+    prepends), which llama.cpp's ``tokenizer.ggml.add_space_prefix`` says. Gemma's does not."""
+    steps = []
+    for part in (tok.get("normalizer"), tok.get("pre_tokenizer")):
+        if part:
+            steps += part.get("normalizers", part.get("pretokenizers", [part]))
+    return any(
+        (s.get("type") == "Prepend" and s.get("prepend") == "\u2581")
+        or (s.get("type") == "Metaspace" and s.get("prepend_scheme", "always") in ("always", "first"))
+        for s in steps
+    )
+
+
 def _tokens(tok: dict[str, Any], vocab_size: int) -> tuple[list[str], list[int], set[int]]:
     """Token strings and types by id, padded to ``vocab_size``; the ids of the added tokens.
     Raises BaigeError for a hole in the ids or more tokens than ``vocab_size``."""
@@ -135,6 +150,7 @@ def add_vocab(writer, model_dir: Path, vocab_size: int) -> None:
             elif t == unk:
                 types[i] = UNKNOWN
         writer.add_token_scores([-float(i) for i in range(len(tokens))])
+        writer.add_add_space_prefix(_space_prefix(tok))
     else:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(_pre_name(tok))
