@@ -252,7 +252,10 @@ def export_gguf(src_dir: Path, out: Path, dtype: str = "auto", notes: list[str] 
     ``dtype``: auto (the checkpoint's own ``torch_dtype``), float32, float16 or bfloat16. ``notes``: None
     (fields llama.cpp computes differently are errors) or a list collecting them (``bench compare``).
     Raises BaigeError: an ``out`` that exists, an unknown family, an unmappable field, tensor or tokenizer."""
+    import gguf
+
     from baige.runtime.model.device import checkpoint_dtype
+    from baige.runtime.weights.gguf_export_vocab import add_vocab
     from baige.runtime.weights.loader import load_model
 
     out = Path(out)
@@ -263,10 +266,6 @@ def export_gguf(src_dir: Path, out: Path, dtype: str = "auto", notes: list[str] 
         dtype = str(checkpoint_dtype(cfg)).removeprefix("torch.")
     if dtype not in GGUF_DTYPES:
         raise BaigeError(f"--dtype {dtype}: a GGUF is written as float32, float16 or bfloat16")
-    import gguf
-
-    from baige.runtime.weights.gguf_export_vocab import add_vocab
-
     arch = gguf_arch(cfg)  # an unknown family, an unmappable field or tokenizer fail before the (slow) load
     add_hparams(gguf.GGUFWriter(None, arch), cfg, arch, None if notes is None else [])
     add_vocab(gguf.GGUFWriter(None, arch), Path(src_dir), cfg.vocab_size)
