@@ -76,6 +76,8 @@ def _gpt_oss(path, mxfp4: bool = False):
 # family -> (writer of the checkpoint, llama.cpp architecture, logits tolerance)
 FAMILIES = {
     "llama": (lambda p: make_checkpoint(p, "llama", vocab_size=V), "llama", 1e-4),
+    # Llama 3's RoPE scaling: the per-frequency divisors as the rope_freqs tensor
+    "llama3-rope": (lambda p: make_checkpoint(p, "llama-llama3-rope", vocab_size=V), "llama", 1e-4),
     "mistral-head-dim": (lambda p: make_checkpoint(p, "mistral-head-dim", vocab_size=V), "llama", 1e-4),
     "qwen2": (lambda p: make_checkpoint(p, "qwen2-bias", vocab_size=V), "qwen2", 1e-4),
     "ernie4.5": (lambda p: make_checkpoint(p, "ernie4.5", vocab_size=V), "ernie4_5", 1e-4),

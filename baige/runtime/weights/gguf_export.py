@@ -36,6 +36,7 @@ express, raises :class:`~baige.errors.BaigeError` naming it.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,6 +98,22 @@ def _to_pairs(w: torch.Tensor, n_head: int) -> torch.Tensor:
     importer's ``_unpermute``."""
     d = w.shape[0] // n_head // 2
     return w.reshape(n_head, 2, d, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3's RoPE scaling as llama.cpp takes it: ``rope_freqs`` (head_dim / 2,) fp32, the divisor of each
+    frequency (1 for wavelengths under ``original / high_freq_factor``, ``factor`` over ``original /
+    low_freq_factor``, a smooth blend between). Formula: transformers' ``_compute_llama3_parameters``,
+    written as ``LlamaModel.generate_extra_tensors`` writes it."""
+    rs, d = cfg.rope_scaling, cfg.head_dim
+    factor, low, high = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    orig = float(rs["original_max_position_embeddings"])
+    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    wavelen = 2 * math.pi / freqs
+    smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    blend = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = torch.where(wavelen < orig / high, 1.0, torch.where(wavelen > orig / low, factor, blend))
+    return out.to(torch.float32)
 
 
 def _mla_tensors(cfg: ModelConfig, i: int, w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -164,6 +181,8 @@ def gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, arch: str) ->
             yield from _layer_tensor(cfg, arch, i, key, w)
     norm = state["model.norm.weight"]
     yield "output_norm.weight", norm + 1.0 if arch == "gemma3" else norm
+    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":
+        yield "rope_freqs.weight", llama3_rope_factors(cfg)
     if not cfg.tie_word_embeddings:
         yield "output.weight", state["lm_head.weight"]
 

@@ -62,7 +62,7 @@ def _add_rope_scaling(writer, rs: dict | None, arch: str, notes: list[str] | Non
     import gguf
 
     kind = None if rs is None else rs.get("rope_type", "default")
-    if kind in (None, "default"):
+    if kind in (None, "default") or (kind == "llama3" and arch == "llama"):  # llama3: the rope_freqs tensor
         return
     factor = float(rs.get("factor", 1.0))
     if kind == "linear":
@@ -70,7 +70,7 @@ def _add_rope_scaling(writer, rs: dict | None, arch: str, notes: list[str] | Non
         writer.add_rope_scaling_factor(factor)
         return
     if kind != "yarn":
-        _refuse("rope_scaling.rope_type", kind, "baige maps default, linear and yarn RoPE to GGUF")
+        _refuse("rope_scaling.rope_type", kind, "baige maps default, linear, yarn (and llama3 for llama) RoPE to GGUF")
     if rs.get("attention_factor") is not None:
         _differs(notes, "rope_scaling.attention_factor", rs["attention_factor"], "llama.cpp derives it from the factor")
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
