@@ -313,7 +313,7 @@ def test_values_gpt_oss_mxfp4_experts_dequantized_as_transformers_does(exported)
 )
 def test_half_dtypes_round_the_weights_and_keep_norms_f32(exported, tmp_path, dtype, qtype, torch_dtype):
     ckpt, path = exported["ernie4.5"]
-    half = convert_checkpoint(str(ckpt), tmp_path / "h.gguf", dtype)
+    half = convert_checkpoint(str(ckpt), tmp_path / "new" / "h.gguf", dtype)  # its directory made
     kinds = {t.name: t.tensor_type.name for t in _reader(half).tensors}
     assert kinds["blk.0.attn_q.weight"] == qtype and kinds["token_embd.weight"] == qtype
     assert kinds["blk.0.attn_norm.weight"] == "F32" and kinds["output_norm.weight"] == "F32"

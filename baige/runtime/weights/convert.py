@@ -51,8 +51,11 @@ def convert_to_gguf(src: str, out: Path, dtype: str = "auto") -> Path:
     from baige.runtime.weights.gguf_export import export_gguf
 
     check_output_path("OUT", out, "file")
-    if out.exists():
-        raise BaigeError(f"OUT {out}: already exists; choose a new file name")
     if src.lower().endswith(".gguf"):
         raise BaigeError(f"{src}: already a GGUF file (convert writes a GGUF from an HF checkpoint)")
-    return export_gguf(Path(resolve_model(src)), out, dtype)
+    src_dir = Path(resolve_model(src))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BaigeError(f"OUT {out}: cannot create its directory ({e.strerror})") from None
+    return export_gguf(src_dir, out, dtype)

@@ -238,31 +238,40 @@ def write_gguf(
     field, tensor or tokenizer llama.cpp's format cannot take (naming it)."""
     import gguf
 
-    from baige.runtime.weights.gguf_export_vocab import add_vocab
-
     arch = gguf_arch(cfg)
     tensors = list(gguf_tensors(state, cfg, arch))
     check_names([n for n, _ in tensors], arch)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
-        writer.add_name(str(cfg.raw.get("_name_or_path") or model_dir.name))
-        ftype = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16}
-        writer.add_file_type(ftype.get(dtype, gguf.LlamaFileType.MOSTLY_BF16))
-        add_hparams(writer, cfg, arch, notes)
-        add_vocab(writer, model_dir, cfg.vocab_size)
-        for name, w in tensors:
-            qtype = _qtype(name, w, dtype)
-            writer.add_tensor(name, _array(w, qtype), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        _write(writer, model_dir, cfg, arch, tensors, dtype, notes)
         os.replace(tmp, out)
+    except OSError as e:
+        raise BaigeError(f"OUT {out}: cannot write it ({e.strerror or e})") from None
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _write(writer, model_dir: Path, cfg: ModelConfig, arch: str, tensors, dtype: str, notes) -> None:
+    """Metadata, tokenizer and tensors into ``writer``'s file, then closed."""
+    import gguf
+
+    from baige.runtime.weights.gguf_export_vocab import add_vocab
+
+    writer.add_name(str(cfg.raw.get("_name_or_path") or model_dir.name))
+    ftype = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16}
+    writer.add_file_type(ftype.get(dtype, gguf.LlamaFileType.MOSTLY_BF16))
+    add_hparams(writer, cfg, arch, notes)
+    add_vocab(writer, model_dir, cfg.vocab_size)
+    for name, w in tensors:
+        qtype = _qtype(name, w, dtype)
+        writer.add_tensor(name, _array(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def export_gguf(src_dir: Path, out: Path, dtype: str = "auto", notes: list[str] | None = None) -> Path:
