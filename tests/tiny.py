@@ -207,3 +207,55 @@ def write_tiny_tokenizer(path: Path, vocab_size: int = BASE["vocab_size"]) -> Pa
     tok.save(str(Path(path) / "tokenizer.json"))
     (Path(path) / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t0"}))
     return Path(path)
+
+
+def write_bpe_tokenizer(path: Path) -> Path:
+    """A byte-level BPE ``tokenizer.json`` (GPT-2's byte alphabet as ids 0-255, the merges ``Ġ t`` -> 256
+    and ``h e`` -> 257, ``<|endoftext|>`` -> 258 as BOS and EOS) that llama.cpp accepts as a ``gpt2``
+    vocabulary; written into ``path`` beside a ``tokenizer_config.json``. Checkpoints using it need a
+    ``vocab_size`` of at least 259."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from baige.runtime.weights.gguf_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)} | {"Ġt": 256, "he": 257}
+    tok = HFTokenizer(models.BPE(vocab, [("Ġ", "t"), ("h", "e")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(Path(path) / "tokenizer.json"))
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(special))
+    return Path(path)
+
+
+def write_spm_tokenizer(path: Path, space_prefix: bool = True) -> Path:
+    """A SentencePiece-style BPE ``tokenizer.json`` (``byte_fallback``, ``▁`` for spaces, as Llama 2's,
+    ERNIE 4.5's and Gemma's): ``<unk>``, ``<s>``, ``</s>``, the 256 ``<0xNN>`` byte tokens, then a few
+    characters and merged pieces numbered in merge order (so SentencePiece's rule -- the highest-scored,
+    i.e. earliest, piece merges first -- is HF's merge rank). ``space_prefix``: a ``▁`` is prepended to the
+    text (Llama 2; Gemma prepends none). Checkpoints using it need a ``vocab_size`` of at least 278."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", "a", "b", "e", "h", "l", "o", "t"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "t"), ("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("▁", "hello"), ("▁t", "he")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    steps = [normalizers.Prepend("▁")] if space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(Path(path) / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(special))
+    return Path(path)

@@ -831,9 +831,11 @@ def test_cli_compare_prints_ratios(tiny_dir, tmp_path, monkeypatch):
     assert "baige / row" in res.output and "offline throughput (32 prompts)" in res.output
     ratios_line = next(ln for ln in res.output.splitlines() if "throughput" in ln and "baige / hf-best" in ln)
     assert f"{0.6875 / 0.375:.2f}x" in ratios_line  # the second table: vs the best HF dtype
-    # the model is a directory: llama.cpp is skipped with a note, whether or not llama-cpp-python is installed
+    # the model is a directory whose tokenizer (SmolLM2's) is longer than its 160-token vocabulary: llama.cpp is
+    # skipped with a note, whether or not llama-cpp-python is installed
     note = (
-        "the model is not a GGUF file: llama.cpp skipped"
+        "llama.cpp skipped: baige cannot write the checkpoint as a GGUF (tokenizer.json has 49152 tokens, more "
+        "than the model's vocab_size 160)"
         if importlib.util.find_spec("llama_cpp")
         else "llama-cpp-python is not installed: llama.cpp skipped (scripts/setup.sh --with-llama-cpp)"
     )

@@ -275,28 +275,20 @@ def _add_quantized(
         _add_baige(rows, f"baige-{variant}", q, prompt, reqs, cfg.output_len)
 
 
-def _gguf_of(spec: str | None) -> Path | None:
-    from baige.runtime.weights.hub import ALIASES, DEFAULT_MODEL, alias_gguf_path
-
-    spec = spec or DEFAULT_MODEL
-    if spec in ALIASES:
-        return alias_gguf_path(spec)
-    return Path(spec) if spec.endswith(".gguf") and Path(spec).is_file() else None
-
-
-def _add_llama_cpp(rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str]) -> None:
+def _add_llama_cpp(
+    rows: Rows, cfg: CompareConfig, prompt: list[int], notes: list[str], model_dir: Path | None = None
+) -> None:
     """Rows ``llama.cpp-<type>`` (decode and prefill, ``torch.get_num_threads()`` threads): the model's GGUF as
-    shipped and, for the int8 / int4-g32 variants being timed, the GGUF re-quantized by llama.cpp to Q8_0 /
-    Q4_0 (cached, in a child process). Without llama-cpp-python or a GGUF, or when a re-quantization
-    fails, one note and no row."""
+    shipped, or an HF checkpoint (``model_dir``) written as a GGUF by baige (:func:`llama_peer.model_gguf`), and,
+    for the int8 / int4-g32 variants being timed, that GGUF re-quantized by llama.cpp to Q8_0 / Q4_0 (cached, in
+    a child process). Without llama-cpp-python or a GGUF, or when a conversion fails, one note and no row."""
     from baige.runtime.weights.hub import cache_dir
 
-    gguf = _gguf_of(cfg.engine.model)
     if importlib.util.find_spec("llama_cpp") is None:
         notes.append("llama-cpp-python is not installed: llama.cpp skipped (scripts/setup.sh --with-llama-cpp)")
         return
+    gguf = llama_peer.model_gguf(cfg.engine.model, model_dir, cache_dir(), notes)
     if gguf is None:
-        notes.append("the model is not a GGUF file: llama.cpp skipped")
         return
     threads = torch.get_num_threads()
     files = {llama_peer.gguf_file_type(gguf): gguf}
@@ -473,7 +465,7 @@ def run_compare(cfg: CompareConfig, progress: Progress | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="baige-bench-quant-") as tmp:
         _add_quantized(rows, cfg, model_dir, Path(tmp), decode_prompt, reqs, notes)
         if "llama.cpp" in cfg.peers:
-            _add_llama_cpp(rows, cfg, decode_prompt, notes)
+            _add_llama_cpp(rows, cfg, decode_prompt, notes, Path(model_dir))
         # before the load, once; the matmul peak in the dtype baige runs (bf16 where --dtype auto picks it)
         limits = roofline.hardware_limits(next(baige.engine.model.parameters()).device, dtype)
         samples, interrupted = time_rows(rows, cfg.repeats, progress, prefill_prompts)

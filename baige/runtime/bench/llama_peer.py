@@ -1,10 +1,12 @@
-"""llama.cpp (through llama-cpp-python) as a peer of ``baige bench compare``: the model's GGUF as shipped,
-and the same GGUF re-quantized by llama.cpp itself to the bit widths of baige's quantized rows.
+"""llama.cpp (through llama-cpp-python) as a peer of ``baige bench compare``: the model's GGUF as shipped (or,
+for an HF checkpoint, the GGUF baige's writer makes of it: :func:`model_gguf`), and the same GGUF re-quantized
+by llama.cpp itself to the bit widths of baige's quantized rows.
 
 Rows are named ``llama.cpp-<type>`` by the file's llama.cpp file type (GGUF ``general.file_type``,
 llama.h's ``LLAMA_FTYPE_MOSTLY_*``): the embedded SmolLM2 GGUF is ``llama.cpp-Q4_1``, Qwen2.5-Coder's
-``llama.cpp-Q4_K_M``, and the re-quantized copies ``llama.cpp-Q8_0`` (8.5 bits per weight, baige int8's
-peer) and ``llama.cpp-Q4_0`` (4.5 bits, baige int4-g32's).
+``llama.cpp-Q4_K_M``, a converted fp32 / bf16 HF checkpoint ``llama.cpp-F32`` / ``llama.cpp-BF16``, and
+the re-quantized copies ``llama.cpp-Q8_0`` (8.5 bits per weight, baige int8's peer) and ``llama.cpp-Q4_0``
+(4.5 bits, baige int4-g32's).
 
 Re-quantization (``llama_model_quantize`` with ``allow_requantize``) runs in a child process,
 ``python -m baige.runtime.bench.llama_peer SRC DST TYPE THREADS``: with llama-cpp-python 0.3.36 an
@@ -47,6 +49,52 @@ def gguf_file_type(path: Path) -> str:
         return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         return f"ftype{value}"
+
+
+def hf_gguf(model_dir: Path, cache: Path) -> tuple[Path, list[str]]:
+    """The HF checkpoint ``model_dir`` written as a GGUF in its own dtype by baige's writer
+    (:func:`baige.runtime.weights.gguf_export.export_gguf`), made once and cached as
+    ``$BAIGE_CACHE/llama_cpp/<dir>-<key>-hf.gguf`` (key: the directory's path and its files' sizes and mtimes,
+    as the other peers' conversions); and one line per config field llama.cpp's graph computes differently
+    (the row then times the checkpoint's shapes, not its exact function). Raises BaigeError when the family,
+    a tensor or the tokenizer has no GGUF form; OSError when the cache cannot be written."""
+    from baige.runtime.model.config import ModelConfig
+    from baige.runtime.weights.gguf_export import export_gguf
+    from baige.runtime.weights.gguf_export_hparams import differing_fields
+
+    differs = differing_fields(ModelConfig.from_file(model_dir / "config.json"))
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    stamp = ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    key = hashlib.sha256(f"{model_dir.resolve()}|{stamp}".encode()).hexdigest()[:16]
+    out = cache / "llama_cpp" / f"{model_dir.name}-{key}-hf.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        export_gguf(model_dir, out, "auto", [])  # written under a temporary name, renamed when complete
+    return out, differs
+
+
+def model_gguf(spec: str | None, model_dir: Path | None, cache: Path, notes: list[str]) -> Path | None:
+    """The GGUF llama.cpp times for the model ``spec``: an alias's embedded GGUF, a ``.gguf`` path, or for an HF
+    checkpoint directory ``model_dir`` its conversion (:func:`hf_gguf`; each field llama.cpp computes
+    differently becomes a note). None, with one note, when there is none."""
+    from baige.errors import BaigeError
+    from baige.runtime.weights.hub import ALIASES, DEFAULT_MODEL, alias_gguf_path
+
+    spec = spec or DEFAULT_MODEL
+    if spec in ALIASES:
+        return alias_gguf_path(spec)
+    if spec.endswith(".gguf") and Path(spec).is_file():
+        return Path(spec)
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        notes.append("the model is neither a GGUF file nor an HF directory: llama.cpp skipped")
+        return None
+    try:
+        path, differs = hf_gguf(model_dir, cache)
+    except (BaigeError, OSError) as e:
+        notes.append(f"llama.cpp skipped: baige cannot write the checkpoint as a GGUF ({e})")
+        return None
+    notes.extend(f"llama.cpp times the checkpoint's shapes, not its exact function: {d}" for d in differs)
+    return path
 
 
 def cached_path(src: Path, qtype: str, cache: Path) -> Path:

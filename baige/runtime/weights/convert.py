@@ -1,4 +1,5 @@
-"""Checkpoint conversion: GGUF or HF directory -> HF directory (``baige convert``)."""
+"""Checkpoint conversion (``baige convert``): GGUF or HF directory -> HF directory; HF directory -> GGUF
+(an OUT ending in ``.gguf``: :mod:`baige.runtime.weights.gguf_export`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def convert_checkpoint(src: str, out: str | Path, dtype: str = "auto", max_shard
     empty (or cannot be created).
     """
     out = Path(out)
+    if out.name.lower().endswith(".gguf"):
+        return convert_to_gguf(src, out, dtype)
     check_output_path("OUT", out, "new dir")
     shard_bytes = parse_size(max_shard_size, "--max-shard-size")
     if shard_bytes < 1:
@@ -39,3 +42,20 @@ def convert_checkpoint(src: str, out: str | Path, dtype: str = "auto", max_shard
         keep = checkpoint_dtype(ModelConfig.from_file(Path(src_dir) / "config.json"))
         model = load_model(src_dir, keep if dtype in (None, "auto") else dtype)  # auto: the checkpoint's own
         return save_hf_checkpoint(model.state_dict(), model.config.raw, out, src_dir, shard_bytes)
+
+
+def convert_to_gguf(src: str, out: Path, dtype: str = "auto") -> Path:
+    """Write the HF checkpoint ``src`` (a directory, alias or repo id) as the GGUF file ``out``
+    (:func:`~baige.runtime.weights.gguf_export.export_gguf`). Raises BaigeError: a GGUF source, an ``out``
+    that exists or cannot be written, a family or field llama.cpp cannot take."""
+    from baige.runtime.weights.gguf_export import export_gguf
+
+    check_output_path("OUT", out, "file")
+    if src.lower().endswith(".gguf"):
+        raise BaigeError(f"{src}: already a GGUF file (convert writes a GGUF from an HF checkpoint)")
+    src_dir = Path(resolve_model(src))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BaigeError(f"OUT {out}: cannot create its directory ({e.strerror})") from None
+    return export_gguf(src_dir, out, dtype)
