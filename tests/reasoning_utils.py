@@ -26,6 +26,17 @@ REASONING_TEXT = "".join(REASONING)
 ANSWER_TEXT = "".join(ANSWER)
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<｜User｜>", "<｜Assistant｜>"]
 WORDS = ["<think>", "</think>", *REASONING, *ANSWER]
+# `baige serve` flags for a chain checkpoint: the reasoning parser from its template, a small KV cache
+SERVE_ARGS = (
+    "--reasoning-parser",
+    "auto",
+    "--max-model-len",
+    "2048",
+    "--kv-cache-memory",
+    "40MB",
+    "--log-level",
+    "warning",
+)
 
 QWEN3_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"

@@ -45,3 +45,14 @@ def launched(model_dir, *args: str, api_key: str | None = None, code: str | None
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def parse_metrics(text: str, prefix: str = "") -> dict[str, float]:
+    """The samples of a Prometheus text exposition (``/metrics``) whose name starts with ``prefix``:
+    ``name{labels}`` -> value (comment lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and line.startswith(prefix):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out

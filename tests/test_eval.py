@@ -211,31 +211,21 @@ def test_cli_quantize_bad_options(tiny_with_tokenizer, tmp_path, args, message):
     assert not (tmp_path / "o").exists()
 
 
+def _calibrated_quantize(model, method: str, out, flag: str | None) -> tuple[dict, dict | None]:
+    """``baige quantize --method METHOD`` (group 32, asymmetric, two 32-token calibration samples; ``flag``
+    added when given) into ``out``: its weights' quantization_config entry and the report's ``clip_search``."""
+    args = ["--method", method, "--group-size", "32", "--asymmetric", "--calib-data", DATA_DIR / "tinyshakespeare.txt"]
+    args += ["--calib-samples", "2", "--calib-seq-len", "32", "--output", out] + ([flag] if flag else [])
+    r = _cli("quantize", "--model", model, *args)
+    assert r.exit_code == 0, r.output
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    return groups["group_0"]["weights"], json.loads((out / "quantization_report.json").read_text())["clip_search"]
+
+
 @pytest.mark.parametrize("flag,observer", [(None, "mse"), ("--no-clip-search", "minmax")])
 def test_cli_int4_clip_search_default_with_calib_data(tiny_with_tokenizer, tmp_path, flag, observer):
-    out = tmp_path / "o"
-    args = [
-        "--method",
-        "int4",
-        "--group-size",
-        "32",
-        "--asymmetric",
-        "--calib-data",
-        DATA_DIR / "tinyshakespeare.txt",
-        "--calib-samples",
-        "2",
-        "--calib-seq-len",
-        "32",
-        "--output",
-        out,
-    ] + ([flag] if flag else [])
-    r = _cli("quantize", "--model", tiny_with_tokenizer, *args)
-    assert r.exit_code == 0, r.output
-    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
-        "weights"
-    ]
+    weights, clip = _calibrated_quantize(tiny_with_tokenizer, "int4", tmp_path / "o", flag)
     assert weights["observer"] == observer
-    clip = json.loads((out / "quantization_report.json").read_text())["clip_search"]
     if flag:
         assert clip is None
     else:
@@ -247,30 +237,9 @@ def test_cli_int4_clip_search_default_with_calib_data(tiny_with_tokenizer, tmp_p
 def test_cli_gptq_clip_search_option(tiny_with_tokenizer, tmp_path, flag):
     from baige.runtime.quantize import GPTQ_CLIP_SEARCH_DEFAULT
 
-    out = tmp_path / "o"
-    args = [
-        "--method",
-        "gptq",
-        "--group-size",
-        "32",
-        "--asymmetric",
-        "--calib-data",
-        DATA_DIR / "tinyshakespeare.txt",
-        "--calib-samples",
-        "2",
-        "--calib-seq-len",
-        "32",
-        "--output",
-        out,
-    ] + ([flag] if flag else [])
-    r = _cli("quantize", "--model", tiny_with_tokenizer, *args)
-    assert r.exit_code == 0, r.output
+    weights, clip = _calibrated_quantize(tiny_with_tokenizer, "gptq", tmp_path / "o", flag)
     on = GPTQ_CLIP_SEARCH_DEFAULT if flag is None else flag == "--clip-search"
-    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
-        "weights"
-    ]
     assert weights["observer"] == ("mse" if on else "minmax")
-    clip = json.loads((out / "quantization_report.json").read_text())["clip_search"]
     if on:
         assert clip["weighting"].startswith("GPTQ Hessian diagonal") and clip["calib_samples"] == 2
     else:

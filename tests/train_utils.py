@@ -93,6 +93,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_train(nproc: int) -> list[str]:
+    """The documented launch form, ``torchrun --nproc-per-node N --no-python baige train`` (this interpreter's
+    torch.distributed.run and its environment's ``baige``, a free master port); the train flags follow."""
+    import sys
+
+    baige = str(Path(sys.executable).parent / "baige")
+    port = str(free_port())
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", port]
+    return [*run, "--no-python", baige, "train"]
+
+
 def spawn_worker(rank: int, world_size: int, port: int, jobs: list) -> None:
     """torch.multiprocessing entry: join a gloo group, then run each job ``(fn, kwargs)`` in order."""
     import os

@@ -63,12 +63,7 @@ def http(url):
 
 
 def metrics(http) -> dict[str, float]:
-    out = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return serve_utils.parse_metrics(http.get("/metrics").text)
 
 
 def wait_idle(http, timeout: float = 60.0) -> dict[str, float]:

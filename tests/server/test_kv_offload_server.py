@@ -6,16 +6,11 @@ import httpx
 import openai
 from conftest import DATA_DIR
 
-from tests.server_utils import launched
+from tests.server_utils import launched, parse_metrics
 
 
 def counters(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("baige:kv_offload") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(httpx.get(f"{url}/metrics").text, "baige:kv_offload")
 
 
 def test_serve_reloads_an_evicted_prefix_from_the_tier(embedded_dir, tmp_path):

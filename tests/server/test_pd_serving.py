@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from router_utils import router_over
-from server_utils import launched
+from server_utils import launched, parse_metrics
 from tiny import BASE, make_checkpoint, write_tiny_tokenizer
 
 from baige.runtime.config import EngineConfig
@@ -86,12 +86,7 @@ def routed_request(router: str, ids: list[int]) -> str:
 
 def metrics(url: str) -> dict[str, float]:
     """``name{labels}`` -> value of every sample of ``/metrics``."""
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=TIMEOUT).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=TIMEOUT).text)
 
 
 def sample(m: dict[str, float], name: str, **labels) -> float:

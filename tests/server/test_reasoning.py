@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from reasoning_utils import ANSWER_TEXT, REASONING_TEXT, write_reasoning_checkpoint
+from reasoning_utils import ANSWER_TEXT, REASONING_TEXT, SERVE_ARGS, write_reasoning_checkpoint
 from server_utils import launched
 
 from baige.errors import BaigeError
@@ -192,17 +192,7 @@ HERMES_CALL = '<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "Par
 @pytest.fixture(scope="module", params=["qwen3", "deepseek_r1"])
 def client(request, tmp_path_factory):
     model = write_reasoning_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-    args = (
-        "--reasoning-parser",
-        "auto",
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory",
-        "40MB",
-        "--log-level",
-        "warning",
-    )
-    with launched(model, *args) as (url, _):
+    with launched(model, *SERVE_ARGS) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=300)
         client.style = request.param
         yield client

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from reasoning_utils import ANSWER_TEXT, REASONING_TEXT, write_reasoning_checkpoint
+from reasoning_utils import ANSWER_TEXT, REASONING_TEXT, SERVE_ARGS, write_reasoning_checkpoint
 from server_utils import launched
 
 from baige.runtime.model.tokenizer import Tokenizer
@@ -35,17 +35,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(model):
-    args = (
-        "--reasoning-parser",
-        "auto",
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory",
-        "40MB",
-        "--log-level",
-        "warning",
-    )
-    with launched(model, "--served-model-name", "chain", *args) as (url, _):
+    with launched(model, "--served-model-name", "chain", *SERVE_ARGS) as (url, _):
         yield url
 
 

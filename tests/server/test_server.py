@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_utils import launched
+from server_utils import launched, parse_metrics
 
 KEY = "test-key"
 NAME = "smol"
@@ -50,12 +50,7 @@ def http(server):
 
 
 def metrics(http) -> dict[str, float]:
-    out = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(http.get("/metrics").text)
 
 
 def sse_events(text: str) -> list:

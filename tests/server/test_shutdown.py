@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import launched
+from server_utils import launched, parse_metrics
 from tiny import make_checkpoint, write_tiny_tokenizer
 
 HOOK = """
@@ -112,11 +112,7 @@ def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
 
 def engine_requests(url: str) -> int:
     """Requests the engine holds (running or waiting), from /metrics."""
-    m = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            m[name] = float(value)
+    m = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
     return int(m["baige:num_requests_running"] + m["baige:num_requests_waiting"])
 
 

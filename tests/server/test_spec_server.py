@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import launched
+from tests.server_utils import launched, parse_metrics
 
 PASSAGE = (
     "The Tower of London is a historic castle on the north bank of the River Thames in central London. "
@@ -41,12 +41,7 @@ def client(server):
 
 
 def counters(client) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text.splitlines():
-        if line.startswith("baige:spec_decode") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text, "baige:spec_decode")
 
 
 def test_streamed_accepted_runs_equal_the_non_streamed_reply(client):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_utils import launched
+from server_utils import launched, parse_metrics
 from train_utils import tiny_model
 
 KEY = "so-key"
@@ -209,11 +209,7 @@ def test_free_requests_unchanged_beside_constrained_ones(url, http):
 
 
 def _metrics(http) -> dict[str, float]:
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in http.get("/metrics").text.splitlines()
-        if line.startswith("baige:") and " " in line
-    }
+    return parse_metrics(http.get("/metrics").text, "baige:")
 
 
 def test_structured_metrics_count_requests_compiles_and_masked_tokens(http):

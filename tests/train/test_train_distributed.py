@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import tomllib
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_model
+from train_utils import free_port, job_train, read_metrics, shakespeare, spawn_worker, tiny_model, torchrun_train
 
 STEPS = 20
 LORA = {"training.steps": 3, "lora.rank": 4, "lora.merge": True, "optimizer.lr": 1e-3, "checkpoint.interval": 0}
@@ -100,18 +98,8 @@ def runs(tmp_path_factory):
     mp.spawn(spawn_worker, args=(2, free_port(), jobs), nprocs=2, join=True)
     # Tensor parallel through the documented launch form: torchrun --no-python baige train (TP=2,
     # each rank sees the whole batch of 4).
-    bindir = Path(sys.executable).parent
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "--no-python",
-        str(bindir / "baige"),
-        "train",
+        *torchrun_train(2),
         "--model",
         str(untied),
         "--data",

@@ -90,27 +90,33 @@ def test_parallel_dims_with_context_parallel():
         ParallelDims.resolve(8, 1, -1, 3, cp=2)
 
 
-def test_sbatch_multi_node_pp_runs_torchrun_once_per_node_with_pp(tmp_path):
-    """The template under stand-in srun/scontrol/torchrun (each prints its arguments): PP=2 on 2 nodes."""
+def _slurm_stand_ins(tmp_path: Path, **bodies: str) -> dict[str, str]:
+    """The environment of a 2-node SLURM job (node[1-2], job 7) whose PATH starts with bash stand-ins for the
+    tools named in ``bodies`` (each runs its body), written into ``tmp_path / "bin"``."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    # scontrol writes line by line: the template must read them all (a reader that stops early would
-    # SIGPIPE it, a 141 exit under pipefail)
-    for tool, body in (
-        ("scontrol", "echo node1; sleep 0.2; echo node2"),
-        ("srun", 'echo "srun $*"; shift 2; "$@"'),
-        ("torchrun", 'echo "torchrun $*"'),
-    ):
+    for tool, body in bodies.items():
         (bindir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bindir / tool).chmod(0o755)
-    env = {
+    return {
         "PATH": f"{bindir}:/usr/bin:/bin",
-        "PP": "2",
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_JOB_NUM_NODES": "2",
         "SLURM_JOB_ID": "7",
-        "GPUS_PER_NODE": "8",
     }
+
+
+def test_sbatch_multi_node_pp_runs_torchrun_once_per_node_with_pp(tmp_path):
+    """The template under stand-in srun/scontrol/torchrun (each prints its arguments): PP=2 on 2 nodes."""
+    # scontrol writes line by line: the template must read them all (a reader that stops early would
+    # SIGPIPE it, a 141 exit under pipefail)
+    env = _slurm_stand_ins(
+        tmp_path,
+        scontrol="echo node1; sleep 0.2; echo node2",
+        srun='echo "srun $*"; shift 2; "$@"',
+        torchrun='echo "torchrun $*"',
+    )
+    env |= {"PP": "2", "GPUS_PER_NODE": "8"}
     out = subprocess.run(["bash", str(SBATCH), "--config", "run.toml"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     srun, torchrun = out.stdout.splitlines()
@@ -123,22 +129,10 @@ def test_serve_sbatch_runs_one_torchrun_per_node_with_tp_over_every_gpu(tmp_path
     """scripts/slurm/serve.sbatch under stand-in srun/scontrol/torchrun: 2 nodes x 4 GPUs -> TP=8, a
     static rendezvous whose node rank is the task's SLURM_NODEID, the user's flags passed through."""
     sbatch = SBATCH.with_name("serve.sbatch")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    for tool, body in (
-        ("scontrol", "echo node1; echo node2"),
-        ("srun", 'shift 2; SLURM_NODEID=1 "$@"'),
-        ("torchrun", 'echo "torchrun $*"'),
-    ):
-        (bindir / tool).write_text(f"#!/bin/bash\n{body}\n")
-        (bindir / tool).chmod(0o755)
-    env = {
-        "PATH": f"{bindir}:/usr/bin:/bin",
-        "SLURM_JOB_NODELIST": "node[1-2]",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_JOB_ID": "7",
-        "GPUS_PER_NODE": "4",
-    }
+    env = _slurm_stand_ins(
+        tmp_path, scontrol="echo node1; echo node2", srun='shift 2; SLURM_NODEID=1 "$@"', torchrun='echo "torchrun $*"'
+    )
+    env["GPUS_PER_NODE"] = "4"
     out = subprocess.run(
         ["bash", str(sbatch), "--model", "m dir", "--max-num-seqs", "8"], env=env, capture_output=True, text=True
     )

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from train_utils import chat_data, free_port, job_train, read_metrics, spawn_worker, tiny_model
+from train_utils import chat_data, free_port, job_train, read_metrics, spawn_worker, tiny_model, torchrun_train
 
 STEPS = 5
 
@@ -266,16 +265,7 @@ def test_more_stages_than_layers_under_torchrun_is_one_line(setup, tmp_path):
     root, common = setup
     two = tiny_model(tmp_path / "two", "llama", vocab_size=98)
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "--no-python",
-        str(Path(sys.executable).parent / "baige"),
-        "train",
+        *torchrun_train(2),
         "--model",
         str(two),
         "--data",
