@@ -221,14 +221,11 @@ def _packed_logprobs(model: nn.Module, mb: MicroBatch, entropy: bool) -> tuple[t
     hidden = model(mb.input_ids, mb.positions, _SharedPrefix(mb))  # (R, L, hidden)
     where = mb.mask.bool()
     rows = hidden.reshape(-1, hidden.shape[-1])[mb.sources[where]]  # (N, hidden), N completion tokens
-    logp = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)  # (N, vocab)
-    chosen = logp.gather(1, mb.targets[where][:, None])[:, 0]  # (N,)
+    chosen, ent = kernels.token_logprobs(model.compute_logits(rows), mb.targets[where], entropy)  # (N,) each
     out = torch.zeros(mb.mask.shape, dtype=torch.float32, device=mb.mask.device).masked_scatter(where, chosen)
-    if not entropy:
+    if ent is None:
         return out, None
-    with torch.no_grad():
-        ent = -(logp.exp() * logp).sum(-1)  # (N,)
-        return out, torch.zeros_like(mb.mask).masked_scatter(where, ent)
+    return out, torch.zeros_like(mb.mask).masked_scatter(where, ent)
 
 
 def policy_logprobs(
