@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from baige.kernels import ce_cpu, dispatch, invariant, moe_cpu, native, reference
+from baige.kernels import ce_cpu, dispatch, invariant, logprobs_cpu, moe_cpu, native, reference
 from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears and argmax on the CPU)
     DENSE_NATIVE_MAX_ROWS,
     FEW_ROWS,
@@ -176,6 +176,29 @@ def fused_linear_cross_entropy(
     if impl is reference:  # on the CPU with a native bf16 row pass (ce_cpu.py), else the reference
         return ce_cpu.fused_linear_cross_entropy(hidden, weight, targets, ignore_index, normalizer)
     return impl.fused_linear_cross_entropy(hidden, weight.to(hidden.dtype), targets, ignore_index, normalizer)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of one chosen token per row, ``log softmax(logits)[target]``, differentiable
+    w.r.t. ``logits``, and optionally each row's entropy (RL: the policy's logprobs of sampled tokens).
+
+    bf16 CPU logits take the native row pass (:mod:`baige.kernels.logprobs_cpu`), everything else
+    the reference (``log_softmax`` of an fp32 copy, the formula of
+    :func:`baige.runtime.model.logprobs.log_probs`).
+
+    Args:
+        logits: (N, vocab), any float dtype.
+        targets: (N,) int64 token ids in ``[0, vocab)``.
+        entropy: also return the entropies.
+    Returns:
+        (N,) fp32 logprobs (natural log) with gradient, and (N,) fp32 entropies ``-sum p log p`` (nats,
+        no gradient) or None.
+    Raises:
+        IndexError: a target outside ``[0, vocab)``.
+    """
+    return logprobs_cpu.token_logprobs(logits, targets, entropy)
 
 
 def quantized_linear(

@@ -85,6 +85,9 @@ def masked_attention(
     Returns:
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
+    plain = sinks is None and softcap is None
+    if plain and not invariant.enabled() and train_attention.use_materialized_masked(q, k):  # small bf16 blocks
+        return train_attention.masked_attention(q, k, v, scale, mask)
     return reference.masked_attention(q, k, v, scale, mask, sinks=sinks, softcap=softcap)
 
 

@@ -66,3 +66,41 @@ def test_kernels_attention_dispatch(monkeypatch):
     finally:
         monkeypatch.delenv("BAIGE_KERNELS")
         kernels.reload_settings()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_materialized_masked_attention_against_fp64(dtype):
+    # an arbitrary mask (every query row keeps key 0), more keys than queries, GQA; out and the gradients
+    ins, do = _inputs(2, 23, 6, 2, 16, dtype, seed=7)
+    g = torch.Generator().manual_seed(8)
+    k_more = [torch.randn(2, 31, 2, 16, generator=g).to(dtype) for _ in range(2)]
+    ins = [ins[0], *k_more]
+    mask = torch.rand(2, 23, 31, generator=g) < 0.4
+    mask[:, :, 0] = True
+    scale = 0.25
+    got = _run(lambda q, k, v: train_attention.masked_attention(q, k, v, scale, mask), ins, do, dtype)
+    sdpa = _run(lambda q, k, v: reference.masked_attention(q, k, v, scale, mask), ins, do, dtype)
+    exact = _run(lambda q, k, v: reference.masked_attention(q, k, v, scale, mask), ins, do, torch.float64)
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        assert got[i].dtype == dtype
+        assert_close_fp64(got[i], sdpa[i], exact[i], name=f"{what} {dtype}")
+
+
+def test_kernels_masked_attention_dispatch():
+    ins, _ = _inputs(2, 40, 4, 2, 16, torch.bfloat16, seed=9)
+    q, k, v = (t.clone().requires_grad_() for t in ins)
+    mask = torch.ones(40, 40, dtype=torch.bool).tril(3)[None].expand(2, 40, 40)
+    assert train_attention.use_materialized_masked(q, k)
+    got = kernels.masked_attention(q, k, v, 0.25, mask)
+    assert torch.equal(got, train_attention.masked_attention(q, k, v, 0.25, mask))
+    with torch.no_grad():  # inference: PyTorch's attention
+        assert not train_attention.use_materialized_masked(q, k)
+    long_k = torch.zeros(2, train_attention.MAX_LEN + 1, 2, 16, dtype=torch.bfloat16)
+    assert not train_attention.use_materialized_masked(q, long_k)
+    fp32 = q.detach().float().requires_grad_()
+    assert not train_attention.use_materialized_masked(fp32, fp32)
+    sinks = torch.zeros(4)  # sinks / soft-cap: the reference
+    assert torch.equal(
+        kernels.masked_attention(q, k, v, 0.25, mask, sinks=sinks),
+        reference.masked_attention(q, k, v, 0.25, mask, sinks=sinks),
+    )

@@ -140,3 +140,54 @@ def test_prompt_and_padding_carry_no_loss(tmp_path, one_thread):
     torch.testing.assert_close(lp2, lp, rtol=0, atol=1e-6)
     lp3, _ = policy_logprobs(model, mb, batch_invariant=True)
     torch.testing.assert_close(lp3, lp, rtol=0, atol=1e-5)
+
+
+def test_block_attention_equals_the_shared_prefix_mask():
+    """The bf16 / fp16 CPU attention of packed rows by blocks (each prompt over itself, each completion
+    over its prompt and itself) equals masked attention under the full (R, L, L) mask at every real
+    position, outputs and gradients (fp64, to rounding); padding positions get zeros (the block
+    kernel itself, materialised in bf16, is checked in tests/kernels/test_train_attention.py)."""
+    from baige import kernels
+    from baige.runtime.train.rl.batch import _block_attention
+
+    samples = [
+        _sample([5, 6, 7], [8, 9]),
+        _sample([5, 6, 7], [4, 4, 4]),
+        _sample([3, 3], [2], group=1),
+        _sample([3, 3], [1, 1, 1, 1], group=1),
+        _sample([9], [1], group=2),
+    ]
+    (mb,) = micro_batches(samples, [1.0] * 5, 5, torch.device("cpu"))
+    # rows of width 8: prompts at 0-2, 8-9, 16; completions at 3-4, 5-7 | 10, 11-14 | 17
+    assert mb.blocks.out.tolist() == [0, 1, 2, 8, 9, 16, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 17]
+    R, L = mb.input_ids.shape
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(R, L, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    real = (mb.segments != -1)[..., None, None]
+    do = torch.randn(R, L, 4, 8, generator=g, dtype=torch.float64) * real
+    ref = kernels.masked_attention(q, k, v, 0.3, mb.attention_mask())
+    got = _block_attention(mb.blocks, q, k, v, 0.3)
+    assert (got * ~real == 0).all()
+    torch.testing.assert_close(got * real, ref * real, rtol=0, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_bf16_packed_logprobs_take_the_block_attention(tmp_path, one_thread, monkeypatch):
+    """A bf16 model's packed logprobs go through the block attention (not the full mask) and agree with
+    each sequence's own causal forward (the same materialised attention scheme) to well within bf16 rounding."""
+    from baige.runtime.model.logprobs import sequence_logprobs
+    from baige.runtime.train.rl import batch as B
+    from baige.runtime.weights.loader import load_model
+
+    model = load_model(tiny_model(tmp_path / "m"), dtype=torch.bfloat16, device="cpu")
+    samples = [_sample([1, 20, 21, 22], [30, 31]), _sample([1, 20, 21, 22], [35, 36, 37]), _sample([1, 40], [41])]
+    (mb,) = micro_batches(samples, [1.0, -1.0, 0.5], 3, torch.device("cpu"))
+    calls, block = [], B._block_attention
+    monkeypatch.setattr(B, "_block_attention", lambda *a: calls.append(1) or block(*a))
+    lp, _ = policy_logprobs(model, mb, batch_invariant=False)
+    assert len(calls) == model.config.num_hidden_layers
+    for i, s in enumerate(samples):
+        alone = sequence_logprobs(model, torch.tensor(s.prompt_ids + s.completion_ids), batch_invariant=False)
+        n = len(s.completion_ids)
+        torch.testing.assert_close(lp[i, :n], alone[-n:].detach(), rtol=0, atol=1e-3)
