@@ -3,16 +3,20 @@ scripts/gpu_check.sh on a CUDA machine; runs on CPU too, under TRITON_INTERPRET=
 script itself).
 
 Needs no download and no GGUF: a random Llama with SmolLM2-135M's layer shapes (hidden 576, 9 / 3
-heads of 64; 4 layers, vocab 512) is written with transformers, with a word-level tokenizer; and
-the same with Qwen3-MoE sparse layers (8 experts, top-2, expert width 384) for the fused-MoE path.
+heads of 64; 4 layers, vocab 512) is written with transformers, with a word-level tokenizer; the
+same with Qwen3-MoE sparse layers (8 experts, top-2, expert width 384) for the fused-MoE path; and
+the attention variants on the Triton kernels: a gpt-oss (sliding window of 32 on alternate layers,
+attention sinks of -2..3, biased MoE experts) and a Gemma 2 (sliding window of 32, attention scores
+soft-capped at 2), their prompts longer than the window (the sliding layers' own block pool).
 
 1. Engine: greedy 24 tokens for 6 token-id prompts, Triton kernels with decode capture (the
    default on CUDA; the fp32 run also sizes its KV cache the default way, after a warm-up step) vs
    ``BAIGE_KERNELS=reference`` with ``--enforce-eager``; fp32 must agree token for token, bf16
-   agreement is reported.
+   agreement is reported (dense and MoE; the variant models run fp32 only).
 2. Training step: loss (fused linear cross-entropy) and gradient norms of one forward + backward on
-   the Triton kernels vs the reference kernels, fp32.
+   the Triton kernels vs the reference kernels, fp32 (the sinks' gradients included).
 
+Usage: ``python scripts/gpu_smoke.py [KIND ...]`` (KIND: dense, moe, gpt_oss, gemma2; all by default).
 Prints one line per check and exits 1 when an fp32 check fails.
 """
 
@@ -26,8 +30,23 @@ from pathlib import Path
 
 import torch
 
+KINDS = ("dense", "moe", "gpt_oss", "gemma2")
 
-def write_checkpoint(path: Path, moe: bool = False) -> Path:
+
+def _variant_config(kind: str, shape: dict):
+    """The gpt_oss / gemma2 configs (sliding window 32 on alternate layers; sinks or a score soft-cap)."""
+    from transformers import AutoConfig
+
+    shape = {**shape, "head_dim": 64, "sliding_window": 32}
+    if kind == "gpt_oss":
+        shape["intermediate_size"] = 384  # per expert
+        return AutoConfig.for_model("gpt_oss", **shape, num_local_experts=4, num_experts_per_tok=2)
+    return AutoConfig.for_model(
+        "gemma2", **shape, query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=30.0
+    )
+
+
+def write_checkpoint(path: Path, kind: str = "dense") -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -44,7 +63,9 @@ def write_checkpoint(path: Path, moe: bool = False) -> Path:
         eos_token_id=0,
         bos_token_id=1,
     )
-    if moe:
+    if kind in ("gpt_oss", "gemma2"):
+        cfg = _variant_config(kind, shape)
+    elif kind == "moe":
         cfg = AutoConfig.for_model(
             "qwen3_moe",
             **shape,
@@ -58,7 +79,11 @@ def write_checkpoint(path: Path, moe: bool = False) -> Path:
     else:
         cfg = AutoConfig.for_model("llama", **shape)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if kind == "gpt_oss":  # distinct sinks per head and layer, large enough to matter
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.sinks.data = torch.linspace(-2.0, 3.0, cfg.num_attention_heads) + 0.25 * i
+    model.save_pretrained(path)
     vocab = {"<eos>": 0, "<bos>": 1, **{f"w{i}": i for i in range(2, 512)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -73,8 +98,10 @@ def engine_tokens(model_dir: Path, dtype: str, kernels: str, eager: bool, defaul
     import gc
 
     from baige import LLM, SamplingParams
+    from baige.runtime.settings import reload_settings
 
     os.environ["BAIGE_KERNELS"] = kernels
+    reload_settings()  # settings are read once: without this every run keeps the first run's kernels
     llm = LLM(
         str(model_dir),
         dtype=dtype,
@@ -97,9 +124,11 @@ def engine_tokens(model_dir: Path, dtype: str, kernels: str, eager: bool, defaul
 
 def train_step(model_dir: Path, device: str, kernels: str) -> tuple[float, list[float]]:
     from baige.kernels import fused_linear_cross_entropy
+    from baige.runtime.settings import reload_settings
     from baige.runtime.weights.loader import load_model
 
     os.environ["BAIGE_KERNELS"] = kernels
+    reload_settings()
     model = load_model(model_dir, "float32", device)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(2, 512, (2, 97), generator=g).to(device)
@@ -111,12 +140,18 @@ def train_step(model_dir: Path, device: str, kernels: str) -> tuple[float, list[
     return loss.item(), norms
 
 
-def main() -> int:
+def main(kinds: list[str]) -> int:
+    """Check each of ``kinds`` (names from :data:`KINDS`; all when empty); 1 when an fp32 check failed,
+    2 for an unknown kind."""
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        print(f"gpu_smoke: unknown kind {bad[0]!r} (one of {', '.join(KINDS)})", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("dense", "moe"):
-            model_dir = write_checkpoint(Path(tmp) / kind, moe=kind == "moe")
+        for kind in kinds or KINDS:
+            model_dir = write_checkpoint(Path(tmp) / kind, kind)
             failed |= check(model_dir, kind, device)
     return 1 if failed else 0
 
@@ -124,7 +159,7 @@ def main() -> int:
 def check(model_dir: Path, kind: str, device: str) -> bool:
     """The engine and training-step comparisons for one checkpoint; True when an fp32 check failed."""
     failed = False
-    for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
+    for dtype in ("float32", "bfloat16") if device == "cuda" and kind in ("dense", "moe") else ("float32",):
         ref = engine_tokens(model_dir, dtype, "reference", eager=True)
         out = engine_tokens(
             model_dir,
@@ -153,4 +188,4 @@ def check(model_dir: Path, kind: str, device: str) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

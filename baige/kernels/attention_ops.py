@@ -16,7 +16,8 @@ from baige.kernels import dispatch, invariant, reference, train_attention
 
 def _variant(window: int | None, sinks: torch.Tensor | None, softcap: float | None) -> bool:
     """Whether a sliding window, attention sinks or a logit soft-cap is asked for (see :func:`attention`);
-    the backends without them then run the reference."""
+    the batch-invariant kernels, which lack them, then run the reference (the Triton and native CPU
+    kernels take them)."""
     return window is not None or sinks is not None or softcap is not None
 
 
@@ -53,7 +54,8 @@ def attention(
         (B, T, n_heads, head_dim) in the dtype of ``q``.
     """
     if _variant(window, sinks, softcap):
-        return reference.attention(q, k, v, scale, q_offset, window=window, sinks=sinks, softcap=softcap)
+        impl = reference if invariant.enabled() else dispatch.impl_for(q, "flash_attention")
+        return impl.attention(q, k, v, scale, q_offset, window=window, sinks=sinks, softcap=softcap)
     if not invariant.enabled() and train_attention.use_materialized(q, k, q_offset):  # short bf16 training
         return train_attention.causal_attention(q, k, v, scale)
     return (invariant if invariant.enabled() else dispatch.impl_for(q, "flash_attention")).attention(
@@ -118,6 +120,15 @@ def store_kv(
     impl.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+def _paged_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, variant: bool):
+    """The module a paged attention op runs: the batch-invariant kernels when enabled (the reference
+    instead for a ``variant``: window, sinks or soft-cap), else the native CPU kernels where they run,
+    else the dispatch's backend (Triton or the reference)."""
+    if invariant.enabled():
+        return reference if variant else invariant
+    return dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True) or dispatch.impl_for(q, "paged_attention")
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -149,13 +160,10 @@ def paged_decode_attention(
     Returns:
         (S, n_heads, head_dim) in the dtype of ``q``.
     """
+    impl = _paged_impl(q, k_cache, v_cache, _variant(window, sinks, softcap))
     if _variant(window, sinks, softcap):
         extra = {"window": window, "sinks": sinks, "softcap": softcap}
-        native = None if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-        impl = native or reference  # Triton and the batch-invariant kernels: the reference
         return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, **extra)
-    impl = invariant if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or dispatch.impl_for(q, "paged_attention")
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -192,15 +200,12 @@ def paged_prefill_attention(
     Returns:
         (N, n_heads, head_dim) in the dtype of ``q``.
     """
+    impl = _paged_impl(q, k_cache, v_cache, _variant(window, sinks, softcap))
     if _variant(window, sinks, softcap):
         extra = {"window": window, "sinks": sinks, "softcap": softcap}
-        native = None if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-        impl = native or reference  # Triton and the batch-invariant kernels: the reference
         return impl.paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **extra
         )
-    impl = invariant if invariant.enabled() else dispatch.native_cpu(q, caches=(k_cache, v_cache), bf16=True)
-    impl = impl or dispatch.impl_for(q, "paged_attention")
     return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 

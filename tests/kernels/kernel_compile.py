@@ -26,12 +26,23 @@ from baige.kernels.triton_ops import (
     flash_attention_fwd,
     norm,
     paged_attention,
+    paged_decode_split,
     quant_matmul,
     rope,
     swiglu,
 )
 
-MODULES = (norm, rope, swiglu, flash_attention_fwd, flash_attention_bwd, paged_attention, cross_entropy, quant_matmul)
+MODULES = (
+    norm,
+    rope,
+    swiglu,
+    flash_attention_fwd,
+    flash_attention_bwd,  # with the dK/dV kernel it imports from flash_attention_bwd_dkdv
+    paged_attention,
+    paged_decode_split,
+    cross_entropy,
+    quant_matmul,
+)
 TYPES = {
     torch.float32: "fp32",
     torch.float16: "fp16",
@@ -127,6 +138,19 @@ def _launch_everything(dtype):
     kernels.paged_prefill_attention(r(5, 8, 128), kc, vc, tables, torch.tensor([0, 2, 5]), torch.tensor([3, 20]), 0.1)
     long_kc, long_vc = r(2, 64, 16, 128), r(2, 64, 16, 128)  # one sequence, 1000 keys: split decode
     kernels.paged_decode_attention(r(1, 8, 128), long_kc, long_vc, torch.arange(64)[None], torch.tensor([1000]), 0.1)
+    # sliding window, attention sinks and soft-cap (their own specialisations), forward and backward
+    sinks = torch.randn(8, generator=g).requires_grad_()
+    variants = {"window": 7, "sinks": sinks, "softcap": 30.0}
+    q, k, v = r(1, 20, 8, 128, grad=True), r(1, 20, 2, 128, grad=True), r(1, 20, 2, 128, grad=True)
+    kernels.attention(q, k, v, 0.1, **variants).sum().backward()
+    kernels.paged_decode_attention(r(2, 8, 128), kc, vc, tables, torch.tensor([3, 20]), 0.1, **variants)
+    kernels.paged_prefill_attention(
+        r(5, 8, 128), kc, vc, tables, torch.tensor([0, 2, 5]), torch.tensor([3, 20]), 0.1, **variants
+    )
+    long_q = r(1, 8, 128)  # split decode over a 300-key window, the sinks joining in the reduce
+    kernels.paged_decode_attention(
+        long_q, long_kc, long_vc, torch.arange(64)[None], torch.tensor([1000]), 0.1, window=300, sinks=sinks
+    )
     h, wv = r(7, 64, grad=True), r(1000, 64, grad=True)
     kernels.fused_linear_cross_entropy(h, wv, torch.randint(0, 1000, (7,), generator=g)).backward()
     kernels.quantized_linear(r(3, 256), torch.randint(-100, 100, (64, 256), dtype=torch.int8), r(64, 1), None, None)

@@ -10,8 +10,13 @@ convention); the causal mask is aligned to the bottom right (query j of a sequen
 Lk keys sees keys 0..Lk - Lq + j). Grouped-query heads: query head h reads KV head h // (H / Hkv); the
 dK/dV program of a KV head loops over its query heads, so no atomics are needed.
 
-The kernels and their launchers live in :mod:`.flash_attention_fwd` and :mod:`.flash_attention_bwd`;
-this module holds the autograd Function over them and the Triton twins of the public ops.
+:func:`attention` also takes a sliding window, attention sinks (with their gradient) and a logit
+soft-cap (:mod:`.attention_variants`); with a window the tiles wholly outside every window of a program
+are skipped, forward and backward.
+
+The kernels and their launchers live in :mod:`.flash_attention_fwd` and :mod:`.flash_attention_bwd`
+(:mod:`.flash_attention_bwd_dkdv`); this module holds the autograd Function over them and the Triton
+twins of the public ops.
 """
 
 from __future__ import annotations
@@ -41,23 +46,26 @@ def _check(q, k, v, cu_q, cu_k):
 
 class _FlashAttnVarlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None, sinks=None, softcap=None):
         _check(q, k, v, cu_q, cu_k)
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # read with unit stride
-        o, lse = flash_attention_forward(q, k, v, cu_q, cu_k, max_q, scale)
-        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        variants = {"window": window, "sinks": sinks, "softcap": softcap}
+        o, lse = flash_attention_forward(q, k, v, cu_q, cu_k, max_q, scale, variants)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, sinks)
+        ctx.max_q, ctx.max_k, ctx.scale, ctx.window, ctx.softcap = max_q, max_k, scale, window, softcap
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(
-            do.contiguous(), q, k, v, o, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale
+        q, k, v, o, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+        variants = {"window": ctx.window, "sinks": sinks, "softcap": ctx.softcap}
+        dq, dk, dv, dsinks = flash_attention_backward(
+            do.contiguous(), q, k, v, o, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale, variants
         )
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = None if dsinks is None else dsinks.to(sinks.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, dsinks, None
 
 
 def flash_attention_varlen(
@@ -74,9 +82,26 @@ def flash_attention_varlen(
     return _FlashAttnVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), scale)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int = 0) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    q_offset: int = 0,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Triton twin of :func:`baige.kernels.attention`: (B, T, H, D) queries over (B, S, Hkv, D) keys,
-    run as B packed sequences of T queries and ``q_offset + T`` keys (later keys are masked anyway)."""
+    run as B packed sequences of T queries and ``q_offset + T`` keys (later keys are masked anyway).
+    ``window``, ``sinks`` ((H,); its gradient is :func:`.flash_attention_bwd.sink_grad`) and ``softcap``
+    as there; with a window, key tiles wholly outside every query's window are not read, forward or
+    backward.
+
+    Raises:
+        ValueError: fewer than ``q_offset + T`` keys; a bad window, sinks or softcap.
+    """
     B, T, H, D = q.shape
     S = q_offset + T
     if B == 0 or T == 0:
@@ -86,7 +111,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q
     k, v = k[:, :S], v[:, :S]
     cu_q = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q.device)
-    out = flash_attention_varlen(
-        q.reshape(B * T, H, D), k.reshape(B * S, *k.shape[2:]), v.reshape(B * S, *v.shape[2:]), cu_q, cu_k, T, S, scale
-    )
+    q, k, v = q.reshape(B * T, H, D), k.reshape(B * S, *k.shape[2:]), v.reshape(B * S, *v.shape[2:])
+    out = _FlashAttnVarlen.apply(q, k, v, cu_q, cu_k, T, S, scale, window, sinks, softcap)
     return out.view(B, T, H, D)

@@ -4,12 +4,17 @@ arXiv:2309.06180) and ``store_kv``, in Triton.
 One kernel serves decode (one query per sequence) and prefill with a cached prefix (a chunk of
 queries per sequence, causal, bottom-right aligned). Decode of few sequences over long contexts is
 split over the keys (flash-decoding): each program handles one key range and writes unnormalised
-partials, and a second kernel combines them. A program owns one KV head of one sequence and a
-tile of ``BLOCK_T`` query tokens; its rows are those tokens times the ``GROUP`` query heads that share
-the KV head (padded to a power of two), so each K/V tile read from the pool serves the whole group
-(the grouped-query layout of FlashDecoding-style kernels). Keys are streamed ``BLOCK_N`` at a time;
-each key's slot is looked up through the block table, so ``BLOCK_N`` need not match the cache's
-block size. Online softmax with fp32 statistics (FlashAttention-2, arXiv:2307.08691).
+partials, and a second kernel combines them (:mod:`.paged_decode_split`). A sliding window, attention
+sinks and a logit soft-cap are compile-time options (:mod:`.attention_variants`); with a window a
+program reads only the key tiles from the one holding its first query's window start on, so a
+sliding layer's decode reads at most ``window + BLOCK_N - 1`` keys whatever the context.
+
+A program owns one KV head of one sequence and a tile of ``BLOCK_T`` query tokens; its rows are those
+tokens times the ``GROUP`` query heads that share the KV head (padded to a power of two), so each K/V
+tile read from the pool serves the whole group (the grouped-query layout of FlashDecoding-style
+kernels). Keys are streamed ``BLOCK_N`` at a time; each key's slot is looked up through the block
+table, so ``BLOCK_N`` need not match the cache's block size. Online softmax with fp32 statistics
+(FlashAttention-2, arXiv:2307.08691).
 
 Cache layout (see :mod:`baige.kernels`): (n_kv_heads, num_blocks, block_size, head_dim).
 """
@@ -20,9 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
+from baige.kernels.triton_ops.attention_variants import (
+    LOG2E,
+    online_max,
+    softcap,
+    softmax_start,
+    variant_args,
+    window_first_tile,
+)
 from baige.kernels.triton_ops.common import block_for, new_empty
-
-LOG2E = 1.4426950408889634
+from baige.kernels.triton_ops.paged_decode_split import decode_splits, merge_splits
 
 
 @triton.jit
@@ -37,7 +49,10 @@ def _paged_attn_kernel(
     WS_M,
     WS_L,
     WS_ACC,
+    SINKS,
     qk_scale,
+    window,
+    cap,
     split_len,
     n_kv,
     n_splits,
@@ -61,6 +76,9 @@ def _paged_attn_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     pid0, seq, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if SPLIT:  # decode split over the keys (flash-decoding): axis 0 is the split, not a query tile
@@ -77,7 +95,6 @@ def _paged_attn_kernel(
         return
     ctx = tl.load(CTX + seq)  # cached tokens, this chunk's included
     first_pos = ctx - len_q  # absolute position of query 0
-
     rows = tl.arange(0, BLOCK_T * G_PAD)
     tok = pid_t * BLOCK_T + rows // G_PAD
     g = rows % G_PAD
@@ -91,15 +108,16 @@ def _paged_attn_kernel(
         other=0.0,
     )
     qpos = first_pos + tok
-
-    m_i = tl.full([BLOCK_T * G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_T * G_PAD], tl.float32)
+    # with sinks, each row's softmax starts from its head's sink, unless split (the reduce adds it once)
+    m_i, l_i = softmax_start(SINKS, head, g < GROUP, BLOCK_T * G_PAD, HAS_SINKS and not SPLIT)
     acc = tl.zeros([BLOCK_T * G_PAD, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     hi = tl.minimum(ctx, first_pos + (pid_t + 1) * BLOCK_T)  # keys past hi are masked for every row
     lo = 0
-    if SPLIT:
-        lo = pid0 * split_len
+    if HAS_WINDOW:  # key tiles wholly before the window of the tile's first query are never read
+        lo = window_first_tile(first_pos + pid_t * BLOCK_T, window, BLOCK_N)
+    if SPLIT:  # split pid0's range of keys, counted from lo (a decode reads at most its window)
+        lo = lo + pid0 * split_len
         hi = tl.minimum(hi, lo + split_len)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
@@ -112,11 +130,15 @@ def _paged_attn_kernel(
             other=0.0,
         )  # (D, N)
         qk = tl.dot(q, kt, input_precision="ieee") * qk_scale
+        if HAS_SOFTCAP:
+            qk = softcap(qk, cap)
         visible = (pos[None, :] <= qpos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > qpos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: position 0 is visible to every row
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_new, m_sub = online_max(m_i, qk, HAS_WINDOW)  # finite without a window: position 0 is visible to every row
+        p = tl.exp2(qk - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             VC + kvh * svc_h + blk[:, None] * svc_b + slot[:, None] * svc_s + offs_d[None, :],
@@ -137,51 +159,6 @@ def _paged_attn_kernel(
             acc.to(O.dtype.element_ty),
             mask=row_mask[:, None] & d_mask[None, :],
         )
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    WS_M,
-    WS_L,
-    WS_ACC,
-    O,
-    so_t,
-    so_h,
-    n_kv,
-    n_splits,
-    GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    ROWS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """Combine the per-split (max, sum, unnormalised output) of one sequence's KV head: the query's
-    rows are the first G_PAD rows of each split's tile (token 0 of the decode)."""
-    seq, kvh = tl.program_id(0), tl.program_id(1)
-    sp = tl.arange(0, SPLITS_PAD)
-    g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    base = (seq * n_kv + kvh) * n_splits
-    s_mask = sp < n_splits
-    idx = (base + sp)[:, None] * ROWS + g[None, :]  # (SPLITS_PAD, G_PAD)
-    m = tl.load(WS_M + idx, mask=s_mask[:, None], other=float("-inf"))
-    l = tl.load(WS_L + idx, mask=s_mask[:, None], other=0.0)
-    m_max = tl.max(m, 0)  # finite: split 0 always holds key 0
-    w = tl.exp2(m - m_max[None, :])  # 0 for empty splits (m = -inf)
-    l_tot = tl.sum(l * w, 0)
-    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    for s in range(0, n_splits):
-        ms = tl.load(WS_M + (base + s) * ROWS + g)
-        part = tl.load(WS_ACC + ((base + s) * ROWS + g)[:, None] * BLOCK_D + offs_d[None, :])
-        acc += part * tl.exp2(ms - m_max)[:, None]
-    out = acc / l_tot[:, None]
-    head = kvh * GROUP + g
-    tl.store(
-        O + seq * so_t + head[:, None] * so_h + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )
 
 
 @triton.jit
@@ -230,22 +207,6 @@ def _tiles(group: int, head_dim: int, device: torch.device, decode: bool) -> tup
     return g_pad, block_t, block_n, opts
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _decode_splits(n_seq: int, n_kv: int, max_slots: int, device: torch.device) -> int:
-    """How many key ranges each decode (sequence, KV head) is split into (flash-decoding, Dao et al.
-    2023): enough programs for two waves over the GPU's SMs when the batch alone gives fewer, each
-    range at least 256 keys; at most 64. In the interpreter: up to 4 ranges of 64+ keys, so the
-    tests exercise the split path. A host-side choice from shapes only: CUDA-graph safe."""
-    if device.type != "cuda":
-        return max(1, min(4, max_slots // 64))
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * _SM_COUNT[device.index], max(1, n_seq * n_kv))
-    return max(1, min(want, max_slots // 256, 64))
-
-
 def _check(q, k_cache, v_cache, block_tables, cu_q, context_lens, decode: bool) -> None:
     """The launcher's argument checks (shapes as in :func:`paged_prefill_attention`).
 
@@ -274,32 +235,20 @@ def _check(q, k_cache, v_cache, block_tables, cu_q, context_lens, decode: bool) 
         raise ValueError(f"paged decode: {q.shape[0]} queries for {n_seq} block-table rows")
 
 
-def _merge_splits(ws_m, ws_l, ws_acc, out, group: int, g_pad: int, head_dim: int, block_d: int) -> None:
-    """Combine a split decode's partials into ``out`` (S, n_heads, head_dim): one program per (sequence,
-    KV head). ``ws_m``, ``ws_l``: (S, n_kv, n_splits, rows) fp32 running max and sum per split;
-    ``ws_acc``: (S, n_kv, n_splits, rows, block_d) fp32 unnormalised outputs."""
-    n_seq, n_kv, n_splits, rows = ws_m.shape
-    _decode_reduce_kernel[(n_seq, n_kv)](
-        ws_m,
-        ws_l,
-        ws_acc,
-        out,
-        out.stride(0),
-        out.stride(1),
-        n_kv,
-        n_splits,
-        GROUP=group,
-        G_PAD=g_pad,
-        ROWS=rows,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        SPLITS_PAD=triton.next_power_of_2(n_splits),
-    )
+def _split_plan(n_seq: int, n_kv: int, max_slots: int, window: int, block_n: int, device, decode: bool):
+    """(n_splits, split_len) of a launch: a decode over long contexts is split over the keys into ranges of
+    ``split_len`` keys (whole key tiles) counted from the first key tile it reads; with a window it reads at
+    most ``window + block_n - 1`` keys, whatever the context. Prefill: one range."""
+    span = max_slots if not window else min(max_slots, window + block_n - 1)
+    n_splits = decode_splits(n_seq, n_kv, span, device) if decode else 1
+    split_len = triton.cdiv(triton.cdiv(span, n_splits), block_n) * block_n
+    return triton.cdiv(span, split_len), split_len  # after rounding the ranges up to whole key tiles
 
 
-def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q, decode) -> torch.Tensor:
+def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q, decode, variants) -> torch.Tensor:
     """Paged attention of decode (``decode``: one query per block-table row, ``cu_q`` unread) or prefill
-    chunks (``max_q`` their longest); shapes as in :func:`paged_prefill_attention`, returns (N, n_heads,
+    chunks (``max_q`` their longest); shapes as in :func:`paged_prefill_attention`, ``variants`` the
+    keyword arguments of :func:`baige.kernels.attention` (window, sinks, softcap); returns (N, n_heads,
     head_dim) in q's dtype. A decode over long contexts is split over the keys, then merged."""
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -308,6 +257,7 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
     n_kv, _, kv_block, _ = k_cache.shape
     group = n_heads // n_kv
     n_seq = block_tables.shape[0]
+    var = variant_args(**variants, n_heads=n_heads, like=q)
     # the kernel indexes these with unit strides
     block_tables, cu_q, context_lens = block_tables.contiguous(), cu_q.contiguous(), context_lens.contiguous()
     out = new_empty(q.shape, q.dtype, q.device)
@@ -315,10 +265,9 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
     if not (n_tok and n_seq):
         return out
     block_d = block_for(head_dim)
-    max_slots = block_tables.shape[1] * kv_block
-    n_splits = _decode_splits(n_seq, n_kv, max_slots, q.device) if decode else 1
-    split_len = triton.cdiv(triton.cdiv(max_slots, n_splits), block_n) * block_n
-    n_splits = triton.cdiv(max_slots, split_len)  # after rounding the ranges up to whole key tiles
+    n_splits, split_len = _split_plan(
+        n_seq, n_kv, block_tables.shape[1] * kv_block, var["window"], block_n, q.device, decode
+    )
     rows = block_t * g_pad
     if n_splits > 1:
         ws_m = torch.empty((n_seq, n_kv, n_splits, rows), dtype=torch.float32, device=q.device)
@@ -339,7 +288,10 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
         ws_m,
         ws_l,
         ws_acc,
+        var["SINKS"],
         scale * LOG2E,
+        var["window"],
+        var["cap"],
         split_len,
         n_kv,
         n_splits,
@@ -363,10 +315,14 @@ def _launch(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, max_q,
         BLOCK_D=block_d,
         BLOCK_T=block_t,
         BLOCK_N=block_n,
+        HAS_SINKS=var["HAS_SINKS"],
+        HAS_WINDOW=var["HAS_WINDOW"],
+        HAS_SOFTCAP=var["HAS_SOFTCAP"],
         **opts,
     )
     if n_splits > 1:
-        _merge_splits(ws_m, ws_l, ws_acc, out, group, g_pad, head_dim, block_d)
+        sinks = var["SINKS"] if var["HAS_SINKS"] else None
+        merge_splits(ws_m, ws_l, ws_acc, out, sinks, group, g_pad, head_dim, block_d)
     return out
 
 
@@ -377,10 +333,20 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`baige.kernels.paged_decode_attention` (no host synchronisation: safe to
-    capture in a CUDA graph)."""
-    return _launch(q, k_cache, v_cache, block_tables, context_lens, context_lens, scale, 1, decode=True)
+    capture in a CUDA graph). With a window a decode reads only the key tiles from the one holding its
+    window's first key on: at most ``window + BLOCK_N - 1`` keys, whatever the context.
+
+    Raises:
+        ValueError: as :func:`_check`, or a bad window, sinks or softcap (:func:`.attention_variants.variant_args`).
+    """
+    variants = {"window": window, "sinks": sinks, "softcap": softcap}
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, context_lens, scale, 1, True, variants)
 
 
 def paged_prefill_attention(
@@ -391,10 +357,21 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Triton twin of :func:`baige.kernels.paged_prefill_attention` (one host sync for the longest chunk)."""
+    """Triton twin of :func:`baige.kernels.paged_prefill_attention` (one host sync for the longest chunk).
+    With a window each tile of queries reads the key tiles from the one holding its first query's
+    window start on.
+
+    Raises:
+        ValueError: as :func:`paged_decode_attention`.
+    """
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if cu_seqlens_q.numel() > 1 else 0
-    return _launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q, decode=False)
+    variants = {"window": window, "sinks": sinks, "softcap": softcap}
+    return _launch(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q, False, variants)
 
 
 def store_kv(
