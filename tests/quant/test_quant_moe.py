@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from quant_ref import fake_quant, own_storage
 from tiny import make_checkpoint
 from torch import nn
 
@@ -72,15 +73,6 @@ def _logits(model, ids, pos):
         return model.compute_logits(model(ids, pos))
 
 
-def _own_storage(model):
-    """Fresh copies of the float parameters: a CPU GEMV's last bits depend on the weight's address
-    alignment (measured on the (1, 72) shared_expert_gate), and loaded tensors sit wherever safetensors
-    put them, so bit-for-bit comparisons of two loads need the same alignment on both sides."""
-    for p in model.parameters():
-        p.data = p.data.clone()
-    return model
-
-
 def _expert_weights(model, i):
     """{(j, proj): (out, in) float weight} of layer i's stacked experts, proj in gate/up/down."""
     e = model.model.layers[i].mlp.experts
@@ -90,19 +82,6 @@ def _expert_weights(model, i):
         out[j, "gate"] = e.gate_up_proj[j, :inter].detach().clone()
         out[j, "up"] = e.gate_up_proj[j, inter:].detach().clone()
         out[j, "down"] = e.down_proj[j].detach().clone()
-    return out
-
-
-def _fake_quant(w, scheme):
-    """Symmetric RTN written independently: scale = max|w| / 127.5 per row (int8) or per 32 columns
-    / 7.5 (int4, partial last group on its own columns), q = clamp(round(w / scale))."""
-    g = w.shape[1] if scheme.group_size is None else scheme.group_size
-    half, qmax = (127.5, 127) if scheme.num_bits == 8 else (7.5, 7)
-    out = torch.empty_like(w)
-    for b in range(0, w.shape[1], g):
-        cols = w[:, b : b + g]
-        scale = cols.abs().amax(dim=1, keepdim=True) / half
-        out[:, b : b + g] = torch.clamp(torch.round(cols / scale), -qmax - 1, qmax) * scale
     return out
 
 
@@ -144,10 +123,10 @@ def test_rtn_per_expert_layout_cosine_and_exact_reload(ckpts, tmp_path, family, 
     with torch.no_grad():  # the fp32 model with every quantized weight replaced by its fake-quantized value
         for name, m in fp32.named_modules():
             if isinstance(m, nn.Linear) and name != "lm_head" and not name.endswith("shared_expert_gate"):
-                m.weight.copy_(_fake_quant(m.weight, scheme))
+                m.weight.copy_(fake_quant(m.weight, scheme))
             elif isinstance(m, Experts):
-                m.gate_up_proj.copy_(torch.stack([_fake_quant(w, scheme) for w in m.gate_up_proj]))
-                m.down_proj.copy_(torch.stack([_fake_quant(w, scheme) for w in m.down_proj]))
+                m.gate_up_proj.copy_(torch.stack([fake_quant(w, scheme) for w in m.gate_up_proj]))
+                m.down_proj.copy_(torch.stack([fake_quant(w, scheme) for w in m.down_proj]))
     assert (got - _logits(fp32, ids, pos)).abs().max().item() < 1e-4
 
     out = save_quantized(model, scheme, report, tmp_path / "q", None)
@@ -174,7 +153,7 @@ def test_rtn_per_expert_layout_cosine_and_exact_reload(ckpts, tmp_path, family, 
     assert isinstance(loaded.model.layers[sparse[0]].mlp.experts, QuantizedExperts)
     mine, theirs = model.state_dict(), loaded.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert torch.equal(_logits(_own_storage(loaded), ids, pos), _logits(_own_storage(model), ids, pos))
+    assert torch.equal(_logits(own_storage(loaded), ids, pos), _logits(own_storage(model), ids, pos))
 
 
 @pytest.mark.usefixtures("exact_quant_kernels")
@@ -306,7 +285,7 @@ def test_ignored_experts_stay_float_and_round_trip(ckpts, tmp_path):
     loaded = load_model(out)
     assert type(loaded.model.layers[0].mlp.experts[3].w2) is nn.Linear
     assert isinstance(loaded.model.layers[0].mlp.experts[2].w2, QuantizedLinear)
-    assert torch.equal(_logits(_own_storage(loaded), ids, pos), _logits(_own_storage(model), ids, pos))
+    assert torch.equal(_logits(own_storage(loaded), ids, pos), _logits(own_storage(model), ids, pos))
 
     model = load_model(src)
     report = quantize_model(model, scheme, ignore=["lm_head", "*.experts.*"])
@@ -314,7 +293,7 @@ def test_ignored_experts_stay_float_and_round_trip(ckpts, tmp_path):
     out = save_quantized(model, scheme, report, tmp_path / "none", None)
     loaded = load_model(out)
     assert isinstance(loaded.model.layers[1].mlp.experts, Experts)  # stacked again
-    assert torch.equal(_logits(_own_storage(loaded), ids, pos), _logits(_own_storage(model), ids, pos))
+    assert torch.equal(_logits(own_storage(loaded), ids, pos), _logits(own_storage(model), ids, pos))
 
 
 def test_quantize_command_and_engine_serve_the_quantized_moe(ckpts, tmp_path, embedded_dir):

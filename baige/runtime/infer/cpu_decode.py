@@ -341,7 +341,9 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
     """The kernel's description of a sparse MoE block (router in fp32, the stacked experts' fp32 / bf16
     weights read in place, the shared expert's projections), or (None, why not)."""
     E = m.gate.weight.shape[0]
-    if m.gate.bias is not None or getattr(m.experts, "gate_up_proj_bias", None) is not None:
+    per_expert = isinstance(m.experts, QuantizedExperts)
+    biased = m.experts.has_bias if per_expert else m.experts.gate_up_proj_bias is not None
+    if m.gate.bias is not None or biased or m.experts.swiglu_limit is not None:
         return None, "a biased router and biased, clamped-SwiGLU experts (gpt_oss) run on the per-op path"
     if not 1 <= m.top_k <= E:
         return None, f"top_k {m.top_k} is outside 1..{E} experts"
@@ -351,7 +353,7 @@ def _describe_moe(m: SparseMoeBlock) -> tuple[kernels.DecodeMoEDesc | None, str]
     desc = kernels.DecodeMoEDesc(
         _f32(m.gate.weight), None, None, m.top_k, m.renormalize, float(m.norm_min), None if bias is None else _f32(bias)
     )
-    if isinstance(m.experts, QuantizedExperts):  # per-expert projections (quantized, or float ones kept)
+    if per_expert:  # per-expert projections (quantized, or float ones kept)
         desc.experts = []
         for j, expert in enumerate(m.experts):
             trio, why = _describe_all(expert, expert.names, f"expert {j} ")

@@ -5,8 +5,18 @@ Published layout (what llm-compressor writes and vLLM / transformers read): one 
 projection, ``model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj`` (Mixtral:
 ``model.layers.{i}.block_sparse_moe.experts.{j}.{w1,w3,w2}``), each quantized on its own with its
 own scales: ``...experts.{j}.gate_proj.weight_packed``, ``weight_scale``, ``weight_zero_point``,
-``weight_shape`` exactly as a dense layer. The router (``mlp.gate``, Mixtral ``block_sparse_moe.gate``)
-and Qwen2-MoE's ``shared_expert_gate`` stay in full precision (vLLM builds them unquantized).
+``weight_shape`` exactly as a dense layer. The router (``mlp.gate``, Mixtral ``block_sparse_moe.gate``,
+gpt-oss ``mlp.router``) and Qwen2-MoE's ``shared_expert_gate`` stay in full precision (vLLM builds them
+unquantized).
+
+gpt-oss: every expert projection also has a float ``bias``, ``...experts.{j}.gate_proj.bias`` (I,),
+``up_proj.bias`` (I,), ``down_proj.bias`` (H,) -- the halves of the interleaved ``gate_up_proj_bias``
+(gate the even entries, up the odd ones; baige holds them de-interleaved, see
+:mod:`baige.runtime.weights.gpt_oss_layout`) -- and the expert computes the clamped SwiGLU
+(:func:`baige.runtime.model.gpt_oss.clamped_swiglu`). This is the layout llm-compressor's
+linearised gpt-oss writes (``modeling/moe/gpt_oss.py``, ``GptOssLinearExperts``: one
+``gate_proj``/``up_proj``/``down_proj`` Linear with bias per expert in a ModuleList in place of
+``mlp.experts``, gate and up split on the even / odd columns; vllm-project/llm-compressor PRs #2113 and #3100).
 
 Why per-expert modules rather than stacked integer tensors: a :class:`QuantizedExperts` holds a
 :class:`~baige.runtime.quant.linear.QuantizedLinear` per projection, so (as for dense layers) its state
@@ -25,8 +35,8 @@ import torch
 from torch import nn
 
 from baige import kernels
-from baige.errors import BaigeError
 from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.gpt_oss import clamped_swiglu
 from baige.runtime.model.moe import Experts
 from baige.runtime.quant.linear import QuantizedLinear
 
@@ -72,16 +82,22 @@ def stacked_expert_linears(model: nn.Module) -> list[str]:
 
 
 def router_ignore(cfg: ModelConfig | None) -> list[str]:
-    """compressed-tensors ``ignore`` entries for the routers (llm-compressor's spelling)."""
+    """compressed-tensors ``ignore`` entries for the routers (llm-compressor's spelling; gpt-oss's
+    router is ``mlp.router`` on disk)."""
     if cfg is None or cfg.moe is None:
         return []
+    if cfg.model_type == "gpt_oss":
+        return ["re:.*mlp.router$"]
     return ["re:.*block_sparse_moe.gate$"] if cfg.model_type == "mixtral" else ["re:.*mlp.gate$"]
 
 
 class ExpertMLP(nn.Module):
-    """One routed expert, ``down(silu(gate(x)) * up(x))``, its three projections under the family's
+    """One routed expert, ``down(act(gate(x), up(x)))``, its three projections under the family's
     published names (``gate_proj``/``up_proj``/``down_proj`` or Mixtral's ``w1``/``w3``/``w2``), each an
-    ``nn.Linear`` or a ``QuantizedLinear``."""
+    ``nn.Linear`` or a ``QuantizedLinear``, with biases when ``bias`` (gpt-oss).
+
+    ``act``: ``silu(gate) * up``, or with ``swiglu_limit`` gpt-oss's clamped SwiGLU
+    (:func:`baige.runtime.model.gpt_oss.clamped_swiglu`, the function the stacked experts call)."""
 
     def __init__(
         self,
@@ -90,11 +106,15 @@ class ExpertMLP(nn.Module):
         names: tuple[str, str, str],
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        bias: bool = False,
+        swiglu_alpha: float | None = None,
+        swiglu_limit: float | None = None,
     ):
         super().__init__()
         self.names = names
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         g, u, d = names
-        kw = {"bias": False, "dtype": dtype, "device": device}
+        kw = {"bias": bias, "dtype": dtype, "device": device}
         setattr(self, g, nn.Linear(hidden, intermediate, **kw))
         setattr(self, u, nn.Linear(hidden, intermediate, **kw))
         setattr(self, d, nn.Linear(intermediate, hidden, **kw))
@@ -102,7 +122,9 @@ class ExpertMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(c, H) -> (c, H) in x's dtype."""
         g, u, d = (getattr(self, n) for n in self.names)
-        return d(kernels.silu_mul(g(x), u(x)))
+        if self.swiglu_limit is None:
+            return d(kernels.silu_mul(g(x), u(x)))
+        return d(clamped_swiglu(g(x), u(x), self.swiglu_alpha, self.swiglu_limit))  # (c, I) -> (c, H)
 
 
 class QuantizedExperts(nn.ModuleList):
@@ -112,39 +134,49 @@ class QuantizedExperts(nn.ModuleList):
 
     The quantizer swaps a model's stacked experts for this module with float Linears, then each
     Linear for a ``QuantizedLinear`` (those the ignore patterns keep stay ``nn.Linear``); a quantized
-    checkpoint loads into one built by :meth:`empty`.
+    checkpoint loads into one built by :meth:`empty_like`.
     """
 
     def __init__(self, experts: list[ExpertMLP], intermediate: int):
         super().__init__(experts)
         self.num_experts, self.intermediate_size = len(experts), intermediate
+        # gpt-oss: projections with biases and the clamped SwiGLU (the stacked Experts' attributes)
+        self.has_bias = getattr(experts[0], experts[0].names[0]).bias is not None
+        self.swiglu_alpha, self.swiglu_limit = experts[0].swiglu_alpha, experts[0].swiglu_limit
 
     @classmethod
-    def empty(
-        cls,
-        num_experts: int,
-        hidden: int,
-        intermediate: int,
-        names: tuple[str, str, str],
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+    def empty_like(
+        cls, experts: Experts, names: tuple[str, str, str], device: torch.device | str | None = None
     ) -> QuantizedExperts:
-        """Float (uninitialised) experts of the given shapes, e.g. on meta for a strict load."""
-        return cls([ExpertMLP(hidden, intermediate, names, dtype, device) for _ in range(num_experts)], intermediate)
+        """Float (uninitialised) per-expert modules of the stacked ``experts``' shapes, biases and
+        activation, in its dtype, on ``device`` (default its device; e.g. meta for a strict load)."""
+        w = experts.gate_up_proj
+        kw = {
+            "bias": experts.gate_up_proj_bias is not None,
+            "swiglu_alpha": experts.swiglu_alpha,
+            "swiglu_limit": experts.swiglu_limit,
+        }
+        hidden, inter, dev = w.shape[2], experts.intermediate_size, w.device if device is None else device
+        return cls([ExpertMLP(hidden, inter, names, w.dtype, dev, **kw) for _ in range(experts.num_experts)], inter)
 
     @classmethod
     @torch.no_grad()
     def from_stacked(cls, experts: Experts, names: tuple[str, str, str]) -> QuantizedExperts:
         """Per-expert float Linears holding copies of the stacked ``gate_up_proj`` (E, 2I, H) rows
-        ``[0, I)`` (gate) and ``[I, 2I)`` (up) and ``down_proj`` (E, H, I)."""
-        gate_up, down = experts.gate_up_proj, experts.down_proj
-        inter, hidden = experts.intermediate_size, gate_up.shape[2]
-        out = cls.empty(experts.num_experts, hidden, inter, names, gate_up.dtype, gate_up.device)
+        ``[0, I)`` (gate) and ``[I, 2I)`` (up) and ``down_proj`` (E, H, I); with biases, of
+        ``gate_up_proj_bias`` (E, 2I) entries ``[0, I)`` / ``[I, 2I)`` and ``down_proj_bias`` (E, H)."""
+        gate_up, down, inter = experts.gate_up_proj, experts.down_proj, experts.intermediate_size
+        b13, b2 = experts.gate_up_proj_bias, experts.down_proj_bias
+        out = cls.empty_like(experts, names)
         g, u, d = names
         for j, e in enumerate(out):
             getattr(e, g).weight.copy_(gate_up[j, :inter])  # (I, H)
             getattr(e, u).weight.copy_(gate_up[j, inter:])  # (I, H)
             getattr(e, d).weight.copy_(down[j])  # (H, I)
+            if b13 is not None:
+                getattr(e, g).bias.copy_(b13[j, :inter])  # (I,)
+                getattr(e, u).bias.copy_(b13[j, inter:])  # (I,)
+                getattr(e, d).bias.copy_(b2[j])  # (H,)
         return out
 
     def _groups(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -182,15 +214,25 @@ class QuantizedExperts(nn.ModuleList):
 
 
 def _restack(per_expert: QuantizedExperts) -> Experts:
-    """Float per-expert Linears back into one stacked :class:`Experts` (same device and dtype)."""
+    """Float per-expert Linears back into one stacked :class:`Experts` (same device and dtype,
+    biases and activation)."""
     g, u, d = per_expert[0].names
     w = getattr(per_expert[0], g).weight
     with torch.device(w.device):
-        stacked = Experts(per_expert.num_experts, w.shape[1], per_expert.intermediate_size).to(w.dtype)
+        stacked = Experts(
+            per_expert.num_experts,
+            w.shape[1],
+            per_expert.intermediate_size,
+            per_expert.has_bias,
+            per_expert.swiglu_alpha,
+            per_expert.swiglu_limit,
+        ).to(w.dtype)
     with torch.no_grad():
-        gate_up = [torch.cat([getattr(e, g).weight, getattr(e, u).weight]) for e in per_expert]  # (2I, H) each
-        stacked.gate_up_proj.copy_(torch.stack(gate_up))
-        stacked.down_proj.copy_(torch.stack([getattr(e, d).weight for e in per_expert]))
+        for p in ("weight", "bias") if per_expert.has_bias else ("weight",):
+            gate_up = [torch.cat([getattr(getattr(e, g), p), getattr(getattr(e, u), p)]) for e in per_expert]
+            getattr(stacked, "gate_up_proj" if p == "weight" else "gate_up_proj_bias").copy_(torch.stack(gate_up))
+            down = torch.stack([getattr(getattr(e, d), p) for e in per_expert])  # (E, H, I) / (E, H)
+            getattr(stacked, "down_proj" if p == "weight" else "down_proj_bias").copy_(down)
     return stacked
 
 
@@ -206,18 +248,13 @@ def restack_float_experts(model: nn.Module) -> None:
 def unstack_experts(model: nn.Module) -> int:
     """Swap every sparse layer's stacked :class:`Experts` of a Transformer for float
     :class:`QuantizedExperts` (in place; the same function, to fp32 rounding: gate and up become two
-    matmuls). Returns how many layers were swapped."""
+    matmuls; gpt-oss's biases and clamped SwiGLU come along). Returns how many layers were swapped."""
     cfg = getattr(model, "config", None)
     if cfg is None or cfg.moe is None:
         return 0
     n = 0
     for i in cfg.moe.sparse_layers:
         block = model.model.layers[i].mlp
-        if isinstance(block.experts, Experts) and block.experts.gate_up_proj_bias is not None:
-            raise BaigeError(
-                f"{cfg.model_type}: layer {i}'s experts have biases and the clamped SwiGLU "
-                "(swiglu_limit), which the per-expert quantized layout does not hold; quantizing them is not supported"
-            )
         if isinstance(block.experts, Experts):
             block.experts = QuantizedExperts.from_stacked(block.experts, expert_names(cfg, i)[1])
             n += 1

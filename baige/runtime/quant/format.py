@@ -116,10 +116,7 @@ def _unstack_targeted_experts(model: nn.Module, targets: list[str], ignore: list
         stacked = model.get_submodule(name)
         if not isinstance(stacked, Experts):
             continue
-        w = stacked.gate_up_proj
-        per_expert = QuantizedExperts.empty(
-            stacked.num_experts, w.shape[2], stacked.intermediate_size, expert_names(cfg, i)[1], w.dtype, w.device
-        )
+        per_expert = QuantizedExperts.empty_like(stacked, expert_names(cfg, i)[1])  # gpt-oss: with biases
         if any(
             _targeted(published_name(cfg, f"{name}.{n}"), m, targets, ignore)
             for n, m in per_expert.named_modules()

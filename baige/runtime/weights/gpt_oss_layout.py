@@ -16,6 +16,11 @@ float tensors load in; the model in memory is then a float model, and its config
 In baige (:class:`baige.runtime.model.moe.SparseMoeBlock`): ``gate.weight``, ``gate.bias``,
 ``experts.gate_up_proj`` (E, 2I, H) gate rows then up rows, ``experts.gate_up_proj_bias`` (E, 2I) in
 that order, ``experts.down_proj`` (E, H, I), ``experts.down_proj_bias`` (E, H).
+
+A compressed-tensors checkpoint (``baige quantize``, llm-compressor's linearised gpt-oss) holds the
+experts per expert instead: ``experts.{j}.gate_proj.weight_packed`` ... and ``experts.{j}.gate_proj.bias``
+(:mod:`baige.runtime.quant.experts`); those keep their names (only the router is renamed) and load into
+``quant.experts.QuantizedExperts``.
 """
 
 from __future__ import annotations
@@ -81,9 +86,16 @@ def _expert_weight(state: dict[str, torch.Tensor], prefix: str, proj: str, where
     return state.pop(name), False
 
 
+def _per_expert(state: dict[str, torch.Tensor], prefix: str) -> bool:
+    """Whether layer ``prefix``'s experts are stored per expert (``{prefix}experts.{j}.``...), not stacked."""
+    start = f"{prefix}experts."
+    return any(k.startswith(start) and k[len(start) : len(start) + 1].isdigit() for k in state)
+
+
 def to_internal(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str = "checkpoint") -> dict[str, torch.Tensor]:
     """The checkpoint's gpt-oss MoE tensors (float or MXFP4) in baige's layout (module docstring);
-    returns a new dict, other keys untouched. Works on meta tensors (shape checks before reading).
+    per-expert (quantized) experts keep their names. Returns a new dict, other keys untouched. Works
+    on meta tensors (shape checks before reading).
 
     Raises:
         BaigeError: naming ``where`` and a missing expert tensor, a weight of the wrong rank, or bad
@@ -97,6 +109,8 @@ def to_internal(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str = "
         for name in ("weight", "bias"):
             if f"{p}router.{name}" in state:
                 state[f"{p}gate.{name}"] = state.pop(f"{p}router.{name}")
+        if _per_expert(state, p):
+            continue  # quantized per expert: the names are baige's already
         gate_up, gu_mx = _expert_weight(state, f"{p}experts.", "gate_up_proj", where)
         down, d_mx = _expert_weight(state, f"{p}experts.", "down_proj", where)
         if gate_up.dim() != 3 or down.dim() != 3:
@@ -111,8 +125,8 @@ def to_internal(state: dict[str, torch.Tensor], cfg: ModelConfig, where: str = "
 
 
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`to_internal` for a float model: transformers' gpt-oss layout (module
-    docstring), contiguous copies; returns a new dict."""
+    """The inverse of :func:`to_internal`: transformers' gpt-oss layout (module docstring) for stacked
+    experts, contiguous copies; per-expert tensors keep their names. Returns a new dict."""
     state = dict(state)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.mlp."
