@@ -102,6 +102,12 @@ FAMILIES = {
         1e-4,
     ),
     "gpt-oss": (_gpt_oss, "gpt-oss", 1e-4),
+    # tied embeddings: llama.cpp's gpt-oss loader requires output.weight, so the embedding is written again
+    "gpt-oss-tied": (
+        lambda p: make_checkpoint(p, "llama", vocab_size=V, **OSS, tie_word_embeddings=True),
+        "gpt-oss",
+        1e-4,
+    ),
     # MXFP4 experts, written dequantized (llama.cpp against transformers' own dequantized load)
     "gpt-oss-mxfp4": (lambda p: _gpt_oss(p, mxfp4=True), "gpt-oss", 1e-4),
 }
@@ -493,3 +499,10 @@ def test_published_split_rules_are_named_and_llama_cpp_tokenizes_as_hf(tmp_path,
         assert [llm.tokenize(t.encode(), add_bos=False, special=False) for t in _SPLIT_TEXTS] == want
     finally:
         llm.close()
+
+
+def test_values_gpt_oss_tied_head_written_as_the_embedding(exported):
+    ckpt, path = exported["gpt-oss-tied"]
+    got = _tensors(path)
+    assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is True
+    assert np.array_equal(got["output.weight"], _hf(ckpt)["model.embed_tokens.weight"].numpy())
