@@ -233,6 +233,72 @@ def write_bpe_tokenizer(path: Path) -> Path:
     return Path(path)
 
 
+SPLIT_MERGES = [
+    ("1", "2"),
+    ("12", "3"),
+    ("123", "4"),
+    ("Ġ", "1"),
+    ("Ġ", "t"),
+    ("h", "e"),
+    (".", "he"),
+    ("!", "!"),
+    ("Ġ", "ä"),
+    ("a", "b"),
+    ("ab", "c"),
+    ("Ġ", "abc"),
+    ("b", "C"),
+    ("e", "'"),
+]
+
+
+def write_split_bpe_tokenizer(path: Path, pre_tokenizer: dict) -> Path:
+    """A byte-level BPE ``tokenizer.json`` with the given ``pre_tokenizer`` (a tokenizer.json dict): GPT-2's
+    byte alphabet as ids 0-255, then :data:`SPLIT_MERGES` in rank order, then ``<|endoftext|>`` as BOS and
+    EOS; written into ``path`` beside a ``tokenizer_config.json``. The merges cross boundaries one split
+    rule draws and another does not: digit runs past three, a space before a digit or before a CJK lead
+    byte ``ä`` (0xE4), punctuation before letters, a lower-to-upper case change, a contraction.
+    Checkpoints using it need ``vocab_size`` >= 271."""
+    import json
+
+    from baige.runtime.weights.gguf_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    for a, b in SPLIT_MERGES:
+        vocab[a + b] = len(vocab)
+    tok = {
+        "version": "1.0",
+        "added_tokens": [
+            {
+                "id": len(vocab),
+                "content": "<|endoftext|>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
+        "normalizer": None,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "vocab": vocab,
+            "merges": [[a, b] for a, b in SPLIT_MERGES],
+        },
+    }
+    (Path(path) / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    (Path(path) / "tokenizer_config.json").write_text(json.dumps(special))
+    return Path(path)
+
+
 def write_spm_tokenizer(path: Path, space_prefix: bool = True) -> Path:
     """A SentencePiece-style BPE ``tokenizer.json`` (``byte_fallback``, ``▁`` for spaces, as Llama 2's,
     ERNIE 4.5's and Gemma's): ``<unk>``, ``<s>``, ``</s>``, the 256 ``<0xNN>`` byte tokens, then a few

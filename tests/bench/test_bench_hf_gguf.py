@@ -100,3 +100,39 @@ def test_compare_times_llama_cpp_on_a_deepseek_v3_checkpoint(tmp_path, monkeypat
     assert {"llama.cpp-F32", "llama.cpp-Q8_0", "baige", "baige-int8"} <= set(summary["decode"])
     assert summary["decode"]["llama.cpp-F32"]["tokens_per_s"] > 0
     assert "llama.cpp-F32" in summary["prefill"]
+
+
+def test_a_variant_the_quantizer_refuses_is_a_note_and_the_others_still_run(tmp_path, monkeypatch):
+    """`--variants int8,fp32,int8+fp16-weight` on a checkpoint the quantizer refuses (one already int8): both
+    int8 variants become one note each, quantizing is tried once, and the fp32 row is still built."""
+    from baige.runtime import quantize
+    from baige.runtime.config import QuantizeConfig
+
+    ckpt = write_bpe_tokenizer(make_checkpoint(tmp_path / "llama", "llama", vocab_size=V, max_position_embeddings=1024))
+    int8, _ = quantize.quantize_checkpoint(
+        QuantizeConfig(model=str(ckpt), method="int8", output=str(tmp_path / "int8"), device="cpu")
+    )
+    calls = []
+    real = quantize.quantize_checkpoint
+    monkeypatch.setattr(quantize, "quantize_checkpoint", lambda cfg: (calls.append(cfg.method), real(cfg))[1])
+    cfg = compare.CompareConfig(bench_engine(model=str(int8)), quantized=("int8", "fp32", "int8+fp16-weight"))
+    rows, notes = compare.Rows(), []
+    (tmp_path / "copies").mkdir()
+    compare._add_quantized(rows, cfg, int8, tmp_path / "copies", [1, 2, 3], [([1, 2, 3], 2)], notes)
+    refusal = f"{int8}: the model is already quantized"
+    assert notes == [f"baige-int8 skipped: {refusal}", f"baige-int8+fp16-weight skipped: {refusal}"]
+    assert calls == ["int8"] and list(rows.decode) == ["baige-fp32"]
+
+
+def test_a_gguf_llama_cpp_refuses_to_load_is_a_note(stand_in_llama_cpp, tmp_path, monkeypatch):
+    """llama-cpp-python raises ValueError("Failed to load model from file: ...") for a file its loader rejects:
+    one note for that row, no traceback ending the compare."""
+
+    def refuse(path, prompt, n, threads):
+        raise ValueError(f"Failed to load model from file: {path}")
+
+    monkeypatch.setattr(llama_peer, "llama_cpp_decode", refuse)
+    ckpt = write_bpe_tokenizer(make_checkpoint(tmp_path / "ernie", "ernie4.5", vocab_size=V))
+    rows, notes = _rows(ckpt)
+    assert rows.decode == {} and len(notes) == 1
+    assert notes[0].startswith("llama.cpp-F32 skipped: Failed to load model from file: ") and notes[0].endswith(".gguf")

@@ -102,6 +102,12 @@ FAMILIES = {
         1e-4,
     ),
     "gpt-oss": (_gpt_oss, "gpt-oss", 1e-4),
+    # tied embeddings: llama.cpp's gpt-oss loader requires output.weight, so the embedding is written again
+    "gpt-oss-tied": (
+        lambda p: make_checkpoint(p, "llama", vocab_size=V, **OSS, tie_word_embeddings=True),
+        "gpt-oss",
+        1e-4,
+    ),
     # MXFP4 experts, written dequantized (llama.cpp against transformers' own dequantized load)
     "gpt-oss-mxfp4": (lambda p: _gpt_oss(p, mxfp4=True), "gpt-oss", 1e-4),
 }
@@ -438,3 +444,65 @@ def test_llama_cpp_tokenizes_sentencepiece_style_bpe_as_the_hf_tokenizer(tmp_pat
         assert (llm.token_bos(), llm.token_eos()) == (1, 2)
     finally:
         llm.close()
+
+
+# The pre_tokenizer sections of the published tokenizer.json files, as JSON text (openai/gpt-oss-20b's
+# o200k split; deepseek-ai/DeepSeek-V3's three splits, whose "\r\n" are real CR LF once decoded)
+_BYTE_LEVEL = '{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}'
+_O200K_PRE = (
+    '{"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": '
+    r'"[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+'
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+"
+    r"[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*"
+    r'|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false}, ' + _BYTE_LEVEL + "]}"
+)
+_DEEPSEEK_V3_PRE = (
+    '{"type": "Sequence", "pretokenizers": ['
+    r'{"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false}, '
+    '{"type": "Split", "pattern": {"Regex": "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"}, '
+    '"behavior": "Isolated", "invert": false}, '
+    r"""{"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+"""
+    r'|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"}, '
+    '"behavior": "Isolated", "invert": false}, ' + _BYTE_LEVEL + "]}"
+)
+_SPLIT_TEXTS = [
+    "he said 1234567 then 12 and 1 2 3.",
+    "x.he!!! abc abcabc  abc\n\n\tabc",
+    "你好 世界 ab 你好abc 12你好34 カタカナ ひらがな",
+    "It's 2026: naïve café — ok?! (abc) [12] {x} xbCx xe's a/b",
+]
+
+
+@pytest.mark.parametrize("pre, name", [(_O200K_PRE, "gpt-4o"), (_DEEPSEEK_V3_PRE, "deepseek-v3")])
+def test_published_split_rules_are_named_and_llama_cpp_tokenizes_as_hf(tmp_path, pre, name):
+    """gpt-oss's o200k split and DeepSeek-V3's three splits are written as llama.cpp's ``tokenizer.ggml.pre``
+    names for them (``src/llama-vocab.cpp``), and llama.cpp then splits as the HF tokenizer does: its ids
+    for text with digit runs, punctuation, CJK and whitespace equal HF's (where llama_cpp is installed)."""
+    from tiny import write_split_bpe_tokenizer
+    from tokenizers import Tokenizer
+
+    shape = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    ckpt = make_checkpoint(tmp_path / "split", "llama", vocab_size=272, num_key_value_heads=1, **shape)
+    write_split_bpe_tokenizer(ckpt, json.loads(pre))
+    path = convert_checkpoint(str(ckpt), tmp_path / "split.gguf", "float32")
+    pass  # MUT
+    hf = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    want = [hf.encode(t, add_special_tokens=False).ids for t in _SPLIT_TEXTS]
+    write_split_bpe_tokenizer(ckpt, json.loads(_BYTE_LEVEL.replace("false}", "true}")))
+    gpt2 = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    assert want != [gpt2.encode(t, add_special_tokens=False).ids for t in _SPLIT_TEXTS]  # the rule matters
+    pytest.importorskip("llama_cpp")
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        assert [llm.tokenize(t.encode(), add_bos=False, special=False) for t in _SPLIT_TEXTS] == want
+    finally:
+        llm.close()
+
+
+def test_values_gpt_oss_tied_head_written_as_the_embedding(exported):
+    ckpt, path = exported["gpt-oss-tied"]
+    got = _tensors(path)
+    assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is True
+    assert np.array_equal(got["output.weight"], _hf(ckpt)["model.embed_tokens.weight"].numpy())

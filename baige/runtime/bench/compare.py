@@ -237,12 +237,12 @@ def _add_quantized(
     rows: Rows, cfg: CompareConfig, model_dir: Path, tmp: Path, prompt: list[int], reqs: Requests, notes: list[str]
 ) -> None:
     """Rows ``baige-<variant>`` for each of ``cfg.quantized``: int8 / int4 copies quantized into ``tmp``
-    (each once), fp16-weight, or both; a variant the engine refuses becomes a note."""
+    (each once), fp16-weight, or both; a variant the quantizer or the engine refuses becomes a note."""
     from baige.errors import BaigeError
     from baige.runtime.config import QuantizeConfig
     from baige.runtime.quantize import quantize_checkpoint
 
-    checkpoints: dict[str, Path] = {}
+    checkpoints: dict[str, Path | BaigeError] = {}
     for variant in cfg.quantized:
         # "<checkpoint>+<runtime>": a quantized copy (int8 / int4) and/or a serving-time rewrite (fp16-weight)
         checkpoint = next((p for p in variant.split("+") if p in ("int8", "int4", "int4-g32")), None)
@@ -251,23 +251,27 @@ def _add_quantized(
         if runtime == "fp16-weight":
             dtype = "float32"  # fbgemm's fp16-weight rewrite is of an fp32 model's linears
         engine = cfg.engine if dtype is None else replace(cfg.engine, dtype=dtype)
-        if checkpoint is not None:
-            if checkpoint not in checkpoints:
-                checkpoints[checkpoint] = tmp / checkpoint
-                method, _, group = checkpoint.partition("-g")
-                quantize_checkpoint(
-                    QuantizeConfig(
-                        model=str(model_dir),
-                        method=method,
-                        group_size=int(group or 128),
-                        output=str(checkpoints[checkpoint]),
-                        device=cfg.engine.device,
-                    )
-                )
-            engine = replace(engine, model=str(checkpoints[checkpoint]))
         if runtime is not None:
             engine = replace(engine, quantization=runtime)
         try:
+            if checkpoint is not None:
+                if checkpoint not in checkpoints:
+                    method, _, group = checkpoint.partition("-g")
+                    try:  # a refusal (a family the quantizer does not take) is kept: each variant's note
+                        checkpoints[checkpoint] = quantize_checkpoint(
+                            QuantizeConfig(
+                                model=str(model_dir),
+                                method=method,
+                                group_size=int(group or 128),
+                                output=str(tmp / checkpoint),
+                                device=cfg.engine.device,
+                            )
+                        )[0]
+                    except BaigeError as e:
+                        checkpoints[checkpoint] = e
+                if isinstance(checkpoints[checkpoint], BaigeError):
+                    raise checkpoints[checkpoint]
+                engine = replace(engine, model=str(checkpoints[checkpoint]))
             q = build_llm(engine, _context_len(cfg), cfg.num_prompts)
         except BaigeError as e:
             notes.append(f"baige-{variant} skipped: {e}")
@@ -299,16 +303,14 @@ def _add_llama_cpp(
         except (RuntimeError, OSError) as e:
             notes.append(f"llama.cpp-{qtype} skipped: {e}")
     for qtype, path in files.items():
-        rows.add(
-            f"llama.cpp-{qtype}",
-            llama_peer.llama_cpp_decode(path, prompt, cfg.output_len, threads),
-            None,
-            path.stat().st_size,
-            2,
-            prefill=llama_peer.llama_cpp_prefill(path, max(cfg.prefill_lens) + 8, threads)
-            if cfg.prefill_lens
-            else None,
-        )
+        try:  # llama.cpp refusing the file (ValueError: "Failed to load model") is a note, not an abort
+            decode = llama_peer.llama_cpp_decode(path, prompt, cfg.output_len, threads)
+            n = max(cfg.prefill_lens, default=0) + 8
+            prefill = llama_peer.llama_cpp_prefill(path, n, threads) if cfg.prefill_lens else None
+        except (ValueError, RuntimeError, OSError) as e:
+            notes.append(f"llama.cpp-{qtype} skipped: {e}")
+            continue
+        rows.add(f"llama.cpp-{qtype}", decode, None, path.stat().st_size, 2, prefill=prefill)
 
 
 def _context_len(cfg: CompareConfig) -> int:

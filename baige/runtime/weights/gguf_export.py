@@ -167,7 +167,9 @@ def _layer_tensor(cfg: ModelConfig, arch: str, i: int, key: str, w: torch.Tensor
 def gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
     """baige's state dict (fp32, HF names, experts stacked) under llama.cpp's names and layouts, in
     llama.cpp's order (embeddings, the blocks, the final norm and head). ``lm_head`` is left out of a
-    tied model. Raises BaigeError for a tensor with no llama.cpp name (naming it)."""
+    tied model, except for gpt-oss, whose llama.cpp loader requires ``output.weight`` (no fallback to
+    ``token_embd``): there the embedding is written again as the head. Raises BaigeError for a tensor with no
+    llama.cpp name (naming it)."""
     yield "token_embd.weight", state["model.embed_tokens.weight"]
     per_layer: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for name, w in state.items():
@@ -185,6 +187,8 @@ def gguf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, arch: str) ->
         yield "rope_freqs.weight", llama3_rope_factors(cfg)
     if not cfg.tie_word_embeddings:
         yield "output.weight", state["lm_head.weight"]
+    elif arch == "gpt-oss":
+        yield "output.weight", state["model.embed_tokens.weight"]
 
 
 def check_names(names: list[str], arch: str) -> None:

@@ -12,8 +12,8 @@ Two tokenizer kinds map:
 
 - byte-level BPE (``model.type`` BPE, a ByteLevel decoder, no ``byte_fallback``): ``tokenizer.ggml.model``
   ``gpt2``, and ``tokenizer.ggml.pre`` the name llama.cpp gives the split rule (``llama-vocab.cpp``): plain
-  GPT-2 (a ByteLevel pre-tokenizer with its own regex), SmolLM's (each digit split off first), Llama 3's and
-  Qwen 2's regexes
+  GPT-2 (a ByteLevel pre-tokenizer with its own regex), SmolLM's (each digit split off first), Llama 3's,
+  Qwen 2's, o200k's (gpt-oss: ``gpt-4o``) and DeepSeek-V3's three (``deepseek-v3``) regexes
   (:mod:`baige.runtime.weights.gguf_tokenizer` holds the same table for the import direction);
 - SentencePiece-style BPE (``byte_fallback``, ``▁`` for spaces; Gemma, ERNIE 4.5, Llama 2): ``llama``, each
   token scored ``-id`` (earlier ids win merges, the order SentencePiece assigns them) and the ``<0xNN>``
@@ -34,42 +34,72 @@ from baige.runtime.weights.gguf_tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-# llama.cpp's tokenizer.ggml.pre names of the split regexes baige knows (llama-vocab.cpp)
+# llama.cpp's tokenizer.ggml.pre names of the split rules baige knows (src/llama-vocab.cpp's
+# tokenizer_pre table; the HF tokenizer.json pre_tokenizer each name is written for, convert_hf_to_gguf.py's
+# get_vocab_base_pre), keyed by the Split steps' regexes in order
 _DIGITS_THEN_GPT2 = "each digit alone, then GPT-2's rule"  # SmolLM's Sequence[Digits, ByteLevel]
-_SPLIT_NAMES = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2", _DIGITS_THEN_GPT2: "smollm"}
+# o200k (tiktoken's o200k_base split; openai/gpt-oss and Xenova/gpt-4o): llama.cpp's "gpt-4o"
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek-V3's three Splits (digit runs of up to three, then CJK runs, then words and punctuation; the
+# third regex holds real CR and LF characters, as tokenizer.json's "\r\n" decodes): llama.cpp's "deepseek-v3"
+_DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
+    "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
+_SPLIT_NAMES = {
+    (_LLAMA3_SPLIT,): "llama-bpe",
+    (_QWEN2_SPLIT,): "qwen2",
+    (_O200K_SPLIT,): "gpt-4o",
+    _DEEPSEEK_V3_SPLITS: "deepseek-v3",
+    (_DIGITS_THEN_GPT2,): "smollm",
+}
 
 
-def _split_regex(pre: dict[str, Any] | None) -> str | None | bool:
-    """The byte-level pre-tokenizer's split regex: the Split step's pattern, None for GPT-2's own
-    (a lone ByteLevel with ``use_regex``), :data:`_DIGITS_THEN_GPT2` for SmolLM's digits-then-GPT-2, False for
-    a shape this module does not know."""
+def _split_regexes(pre: dict[str, Any] | None) -> tuple[str, ...] | None | bool:
+    """The byte-level pre-tokenizer's split regexes, in order: the Split steps' patterns before a
+    ByteLevel without its own regex; None for GPT-2's own (a lone ByteLevel with ``use_regex``),
+    ``(_DIGITS_THEN_GPT2,)`` for SmolLM's digits-then-GPT-2, False for a shape this module does not know."""
     if pre is None:
         return False
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    splits = [s for s in steps if s.get("type") == "Split"]
     levels = [s for s in steps if s.get("type") == "ByteLevel"]
     if len(steps) == 1 and levels and levels[0].get("use_regex", True):
         return None
     digits = [s for s in steps if s.get("type") == "Digits" and s.get("individual_digits")]
     if len(steps) == 2 and digits and levels and levels[0].get("use_regex", True):
-        return _DIGITS_THEN_GPT2
-    if len(splits) == 1 and len(levels) == 1 and len(steps) == 2 and not levels[0].get("use_regex", True):
-        pattern = splits[0].get("pattern", {})
-        return pattern.get("Regex", False) if isinstance(pattern, dict) else False
-    return False
+        return (_DIGITS_THEN_GPT2,)
+    *splits, last = steps
+    if not splits or last.get("type") != "ByteLevel" or last.get("use_regex", True):
+        return False
+    patterns = []
+    for s in splits:
+        pattern = s.get("pattern")
+        if s.get("type") != "Split" or s.get("behavior", "Isolated") != "Isolated" or s.get("invert"):
+            return False
+        if not isinstance(pattern, dict) or not isinstance(pattern.get("Regex"), str):
+            return False
+        patterns.append(pattern["Regex"])
+    return tuple(patterns)
 
 
 def _pre_name(tok: dict[str, Any]) -> str:
     """``tokenizer.ggml.pre`` of a byte-level BPE tokenizer. Raises BaigeError for an unknown rule."""
-    regex = _split_regex(tok.get("pre_tokenizer"))
-    if regex is None:
+    regexes = _split_regexes(tok.get("pre_tokenizer"))
+    if regexes is None:
         return "gpt-2"
-    if regex in _SPLIT_NAMES:
-        return _SPLIT_NAMES[regex]
-    what = "its pre_tokenizer" if regex is False else f"its split regex {regex[:60]!r}"
+    if regexes in _SPLIT_NAMES:
+        return _SPLIT_NAMES[regexes]
+    what = "its pre_tokenizer" if regexes is False else f"its split regex {' then '.join(regexes)[:60]!r}"
     raise BaigeError(
         f"tokenizer.json: {what} has no llama.cpp tokenizer.ggml.pre name baige knows "
-        "(known: GPT-2's ByteLevel, SmolLM's digits then ByteLevel, Llama 3's and Qwen 2's regexes)"
+        "(known: GPT-2's ByteLevel, SmolLM's digits then ByteLevel, Llama 3's, Qwen 2's, o200k's (gpt-oss) "
+        "and DeepSeek-V3's regexes)"
     )
 
 
