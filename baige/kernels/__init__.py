@@ -27,6 +27,7 @@ from baige.kernels.dense import (  # noqa: F401  (re-exported: inference linears
     dense_linear,
     few_rows_linear,
     fp16_weight_linear,
+    inverse_cdf,
     onednn_linear,
 )
 from baige.kernels.dispatch import BACKENDS, KernelConfigError, backend, check_startup  # noqa: F401  (re-exported)
@@ -339,6 +340,7 @@ from baige.kernels.reference import dequantize_weight, expand_groups, unpack_int
 
 __all__ += [
     "argmax",
+    "inverse_cdf",
     "fp16_weight_linear",
     "dense_linear",
     "few_rows_linear",

@@ -23,6 +23,31 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-transform sampling's draw: (R, V) float non-negative probabilities (each row with
+    positive mass), (R,) float64 uniforms in ``[0, 1)`` -> (R,) int64, per row the first position whose
+    float64 cumulative mass (summed in vocabulary order) reaches ``x = (1 - u) * total``:
+    ``torch.searchsorted(probs.double().cumsum(-1), x)`` clamped to ``V - 1``, bitwise. fp32 CPU rows
+    run natively (two passes, no (R, V) float64 copy); a row with a non-finite total, and other
+    devices or dtypes, take the PyTorch formula."""
+    from baige.kernels.cpu import native_allowed, ops
+
+    if (
+        probs.dim() == 2
+        and probs.shape[1] > 0
+        and probs.device.type == "cpu"
+        and u.device.type == "cpu"
+        and native_allowed()
+        and ops.usable(probs)
+    ):
+        out = ops.inverse_cdf(probs, u)
+        if out is not None:
+            return out
+    cdf = probs.double().cumsum(-1)  # (R, V)
+    x = (1 - u.to(cdf)) * cdf[:, -1]
+    return torch.searchsorted(cdf, x[:, None]).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (x (M, in) -> (M, out), x's dtype) of the per-op inference path: at most
     :data:`FEW_ROWS` rows run :func:`dense_linear`'s native kernel, more run ``F.linear``: for weights

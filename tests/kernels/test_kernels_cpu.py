@@ -1027,6 +1027,35 @@ def test_argmax_is_torch_argmax_on_every_variant(use_isa, variant, width):
         assert expected[7] == width - 1
 
 
+@pytest.mark.parametrize("variant", isa.supported())
+@pytest.mark.parametrize("rows,width", [(1, 1), (3, 7), (9, 23), (16, 49152), (17, 1000)])
+def test_inverse_cdf_is_torch_searchsorted_on_every_variant(use_isa, variant, rows, width):
+    """ops.c's inverse-transform draw returns the index of torch.searchsorted over the float64 cumsum of
+    the probabilities (sampling's formula), bitwise: zero-mass tokens, u = 0 (the total itself: the last
+    token with mass), strided and unnormalised rows, a NaN row (torch's path)."""
+    use_isa(variant)
+    g = torch.Generator().manual_seed(rows * width)
+    x = torch.randn(rows, width + 3, generator=g) * 4
+    x[:, 1::3] = float("-inf")  # zero-probability tokens are never drawn
+    p = x.softmax(-1)[:, :width]  # row stride width + 3, mass below 1
+    u = torch.rand(rows, dtype=torch.float64, generator=g)
+    u[0] = 0.0
+
+    def expected(p, u):
+        cdf = p.double().cumsum(-1)
+        return torch.searchsorted(cdf, ((1 - u) * cdf[:, -1])[:, None]).squeeze(-1).clamp_max(p.shape[-1] - 1)
+
+    got = kernels.inverse_cdf(p, u)
+    assert torch.equal(got, expected(p, u))
+    assert bool((p.gather(1, got[:, None]) > 0).all())
+    if width > 3:  # hand-checked: u = 0 draws the last token with mass
+        assert int(got[0]) == max(i for i in range(width) if i % 3 != 1)
+    assert cpu_ops.inverse_cdf(p, u) is not None
+    p[rows // 2] = float("nan")
+    assert cpu_ops.inverse_cdf(p, u) is None  # a non-finite total: the caller takes torch's path
+    assert torch.equal(kernels.inverse_cdf(p, u), expected(p, u))
+
+
 @pytest.mark.parametrize("variant", [v for v in isa.supported() if v == "avx512_amx"] or ["none"])
 def test_amx_bf16_linear_independent_of_threads(use_isa, variant):
     """amx_linear.c: bitwise the same y on 1 and 2 threads (each output summed in one order), and a row's

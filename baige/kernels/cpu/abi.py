@@ -56,6 +56,7 @@ SIGNATURES: list[tuple[str, list, type | None]] = [
     ("baige_bi_sumsq", [_ptr, _i64, _i64, _ptr, _int], None),
     ("baige_bi_silu", [_ptr, _i64, _ptr, _int], None),
     ("baige_argmax_rows", [_ptr, _i64, _i64, _i64, _ptr], None),
+    ("baige_inverse_cdf_rows", [_ptr, _i64, _i64, _i64, _ptr, _ptr], _int),
     ("baige_silu_mul_bf16", [_ptr, _ptr, _i64, _ptr, _int], None),
     ("baige_ce_rows_bf16", [_ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _ptr, _int], None),
     ("baige_rms_norm_bf16", [_ptr, _i64, _i64, _ptr, _f32, _ptr, _int], None),

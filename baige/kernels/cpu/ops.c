@@ -192,3 +192,45 @@ void baige_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int6
         out[r] = at;
     }
 }
+
+/* Inverse-transform sampling's draw (runtime/infer/sampling.py, _inverse_transform): for row r of p
+ * (rows x n, row stride ld, non-negative fp32), the running sums c_i = p_0 + ... + p_i in float64,
+ * added one at a time in vocabulary order (so bitwise torch's CPU cumsum of p.double(), which adds
+ * sequentially), x = (1 - u[r]) * c_{n-1}, and out[r] = the first i with c_i >= x (torch.searchsorted's
+ * left side on the non-decreasing c), n - 1 if none. Rows go ICDF_ROWS at a time, one independent
+ * float64 chain per row (a single chain is bound by the add's latency), and nothing n-wide is stored.
+ * Returns 1 when some row's total is not finite (a NaN or infinite mass: the caller takes torch's
+ * path, whose searchsorted places NaNs its own way), else 0. */
+#define ICDF_ROWS 8
+int baige_inverse_cdf_rows(const float *p, int64_t rows, int64_t n, int64_t ld, const double *u, int64_t *out) {
+    int bad = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += ICDF_ROWS) {
+        const int m = rows - r0 < ICDF_ROWS ? (int)(rows - r0) : ICDF_ROWS;
+        const float *v[ICDF_ROWS];
+        double c[ICDF_ROWS], x[ICDF_ROWS];
+        int64_t at[ICDF_ROWS];
+        for (int k = 0; k < ICDF_ROWS; k++) {  /* a short last block repeats its first row */
+            v[k] = p + (r0 + (k < m ? k : 0)) * ld;
+            c[k] = 0.0;
+            at[k] = -1;
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int k = 0; k < ICDF_ROWS; k++) c[k] += (double)v[k][i];
+        for (int k = 0; k < m; k++) {
+            if (!isfinite(c[k])) bad = 1;
+            x[k] = (1.0 - u[r0 + k]) * c[k];
+            c[k] = 0.0;
+        }
+        int left = m;
+        for (int64_t i = 0; i < n && left > 0; i++)
+            for (int k = 0; k < m; k++) {
+                c[k] += (double)v[k][i];
+                if (at[k] < 0 && c[k] >= x[k]) {
+                    at[k] = i;
+                    left--;
+                }
+            }
+        for (int k = 0; k < m; k++) out[r0 + k] = at[k] < 0 ? n - 1 : at[k];
+    }
+    return bad;
+}

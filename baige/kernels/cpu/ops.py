@@ -45,6 +45,20 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """(R, V) fp32 non-negative, V >= 1, and (R,) float64 uniforms -> (R,) int64: per row the first
+    position whose float64 running sum reaches ``(1 - u) * total`` (``ops.c``), or None when a row's
+    total is not finite."""
+    if probs.stride(-1) != 1:
+        probs = probs.contiguous()
+    u = u.to(torch.float64).contiguous()
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    bad = library().baige_inverse_cdf_rows(
+        probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), u.data_ptr(), out.data_ptr()
+    )
+    return None if bad else out
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)

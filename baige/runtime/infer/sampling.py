@@ -172,8 +172,11 @@ def _filtered(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     """
     R, V = logits.shape
     dev = logits.device
-    temps = torch.tensor([r.params.temperature for r in rows], device=dev)
-    scaled = logits / temps[:, None]
+    if all(r.params.temperature == 1.0 for r in rows):
+        scaled = logits  # x / 1.0 == x exactly: skip a vocabulary-wide pass
+    else:
+        temps = torch.tensor([r.params.temperature for r in rows], device=dev)
+        scaled = logits / temps[:, None]
     if not any(r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
         ks = [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
         if any(ks):
@@ -211,10 +214,8 @@ def _inverse_transform(probs: torch.Tensor, generators: list[torch.Generator | N
     Returns:
         (R,) int64 token ids.
     """
-    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators]).to(probs.device)
-    cdf = probs.double().cumsum(-1)  # (R, V)
-    x = (1 - u) * cdf[:, -1]
-    return torch.searchsorted(cdf, x[:, None]).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators])
+    return kernels.inverse_cdf(probs, u.to(probs.device))  # the search over the float64 cumulative mass
 
 
 def target_probs(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
@@ -286,9 +287,12 @@ def sample_batch(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[list[int
         ``params.logprobs`` is set, else None.
     """
     adjusted = adjusted_logits(logits, rows)
-    tokens = kernels.argmax(adjusted)  # (S,) greedy rows keep these
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
+    if len(random_rows) == len(rows):  # every row samples: no argmax, no gather of the rows
+        tokens = _inverse_transform(_filtered(adjusted, rows), [r.generator for r in rows])
+    else:
+        tokens = kernels.argmax(adjusted)  # (S,) greedy rows keep these
+    if random_rows and len(random_rows) < len(rows):
         idx = torch.tensor(random_rows, device=adjusted.device)
         probs = _filtered(adjusted[idx], [rows[i] for i in random_rows])
         tokens[idx] = _inverse_transform(probs, [rows[i].generator for i in random_rows])
