@@ -136,3 +136,18 @@ def test_a_gguf_llama_cpp_refuses_to_load_is_a_note(stand_in_llama_cpp, tmp_path
     rows, notes = _rows(ckpt)
     assert rows.decode == {} and len(notes) == 1
     assert notes[0].startswith("llama.cpp-F32 skipped: Failed to load model from file: ") and notes[0].endswith(".gguf")
+
+
+def test_a_changed_writer_converts_again(stand_in_llama_cpp, tmp_path, monkeypatch):
+    """The cache key holds the writer's source: a GGUF an older writer made is not reused."""
+    from baige.runtime.bench import llama_peer
+
+    ckpt = write_bpe_tokenizer(make_checkpoint(tmp_path / "ernie", "ernie4.5", vocab_size=V))
+    writer = tmp_path / "gguf_export_fake.py"
+    writer.write_text("# writer 1\n")
+    monkeypatch.setattr(llama_peer, "_writer_sources", lambda: [writer])
+    _rows(ckpt)
+    writer.write_text("# writer 2\n")
+    _rows(ckpt)
+    first, second = stand_in_llama_cpp
+    assert first != second and first.is_file() and second.is_file()

@@ -51,11 +51,19 @@ def gguf_file_type(path: Path) -> str:
         return f"ftype{value}"
 
 
+def _writer_sources() -> list[Path]:
+    """The GGUF writer's modules (``weights/gguf_export*.py``), sorted: part of the cache key."""
+    from baige.runtime.weights import gguf_export
+
+    return sorted(Path(gguf_export.__file__).parent.glob("gguf_export*.py"))
+
+
 def hf_gguf(model_dir: Path, cache: Path) -> tuple[Path, list[str]]:
     """The HF checkpoint ``model_dir`` written as a GGUF in its own dtype by baige's writer
     (:func:`baige.runtime.weights.gguf_export.export_gguf`), made once and cached as
     ``$BAIGE_CACHE/llama_cpp/<dir>-<key>-hf.gguf`` (key: the directory's path and its files' sizes and mtimes,
-    as the other peers' conversions); and one line per config field llama.cpp's graph computes differently
+    as the other peers' conversions, and the writer's own source, so a fixed writer never reuses an older
+    file); and one line per config field llama.cpp's graph computes differently
     (the row then times the checkpoint's shapes, not its exact function). Raises BaigeError when the family,
     a tensor or the tokenizer has no GGUF form; OSError when the cache cannot be written."""
     from baige.runtime.model.config import ModelConfig
@@ -65,7 +73,8 @@ def hf_gguf(model_dir: Path, cache: Path) -> tuple[Path, list[str]]:
     differs = differing_fields(ModelConfig.from_file(model_dir / "config.json"))
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
     stamp = ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
-    key = hashlib.sha256(f"{model_dir.resolve()}|{stamp}".encode()).hexdigest()[:16]
+    writer = hashlib.sha256(b"".join(p.read_bytes() for p in _writer_sources())).hexdigest()
+    key = hashlib.sha256(f"{model_dir.resolve()}|{stamp}|{writer}".encode()).hexdigest()[:16]
     out = cache / "llama_cpp" / f"{model_dir.name}-{key}-hf.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
