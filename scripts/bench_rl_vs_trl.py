@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -91,8 +92,9 @@ def run_trl(args, rows: list[dict], model_dir: Path) -> list[dict]:
                 steps[-1].update(reward=logs["reward"], response_length=logs.get("completions/mean_length"))
 
     batch = args.group_size * args.prompts_per_step
+    trl_out = tempfile.mkdtemp(prefix="trl-grpo-")
     cfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-grpo-"),
+        output_dir=trl_out,
         use_cpu=True,
         bf16=args.dtype == "bfloat16",  # autocast to bf16 over fp32 weights, as baige's mixed precision
         per_device_train_batch_size=batch,
@@ -119,7 +121,10 @@ def run_trl(args, rows: list[dict], model_dir: Path) -> list[dict]:
         processing_class=tok,
         callbacks=[StepClock()],
     )
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(trl_out, ignore_errors=True)
     for s in steps:
         s["rollout_tokens_per_s"] = s["rollout_tokens"] / s["rollout_s"] if s["rollout_s"] else None
     return steps
@@ -141,8 +146,11 @@ def run_baige(args, model: str) -> list[dict]:
     # fp32 master weights either way; bfloat16: bf16 compute in the trainer and bf16 engine weights
     cmd += ["--set", f"parallelism.mixed_precision_param={args.dtype}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    subprocess.run(cmd, check=True, env=env)
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    try:
+        subprocess.run(cmd, check=True, env=env)
+        rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    finally:  # the run's checkpoint and HF export (~2 GB for SmolLM2) are not kept
+        shutil.rmtree(out, ignore_errors=True)
     rows = [r for r in rows if r["split"] == "train"]  # not the checkpoint records
     return [
         dict(
