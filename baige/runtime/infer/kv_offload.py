@@ -243,8 +243,10 @@ class KVOffload:
             self._pending.clear()
             self._pending_bytes = 0
             self.stats.used_bytes = 0
-            self._put((self._gen, old, "clear", self.dir if self.root is not None else None))
-            self._open(fingerprint)
+            old_dir = self.dir if self.root is not None else None
+            self._put((self._gen, old, "clear", old_dir))
+            # the same weights: the directory's files are the generation just dropped (the writer removes them)
+            self._open(fingerprint, scan=old_dir is None or old_dir.name != fingerprint.hex())
 
     def flush(self) -> None:
         """Wait until every queued block is written (tests, benchmarks, :meth:`close`)."""
@@ -265,19 +267,25 @@ class KVOffload:
         self._queue.put(item)
 
     # ---- storage ---------------------------------------------------------------------------
-    def _open(self, fingerprint: bytes) -> None:
-        """Use ``fingerprint``'s records (under the lock, or before the writer starts); a directory's
-        records already on disk enter the LRU oldest first."""
+    def _open(self, fingerprint: bytes, scan: bool = True) -> None:
+        """Use ``fingerprint``'s records (under the lock, or before the writer starts); with ``scan``, a
+        directory's records already on disk enter the LRU oldest first (a file removed meanwhile is
+        passed over)."""
         self.fingerprint = fingerprint
         if self.root is None:
             return
         self.dir = self.root / fingerprint.hex()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            found = sorted(self.dir.glob("*.kv"), key=lambda p: p.stat().st_mtime)
+            found = []
+            for path in self.dir.glob("*.kv") if scan else ():
+                try:
+                    found.append((path.stat().st_mtime, path))
+                except FileNotFoundError:  # removed by the writer since the listing
+                    continue
         except OSError as e:
             raise BaigeError(f"--kv-offload-dir {self.root}: cannot use it ({e.strerror})") from None
-        for path in found:
+        for _, path in sorted(found):
             try:
                 self._index[bytes.fromhex(path.stem)] = self.block_bytes
             except ValueError:
