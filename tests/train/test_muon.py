@@ -266,6 +266,7 @@ def test_fsdp_muon_training_matches_one_process_and_resumes_exactly(two_rank_run
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == fsdp[s] for s in (4, 5, 6)), (resumed, fsdp)
 
 
+@pytest.mark.slow  # 4 ranks; the 2-rank FSDP and TP steps above stay in the default set
 def test_four_ranks_fsdp_x_tp_and_expert_parallel_take_the_same_muon_steps(tmp_path):
     """dp_shard 2 x TP 2 (FSDP's strided shards over TP's) on a dense model and EP 2 in dp_shard 4 on an MoE
     model (stacked experts, sharded by expert and by FSDP): the same Muon steps as one process."""

@@ -83,6 +83,8 @@ def _records(run_dir):
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
 
 
+# 4 ranks; the 2-rank EP tests (test_train_moe_distributed, test_train_mla_parallel) stay in the default set
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "run, single", [("ep_efsdp", "single_qwen3"), ("ep_hsdp", "single_qwen3"), ("ep_tp", "single_shared")]
 )
