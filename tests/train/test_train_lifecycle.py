@@ -175,6 +175,7 @@ def _torchrun(args: list[str], env: dict, max_restarts: int) -> subprocess.Compl
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.slow  # two torchrun launches with a restart (about a minute): the suite's time budget
 def test_elastic_restart_after_a_killed_rank_matches_an_uninterrupted_run(setup, tmp_path):
     """torchrun --max-restarts 1, 2 ranks (gloo): rank 1 is SIGKILLed as step 3 begins (BAIGE_TEST_FAIL_AT);
     the agent restarts both, they resume from step 2 by themselves, and the run ends with the uninterrupted
