@@ -61,9 +61,15 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _baige_cache(tmp_path_factory):
-    """One imported copy of the embedded model per test session, outside the user's cache."""
+    """One imported copy of the embedded model and one build of each CPU kernel variant per test run,
+    outside the user's cache: pytest-xdist's workers share the directory (the imports and builds take
+    a lock, so the first worker does the work and the others wait for it)."""
     if "BAIGE_TEST_CACHE" in os.environ:  # reuse across runs when developing
         os.environ["BAIGE_CACHE"] = os.environ["BAIGE_TEST_CACHE"]
+    elif "PYTEST_XDIST_WORKER" in os.environ:  # the run's base directory, one level above each worker's
+        shared = tmp_path_factory.getbasetemp().parent / "baige-cache"
+        shared.mkdir(exist_ok=True)
+        os.environ["BAIGE_CACHE"] = str(shared)
     else:
         os.environ["BAIGE_CACHE"] = str(tmp_path_factory.mktemp("baige-cache"))
     reload_settings()
