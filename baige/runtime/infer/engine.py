@@ -117,6 +117,7 @@ class Engine(EnginePooling, EngineWeights, EngineStructured):
             on_release=self.proposer.release if self.proposer else None,
             max_loras=cfg.max_loras if cfg.enable_lora else None,
             on_finish=self.kv_transfer.on_finish if self.kv_transfer is not None else None,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         )
         self.runner = ModelRunner(
             model,
