@@ -110,6 +110,7 @@ async def stream_chat(
     chunk = {**base, "object": "chat.completion.chunk"}
     n_out = 0
     readers = [job.reader() for _ in range(n)]
+    ended: set[int] = set()  # choices whose finish chunk is sent: later outputs still list them, finished
     for i in range(n):
         yield sse(
             {
@@ -121,8 +122,10 @@ async def stream_chat(
         )
     async for _, out in merge([gen]):
         for o in out.outputs:
-            if not (o.delta_text or o.delta_token_ids or o.finished):
+            if o.index in ended or not (o.delta_text or o.delta_token_ids or o.finished):
                 continue
+            if o.finished:
+                ended.add(o.index)
             n_out += len(o.delta_token_ids)
             reader = readers[o.index]
             events = reader.feed(o.delta_token_ids, o.delta_text)

@@ -171,6 +171,7 @@ async def stream_completion(
     n, n_out = job.n, 0
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
+    ended: set[int] = set()  # choices whose finish chunk is sent: later outputs still list them, finished
 
     def echo_chunks(k: int, prompt_lps: list[Logprobs | None] | None) -> list[str]:
         echoed.add(k)
@@ -199,9 +200,11 @@ async def stream_completion(
             for chunk in echo_chunks(k, out.prompt_logprobs):
                 yield chunk
         for o in out.outputs:
-            if not (o.delta_text or o.delta_token_ids or o.finished):
-                continue
             idx = k * n + o.index
+            if idx in ended or not (o.delta_text or o.delta_token_ids or o.finished):
+                continue
+            if o.finished:
+                ended.add(idx)
             n_out += len(o.delta_token_ids)
             lp = None
             if o.logprobs is not None:
