@@ -208,7 +208,8 @@ class SamplingFields(_Strict):
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+            # ASCII digits only: str.isdigit() is also true of '²' and other Unicode digits int() refuses
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
                 raise APIError(f"logit_bias: key {key[:40]!r} is not a token id", param="logit_bias")
             out[int(key)] = bias
         return out
