@@ -159,6 +159,8 @@ HOSTILE = [
     (raw("[" * 100_000 + "]" * 100_000), 400, None),
     (raw('{"prompt": ' + "[" * 70 + "1" + "]" * 70 + "}"), 400, None),
     (raw('{"prompt": "ab", "max_tokens": 2'), 400, None),
+    (raw('{"prompt": "ab", "max_tokens": ' + "9" * 5000 + "}"), 400, None),  # past int()'s 4300 digits
+    (raw('{"prompt": "ab", "max_tokens": 2, "temperature": -' + "9" * 4301 + "}"), 400, None),
     (b'{"prompt": "\xff\xfe"}', 400, None),
     (b"", 400, None),
     ({"prompt": "x" * (MAX_BYTES + 10)}, 413, None),
