@@ -330,6 +330,8 @@ RESPONSES = [
     ({"input": "ab " * 20000, "max_output_tokens": 2}, 400, "input"),
     ({"input": [], "instructions": "only instructions"}, 400, "input"),
     ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "seed": 2**64}, 400, "seed"),
+    ({"input": "hi", "seed": -(2**63) - 1}, 400, "seed"),
     # OpenAI's fields for what baige does not keep or compute: refused, not ignored
     ({"input": "hi", "conversation": "conv_123"}, 400, "conversation"),
     ({"input": "hi", "prompt": {"id": "pmpt_123"}}, 400, "prompt"),

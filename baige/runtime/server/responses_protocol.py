@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from baige.runtime.infer.sampling_params import SEED_MAX, SEED_MIN
 from baige.runtime.server.protocol import MAX_DESCRIPTION, MAX_ID_LEN, MAX_TOOLS, ToolName, _Strict
 
 MAX_INPUT_ITEMS = 4096  # items of one request's ``input``
@@ -150,7 +151,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
     include: list[str] | None = Field(None, max_length=16)
-    seed: int | None = None  # vLLM's extra
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's extra (64-bit, as the chat route's)
     # OpenAI's fields for what this server does not keep or compute: a non-empty value is a 400
     conversation: Any = None
     prompt: Any = None
