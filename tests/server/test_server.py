@@ -192,6 +192,8 @@ def test_n_streamed_choices_end_once_each(http, path):
             finishes.setdefault(i, []).append(c["finish_reason"])
     assert not after_end, chunks
     assert finishes == {c["index"]: [c["finish_reason"]] for c in plain}
+    ends = {c["index"]: c["stop_reason"] for c in chunks if c["finish_reason"] is not None}
+    assert ends == {c["index"]: c["stop_reason"] for c in plain} and " " in ends.values()  # the stop string
     got = {c["index"]: (c["text"] if key == "text" else c["message"]["content"]) for c in plain}
     assert texts == got
     order = [c["index"] for c in chunks]

@@ -210,19 +210,10 @@ async def stream_completion(
             if o.logprobs is not None:
                 lp = completion_logprobs(st.tokenizer, o.delta_logprobs, offsets.get(idx, 0))
             offsets[idx] = offsets.get(idx, 0) + len(o.delta_text)
-            yield sse(
-                {
-                    **job.base,
-                    "choices": [
-                        {
-                            "index": idx,
-                            "text": o.delta_text,
-                            "logprobs": lp,
-                            "finish_reason": o.finish_reason if o.finished else None,
-                        }
-                    ],
-                }
-            )
+            choice = {"index": idx, "text": o.delta_text, "logprobs": lp, "finish_reason": None}
+            if o.finished:  # the stop string or id that ended it on the last chunk, as the plain response's
+                choice.update(finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+            yield sse({**job.base, "choices": [choice]})
     if include_usage(job.req):
         yield sse({**job.base, "choices": [], "usage": usage(job.num_prompt_tokens, n_out)})
     yield DONE
