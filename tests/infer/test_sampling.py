@@ -395,3 +395,27 @@ def test_min_tokens_never_masks_every_allowed_token():
     p = SamplingParams(allowed_token_ids=[1, 2], min_tokens=3, temperature=0)
     tokens, _ = sample_batch(torch.tensor([[5.0, 0.5, 4.0, 0.0]]), [SamplerRow(p, None, output_ids=[], stop_ids=[2])])
     assert tokens == [1]  # a non-stop allowed token exists: the stop id is masked
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_p=1e-46),  # > 0 as a Python float, 0 in fp32: every token's preceding mass "reaches" it
+        dict(temperature=1e39),  # inf in fp32: -inf / inf is NaN for every refused token
+        dict(repetition_penalty=1e-46),  # 0 in fp32: a seen logit / 0 is inf, a refused one -inf * 0 NaN
+    ],
+)
+def test_parameters_past_fp32_range_still_draw_an_allowed_token(kw):
+    """Values the API accepts but fp32 rounds to 0 or inf: the draw stays inside allowed_token_ids and
+    the filters' meaning holds (the most likely allowed token survives top-p), never a NaN row."""
+    logits = [[5.0, 4.0, 1.0, 3.0, 0.5]]
+    p = SamplingParams(allowed_token_ids=[1, 3], **kw)
+    seen = {draw(logits, [row(p, seed, prompt_ids=[1], output_ids=[3])])[0][0] for seed in range(50)}
+    expected = {1} if "top_p" in kw else {1, 3}  # top_p ~ 0 keeps the argmax of the allowed tokens
+    assert seen == expected
+    assert torch.isfinite(apply_filters(torch.tensor(logits), 0, 1e-46, 0.0)).tolist() == [
+        [True, False, False, False, False]
+    ]
+    assert sample(torch.tensor(logits), SamplingParams(temperature=1e39), torch.Generator().manual_seed(0)).shape == (
+        1,
+    )

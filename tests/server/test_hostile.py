@@ -146,6 +146,7 @@ HOSTILE = [
     ({"prompt": "ab", "max_tokens": 2, "logprobs": 10**9}, 400, "logprobs"),
     ({"prompt": "ab", "max_tokens": 2, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"prompt": "ab", "max_tokens": 2, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "ab", "max_tokens": 2, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # '²'.isdigit()
     ({"prompt": "ab", "max_tokens": 2, "logit_bias": {"5": 1000}}, 400, "logit_bias"),
     ({"prompt": "ab", "max_tokens": 2, "allowed_token_ids": [VOCAB]}, 400, "allowed_token_ids"),
     ({"prompt": "ab", "max_tokens": 2, "allowed_token_ids": []}, 400, "allowed_token_ids"),
@@ -158,6 +159,8 @@ HOSTILE = [
     (raw("[" * 100_000 + "]" * 100_000), 400, None),
     (raw('{"prompt": ' + "[" * 70 + "1" + "]" * 70 + "}"), 400, None),
     (raw('{"prompt": "ab", "max_tokens": 2'), 400, None),
+    (raw('{"prompt": "ab", "max_tokens": ' + "9" * 5000 + "}"), 400, None),  # past int()'s 4300 digits
+    (raw('{"prompt": "ab", "max_tokens": 2, "temperature": -' + "9" * 4301 + "}"), 400, None),
     (b'{"prompt": "\xff\xfe"}', 400, None),
     (b"", 400, None),
     ({"prompt": "x" * (MAX_BYTES + 10)}, 413, None),
@@ -327,6 +330,12 @@ RESPONSES = [
     ({"input": "ab " * 20000, "max_output_tokens": 2}, 400, "input"),
     ({"input": [], "instructions": "only instructions"}, 400, "input"),
     ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "seed": 2**64}, 400, "seed"),
+    ({"input": "hi", "seed": -(2**63) - 1}, 400, "seed"),
+    # OpenAI's fields for what baige does not keep or compute: refused, not ignored
+    ({"input": "hi", "conversation": "conv_123"}, 400, "conversation"),
+    ({"input": "hi", "prompt": {"id": "pmpt_123"}}, 400, "prompt"),
+    ({"input": "hi", "top_logprobs": 5}, 400, "top_logprobs"),
 ]
 
 
@@ -354,6 +363,16 @@ TOKENIZE = [
     ({"messages": [{"role": "user", "content": "x " * 300_000}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400, "continue_final_message"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": 5}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": 5}},
+        400,
+        "chat_template_kwargs",
+    ),
     (raw('{"messages": ' + "[" * 70 + "]" * 70 + "}"), 400, None),
     (raw("[" * 100_000 + "]" * 100_000), 400, None),
 ]

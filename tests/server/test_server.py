@@ -171,6 +171,36 @@ def test_stream_equals_non_stream_with_stop(http):
     assert all(stop not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_streamed_choices_end_once_each(http, path):
+    """With n > 1 a choice cut by a stop string before the others gets one finish chunk and nothing
+    after it (the engine's later outputs still list it, finished), and the stream's texts and finish
+    reasons are the plain response's."""
+    body = {"n": 4, "max_tokens": 12, "stop": [" "], "temperature": 1.0, "seed": 3}
+    body |= {"prompt": "Once upon a time"} if path == "/v1/completions" else {"messages": FRANCE}
+    plain = http.post(path, json=body).json()["choices"]
+    chunks = [c["choices"][0] for c in sse_events(http.post(path, json={**body, "stream": True}).text)]
+    key = "text" if path == "/v1/completions" else "message"
+    texts, finishes, after_end = {}, {}, set()
+    for c in chunks:
+        i = c["index"]
+        if i in finishes:
+            after_end.add(i)
+        piece = c["text"] if key == "text" else c["delta"].get("content") or ""
+        texts[i] = texts.get(i, "") + piece
+        if c["finish_reason"] is not None:
+            finishes.setdefault(i, []).append(c["finish_reason"])
+    assert not after_end, chunks
+    assert finishes == {c["index"]: [c["finish_reason"]] for c in plain}
+    ends = {c["index"]: c["stop_reason"] for c in chunks if c["finish_reason"] is not None}
+    assert ends == {c["index"]: c["stop_reason"] for c in plain} and " " in ends.values()  # the stop string
+    got = {c["index"]: (c["text"] if key == "text" else c["message"]["content"]) for c in plain}
+    assert texts == got
+    order = [c["index"] for c in chunks]
+    first_end = next(k for k, c in enumerate(chunks) if c["finish_reason"] is not None)
+    assert set(order[first_end + 1 :]) - {order[first_end]}  # another choice ran on after one ended
+
+
 def test_32_concurrent_streams_match_solo_runs(server, http):
     words = "the quick brown fox jumps over the lazy dog and keeps running far away".split()
     reqs = [
@@ -226,7 +256,8 @@ GOOD = {"prompt": "Hi", "max_tokens": 2}
         ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": MAX_LEN}, 400, "prompt"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": MAX_LEN, "stream": True}, 400, "prompt"),
-        ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": MAX_LEN, "stream": True}, 400, "prompt"),
+        ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": MAX_LEN, "stream": True}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": FRANCE * 200, "max_tokens": 2}, 400, "messages"),
         ("/v1/chat/completions", {"messages": FRANCE, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),

@@ -33,6 +33,7 @@ def apply_filters(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False  # the most likely token stays (a top_p that rounds to 0 in fp32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if min_p > 0.0:
@@ -54,7 +55,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     if params.greedy:
         return logits.argmax(-1)
-    logits = apply_filters(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    logits = apply_filters(
+        logits / min(params.temperature, torch.finfo(torch.float32).max), params.top_k, params.top_p, params.min_p
+    )
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -138,7 +141,12 @@ def _adjust_row(row: torch.Tensor, r: SamplerRow) -> torch.Tensor:
         seen = torch.zeros(V, dtype=torch.bool, device=dev)
         seen[torch.tensor(r.prompt_ids or [], dtype=torch.long, device=dev)] = True
         seen[out] = True
-        row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        # a penalty beyond fp32's range (below ~1e-38: it rounds to 0) must not turn a logit into inf,
+        # or a refused one (-inf * 0) into NaN: refused tokens stay -inf, the others stay finite
+        big = torch.finfo(row.dtype).max
+        penalized = torch.where(torch.isneginf(row), row, penalized.nan_to_num(0.0, big, -big))
+        row = torch.where(seen, penalized, row)
     if p.presence_penalty or p.frequency_penalty:
         counts = torch.bincount(out, minlength=V).float()[:V]
         row = row - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
@@ -175,7 +183,9 @@ def _filtered(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     if all(r.params.temperature == 1.0 for r in rows):
         scaled = logits  # x / 1.0 == x exactly: skip a vocabulary-wide pass
     else:
-        temps = torch.tensor([r.params.temperature for r in rows], device=dev)
+        # a temperature past fp32's range would be inf there, and -inf / inf (a refused token) NaN
+        big = torch.finfo(torch.float32).max
+        temps = torch.tensor([min(r.params.temperature, big) for r in rows], device=dev)
         scaled = logits / temps[:, None]
     if not any(r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
         ks = [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
@@ -193,6 +203,7 @@ def _filtered(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
     if (top_p < 1).any():
         probs = sorted_logits.softmax(-1)
         drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token stays (a top_p that rounds to 0 in fp32)
         sorted_logits = sorted_logits.masked_fill(drop & (top_p[:, None] < 1), float("-inf"))
     min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
     if (min_p > 0).any():

@@ -42,7 +42,9 @@ def check_chat_size(st: ServerState, req: ChatCompletionRequest) -> None:
         )
 
 
-async def chat_prompt(st: ServerState, plan: ToolPlan, template_kwargs: dict | None = None) -> list[int]:
+async def chat_prompt(
+    st: ServerState, plan: ToolPlan, template_kwargs: dict | None = None, add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of the rendered conversation (off the event loop); ``template_kwargs`` are further
     template variables (``enable_thinking``, ...). Raises APIError (400)."""
     extra = dict(template_kwargs or {})
@@ -52,7 +54,7 @@ async def chat_prompt(st: ServerState, plan: ToolPlan, template_kwargs: dict | N
     extra.update(plan.template_vars)
     try:
         return await asyncio.to_thread(
-            st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=True, **extra
+            st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=add_generation_prompt, **extra
         )
     except BaigeError as e:
         raise APIError(str(e), param="messages") from None

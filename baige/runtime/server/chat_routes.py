@@ -110,6 +110,7 @@ async def stream_chat(
     chunk = {**base, "object": "chat.completion.chunk"}
     n_out = 0
     readers = [job.reader() for _ in range(n)]
+    ended: set[int] = set()  # choices whose finish chunk is sent: later outputs still list them, finished
     for i in range(n):
         yield sse(
             {
@@ -121,8 +122,10 @@ async def stream_chat(
         )
     async for _, out in merge([gen]):
         for o in out.outputs:
-            if not (o.delta_text or o.delta_token_ids or o.finished):
+            if o.index in ended or not (o.delta_text or o.delta_token_ids or o.finished):
                 continue
+            if o.finished:
+                ended.add(o.index)
             n_out += len(o.delta_token_ids)
             reader = readers[o.index]
             events = reader.feed(o.delta_token_ids, o.delta_text)
@@ -133,20 +136,10 @@ async def stream_chat(
                 continue  # tokens that produced no delta yet (a call's start, half a character)
             deltas = [delta_of(e) for e in events] or [{}]
             for j, delta in enumerate(deltas):
-                last = j == len(deltas) - 1
-                yield sse(
-                    {
-                        **chunk,
-                        "choices": [
-                            {
-                                "index": o.index,
-                                "delta": delta,
-                                "logprobs": lp if j == 0 else None,
-                                "finish_reason": finish_reason(o, reader) if o.finished and last else None,
-                            }
-                        ],
-                    }
-                )
+                choice = {"index": o.index, "delta": delta, "logprobs": lp if j == 0 else None, "finish_reason": None}
+                if o.finished and j == len(deltas) - 1:  # the last chunk: also the stop string or id (vLLM's)
+                    choice.update(finish_reason=finish_reason(o, reader), stop_reason=o.stop_reason)
+                yield sse({**chunk, "choices": [choice]})
     if include_usage(req):
         yield sse({**chunk, "choices": [], "usage": usage(n_prompt, n_out)})
     yield DONE

@@ -171,6 +171,7 @@ async def stream_completion(
     n, n_out = job.n, 0
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
+    ended: set[int] = set()  # choices whose finish chunk is sent: later outputs still list them, finished
 
     def echo_chunks(k: int, prompt_lps: list[Logprobs | None] | None) -> list[str]:
         echoed.add(k)
@@ -199,27 +200,20 @@ async def stream_completion(
             for chunk in echo_chunks(k, out.prompt_logprobs):
                 yield chunk
         for o in out.outputs:
-            if not (o.delta_text or o.delta_token_ids or o.finished):
-                continue
             idx = k * n + o.index
+            if idx in ended or not (o.delta_text or o.delta_token_ids or o.finished):
+                continue
+            if o.finished:
+                ended.add(idx)
             n_out += len(o.delta_token_ids)
             lp = None
             if o.logprobs is not None:
                 lp = completion_logprobs(st.tokenizer, o.delta_logprobs, offsets.get(idx, 0))
             offsets[idx] = offsets.get(idx, 0) + len(o.delta_text)
-            yield sse(
-                {
-                    **job.base,
-                    "choices": [
-                        {
-                            "index": idx,
-                            "text": o.delta_text,
-                            "logprobs": lp,
-                            "finish_reason": o.finish_reason if o.finished else None,
-                        }
-                    ],
-                }
-            )
+            choice = {"index": idx, "text": o.delta_text, "logprobs": lp, "finish_reason": None}
+            if o.finished:  # the stop string or id that ended it on the last chunk, as the plain response's
+                choice.update(finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+            yield sse({**job.base, "choices": [choice]})
     if include_usage(job.req):
         yield sse({**job.base, "choices": [], "usage": usage(job.num_prompt_tokens, n_out)})
     yield DONE

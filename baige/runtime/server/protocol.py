@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -69,14 +70,17 @@ def error_response(message: str, status: int = 400, param: str | None = None, co
 
 def parse_body(raw: bytes) -> dict:
     """The request body as a JSON object: valid UTF-8 JSON, nested at most MAX_JSON_DEPTH deep,
-    every string valid Unicode (no lone surrogates from ``\\ud800`` escapes). Python's parser takes
-    NaN and Infinity; the schemas refuse them. Raises APIError (400) naming the problem."""
+    every string valid Unicode (no lone surrogates from ``\\ud800`` escapes), no integer literal past
+    Python's int-from-text limit (4300 digits). Python's parser takes NaN and Infinity; the schemas
+    refuse them. Raises APIError (400) naming the problem."""
     try:
         body = json.loads(raw)
     except RecursionError:
         raise APIError(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # an integer literal longer than Python's int-from-text limit (sys.get_int_max_str_digits)
+        raise APIError(f"the request body has an integer of more than {sys.get_int_max_str_digits()} digits") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     _check_tree(body)
@@ -208,7 +212,8 @@ class SamplingFields(_Strict):
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+            # ASCII digits only: str.isdigit() is also true of '²' and other Unicode digits int() refuses
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
                 raise APIError(f"logit_bias: key {key[:40]!r} is not a token id", param="logit_bias")
             out[int(key)] = bias
         return out

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
+from baige.runtime.infer.sampling_params import SEED_MAX, SEED_MIN
 from baige.runtime.server.protocol import MAX_DESCRIPTION, MAX_ID_LEN, MAX_TOOLS, ToolName, _Strict
 
 MAX_INPUT_ITEMS = 4096  # items of one request's ``input``
@@ -32,6 +33,13 @@ BUILT_IN_TOOLS = (
     "apply_patch",
     "custom",
 )
+
+
+NOT_SERVED = {
+    "conversation": "conversations (OpenAI's Conversations API) are not served; continue with previous_response_id",
+    "prompt": "stored prompt templates are not served; send the prompt's text as input or instructions",
+    "top_logprobs": "logprobs are not served on /v1/responses; use /v1/chat/completions for them",
+}
 
 
 class TextContent(_Strict):
@@ -121,7 +129,8 @@ class ReasoningConfigField(_Strict):
 
 
 class ResponsesRequest(_Strict):
-    """``POST /v1/responses``. ``background`` and ``truncation: "auto"`` are refused (not served)."""
+    """``POST /v1/responses``. ``background``, ``truncation: "auto"``, ``conversation``, ``prompt`` and
+    ``top_logprobs`` are refused (not served), not ignored."""
 
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
@@ -142,7 +151,18 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
     include: list[str] | None = Field(None, max_length=16)
-    seed: int | None = None  # vLLM's extra
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's extra (64-bit, as the chat route's)
+    # OpenAI's fields for what this server does not keep or compute: a non-empty value is a 400
+    conversation: Any = None
+    prompt: Any = None
+    top_logprobs: int | None = None
+
+    @field_validator("conversation", "prompt", "top_logprobs")
+    @classmethod
+    def _not_served(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or (info.field_name == "top_logprobs" and v == 0):
+            return v
+        raise ValueError(NOT_SERVED[info.field_name])
 
     @field_validator("tools", mode="before")
     @classmethod

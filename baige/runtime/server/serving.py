@@ -155,7 +155,7 @@ async def prepared(
     """Validate and tokenize every prompt before anything runs (the same 400 whether streaming or
     not), off the event loop so a long prompt does not stall other clients' streams. A constraint's
     error names the field the request gave it in (``response_format``, ``structured_outputs``, or
-    ``tool_choice`` for a forced tool call)."""
+    ``tool_choice`` for a forced tool call); a chat request's prompt error names ``messages``."""
 
     def run() -> list[tuple[list[int], SamplingParams]]:
         out = []
@@ -164,6 +164,8 @@ async def prepared(
                 out.append(st.engine.prepare(p, params))
             except BaigeError as e:
                 param = e.param or "prompt"
+                if param == "prompt" and hasattr(req, "messages"):  # a chat request's prompt is its messages
+                    param = "messages"
                 if param == "structured_outputs" and req.structured_outputs is None:  # the constraint's source
                     forced = getattr(req, "tool_choice", None) is not None
                     param = "response_format" if req.response_format else "tool_choice" if forced else param

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from baige.errors import BaigeError
+from baige.runtime.server.chat import chat_prompt, check_chat_size
 from baige.runtime.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -62,26 +62,9 @@ async def _chat_ids(st: ServerState, req: TokenizeChatRequest) -> list[int]:
     """The conversation's token ids as the chat route renders it. Raises APIError (400)."""
     if req.continue_final_message:
         raise APIError("continue_final_message is not supported", param="continue_final_message")
-    limit = st.engine.max_prompt_chars
-    chars = 0
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        chars += len(content) + sum(len(c.function.arguments) for c in m.tool_calls or [])
-    if chars > limit:
-        raise APIError(f"the conversation has {chars} characters, more than the {limit} allowed", param="messages")
-    plan = plan_tools(req, st.tools)
-    extra = dict(req.chat_template_kwargs or {})
-    extra.update(plan.template_vars)
-    try:
-        return await asyncio.to_thread(
-            st.tokenizer.apply_chat_template, plan.messages, add_generation_prompt=req.add_generation_prompt, **extra
-        )
-    except BaigeError as e:
-        raise APIError(str(e), param="messages") from None
-    except Exception as e:  # the template met fields it cannot render (jinja2 type errors)
-        raise APIError(
-            f"messages: the chat template cannot render them ({type(e).__name__}: {str(e)[:200]})", param="messages"
-        ) from None
+    check_chat_size(st, req)
+    plan = await asyncio.to_thread(plan_tools, req, st.tools)
+    return await chat_prompt(st, plan, req.chat_template_kwargs, req.add_generation_prompt)
 
 
 @router.post("/tokenize")
