@@ -27,8 +27,9 @@ Forking (:meth:`BlockManager.fork`, vLLM's ``fork`` of a sequence group): a sequ
 sequence of the same request has just computed takes that sequence's block table by reference (every block's
 ref count + 1) instead of computing the prompt again. A write into a block that more than one sequence
 references is *copy-on-write*: the writer gets a fresh block and a pending copy ``(src, dst)``
-(:meth:`BlockManager.take_copies`) that the runner applies to every layer's K/V before the step's forward;
-only a prompt's partial last block is ever written while shared (full blocks hold computed tokens only).
+(:meth:`BlockManager.take_copies`) that the runner applies to every layer's K/V before the step's forward:
+the prompt's partial last block, when a sample first writes its next token there (writes never reach a
+shared block otherwise, except the one of a forked child's last prompt token if that child recomputes it).
 
 Sliding-window layers (``sliding_window`` set): their blocks live in a second pool and a second table per
 sequence, ``seq.sliding_table``, and are given back once wholly before the window
