@@ -5,7 +5,11 @@ router`:
 
 - ``pd``: a producer (``kv_role: kv_producer``) and a consumer (``kv_consumer``), ZeroMQ transport,
   router ``--policy pd`` (the producer prefills, the consumer pulls the prompt's KV blocks and decodes);
-- ``colocated``: two plain instances, router ``--policy least_load`` (each prefills and decodes its own).
+  the producer runs ``--long-prefill-token-threshold`` (``--producer-long-prefill-threshold``), so the
+  long prompt's prefill does not hold the short ones queued behind it, which would then reach the
+  consumer all at once and decode there in one large batch;
+- ``colocated``: two plain instances, router ``--policy least_load`` (each prefills and decodes its own;
+  ``--colocated-long-prefill-threshold`` gives them the same chunking).
 
 The workload, the same for both and every rate: steady short chats (``--short-prompt`` tokens of
 tinyshakespeare, ``--short-output`` tokens out) arriving as a Poisson process at the rate under test,
@@ -111,7 +115,11 @@ def start_layout(layout: str, args, log) -> tuple[list[subprocess.Popen], str]:
             role = ("kv_producer", "kv_consumer")[i]
             cfg = {"kv_connector": "zmq", "kv_role": role}
             extra = ["--kv-transfer-config", json.dumps(cfg)]
+            if role == "kv_producer":
+                extra += ["--long-prefill-token-threshold", str(args.producer_long_prefill_threshold)]
             roles.append(role)
+        elif args.colocated_long_prefill_threshold:
+            extra = ["--long-prefill-token-threshold", str(args.colocated_long_prefill_threshold)]
         procs.append(launch([*serve, "--port", str(port), *extra], log))
         urls.append(f"http://127.0.0.1:{port}")
     for url, proc in zip(urls, procs):
@@ -165,6 +173,20 @@ def main() -> int:
     ap.add_argument("--long-output", type=int, default=4)
     ap.add_argument("--long-every", type=float, default=10.0)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--producer-long-prefill-threshold",
+        type=int,
+        default=256,
+        help="the P/D producer's --long-prefill-token-threshold (0: none): a long prompt's prefill in chunks "
+        "of this many tokens, so the short prompts behind it are not held until it ends",
+    )
+    ap.add_argument(
+        "--colocated-long-prefill-threshold",
+        type=int,
+        default=0,
+        help="the colocated instances' --long-prefill-token-threshold (0: none; run it both ways to give colocated "
+        "its better setting: chunks let short prompts in sooner but stall the instance's running streams more often)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each server")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="which layouts to run (both for the verdict)")

@@ -1,5 +1,7 @@
 import importlib.util
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,9 +63,15 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _baige_cache(tmp_path_factory):
-    """One imported copy of the embedded model per test session, outside the user's cache."""
+    """One imported copy of the embedded model and one build of each CPU kernel variant per test run,
+    outside the user's cache: pytest-xdist's workers share the directory (the imports and builds take
+    a lock, so the first worker does the work and the others wait for it)."""
     if "BAIGE_TEST_CACHE" in os.environ:  # reuse across runs when developing
         os.environ["BAIGE_CACHE"] = os.environ["BAIGE_TEST_CACHE"]
+    elif "PYTEST_XDIST_WORKER" in os.environ:  # the run's base directory, one level above each worker's
+        shared = tmp_path_factory.getbasetemp().parent / "baige-cache"
+        shared.mkdir(exist_ok=True)
+        os.environ["BAIGE_CACHE"] = str(shared)
     else:
         os.environ["BAIGE_CACHE"] = str(tmp_path_factory.mktemp("baige-cache"))
     reload_settings()
@@ -95,14 +103,34 @@ def exact_quant_kernels(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def hf_embedded():
-    """transformers' own load of the embedded GGUF (fp32): the reference for the real-model tests."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_embedded(_baige_cache):
+    """transformers' own load of the embedded GGUF (fp32): the reference for the real-model tests. The
+    GGUF load (transformers dequantizes it) runs once per test run: the first worker saves its config,
+    tokenizer and fp32 tensors (safetensors' ``save_model``: transformers refuses to save a model it
+    loaded from GGUF) into the run's shared cache, under a lock, and every worker builds the model from
+    that copy (the same tensors, bit for bit, in transformers' model class)."""
+    from filelock import FileLock
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = embedded_gguf()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return model, tok
+    saved = Path(os.environ["BAIGE_CACHE"]) / "hf-reference-embedded"
+    with FileLock(str(saved) + ".lock"):
+        if not saved.is_dir():
+            path = embedded_gguf()
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            partial = saved.with_name(saved.name + ".partial")  # renamed when complete
+            shutil.rmtree(partial, ignore_errors=True)
+            tok.save_pretrained(partial)
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (partial / "reference_config.json").write_text(json.dumps(config))
+            save_model(model, str(partial / "reference.safetensors"))
+            os.replace(partial, saved)
+    config = json.loads((saved / "reference_config.json").read_text())
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    load_model(model, str(saved / "reference.safetensors"))
+    return model.eval(), AutoTokenizer.from_pretrained(saved)
 
 
 @pytest.fixture

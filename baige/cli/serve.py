@@ -226,6 +226,14 @@ def serve(
     max_num_batched_tokens: Annotated[
         int, typer.Option(min=1, help="Most tokens computed in one step (prefill chunks + decodes).")
     ] = 2048,
+    long_prefill_token_threshold: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Most prompt tokens one request computes per step (0: no limit but the step's), so a long "
+            "prompt's prefill runs in chunks that leave room for the prompts queued behind it.",
+        ),
+    ] = 0,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV-cache block.")] = 16,
     kv_cache_memory: Annotated[
         Optional[str],
@@ -399,6 +407,7 @@ def serve(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        long_prefill_token_threshold=long_prefill_token_threshold,
         block_size=block_size,
         kv_cache_memory=kv_cache_memory,
         enable_prefix_caching=enable_prefix_caching,

@@ -189,6 +189,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # vLLM's: most prompt tokens one sequence computes per step (0: only the budget limits it), so a long
+    # prompt's chunks leave the rest of each step to the prompts behind it (infer/scheduler.py)
+    long_prefill_token_threshold: int = 0
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes, or a size such as "2GB" / "512MiB" (parse_size)
     enable_prefix_caching: bool = True
@@ -237,6 +240,7 @@ class EngineConfig:
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
         ):
             check_int(option, value, 1)
+        check_int("--long-prefill-token-threshold", self.long_prefill_token_threshold, 0)
         if self.max_model_len is not None:
             check_int("--max-model-len", self.max_model_len, 1)
         if isinstance(self.kv_cache_memory, str):

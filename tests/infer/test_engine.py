@@ -89,6 +89,24 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(loaded, prompts, exp
     assert eng.block_manager.num_used_blocks == 0
 
 
+def test_greedy_matches_with_long_prefill_token_threshold(loaded, prompts, expected):
+    # every prompt past 24 tokens is computed 24 tokens a step (several steps beside the others' decodes)
+    eng = engine(loaded, long_prefill_token_threshold=24)
+    chunks = []
+    schedule = eng.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        chunks.extend(n for i, n in enumerate(batch.num_new_tokens) if i >= batch.num_decodes)
+        return batch
+
+    eng.scheduler.schedule = recording
+    params = [SamplingParams(max_tokens=len(e), **GREEDY) for e in expected]
+    outs = run(eng, prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(chunks) == 24 and chunks.count(24) >= len(prompts[1]) // 24
+
+
 def test_llm_offline_api(embedded_dir, prompts, expected):
     llm = LLM(str(embedded_dir), max_model_len=512, kv_cache_memory=40_000_000, enforce_eager=True)
     outs = llm.generate(

@@ -1,5 +1,9 @@
 """Scheduler without a model: token budget, sequence cap, chunked prefill, preemption, FIFO."""
 
+import pytest
+
+from baige.errors import BaigeError
+from baige.runtime.config import EngineConfig
 from baige.runtime.infer.block_manager import BlockManager
 from baige.runtime.infer.scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -148,6 +152,44 @@ def test_without_prefix_caching_samples_prefill_together():
     for s in samples:
         sched.add(s)
     assert run_step(sched).num_new_tokens == [10, 10, 10]
+
+
+def test_long_prefill_token_threshold_leaves_the_budget_to_the_prompts_behind():
+    # vLLM's long_prefill_token_threshold: the 20-token prompt computes at most 8 tokens a step, and the
+    # two short prompts queued behind it are admitted whole in its first step instead of after it
+    sched = Scheduler(BlockManager(64, 4, False), 8, 32, 64, long_prefill_token_threshold=8)
+    long, s1, s2 = (
+        Sequence(list(range(20)), max_tokens=2),
+        Sequence([1] * 6, max_tokens=3),
+        Sequence([2] * 5, max_tokens=3),
+    )
+    for s in (long, s1, s2):
+        sched.add(s)
+    b1 = run_step(sched)
+    assert b1.seqs == [long, s1, s2] and b1.num_new_tokens == [8, 6, 5] and b1.num_decodes == 0
+    assert long.num_output_tokens == 0 and s1.num_output_tokens == s2.num_output_tokens == 1
+    b2 = run_step(sched)  # decodes first; the long prompt's next chunk
+    assert b2.seqs == [s1, s2, long] and b2.num_new_tokens == [1, 1, 8] and b2.num_decodes == 2
+    b3 = run_step(sched)  # its last 4 prompt tokens: its first token is sampled
+    assert b3.num_new_tokens == [1, 1, 4] and long.num_output_tokens == 1
+    b4 = run_step(sched)
+    assert b4.num_decodes == 1 and b4.num_new_tokens == [1]  # s1, s2 finished (3 tokens); long decodes
+
+
+def test_without_threshold_a_long_prompt_takes_the_budget_first():
+    sched = Scheduler(BlockManager(64, 4, False), 8, 24, 64)
+    long, short = Sequence(list(range(20)), max_tokens=2), Sequence([1] * 6, max_tokens=3)
+    sched.add(long)
+    sched.add(short)
+    b1 = run_step(sched)
+    assert b1.seqs == [long, short] and b1.num_new_tokens == [20, 4]  # the short prompt gets what is left
+
+
+def test_long_prefill_token_threshold_must_not_be_negative():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(BlockManager(8, 4, False), 2, 8, 16, long_prefill_token_threshold=-1)
+    with pytest.raises(BaigeError, match="--long-prefill-token-threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
 
 
 def _group(prompt, n, max_tokens=3, request_id="r"):

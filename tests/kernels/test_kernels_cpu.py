@@ -3,6 +3,8 @@ integer-dot ones (qdot.c) against the reference and fp64 on every instruction-se
 runs, the dispatch rules, the small per-layer ops, and the fallback when nothing can be built."""
 
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -588,7 +590,26 @@ def test_build_is_cached(monkeypatch, tmp_path):
     mtime = built[0].stat().st_mtime_ns
     monkeypatch.setattr(cpu_library, "_libs", {})
     assert cpu_library.library() is not None
-    assert built[0].stat().st_mtime_ns == mtime and len(list((tmp_path / "cpu_kernels").iterdir())) == 1
+    assert built[0].stat().st_mtime_ns == mtime
+    assert len(list((tmp_path / "cpu_kernels").glob("*.so"))) == 1
+
+
+def test_concurrent_first_builds_compile_once(monkeypatch, tmp_path):
+    """Four threads asking for one variant's library at once: one compiles (under the lock file), the
+    others wait and find its .so (a stand-in compiler: the lock, not the C build, is under test)."""
+    calls = []
+
+    def slow_compile(cc, flags, files, out):
+        calls.append(out)
+        time.sleep(0.3)  # long enough for the other threads to reach the lock
+        out.write_bytes(b"stand-in")
+
+    monkeypatch.setattr(cpu_library, "_compile", slow_compile)
+    monkeypatch.setenv("BAIGE_CACHE", str(tmp_path))
+    reload_settings()
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(lambda _: cpu_library.compile_variant("avx2"), range(4)))
+    assert len(calls) == 1 and len(set(paths)) == 1 and paths[0].read_bytes() == b"stand-in"
 
 
 # ---- the small per-layer ops (ops.c) --------------------------------------------------------------

@@ -96,3 +96,13 @@ def test_parse_load():
     assert parse_load(vllm + baige) == 7.0  # both exported: vLLM's names, counted once
     assert parse_load("baige:num_requests_running 1\n") == 1.0
     assert parse_load("up 1\n") is None and parse_load("") is None
+
+
+def test_pooled_connections_expire_before_the_backends_close_them():
+    # a pooled connection reused just as the backend's uvicorn closes it (its keep-alive timeout, which
+    # `baige serve` leaves at uvicorn's default) fails with ReadError and marks the backend down
+    import uvicorn
+
+    from baige.runtime.router.app import KEEPALIVE_EXPIRY_S
+
+    assert 0 < KEEPALIVE_EXPIRY_S < uvicorn.Config(app=None).timeout_keep_alive

@@ -4,7 +4,9 @@ instruction-set variant (:mod:`baige.kernels.cpu.isa`), the one in force picked 
 Build: ``cc -O3 <variant flags> -fopenmp -shared`` (:data:`CFLAGS` + ``isa.VARIANTS``), cached under
 ``$BAIGE_CACHE/cpu_kernels`` (default ``~/.cache/baige``, the model cache's root) by a hash of the
 sources (read once per build and compiled from copies of exactly those bytes), flags and compiler
-version; written to a temporary name and renamed, so concurrent first uses are safe. Only the variant in
+version; one process compiles while others wait on a lock file beside the library (``filelock``), and the
+library is written to a temporary name and renamed, so concurrent first uses (torchrun ranks, pytest
+workers, data-parallel servers) compile it once and never read a half-written file. Only the variant in
 use is built (``BAIGE_CPU_ISA``, else the best the CPU supports).
 No compiler, a CPU without AVX2 or a failed build: one warning, then the PyTorch reference everywhere
 (never an error; a ``BAIGE_CPU_ISA`` the CPU lacks is refused at start-up by ``kernels.check_startup``).
@@ -23,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from baige.kernels.cpu import isa
 from baige.kernels.cpu.abi import SIGNATURES
@@ -79,26 +82,35 @@ def compile_variant(variant: str) -> Path:
     for name, data in files.items():
         digest.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
     out = _cache_dir() / f"baige_cpu-{variant}-{digest.hexdigest()[:16]}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            with tempfile.TemporaryDirectory(prefix="baige-cc-") as src_dir:
-                for name, data in files.items():
-                    Path(src_dir, name).write_bytes(data)
-                sources = [str(Path(src_dir, name)) for name in files if name.endswith(".c")]
-                # --no-undefined: a library missing one of its own functions fails here, not at load
-                r = subprocess.run(
-                    [cc, *flags, *sources, "-o", tmp, "-lm", "-Wl,--no-undefined"], capture_output=True, text=True
-                )
-            if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.with_suffix(".lock"))):
+        if not out.exists():  # another process may have built it while this one waited
+            _compile(cc, flags, files, out)
     return out
+
+
+def _compile(cc: str, flags: list[str], files: dict[str, bytes], out: Path) -> None:
+    """Compile ``files`` (name -> source bytes) with ``cc flags`` into ``out``, through a temporary file
+    in ``out``'s directory renamed at the end. Raises RuntimeError with the compiler's message."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        with tempfile.TemporaryDirectory(prefix="baige-cc-") as src_dir:
+            for name, data in files.items():
+                Path(src_dir, name).write_bytes(data)
+            sources = [str(Path(src_dir, name)) for name in files if name.endswith(".c")]
+            # --no-undefined: a library missing one of its own functions fails here, not at load
+            r = subprocess.run(
+                [cc, *flags, *sources, "-o", tmp, "-lm", "-Wl,--no-undefined"], capture_output=True, text=True
+            )
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[:500]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _build(variant: str) -> ctypes.CDLL:

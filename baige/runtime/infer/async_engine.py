@@ -328,11 +328,21 @@ class AsyncEngine(AsyncEngineWeights, AsyncEngineLoRA):
             self.engine.close()
 
     def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand each ``(request id, item)`` to its stream's queue, in order: one ``call_soon_threadsafe``
+        per event loop for all of them (a step's outputs), not one per request, so a step that streams to
+        many requests wakes the server's loop once (each wake-up is a write to the loop's self-pipe, and
+        the loop thread then competes with this thread for the interpreter lock)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for loop, puts in by_loop.items():
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:  # the consumer's event loop has closed: nobody is waiting
                 pass
 
@@ -373,11 +383,12 @@ class AsyncEngine(AsyncEngineWeights, AsyncEngineLoRA):
             engine.abort(rid)
         for rid, prompt, params, arrival, lora, kv_params in adds:
             self._add(rid, prompt, params, arrival, lora, kv_params)
+        delivered = []
         if engine.has_unfinished():
             for out in self._step():
-                self._emit(out)
-        for rid, error in engine.take_failures():
-            self._deliver(rid, error)
+                self._observe(out)
+                delivered.append((out.request_id, out))
+        self._deliver_all(delivered + engine.take_failures())
         if not engine.has_unfinished():
             with self._cv:
                 drains, self._drains = self._drains, []
@@ -421,13 +432,12 @@ class AsyncEngine(AsyncEngineWeights, AsyncEngineLoRA):
                 self._deliver(rid, RequestFailed(f"request {rid} failed: engine step error: {type(e).__name__}: {e}"))
             return []
 
-    def _emit(self, out: RequestOutput) -> None:
+    def _observe(self, out: RequestOutput) -> None:
         if self.on_output is not None:
             try:
                 self.on_output(out)
             except Exception:
                 logger.exception("on_output failed for request %s", out.request_id)
-        self._deliver(out.request_id, out)
 
     def _group_died(self, why: str) -> None:
         with self._cv:
@@ -453,6 +463,12 @@ class AsyncEngine(AsyncEngineWeights, AsyncEngineLoRA):
             self._deliver(rid, EngineDeadError(f"the engine loop stopped ({type(error).__name__}); restart the server"))
         if self.on_dead is not None:
             self.on_dead()
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    """In a server's event loop: put each item into its stream's queue."""
+    for queue, item in puts:
+        queue.put_nowait(item)
 
 
 def _run_calls(engine: Engine, calls: list[tuple[Callable[[Engine], object], concurrent.futures.Future]]) -> None:

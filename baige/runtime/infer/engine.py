@@ -117,6 +117,7 @@ class Engine(EnginePooling, EngineWeights, EngineStructured):
             on_release=self.proposer.release if self.proposer else None,
             max_loras=cfg.max_loras if cfg.enable_lora else None,
             on_finish=self.kv_transfer.on_finish if self.kv_transfer is not None else None,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             # n > 1 prompts computed once and forked (scheduler.py), except where the copy-on-write of a block
             # cannot reach every copy of the K/V: the sliding layers' own pool (not forked), tensor-parallel
             # workers' shards

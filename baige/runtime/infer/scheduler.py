@@ -13,6 +13,9 @@ Policy (vLLM's, simplified):
 - Waiting sequences are admitted first come, first served (a sequence that does not fit blocks the
   ones behind it), while the budget, ``max_num_seqs`` and the pool allow; a long prompt is split
   into chunks (chunked prefill). Nothing is admitted in a step that preempted.
+- ``long_prefill_token_threshold`` (vLLM's, > 0): no sequence computes more than that many prompt
+  tokens in one step, so a long prompt's prefill leaves the rest of the budget to the prompts queued
+  behind it (short ones are not held until it ends) and no step runs the whole long prompt at once.
 - LoRA (``max_loras`` set): the running sequences use at most ``max_loras`` distinct adapters
   (``lora_int_id`` > 0; the base model does not count), so no step mixes more. A waiting sequence
   whose adapter would be one too many is passed over (it keeps its place at the front) and the
@@ -207,8 +210,13 @@ class Scheduler:
         max_loras: most distinct LoRA adapters among the running sequences (None: no limit).
         on_finish: called with a sequence that finishes, with its reason, before its blocks are
             freed (a KV producer pins them for a consumer to pull).
+        long_prefill_token_threshold: most prompt tokens one sequence computes in a step (0: only
+            the budget limits it).
         fork: fork a request's other sequences from the one that computed its prompt (module
             docstring); needs a block manager without a sliding-window pool.
+    Raises:
+        ValueError: ``max_num_batched_tokens`` < ``max_num_seqs``, a negative threshold, or ``fork``
+            with a sliding-window pool.
     """
 
     def __init__(
@@ -220,6 +228,7 @@ class Scheduler:
         on_release: Callable[[Sequence], None] | None = None,
         max_loras: int | None = None,
         on_finish: Callable[[Sequence, str], None] | None = None,
+        long_prefill_token_threshold: int = 0,
         fork: bool = False,
     ):
         if fork and block_manager.sliding is not None:
@@ -228,8 +237,11 @@ class Scheduler:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})"
             )
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold ({long_prefill_token_threshold}) must be >= 0")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self._waiting: deque[Sequence] = deque()  # may hold finished entries (dropped lazily)
@@ -294,7 +306,7 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = self._chunk(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.spec_token_ids:
                 n = self._fit_drafts(seq, budget)
             while not bm.can_append(seq, n):
@@ -333,7 +345,7 @@ class Scheduler:
             ):
                 passed.append(self._waiting.popleft())
                 continue
-            want = min(len(seq.token_ids), budget)
+            want = self._chunk(len(seq.token_ids), budget)
             if not bm.can_allocate(seq, want):
                 break
             n = bm.allocate(seq, want)
@@ -376,6 +388,12 @@ class Scheduler:
                 self._running.append(child)
                 forks.append((i, child))
         return forks
+
+    def _chunk(self, left: int, budget: int) -> int:
+        """Tokens a sequence with ``left`` tokens to compute gets this step: at most the budget, and a
+        prefill (``left`` > 1) at most ``long_prefill_token_threshold`` when that is set."""
+        limit = self.long_prefill_token_threshold
+        return min(left, budget, limit) if limit and left > 1 else min(left, budget)
 
     def _prefilling_requests(self) -> set[str]:
         """Request ids with a running sequence that still computes full blocks of its prompt (with

@@ -38,6 +38,11 @@ from baige.runtime.router.responses import forward_response, forward_stored
 logger = logging.getLogger("baige.router")
 
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# seconds an idle pooled connection to a backend is kept: below the keep-alive timeout of the backends'
+# uvicorn (5 s, its default, which `baige serve` keeps), so the router never reuses a connection at the
+# moment the backend closes it (httpx's default expiry is those same 5 s: a request sent then fails with
+# ReadError, and the backend is marked down)
+KEEPALIVE_EXPIRY_S = 2.0
 PASSED_PATHS = ("/v1/embeddings", "/tokenize", "/detokenize")  # POST, by policy, no pd split
 
 
@@ -162,7 +167,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         timeout = httpx.Timeout(None, connect=config.connect_timeout)  # a generation may take long
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             state.client = client
             await state.pool.check_all(client)

@@ -9,6 +9,8 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
+from filelock import FileLock
+
 from baige.errors import BaigeError
 from baige.runtime.settings import settings
 from baige.runtime.weights.gguf_import import import_gguf
@@ -45,6 +47,8 @@ def alias_gguf_path(alias: str) -> Path:
 
 def _imported_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
     """Import a GGUF once into the cache; the directory is keyed by the file's path, size and mtime.
+    Concurrent first uses (torchrun ranks, data-parallel servers) import it once: the others wait on a
+    lock file beside it (``filelock``) and then read the finished directory, never one being replaced.
     Raises BaigeError when the cache cannot hold it."""
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -57,7 +61,9 @@ def _imported_gguf_dir(gguf_path: Path, name: str | None = None) -> Path:
                 f"cannot create {out.parent} for the imported model ({e.strerror or e}); "
                 "set BAIGE_CACHE to a writable directory"
             ) from None
-        import_gguf(gguf_path, out)
+        with FileLock(str(out.parent / f".{out.name}.lock")):
+            if not (out / "config.json").is_file():  # another process may have imported it meanwhile
+                import_gguf(gguf_path, out)
     return out
 
 
