@@ -17,7 +17,7 @@ def run_step(sched, next_token=7):
     sampled = [
         next_token if s.num_computed_tokens + n == len(s.token_ids) else None
         for s, n in zip(batch.seqs, batch.num_new_tokens)
-    ]
+    ] + [next_token] * len(batch.forks)  # a forked child samples beside its parent
     sched.postprocess(batch, sampled)
     return batch
 
@@ -190,3 +190,78 @@ def test_long_prefill_token_threshold_must_not_be_negative():
         Scheduler(BlockManager(8, 4, False), 2, 8, 16, long_prefill_token_threshold=-1)
     with pytest.raises(BaigeError, match="--long-prefill-token-threshold"):
         EngineConfig(long_prefill_token_threshold=-1)
+
+
+def _group(prompt, n, max_tokens=3, request_id="r"):
+    seqs = [Sequence(list(prompt), max_tokens=max_tokens, request_id=request_id, index=i) for i in range(n)]
+    for s in seqs:
+        s.siblings = seqs
+    return seqs
+
+
+def test_fork_computes_a_prompt_once_and_copies_its_partial_block_on_write():
+    """n = 3 samples of a 10-token prompt (block 4), fork on: the first computes all 10 tokens and the others
+    are forked in the same step (its 3 blocks by reference, nothing computed, each samples a token); in the
+    next step all three decode, and the first two writers of the shared partial block get a copy of it (the
+    last one is then its only owner). Every block is back in the pool once they finish."""
+    bm = BlockManager(64, 4, True)
+    sched = Scheduler(bm, 8, 64, 64, fork=True)
+    samples = _group(range(10, 20), 3)
+    other = Sequence([1, 2, 3, 4, 5], max_tokens=3, request_id="q")
+    for s in samples + [other]:
+        sched.add(s)
+    b1 = run_step(sched)
+    assert b1.seqs == [samples[0], other] and b1.num_new_tokens == [10, 5]
+    assert b1.forks == [(0, samples[1]), (0, samples[2])] and b1.block_copies == []
+    assert samples[1].block_table == samples[2].block_table == samples[0].block_table
+    partial = samples[0].block_table[2]
+    assert bm.blocks[partial].ref_count == 3 and bm.blocks[samples[0].block_table[0]].ref_count == 3
+    assert [s.num_computed_tokens for s in samples] == [10, 10, 10]
+    assert [s.num_cached_tokens for s in samples] == [0, 10, 10]
+    assert (bm.prefix_queries, bm.prefix_hits) == (10 + 5 + 10 + 10, 8 + 8)
+    b2 = sched.schedule()
+    assert b2.seqs == [samples[0], other, samples[1], samples[2]] and b2.num_new_tokens == [1, 1, 1, 1]
+    copies = b2.block_copies
+    assert [src for src, _ in copies] == [partial, partial]
+    assert [dst for _, dst in copies] == [samples[0].block_table[2], samples[1].block_table[2]]
+    assert samples[2].block_table[2] == partial and bm.blocks[partial].ref_count == 1
+    assert len({s.block_table[2] for s in samples}) == 3
+    assert samples[1].block_table[:2] == samples[0].block_table[:2]  # full blocks stay shared
+    sched.postprocess(b2, [7, 7, 7, 7])
+    while sched.has_unfinished():
+        run_step(sched)
+    assert all(s.num_output_tokens == 3 for s in samples) and bm.num_free_blocks == 64
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_fork_without_prefix_caching_and_a_child_sampled_nothing():
+    """Fork needs no prefix cache: a block-aligned 8-token prompt's 2 blocks are shared, the next tokens go
+    to fresh blocks (no copy). A forked child given no token (its parent's sample failed) computes its last
+    prompt token itself, into a copy of the shared block."""
+    bm = BlockManager(32, 4, False)
+    sched = Scheduler(bm, 8, 64, 64, fork=True)
+    a, b = _group(range(8), 2)
+    sched.add(a)
+    sched.add(b)
+    b1 = sched.schedule()
+    assert b1.seqs == [a] and b1.forks == [(0, b)]
+    sched.postprocess(b1, [7])  # nothing for the child
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 0 and b.num_computed_tokens == 7
+    b2 = sched.schedule()
+    assert b2.seqs == [a, b] and b2.num_new_tokens == [1, 1] and b2.num_decodes == 2
+    assert b2.block_copies == [(a.block_table[1], b.block_table[1])]
+    assert a.block_table[0] == b.block_table[0] and len(a.block_table) == 3
+
+
+def test_fork_falls_back_to_the_prefix_cache_without_a_free_seat():
+    """max_num_seqs 2: one sibling is forked beside the first, the third is admitted once a seat is free,
+    finding the prompt's 2 full blocks cached and computing its last 2 prompt tokens."""
+    sched = Scheduler(BlockManager(64, 4, True), 2, 64, 64, fork=True)
+    samples = _group(range(10, 20), 3, max_tokens=1)
+    for s in samples:
+        sched.add(s)
+    b1 = run_step(sched)
+    assert b1.seqs == [samples[0]] and b1.forks == [(0, samples[1])]
+    assert samples[0].is_finished and samples[1].is_finished and not samples[2].is_finished
+    b2 = run_step(sched)
+    assert b2.seqs == [samples[2]] and b2.num_new_tokens == [2] and samples[2].num_cached_tokens == 8

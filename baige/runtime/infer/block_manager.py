@@ -23,6 +23,14 @@ blocks: the manager hands it every cached block it evicts (before the block is r
 walk that misses the pool asks it for the key; a hit is loaded into a fresh block, cached under its
 key again, and its tokens are not computed. ``prefix_hits`` counts pool hits only.
 
+Forking (:meth:`BlockManager.fork`, vLLM's ``fork`` of a sequence group): a sequence whose prompt another
+sequence of the same request has just computed takes that sequence's block table by reference (every block's
+ref count + 1) instead of computing the prompt again. A write into a block that more than one sequence
+references is *copy-on-write*: the writer gets a fresh block and a pending copy ``(src, dst)``
+(:meth:`BlockManager.take_copies`) that the runner applies to every layer's K/V before the step's forward:
+the prompt's partial last block, when a sample first writes its next token there (writes never reach a
+shared block otherwise, except the one of a forked child's last prompt token if that child recomputes it).
+
 Sliding-window layers (``sliding_window`` set): their blocks live in a second pool and a second table per
 sequence, ``seq.sliding_table``, and are given back once wholly before the window
 (:mod:`baige.runtime.infer.sliding_blocks`); every method below keeps both tables in step.
@@ -122,6 +130,7 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.offload: OffloadTier | None = None  # the second tier (kv_offload.py), set by the engine
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet taken by a step
         self.sliding: SlidingPool | None = None
         if sliding_window is not None:
             pool = BlockManager(num_sliding_blocks, block_size, enable_prefix_caching)
@@ -284,22 +293,63 @@ class BlockManager:
         self.append_slots(seq, num_new_tokens)
         return num_new_tokens
 
+    def _shared_writes(self, seq: SequenceLike, num_new_tokens: int) -> list[int]:
+        """Indices into ``seq.block_table`` of the blocks the next ``num_new_tokens`` tokens are written into
+        that other sequences reference too (a forked prompt's partial last block): copied on write."""
+        if num_new_tokens <= 0:
+            return []
+        first = seq.num_computed_tokens // self.block_size
+        end = min(len(seq.block_table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
+        return [i for i in range(first, end) if self.blocks[seq.block_table[i]].ref_count > 1]
+
     def can_append(self, seq: SequenceLike, num_new_tokens: int) -> bool:
-        """Whether the pool has the blocks to hold ``num_new_tokens`` more computed tokens."""
+        """Whether the pool has the blocks to hold ``num_new_tokens`` more computed tokens (copies on write
+        included)."""
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        need += len(self._shared_writes(seq, num_new_tokens))
         if self.sliding is not None and not self.sliding.can_append(seq, num_new_tokens):
             return False
         return need <= self.num_free_blocks
 
     def append_slots(self, seq: SequenceLike, num_new_tokens: int) -> None:
-        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens."""
+        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens; a shared block
+        those tokens are written into is replaced by a fresh one and a pending copy (:meth:`take_copies`)."""
+        shared = self._shared_writes(seq, num_new_tokens)
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need > self.num_free_blocks:
+        if need + len(shared) > self.num_free_blocks:
             raise RuntimeError("out of KV blocks")
         if self.sliding is not None:
             self.sliding.append_slots(seq, num_new_tokens)
+        for i in shared:
+            src = seq.block_table[i]
+            self._unref(src)  # still referenced by the others: never freed here
+            seq.block_table[i] = self._take_block()
+            self._copies.append((src, seq.block_table[i]))
         for _ in range(need):
             seq.block_table.append(self._take_block())
+
+    def fork(self, parent: SequenceLike, child: SequenceLike, num_tokens: int) -> None:
+        """Give ``child`` (no blocks yet, the same first ``num_tokens`` tokens as ``parent``) the blocks
+        holding ``parent``'s first ``num_tokens`` tokens by reference, as computed (``num_computed_tokens``
+        and ``num_cached_tokens`` = ``num_tokens``); the K/V must be in them before ``child``'s next step
+        reads them (the parent computes them in the step that forks). Prefix statistics count the query with
+        the full blocks as hits, as a prefix-cache admission would have. Raises ValueError for a child with
+        blocks or a sliding-window pool (whose tables are not forked)."""
+        if child.block_table or self.sliding is not None:
+            raise ValueError("fork: the child must have no blocks, and the pool no sliding-window tables")
+        child.block_table = parent.block_table[: self.blocks_needed(num_tokens)]
+        for block_id in child.block_table:
+            self._ref(block_id)
+        child.num_computed_tokens = child.num_cached_tokens = num_tokens
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_tokens // self.block_size * self.block_size
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write ``(src block, dst block)`` pairs since the last call, in order; the caller
+        copies every layer's K/V of ``src`` into ``dst`` before anything reads or writes ``dst``."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def trim(self, seq: SequenceLike) -> None:
         """Give back the tail blocks that hold no computed token (the slots of rejected draft

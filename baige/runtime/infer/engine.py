@@ -118,6 +118,10 @@ class Engine(EnginePooling, EngineWeights, EngineStructured):
             max_loras=cfg.max_loras if cfg.enable_lora else None,
             on_finish=self.kv_transfer.on_finish if self.kv_transfer is not None else None,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            # n > 1 prompts computed once and forked (scheduler.py), except where the copy-on-write of a block
+            # cannot reach every copy of the K/V: the sliding layers' own pool (not forked), tensor-parallel
+            # workers' shards
+            fork=self.block_manager.sliding is None and tp is None and pooler is None,
         )
         self.runner = ModelRunner(
             model,
@@ -239,6 +243,9 @@ class Engine(EnginePooling, EngineWeights, EngineStructured):
                 lora_int_id=lora_id,
             )
             seqs.append(seq)
+        if len(seqs) > 1:
+            for seq in seqs:
+                seq.siblings = seqs
         kvt = self.kv_transfer  # queued only once all are built: a failure above leaves nothing behind
         if kvt is None or not kvt.on_add(seqs, kv_transfer_params, self.scheduler):
             for seq in seqs:
@@ -334,12 +341,12 @@ class Engine(EnginePooling, EngineWeights, EngineStructured):
             window = mc.sliding_window if any(mc.layer_window(i) for i in range(mc.num_hidden_layers)) else None
             self.step_shapes.append(batch.shape(window))
         now = time.monotonic()
-        rows = [_sampler_row(s) for s in batch.seqs]
+        rows = [_sampler_row(s) for s in batch.sampling_seqs]
         n_spec = [len(s.spec_token_ids) for s in batch.seqs]
         tokens, logprobs, prompt_lps = execute_isolated(
             self.runner, batch, rows, self._start_masks(batch), self.requests.__contains__, self._fail
         )
-        for seq in batch.seqs:
+        for seq in batch.sampling_seqs:
             req = self.requests.get(seq.request_id)
             if req is not None and req.scheduled_time is None:
                 req.scheduled_time = now
@@ -356,7 +363,7 @@ class Engine(EnginePooling, EngineWeights, EngineStructured):
         got = self.scheduler.postprocess(batch, tokens)
         now = time.monotonic()
         pooled = [self._finish_pooled(s, now) for s in batch.seqs if s.pooling is not None]
-        lp_of = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
+        lp_of = {s.seq_id: lp for s, lp in zip(batch.sampling_seqs, logprobs)}
         touched: dict[str, RequestState] = {}
         for seq in got:
             req = self.requests.get(seq.request_id)

@@ -27,10 +27,11 @@ class EngineStructured:
 
     def _start_masks(self, batch: ScheduledBatch):
         """Start the grammar masks of the constrained sequences that sample this step (on the
-        compiler's worker thread, overlapping the forward); returns the callable that waits for
-        them, or None."""
+        compiler's worker thread, overlapping the forward), keyed by index into ``batch.sampling_seqs``;
+        returns the callable that waits for them, or None."""
         constrained, opens = {}, {}
-        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        counts = batch.num_new_tokens + [0] * len(batch.forks)  # a forked child samples, computing nothing
+        for i, (s, n) in enumerate(zip(batch.sampling_seqs, counts)):
             if s.pooling is not None or s.num_computed_tokens + n - len(s.spec_token_ids) != len(s.token_ids):
                 continue  # no token sampled this step
             if s.payload.grammar is not None:
@@ -39,7 +40,8 @@ class EngineStructured:
                 constrained[i], opens[i] = s.payload.pending_grammar, s.payload.params.reasoning_start_token_id
         if not constrained:
             return None
-        drafts = {i: batch.seqs[i].spec_token_ids for i in constrained if batch.seqs[i].spec_token_ids}
+        seqs = batch.sampling_seqs
+        drafts = {i: seqs[i].spec_token_ids for i in constrained if seqs[i].spec_token_ids}
         future = self._grammars.start_masks(constrained, drafts)
         if not opens:
             return future.result

@@ -24,7 +24,8 @@ def execute_isolated(
     """``runner.execute(batch, rows, masks)``; when the batched step raises, each sequence still in
     flight (``in_flight(request_id)``) runs alone and the ones that still raise are handed to
     ``fail(request_id, error)`` (their tokens stay empty). K/V slots of a failed step are rewritten on
-    retry. Returns ``runner.execute``'s ``(tokens, logprobs, prompt logprobs)`` for the whole batch.
+    retry (a sequence's forked children run with it). Returns ``runner.execute``'s ``(tokens, logprobs,
+    prompt logprobs)`` for the whole batch.
 
     Raises:
         EngineDeadError: a tensor-parallel rank is gone (nothing can run, so nothing is retried).
@@ -38,22 +39,32 @@ def execute_isolated(
             fail(batch.seqs[0].request_id, e)
             return [[]], [[]], {}
         logger.exception("a step of %d sequences failed; running them one at a time", len(batch))
-    tokens: list[list[int]] = [[] for _ in batch.seqs]
-    logprobs: list[list[Logprobs | None]] = [[] for _ in batch.seqs]
+    seqs = batch.sampling_seqs
+    tokens: list[list[int]] = [[] for _ in seqs]
+    logprobs: list[list[Logprobs | None]] = [[] for _ in seqs]
     prompt_lps: dict = {}
     full = masks() if masks is not None else {}
+    nb = len(batch.seqs)
     for i, seq in enumerate(batch.seqs):
         if not in_flight(seq.request_id):
             continue
-        one = ScheduledBatch([seq], [batch.num_new_tokens[i]], int(i < batch.num_decodes))
-        one_mask = (lambda m=full[i]: {0: m}) if i in full else None
+        # its forked children sample from its logits: they run with it (indices into `seqs`)
+        own = [i] + [nb + k for k, (p, _) in enumerate(batch.forks) if p == i]
+        one = ScheduledBatch(
+            [seq], [batch.num_new_tokens[i]], int(i < batch.num_decodes), forks=[(0, seqs[j]) for j in own[1:]]
+        )
+        one_masks = {a: full[j] for a, j in enumerate(own) if j in full}
         try:
-            (tokens[i],), (logprobs[i],), lps = runner.execute(one, [rows[i]], one_mask)
+            toks, lps_, lps = runner.execute(
+                one, [rows[j] for j in own], (lambda m=one_masks: m) if one_masks else None
+            )
         except EngineDeadError:
             raise
         except Exception as e:
             fail(seq.request_id, e)
             continue
+        for a, j in enumerate(own):
+            tokens[j], logprobs[j] = toks[a], lps_[a]
         if 0 in lps:
             prompt_lps[i] = lps[0]
     return tokens, logprobs, prompt_lps

@@ -97,6 +97,24 @@ class KVCache:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every layer's K and V of block ``src`` into block ``dst`` for each ``(src, dst)`` (the block
+        manager's copy-on-write of a forked sequence's shared block); the ``dst`` are distinct and never a
+        ``src``. Block ids index the full-attention pools.
+
+        Raises:
+            RuntimeError: the sliding-window layers have a pool of their own (their tables are not forked).
+        """
+        if not pairs:
+            return
+        if self.sliding_layers:
+            raise RuntimeError("copy_blocks: the sliding-window layers' pools are not indexed by these blocks")
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+        for pools in (self.k,) if self.v is self.k else (self.k, self.v):
+            for pool in pools:
+                pool.index_copy_(1, dst, pool.index_select(1, src))
+
     @property
     def allocated(self) -> bool:
         """Whether the pools exist (False between :meth:`release` and :meth:`allocate`)."""

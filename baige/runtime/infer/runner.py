@@ -439,6 +439,7 @@ class ModelRunner:
     def _step(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list, dict, list]:
         """The step's forward: ``(logits, spans, prompt logprobs, pooled)`` as :meth:`_run_mixed`. A step
         with pooling sequences always takes the mixed path (it returns hidden states)."""
+        self.kv.copy_blocks(batch.block_copies)  # copy-on-write of forked blocks, before anything writes them
         with kernels.batch_invariant(self.batch_invariant):
             if batch.num_decodes == len(batch) and all(s.pooling is None for s in batch.seqs) and not self.keep_hidden:
                 return (*self._run_decode(batch), {}, [])
@@ -460,12 +461,14 @@ class ModelRunner:
 
         Args:
             batch: the scheduler's step.
-            rows: per scheduled sequence its sampling inputs (read only for sequences that sample).
+            rows: per sequence of ``batch.sampling_seqs`` (the scheduled ones, then the forked children) its
+                sampling inputs (read only for sequences that sample).
             token_masks: called after the forward, before sampling (so masks computed on another
-                thread overlap the forward): ``{batch index: (vocab,) bool allowed tokens}`` for the
-                constrained sequences.
+                thread overlap the forward): ``{index into batch.sampling_seqs: (vocab,) bool allowed
+                tokens}`` for the constrained sequences.
         Returns:
-            Per scheduled sequence: the tokens it emits (none for a chunk that does not end its
+            Per sequence of ``batch.sampling_seqs``: the tokens it emits (a forked child: one, sampled from
+            its parent's logits row with its own sampling inputs) (none for a chunk that does not end its
             prefill, one for a plain sample, 1 .. k + 1 for a sequence verifying k drafts) and their
             logprobs from the target's raw distribution (None entries unless asked for); and the
             prompt logprobs of this step's prefill chunks that ask for them (see :meth:`_run_mixed`).
@@ -473,13 +476,16 @@ class ModelRunner:
             that its pooling needs are added to ``seq.pooling`` once the whole step has succeeded.
         """
         logits, spans, prompt_lps, pooled = self._step(batch)
-        tokens: list[list[int]] = [[] for _ in batch.seqs]
-        logprobs: list[list[Logprobs | None]] = [[] for _ in batch.seqs]
+        tokens: list[list[int]] = [[] for _ in batch.sampling_seqs]
+        logprobs: list[list[Logprobs | None]] = [[] for _ in batch.sampling_seqs]
         if token_masks is not None:
             rows = list(rows)
             for i, mask in token_masks().items():
                 rows[i] = replace(rows[i], token_mask=mask)  # (vocab,), or (drafts + 1, vocab) per position
         plain = [(i, first) for i, first, n in spans if not batch.seqs[i].spec_token_ids]
+        if batch.forks:
+            row_of = dict(plain)
+            plain += [(len(batch.seqs) + k, row_of[p]) for k, (p, _) in enumerate(batch.forks) if p in row_of]
         if plain:
             got, lps = sample_batch(self._rows_of(logits, [f for _, f in plain]), [rows[i] for i, _ in plain])
             for (i, _), t, lp in zip(plain, got, lps):

@@ -21,6 +21,13 @@ Policy (vLLM's, simplified):
   whose adapter would be one too many is passed over (it keeps its place at the front) and the
   ones behind it may be admitted (vLLM's policy).
 
+- Forking (``fork`` on, a request with ``n`` > 1, vLLM's sequence-group fork): the request's other
+  sequences wait while its first one computes the prompt; in the step that computes the prompt's last
+  chunk they are forked from it (:meth:`BlockManager.fork`: its blocks by reference, the partial last
+  block copied on the first write) and sample their first tokens from the same logits
+  (``ScheduledBatch.forks``), so the prompt is computed once and all ``n`` decode from the next step on.
+  Siblings that cannot be forked then (no free seat or block, a step that preempted) are admitted as
+  usual afterwards, reusing the prompt's full blocks through the prefix cache.
 - P/D disaggregation (vLLM's ``WAITING_FOR_REMOTE_KVS``): a sequence whose prompt's KV blocks are
   being pulled from another engine is held aside, its blocks already allocated, until
   :meth:`Scheduler.remote_kv_done` queues it (its computed count then covers the pulled tokens).
@@ -92,6 +99,8 @@ class Sequence:
     # a pooling request (prefill only): its pooling.PoolingState; the runner adds the hidden states of
     # each chunk to it instead of sampling, and the engine finishes the sequence once its prompt is computed
     pooling: Any = None
+    # the request's n sequences (this one included, in index order) when n > 1: the ones a fork may take
+    siblings: list[Sequence] | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -143,12 +152,23 @@ class ScheduledBatch:
     """One step's work: ``(sequence, number of tokens to compute)``, decodes first.
 
     A sequence whose scheduled tokens reach the end of its ``token_ids`` samples a new token.
+    ``forks``: ``(batch index of the parent, child)``: a sequence forked from a parent whose prompt this
+    step completes; it computes nothing and samples its first token from the parent's logits.
+    ``block_copies``: copy-on-write ``(src, dst)`` block pairs to apply to the K/V before the forward
+    (:meth:`BlockManager.take_copies`).
     """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_decodes: int  # the first num_decodes entries compute exactly one token after a full cache
     preempted: list[Sequence] = field(default_factory=list)
+    forks: list[tuple[int, Sequence]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """``seqs`` then the forked children: the order of the runner's per-sequence outputs."""
+        return self.seqs + [c for _, c in self.forks] if self.forks else self.seqs
 
     @property
     def num_tokens(self) -> int:
@@ -192,8 +212,11 @@ class Scheduler:
             freed (a KV producer pins them for a consumer to pull).
         long_prefill_token_threshold: most prompt tokens one sequence computes in a step (0: only
             the budget limits it).
+        fork: fork a request's other sequences from the one that computed its prompt (module
+            docstring); needs a block manager without a sliding-window pool.
     Raises:
-        ValueError: ``max_num_batched_tokens`` < ``max_num_seqs``, or a negative threshold.
+        ValueError: ``max_num_batched_tokens`` < ``max_num_seqs``, a negative threshold, or ``fork``
+            with a sliding-window pool.
     """
 
     def __init__(
@@ -206,7 +229,10 @@ class Scheduler:
         max_loras: int | None = None,
         on_finish: Callable[[Sequence, str], None] | None = None,
         long_prefill_token_threshold: int = 0,
+        fork: bool = False,
     ):
+        if fork and block_manager.sliding is not None:
+            raise ValueError("fork: the sliding-window pool's tables are not forked")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs})"
@@ -226,6 +252,7 @@ class Scheduler:
         self.max_loras = max_loras
         self.on_finish = on_finish
         self._remote: dict[int, Sequence] = {}  # seq_id -> sequence waiting for its remote KV
+        self.fork = fork
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -298,8 +325,8 @@ class Scheduler:
             break  # seq itself was preempted: the ones after it are gone too
         loras = {s.lora_int_id for s in self._running if s.lora_int_id}
         # Requests whose prompt is being computed: their other samples (n > 1) wait until it is in the
-        # prefix cache, so a prompt's full blocks are computed once for all n samples.
-        share = self.block_manager.enable_prefix_caching
+        # prefix cache, so a prompt's full blocks are computed once for all n samples (or forked).
+        share = self.block_manager.enable_prefix_caching or self.fork
         prefilling = self._prefilling_requests() if share else set()
         passed: list[Sequence] = []  # waiting sequences held back this step (max_loras, a sibling's prefill)
         while self._waiting and budget > 0 and not preempted and len(self._running) < self.max_num_seqs:
@@ -334,7 +361,33 @@ class Scheduler:
                 prefilling.add(seq.request_id)
         self._waiting.extendleft(reversed(passed))  # back at the front, in their order
         both = decodes + prefills
-        return ScheduledBatch([s for s, _ in both], [n for _, n in both], len(decodes), preempted)
+        forks = self._fork_siblings(both) if self.fork and not preempted else []
+        return ScheduledBatch(
+            [s for s, _ in both], [n for _, n in both], len(decodes), preempted, forks, bm.take_copies()
+        )
+
+    def _fork_siblings(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[int, Sequence]]:
+        """Fork the waiting siblings of each scheduled sequence whose prompt this step completes (it then
+        samples its first token), while seats and free blocks last (one block per child: its first
+        write); returns ``(batch index of the parent, child)`` in order, the children running."""
+        forks: list[tuple[int, Sequence]] = []
+        bm = self.block_manager
+        for i, (parent, n) in enumerate(scheduled):
+            if parent.siblings is None or parent.pooling is not None:
+                continue
+            if parent.num_output_tokens or parent.num_computed_tokens + n != parent.num_prompt_tokens:
+                continue
+            for child in parent.siblings:
+                if len(self._running) >= self.max_num_seqs or bm.num_free_blocks <= len(forks):
+                    return forks
+                if child.status is not SequenceStatus.WAITING or child.block_table or child.num_output_tokens:
+                    continue
+                self._waiting.remove(child)  # held behind its parent: near the front
+                bm.fork(parent, child, parent.num_prompt_tokens)
+                child.status = SequenceStatus.RUNNING
+                self._running.append(child)
+                forks.append((i, child))
+        return forks
 
     def _chunk(self, left: int, budget: int) -> int:
         """Tokens a sequence with ``left`` tokens to compute gets this step: at most the budget, and a
@@ -343,12 +396,16 @@ class Scheduler:
         return min(left, budget, limit) if limit and left > 1 else min(left, budget)
 
     def _prefilling_requests(self) -> set[str]:
-        """Request ids with a running sequence that still computes full blocks of its prompt."""
+        """Request ids with a running sequence that still computes full blocks of its prompt (with
+        ``fork``: any of its prompt)."""
         return {s.request_id for s in self._running if self._computes_shared_blocks(s)}
 
     def _computes_shared_blocks(self, seq: Sequence) -> bool:
         """Whether ``seq`` has full prompt blocks not yet computed (``num_computed_tokens`` counts what
-        earlier steps and the prefix cache gave it): blocks its siblings would find cached later."""
+        earlier steps and the prefix cache gave it): blocks its siblings would find cached later. With
+        ``fork``, whether any of its prompt is left to compute (its siblings are forked when it is done)."""
+        if self.fork and seq.siblings is not None and seq.pooling is None:
+            return seq.num_computed_tokens < seq.num_prompt_tokens
         full = seq.num_prompt_tokens // self.block_manager.block_size * self.block_manager.block_size
         return prefix_sharing(seq) and seq.num_computed_tokens < full
 
@@ -374,18 +431,24 @@ class Scheduler:
 
         Args:
             batch: what :meth:`schedule` returned.
-            sampled: per scheduled sequence the emitted tokens (a list, an int for one, or None / []
+            sampled: per sequence of ``batch.sampling_seqs`` the emitted tokens (a list, an int for one, or None / []
                 for a prefill chunk that did not reach the end of the sequence).
         Returns:
             The sequences that got new tokens (finished ones included, already freed); each one's
             ``num_new_output`` says how many.
         """
         got: list[Sequence] = []
-        for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, sampled):
+        seqs = batch.sampling_seqs
+        counts = batch.num_new_tokens + [0] * len(batch.forks)  # a forked child computed nothing
+        sampled = list(sampled) + [None] * (len(seqs) - len(sampled))  # none given for a child: it got none
+        for seq, n, tokens in zip(seqs, counts, sampled):
             tokens = [] if tokens is None else [tokens] if isinstance(tokens, int) else tokens
             n_spec = len(seq.spec_token_ids)
             seq.spec_token_ids, seq.spec_draft_probs = [], None
             if seq.is_finished:  # aborted while the step ran
+                continue
+            if n == 0 and not tokens:  # a child whose parent's sample failed: it computes its last prompt token
+                seq.num_computed_tokens = len(seq.token_ids) - 1
                 continue
             seq.num_computed_tokens += n - n_spec + max(len(tokens) - 1, 0)
             finish: tuple[str, int | None] | None = None
