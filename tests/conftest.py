@@ -79,6 +79,29 @@ def _baige_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _quick_limits(request, monkeypatch):
+    """The benchmark tests (tests/bench) measure the machine's limits in process (before and after their
+    timed runs) with a 32 MiB copy and a 512 x 512 matmul without a minimum time instead of 256 MiB and
+    2048 x 2048 for at least 2 s: they check what the reports do with the limits, not their values (the
+    measurements themselves are tested with explicit sizes, which pass through). Here, not in a
+    tests/bench/conftest.py: the test modules import this file as ``conftest``."""
+    if request.path.parent.name != "bench":
+        return
+    from baige.runtime import roofline
+
+    bandwidth, matmul_peak = roofline.measure_bandwidth, roofline.measure_matmul_peak
+
+    def quick_bandwidth(device, nbytes=None, iters=3):
+        return bandwidth(device, nbytes or 32 << 20, iters)
+
+    def quick_matmul_peak(device, dtype, n=None, iters=2, min_seconds=0.0):
+        return matmul_peak(device, dtype, n or 512, iters, min_seconds)
+
+    monkeypatch.setattr(roofline, "measure_bandwidth", quick_bandwidth)
+    monkeypatch.setattr(roofline, "measure_matmul_peak", quick_matmul_peak)
+
+
+@pytest.fixture(autouse=True)
 def _settings_follow_env():
     """Settings are read once per process; a test that changes the variables calls
     ``reload_settings()``, and after each test (and monkeypatch's undo) they are read again."""
