@@ -161,7 +161,7 @@ def summarize_run(results, duration: float) -> dict:
     }
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto")
@@ -191,8 +191,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="which layouts to run (both for the verdict)")
     ap.add_argument("--output-dir", default=str(REPO / "docs" / "benchmarks" / "records"))
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> int:
+    args = parse_args()
     import torch
 
     torch.set_num_threads(args.threads)  # server_env hands this to the servers as OMP_NUM_THREADS

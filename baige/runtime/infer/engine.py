@@ -52,6 +52,20 @@ from baige.runtime.weights.hub import resolve_model
 logger = logging.getLogger("baige.engine")
 
 
+def _startup_lora(model: Transformer, cfg: EngineConfig) -> tuple[LoRAManager | None, list]:
+    """The LoRA manager of ``--enable-lora`` (None without it) and ``(LoRARequest, adapter)`` for each
+    ``--lora-modules`` entry, read and checked now (ids from 1, in order). Raises BaigeError (a bad
+    adapter)."""
+    if not cfg.enable_lora:
+        return None, []
+    lora = LoRAManager(model, cfg.max_lora_rank, tuple(cfg.lora_roots))
+    adapters = []
+    for i, (name, path) in enumerate((cfg.lora_modules or {}).items(), 1):
+        request = LoRARequest(name, i, str(path))
+        adapters.append((request, lora.read(request)))
+    return lora, adapters
+
+
 class Engine(EnginePooling, EngineWeights, EngineStructured):
     """Continuous-batching engine over one model.
 
@@ -87,13 +101,8 @@ class Engine(EnginePooling, EngineWeights, EngineStructured):
         kernels.backend(p)  # a bad BAIGE_KERNELS fails here, at start-up, not inside the first request
         if p.device.type == "cpu" and settings().cpu_keep_heap:
             kernels.keep_freed_heap()  # prefill temporaries reuse freed memory instead of faulting in new pages
-        self.lora: LoRAManager | None = None  # --enable-lora: the adapters (infer/lora.py)
-        startup_adapters = []  # read and checked before the KV cache is allocated: a bad one fails first
-        if cfg.enable_lora:
-            self.lora = LoRAManager(model, cfg.max_lora_rank, tuple(cfg.lora_roots))
-            for i, (name, path) in enumerate((cfg.lora_modules or {}).items(), 1):
-                request = LoRARequest(name, i, str(path))
-                startup_adapters.append((request, self.lora.read(request)))
+        # --enable-lora: the adapters (infer/lora.py), read and checked before the KV cache is allocated
+        self.lora, startup_adapters = _startup_lora(model, cfg)
         # sliding-window layers get a pool of their own (block_manager.py), except where the KV moves as
         # whole blocks of every layer (offload, P/D transfer) or lives on other ranks
         separate = tp is None and cfg.kv_offload_size is None and cfg.kv_transfer_config is None
