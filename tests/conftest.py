@@ -79,14 +79,19 @@ def _baige_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _quick_limits(request, monkeypatch):
+def _quick_limits(request):
     """The benchmark tests (tests/bench) measure the machine's limits in process (before and after their
     timed runs) with a 32 MiB copy and a 512 x 512 matmul without a minimum time instead of 256 MiB and
     2048 x 2048 for at least 2 s: they check what the reports do with the limits, not their values (the
     measurements themselves are tested with explicit sizes, which pass through). Here, not in a
-    tests/bench/conftest.py: the test modules import this file as ``conftest``."""
+    tests/bench/conftest.py: the test modules import this file as ``conftest``. ``mock.patch``, not the
+    ``monkeypatch`` fixture: an autouse fixture that requests monkeypatch sets it up before
+    ``_settings_follow_env``, whose reload would then run before monkeypatch restores the environment."""
     if request.path.parent.name != "bench":
+        yield
         return
+    from unittest import mock
+
     from baige.runtime import roofline
 
     bandwidth, matmul_peak = roofline.measure_bandwidth, roofline.measure_matmul_peak
@@ -97,8 +102,11 @@ def _quick_limits(request, monkeypatch):
     def quick_matmul_peak(device, dtype, n=None, iters=2, min_seconds=0.0):
         return matmul_peak(device, dtype, n or 512, iters, min_seconds)
 
-    monkeypatch.setattr(roofline, "measure_bandwidth", quick_bandwidth)
-    monkeypatch.setattr(roofline, "measure_matmul_peak", quick_matmul_peak)
+    with (
+        mock.patch.object(roofline, "measure_bandwidth", quick_bandwidth),
+        mock.patch.object(roofline, "measure_matmul_peak", quick_matmul_peak),
+    ):
+        yield
 
 
 @pytest.fixture(autouse=True)
