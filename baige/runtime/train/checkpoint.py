@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections import deque
@@ -94,6 +95,7 @@ class _Save:
     blocking_s: float = 0.0  # time the training waited for this save (its critical path)
     wait_s: float = 0.0  # the part of it spent waiting for the write to end (at the next save or the end)
     write_s: float | None = None  # from the start until every shard and .metadata were on disk
+    staged: bool = False  # the "staged" event is recorded (once: the staging thread or the trainer's wait)
 
 
 class CheckpointManager:
@@ -121,6 +123,7 @@ class CheckpointManager:
         self.root, self.is_main, self.keep_latest = Path(root), is_main, keep_latest
         self.async_mode, self._log = async_mode, log
         self.events: deque[tuple[str, int]] = deque(maxlen=1024)
+        self._staged_lock = threading.Lock()
         self._pending: _Save | None = None
         self._pg = dist.new_group(backend="gloo") if async_mode != "disabled" and dist.is_initialized() else None
         self._stager = None
@@ -181,6 +184,15 @@ class CheckpointManager:
 
     def _record(self, event: str, step: int) -> None:
         self.events.append((event, step))
+
+    def _mark_staged(self, save: _Save) -> None:
+        """Record ``staged`` for ``save`` once: from the staging future's callback (DCP's thread) or from
+        the trainer's wait for it, whichever comes first (a future's waiters may wake before its callbacks
+        run, and the trainer's next event must come after this one)."""
+        with self._staged_lock:
+            if not save.staged:
+                save.staged = True
+                self._record("staged", save.step)
 
     def _publish(self, step: int, config_toml: str) -> Path:
         """Rank 0, once the write of ``step`` is on disk: its config.toml, the rename that makes it
@@ -259,9 +271,9 @@ class CheckpointManager:
         upload = getattr(response, "upload_completion", response)
         save.staging = getattr(response, "staging_completion", None)
         if save.staging is None:
-            self._record("staged", save.step)
+            self._mark_staged(save)
         else:
-            save.staging.add_done_callback(lambda _: self._record("staged", save.step))
+            save.staging.add_done_callback(lambda _: self._mark_staged(save))
 
         def finished(f: Future) -> None:  # DCP's writer thread (or here, when already done)
             try:
@@ -283,13 +295,16 @@ class CheckpointManager:
     def before_optimizer_step(self, step: int) -> None:
         """Called by the trainer before optimizer step ``step`` changes the parameters: waits for the
         background staging of a save in flight (``async_with_pinned_mem``; its wait is that save's
-        critical path)."""
-        self._record("optimizer_step", step)
+        critical path). The ``optimizer_step`` event is recorded after that wait."""
         save = self._pending
-        if save is not None and save.staging is not None and not save.staging.done():
-            t0 = time.perf_counter()
-            save.staging.result()
-            save.blocking_s += time.perf_counter() - t0
+        if save is not None and save.staging is not None:
+            if not save.staging.done():
+                t0 = time.perf_counter()
+                save.staging.result()
+                save.blocking_s += time.perf_counter() - t0
+            if save.staging.exception() is None:  # a failed staging surfaces with the save's write
+                self._mark_staged(save)
+        self._record("optimizer_step", step)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and log its record. Raises BaigeError when its write failed."""
