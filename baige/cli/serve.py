@@ -75,6 +75,29 @@ def parse_lora_modules(values: list[str] | None, enable_lora: bool, served_name:
     return out
 
 
+LongPrefillThresholdOpt = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        help="Most prompt tokens one request computes per step (0: no limit but the step's), so a long "
+        "prompt's prefill runs in chunks that leave room for the prompts queued behind it.",
+    ),
+]
+KVOffloadSizeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Second KV tier, e.g. 8GB or 512MiB: prefix-cache blocks evicted from the pool are kept there "
+        "(host memory for a GPU pool, files under --kv-offload-dir for a CPU pool) and loaded back on a later "
+        "prefix hit instead of recomputed. Default: off."
+    ),
+]
+KVOffloadDirOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Directory of the second KV tier's files (reused across restarts of the same model). "
+        "Default: a temporary directory removed at exit (CPU pool) or host memory (GPU pool)."
+    ),
+]
 EnableLoraOpt = Annotated[
     bool,
     typer.Option(
@@ -226,14 +249,7 @@ def serve(
     max_num_batched_tokens: Annotated[
         int, typer.Option(min=1, help="Most tokens computed in one step (prefill chunks + decodes).")
     ] = 2048,
-    long_prefill_token_threshold: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            help="Most prompt tokens one request computes per step (0: no limit but the step's), so a long "
-            "prompt's prefill runs in chunks that leave room for the prompts queued behind it.",
-        ),
-    ] = 0,
+    long_prefill_token_threshold: LongPrefillThresholdOpt = 0,
     block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV-cache block.")] = 16,
     kv_cache_memory: Annotated[
         Optional[str],
@@ -247,21 +263,8 @@ def serve(
             "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of shared prompt prefixes."
         ),
     ] = True,
-    kv_offload_size: Annotated[
-        Optional[str],
-        typer.Option(
-            help="Second KV tier, e.g. 8GB or 512MiB: prefix-cache blocks evicted from the pool are kept there "
-            "(host memory for a GPU pool, files under --kv-offload-dir for a CPU pool) and loaded back on a later "
-            "prefix hit instead of recomputed. Default: off."
-        ),
-    ] = None,
-    kv_offload_dir: Annotated[
-        Optional[str],
-        typer.Option(
-            help="Directory of the second KV tier's files (reused across restarts of the same model). "
-            "Default: a temporary directory removed at exit (CPU pool) or host memory (GPU pool)."
-        ),
-    ] = None,
+    kv_offload_size: KVOffloadSizeOpt = None,
+    kv_offload_dir: KVOffloadDirOpt = None,
     enforce_eager: Annotated[
         bool,
         typer.Option(
