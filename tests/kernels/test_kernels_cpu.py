@@ -922,6 +922,13 @@ def test_bf16_weight_linear_on_every_variant(use_isa, variant, rows, in_f, out_f
     assert_close_fp64(out, ref, exact, name=f"bf16 {variant} rows={rows} in={in_f}")
     nob = cpu.linear_f16(x, w, None)  # full 4 x 4 tiles store their 16 sums at once: without a bias too
     assert_close_fp64(nob, ref - bias, exact - bias.double(), name=f"bf16 {variant} rows={rows} no bias")
+    threads = torch.get_num_threads()
+    try:  # 1, 2 and 3 threads split the output tiles into ranges: each sum computed as on one thread
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(cpu.linear_f16(x, w, bias), out), (variant, rows, in_f, n)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_silu_mul_against_reference():

@@ -9,17 +9,19 @@
  * variants, where baige_linear_bf16_widen (qlinear.c) keeps x in fp32 and widens the weights exactly.
  *
  * Tiling (AVX-512 BF16): NR = 4 output rows x up to MR = 4 input rows share each loaded vector (16
- * zmm accumulators), so a weight row is read from memory once per call; the next tile (rows
- * contiguous) is prefetched in address order while this one computes (it streams faster than with the
- * hardware prefetcher alone or with per-row prefetches), two tiles ahead (faster than one or four;
- * measured: docs/benchmarks/archive.md, "AVX-512 paged attention, native prefill attention, one-call
- * decode step").
+ * zmm accumulators), so a weight row is read from memory once per call (the ceil(M / MR) passes over a
+ * tile after the first find it in cache). The tile PF_TILES ahead (rows contiguous) is prefetched into
+ * L2 in address order, its lines spread evenly over this tile's passes, so memory streams while the
+ * passes compute instead of in a burst during the first (measured against prefetching into L1 two
+ * tiles ahead during every pass: docs/benchmarks/archive.md, "bf16 decode linears: prefetch to L2,
+ * spread over the passes").
  * A full tile's 16 sums leave through one tree of shuffles (reduce16, faster than 16 separate
  * reductions; measured: docs/benchmarks/archive.md, "Start-up, page faults and bf16 prefill ops").
  * K is covered in steps of 32 with a masked load for the tail
  * (x is padded with zeros to a multiple of 32). Output tiles are split over `nthreads` OpenMP threads.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -38,6 +40,7 @@ int baige_linear_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, con
 
 #define NR 4
 #define MR 4
+#define PF_TILES 8 /* prefetch distance in tiles (see the top of the file) */
 
 /* The horizontal sums of 16 vectors in one: out[4 i + j] = sum of the 16 lanes of v[4 j + i]. A tree of
  * lane shuffles and adds (15 adds, 30 shuffles) instead of 16 separate reductions (~8 dependent
@@ -59,20 +62,23 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16])
  * y[m, n] = sum_k xb[m, k] w[n, k] + bias[n]. Inlined with constant mr/nr at each call site. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *xb, int64_t K32, int mr, const uint16_t *w,
                                                        int64_t ldw, int nr, int64_t K, const float *bias, float *y,
-                                                       int64_t ldy) {
+                                                       int64_t ldy, int64_t pass, int64_t passes) {
     __m512 acc[MR][NR];
     for (int m = 0; m < MR; m++)
         for (int n = 0; n < NR; n++) acc[m][n] = _mm512_setzero_ps();
-    const char *next = (const char *)(w + 2 * NR * ldw);  /* two tiles ahead: see the top of the file */
+    const char *ahead = (const char *)(w + PF_TILES * NR * ldw);
+    const int64_t steps = K32 / 32, rate = ((int64_t)NR << 16) / passes;  /* lines per step, 16.16 fixed point */
     for (int64_t k = 0; k < K32; k += 32) {
         const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+        /* this step's share of the tile PF_TILES ahead: lines [lo, hi) of its NR * steps, spread evenly
+         * over the `passes` calls that read this tile */
+        const int64_t step = pass * steps + k / 32;
+        const int64_t lo = (step * rate) >> 16, hi = ((step + 1) * rate) >> 16;
+        for (int j = 0; j < NR; j++)
+            if (lo + j < hi) _mm_prefetch(ahead + 64 * (lo + j), _MM_HINT_T1);
         __m512bh wv[NR];
-        for (int n = 0; n < NR; n++) {
-            if (n < nr) {
-                _mm_prefetch(next + 8 * k + 64 * n, _MM_HINT_T0);  /* a tile ahead, in address order */
-                wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * ldw + k);
-            }
-        }
+        for (int n = 0; n < NR; n++)
+            if (n < nr) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * ldw + k);
         for (int m = 0; m < MR; m++) {
             if (m < mr) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * K32 + k);
@@ -113,6 +119,29 @@ static void round_rows(const float *x, int64_t M, int64_t K, int64_t ldx, uint16
     }
 }
 
+/* Output tiles [t_begin, t_end) of y = xb w^T + bias, each tile's rows of w read by ceil(M / MR) tile calls
+ * (passes). A function of its own, not the body of an OpenMP loop: GCC compiles an outlined OpenMP body with
+ * the shared variables behind a pointer, and there the loop ran slower (measured: docs/benchmarks/archive.md,
+ * "bf16 decode linears: prefetch to L2, spread over the passes"). */
+static __attribute__((noinline)) void run_tiles(const uint16_t *xb, int64_t M, int64_t K, int64_t K32,
+                                                const uint16_t *w, int64_t N, int64_t ldw, const float *bias, float *y,
+                                                int64_t ldy, int64_t t_begin, int64_t t_end) {
+    const int64_t passes = (M + MR - 1) / MR;
+    for (int64_t t = t_begin; t < t_end; t++) {
+        const int64_t n0 = t * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        const uint16_t *wn = w + n0 * ldw;
+        const float *b = bias ? bias + n0 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            const uint16_t *xm = xb + m0 * K32;
+            float *yo = y + m0 * ldy + n0;
+            if (nr == NR && mr == MR) tile(xm, K32, MR, wn, ldw, NR, K, b, yo, ldy, m0 / MR, passes);
+            else tile(xm, K32, mr, wn, ldw, nr, K, b, yo, ldy, m0 / MR, passes);
+        }
+    }
+}
+
 void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, int64_t N,
                        int64_t ldw, const float *scale, const float *bias, float *y, int64_t ldy, int nthreads) {
     (void)scale;
@@ -124,20 +153,13 @@ void baige_linear_bf16(const float *x, int64_t M, int64_t K, int64_t ldx, const 
         return;
     }
     round_rows(x, M, K, ldx, xb, K32);
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NR;
-        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        const uint16_t *wn = w + n0 * ldw;
-        const float *b = bias ? bias + n0 : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-            const uint16_t *xm = xb + m0 * K32;
-            float *yo = y + m0 * ldy + n0;
-            if (nr == NR && mr == 4) tile(xm, K32, 4, wn, ldw, NR, K, b, yo, ldy);
-            else if (nr == NR && mr == 1) tile(xm, K32, 1, wn, ldw, NR, K, b, yo, ldy);
-            else if (nr == NR && mr == 2) tile(xm, K32, 2, wn, ldw, NR, K, b, yo, ldy);
-            else tile(xm, K32, mr, wn, ldw, nr, K, b, yo, ldy);
+    if (nthreads <= 1 || tiles < 2) {
+        run_tiles(xb, M, K, K32, w, N, ldw, bias, y, ldy, 0, tiles);
+    } else {
+#pragma omp parallel num_threads(nthreads)
+        {  /* contiguous ranges of tiles, as schedule(static) splits them */
+            const int64_t T = omp_get_num_threads(), i = omp_get_thread_num();
+            run_tiles(xb, M, K, K32, w, N, ldw, bias, y, ldy, tiles * i / T, tiles * (i + 1) / T);
         }
     }
     free(xb);
