@@ -10,11 +10,11 @@
  *
  * Tiling (AVX-512 BF16): NR = 4 output rows x up to MR = 4 input rows share each loaded vector (16
  * zmm accumulators), so a weight row is read from memory once per call (the ceil(M / MR) passes over a
- * tile after the first find it in cache). The tile PF_TILES ahead (rows contiguous) is prefetched into
- * L2 in address order, its lines spread evenly over this tile's passes, so memory streams while the
- * passes compute instead of in a burst during the first (measured against prefetching into L1 two
- * tiles ahead during every pass: docs/benchmarks/archive.md, "bf16 decode linears: prefetch to L2,
- * spread over the passes").
+ * tile after the first find it in cache). A tile ahead (rows contiguous) is prefetched in address order,
+ * its lines spread evenly over this tile's passes, so memory streams while the passes compute instead
+ * of in a burst during the first: with one pass (up to MR rows) two tiles ahead into L1, with several
+ * four tiles ahead into L2 (each the faster of distances 1-8 and of both hints, on huge pages;
+ * measured: docs/benchmarks/archive.md, "bf16 decode linears: prefetch spread over the passes").
  * A full tile's 16 sums leave through one tree of shuffles (reduce16, faster than 16 separate
  * reductions; measured: docs/benchmarks/archive.md, "Start-up, page faults and bf16 prefill ops").
  * K is covered in steps of 32 with a masked load for the tail
@@ -40,7 +40,6 @@ int baige_linear_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, con
 
 #define NR 4
 #define MR 4
-#define PF_TILES 8 /* prefetch distance in tiles (see the top of the file) */
 
 /* The horizontal sums of 16 vectors in one: out[4 i + j] = sum of the 16 lanes of v[4 j + i]. A tree of
  * lane shuffles and adds (15 adds, 30 shuffles) instead of 16 separate reductions (~8 dependent
@@ -62,20 +61,24 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16])
  * y[m, n] = sum_k xb[m, k] w[n, k] + bias[n]. Inlined with constant mr/nr at each call site. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *xb, int64_t K32, int mr, const uint16_t *w,
                                                        int64_t ldw, int nr, int64_t K, const float *bias, float *y,
-                                                       int64_t ldy, int64_t pass, int64_t passes) {
+                                                       int64_t ldy, int64_t pass, int64_t passes, int near) {
     __m512 acc[MR][NR];
     for (int m = 0; m < MR; m++)
         for (int n = 0; n < NR; n++) acc[m][n] = _mm512_setzero_ps();
-    const char *ahead = (const char *)(w + PF_TILES * NR * ldw);
+    const char *ahead = (const char *)(w + (near ? 2 : 4) * NR * ldw);
     const int64_t steps = K32 / 32, rate = ((int64_t)NR << 16) / passes;  /* lines per step, 16.16 fixed point */
     for (int64_t k = 0; k < K32; k += 32) {
         const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-        /* this step's share of the tile PF_TILES ahead: lines [lo, hi) of its NR * steps, spread evenly
-         * over the `passes` calls that read this tile */
+        /* this step's share of the tile ahead: lines [lo, hi) of its NR * steps, spread evenly over the
+         * `passes` calls that read this tile */
         const int64_t step = pass * steps + k / 32;
         const int64_t lo = (step * rate) >> 16, hi = ((step + 1) * rate) >> 16;
-        for (int j = 0; j < NR; j++)
-            if (lo + j < hi) _mm_prefetch(ahead + 64 * (lo + j), _MM_HINT_T1);
+        for (int j = 0; j < NR; j++) {
+            if (lo + j < hi) {
+                if (near) _mm_prefetch(ahead + 64 * (lo + j), _MM_HINT_T0);
+                else _mm_prefetch(ahead + 64 * (lo + j), _MM_HINT_T1);
+            }
+        }
         __m512bh wv[NR];
         for (int n = 0; n < NR; n++)
             if (n < nr) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * ldw + k);
@@ -136,8 +139,11 @@ static __attribute__((noinline)) void run_tiles(const uint16_t *xb, int64_t M, i
             const int mr = (int)(M - m0 < MR ? M - m0 : MR);
             const uint16_t *xm = xb + m0 * K32;
             float *yo = y + m0 * ldy + n0;
-            if (nr == NR && mr == MR) tile(xm, K32, MR, wn, ldw, NR, K, b, yo, ldy, m0 / MR, passes);
-            else tile(xm, K32, mr, wn, ldw, nr, K, b, yo, ldy, m0 / MR, passes);
+            if (nr == NR && mr == MR && passes > 1) tile(xm, K32, MR, wn, ldw, NR, K, b, yo, ldy, m0 / MR, passes, 0);
+            else if (nr == NR && mr == MR) tile(xm, K32, MR, wn, ldw, NR, K, b, yo, ldy, 0, 1, 1);
+            else if (nr == NR && mr == 1) tile(xm, K32, 1, wn, ldw, NR, K, b, yo, ldy, 0, 1, 1);
+            else if (nr == NR && mr == 2) tile(xm, K32, 2, wn, ldw, NR, K, b, yo, ldy, 0, 1, 1);
+            else tile(xm, K32, mr, wn, ldw, nr, K, b, yo, ldy, m0 / MR, passes, passes == 1);
         }
     }
 }
