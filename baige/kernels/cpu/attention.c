@@ -299,8 +299,9 @@ int baige_attention_scores_amx(const float *q, int64_t group, const uint16_t *kh
 
 /* One (sequence, KV head) item on the 16-lane kernels (d a multiple of 16): the group's scores into
  * p (group rows of L), softmax per head, then the weighted V sums into out (group rows of d). kv is a
- * constant at every call site. */
-static inline __attribute__((always_inline)) void attend512(const float *q, const void *kh, const void *vh, int kv,
+ * constant at every call site. A function of its own, not inlined into the OpenMP region's outlined
+ * body, where GCC compiled it slower (measured: see baige_paged_decode_attention). */
+static __attribute__((noinline)) void attend512(const float *q, const void *kh, const void *vh, int kv,
                                                             const int64_t *table, int64_t bs, int64_t d, int64_t L,
                                                             int64_t group, float scale, float *p, float *out) {
     int scored = -1;
@@ -381,6 +382,12 @@ int baige_paged_decode_attention(const float *q, const void *k_cache, const void
             }
             const int64_t s = item / hk, g = item % hk, L = context_lens[s];
             const int64_t *table = block_tables + (table_of_row ? table_of_row[s] : s) * W;
+            if (item + 1 < S * hk) {  /* the next item's first K blocks, while this one computes */
+                const int64_t s1 = (item + 1) / hk, g1 = (item + 1) % hk;
+                const int64_t *t1 = block_tables + (table_of_row ? table_of_row[s1] : s1) * W;
+                for (int64_t b = 0; b < PF_BLOCKS && b * bs < context_lens[s1]; b++)
+                    prefetch_block(k_cache, kv_dtype, (g1 * num_blocks + t1[b]) * bs * d, bs * d);
+            }
             const int64_t head0 = s * hq + g * group;  /* first query row of this group */
             const int64_t base = g * num_blocks * bs * d;  /* this KV head's pool, in elements */
             const void *kh = kv_dtype ? (const void *)((const uint16_t *)k_cache + base) : (const float *)k_cache + base;
