@@ -300,7 +300,7 @@ int baige_attention_scores_amx(const float *q, int64_t group, const uint16_t *kh
 /* One (sequence, KV head) item on the 16-lane kernels (d a multiple of 16): the group's scores into
  * p (group rows of L), softmax per head, then the weighted V sums into out (group rows of d). kv is a
  * constant at every call site. A function of its own, not inlined into the OpenMP region's outlined
- * body, where GCC compiled it slower (measured: see baige_paged_decode_attention). */
+ * body, where GCC compiled it slower (measured: the message of the commit that made it so, 1a9083a). */
 static __attribute__((noinline)) void attend512(const float *q, const void *kh, const void *vh, int kv,
                                                             const int64_t *table, int64_t bs, int64_t d, int64_t L,
                                                             int64_t group, float scale, float *p, float *out) {
