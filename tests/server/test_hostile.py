@@ -156,6 +156,9 @@ HOSTILE = [
     ({"prompt": "ab", "max_tokens": 2, "n": 2.0}, 400, "n"),
     ({"prompt": {"nested": ["junk", {"x": None}]}}, 400, "prompt"),
     ({"prompt": "ab", "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+    # stream_options without a stream: refused (OpenAI's and vLLM's rule), not silently accepted
+    ({"prompt": "ab", "max_tokens": 2, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "ab", "max_tokens": 2, "stream": False, "stream_options": {}}, 400, "stream_options"),
     (raw("[" * 100_000 + "]" * 100_000), 400, None),
     (raw('{"prompt": ' + "[" * 70 + "1" + "]" * 70 + "}"), 400, None),
     (raw('{"prompt": "ab", "max_tokens": 2'), 400, None),
@@ -238,6 +241,11 @@ CHAT = [
         "any",
     ),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}, 400, "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ({"messages": [{"role": "user", "content": "hi"}], "n": MAX_N + 1}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
     (raw('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'), 400, "temperature"),
