@@ -365,6 +365,7 @@ TOKENIZE = [
     ({"prompt": "ab", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
     ({"prompt": "ab", "model": "other"}, 404, "model"),
     ({"messages": "hi"}, 400, "messages"),
+    ({"prompt": "ab", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),  # exactly one of them
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
