@@ -318,7 +318,8 @@ RESPONSES = [
     ({"input": [["nested", ["deeper"]]]}, 400, "input"),
     ({"input": [{"foo": "bar"}]}, 400, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input"),
-    ({"input": "hi", "previous_response_id": "resp_0123"}, 404, "response_id"),
+    ({"input": "hi", "previous_response_id": "resp_0123"}, 404, "previous_response_id"),
+    ({"input": "hi", "previous_response_id": ""}, 400, "previous_response_id"),  # empty: not "no previous"
     (
         {
             "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000}],

@@ -233,7 +233,7 @@ def test_store_get_delete_and_other_keys(client, url):
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text"),
-        ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "response_id"),
+        ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
         ({"input": "hi", "background": True}, 400, "background"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": [], "instructions": "only"}, 400, "input"),

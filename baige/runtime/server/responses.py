@@ -88,14 +88,14 @@ class ResponseStore:
             self._chars += chars
             self._expire(time.monotonic())
 
-    def get(self, owner: str, rid: str) -> Stored:
-        """The stored response ``rid`` of ``owner``. Raises APIError (404) for one that does not exist,
-        has expired, or belongs to another key."""
+    def get(self, owner: str, rid: str, param: str = "response_id") -> Stored:
+        """The stored response ``rid`` of ``owner``. Raises APIError (404 naming ``param``, the field that
+        gave the id) for one that does not exist, has expired, or belongs to another key."""
         with self._lock:
             self._expire(time.monotonic())
             found = self._items.get(rid)
         if found is None or found.owner != owner:
-            raise APIError(f"no response with id {rid[:80]!r} is stored", 404, param="response_id", code="not_found")
+            raise APIError(f"no response with id {rid[:80]!r} is stored", 404, param=param, code="not_found")
         return found
 
     def delete(self, owner: str, rid: str) -> None:

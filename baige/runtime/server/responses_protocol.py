@@ -164,6 +164,13 @@ class ResponsesRequest(_Strict):
             return v
         raise ValueError(NOT_SERVED[info.field_name])
 
+    @field_validator("previous_response_id")
+    @classmethod
+    def _id_not_empty(cls, v: str | None) -> str | None:
+        if v == "":  # not "no previous response": a client bug that would drop the conversation
+            raise ValueError("previous_response_id is empty; leave it out or give a stored response's id")
+        return v
+
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, v: Any) -> Any:

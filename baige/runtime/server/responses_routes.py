@@ -96,7 +96,9 @@ async def create_response(request: Request):
     st = state_of(request)
     req: ResponsesRequest = await parse(request, ResponsesRequest)
     owner = owner_of(request.headers.get("authorization"))
-    previous = st.responses.get(owner, req.previous_response_id).messages if req.previous_response_id else []
+    previous = []
+    if req.previous_response_id is not None:
+        previous = st.responses.get(owner, req.previous_response_id, "previous_response_id").messages
     messages = conversation(req, previous)
     chat = chat_request(req, messages)
     try:
