@@ -140,6 +140,11 @@ def test_function_call_round_trip(client, model):
     )
     assert second.previous_response_id == first.id
     assert items(second) == [("reasoning", REASONING_TEXT), ("message", ANSWER_TEXT)]
+    # an output whose call_id answers no call of the previous response (nor of the input) is a 400 naming it
+    stray = [{**answer[0], "call_id": "call_stray"}]
+    with pytest.raises(openai.BadRequestError, match="call_stray") as bad:
+        client.responses.create(model="chain", previous_response_id=first.id, input=stray, tools=[WEATHER])
+    assert bad.value.body["param"] == "input"
     # the earlier turn is in the prompt: the question, the call and its output, rendered as one chat
     tok = Tokenizer.from_dir(model)
     chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
@@ -237,6 +242,18 @@ def test_store_get_delete_and_other_keys(client, url):
         ({"input": "hi", "background": True}, 400, "background"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": [], "instructions": "only"}, 400, "input"),
+        # a function_call_output needs a function_call before it with its call_id
+        ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, 400, "input"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "x"},
+                ]
+            },
+            400,
+            "input",
+        ),
     ],
 )
 def test_bad_input_is_named(url, body, status, param):

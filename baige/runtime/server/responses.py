@@ -127,15 +127,19 @@ def conversation(req: ResponsesRequest, previous: list[dict]) -> list[dict]:
     """The chat messages of a request: ``instructions`` as the system message, the previous response's
     conversation (``previous``), then the input items (``developer`` is ``system``; function calls join
     the assistant message before them; outputs become ``tool`` messages; reasoning items are dropped).
-    Call arguments that are not JSON are kept as text (:func:`_replayable`), never refused."""
+    Call arguments that are not JSON are kept as text (:func:`_replayable`), never refused. Raises
+    APIError (400) for a ``function_call_output`` whose ``call_id`` answers no function call before it (in
+    ``previous`` or earlier in the input), and for a conversation of nothing but instructions."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    called: set[str] = set()  # call_ids of the function calls so far (an output must answer one of them)
     for m in previous:
         m = dict(m)
         if m.get("tool_calls"):
             m["tool_calls"] = [_replayable(c) for c in m["tool_calls"]]
+            called.update(c["id"] for c in m["tool_calls"])
         messages.append(m)
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    for item in items:
+    for k, item in enumerate(items):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _text(item.content)})
@@ -143,12 +147,19 @@ def conversation(req: ResponsesRequest, previous: list[dict]) -> list[dict]:
             call = _replayable(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             )
+            called.add(item.call_id)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last["tool_calls"] = [*last.get("tool_calls", []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in called:
+                raise APIError(
+                    f"input[{k}].call_id: no function_call with call_id {item.call_id[:80]!r} comes before this "
+                    "function_call_output (in input or in the previous response)",
+                    param="input",
+                )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     if not any(m["role"] != "system" for m in messages):
         raise APIError("input: the conversation has no message besides the instructions", param="input")
