@@ -166,6 +166,21 @@ def test_function_call_round_trip(client, model):
     assert second.usage.input_tokens == len(tok.apply_chat_template(history, tools=[chat_tool]))
 
 
+def test_max_tool_calls_caps_the_calls(client):
+    """Forced parallel calls: uncapped, the chain model calls again and again until max_output_tokens cuts
+    it; max_tool_calls N constrains the list to N calls, which then ends normally."""
+    kwargs = dict(model="chain", input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0)
+    uncapped = client.responses.create(max_output_tokens=200, **kwargs)
+    assert uncapped.status == "incomplete" and len([i for i in items(uncapped) if i[0] == "function_call"]) > 2
+    for cap in (1, 2):
+        r = client.responses.create(max_output_tokens=200, max_tool_calls=cap, **kwargs)
+        assert r.status == "completed" and r.max_tool_calls == cap
+        assert (
+            items(r)
+            == [("reasoning", REASONING_TEXT)] + [("function_call", ("get_weather", '{"city": "Paris"}'))] * cap
+        )
+
+
 def test_a_call_cut_off_by_max_output_tokens_still_continues(client, model):
     """A call truncated by max_output_tokens is stored as written (incomplete, arguments not JSON); the
     conversation goes on with its output, as do client-sent arguments that are not JSON (OpenAI takes
@@ -242,6 +257,11 @@ def test_store_get_delete_and_other_keys(client, url):
         ({"input": "hi", "background": True}, 400, "background"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": [], "instructions": "only"}, 400, "input"),
+        # include: no value of OpenAI's list can be honoured here (logprobs, built-in tools' outputs, ...)
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+        ({"input": "hi", "include": ["no.such.value"]}, 400, "include"),
+        ({"input": "hi", "max_tool_calls": 0}, 400, "max_tool_calls"),
         # a function_call_output needs a function_call before it with its call_id
         ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, 400, "input"),
         (

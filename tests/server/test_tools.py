@@ -309,11 +309,11 @@ def tokenizer(embedded_dir):
     return Tokenizer.from_dir(embedded_dir)
 
 
-def plan_of(tokenizer, body: dict, **config):
+def plan_of(tokenizer, body: dict, max_calls: int | None = None, **config):
     from baige.runtime.server.protocol import ChatCompletionRequest
     from baige.runtime.server.tools import plan_tools, tool_config
 
-    plan = plan_tools(ChatCompletionRequest.model_validate(body), tool_config(tokenizer, **config))
+    plan = plan_tools(ChatCompletionRequest.model_validate(body), tool_config(tokenizer, **config), max_calls)
     return plan, tokenizer.render_chat_template(plan.messages, True, **plan.template_vars)
 
 
@@ -438,3 +438,18 @@ def test_forced_constraint_schema(tokenizer):
         tokenizer, {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}
     )
     assert plan.constraint.json["properties"]["name"] == {"const": "add"} and "anyOf" not in plan.constraint.json
+
+
+def test_max_calls_caps_auto_and_required(tokenizer):
+    """The Responses API's max_tool_calls: auto keeps the first N calls of an output (1 with
+    parallel_tool_calls false); required constrains the list to at most N (N = 1: one call, not a list)."""
+    auto = {"messages": ASK, "tools": TOOLS}
+    assert plan_of(tokenizer, auto)[0].max_calls is None
+    assert plan_of(tokenizer, auto, 3)[0].max_calls == 3
+    assert plan_of(tokenizer, {**auto, "parallel_tool_calls": False}, 3)[0].max_calls == 1
+    required = {**auto, "tool_choice": "required"}
+    plan = plan_of(tokenizer, required, 3)[0]
+    assert plan.array and plan.constraint.json["maxItems"] == 3 and plan.constraint.json["minItems"] == 1
+    assert "maxItems" not in plan_of(tokenizer, required)[0].constraint.json
+    plan = plan_of(tokenizer, required, 1)[0]
+    assert not plan.array and len(plan.constraint.json["anyOf"]) == 2

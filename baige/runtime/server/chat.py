@@ -110,12 +110,18 @@ def with_reasoning(
 
 
 async def prepare_chat(
-    st: ServerState, req: ChatCompletionRequest, params: SamplingParams, include_reasoning: bool = True
+    st: ServerState,
+    req: ChatCompletionRequest,
+    params: SamplingParams,
+    include_reasoning: bool = True,
+    max_tool_calls: int | None = None,
 ) -> ChatJob:
-    """Plan the tools, render and tokenize the conversation, and validate it with ``params`` (a forced
-    tool call's constraint, special tokens the tool and reasoning parsers need). Raises APIError (400)."""
+    """Plan the tools (at most ``max_tool_calls`` calls per output: :func:`.tools.plan_tools`), render and
+    tokenize the conversation, and validate it with ``params`` (a forced tool call's constraint, special
+    tokens the tool and reasoning parsers need). Raises APIError (400)."""
     check_chat_size(st, req)
-    plan = await asyncio.to_thread(plan_tools, req, st.tools)  # tool schemas are checked by llguidance
+    # tool schemas are checked by llguidance
+    plan = await asyncio.to_thread(plan_tools, req, st.tools, max_tool_calls)
     if plan.constraint is not None:
         params = dataclasses.replace(params, structured_outputs=plan.constraint)
     if plan.keep_special_tokens:

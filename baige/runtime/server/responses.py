@@ -338,6 +338,7 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
         "model": model,
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,

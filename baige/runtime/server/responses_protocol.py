@@ -35,6 +35,19 @@ BUILT_IN_TOOLS = (
 )
 
 
+# OpenAI's ``include`` values, and why none can be honoured here (each is a 400 naming it, never ignored)
+INCLUDE_NOT_SERVED = {
+    "code_interpreter_call.outputs": "built-in tools are not served",
+    "computer_call_output.output.image_url": "built-in tools are not served",
+    "file_search_call.results": "built-in tools are not served",
+    "web_search_call.action.sources": "built-in tools are not served",
+    "web_search_call.results": "built-in tools are not served",
+    "message.input_image.image_url": "image inputs are not served",
+    "message.output_text.logprobs": "logprobs are not served on /v1/responses; use /v1/chat/completions for them",
+    "reasoning.encrypted_content": "encrypted reasoning is not served; keep store true and continue with "
+    "previous_response_id",
+}
+
 NOT_SERVED = {
     "conversation": "conversations (OpenAI's Conversations API) are not served; continue with previous_response_id",
     "prompt": "stored prompt templates are not served; send the prompt's text as input or instructions",
@@ -129,8 +142,8 @@ class ReasoningConfigField(_Strict):
 
 
 class ResponsesRequest(_Strict):
-    """``POST /v1/responses``. ``background``, ``truncation: "auto"``, ``conversation``, ``prompt`` and
-    ``top_logprobs`` are refused (not served), not ignored."""
+    """``POST /v1/responses``. ``background``, ``truncation: "auto"``, ``conversation``, ``prompt``,
+    ``top_logprobs`` and every ``include`` value are refused (not served), not ignored."""
 
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
@@ -150,7 +163,8 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
-    include: list[str] | None = Field(None, max_length=16)
+    include: list[str] | None = Field(None, max_length=16)  # INCLUDE_NOT_SERVED: only [] passes
+    max_tool_calls: int | None = Field(None, ge=1)  # function calls in the response (plan_tools caps them)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's extra (64-bit, as the chat route's)
     # OpenAI's fields for what this server does not keep or compute: a non-empty value is a 400
     conversation: Any = None
@@ -163,6 +177,16 @@ class ResponsesRequest(_Strict):
         if v is None or (info.field_name == "top_logprobs" and v == 0):
             return v
         raise ValueError(NOT_SERVED[info.field_name])
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, v: list[str] | None) -> list[str] | None:
+        for k, value in enumerate(v or []):
+            why = INCLUDE_NOT_SERVED.get(value)
+            if why is None:
+                raise ValueError(f"[{k}]: {value[:60]!r} is not one of OpenAI's include values")
+            raise ValueError(f"[{k}]: {value!r} cannot be included ({why})")
+        return v
 
     @field_validator("previous_response_id")
     @classmethod

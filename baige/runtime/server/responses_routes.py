@@ -103,7 +103,7 @@ async def create_response(request: Request):
     chat = chat_request(req, messages)
     try:
         params = sampling_params(chat, req.max_output_tokens, None, 1, st.max_n)
-        job = await prepare_chat(st, chat, params)
+        job = await prepare_chat(st, chat, params, max_tool_calls=req.max_tool_calls)
     except APIError as e:  # the chat pipeline names chat fields: name the Responses request's
         e.param = RESPONSES_PARAM.get(e.param, e.param)
         raise
