@@ -118,7 +118,14 @@ async def prepare_chat(
 ) -> ChatJob:
     """Plan the tools (at most ``max_tool_calls`` calls per output: :func:`.tools.plan_tools`), render and
     tokenize the conversation, and validate it with ``params`` (a forced tool call's constraint, special
-    tokens the tool and reasoning parsers need). Raises APIError (400)."""
+    tokens the tool and reasoning parsers need). Raises APIError (400; under the pooling runner before
+    anything is rendered: its model may have no chat template, and that is not the problem)."""
+    if st.engine.is_pooling:
+        raise APIError(
+            "this model runs the pooling runner (--runner pooling): it embeds (/v1/embeddings), it does not "
+            "generate; chat and responses need --runner generate",
+            param="model",
+        )
     check_chat_size(st, req)
     # tool schemas are checked by llguidance
     plan = await asyncio.to_thread(plan_tools, req, st.tools, max_tool_calls)
