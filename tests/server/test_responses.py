@@ -191,6 +191,10 @@ def test_a_call_cut_off_by_max_output_tokens_still_continues(client, model):
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     call = cut.output[-1]
     assert call.type == "function_call" and '{"city": "Paris"}'.startswith(call.arguments) and call.arguments
+    assert call.status == "incomplete"  # its arguments are not a complete call (OpenAI's item status)
+    with client.responses.stream(input="Weather in Paris?", max_output_tokens=cut.usage.output_tokens, **kwargs) as s:
+        done = [e.item for e in s if e.type == "response.output_item.done"]
+    assert (done[-1].type, done[-1].status, done[-1].arguments) == ("function_call", "incomplete", call.arguments)
     answer = [{"type": "function_call_output", "call_id": call.call_id, "output": "?"}]
     second = client.responses.create(model="chain", previous_response_id=cut.id, input=answer, temperature=0)
     assert second.status == "completed" and items(second)[-1] == ("message", ANSWER_TEXT)

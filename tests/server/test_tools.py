@@ -145,6 +145,27 @@ def test_required_calls_validate_and_stream_the_same(client):
     assert streamed == calls and content == "" and finish == "tool_calls"
 
 
+def test_required_cut_by_max_tokens_is_length_without_a_partial_call(client):
+    """tool_choice required cut off by max_tokens: finish_reason length; the plain response holds no call
+    and no partial JSON as content (before the fix: content '[{"name'); the stream sends the cut call's
+    header and the arguments written so far (a prefix of the whole call's), then length."""
+    args = {"model": "x", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    whole = client.chat.completions.create(max_tokens=80, **args)
+    ((name, full_args),) = check_calls(whole.choices[0].message)
+    n = whole.usage.completion_tokens
+    headers = 0
+    for cut in (3, n // 2, n - 3):
+        choice = client.chat.completions.create(max_tokens=cut, **args).choices[0]
+        assert choice.finish_reason == "length", cut
+        assert choice.message.content == "" and not choice.message.tool_calls, (cut, choice.message)
+        streamed, content, finish = streamed_calls(client, max_tokens=cut, **args)
+        assert finish == "length" and content == "", (cut, content)
+        for got_name, got_args in streamed:
+            assert got_name == name and full_args.startswith(got_args) and got_args != full_args, (cut, got_args)
+        headers += len(streamed)
+    assert headers  # a cut inside the arguments was met, not only cuts before the call's name
+
+
 def test_required_single_call_samples_validate(client):
     r = client.chat.completions.create(
         model="x",

@@ -221,12 +221,13 @@ class OutputBuilder:
         self.items: list[dict] = []
         self._open: dict | None = None  # the item being written
         self._text = ""
+        self._cut = False  # the open function call ended before its JSON did (status "incomplete")
 
     def _index(self) -> int:
         return len(self.items)
 
     def _start(self, item: dict) -> list[dict]:
-        self._open, self._text = item, ""
+        self._open, self._text, self._cut = item, "", False
         out = [{"type": "response.output_item.added", "output_index": self._index(), "item": dict(item)}]
         if item["type"] in ("message", "reasoning"):
             part = "output_text" if item["type"] == "message" else "reasoning_text"
@@ -276,6 +277,8 @@ class OutputBuilder:
                         "status": "in_progress",
                     }
                 )
+            elif e[0] == "cut" and kind == "function_call":
+                self._cut = True
             elif e[0] == "args" and kind == "function_call":
                 self._text += e[2]
                 out.append(
@@ -295,7 +298,7 @@ class OutputBuilder:
             return []
         out: list[dict] = []
         if item["type"] == "function_call":
-            item = {**item, "arguments": self._text, "status": "completed"}
+            item = {**item, "arguments": self._text, "status": "incomplete" if self._cut else "completed"}
             out.append(
                 {
                     "type": "response.function_call_arguments.done",
