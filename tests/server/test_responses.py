@@ -67,6 +67,25 @@ def test_text_response_with_reasoning_item(client):
     assert r.usage.total_tokens == r.usage.input_tokens + 12
 
 
+def test_stateless_client_with_encrypted_reasoning_include(client):
+    """Codex CLI's way: ``store: false`` and ``include: ["reasoning.encrypted_content"]``, then the previous
+    output items sent back as input. The reasoning item comes back as text (no encrypted_content) and the
+    round trip is accepted: the second reply is the checkpoint's greedy answer again."""
+    r = client.responses.create(
+        model="chain", input="What is the weather in Paris?", temperature=0, store=False,
+        include=["reasoning.encrypted_content"],
+    )  # fmt: skip
+    assert items(r) == [("reasoning", REASONING_TEXT), ("message", ANSWER_TEXT)]
+    assert getattr(r.output[0], "encrypted_content", None) is None
+    history = [{"role": "user", "content": "What is the weather in Paris?"}]
+    history += [it.model_dump(exclude_none=True) for it in r.output]
+    history.append({"role": "user", "content": "And tomorrow?"})
+    r2 = client.responses.create(
+        model="chain", input=history, temperature=0, store=False, include=["reasoning.encrypted_content"]
+    )
+    assert r2.status == "completed" and items(r2)[-1] == ("message", ANSWER_TEXT)
+
+
 def test_instructions_and_max_output_tokens(client):
     r = client.responses.create(
         model="chain", instructions="Be brief.", input=[{"role": "user", "content": "hi"}], max_output_tokens=4
@@ -261,9 +280,9 @@ def test_store_get_delete_and_other_keys(client, url):
         ({"input": "hi", "background": True}, 400, "background"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": [], "instructions": "only"}, 400, "input"),
-        # include: no value of OpenAI's list can be honoured here (logprobs, built-in tools' outputs, ...)
+        # include: the values this server cannot honour (logprobs, built-in tools' outputs, ...) are refused
         ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content", "file_search_call.results"]}, 400, "include"),
         ({"input": "hi", "include": ["no.such.value"]}, 400, "include"),
         ({"input": "hi", "max_tool_calls": 0}, 400, "max_tool_calls"),
         # a function_call_output needs a function_call before it with its call_id

@@ -35,7 +35,11 @@ BUILT_IN_TOOLS = (
 )
 
 
-# OpenAI's ``include`` values, and why none can be honoured here (each is a 400 naming it, never ignored)
+# OpenAI's ``include`` values this server accepts: ``reasoning.encrypted_content`` (what stateless clients such as
+# Codex CLI send with ``store: false`` to get the reasoning back for the next request): the reasoning items carry
+# their text in ``content`` and no ``encrypted_content``, so sending them back as input continues the conversation
+INCLUDE_SERVED = ("reasoning.encrypted_content",)
+# the others, and why none can be honoured here (each is a 400 naming it, never ignored)
 INCLUDE_NOT_SERVED = {
     "code_interpreter_call.outputs": "built-in tools are not served",
     "computer_call_output.output.image_url": "built-in tools are not served",
@@ -44,8 +48,6 @@ INCLUDE_NOT_SERVED = {
     "web_search_call.results": "built-in tools are not served",
     "message.input_image.image_url": "image inputs are not served",
     "message.output_text.logprobs": "logprobs are not served on /v1/responses; use /v1/chat/completions for them",
-    "reasoning.encrypted_content": "encrypted reasoning is not served; keep store true and continue with "
-    "previous_response_id",
 }
 
 NOT_SERVED = {
@@ -143,7 +145,7 @@ class ReasoningConfigField(_Strict):
 
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``. ``background``, ``truncation: "auto"``, ``conversation``, ``prompt``,
-    ``top_logprobs`` and every ``include`` value are refused (not served), not ignored."""
+    ``top_logprobs`` and the ``include`` values of INCLUDE_NOT_SERVED are refused (not served), not ignored."""
 
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
@@ -163,7 +165,7 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
-    include: list[str] | None = Field(None, max_length=16)  # INCLUDE_NOT_SERVED: only [] passes
+    include: list[str] | None = Field(None, max_length=16)  # INCLUDE_SERVED pass, INCLUDE_NOT_SERVED are refused
     max_tool_calls: int | None = Field(None, ge=1)  # function calls in the response (plan_tools caps them)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's extra (64-bit, as the chat route's)
     # OpenAI's fields for what this server does not keep or compute: a non-empty value is a 400
@@ -182,6 +184,8 @@ class ResponsesRequest(_Strict):
     @classmethod
     def _includable(cls, v: list[str] | None) -> list[str] | None:
         for k, value in enumerate(v or []):
+            if value in INCLUDE_SERVED:
+                continue
             why = INCLUDE_NOT_SERVED.get(value)
             if why is None:
                 raise ValueError(f"[{k}]: {value[:60]!r} is not one of OpenAI's include values")
