@@ -186,7 +186,8 @@ class SamplingFields(_Strict):
     @field_validator("stream_options")
     @classmethod
     def _options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if v is not None and not info.data.get("stream", False):  # OpenAI's and vLLM's rule
+        # vLLM's rule: a non-empty stream_options needs stream true (an empty {} passes, as vLLM's truthiness test)
+        if v is not None and v.model_fields_set and not info.data.get("stream", False):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
