@@ -105,6 +105,36 @@ def test_dimensions_truncate_then_normalise(client, reference):
 def test_pooling_runner_refuses_generation(server):
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "t1 t2", "max_tokens": 2})
     assert r.status_code == 400 and "pooling runner" in r.json()["error"]["message"], r.text
+    # chat and responses: the runner is named, not the chat template the embedding model lacks
+    chat = {"messages": [{"role": "user", "content": "t1"}]}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/responses", {"input": "t1"})):
+        r = httpx.post(f"{server}{path}", json=body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and "pooling runner" in err["message"] and err["param"] == "model", r.text
+        assert "chat template" not in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"input": "t1", "truncate_prompt_tokens": "MAX+1"}, "truncate_prompt_tokens", "larger than max_model_len"),
+        ({"input": "t1", "truncate_prompt_tokens": 10**9}, "truncate_prompt_tokens", "larger than max_model_len"),
+        ({"messages": [{"role": "user", "content": "t1"}]}, "messages", "chat-style"),
+        ({"input": "t1", "messages": [{"role": "user", "content": "t1"}]}, "messages", "chat-style"),
+    ],
+)
+def test_pooling_bad_input_is_named(server, body, param, needle):
+    max_len = httpx.post(f"{server}/tokenize", json={"prompt": "t1"}).json()["max_model_len"]
+    if body.get("truncate_prompt_tokens") == "MAX+1":
+        body = {**body, "truncate_prompt_tokens": max_len + 1}
+    r = httpx.post(f"{server}/v1/embeddings", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and needle in err["message"], r.text
+    if param == "truncate_prompt_tokens":
+        assert f"({body['truncate_prompt_tokens']})" in err["message"] and f"({max_len})" in err["message"]
+    # the largest truncation there is: the whole context
+    ok = httpx.post(f"{server}/v1/embeddings", json={"input": "t1 t2", "truncate_prompt_tokens": max_len})
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 2
 
 
 def test_generate_runner_refuses_embeddings(checkpoint):

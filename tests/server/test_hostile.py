@@ -156,6 +156,8 @@ HOSTILE = [
     ({"prompt": "ab", "max_tokens": 2, "n": 2.0}, 400, "n"),
     ({"prompt": {"nested": ["junk", {"x": None}]}}, 400, "prompt"),
     ({"prompt": "ab", "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+    # stream_options without a stream: refused (OpenAI's and vLLM's rule), not silently accepted
+    ({"prompt": "ab", "max_tokens": 2, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (raw("[" * 100_000 + "]" * 100_000), 400, None),
     (raw('{"prompt": ' + "[" * 70 + "1" + "]" * 70 + "}"), 400, None),
     (raw('{"prompt": "ab", "max_tokens": 2'), 400, None),
@@ -238,6 +240,11 @@ CHAT = [
         "any",
     ),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}, 400, "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ({"messages": [{"role": "user", "content": "hi"}], "n": MAX_N + 1}, 400, "n"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, 400, "seed"),
     (raw('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'), 400, "temperature"),
@@ -310,7 +317,8 @@ RESPONSES = [
     ({"input": [["nested", ["deeper"]]]}, 400, "input"),
     ({"input": [{"foo": "bar"}]}, 400, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input"),
-    ({"input": "hi", "previous_response_id": "resp_0123"}, 404, "response_id"),
+    ({"input": "hi", "previous_response_id": "resp_0123"}, 404, "previous_response_id"),
+    ({"input": "hi", "previous_response_id": ""}, 400, "previous_response_id"),  # empty: not "no previous"
     (
         {
             "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000}],
@@ -357,6 +365,7 @@ TOKENIZE = [
     ({"prompt": "ab", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
     ({"prompt": "ab", "model": "other"}, 404, "model"),
     ({"messages": "hi"}, 400, "messages"),
+    ({"prompt": "ab", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),  # exactly one of them
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
@@ -649,6 +658,9 @@ def test_generated_bodies_never_5xx(http, changes, chat):
 def test_good_request_after_the_generated_bodies(http):
     wait_idle(http)
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    # an empty stream_options without a stream passes, as in vLLM (its test is the dict's truthiness)
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": False, "stream_options": {}})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 

@@ -67,6 +67,25 @@ def test_text_response_with_reasoning_item(client):
     assert r.usage.total_tokens == r.usage.input_tokens + 12
 
 
+def test_stateless_client_with_encrypted_reasoning_include(client):
+    """Codex CLI's way: ``store: false`` and ``include: ["reasoning.encrypted_content"]``, then the previous
+    output items sent back as input. The reasoning item comes back as text (no encrypted_content) and the
+    round trip is accepted: the second reply is the checkpoint's greedy answer again."""
+    r = client.responses.create(
+        model="chain", input="What is the weather in Paris?", temperature=0, store=False,
+        include=["reasoning.encrypted_content"],
+    )  # fmt: skip
+    assert items(r) == [("reasoning", REASONING_TEXT), ("message", ANSWER_TEXT)]
+    assert getattr(r.output[0], "encrypted_content", None) is None
+    history = [{"role": "user", "content": "What is the weather in Paris?"}]
+    history += [it.model_dump(exclude_none=True) for it in r.output]
+    history.append({"role": "user", "content": "And tomorrow?"})
+    r2 = client.responses.create(
+        model="chain", input=history, temperature=0, store=False, include=["reasoning.encrypted_content"]
+    )
+    assert r2.status == "completed" and items(r2)[-1] == ("message", ANSWER_TEXT)
+
+
 def test_instructions_and_max_output_tokens(client):
     r = client.responses.create(
         model="chain", instructions="Be brief.", input=[{"role": "user", "content": "hi"}], max_output_tokens=4
@@ -140,6 +159,11 @@ def test_function_call_round_trip(client, model):
     )
     assert second.previous_response_id == first.id
     assert items(second) == [("reasoning", REASONING_TEXT), ("message", ANSWER_TEXT)]
+    # an output whose call_id answers no call of the previous response (nor of the input) is a 400 naming it
+    stray = [{**answer[0], "call_id": "call_stray"}]
+    with pytest.raises(openai.BadRequestError, match="call_stray") as bad:
+        client.responses.create(model="chain", previous_response_id=first.id, input=stray, tools=[WEATHER])
+    assert bad.value.body["param"] == "input"
     # the earlier turn is in the prompt: the question, the call and its output, rendered as one chat
     tok = Tokenizer.from_dir(model)
     chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
@@ -161,6 +185,21 @@ def test_function_call_round_trip(client, model):
     assert second.usage.input_tokens == len(tok.apply_chat_template(history, tools=[chat_tool]))
 
 
+def test_max_tool_calls_caps_the_calls(client):
+    """Forced parallel calls: uncapped, the chain model calls again and again until max_output_tokens cuts
+    it; max_tool_calls N constrains the list to N calls, which then ends normally."""
+    kwargs = dict(model="chain", input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0)
+    uncapped = client.responses.create(max_output_tokens=200, **kwargs)
+    assert uncapped.status == "incomplete" and len([i for i in items(uncapped) if i[0] == "function_call"]) > 2
+    for cap in (1, 2):
+        r = client.responses.create(max_output_tokens=200, max_tool_calls=cap, **kwargs)
+        assert r.status == "completed" and r.max_tool_calls == cap
+        assert (
+            items(r)
+            == [("reasoning", REASONING_TEXT)] + [("function_call", ("get_weather", '{"city": "Paris"}'))] * cap
+        )
+
+
 def test_a_call_cut_off_by_max_output_tokens_still_continues(client, model):
     """A call truncated by max_output_tokens is stored as written (incomplete, arguments not JSON); the
     conversation goes on with its output, as do client-sent arguments that are not JSON (OpenAI takes
@@ -171,6 +210,10 @@ def test_a_call_cut_off_by_max_output_tokens_still_continues(client, model):
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     call = cut.output[-1]
     assert call.type == "function_call" and '{"city": "Paris"}'.startswith(call.arguments) and call.arguments
+    assert call.status == "incomplete"  # its arguments are not a complete call (OpenAI's item status)
+    with client.responses.stream(input="Weather in Paris?", max_output_tokens=cut.usage.output_tokens, **kwargs) as s:
+        done = [e.item for e in s if e.type == "response.output_item.done"]
+    assert (done[-1].type, done[-1].status, done[-1].arguments) == ("function_call", "incomplete", call.arguments)
     answer = [{"type": "function_call_output", "call_id": call.call_id, "output": "?"}]
     second = client.responses.create(model="chain", previous_response_id=cut.id, input=answer, temperature=0)
     assert second.status == "completed" and items(second)[-1] == ("message", ANSWER_TEXT)
@@ -233,10 +276,27 @@ def test_store_get_delete_and_other_keys(client, url):
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text"),
-        ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "response_id"),
+        ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
         ({"input": "hi", "background": True}, 400, "background"),
         ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": [], "instructions": "only"}, 400, "input"),
+        # include: the values this server cannot honour (logprobs, built-in tools' outputs, ...) are refused
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content", "file_search_call.results"]}, 400, "include"),
+        ({"input": "hi", "include": ["no.such.value"]}, 400, "include"),
+        ({"input": "hi", "max_tool_calls": 0}, 400, "max_tool_calls"),
+        # a function_call_output needs a function_call before it with its call_id
+        ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, 400, "input"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "x"},
+                ]
+            },
+            400,
+            "input",
+        ),
     ],
 )
 def test_bad_input_is_named(url, body, status, param):

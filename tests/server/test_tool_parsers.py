@@ -204,8 +204,13 @@ FORCED_LIST = '[{"name": "add", "arguments": {"a": 1, "b": [2, {"c": "}"}]}}, {"
     [
         (FORCED_ONE, False, (None, [("get_weather", '{"city": "Paris {x}", "unit": "celsius"}')])),
         (FORCED_LIST, True, (None, [("add", '{"a": 1, "b": [2, {"c": "}"}]}'), ("get_weather", "{}")])),
-        (FORCED_ONE[:40], False, (None, [("get_weather", '{"c')])),  # cut off by max_tokens: partial arguments
-        ('{"name": "get_w', False, ('{"name": "get_w', [])),  # no call began: the text is content
+        # cut off by max_tokens: the cut call is streamed (header, partial arguments) but left out of the
+        # message; JSON cut before a call's name is dropped, never content
+        (FORCED_ONE[:40], False, ("", [])),
+        ('{"name": "get_w', False, ("", [])),
+        (FORCED_LIST[:70], True, (None, [("add", '{"a": 1, "b": [2, {"c": "}"}]}')])),  # before the 2nd's name
+        (FORCED_LIST[:-3], True, (None, [("add", '{"a": 1, "b": [2, {"c": "}"}]}')])),  # in the 2nd's arguments
+        (FORCED_LIST[:56], True, ("", [])),  # inside the first call's arguments, just after a "}" in a string
     ],
 )
 def test_forced_calls_stream_arguments_as_generated(text, array, expected):
@@ -213,6 +218,10 @@ def test_forced_calls_stream_arguments_as_generated(text, array, expected):
     events = run(ForcedCallStream(array), list(text))
     if expected[1] and len(expected[1][0][1]) > 2:
         assert sum(e[0] == "args" for e in events) > 2  # arguments arrive in fragments, not at the end
+    started = [e[1] for e in events if e[0] == "call"]
+    cut = [e[1] for e in events if e[0] == "cut"]
+    assert cut == started[len(expected[1]) :]  # the one call begun and not finished, marked last
+    assert not any(e[0] == "content" for e in events)
 
 
 def test_parser_for_template():

@@ -145,6 +145,27 @@ def test_required_calls_validate_and_stream_the_same(client):
     assert streamed == calls and content == "" and finish == "tool_calls"
 
 
+def test_required_cut_by_max_tokens_is_length_without_a_partial_call(client):
+    """tool_choice required cut off by max_tokens: finish_reason length; the plain response holds no call
+    and no partial JSON as content (before the fix: content '[{"name'); the stream sends the cut call's
+    header and the arguments written so far (a prefix of the whole call's), then length."""
+    args = {"model": "x", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    whole = client.chat.completions.create(max_tokens=80, **args)
+    ((name, full_args),) = check_calls(whole.choices[0].message)
+    n = whole.usage.completion_tokens
+    headers = 0
+    for cut in (3, n // 2, n - 3):
+        choice = client.chat.completions.create(max_tokens=cut, **args).choices[0]
+        assert choice.finish_reason == "length", cut
+        assert choice.message.content == "" and not choice.message.tool_calls, (cut, choice.message)
+        streamed, content, finish = streamed_calls(client, max_tokens=cut, **args)
+        assert finish == "length" and content == "", (cut, content)
+        for got_name, got_args in streamed:
+            assert got_name == name and full_args.startswith(got_args) and got_args != full_args, (cut, got_args)
+        headers += len(streamed)
+    assert headers  # a cut inside the arguments was met, not only cuts before the call's name
+
+
 def test_required_single_call_samples_validate(client):
     r = client.chat.completions.create(
         model="x",
@@ -309,11 +330,11 @@ def tokenizer(embedded_dir):
     return Tokenizer.from_dir(embedded_dir)
 
 
-def plan_of(tokenizer, body: dict, **config):
+def plan_of(tokenizer, body: dict, max_calls: int | None = None, **config):
     from baige.runtime.server.protocol import ChatCompletionRequest
     from baige.runtime.server.tools import plan_tools, tool_config
 
-    plan = plan_tools(ChatCompletionRequest.model_validate(body), tool_config(tokenizer, **config))
+    plan = plan_tools(ChatCompletionRequest.model_validate(body), tool_config(tokenizer, **config), max_calls)
     return plan, tokenizer.render_chat_template(plan.messages, True, **plan.template_vars)
 
 
@@ -438,3 +459,18 @@ def test_forced_constraint_schema(tokenizer):
         tokenizer, {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}
     )
     assert plan.constraint.json["properties"]["name"] == {"const": "add"} and "anyOf" not in plan.constraint.json
+
+
+def test_max_calls_caps_auto_and_required(tokenizer):
+    """The Responses API's max_tool_calls: auto keeps the first N calls of an output (1 with
+    parallel_tool_calls false); required constrains the list to at most N (N = 1: one call, not a list)."""
+    auto = {"messages": ASK, "tools": TOOLS}
+    assert plan_of(tokenizer, auto)[0].max_calls is None
+    assert plan_of(tokenizer, auto, 3)[0].max_calls == 3
+    assert plan_of(tokenizer, {**auto, "parallel_tool_calls": False}, 3)[0].max_calls == 1
+    required = {**auto, "tool_choice": "required"}
+    plan = plan_of(tokenizer, required, 3)[0]
+    assert plan.array and plan.constraint.json["maxItems"] == 3 and plan.constraint.json["minItems"] == 1
+    assert "maxItems" not in plan_of(tokenizer, required)[0].constraint.json
+    plan = plan_of(tokenizer, required, 1)[0]
+    assert not plan.array and len(plan.constraint.json["anyOf"]) == 2

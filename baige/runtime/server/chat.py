@@ -110,12 +110,25 @@ def with_reasoning(
 
 
 async def prepare_chat(
-    st: ServerState, req: ChatCompletionRequest, params: SamplingParams, include_reasoning: bool = True
+    st: ServerState,
+    req: ChatCompletionRequest,
+    params: SamplingParams,
+    include_reasoning: bool = True,
+    max_tool_calls: int | None = None,
 ) -> ChatJob:
-    """Plan the tools, render and tokenize the conversation, and validate it with ``params`` (a forced
-    tool call's constraint, special tokens the tool and reasoning parsers need). Raises APIError (400)."""
+    """Plan the tools (at most ``max_tool_calls`` calls per output: :func:`.tools.plan_tools`), render and
+    tokenize the conversation, and validate it with ``params`` (a forced tool call's constraint, special
+    tokens the tool and reasoning parsers need). Raises APIError (400; under the pooling runner before
+    anything is rendered: its model may have no chat template, and that is not the problem)."""
+    if st.engine.is_pooling:
+        raise APIError(
+            "this model runs the pooling runner (--runner pooling): it embeds (/v1/embeddings), it does not "
+            "generate; chat and responses need --runner generate",
+            param="model",
+        )
     check_chat_size(st, req)
-    plan = await asyncio.to_thread(plan_tools, req, st.tools)  # tool schemas are checked by llguidance
+    # tool schemas are checked by llguidance
+    plan = await asyncio.to_thread(plan_tools, req, st.tools, max_tool_calls)
     if plan.constraint is not None:
         params = dataclasses.replace(params, structured_outputs=plan.constraint)
     if plan.keep_special_tokens:

@@ -134,7 +134,8 @@ async def stream_chat(
             lp = chat_logprobs(st.tokenizer, o.delta_logprobs) if o.logprobs is not None else None
             if not (events or o.finished or lp):
                 continue  # tokens that produced no delta yet (a call's start, half a character)
-            deltas = [delta_of(e) for e in events] or [{}]
+            # a cut call has no delta: its fragments are sent, and the finish_reason says it was cut
+            deltas = [delta_of(e) for e in events if e[0] != "cut"] or [{}]
             for j, delta in enumerate(deltas):
                 choice = {"index": o.index, "delta": delta, "logprobs": lp if j == 0 else None, "finish_reason": None}
                 if o.finished and j == len(deltas) - 1:  # the last chunk: also the stop string or id (vLLM's)

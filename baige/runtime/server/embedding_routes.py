@@ -4,7 +4,8 @@ token ids), each pooled by the engine (``infer/pooling.py``) beside the other re
 ``normalize``, ``add_special_tokens`` and ``truncate_prompt_tokens``.
 
 Limits: at most :data:`MAX_EMBEDDING_INPUTS` inputs per request (OpenAI's), each non-empty and at most
-``max_model_len`` tokens; the body size limit (``--max-request-bytes``) bounds the rest.
+``max_model_len`` tokens, ``truncate_prompt_tokens`` at most ``max_model_len`` (vLLM's rule); the body size
+limit (``--max-request-bytes``) bounds the rest. vLLM's chat-style form (``messages``) is refused by name.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class EmbeddingRequest(_Strict):
     """OpenAI's embeddings request (vLLM's ``EmbeddingCompletionRequest`` fields that apply)."""
 
     model: str | None = None
+    # vLLM's chat-style embedding request: refused by name (declared before input, so its error is the
+    # one reported when input is missing too)
+    messages: list | None = None
     input: (
         str
         | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
@@ -52,6 +56,13 @@ class EmbeddingRequest(_Strict):
     normalize: bool | None = None
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k tokens; -1: max_model_len
+
+    @field_validator("messages")
+    @classmethod
+    def _no_messages(cls, v: list | None) -> list | None:
+        if v is not None:
+            raise ValueError("chat-style embedding requests are not served; send the text as input")
+        return v
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -115,6 +126,12 @@ async def embeddings(request: Request) -> Response | dict:
         raise APIError(
             "this model runs the generate runner and does not serve embeddings; start the server with --runner pooling",
             param="model",
+        )
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > st.engine.max_model_len:
+        raise APIError(
+            f"truncate_prompt_tokens ({req.truncate_prompt_tokens}) is larger than max_model_len "
+            f"({st.engine.max_model_len}); give at most that, or -1 for the whole context",
+            param="truncate_prompt_tokens",
         )
     params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
     jobs = await _prepared(st, req, params)

@@ -183,6 +183,14 @@ class SamplingFields(_Strict):
     # consumer); checked by the engine (baige/runtime/infer/kv_transfer/manager.py)
     kv_transfer_params: dict[str, Any] | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # vLLM's rule: a non-empty stream_options needs stream true (an empty {} passes, as vLLM's truthiness test)
+        if v is not None and v.model_fields_set and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
     def constraint(self):
         """The request's :class:`StructuredOutputsParams` (None: free), from ``response_format`` or
         ``structured_outputs``. Raises APIError when both are given or one is incomplete."""

@@ -88,14 +88,14 @@ class ResponseStore:
             self._chars += chars
             self._expire(time.monotonic())
 
-    def get(self, owner: str, rid: str) -> Stored:
-        """The stored response ``rid`` of ``owner``. Raises APIError (404) for one that does not exist,
-        has expired, or belongs to another key."""
+    def get(self, owner: str, rid: str, param: str = "response_id") -> Stored:
+        """The stored response ``rid`` of ``owner``. Raises APIError (404 naming ``param``, the field that
+        gave the id) for one that does not exist, has expired, or belongs to another key."""
         with self._lock:
             self._expire(time.monotonic())
             found = self._items.get(rid)
         if found is None or found.owner != owner:
-            raise APIError(f"no response with id {rid[:80]!r} is stored", 404, param="response_id", code="not_found")
+            raise APIError(f"no response with id {rid[:80]!r} is stored", 404, param=param, code="not_found")
         return found
 
     def delete(self, owner: str, rid: str) -> None:
@@ -127,15 +127,19 @@ def conversation(req: ResponsesRequest, previous: list[dict]) -> list[dict]:
     """The chat messages of a request: ``instructions`` as the system message, the previous response's
     conversation (``previous``), then the input items (``developer`` is ``system``; function calls join
     the assistant message before them; outputs become ``tool`` messages; reasoning items are dropped).
-    Call arguments that are not JSON are kept as text (:func:`_replayable`), never refused."""
+    Call arguments that are not JSON are kept as text (:func:`_replayable`), never refused. Raises
+    APIError (400) for a ``function_call_output`` whose ``call_id`` answers no function call before it (in
+    ``previous`` or earlier in the input), and for a conversation of nothing but instructions."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    called: set[str] = set()  # call_ids of the function calls so far (an output must answer one of them)
     for m in previous:
         m = dict(m)
         if m.get("tool_calls"):
             m["tool_calls"] = [_replayable(c) for c in m["tool_calls"]]
+            called.update(c["id"] for c in m["tool_calls"])
         messages.append(m)
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    for item in items:
+    for k, item in enumerate(items):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _text(item.content)})
@@ -143,12 +147,19 @@ def conversation(req: ResponsesRequest, previous: list[dict]) -> list[dict]:
             call = _replayable(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             )
+            called.add(item.call_id)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last["tool_calls"] = [*last.get("tool_calls", []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in called:
+                raise APIError(
+                    f"input[{k}].call_id: no function_call with call_id {item.call_id[:80]!r} comes before this "
+                    "function_call_output (in input or in the previous response)",
+                    param="input",
+                )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     if not any(m["role"] != "system" for m in messages):
         raise APIError("input: the conversation has no message besides the instructions", param="input")
@@ -210,12 +221,13 @@ class OutputBuilder:
         self.items: list[dict] = []
         self._open: dict | None = None  # the item being written
         self._text = ""
+        self._cut = False  # the open function call ended before its JSON did (status "incomplete")
 
     def _index(self) -> int:
         return len(self.items)
 
     def _start(self, item: dict) -> list[dict]:
-        self._open, self._text = item, ""
+        self._open, self._text, self._cut = item, "", False
         out = [{"type": "response.output_item.added", "output_index": self._index(), "item": dict(item)}]
         if item["type"] in ("message", "reasoning"):
             part = "output_text" if item["type"] == "message" else "reasoning_text"
@@ -265,6 +277,8 @@ class OutputBuilder:
                         "status": "in_progress",
                     }
                 )
+            elif e[0] == "cut" and kind == "function_call":
+                self._cut = True
             elif e[0] == "args" and kind == "function_call":
                 self._text += e[2]
                 out.append(
@@ -284,7 +298,7 @@ class OutputBuilder:
             return []
         out: list[dict] = []
         if item["type"] == "function_call":
-            item = {**item, "arguments": self._text, "status": "completed"}
+            item = {**item, "arguments": self._text, "status": "incomplete" if self._cut else "completed"}
             out.append(
                 {
                     "type": "response.function_call_arguments.done",
@@ -327,6 +341,7 @@ def response_object(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
+        "max_tool_calls": req.max_tool_calls,
         "model": model,
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,

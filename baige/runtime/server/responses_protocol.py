@@ -35,6 +35,21 @@ BUILT_IN_TOOLS = (
 )
 
 
+# OpenAI's ``include`` values this server accepts: ``reasoning.encrypted_content`` (what stateless clients such as
+# Codex CLI send with ``store: false`` to get the reasoning back for the next request): the reasoning items carry
+# their text in ``content`` and no ``encrypted_content``, so sending them back as input continues the conversation
+INCLUDE_SERVED = ("reasoning.encrypted_content",)
+# the others, and why none can be honoured here (each is a 400 naming it, never ignored)
+INCLUDE_NOT_SERVED = {
+    "code_interpreter_call.outputs": "built-in tools are not served",
+    "computer_call_output.output.image_url": "built-in tools are not served",
+    "file_search_call.results": "built-in tools are not served",
+    "web_search_call.action.sources": "built-in tools are not served",
+    "web_search_call.results": "built-in tools are not served",
+    "message.input_image.image_url": "image inputs are not served",
+    "message.output_text.logprobs": "logprobs are not served on /v1/responses; use /v1/chat/completions for them",
+}
+
 NOT_SERVED = {
     "conversation": "conversations (OpenAI's Conversations API) are not served; continue with previous_response_id",
     "prompt": "stored prompt templates are not served; send the prompt's text as input or instructions",
@@ -129,8 +144,8 @@ class ReasoningConfigField(_Strict):
 
 
 class ResponsesRequest(_Strict):
-    """``POST /v1/responses``. ``background``, ``truncation: "auto"``, ``conversation``, ``prompt`` and
-    ``top_logprobs`` are refused (not served), not ignored."""
+    """``POST /v1/responses``. ``background``, ``truncation: "auto"``, ``conversation``, ``prompt``,
+    ``top_logprobs`` and the ``include`` values of INCLUDE_NOT_SERVED are refused (not served), not ignored."""
 
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)]
@@ -150,7 +165,8 @@ class ResponsesRequest(_Strict):
     user: str | None = None
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
-    include: list[str] | None = Field(None, max_length=16)
+    include: list[str] | None = Field(None, max_length=16)  # INCLUDE_SERVED pass, INCLUDE_NOT_SERVED are refused
+    max_tool_calls: int | None = Field(None, ge=1)  # function calls in the response (plan_tools caps them)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's extra (64-bit, as the chat route's)
     # OpenAI's fields for what this server does not keep or compute: a non-empty value is a 400
     conversation: Any = None
@@ -163,6 +179,25 @@ class ResponsesRequest(_Strict):
         if v is None or (info.field_name == "top_logprobs" and v == 0):
             return v
         raise ValueError(NOT_SERVED[info.field_name])
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, v: list[str] | None) -> list[str] | None:
+        for k, value in enumerate(v or []):
+            if value in INCLUDE_SERVED:
+                continue
+            why = INCLUDE_NOT_SERVED.get(value)
+            if why is None:
+                raise ValueError(f"[{k}]: {value[:60]!r} is not one of OpenAI's include values")
+            raise ValueError(f"[{k}]: {value!r} cannot be included ({why})")
+        return v
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _id_not_empty(cls, v: str | None) -> str | None:
+        if v == "":  # not "no previous response": a client bug that would drop the conversation
+            raise ValueError("previous_response_id is empty; leave it out or give a stored response's id")
+        return v
 
     @field_validator("tools", mode="before")
     @classmethod

@@ -96,12 +96,14 @@ async def create_response(request: Request):
     st = state_of(request)
     req: ResponsesRequest = await parse(request, ResponsesRequest)
     owner = owner_of(request.headers.get("authorization"))
-    previous = st.responses.get(owner, req.previous_response_id).messages if req.previous_response_id else []
+    previous = []
+    if req.previous_response_id is not None:
+        previous = st.responses.get(owner, req.previous_response_id, "previous_response_id").messages
     messages = conversation(req, previous)
     chat = chat_request(req, messages)
     try:
         params = sampling_params(chat, req.max_output_tokens, None, 1, st.max_n)
-        job = await prepare_chat(st, chat, params)
+        job = await prepare_chat(st, chat, params, max_tool_calls=req.max_tool_calls)
     except APIError as e:  # the chat pipeline names chat fields: name the Responses request's
         e.param = RESPONSES_PARAM.get(e.param, e.param)
         raise

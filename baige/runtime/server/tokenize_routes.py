@@ -69,9 +69,12 @@ async def _chat_ids(st: ServerState, req: TokenizeChatRequest) -> list[int]:
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict:
-    """``{"prompt": ...}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+    """``{"prompt": ...}`` or ``{"messages": [...]}`` (exactly one: both is a 400) ->
+    ``{"count", "max_model_len", "tokens", "token_strs"}``."""
     st = state_of(request)
     raw = parse_body(await request.body())
+    if raw.get("prompt") is not None and raw.get("messages") is not None:
+        raise APIError("give exactly one of prompt and messages, not both", param="messages")
     schema = TokenizeChatRequest if "messages" in raw else TokenizeCompletionRequest
     try:
         req = schema.model_validate(raw)

@@ -2,14 +2,16 @@
 joined by :func:`assemble`, the non-streamed message (so the two are the same by construction).
 
 Events: ``("content", text)``, ``("call", index, id, name)`` (a call's header: OpenAI's first delta of a
-call carries its id, type and name with ``arguments: ""``), ``("args", index, fragment)``.
+call carries its id, type and name with ``arguments: ""``), ``("args", index, fragment)``, and
+``("cut", index)``: the call ``index`` ended before its JSON did (``max_tokens``, a stop string), so its
+arguments are not a complete call (no delta of its own: the non-streamed message leaves that call out).
 
 - :class:`PlainStream`: no tools: every delta is content.
 - :class:`ToolCallStream`: ``tool_choice: "auto"``: a parser's (:mod:`.tool_parsers`) items; a call is
   sent whole once it is complete and valid, so a stream never shows a call the full text would leave as
   content.
 - :class:`ForcedCallStream`: ``"required"``/named: the constrained JSON, each call's arguments streamed
-  as they are generated.
+  as they are generated; JSON cut off before a call's name is dropped, never content.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 
 from baige.runtime.server.tool_parsers import FunctionCall, ToolParser, loads
 
-Event = tuple  # ("content", text) | ("call", index, id, name) | ("args", index, arguments fragment)
+Event = tuple  # ("content", text) | ("call", index, id, name) | ("args", index, arguments fragment) | ("cut", index)
 # (| ("reasoning", text) from :mod:`.reasoning`)
 
 
@@ -72,8 +74,10 @@ class ToolCallStream:
 class ForcedCallStream:
     """``tool_choice: "required"`` or a named function: the output is JSON that the structured-output grammar
     shapes as ``{"name": N, "arguments": A}`` (``array``: a list of them). Each call's header is sent once
-    its name is read, then its arguments as they are generated; a truncated output (``length``) leaves the
-    arguments cut short, as OpenAI's do. An output in which no call started is content."""
+    its name is read, then its arguments as they are generated. An output cut off (``length``, a stop
+    string) inside a call ends with ``("cut", index)`` for it, its streamed arguments cut short (as vLLM and
+    OpenAI stream them); cut off before a call's name, the partial JSON is dropped: the grammar allows
+    nothing but calls, so it is never content. ``calls`` counts the complete calls."""
 
     _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:')
     _MAX_HEAD = 400  # characters of a call's start before its arguments
@@ -84,8 +88,8 @@ class ForcedCallStream:
         self._depth, self._in_str, self._esc = 0, False, False
         self._head: str | None = None  # the current call's text until its arguments begin
         self._state = "between"  # between | head | before_args | args
-        self._text: list[str] = []
-        self.calls = 0
+        self._started = 0  # calls whose header was read
+        self.calls = 0  # calls whose object closed
 
     def _step(self, c: str) -> None:
         if self._in_str:
@@ -103,7 +107,6 @@ class ForcedCallStream:
             self._depth -= 1
 
     def feed(self, text: str) -> list[Event]:
-        self._text.append(text)
         out: list[Event] = []
         frag: list[str] = []
         for c in text:
@@ -111,8 +114,9 @@ class ForcedCallStream:
             if state == "before_args" and not c.isspace():
                 state = self._state = "args"
             if state == "args" and not in_str and depth == self._base + 1 and c == "}":
-                out.append(("args", self.calls - 1, "".join(frag)))
+                out.append(("args", self._started - 1, "".join(frag)))
                 frag, self._state = [], "between"
+                self.calls += 1
             elif state == "args":
                 frag.append(c)
             elif state == "head":
@@ -121,32 +125,33 @@ class ForcedCallStream:
                 if not m and len(self._head) > self._MAX_HEAD:  # not a call's start (names are short)
                     self._state = "between"
                 elif m:
-                    out.append(("call", self.calls, self._new_id(), loads(m.group(1))))
-                    self.calls += 1
+                    out.append(("call", self._started, self._new_id(), loads(m.group(1))))
+                    self._started += 1
                     self._state = "before_args"
             elif c == "{" and not in_str and depth == self._base:
                 self._head, self._state = c, "head"
             self._step(c)
         if frag:
-            out.append(("args", self.calls - 1, "".join(frag)))
+            out.append(("args", self._started - 1, "".join(frag)))
         return [e for e in out if e[0] != "args" or e[2]]
 
     def finish(self) -> list[Event]:
-        text = "".join(self._text)
-        return [("content", text)] if not self.calls and text else []
+        return [("cut", self._started - 1)] if self._started > self.calls else []
 
 
 def assemble(events: list[Event]) -> tuple[str | None, list[dict]]:
-    """The message's ``content`` and ``tool_calls`` from all events of one output. Content is None when
-    there are calls and no text besides them."""
+    """The message's ``content`` and ``tool_calls`` from all events of one output, a ``cut`` call left out
+    (its arguments are not a complete call). Content is None when there are calls and no text besides them."""
     content = "".join(e[1] for e in events if e[0] == "content")
-    calls: list[dict] = []
+    calls: dict[int, dict] = {}
     for e in events:
         if e[0] == "call":
-            calls.append({"id": e[2], "type": "function", "function": {"name": e[3], "arguments": ""}})
+            calls[e[1]] = {"id": e[2], "type": "function", "function": {"name": e[3], "arguments": ""}}
         elif e[0] == "args":
             calls[e[1]]["function"]["arguments"] += e[2]
-    return (content or None) if calls else content, calls
+        elif e[0] == "cut":
+            del calls[e[1]]
+    return (content or None) if calls else content, list(calls.values())
 
 
 def delta_of(event: Event) -> dict:

@@ -168,9 +168,12 @@ def _call_schema(k: int, name: str) -> dict:
     }
 
 
-def forced_constraint(req: ChatCompletionRequest, names: list[str]) -> tuple[StructuredOutputsParams, bool]:
+def forced_constraint(
+    req: ChatCompletionRequest, names: list[str], max_calls: int | None = None
+) -> tuple[StructuredOutputsParams, bool]:
     """The structured-output constraint for ``tool_choice`` "required" / named, and whether the output
-    is a list of calls. Raises APIError (400) for a tool schema llguidance cannot enforce."""
+    is a list of calls (of at most ``max_calls``; 1: one call, not a list). Raises APIError (400) for a
+    tool schema llguidance cannot enforce."""
     tools = {t.function.name: (k, t) for k, t in enumerate(req.tools)}
     defs = {}
     for name in names:
@@ -188,9 +191,11 @@ def forced_constraint(req: ChatCompletionRequest, names: list[str]) -> tuple[Str
                 param="tools",
             )
     calls = [_call_schema(tools[n][0], n) for n in names]
-    array = req.tool_choice == "required" and req.parallel_tool_calls is not False
+    array = req.tool_choice == "required" and req.parallel_tool_calls is not False and max_calls != 1
     if array:
         schema = {"$defs": defs, "type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if max_calls is not None:
+            schema["maxItems"] = max_calls
     else:
         schema = {"$defs": defs, "anyOf": calls} if len(calls) > 1 else {"$defs": defs, **calls[0]}
     return StructuredOutputsParams(json=schema), array
@@ -267,9 +272,11 @@ def check_tools(req: ChatCompletionRequest) -> None:
                 )
 
 
-def plan_tools(req: ChatCompletionRequest, cfg: ToolConfig) -> ToolPlan:
-    """The :class:`ToolPlan` of a chat request. Raises APIError (400) for bad tools, tool_choice or
-    tool messages, and for ``required``/named beside ``response_format``/``structured_outputs``."""
+def plan_tools(req: ChatCompletionRequest, cfg: ToolConfig, max_calls: int | None = None) -> ToolPlan:
+    """The :class:`ToolPlan` of a chat request; ``max_calls`` (the Responses API's ``max_tool_calls``) caps
+    the calls of one output: ``auto`` drops later ones, ``required`` constrains the list's length. Raises
+    APIError (400) for bad tools, tool_choice or tool messages, and for ``required``/named beside
+    ``response_format``/``structured_outputs``."""
     check_tools(req)
     choice = resolve_tool_choice(req, cfg)
     tools = req.tools or []
@@ -289,7 +296,7 @@ def plan_tools(req: ChatCompletionRequest, cfg: ToolConfig) -> ToolPlan:
         return plan
     plan.keep_special_tokens = cfg.parser.keep_special_tokens
     if choice == "auto":
-        plan.mode, plan.max_calls = "auto", (1 if req.parallel_tool_calls is False else None)
+        plan.mode, plan.max_calls = "auto", (1 if req.parallel_tool_calls is False else max_calls)
         return plan
     if req.constraint() is not None:
         raise APIError(
@@ -298,7 +305,7 @@ def plan_tools(req: ChatCompletionRequest, cfg: ToolConfig) -> ToolPlan:
             param="tool_choice",
         )
     forced = list(names) if choice == "required" else [req.tool_choice.function.name]
-    plan.constraint, plan.array = forced_constraint(req, forced)
+    plan.constraint, plan.array = forced_constraint(req, forced, max_calls)
     plan.mode = "forced"
     return plan
 
