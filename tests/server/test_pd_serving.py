@@ -156,3 +156,17 @@ def test_pd_pair_matches_one_instance_moves_every_prompt_token_and_survives_a_ki
         assert sample(m, "baige:kv_transfer_failures_total") == 1
         assert sample(m, "baige:kv_transfer_pulls_total") == len(LENGTHS) + 1
         assert sample(m, f"{name}_sum") == len(LENGTHS) + 1 + len(ids)  # this one computed its whole prompt
+
+
+def test_a_server_with_the_nixl_transport_shuts_down_with_exit_status_0(model_dir):
+    """SIGTERM to a producer on NIXL: a graceful shutdown, exit status 0 (NIXL's UCX backend loads a library whose
+    destructor crashed every such process at exit with signal 11; baige.cli.exit_process skips it)."""
+    from baige.runtime.infer.kv_transfer.nixl_connector import NixlConnector
+
+    why = NixlConnector.unavailable()
+    if why:
+        pytest.skip(why)
+    cfg = {"kv_connector": "nixl", "kv_role": "kv_producer"}
+    with launched(model_dir, *SERVE, "--kv-transfer-config", json.dumps(cfg)) as (url, proc):
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]

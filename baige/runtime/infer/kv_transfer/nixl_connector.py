@@ -30,6 +30,10 @@ from baige.runtime.infer.kv_transfer.zmq_connector import POLL_MS, bind, recv
 logger = logging.getLogger("baige.kv_transfer")
 
 GRACE_S = 5.0  # past a pull's own timeout, the producer releases a transfer never confirmed
+# The NIXL agents this process has made. NIXL's UCX backend loads the libnl-route bundled with the wheel, whose
+# destructor crashes (SIGSEGV) when such a process exits (nixl-cu12 1.x: a graceful `baige serve` shutdown ended
+# with signal 11), so a CLI command that made one ends without the C libraries' destructors (baige.cli.main).
+agents_made = 0
 MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")  # the meta-package, then its CUDA builds
 
 
@@ -55,6 +59,8 @@ class NixlConnector(KVConnector):
         api = _nixl_api()
         self._zmq, self._ctx = zmq, zmq.Context()
         self.agent_name = f"baige-{uuid.uuid4().hex}"
+        global agents_made
+        agents_made += 1  # before the agent: its backend loads the library even if a later step fails
         self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=["UCX"]))
         self._pools = [*kv.k, *kv.v]
         self.agent.register_memory(self._pools)
