@@ -1,11 +1,11 @@
 """The tables of the inference benchmarks: ``baige bench latency``, ``throughput``, ``serve`` and ``startup``,
-and scripts/bench_router.py's routing records. Each builder takes the records of its kind (newest first), the
+scripts/bench_router.py's routing records and scripts/bench_bf16_linear.py's kernel records. Each builder takes the records of its kind (newest first), the
 machine labels and the link prefix, and returns the table's lines."""
 
 from __future__ import annotations
 
-from .machines import forced_note, lead
-from .records import DASH, limits, link, num, table
+from .machines import forced_note, lead, machine_key
+from .records import DASH, commit, date, limits, link, num, table
 
 
 def latency(rs, labels, prefix) -> list[str]:
@@ -128,3 +128,32 @@ def router(rs, labels, prefix) -> list[str]:
                 ]
             )
     return table(header, rows)
+
+
+def bf16_linear(rs, labels, prefix) -> list[str]:
+    """scripts/bench_bf16_linear.py: one decode step's bf16 weight stream per thread and row count."""
+    header = "date (UTC) | commit | machine | threads | rows | layers (ms) | lm_head (ms) | total (ms) | GB/s | record"
+    rows = []
+    for r in rs:
+        for x in r.get("results") or []:
+            rows.append(
+                [
+                    date(r),
+                    commit(r),
+                    labels[machine_key(r)],
+                    x.get("threads", DASH),
+                    x.get("rows", DASH),
+                    num(x.get("layers_ms")),
+                    num(x.get("lm_head_ms")),
+                    num(x.get("total_ms")),
+                    num(x.get("weights_gb_per_s")),
+                    link(r, prefix),
+                ]
+            )
+    intro = [
+        "SmolLM2-135M's 30 layers of joined bf16 projections and its lm_head (270 MB, in the huge-page weight "
+        "arena as the engine places them), fp32 activations, the native kernel called directly; medians of "
+        "whole passes.",
+        "",
+    ]
+    return intro + table(header, rows)

@@ -26,6 +26,11 @@ SECTIONS = [  # (benchmark, heading, table builder)
     ),
     ("startup", "Start-up: `baige bench startup` (medians from process start)", inference.startup),
     ("router", "Routing: `scripts/bench_router.py` (prefix-cache hit tokens over the backends)", inference.router),
+    (
+        "bf16_linear",
+        "bf16 linears over one decode step's weights: `scripts/bench_bf16_linear.py`",
+        inference.bf16_linear,
+    ),
     ("arch_mla", "MLA's latent cache against an MHA-sized cache: `scripts/bench_arch.py mla`", arch.mla),
     ("arch_window", "Sliding-window memory over four windows: `scripts/bench_arch.py window`", arch.window),
     ("arch_quant", "int8 and int4 against fp32 on the new families: `scripts/bench_arch.py quant`", arch.quant),

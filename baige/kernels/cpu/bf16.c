@@ -13,8 +13,8 @@
  * tile after the first find it in cache). A tile ahead (rows contiguous) is prefetched in address order,
  * its lines spread evenly over this tile's passes, so memory streams while the passes compute instead
  * of in a burst during the first: with one pass (up to MR rows) two tiles ahead into L1, with several
- * four tiles ahead into L2 (each the faster of distances 1-8 and of both hints, on huge pages;
- * measured: docs/benchmarks/archive.md, "bf16 decode linears: prefetch spread over the passes").
+ * four tiles ahead into L2 (picked in a sweep of distances 1-8 and both hints over huge-page weights;
+ * the commit before against this: docs/benchmarks/records/bf16_linear-20261208-0024*.json).
  * A full tile's 16 sums leave through one tree of shuffles (reduce16, faster than 16 separate
  * reductions; measured: docs/benchmarks/archive.md, "Start-up, page faults and bf16 prefill ops").
  * K is covered in steps of 32 with a masked load for the tail
@@ -124,8 +124,8 @@ static void round_rows(const float *x, int64_t M, int64_t K, int64_t ldx, uint16
 
 /* Output tiles [t_begin, t_end) of y = xb w^T + bias, each tile's rows of w read by ceil(M / MR) tile calls
  * (passes). A function of its own, not the body of an OpenMP loop: GCC compiles an outlined OpenMP body with
- * the shared variables behind a pointer, and there the loop ran slower (measured: docs/benchmarks/archive.md,
- * "bf16 decode linears: prefetch to L2, spread over the passes"). */
+ * the shared variables behind a pointer, and there the loop ran slower (measured: the message of commit
+ * 202d3b6). */
 static __attribute__((noinline)) void run_tiles(const uint16_t *xb, int64_t M, int64_t K, int64_t K32,
                                                 const uint16_t *w, int64_t N, int64_t ldw, const float *bias, float *y,
                                                 int64_t ldy, int64_t t_begin, int64_t t_end) {
