@@ -1,6 +1,6 @@
 """The tables of the inference benchmarks: ``baige bench latency``, ``throughput``, ``serve`` and ``startup``,
-scripts/bench_router.py's routing records and scripts/bench_bf16_linear.py's kernel records. Each builder takes the records of its kind (newest first), the
-machine labels and the link prefix, and returns the table's lines."""
+scripts/bench_router.py's routing records and scripts/bench_bf16_linear.py's kernel records. Each builder takes
+the records of its kind (newest first), the machine labels and the link prefix, and returns the table's lines."""
 
 from __future__ import annotations
 
