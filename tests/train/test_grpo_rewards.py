@@ -114,3 +114,19 @@ def test_custom_reward_import_errors():
         load_rewards(RLSection(rewards=["rl_utils:nope"]))
     (r,) = load_rewards(RLSection(rewards=["rl_utils:target_token_reward=2"]))
     assert r.weight == 2.0 and not r.binary and r.fn(["p"], ["ee", "xe"]) == [1.0, 0.5]
+
+
+def test_record_fields_do_not_replace_a_builtin_s_settings():
+    """Records with fields named like a built-in's settings (max_tokens, pattern, schema, buffer) are
+    handed to the rewards as every field is, but the built-ins keep rl.*'s values."""
+    rl = RLSection(
+        rewards=["regex", "json_schema", "length_penalty"],
+        reward_regex="ok",
+        reward_json_schema='{"type": "integer"}',
+        max_tokens=8,
+        overlong_buffer=4,
+    )
+    fields = {"pattern": ["zz", "zz"], "schema": ["x", "x"], "max_tokens": [100, 100], "buffer": [1, 1]}
+    fields["completion_ids"] = [[1] * 6, [1] * 3]
+    values = score(load_rewards(rl), ["p", "q"], ["ok 7", "5"], fields)
+    assert values == {"regex": [1.0, 0.0], "json_schema": [0.0, 1.0], "length_penalty": [-0.5, 0.0]}

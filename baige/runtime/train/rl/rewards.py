@@ -33,7 +33,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from functools import partial
 
 from baige.errors import BaigeError
 from baige.runtime.train.rl.config import BINARY_REWARDS, RLSection, load_json_schema, parse_reward_spec
@@ -153,6 +152,16 @@ def _import_callable(name: str) -> RewardFn:
     return fn
 
 
+def _bind(fn: RewardFn, **settings) -> RewardFn:
+    """``fn`` with its settings fixed: they win over record fields of the same names (a record's
+    ``max_tokens`` or ``pattern`` field must not replace ``rl.max_tokens`` or ``rl.reward_regex``)."""
+
+    def bound(prompts, completions, **fields):
+        return fn(prompts, completions, **{**fields, **settings})
+
+    return bound
+
+
 def load_rewards(rl: RLSection) -> list[Reward]:
     """The configured rewards, built-ins bound to their settings. Raises BaigeError (bad spec or import)."""
     out = []
@@ -161,13 +170,13 @@ def load_rewards(rl: RLSection) -> list[Reward]:
         if name == "exact_answer":
             fn = exact_answer
         elif name == "regex":
-            fn = partial(regex_reward, pattern=rl.reward_regex)
+            fn = _bind(regex_reward, pattern=rl.reward_regex)
         elif name == "json_schema":
             schema = load_json_schema(rl.reward_json_schema) if rl.reward_json_schema is not None else None
-            fn = partial(json_schema_reward, schema=schema)
+            fn = _bind(json_schema_reward, schema=schema)
         elif name == "length_penalty":
             buffer = rl.overlong_buffer or max(1, rl.max_tokens // 4)
-            fn = partial(length_penalty, max_tokens=rl.max_tokens, buffer=buffer)
+            fn = _bind(length_penalty, max_tokens=rl.max_tokens, buffer=buffer)
         else:
             fn = _import_callable(name)
         out.append(Reward(name, weight, fn, name in BINARY_REWARDS))
