@@ -130,3 +130,28 @@ def test_record_fields_do_not_replace_a_builtin_s_settings():
     fields["completion_ids"] = [[1] * 6, [1] * 3]
     values = score(load_rewards(rl), ["p", "q"], ["ok 7", "5"], fields)
     assert values == {"regex": [1.0, 0.0], "json_schema": [0.0, 1.0], "length_penalty": [-0.5, 0.0]}
+
+
+def test_reward_json_schema_errors(tmp_path):
+    from baige.runtime.train.rl.config import load_json_schema
+
+    latin1 = tmp_path / "schema.json"
+    latin1.write_bytes(b'{"type": "object", "description": "caf\xe9"}')
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]")
+    for text, message in [
+        (str(latin1), f"rl.reward_json_schema {latin1}: not UTF-8 text (it holds the byte 0xe9)"),
+        (str(listed), f"rl.reward_json_schema {listed}: a JSON schema is an object (got list)"),
+        (
+            '{"type": 5}',
+            "rl.reward_json_schema: not a valid JSON schema (5 is not valid under any of the given schemas)",
+        ),
+        ("{nope", "rl.reward_json_schema: not valid JSON (Expecting property name enclosed in double quotes)"),
+        (
+            str(tmp_path / "none.json"),
+            f"rl.reward_json_schema '{tmp_path / 'none.json'}': neither a JSON object nor a file",
+        ),
+    ]:
+        with pytest.raises(BaigeError) as e:
+            load_json_schema(text)
+        assert str(e.value) == message
