@@ -56,7 +56,7 @@ class GRPOTrainer(TrainerBase):
     def __init__(self, cfg: TrainConfig):
         self.rewards = load_rewards(cfg.rl)  # before the expensive set-up: a bad module:function fails now
         needs = ("answer",) if any(r.name == "exact_answer" for r in self.rewards) else ()
-        self.records = read_prompts(cfg.data.train, needs)
+        self.records = read_prompts(cfg.data.train, needs, any(r.name == "json_schema" for r in self.rewards))
         self.reference: Transformer | None = None
         super().__init__(cfg)
         adapter = write_adapter(self.model, cfg.lora) if self.lora_params else None
