@@ -228,3 +228,14 @@ def test_cli_rl_options_need_grpo(cli_error, tmp_path):
     assert "--method must be one of sft, pretrain, grpo" in cli_error(
         "train", "--data", tmp_path / "t.txt", "--method", "ppo"
     )
+
+
+def test_cli_a_prompt_too_long_for_the_context_names_its_line(tiny, tmp_path, cli_error, one_thread):
+    model, _ = tiny
+    data = tmp_path / "long.jsonl"
+    data.write_text('{"prompt": "hi"}\n' + '{"prompt": "%s"}\n' % ("e" * 300))
+    err = cli_error(*_cli_args(model, data, tmp_path / "err", "--reward", "length_penalty"))
+    assert (
+        err
+        == f"error: {data}:2: the prompt (300 tokens) plus rl.max_tokens (4) exceeds the model's context of 256 tokens"
+    )

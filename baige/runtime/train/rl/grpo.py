@@ -99,16 +99,22 @@ class GRPOTrainer(TrainerBase):
             self.reference = copy.deepcopy(model).requires_grad_(False).eval().to(self.device)
 
     def _build_data(self) -> None:
-        """Tokenize every prompt; this rank's share of a step. Raises BaigeError (indivisible share,
-        token ids outside the vocabulary)."""
+        """Tokenize every prompt; this rank's share of a step. Raises BaigeError (indivisible share, token
+        ids outside the vocabulary, a prompt too long for the context with rl.max_tokens: naming its line)."""
         dp, per_step = self.dims.dp_size, self.cfg.rl.prompts_per_step
         if per_step % dp:
             raise BaigeError(f"rl.prompts_per_step {per_step} must be divisible by the data-parallel size {dp}")
         self.local_prompts = per_step // dp
         self.prompt_ids = [tokenize_prompt(self.tokenizer, r) for r in self.records]
+        context, max_tokens = self.model_config.max_position_embeddings, self.cfg.rl.max_tokens
         for ids, r in zip(self.prompt_ids, self.records):
             if not ids or max(ids) >= self.model_config.vocab_size:
                 raise BaigeError(f"{r.where}: the prompt tokenizes to nothing or to ids outside the model's vocabulary")
+            if len(ids) + max_tokens > context:
+                raise BaigeError(
+                    f"{r.where}: the prompt ({len(ids)} tokens) plus rl.max_tokens ({max_tokens}) exceeds the "
+                    f"model's context of {context} tokens"
+                )
 
     # ---- one step ---------------------------------------------------------------------------------
 
