@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -99,6 +100,7 @@ def test_a_failing_reward_is_one_line_naming_it():
         (lambda p, c, **f: 1.0, "reward bad returned float; expected a list of 2 numbers"),
         (lambda p, c, **f: [1.0, float("nan")], "reward bad returned nan; every value must be a finite number"),
         (lambda p, c, **f: [1.0, "1"], "reward bad returned '1'; every value must be a finite number"),
+        (lambda p, c, **f: sys.exit(3), "reward bad failed: SystemExit: 3"),
     ]
     for fn, message in cases:
         with pytest.raises(BaigeError) as e:

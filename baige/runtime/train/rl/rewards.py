@@ -193,14 +193,14 @@ def score(
     """Each reward's values on the samples, by name.
 
     Raises:
-        BaigeError: a reward that raised, or returned something else than ``len(completions)`` finite
-        numbers (one line naming the reward).
+        BaigeError: a reward that raised (or called ``sys.exit``), or returned something else than
+        ``len(completions)`` finite numbers (one line naming the reward).
     """
     out = {}
     for r in rewards:
         try:
             values = r.fn(prompts, completions, **fields)
-        except Exception as e:  # the reward's own failure (user code): reported as one line naming it
+        except (Exception, SystemExit) as e:  # the reward's own failure (user code, sys.exit() included): one line
             raise BaigeError(f"reward {r.name} failed: {type(e).__name__}: {_one_line(e)}") from None
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
