@@ -7,6 +7,7 @@ thread of the test over its own engine; the CLI flag is checked once on a `baige
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -129,15 +130,22 @@ def test_sleep_and_wake_up_with_a_stream_in_flight(dirs):
 def test_bad_calls_are_openai_shaped_400s(dirs, tmp_path):
     old, _ = dirs
     wide = make_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
+    broken = tmp_path / "broken"
+    shutil.copytree(old, broken)
+    (broken / "config.json").write_text("{nope")
     with serving(old, enable_rl_endpoints=True) as http:
         for body, message in [
             ({"model_path": str(tmp_path / "nowhere")}, "no such directory"),
             ({"model_path": str(wide)}, "hidden_size is 96, the served model's is 64"),
             ({"path": str(wide)}, "model_path"),
+            ({"model_path": ""}, "model_path: String should have at least 1 character"),  # not the working directory
+            ({"model_path": str(tmp_path)}, "not an HF model directory (no config.json)"),
+            ({"model_path": str(broken)}, "config.json: not valid JSON"),
         ]:
             r = http.post("/update_weights_from_disk", json=body)
             err = r.json()["error"]
             assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+            assert err["param"] == "model_path", r.text
             assert message in err["message"] and "\n" not in err["message"]
         for level, message in [(2, "level 2 is not supported"), ("x", "'x': 1 or 2")]:
             r = http.post("/sleep", params={"level": level})

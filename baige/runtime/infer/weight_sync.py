@@ -126,8 +126,11 @@ def read_checkpoint(model_path: str, model: Transformer) -> dict[str, torch.Tens
     path = Path(model_path).expanduser()
     if not path.exists():
         raise BaigeError(f"model_path {model_path}: no such directory", param="model_path")
-    model_dir = resolve_model(str(path))
-    cfg = ModelConfig.from_file(model_dir / "config.json")
+    try:
+        model_dir = resolve_model(str(path))
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+    except BaigeError as e:  # not a model, a broken config.json: the request's model_path is the bad field
+        raise BaigeError(str(e), param="model_path") from None
     if cfg.raw.get("quantization_config"):
         raise BaigeError(
             f"{model_dir}: a quantized checkpoint (quantization_config); weight updates read float checkpoints",
