@@ -206,6 +206,11 @@ def test_cli_errors(tiny, tmp_path, cli_error, one_thread, extra, needle):
             "rl_utils:short_reward",
             "error: reward rl_utils:short_reward returned 3 values; expected a list of 4 numbers",
         ),
+        (
+            "rl_utils:huge_reward",
+            "error: a sample's weighted reward is 1e+39, beyond float32's range (3.4e+38): scale the rewards or "
+            "their weights down",
+        ),
     ],
 )
 def test_cli_a_failing_reward_stops_the_run_with_one_line(tiny, tmp_path, one_thread, capsys, reward, message):

@@ -138,8 +138,18 @@ class GRPOTrainer(TrainerBase):
         return score(self.rewards, [r.prompt for r in recs], [s.text for s in samples], fields)
 
     def _advantages(self, values: dict[str, list[float]], num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weighted total reward per sample and its group advantage, both (P * G,) fp32."""
+        """The weighted total reward per sample and its group advantage, both (P * G,) fp32.
+
+        Raises:
+            BaigeError: a total beyond fp32's range (it would make the advantages and the loss NaN).
+        """
         total = sum(torch.tensor(values[r.name], dtype=torch.float64) * r.weight for r in self.rewards)
+        big = total.abs() > torch.finfo(torch.float32).max
+        if big.any():
+            raise BaigeError(
+                f"a sample's weighted reward is {float(total[big][0]):g}, beyond float32's range "
+                f"({torch.finfo(torch.float32).max:.3g}): scale the rewards or their weights down"
+            )
         total = total.float()
         adv = L.group_advantages(total.view(num_groups, -1), self.cfg.rl.norm_adv_by_std_in_grpo)
         return total, adv.reshape(-1)
