@@ -244,3 +244,22 @@ def test_cli_a_prompt_too_long_for_the_context_names_its_line(tiny, tmp_path, cl
         err
         == f"error: {data}:2: the prompt (300 tokens) plus rl.max_tokens (4) exceeds the model's context of 256 tokens"
     )
+
+
+def test_cli_a_rollout_kv_cache_beyond_free_memory_names_the_rl_options(
+    tiny, tmp_path, one_thread, capsys, monkeypatch
+):
+    """Said in rl.* terms (the engine's own check speaks of --kv-cache-memory, a flag this command has not)."""
+    from baige.cli import main
+    from baige.runtime.train.rl import rollout
+
+    monkeypatch.setattr(rollout, "available_memory", lambda device: 100)
+    model, data = tiny
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in _cli_args(model, data, tmp_path / "err", "--reward", "length_penalty")])
+    err = capsys.readouterr().err
+    assert e.value.code not in (0, None) and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the rollout's KV cache (4 sequences of up to ") and last.endswith(
+        "more than the 0.0 GiB free on cpu; lower rl.max_tokens, rl.group_size or rl.prompts_per_step"
+    ), last
