@@ -6,6 +6,7 @@ thread of the test over its own engine; the CLI flag is checked once on a `baige
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
@@ -125,6 +126,35 @@ def test_sleep_and_wake_up_with_a_stream_in_flight(dirs):
         assert http.post("/wake_up").status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         assert _complete(http, 12).json()["choices"][0]["text"].split() == want[:12]
+
+
+def test_a_wake_up_sent_while_a_sleep_drains_runs_after_it(dirs):
+    """/sleep waits for the stream in flight; a /wake_up sent meanwhile used to run first (a no-op on an
+    awake engine) and the sleep then left the engine asleep, after both had answered 200."""
+    from baige.runtime.infer.async_engine import AsyncEngine
+
+    engine = LLM(str(dirs[0]), dtype="float32", **ENGINE).engine
+    real_step = engine.step
+    engine.step = lambda: time.sleep(0.01) or real_step()
+    driver = AsyncEngine(engine)
+
+    async def run() -> int:
+        stream = driver.generate(PROMPT, SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True))
+        await stream.__anext__()
+        sleep = asyncio.ensure_future(driver.sleep(1))
+        while not driver._drains:  # the sleep is queued behind the stream
+            await asyncio.sleep(0.001)
+        wake = asyncio.ensure_future(driver.wake_up())
+        outs = [o async for o in stream]
+        await sleep
+        await wake
+        return len(outs[-1].outputs[0].token_ids)
+
+    try:
+        assert asyncio.run(run()) == LONG
+        assert not engine.is_sleeping
+    finally:
+        driver.shutdown()
 
 
 def test_bad_calls_are_openai_shaped_400s(dirs, tmp_path):
