@@ -76,12 +76,19 @@ def copy_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Te
     order). Returns the number of tensors copied.
 
     Raises:
-        BaigeError: a quantized model, a name the model does not have, a value that is not a floating
-        tensor, or a shape that differs from the model's (each names the tensor).
+        BaigeError: a quantized model, an item that is not a ``(name, tensor)`` pair (a state dict passed
+        whole), a name the model does not have, a value that is not a floating tensor, or a shape that
+        differs from the model's (each names the tensor).
     """
     targets = update_targets(model)
     pairs = []
-    for name, t in named_tensors:
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise BaigeError(
+                f"update_weights takes (name, tensor) pairs, such as model.named_parameters() or "
+                f"state_dict().items(); got an item {type(item).__name__} {str(item)[:40]!r}"
+            )
+        name, t = item
         dst = targets.get(name)
         if dst is None:
             raise BaigeError(
@@ -89,7 +96,8 @@ def copy_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Te
                 "model.layers.0.self_attn.q_proj.weight)"
             )
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            raise BaigeError(f"update_weights: {name}: a floating-point tensor is needed, got {type(t).__name__}")
+            got = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise BaigeError(f"update_weights: {name}: a floating-point tensor is needed, got {got}")
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
         if tuple(t.shape) != tuple(dst.shape):
