@@ -32,6 +32,8 @@ def _file(tmp_path, *records) -> str:
         ({**GOOD, "answer": [1, 2]}, '"answer" must be a string or a number (got [1, 2])'),
         ({**GOOD, "answer": {"x": 1}}, '"answer" must be a string or a number (got {"x": 1})'),
         ({**GOOD, "answer": True}, '"answer" must be a string or a number (got true)'),
+        ('{"prompt": "a", "answer": NaN}', '"answer" must be a string or a number (got NaN)'),
+        ('{"prompt": "a", "answer": -Infinity}', '"answer" must be a string or a number (got -Infinity)'),
         ({**GOOD, "completions": "x"}, 'the field "completions" is a reward argument\'s name'),
         ({**GOOD, "prompts": "x"}, 'the field "prompts" is a reward argument\'s name'),
         ({**GOOD, "completion_ids": [1]}, 'the field "completion_ids" is a reward argument\'s name'),

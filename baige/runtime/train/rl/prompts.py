@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def read_prompts(paths: list[str], required: tuple[str, ...] = (), json_schema: 
     """Every record of the JSONL files, in order.
 
     Args:
-        required: fields every record must have (``answer`` for ``exact_answer``: a string or a number).
+        required: fields every record must have (``answer`` for ``exact_answer``: a string or a number,
+            not NaN or Infinity, which Python's JSON reader accepts).
         json_schema: the ``json_schema`` reward is on: a record's ``json_schema`` field, when present,
             must be a valid JSON schema (an object, or its JSON text); it is kept parsed.
     Raises:
@@ -91,11 +93,15 @@ def _record(line: str, where: str, required: tuple[str, ...], json_schema: bool)
         if fields.get(name) is None:
             raise BaigeError(f'{where}: the record has no "{name}" field, which the {_needed_by(name)} reward needs')
         value = fields[name]
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)) or not _finite(value):
             raise BaigeError(f'{where}: "{name}" must be a string or a number (got {json.dumps(value)[:60]})')
     if json_schema and fields.get("json_schema") is not None:
         fields["json_schema"] = parse_json_schema(fields["json_schema"], f'{where}: "json_schema"')
     return PromptRecord(prompt, fields, where)
+
+
+def _finite(value: str | int | float) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def _message(m: object, where: str) -> dict:
