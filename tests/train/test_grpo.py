@@ -191,6 +191,10 @@ def test_cli_runs_grpo(tiny, tmp_path, one_thread, capsys):
         (["--reward", "exact_answer", "--set", "rl.group_size=1"], "rl.group_size must be an integer >= 2 (got 1)"),
         (["--reward", "exact_answer", "--set", "rl.loss_agg_mode=mean"], "rl.loss_agg_mode must be one of token-mean"),
         (["--reward", "exact_answer", "--batch-invariant", "--lora-rank", "4"], "--batch-invariant does not compose"),
+        (
+            ["--reward", "length_penalty", "--batch-invariant", "--set", "parallelism.mixed_precision_param=bfloat16"],
+            "--batch-invariant needs the trainer to compute in the engine's dtype; autocast to bfloat16 over fp32",
+        ),
     ],
 )
 def test_cli_errors(tiny, tmp_path, cli_error, one_thread, extra, needle):

@@ -59,6 +59,12 @@ class GRPOTrainer(TrainerBase):
         self.records = read_prompts(cfg.data.train, needs, any(r.name == "json_schema" for r in self.rewards))
         self.reference: Transformer | None = None
         super().__init__(cfg)
+        if cfg.rl.batch_invariant and self.autocast:  # bf16 autocast over fp32 weights rounds unlike bf16 weights
+            raise BaigeError(
+                f"--batch-invariant needs the trainer to compute in the engine's dtype; autocast to "
+                f"{str(self.param_dtype).removeprefix('torch.')} over fp32 weights rounds differently: "
+                "leave parallelism.mixed_precision_param at auto (float32 on the CPU) or set it to float32"
+            )
         adapter = write_adapter(self.model, cfg.lora) if self.lora_params else None
         try:
             self.llm = build_engine(
