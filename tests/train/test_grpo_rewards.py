@@ -101,6 +101,10 @@ def test_a_failing_reward_is_one_line_naming_it():
         (lambda p, c, **f: [1.0, float("nan")], "reward bad returned nan; every value must be a finite number"),
         (lambda p, c, **f: [1.0, "1"], "reward bad returned '1'; every value must be a finite number"),
         (lambda p, c, **f: sys.exit(3), "reward bad failed: SystemExit: 3"),
+        (  # an int past float's range, its repr cut to 60 characters
+            lambda p, c, **f: [1, 10**400],
+            f"reward bad returned 1{'0' * 59}; every value must be a finite number",
+        ),
     ]
     for fn, message in cases:
         with pytest.raises(BaigeError) as e:

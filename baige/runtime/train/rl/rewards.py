@@ -205,8 +205,18 @@ def score(
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             raise BaigeError(f"reward {r.name} returned {got}; expected a list of {len(completions)} numbers")
-        bad = [v for v in values if not isinstance(v, numbers.Real) or not math.isfinite(v)]
+        bad = [v for v in values if not _finite_number(v)]
         if bad:
-            raise BaigeError(f"reward {r.name} returned {bad[0]!r}; every value must be a finite number")
+            raise BaigeError(
+                f"reward {r.name} returned {_one_line(repr(bad[0]))[:60]}; every value must be a finite number"
+            )
         out[r.name] = [float(v) for v in values]
     return out
+
+
+def _finite_number(v: object) -> bool:
+    """A real number that converts to a finite float (an int past float's range does not)."""
+    try:
+        return isinstance(v, numbers.Real) and math.isfinite(float(v))
+    except OverflowError:
+        return False
