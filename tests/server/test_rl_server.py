@@ -171,6 +171,8 @@ def test_bad_calls_are_openai_shaped_400s(dirs, tmp_path):
             ({"model_path": ""}, "model_path: String should have at least 1 character"),  # not the working directory
             ({"model_path": str(tmp_path)}, "not an HF model directory (no config.json)"),
             ({"model_path": str(broken)}, "config.json: not valid JSON"),
+            ({"model_path": "/tmp/" + "x" * 5000}, "x...: cannot be read (File name too long)"),  # was a 500
+            ({"model_path": "~baige-no-such-user-q/m"}, "cannot be read (Could not determine home directory.)"),
         ]:
             r = http.post("/update_weights_from_disk", json=body)
             err = r.json()["error"]

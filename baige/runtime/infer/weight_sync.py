@@ -129,11 +129,27 @@ def read_checkpoint(model_path: str, model: Transformer) -> dict[str, torch.Tens
     Raises:
         BaigeError: a path that does not exist or is not a model, a quantized checkpoint, a config that
         differs from the served model's in a field that shapes the model (named, with both values), or
-        a missing, unexpected or mis-shaped tensor (named).
+        a missing, unexpected or mis-shaped tensor (named), a path the file system refuses (too long, an
+        unknown ``~user``, no permission).
     """
-    path = Path(model_path).expanduser()
+    try:
+        return _read_checkpoint(model_path, model)
+    except OSError as e:
+        raise _unreadable(model_path, e.strerror or type(e).__name__) from None
+
+
+def _unreadable(model_path: str, why: str) -> BaigeError:
+    shown = model_path if len(model_path) <= 120 else f"{model_path[:117]}..."
+    return BaigeError(f"model_path {shown}: cannot be read ({why})", param="model_path")
+
+
+def _read_checkpoint(model_path: str, model: Transformer) -> dict[str, torch.Tensor]:
+    try:
+        path = Path(model_path).expanduser()
+    except RuntimeError as e:  # ~user of an unknown user
+        raise _unreadable(model_path, str(e)) from None
     if not path.exists():
-        raise BaigeError(f"model_path {model_path}: no such directory", param="model_path")
+        raise BaigeError(f"model_path {model_path[:120]}: no such directory", param="model_path")
     try:
         model_dir = resolve_model(str(path))
         cfg = ModelConfig.from_file(model_dir / "config.json")
