@@ -157,6 +157,7 @@ def test_reward_json_schema_errors(tmp_path):
             str(tmp_path / "none.json"),
             f"rl.reward_json_schema '{tmp_path / 'none.json'}': neither a JSON object nor a file",
         ),
+        (f"/tmp/{'x' * 5000}", f"rl.reward_json_schema '/tmp/{'x' * 115}': File name too long"),
     ]:
         with pytest.raises(BaigeError) as e:
             load_json_schema(text)

@@ -92,7 +92,11 @@ def load_json_schema(text: str) -> dict:
     source, what = text, "rl.reward_json_schema"
     if not text.lstrip().startswith("{"):
         path = Path(text)
-        if not path.is_file():
+        try:
+            is_file = path.is_file()
+        except OSError as e:  # a name the file system refuses (too long, ...)
+            raise BaigeError(f"{what} {text[:120]!r}: {e.strerror or type(e).__name__}") from None
+        if not is_file:
             raise BaigeError(f"{what} {text!r}: neither a JSON object nor a file")
         what = f"{what} {text}"
         try:
