@@ -22,6 +22,10 @@ def short_reward(prompts, completions, **fields) -> list[float]:
     return [1.0] * (len(completions) - 1)
 
 
+def huge_reward(prompts, completions, **fields) -> list[float]:
+    return [1e39] * len(completions)  # finite in Python, beyond float32's range
+
+
 def write_prompts(path: Path, n: int = 8, **fields) -> Path:
     """``n`` prompt records (alternately a plain prompt and a chat conversation) with ``fields``."""
     with open(path, "w") as f:

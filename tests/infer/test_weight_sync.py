@@ -227,7 +227,10 @@ def test_bad_updates_leave_the_model_unchanged(ckpts, tmp_path):
     for pairs, match in [
         ([good, ("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))], r"q_proj.weight has shape \(3, 3\)"),
         ([good, ("model.layers.9.mlp.up_proj.weight", torch.zeros(96, 64))], "no tensor 'model.layers.9.mlp.up_proj"),
-        ([good, ("model.norm.weight", [1.0] * 64)], "a floating-point tensor is needed"),
+        ([good, ("model.norm.weight", [1.0] * 64)], "a floating-point tensor is needed, got list"),
+        ([good, ("model.norm.weight", torch.zeros(64, dtype=torch.int32))], "needed, got a torch.int32 tensor"),
+        ({"model.norm.weight": torch.zeros(64)}, r"takes \(name, tensor\) pairs, .* got an item str 'model.norm"),
+        ([good, "model.norm.weight"], r"takes \(name, tensor\) pairs"),
     ]:
         with pytest.raises(BaigeError, match=match):
             eng.update_weights(pairs)

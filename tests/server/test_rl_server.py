@@ -6,7 +6,9 @@ thread of the test over its own engine; the CLI flag is checked once on a `baige
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -126,18 +128,56 @@ def test_sleep_and_wake_up_with_a_stream_in_flight(dirs):
         assert _complete(http, 12).json()["choices"][0]["text"].split() == want[:12]
 
 
+def test_a_wake_up_sent_while_a_sleep_drains_runs_after_it(dirs):
+    """/sleep waits for the stream in flight; a /wake_up sent meanwhile used to run first (a no-op on an
+    awake engine) and the sleep then left the engine asleep, after both had answered 200."""
+    from baige.runtime.infer.async_engine import AsyncEngine
+
+    engine = LLM(str(dirs[0]), dtype="float32", **ENGINE).engine
+    real_step = engine.step
+    engine.step = lambda: time.sleep(0.01) or real_step()
+    driver = AsyncEngine(engine)
+
+    async def run() -> int:
+        stream = driver.generate(PROMPT, SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True))
+        await stream.__anext__()
+        sleep = asyncio.ensure_future(driver.sleep(1))
+        while not driver._drains:  # the sleep is queued behind the stream
+            await asyncio.sleep(0.001)
+        wake = asyncio.ensure_future(driver.wake_up())
+        outs = [o async for o in stream]
+        await sleep
+        await wake
+        return len(outs[-1].outputs[0].token_ids)
+
+    try:
+        assert asyncio.run(run()) == LONG
+        assert not engine.is_sleeping
+    finally:
+        driver.shutdown()
+
+
 def test_bad_calls_are_openai_shaped_400s(dirs, tmp_path):
     old, _ = dirs
     wide = make_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
+    broken = tmp_path / "broken"
+    shutil.copytree(old, broken)
+    (broken / "config.json").write_text("{nope")
     with serving(old, enable_rl_endpoints=True) as http:
         for body, message in [
             ({"model_path": str(tmp_path / "nowhere")}, "no such directory"),
             ({"model_path": str(wide)}, "hidden_size is 96, the served model's is 64"),
             ({"path": str(wide)}, "model_path"),
+            ({"model_path": ""}, "model_path: String should have at least 1 character"),  # not the working directory
+            ({"model_path": str(tmp_path)}, "not an HF model directory (no config.json)"),
+            ({"model_path": str(broken)}, "config.json: not valid JSON"),
+            ({"model_path": "/tmp/" + "x" * 5000}, "x...: cannot be read (File name too long)"),  # was a 500
+            ({"model_path": "~baige-no-such-user-q/m"}, "cannot be read (Could not determine home directory.)"),
         ]:
             r = http.post("/update_weights_from_disk", json=body)
             err = r.json()["error"]
             assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+            assert err["param"] == "model_path", r.text
             assert message in err["message"] and "\n" not in err["message"]
         for level, message in [(2, "level 2 is not supported"), ("x", "'x': 1 or 2")]:
             r = http.post("/sleep", params={"level": level})

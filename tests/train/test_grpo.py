@@ -191,6 +191,10 @@ def test_cli_runs_grpo(tiny, tmp_path, one_thread, capsys):
         (["--reward", "exact_answer", "--set", "rl.group_size=1"], "rl.group_size must be an integer >= 2 (got 1)"),
         (["--reward", "exact_answer", "--set", "rl.loss_agg_mode=mean"], "rl.loss_agg_mode must be one of token-mean"),
         (["--reward", "exact_answer", "--batch-invariant", "--lora-rank", "4"], "--batch-invariant does not compose"),
+        (
+            ["--reward", "length_penalty", "--batch-invariant", "--set", "parallelism.mixed_precision_param=bfloat16"],
+            "--batch-invariant needs the trainer to compute in the engine's dtype; autocast to bfloat16 over fp32",
+        ),
     ],
 )
 def test_cli_errors(tiny, tmp_path, cli_error, one_thread, extra, needle):
@@ -205,6 +209,11 @@ def test_cli_errors(tiny, tmp_path, cli_error, one_thread, extra, needle):
         (
             "rl_utils:short_reward",
             "error: reward rl_utils:short_reward returned 3 values; expected a list of 4 numbers",
+        ),
+        (
+            "rl_utils:huge_reward",
+            "error: a sample's weighted reward is 1e+39, beyond float32's range (3.4e+38): scale the rewards or "
+            "their weights down",
         ),
     ],
 )
@@ -228,3 +237,33 @@ def test_cli_rl_options_need_grpo(cli_error, tmp_path):
     assert "--method must be one of sft, pretrain, grpo" in cli_error(
         "train", "--data", tmp_path / "t.txt", "--method", "ppo"
     )
+
+
+def test_cli_a_prompt_too_long_for_the_context_names_its_line(tiny, tmp_path, cli_error, one_thread):
+    model, _ = tiny
+    data = tmp_path / "long.jsonl"
+    data.write_text('{"prompt": "hi"}\n' + '{"prompt": "%s"}\n' % ("e" * 300))
+    err = cli_error(*_cli_args(model, data, tmp_path / "err", "--reward", "length_penalty"))
+    assert (
+        err
+        == f"error: {data}:2: the prompt (300 tokens) plus rl.max_tokens (4) exceeds the model's context of 256 tokens"
+    )
+
+
+def test_cli_a_rollout_kv_cache_beyond_free_memory_names_the_rl_options(
+    tiny, tmp_path, one_thread, capsys, monkeypatch
+):
+    """Said in rl.* terms (the engine's own check speaks of --kv-cache-memory, a flag this command has not)."""
+    from baige.cli import main
+    from baige.runtime.train.rl import rollout
+
+    monkeypatch.setattr(rollout, "available_memory", lambda device: 100)
+    model, data = tiny
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in _cli_args(model, data, tmp_path / "err", "--reward", "length_penalty")])
+    err = capsys.readouterr().err
+    assert e.value.code not in (0, None) and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the rollout's KV cache (4 sequences of up to ") and last.endswith(
+        "more than the 0.0 GiB free on cpu; lower rl.max_tokens, rl.group_size or rl.prompts_per_step"
+    ), last

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -99,6 +100,11 @@ def test_a_failing_reward_is_one_line_naming_it():
         (lambda p, c, **f: 1.0, "reward bad returned float; expected a list of 2 numbers"),
         (lambda p, c, **f: [1.0, float("nan")], "reward bad returned nan; every value must be a finite number"),
         (lambda p, c, **f: [1.0, "1"], "reward bad returned '1'; every value must be a finite number"),
+        (lambda p, c, **f: sys.exit(3), "reward bad failed: SystemExit: 3"),
+        (  # an int past float's range, its repr cut to 60 characters
+            lambda p, c, **f: [1, 10**400],
+            f"reward bad returned 1{'0' * 59}; every value must be a finite number",
+        ),
     ]
     for fn, message in cases:
         with pytest.raises(BaigeError) as e:
@@ -114,3 +120,45 @@ def test_custom_reward_import_errors():
         load_rewards(RLSection(rewards=["rl_utils:nope"]))
     (r,) = load_rewards(RLSection(rewards=["rl_utils:target_token_reward=2"]))
     assert r.weight == 2.0 and not r.binary and r.fn(["p"], ["ee", "xe"]) == [1.0, 0.5]
+
+
+def test_record_fields_do_not_replace_a_builtin_s_settings():
+    """Records with fields named like a built-in's settings (max_tokens, pattern, schema, buffer) are
+    handed to the rewards as every field is, but the built-ins keep rl.*'s values."""
+    rl = RLSection(
+        rewards=["regex", "json_schema", "length_penalty"],
+        reward_regex="ok",
+        reward_json_schema='{"type": "integer"}',
+        max_tokens=8,
+        overlong_buffer=4,
+    )
+    fields = {"pattern": ["zz", "zz"], "schema": ["x", "x"], "max_tokens": [100, 100], "buffer": [1, 1]}
+    fields["completion_ids"] = [[1] * 6, [1] * 3]
+    values = score(load_rewards(rl), ["p", "q"], ["ok 7", "5"], fields)
+    assert values == {"regex": [1.0, 0.0], "json_schema": [0.0, 1.0], "length_penalty": [-0.5, 0.0]}
+
+
+def test_reward_json_schema_errors(tmp_path):
+    from baige.runtime.train.rl.config import load_json_schema
+
+    latin1 = tmp_path / "schema.json"
+    latin1.write_bytes(b'{"type": "object", "description": "caf\xe9"}')
+    listed = tmp_path / "list.json"
+    listed.write_text("[1]")
+    for text, message in [
+        (str(latin1), f"rl.reward_json_schema {latin1}: not UTF-8 text (it holds the byte 0xe9)"),
+        (str(listed), f"rl.reward_json_schema {listed}: a JSON schema is an object (got list)"),
+        (
+            '{"type": 5}',
+            "rl.reward_json_schema: not a valid JSON schema (5 is not valid under any of the given schemas)",
+        ),
+        ("{nope", "rl.reward_json_schema: not valid JSON (Expecting property name enclosed in double quotes)"),
+        (
+            str(tmp_path / "none.json"),
+            f"rl.reward_json_schema '{tmp_path / 'none.json'}': neither a JSON object nor a file",
+        ),
+        (f"/tmp/{'x' * 5000}", f"rl.reward_json_schema '/tmp/{'x' * 115}': File name too long"),
+    ]:
+        with pytest.raises(BaigeError) as e:
+            load_json_schema(text)
+        assert str(e.value) == message

@@ -66,6 +66,9 @@ def test_bad_paths(cli_error, base, tmp_path):
     err = cli_error(*base, "-o", tmp_path / "afile" / "run")
     assert f"{tmp_path / 'afile'} is a file, not a directory" in err
     assert not (tmp_path / "run").exists()
+    long = f"/tmp/{'x' * 5000}"  # a name the file system refuses (ENAMETOOLONG): was an OSError traceback
+    assert cli_error(*base, "--data", long).endswith("x': File name too long")
+    assert cli_error(*base, "-o", long).startswith(f"error: output '/tmp/{'x' * 110}")
 
 
 def test_ep_flag_reaches_the_config(cli_error, tmp_path):

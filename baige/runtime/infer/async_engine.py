@@ -185,17 +185,18 @@ class AsyncEngine(AsyncEngineWeights, AsyncEngineLoRA):
             kv_offload=dataclasses.replace(engine.kv_offload.stats) if engine.kv_offload is not None else None,
         )
 
-    async def call(self, fn: Callable[[Engine], object], drain: bool = False) -> object:
+    async def call(self, fn: Callable[[Engine], object], drain: bool = False, ordered: bool = False) -> object:
         """Run ``fn(engine)`` on the loop thread between two steps (what changes the model, such as
         loading a LoRA adapter, must not overlap a forward); returns its result or raises its error.
         ``drain``: first stop admitting requests and let those in flight finish (requests that arrive
         meanwhile wait, and are admitted after ``fn``), so no request sees the engine both before and
-        after ``fn``."""
+        after ``fn``. ``ordered``: run after the drain calls already waiting (a wake-up sent while a
+        sleep still drains must not run first, leaving the engine asleep)."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop has stopped; restart the server")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
-            (self._drains if drain else self._calls).append((fn, future))
+            (self._drains if drain or (ordered and self._drains) else self._calls).append((fn, future))
             self._cv.notify()
         return await asyncio.wrap_future(future)
 

@@ -40,8 +40,8 @@ class AsyncEngineWeights:
         await self.call(lambda engine: engine.sleep(level), drain=True)
 
     async def wake_up(self) -> None:
-        """:meth:`Engine.wake_up`."""
-        await self.call(lambda engine: engine.wake_up())
+        """:meth:`Engine.wake_up`, after any sleep still waiting for requests in flight (calls keep their order)."""
+        await self.call(lambda engine: engine.wake_up(), ordered=True)
 
     async def reset_prefix_cache(self) -> None:
         """:meth:`Engine.reset_prefix_cache` between two steps (requests in flight go on)."""

@@ -76,12 +76,19 @@ def copy_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Te
     order). Returns the number of tensors copied.
 
     Raises:
-        BaigeError: a quantized model, a name the model does not have, a value that is not a floating
-        tensor, or a shape that differs from the model's (each names the tensor).
+        BaigeError: a quantized model, an item that is not a ``(name, tensor)`` pair (a state dict passed
+        whole), a name the model does not have, a value that is not a floating tensor, or a shape that
+        differs from the model's (each names the tensor).
     """
     targets = update_targets(model)
     pairs = []
-    for name, t in named_tensors:
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise BaigeError(
+                f"update_weights takes (name, tensor) pairs, such as model.named_parameters() or "
+                f"state_dict().items(); got an item {type(item).__name__} {str(item)[:40]!r}"
+            )
+        name, t = item
         dst = targets.get(name)
         if dst is None:
             raise BaigeError(
@@ -89,7 +96,8 @@ def copy_weights(model: Transformer, named_tensors: Iterable[tuple[str, torch.Te
                 "model.layers.0.self_attn.q_proj.weight)"
             )
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            raise BaigeError(f"update_weights: {name}: a floating-point tensor is needed, got {type(t).__name__}")
+            got = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise BaigeError(f"update_weights: {name}: a floating-point tensor is needed, got {got}")
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
         if tuple(t.shape) != tuple(dst.shape):
@@ -121,13 +129,32 @@ def read_checkpoint(model_path: str, model: Transformer) -> dict[str, torch.Tens
     Raises:
         BaigeError: a path that does not exist or is not a model, a quantized checkpoint, a config that
         differs from the served model's in a field that shapes the model (named, with both values), or
-        a missing, unexpected or mis-shaped tensor (named).
+        a missing, unexpected or mis-shaped tensor (named), a path the file system refuses (too long, an
+        unknown ``~user``, no permission).
     """
-    path = Path(model_path).expanduser()
+    try:
+        return _read_checkpoint(model_path, model)
+    except OSError as e:
+        raise _unreadable(model_path, e.strerror or type(e).__name__) from None
+
+
+def _unreadable(model_path: str, why: str) -> BaigeError:
+    shown = model_path if len(model_path) <= 120 else f"{model_path[:117]}..."
+    return BaigeError(f"model_path {shown}: cannot be read ({why})", param="model_path")
+
+
+def _read_checkpoint(model_path: str, model: Transformer) -> dict[str, torch.Tensor]:
+    try:
+        path = Path(model_path).expanduser()
+    except RuntimeError as e:  # ~user of an unknown user
+        raise _unreadable(model_path, str(e)) from None
     if not path.exists():
-        raise BaigeError(f"model_path {model_path}: no such directory", param="model_path")
-    model_dir = resolve_model(str(path))
-    cfg = ModelConfig.from_file(model_dir / "config.json")
+        raise BaigeError(f"model_path {model_path[:120]}: no such directory", param="model_path")
+    try:
+        model_dir = resolve_model(str(path))
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+    except BaigeError as e:  # not a model, a broken config.json: the request's model_path is the bad field
+        raise BaigeError(str(e), param="model_path") from None
     if cfg.raw.get("quantization_config"):
         raise BaigeError(
             f"{model_dir}: a quantized checkpoint (quantization_config); weight updates read float checkpoints",

@@ -20,7 +20,7 @@ from collections.abc import Awaitable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from baige.errors import BaigeError
 from baige.runtime.infer.outputs import EngineDeadError
@@ -33,7 +33,7 @@ RL_PATHS = ("/update_weights_from_disk", "/sleep", "/wake_up", "/reset_prefix_ca
 
 class UpdateWeightsFromDiskRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    model_path: str
+    model_path: str = Field(min_length=1)  # "" would name the working directory
 
 
 async def _engine_call(call: Awaitable[None]) -> None:

@@ -299,12 +299,20 @@ def load_train_config(
 
 
 def _check_paths(cfg: TrainConfig) -> None:
-    """Data files that are directories, and an output that cannot be a writable directory. Raises BaigeError."""
+    """Data files that are directories, and an output that cannot be a writable directory; a path the file
+    system refuses (too long, ...). Raises BaigeError."""
     for split in ("train", "eval"):
         for name in getattr(cfg.data, split):
-            if Path(name).is_dir():
+            try:
+                is_dir = Path(name).is_dir()
+            except OSError as e:
+                raise BaigeError(f"data.{split} {name[:120]!r}: {e.strerror or type(e).__name__}") from None
+            if is_dir:
                 raise BaigeError(f"data.{split} {name!r} is a directory; give the files in it (repeat --data)")
-    check_output_path("output", cfg.output, "dir")
+    try:
+        check_output_path("output", cfg.output, "dir")
+    except OSError as e:
+        raise BaigeError(f"output {str(cfg.output)[:120]!r}: {e.strerror or type(e).__name__}") from None
 
 
 def _validate_moe(cfg: TrainConfig) -> None:

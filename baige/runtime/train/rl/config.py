@@ -87,26 +87,48 @@ def load_json_schema(text: str) -> dict:
     """The ``rl.reward_json_schema`` value as a schema: JSON text, or the path of a JSON file.
 
     Raises:
-        BaigeError: not JSON, not an object, or not a valid JSON schema.
+        BaigeError: an unreadable or non-UTF-8 file, not JSON, not an object, or not a valid JSON schema.
+    """
+    source, what = text, "rl.reward_json_schema"
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        try:
+            is_file = path.is_file()
+        except OSError as e:  # a name the file system refuses (too long, ...)
+            raise BaigeError(f"{what} {text[:120]!r}: {e.strerror or type(e).__name__}") from None
+        if not is_file:
+            raise BaigeError(f"{what} {text!r}: neither a JSON object nor a file")
+        what = f"{what} {text}"
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise BaigeError(f"{what}: not UTF-8 text (it holds the byte {e.object[e.start]:#04x})") from None
+        except OSError as e:
+            raise BaigeError(f"{what}: cannot read it ({e.strerror or type(e).__name__})") from None
+    return parse_json_schema(source, what)
+
+
+def parse_json_schema(value: object, what: str) -> dict:
+    """A JSON schema given as JSON text or as the parsed object, checked against its draft's
+    metaschema (``jsonschema``); ``what`` names it in errors.
+
+    Raises:
+        BaigeError: text that is not JSON, a value that is not an object, or an invalid schema.
     """
     import jsonschema
 
-    source = text
-    if not text.lstrip().startswith("{"):
-        path = Path(text)
-        if not path.is_file():
-            raise BaigeError(f"rl.reward_json_schema {text!r}: neither a JSON object nor a file")
-        source = path.read_text(encoding="utf-8")
-    try:
-        schema = json.loads(source)
-    except json.JSONDecodeError as e:
-        raise BaigeError(f"rl.reward_json_schema: not valid JSON ({e.msg})") from None
+    schema = value
+    if isinstance(value, str):
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise BaigeError(f"{what}: not valid JSON ({e.msg})") from None
     if not isinstance(schema, dict):
-        raise BaigeError("rl.reward_json_schema: a JSON schema is an object")
+        raise BaigeError(f"{what}: a JSON schema is an object (got {type(schema).__name__})")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        raise BaigeError(f"rl.reward_json_schema: not a valid JSON schema ({e.message})") from None
+        raise BaigeError(f"{what}: not a valid JSON schema ({' '.join(e.message.split())[:200]})") from None
     return schema
 
 

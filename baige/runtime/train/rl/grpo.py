@@ -56,9 +56,15 @@ class GRPOTrainer(TrainerBase):
     def __init__(self, cfg: TrainConfig):
         self.rewards = load_rewards(cfg.rl)  # before the expensive set-up: a bad module:function fails now
         needs = ("answer",) if any(r.name == "exact_answer" for r in self.rewards) else ()
-        self.records = read_prompts(cfg.data.train, needs)
+        self.records = read_prompts(cfg.data.train, needs, any(r.name == "json_schema" for r in self.rewards))
         self.reference: Transformer | None = None
         super().__init__(cfg)
+        if cfg.rl.batch_invariant and self.autocast:  # bf16 autocast over fp32 weights rounds unlike bf16 weights
+            raise BaigeError(
+                f"--batch-invariant needs the trainer to compute in the engine's dtype; autocast to "
+                f"{str(self.param_dtype).removeprefix('torch.')} over fp32 weights rounds differently: "
+                "leave parallelism.mixed_precision_param at auto (float32 on the CPU) or set it to float32"
+            )
         adapter = write_adapter(self.model, cfg.lora) if self.lora_params else None
         try:
             self.llm = build_engine(
@@ -99,16 +105,22 @@ class GRPOTrainer(TrainerBase):
             self.reference = copy.deepcopy(model).requires_grad_(False).eval().to(self.device)
 
     def _build_data(self) -> None:
-        """Tokenize every prompt; this rank's share of a step. Raises BaigeError (indivisible share,
-        token ids outside the vocabulary)."""
+        """Tokenize every prompt; this rank's share of a step. Raises BaigeError (indivisible share, token
+        ids outside the vocabulary, a prompt too long for the context with rl.max_tokens: naming its line)."""
         dp, per_step = self.dims.dp_size, self.cfg.rl.prompts_per_step
         if per_step % dp:
             raise BaigeError(f"rl.prompts_per_step {per_step} must be divisible by the data-parallel size {dp}")
         self.local_prompts = per_step // dp
         self.prompt_ids = [tokenize_prompt(self.tokenizer, r) for r in self.records]
+        context, max_tokens = self.model_config.max_position_embeddings, self.cfg.rl.max_tokens
         for ids, r in zip(self.prompt_ids, self.records):
             if not ids or max(ids) >= self.model_config.vocab_size:
                 raise BaigeError(f"{r.where}: the prompt tokenizes to nothing or to ids outside the model's vocabulary")
+            if len(ids) + max_tokens > context:
+                raise BaigeError(
+                    f"{r.where}: the prompt ({len(ids)} tokens) plus rl.max_tokens ({max_tokens}) exceeds the "
+                    f"model's context of {context} tokens"
+                )
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -132,8 +144,18 @@ class GRPOTrainer(TrainerBase):
         return score(self.rewards, [r.prompt for r in recs], [s.text for s in samples], fields)
 
     def _advantages(self, values: dict[str, list[float]], num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weighted total reward per sample and its group advantage, both (P * G,) fp32."""
+        """The weighted total reward per sample and its group advantage, both (P * G,) fp32.
+
+        Raises:
+            BaigeError: a total beyond fp32's range (it would make the advantages and the loss NaN).
+        """
         total = sum(torch.tensor(values[r.name], dtype=torch.float64) * r.weight for r in self.rewards)
+        big = total.abs() > torch.finfo(torch.float32).max
+        if big.any():
+            raise BaigeError(
+                f"a sample's weighted reward is {float(total[big][0]):g}, beyond float32's range "
+                f"({torch.finfo(torch.float32).max:.3g}): scale the rewards or their weights down"
+            )
         total = total.float()
         adv = L.group_advantages(total.view(num_groups, -1), self.cfg.rl.norm_adv_by_std_in_grpo)
         return total, adv.reshape(-1)

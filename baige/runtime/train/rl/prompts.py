@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,11 @@ import numpy as np
 
 from baige.errors import BaigeError
 from baige.runtime.model.tokenizer import Tokenizer
+from baige.runtime.train.rl.config import parse_json_schema
 
 PROMPT_KEYS = ("prompt", "messages")
+# the names rewards are called with (fn(prompts, completions, completion_ids=..., **fields)): no field may take them
+RESERVED_FIELDS = ("prompts", "completions", "completion_ids")
 
 
 @dataclass
@@ -36,14 +40,19 @@ class PromptRecord:
     where: str  # "path:line", for error messages
 
 
-def read_prompts(paths: list[str], required: tuple[str, ...] = ()) -> list[PromptRecord]:
+def read_prompts(paths: list[str], required: tuple[str, ...] = (), json_schema: bool = False) -> list[PromptRecord]:
     """Every record of the JSONL files, in order.
 
     Args:
-        required: fields every record must have (``answer`` for ``exact_answer``).
+        required: fields every record must have (``answer`` for ``exact_answer``: a string or a number,
+            not NaN or Infinity, which Python's JSON reader accepts).
+        json_schema: the ``json_schema`` reward is on: a record's ``json_schema`` field, when present,
+            must be a valid JSON schema (an object, or its JSON text); it is kept parsed.
     Raises:
         BaigeError: a missing or unreadable file, a line that is not a JSON object with a ``prompt``
-        string or a ``messages`` list, a missing required field, no record at all.
+        string or a ``messages`` list of ``{"role": str, "content": str}`` messages, a field named as a
+        reward argument (:data:`RESERVED_FIELDS`), a missing or mistyped required field, an invalid
+        ``json_schema`` field, no record at all (each names the file and line).
     """
     out = []
     for path in map(Path, paths):
@@ -55,13 +64,13 @@ def read_prompts(paths: list[str], required: tuple[str, ...] = ()) -> list[Promp
             raise BaigeError(f"{path}: not UTF-8 text (it holds the byte {e.object[e.start]:#04x})") from None
         for lineno, line in enumerate(lines, 1):
             if line.strip():
-                out.append(_record(line, f"{path}:{lineno}", required))
+                out.append(_record(line, f"{path}:{lineno}", required, json_schema))
     if not out:
         raise BaigeError(f"{', '.join(paths)}: no prompt records")
     return out
 
 
-def _record(line: str, where: str, required: tuple[str, ...]) -> PromptRecord:
+def _record(line: str, where: str, required: tuple[str, ...], json_schema: bool) -> PromptRecord:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -71,16 +80,46 @@ def _record(line: str, where: str, required: tuple[str, ...]) -> PromptRecord:
     if isinstance(record.get("prompt"), str) and record["prompt"]:
         prompt = record["prompt"]
     elif isinstance(record.get("messages"), list) and record["messages"]:
-        prompt = record["messages"]
-        if not all(isinstance(m, dict) and "role" in m for m in prompt):
-            raise BaigeError(f"{where}: messages is a list of {{'role': ..., 'content': ...}} objects")
+        prompt = [_message(m, f"{where}: messages[{i}]") for i, m in enumerate(record["messages"])]
     else:
         raise BaigeError(f'{where}: expected a non-empty "prompt" string or "messages" list')
     fields = {k: v for k, v in record.items() if k not in PROMPT_KEYS}
+    reserved = [k for k in RESERVED_FIELDS if k in fields]
+    if reserved:
+        raise BaigeError(
+            f'{where}: the field "{reserved[0]}" is a reward argument\'s name ({", ".join(RESERVED_FIELDS)}); rename it'
+        )
     for name in required:
         if fields.get(name) is None:
             raise BaigeError(f'{where}: the record has no "{name}" field, which the {_needed_by(name)} reward needs')
+        value = fields[name]
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)) or not _finite(value):
+            raise BaigeError(f'{where}: "{name}" must be a string or a number (got {json.dumps(value)[:60]})')
+    if json_schema and fields.get("json_schema") is not None:
+        fields["json_schema"] = parse_json_schema(fields["json_schema"], f'{where}: "json_schema"')
     return PromptRecord(prompt, fields, where)
+
+
+def _finite(value: str | int | float) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _message(m: object, where: str) -> dict:
+    """One chat message checked as the server checks it: a ``role`` string and a ``content`` string, null,
+    or a list of ``{"type": "text", "text": str}`` parts (joined into one string, as the server does)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+        raise BaigeError(f'{where}: a message is an object with a "role" string and a "content" string')
+    content = m.get("content")
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return {**m, "content": "".join(p["text"] for p in content)}
+    if content is not None and not isinstance(content, str):
+        raise BaigeError(
+            f'{where}: "content" must be a string or a list of {{"type": "text", "text": ...}} parts '
+            f"(got {json.dumps(content)[:60]})"
+        )
+    return m
 
 
 def _needed_by(name: str) -> str:

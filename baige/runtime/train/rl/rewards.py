@@ -33,7 +33,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from functools import partial
 
 from baige.errors import BaigeError
 from baige.runtime.train.rl.config import BINARY_REWARDS, RLSection, load_json_schema, parse_reward_spec
@@ -153,6 +152,16 @@ def _import_callable(name: str) -> RewardFn:
     return fn
 
 
+def _bind(fn: RewardFn, **settings) -> RewardFn:
+    """``fn`` with its settings fixed: they win over record fields of the same names (a record's
+    ``max_tokens`` or ``pattern`` field must not replace ``rl.max_tokens`` or ``rl.reward_regex``)."""
+
+    def bound(prompts, completions, **fields):
+        return fn(prompts, completions, **{**fields, **settings})
+
+    return bound
+
+
 def load_rewards(rl: RLSection) -> list[Reward]:
     """The configured rewards, built-ins bound to their settings. Raises BaigeError (bad spec or import)."""
     out = []
@@ -161,13 +170,13 @@ def load_rewards(rl: RLSection) -> list[Reward]:
         if name == "exact_answer":
             fn = exact_answer
         elif name == "regex":
-            fn = partial(regex_reward, pattern=rl.reward_regex)
+            fn = _bind(regex_reward, pattern=rl.reward_regex)
         elif name == "json_schema":
             schema = load_json_schema(rl.reward_json_schema) if rl.reward_json_schema is not None else None
-            fn = partial(json_schema_reward, schema=schema)
+            fn = _bind(json_schema_reward, schema=schema)
         elif name == "length_penalty":
             buffer = rl.overlong_buffer or max(1, rl.max_tokens // 4)
-            fn = partial(length_penalty, max_tokens=rl.max_tokens, buffer=buffer)
+            fn = _bind(length_penalty, max_tokens=rl.max_tokens, buffer=buffer)
         else:
             fn = _import_callable(name)
         out.append(Reward(name, weight, fn, name in BINARY_REWARDS))
@@ -184,20 +193,30 @@ def score(
     """Each reward's values on the samples, by name.
 
     Raises:
-        BaigeError: a reward that raised, or returned something else than ``len(completions)`` finite
-        numbers (one line naming the reward).
+        BaigeError: a reward that raised (or called ``sys.exit``), or returned something else than
+        ``len(completions)`` finite numbers (one line naming the reward).
     """
     out = {}
     for r in rewards:
         try:
             values = r.fn(prompts, completions, **fields)
-        except Exception as e:  # the reward's own failure (user code): reported as one line naming it
+        except (Exception, SystemExit) as e:  # the reward's own failure (user code, sys.exit() included): one line
             raise BaigeError(f"reward {r.name} failed: {type(e).__name__}: {_one_line(e)}") from None
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             raise BaigeError(f"reward {r.name} returned {got}; expected a list of {len(completions)} numbers")
-        bad = [v for v in values if not isinstance(v, numbers.Real) or not math.isfinite(v)]
+        bad = [v for v in values if not _finite_number(v)]
         if bad:
-            raise BaigeError(f"reward {r.name} returned {bad[0]!r}; every value must be a finite number")
+            raise BaigeError(
+                f"reward {r.name} returned {_one_line(repr(bad[0]))[:60]}; every value must be a finite number"
+            )
         out[r.name] = [float(v) for v in values]
     return out
+
+
+def _finite_number(v: object) -> bool:
+    """A real number that converts to a finite float (an int past float's range does not)."""
+    try:
+        return isinstance(v, numbers.Real) and math.isfinite(float(v))
+    except OverflowError:
+        return False

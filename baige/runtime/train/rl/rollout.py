@@ -30,6 +30,7 @@ from baige.runtime.infer.llm import LLM
 from baige.runtime.infer.lora import LoRARequest
 from baige.runtime.infer.sampling import SamplingParams
 from baige.runtime.model.config import ModelConfig
+from baige.runtime.model.device import available_memory
 from baige.runtime.model.lora import lora_modules
 from baige.runtime.train.config import LoRASection
 from baige.runtime.train.rl.config import RLSection
@@ -70,7 +71,8 @@ def build_engine(
     ``adapter``: a LoRA run's initial adapter (:func:`write_adapter`), served as :data:`ADAPTER`.
 
     Raises:
-        BaigeError: the longest prompt plus ``rl.max_tokens`` exceeds the model's context.
+        BaigeError: the longest prompt plus ``rl.max_tokens`` exceeds the model's context; that KV cache
+        exceeds the memory free on ``device`` (named in rl.* terms, not the engine's flags).
     """
     max_model_len = max_prompt_len + rl.max_tokens
     if max_model_len > mc.max_position_embeddings:
@@ -81,6 +83,12 @@ def build_engine(
     num_seqs = min(MAX_NUM_SEQS, num_prompts * rl.group_size)
     blocks = num_seqs * -(-max_model_len // BLOCK_SIZE)
     kv_bytes = blocks * BLOCK_SIZE * mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    if kv_bytes > (free := available_memory(device)):
+        raise BaigeError(
+            f"the rollout's KV cache ({num_seqs} sequences of up to {max_prompt_len} prompt + {rl.max_tokens} "
+            f"rl.max_tokens tokens) needs {kv_bytes / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free on "
+            f"{device.type}; lower rl.max_tokens, rl.group_size or rl.prompts_per_step"
+        )
     extra = {"batch_invariant": True} if rl.batch_invariant else {}
     if adapter is not None:
         extra.update(enable_lora=True, max_lora_rank=max_lora_rank, lora_modules={ADAPTER: str(adapter)})
