@@ -68,18 +68,15 @@ def build_engine(
 ) -> LLM:
     """This rank's engine for ``num_prompts`` prompts of at most ``max_prompt_len`` tokens per step:
     ``max_model_len`` = that + ``rl.max_tokens``, a KV cache that holds every sequence of a step whole.
-    ``adapter``: a LoRA run's initial adapter (:func:`write_adapter`), served as :data:`ADAPTER`.
+    ``adapter``: a LoRA run's initial adapter (:func:`write_adapter`), served as :data:`ADAPTER`. The caller
+    has checked that every prompt plus ``rl.max_tokens`` fits the model's context (GRPOTrainer._build_data,
+    which names the prompt's line).
 
     Raises:
-        BaigeError: the longest prompt plus ``rl.max_tokens`` exceeds the model's context; that KV cache
-        exceeds the memory free on ``device`` (named in rl.* terms, not the engine's flags).
+        BaigeError: that KV cache exceeds the memory free on ``device`` (named in rl.* terms, not the
+        engine's flags).
     """
     max_model_len = max_prompt_len + rl.max_tokens
-    if max_model_len > mc.max_position_embeddings:
-        raise BaigeError(
-            f"the longest prompt ({max_prompt_len} tokens) plus rl.max_tokens ({rl.max_tokens}) exceeds the model's "
-            f"context of {mc.max_position_embeddings} tokens"
-        )
     num_seqs = min(MAX_NUM_SEQS, num_prompts * rl.group_size)
     blocks = num_seqs * -(-max_model_len // BLOCK_SIZE)
     kv_bytes = blocks * BLOCK_SIZE * mc.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
